@@ -1,0 +1,332 @@
+"""Token log-probabilities, entropy, the response mask and masked statistics.
+
+Everything here is a pure function of tensors and imports only ``torch``. Every
+caller in ``align`` builds its masks and masked statistics with these functions,
+so the epsilons and the padding rules live in one place.
+
+Shapes: ``B`` is the batch, ``T`` the response length, ``V`` the vocabulary.
+
+Response mask (see ``docs/algorithms.md``): a response is valid up to *and
+including* its first EOS token, and everything after that is padding. The mask
+is built from the position of the first EOS, never as ``ids != pad_token_id``,
+so it stays correct when the pad id equals the EOS id. A response cut off at
+``max_new_tokens`` has no EOS; it is fully valid unless the caller asks for
+``mask_truncated=True``. No EOS is ever appended.
+
+Whitening follows the PPO implementation practice described in "The 37
+implementation details of PPO" and "The N+ implementation details of RLHF with
+PPO" (Huang et al. 2024, arXiv 2403.17031): subtract the mean and divide by the
+standard deviation of the *valid* tokens only. Departures: outputs at masked
+positions are always exactly 0, and with fewer than 2 valid tokens the input is
+returned unwhitened (a standard deviation of one value is undefined).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "selective_log_softmax",
+    "entropy_from_logits",
+    "response_mask",
+    "truncated",
+    "last_valid_index",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+]
+
+# Rows of a (N, V) logits matrix processed at once by the chunked kernels: about
+# 2**24 float32 elements (64 MiB) per chunk whatever the vocabulary size.
+_CHUNK_ELEMENTS = 1 << 24
+
+TokenIds = Union[int, Sequence[int], torch.Tensor]
+
+
+def _rows_per_chunk(vocab_size: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float64 stays float64 (useful for gradient checks); everything else is float32.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------
+# log-probabilities and entropy
+# ----------------------------------------------------------------------------
+
+
+class _LowPrecisionSelectiveLogSoftmax(torch.autograd.Function):
+    """log p(index) for bf16/fp16 logits without keeping a float32 copy.
+
+    Autograd through ``log_softmax(logits.float())`` would save a float32
+    (N, V) tensor for the backward pass, twice the size of the bf16 logits.
+    Here the forward keeps only the logits (which the graph holds anyway) and
+    a float32 log-normaliser per row; the backward recomputes the softmax one
+    chunk of rows at a time: d log p(i) / d logits = onehot(i) - softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, index):  # logits (N, V) low precision, index (N,) long
+        n, vocab = logits.shape
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # (N,)
+        step = _rows_per_chunk(vocab)
+        for start in range(0, n, step):
+            lse[start : start + step] = torch.logsumexp(logits[start : start + step].float(), dim=-1)
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).float()  # (N,)
+        ctx.save_for_backward(logits, index, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,)
+        logits, index, lse = ctx.saved_tensors
+        n, vocab = logits.shape
+        grad_logits = torch.empty_like(logits)
+        step = _rows_per_chunk(vocab)
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            g = grad_out[rows].float().unsqueeze(-1)  # (n_chunk, 1)
+            probs = torch.exp(logits[rows].float() - lse[rows].unsqueeze(-1))  # (n_chunk, V)
+            chunk = -probs * g
+            chunk.scatter_add_(-1, index[rows].unsqueeze(-1), g)
+            grad_logits[rows] = chunk.to(logits.dtype)
+        return grad_logits, None
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Log-probability of the token ``index`` under ``softmax(logits)``.
+
+    Args:
+        logits: ``(..., V)`` in any floating dtype.
+        index: ``(...)`` integer token ids.
+
+    Returns:
+        ``(...)`` log-probabilities in float32 (float64 if the logits are
+        float64). Gradients flow to ``logits``.
+
+    Equals ``log_softmax(logits.float(), -1).gather(-1, index)`` without
+    materialising the full-vocabulary log-softmax: float32/float64 logits use
+    ``gather - logsumexp``; bf16/fp16 logits are upcast one chunk of rows at a
+    time, and the backward recomputes the softmax in chunks instead of keeping
+    a float32 copy of the logits alive.
+    """
+    if logits.shape[:-1] != index.shape:
+        raise ValueError(
+            f"selective_log_softmax: index shape {tuple(index.shape)} must equal "
+            f"logits shape without the vocabulary dim {tuple(logits.shape[:-1])}"
+        )
+    index = index.long()
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # (...)
+        return picked - torch.logsumexp(logits, dim=-1)
+    vocab = logits.shape[-1]
+    flat = _LowPrecisionSelectiveLogSoftmax.apply(logits.reshape(-1, vocab), index.reshape(-1))
+    return flat.view(index.shape)
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits) per row, chunked in forward and backward.
+
+    H = logsumexp(x) - sum(p * x) and dH/dx = -p * (log p + H); the backward
+    recomputes p per chunk so no (N, V) float32 tensor is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, chunk_size):  # logits (N, V)
+        dtype = _compute_dtype(logits.dtype)
+        n = logits.shape[0]
+        out = torch.empty(n, dtype=dtype, device=logits.device)  # (N,)
+        for start in range(0, n, chunk_size):
+            x = logits[start : start + chunk_size].to(dtype)
+            logp = F.log_softmax(x, dim=-1)
+            out[start : start + chunk_size] = -(logp.exp() * logp).sum(-1)
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(logits, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,)
+        logits, entropy = ctx.saved_tensors
+        dtype = entropy.dtype
+        grad_logits = torch.empty_like(logits)
+        step = ctx.chunk_size
+        for start in range(0, logits.shape[0], step):
+            rows = slice(start, start + step)
+            logp = F.log_softmax(logits[rows].to(dtype), dim=-1)  # (n_chunk, V)
+            g = grad_out[rows].to(dtype).unsqueeze(-1)
+            grad = -logp.exp() * (logp + entropy[rows].unsqueeze(-1)) * g
+            grad_logits[rows] = grad.to(logits.dtype)
+        return grad_logits, None
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of the categorical distribution ``softmax(logits)``.
+
+    Args:
+        logits: ``(..., V)``.
+        chunk_size: rows (tokens) upcast to float32 at once; bounds the peak
+            memory of both the forward and the backward pass.
+
+    Returns:
+        ``(...)`` entropies in float32 (float64 for float64 logits), always
+        >= 0 up to rounding. Differentiable.
+
+    Padding is not excluded here; average with :func:`masked_mean` and the
+    response mask so that padding never enters an entropy metric.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"entropy_from_logits: chunk_size must be >= 1, got {chunk_size}")
+    vocab = logits.shape[-1]
+    flat = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size))
+    return flat.view(logits.shape[:-1])
+
+
+# ----------------------------------------------------------------------------
+# response mask
+# ----------------------------------------------------------------------------
+
+
+def _is_eos(response_ids: torch.Tensor, eos_token_id: TokenIds) -> torch.Tensor:
+    if isinstance(eos_token_id, int):
+        return response_ids == eos_token_id
+    eos = torch.as_tensor(eos_token_id, dtype=response_ids.dtype, device=response_ids.device).reshape(-1)
+    if eos.numel() == 0:
+        raise ValueError("response_mask: eos_token_id is an empty sequence; give at least one stop token id")
+    return torch.isin(response_ids, eos)
+
+
+def response_mask(
+    response_ids: torch.Tensor,
+    eos_token_id: TokenIds,
+    *,
+    mask_truncated: bool = False,
+) -> torch.Tensor:
+    """Valid-token mask of generated responses.
+
+    Args:
+        response_ids: ``(B, T)`` generated token ids (the prompt excluded),
+            right-padded.
+        eos_token_id: one stop-token id, or several (any of them ends a
+            response).
+        mask_truncated: zero out responses that contain no stop token (cut
+            off at ``max_new_tokens``). Off by default.
+
+    Returns:
+        ``(B, T)`` bool: True from the first token up to and including the
+        first stop token, False after it. A response without a stop token is
+        all True, unless ``mask_truncated`` is set, then all False.
+
+    Position ``t`` is valid iff no stop token occurs strictly before ``t``. The
+    padding value is never consulted, so ``pad_token_id == eos_token_id`` works.
+    """
+    if response_ids.dim() != 2:
+        raise ValueError(f"response_mask: response_ids must be (B, T), got shape {tuple(response_ids.shape)}")
+    is_eos = _is_eos(response_ids, eos_token_id)  # (B, T)
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # stop tokens strictly before t
+    mask = eos_before == 0  # (B, T)
+    if mask_truncated:
+        mask = mask & is_eos.any(dim=1, keepdim=True)
+    return mask
+
+
+def truncated(response_ids: torch.Tensor, eos_token_id: TokenIds) -> torch.Tensor:
+    """``(B,)`` bool: True for responses with no stop token (cut at max length)."""
+    if response_ids.dim() != 2:
+        raise ValueError(f"truncated: response_ids must be (B, T), got shape {tuple(response_ids.shape)}")
+    return ~_is_eos(response_ids, eos_token_id).any(dim=1)
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` long: index of the last valid position of each ``(B, T)`` mask row.
+
+    A row with no valid position gives ``-1``. Do not use the result as an
+    index without checking for ``-1`` (it would silently address the last
+    column); :func:`align.advantages.shape_rewards` gives such rows no reward.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"last_valid_index: mask must be (B, T), got shape {tuple(mask.shape)}")
+    b, t = mask.shape
+    if t == 0:
+        return torch.full((b,), -1, dtype=torch.long, device=mask.device)
+    positions = torch.arange(t, device=mask.device).expand(b, t)  # (B, T)
+    return torch.where(mask.bool(), positions, -1).amax(dim=1)
+
+
+# ----------------------------------------------------------------------------
+# masked statistics
+# ----------------------------------------------------------------------------
+
+
+def _valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Broadcast the mask to x's shape as bool; the result selects valid elements.
+    return mask.bool().expand_as(x) if mask.shape != x.shape else mask.bool()
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of ``x`` over valid elements (``mask`` broadcastable to ``x``).
+
+    Masked elements are replaced by 0 rather than multiplied by 0, so a NaN or
+    inf in padding cannot leak into the result or its gradient.
+    """
+    valid = _valid(x, mask)
+    zeroed = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return zeroed.sum() if dim is None else zeroed.sum(dim)
+
+
+def _count(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    valid = _valid(x, mask)
+    n = valid.sum() if dim is None else valid.sum(dim)
+    return n.to(x.dtype if x.is_floating_point() else torch.float32)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of ``x`` over valid elements; 0 (never NaN) where nothing is valid."""
+    return masked_sum(x, mask, dim) / _count(x, mask, dim).clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance (scalar) of ``x`` over all valid elements.
+
+    ``unbiased=True`` divides by ``n - 1`` (Bessel). Returns 0 when there are
+    too few valid elements (n < 2 unbiased, n < 1 biased) instead of NaN.
+    """
+    valid = _valid(x, mask)
+    n = _count(x, mask)
+    mean = masked_sum(x, valid) / n.clamp(min=1)
+    centered = torch.where(valid, x - mean, torch.zeros((), dtype=x.dtype, device=x.device))
+    denom = (n - 1) if unbiased else n
+    return (centered**2).sum() / denom.clamp(min=1)
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Whiten ``x`` with the mean and unbiased std of its valid elements.
+
+    ``(x - mean) / sqrt(var + eps)``; with ``shift_mean=False`` the mean is
+    added back (only the scale changes). Masked outputs are exactly 0 and do
+    not depend on masked inputs. With fewer than 2 valid elements the valid
+    values are returned unchanged (masked ones still 0). No host sync: the
+    "fewer than 2" rule is applied with ``torch.where``.
+    """
+    valid = _valid(x, mask)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    # Replace padding first: a NaN there must not reach the gradient through the
+    # product with rsqrt(var).
+    x = torch.where(valid, x, zero)
+    n = _count(x, mask)
+    mean = masked_sum(x, valid) / n.clamp(min=1)
+    var = masked_var(x, valid, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    out = torch.where(n >= 2, whitened, x)
+    return torch.where(valid, out, zero)

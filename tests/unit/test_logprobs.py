@@ -1,0 +1,297 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import align.logprobs as lp
+from align.logprobs import (
+    entropy_from_logits,
+    last_valid_index,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    response_mask,
+    selective_log_softmax,
+    truncated,
+)
+
+FAST = settings(max_examples=50, deadline=None)
+
+
+def _reference_logps(logits, index):
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------- selective_log_softmax
+
+
+def test_selective_log_softmax_pinned():
+    # softmax([0, log 3]) = [1/4, 3/4]
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    out = selective_log_softmax(logits, torch.tensor([1]))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.tensor([math.log(0.75)]))
+    torch.testing.assert_close(selective_log_softmax(logits, torch.tensor([0])), torch.tensor([math.log(0.25)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_log_softmax_matches_log_softmax_gather_full_precision(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 37, generator=g)).to(dtype).requires_grad_()
+    index = torch.randint(0, 37, (3, 5), generator=g)
+    out = selective_log_softmax(logits, index)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = torch.log_softmax(ref_logits, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out, ref)
+    weights = torch.randn(3, 5, generator=g, dtype=dtype)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_selective_log_softmax_low_precision(dtype, monkeypatch):
+    # Small chunks so that several chunks are exercised in forward and backward.
+    monkeypatch.setattr(lp, "_CHUNK_ELEMENTS", 64)
+    g = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(2, 7, 29, generator=g)).to(dtype).requires_grad_()
+    index = torch.randint(0, 29, (2, 7), generator=g)
+    out = selective_log_softmax(logits, index)
+    assert out.dtype == torch.float32
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = _reference_logps(ref_logits, index)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(2, 7, generator=g)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_selective_log_softmax_low_precision_is_accurate_against_float64():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2)).bfloat16()
+    index = torch.arange(4)
+    exact = torch.log_softmax(logits.double(), -1)[torch.arange(4), index]
+    torch.testing.assert_close(selective_log_softmax(logits, index).double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_selective_log_softmax_shape_mismatch():
+    with pytest.raises(ValueError, match="index shape"):
+        selective_log_softmax(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- entropy
+
+
+def test_entropy_pinned():
+    # uniform over 4 tokens: log 4; a near one-hot row: ~0; [0, log 3]: -(1/4 log 1/4 + 3/4 log 3/4)
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e4, -1e4]])
+    expected = torch.tensor([math.log(4.0), 0.0, -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))])
+    torch.testing.assert_close(entropy_from_logits(logits), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_matches_reference_with_grad(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(3, 4, 11, generator=g)).to(dtype).requires_grad_()
+    ent = entropy_from_logits(logits, chunk_size=5)
+    assert ent.shape == (3, 4) and ent.dtype == torch.float32
+    ref_logits = logits.detach().clone().requires_grad_()
+    logp = torch.log_softmax(ref_logits.float(), -1)
+    ref = -(logp.exp() * logp).sum(-1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ent, ref, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(3, 4, generator=g)
+    (ent * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.float(), atol=tol, rtol=tol)
+
+
+def test_entropy_gradcheck_float64():
+    logits = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, chunk_size=2), (logits,))
+
+
+def test_entropy_bad_chunk_size():
+    with pytest.raises(ValueError, match="chunk_size"):
+        entropy_from_logits(torch.zeros(2, 3), chunk_size=0)
+
+
+# ---------------------------------------------------------------- response mask
+
+EOS = 2
+
+
+def test_response_mask_mixed_batch_with_pad_equal_to_eos():
+    # pad_token_id == eos_token_id == 2: the padding after the first EOS is also 2.
+    ids = torch.tensor(
+        [
+            [5, 6, 2, 2, 2],  # EOS mid-way: valid through the EOS at index 2
+            [5, 6, 7, 8, 9],  # truncated: no EOS at all
+            [2, 2, 2, 2, 2],  # starts with EOS: only the EOS is valid
+            [5, 6, 7, 8, 2],  # EOS on the last position
+            [5, 2, 7, 2, 2],  # tokens after the first EOS are padding even if not EOS
+        ]
+    )
+    expected = torch.tensor(
+        [
+            [1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1],
+            [1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1],
+            [1, 1, 0, 0, 0],
+        ],
+        dtype=torch.bool,
+    )
+    mask = response_mask(ids, EOS)
+    assert mask.dtype == torch.bool
+    assert torch.equal(mask, expected)
+    assert torch.equal(truncated(ids, EOS), torch.tensor([False, True, False, False, False]))
+    # The EOS itself is valid: a mask built as ids != pad would drop it.
+    assert not torch.equal(mask, ids != EOS)
+    assert torch.equal(last_valid_index(mask), torch.tensor([2, 4, 0, 4, 1]))
+
+
+def test_response_mask_truncated_rows_dropped_on_request():
+    ids = torch.tensor([[5, 2, 0], [5, 6, 7], [2, 0, 0]])
+    mask = response_mask(ids, EOS, mask_truncated=True)
+    assert torch.equal(mask, torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]], dtype=torch.bool))
+    assert torch.equal(last_valid_index(mask), torch.tensor([1, -1, 0]))
+    # No EOS is appended: the truncated row is unchanged by default.
+    assert torch.equal(response_mask(ids, EOS)[1], torch.tensor([True, True, True]))
+
+
+@pytest.mark.parametrize("eos", [[2, 9], (9, 2), torch.tensor([2, 9])])
+def test_response_mask_several_stop_tokens(eos):
+    ids = torch.tensor([[5, 9, 2, 0], [5, 2, 9, 0], [5, 6, 7, 8], [9, 9, 9, 9]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(response_mask(ids, eos), expected)
+    assert torch.equal(truncated(ids, eos), torch.tensor([False, False, True, False]))
+
+
+def test_response_mask_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        response_mask(torch.tensor([1, 2, 3]), EOS)
+    with pytest.raises(ValueError, match="empty"):
+        response_mask(torch.tensor([[1, 2]]), [])
+
+
+@st.composite
+def token_rows(draw):
+    t = draw(st.integers(1, 8))
+    return draw(st.lists(st.lists(st.integers(0, 4), min_size=t, max_size=t), min_size=1, max_size=5))
+
+
+@given(token_rows())
+@FAST
+def test_response_mask_property(rows):
+    ids = torch.tensor(rows)
+    mask = response_mask(ids, EOS)
+    for row, m in zip(rows, mask.tolist()):
+        n = row.index(EOS) + 1 if EOS in row else len(row)
+        assert m == [True] * n + [False] * (len(row) - n)
+    # A valid mask is a prefix, and last_valid_index is its length minus one.
+    assert torch.equal(last_valid_index(mask), mask.sum(1) - 1)
+
+
+def test_last_valid_index_general_and_empty():
+    mask = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 1]])
+    assert torch.equal(last_valid_index(mask), torch.tensor([2, -1, 3]))
+    assert torch.equal(last_valid_index(torch.zeros(2, 0, dtype=torch.bool)), torch.tensor([-1, -1]))
+
+
+# ---------------------------------------------------------------- masked statistics
+
+
+def test_masked_statistics_pinned():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    # valid values 1, 2, 3: sum 6, mean 2, squared deviations 1 + 0 + 1 = 2
+    assert masked_sum(x, mask).item() == 6.0
+    assert masked_mean(x, mask).item() == 2.0
+    assert masked_var(x, mask).item() == pytest.approx(1.0)  # 2 / (3 - 1)
+    assert masked_var(x, mask, unbiased=False).item() == pytest.approx(2.0 / 3.0)
+    # whitened: (x - 2) / 1 on valid tokens, 0 on the masked one
+    torch.testing.assert_close(masked_whiten(x, mask), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]))
+    # shift_mean=False only rescales: (x - 2) / 1 + 2
+    torch.testing.assert_close(masked_whiten(x, mask, shift_mean=False), torch.tensor([[1.0, 2.0, 3.0, 0.0]]))
+
+
+def test_masked_statistics_dim():
+    x = torch.tensor([[1.0, 3.0, 5.0], [2.0, 4.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    torch.testing.assert_close(masked_sum(x, mask, dim=1), torch.tensor([4.0, 0.0]))
+    torch.testing.assert_close(masked_mean(x, mask, dim=1), torch.tensor([2.0, 0.0]))  # empty row -> 0
+    torch.testing.assert_close(masked_mean(x, mask, dim=0), torch.tensor([1.0, 3.0, 0.0]))
+
+
+def test_masked_statistics_no_valid_element_is_zero_not_nan():
+    x = torch.tensor([[float("nan"), 1.0]])
+    mask = torch.zeros(1, 2)
+    assert masked_sum(x, mask).item() == 0.0
+    assert masked_mean(x, mask).item() == 0.0
+    assert masked_var(x, mask).item() == 0.0
+    assert torch.equal(masked_whiten(x, mask), torch.zeros(1, 2))
+
+
+def test_masked_whiten_skipped_below_two_valid_tokens():
+    x = torch.tensor([[5.0, float("nan"), -3.0]])
+    mask = torch.tensor([[1, 0, 0]])
+    # one valid value: returned unchanged; masked positions are 0
+    assert torch.equal(masked_whiten(x, mask), torch.tensor([[5.0, 0.0, 0.0]]))
+    assert masked_var(x, mask).item() == 0.0
+
+
+@st.composite
+def values_and_mask(draw, max_b=4, max_t=8):
+    b = draw(st.integers(1, max_b))
+    t = draw(st.integers(1, max_t))
+    seed = draw(st.integers(0, 2**31 - 1))
+    bits = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.01, 1.0, 100.0]))
+    noise = torch.randn(b, t, generator=g, dtype=torch.float64) * 1e6
+    return x, torch.tensor(bits).view(b, t), noise
+
+
+@given(values_and_mask())
+@FAST
+def test_whitened_valid_tokens_have_mean_zero_and_std_one(case):
+    x, mask, _ = case
+    n = int(mask.sum())
+    out = masked_whiten(x, mask, eps=0.0)
+    if n < 2:
+        assert torch.equal(out, torch.where(mask, x, 0.0))
+        return
+    valid = out[mask]
+    if x[mask].std() < 1e-6:
+        return  # (near-)constant input: nothing to rescale
+    assert abs(valid.mean().item()) < 1e-9
+    assert valid.std(unbiased=True).item() == pytest.approx(1.0, abs=1e-6)
+    assert torch.all(out[~mask] == 0)
+
+
+@given(values_and_mask())
+@FAST
+def test_masked_inputs_never_influence_masked_statistics(case):
+    x, mask, noise = case
+    y = torch.where(mask, x, noise)  # same valid values, different padding
+    z = torch.where(mask, x, torch.full_like(x, float("nan")))
+    for other in (y, z):
+        assert torch.equal(masked_sum(x, mask), masked_sum(other, mask))
+        assert torch.equal(masked_mean(x, mask), masked_mean(other, mask))
+        assert torch.equal(masked_mean(x, mask, dim=1), masked_mean(other, mask, dim=1))
+        assert torch.equal(masked_var(x, mask), masked_var(other, mask))
+        assert torch.equal(masked_whiten(x, mask), masked_whiten(other, mask))
+
+
+def test_masked_whiten_gradient_ignores_nan_padding():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    masked_whiten(x, mask).pow(2).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert x.grad[0, 2] == 0 and x.grad[1, 1] == 0
