@@ -1,0 +1,128 @@
+"""Command line: ``align fit|validate|test|predict --config ...`` (LightningCLI) and ``align export``.
+
+Every run writes its metrics to a CSV under the trainer's ``default_root_dir``; other loggers (for example
+``align.observability.OTLPLogger``) are added alongside. Before and after ``fit`` the held-out set is
+evaluated and the module's headline metrics are printed, so a run shows what it learned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+from align.errors import AlignError
+
+log = logging.getLogger(__name__)
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
+
+
+class AlignCLI(LightningCLI):
+    def __init__(self, model_class=None, datamodule_class=None, **kwargs):
+        from align.modules.base import AlignModule
+
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("trainer_defaults", dict(TRAINER_DEFAULTS))
+        super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--eval_before_after", type=bool, default=True,
+                            help="Evaluate the held-out set before and after fit and print the headline metrics.")
+
+    def _instantiate_trainer(self, config, callbacks):
+        config = dict(config)
+        root = config.get("default_root_dir") or "runs"
+        logger = config.get("logger")
+        if logger is not False:
+            loggers: list[Logger] = [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
+            if not any(isinstance(lg, CSVLogger) for lg in loggers):
+                loggers.insert(0, CSVLogger(save_dir=root, name=""))
+            config["logger"] = loggers
+        return super()._instantiate_trainer(config, callbacks)
+
+    def _headline(self, results: list[dict]) -> dict[str, float]:
+        merged = {k: float(v) for r in results for k, v in r.items()}
+        names = getattr(self.model, "headline_metrics", ()) or tuple(sorted(merged))
+        return {k: merged[k] for k in names if k in merged}
+
+    def _wants_eval(self) -> bool:
+        return bool(self.config[self.subcommand].get("eval_before_after", True)) and self.datamodule is not None
+
+    def before_fit(self) -> None:
+        self._before = self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)) \
+            if self._wants_eval() else {}
+
+    def after_fit(self) -> None:
+        if not self._wants_eval() or self.trainer.interrupted:
+            return
+        after = self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False))
+        if self.trainer.is_global_zero:
+            for name, value in after.items():
+                before = self._before.get(name)
+                shown = f"{before:.4f} -> {value:.4f}" if before is not None else f"{value:.4f}"
+                print(f"held-out {name}: {shown}")
+            print(f"run directory: {self.trainer.log_dir}")
+
+
+def _with_subcommand(args: list[str]) -> list[str]:
+    """Recipes run ``fit`` when no subcommand is given."""
+    if any(a in SUBCOMMANDS for a in args) or any(a in ("-h", "--help") for a in args[:1]):
+        return args
+    return ["fit", *args]
+
+
+def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None) -> AlignCLI:
+    """Entry point of ``recipes/<algorithm>.py``: ``configs/<algorithm>/tiny.yaml`` is the default config."""
+    args = _with_subcommand(list(sys.argv[1:] if args is None else args))
+    default = CONFIG_DIR / algorithm / "tiny.yaml"
+    parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
+    trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
+    sys.argv = sys.argv[:1]  # the arguments travel in ``args``; LightningCLI warns when both are set
+    return _guarded(lambda: AlignCLI(model_class, datamodule_class, args=args, parser_kwargs=parser_kwargs,
+                                     trainer_defaults=trainer_defaults))
+
+
+def _guarded(fn):
+    try:
+        return fn()
+    except AlignError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def export_main(args: list[str]) -> None:
+    import argparse
+
+    from align.models.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(prog="align export", description="Write a merged Hugging Face model and "
+                                     "tokenizer from an align checkpoint.")
+    parser.add_argument("--ckpt_path", required=True, help="A checkpoint written by an align run (.ckpt).")
+    parser.add_argument("--output_dir", required=True, help="Directory for the model and tokenizer.")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Weight dtype.")
+    ns = parser.parse_args(args)
+    out = _guarded(lambda: export_checkpoint(ns.ckpt_path, ns.output_dir, dtype=ns.dtype))
+    print(f"exported to {out}")
+
+
+def main(args: list[str] | None = None) -> None:
+    """The ``align`` console script."""
+    args = list(sys.argv[1:] if args is None else args)
+    logging.basicConfig(level=os.environ.get("ALIGN_LOG_LEVEL", "WARNING"))
+    if args[:1] == ["export"]:
+        return export_main(args[1:])
+    _guarded(lambda: AlignCLI(args=args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Turning conversations into token ids and loss labels, with the chat template applied exactly once.
+
+The template is rendered to text and split at message boundaries; each piece is tokenized with
+``add_special_tokens=False`` (the template already emits BOS and turn markers, so nothing is doubled) and the
+pieces are concatenated. The prompt ids used here are therefore exactly the ids an RL rollout generates
+from, and no BPE merge can cross the prompt/response boundary.
+
+Without a chat template (or with ``use_chat_template=False``) a single-turn conversation is encoded as
+``tokenizer(prompt)`` followed by the completion and an EOS.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from align.errors import AlignConfigError, AlignDataError
+
+log = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+
+
+class ChatEncoder:
+    def __init__(self, tokenizer, use_chat_template: bool | None = None):
+        """``use_chat_template=None`` uses the template when the tokenizer has one."""
+        self.tokenizer = tokenizer
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if use_chat_template and not has_template:
+            raise AlignConfigError("data.use_chat_template is true but the tokenizer has no chat_template")
+        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
+        self._warned_no_eos = False
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Ids of a prompt ready for generation (template with the generation prompt)."""
+        if self.use_chat_template:
+            return self._ids(self._render(messages, add_generation_prompt=True))
+        return self.tokenizer(self._plain_prompt(messages))["input_ids"]
+
+    def _plain_prompt(self, messages: list[dict]) -> str:
+        if len(messages) != 1 or messages[0]["role"] != "user":
+            raise AlignConfigError("multi-message conversations need a tokenizer with a chat_template")
+        return messages[0]["content"]
+
+    def encode(self, messages: list[dict], source: str = "<data>", row: int | None = None) -> tuple[list[int], list[int]]:
+        """``(input_ids, labels)`` with labels on assistant turns only (their closing EOS included)."""
+        if not self.use_chat_template:
+            prompt = self.tokenizer(self._plain_prompt(messages[:-1]))["input_ids"]
+            completion = self._ids(messages[-1]["content"]) + [self.tokenizer.eos_token_id]
+            return prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
+        full = self._render(messages, add_generation_prompt=False)
+        cuts = [0]  # alternating boundaries: [untrained, trained, untrained, ...]
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = self._render(messages[:k], add_generation_prompt=True) if k else ""
+            end = self._render(messages[: k + 1], add_generation_prompt=False)
+            if not (full.startswith(start) and full.startswith(end) and cuts[-1] <= len(start) <= len(end)):
+                raise AlignDataError(source, row, "messages", "a chat template whose rendering of a conversation "
+                                     "extends the rendering of each of its prefixes")
+            cuts += [len(start), len(end)]
+        cuts.append(len(full))
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for i in range(len(cuts) - 1):
+            ids = self._ids(full[cuts[i]:cuts[i + 1]])
+            input_ids += ids
+            labels += ids if i % 2 == 1 else [IGNORE_INDEX] * len(ids)
+        if not self._warned_no_eos and self.tokenizer.eos_token_id not in [t for t in labels if t != IGNORE_INDEX]:
+            self._warned_no_eos = True
+            log.warning("the chat template does not end assistant turns with the EOS token %r; a trained model "
+                        "may not learn to stop", self.tokenizer.eos_token)
+        return input_ids, labels
+
+    def encode_text(self, text: str) -> tuple[list[int], list[int]]:
+        """Raw text trained in full: ``tokenizer(text)`` plus EOS."""
+        ids = self.tokenizer(text)["input_ids"] + [self.tokenizer.eos_token_id]
+        return ids, list(ids)

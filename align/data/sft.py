@@ -1,0 +1,274 @@
+"""SFT data: validation, tokenization, optional packing and collation into :class:`SFTBatch`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+
+from align.data.chat import IGNORE_INDEX, ChatEncoder
+from align.data.formats import sft_record
+from align.data.io import read_rows
+from align.data.sampling import WindowBatchSampler
+from align.errors import AlignDataError
+
+log = logging.getLogger(__name__)
+
+Truncation = Literal["error", "right", "drop"]
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # aligned with input_ids; IGNORE_INDEX where no loss
+    position_ids: list[int]  # restart at 0 at each packed segment
+
+    @property
+    def loss_tokens(self) -> int:
+        # labels[0] is never predicted (nothing precedes it)
+        return sum(1 for t in self.labels[1:] if t != IGNORE_INDEX)
+
+
+@dataclass
+class SFTBatch:
+    input_ids: torch.Tensor  # (B, T)
+    labels: torch.Tensor  # (B, T), IGNORE_INDEX on prompt and padding
+    position_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor | None  # (B, T); None for packed rows, whose boundaries live in position_ids
+    window_tokens: torch.Tensor  # () loss tokens in this rank's whole accumulation window
+    num_tokens: int  # real (non-pad) tokens, for throughput
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def tokenize_rows(
+    rows: Sequence[dict],
+    source: str,
+    encoder: ChatEncoder,
+    *,
+    max_length: int,
+    truncation: Truncation = "error",
+    completion_only: bool = True,
+    ignore_columns: frozenset = frozenset(),
+    system_prompt: str | None = None,
+) -> tuple[list[Example], int]:
+    """Validate and tokenize every row. Returns the examples and the number of rows dropped."""
+    examples, dropped = [], 0
+    for index, row in enumerate(rows, start=1):
+        record = sft_record(row, source, index, ignore_columns, system_prompt)
+        if record.text is not None:
+            ids, labels = encoder.encode_text(record.text)
+        else:
+            ids, labels = encoder.encode(record.messages, source, index)
+            if not completion_only:
+                labels = list(ids)
+        if len(ids) > max_length:
+            if truncation == "error":
+                raise AlignDataError(source, index, None, f"at most max_length={max_length} tokens (or set "
+                                     "data.truncation to 'right' or 'drop')", f"{len(ids)} tokens")
+            if truncation == "drop":
+                dropped += 1
+                continue
+            ids, labels = ids[:max_length], labels[:max_length]
+        example = Example(ids, labels, list(range(len(ids))))
+        if example.loss_tokens == 0:
+            if truncation == "right" and len(ids) == max_length:
+                dropped += 1  # truncation removed every trained token
+                continue
+            raise AlignDataError(source, index, None, "a row with at least one token to train on")
+        examples.append(example)
+    return examples, dropped
+
+
+def pack(examples: Sequence[Example], max_length: int) -> list[Example]:
+    """First-fit-decreasing packing into rows of at most ``max_length`` tokens.
+
+    Each segment keeps its own positions (restarting at 0), and its first label is ignored so nothing is
+    predicted across a boundary. The model sees no attention across segments (see ``SFTBatch``).
+    """
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i].input_ids))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = len(examples[i].input_ids)
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(max_length - n)
+    packed = []
+    for members in sorted(bins, key=min):  # keep roughly the data order
+        ids, labels, pos = [], [], []
+        for i in sorted(members):
+            ex = examples[i]
+            ids += ex.input_ids
+            labels += [IGNORE_INDEX] + ex.labels[1:]
+            pos += ex.position_ids
+        packed.append(Example(ids, labels, pos))
+    return packed
+
+
+class ExampleDataset(Dataset):
+    """Items are looked up by index, or by ``(index, window_tokens)`` from :class:`WindowBatchSampler`."""
+
+    def __init__(self, examples: list[Example]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, key):
+        index, window = key if isinstance(key, tuple) else (key, None)
+        return self.examples[index], window
+
+
+class SFTCollator:
+    def __init__(self, pad_token_id: int, packed: bool, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.packed = packed
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, items: list[tuple[Example, int | None]]) -> SFTBatch:
+        examples = [ex for ex, _ in items]
+        T = max(len(ex.input_ids) for ex in examples)
+        if self.pad_to_multiple_of:
+            T = -(-T // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        B = len(examples)
+        input_ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((B, T), dtype=torch.long)
+        # Padding gets positions of its own segment (0, 1, ...) so packed rows never attend into it.
+        position_ids = torch.zeros((B, T), dtype=torch.long)
+        for b, ex in enumerate(examples):
+            n = len(ex.input_ids)
+            input_ids[b, :n] = torch.tensor(ex.input_ids)
+            labels[b, :n] = torch.tensor(ex.labels)
+            attention_mask[b, :n] = 1
+            position_ids[b, :n] = torch.tensor(ex.position_ids)
+            position_ids[b, n:] = torch.arange(T - n)
+        windows = {w for _, w in items}
+        window = windows.pop() if len(windows) == 1 and None not in windows else sum(ex.loss_tokens for ex in examples)
+        return SFTBatch(
+            input_ids=input_ids,
+            labels=labels,
+            position_ids=position_ids,
+            attention_mask=None if self.packed else attention_mask,
+            window_tokens=torch.tensor(float(window)),
+            num_tokens=int(attention_mask.sum()),
+        )
+
+
+class SFTDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        train_files: str | list[str] = "align:sort/sft/train.jsonl",
+        val_files: str | list[str] | None = "align:sort/sft/validation.jsonl",
+        tokenizer: str | None = None,
+        max_length: int = 512,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        packing: bool = False,
+        completion_only: bool = True,
+        truncation: Truncation = "error",
+        use_chat_template: bool | None = None,
+        system_prompt: str | None = None,
+        ignore_columns: list[str] | None = None,
+        split: str = "train",
+        val_split: str = "validation",
+        shuffle: bool = True,
+        num_workers: int = 0,
+    ):
+        """
+        Args:
+            train_files: Training data: jsonl/json/parquet/csv paths, ``align:...`` bundled files, or a hub dataset.
+            val_files: Held-out data in the same format; null for none.
+            tokenizer: Tokenizer path or id; null uses the policy's.
+            max_length: Longest allowed row (and packed row) in tokens.
+            batch_size: Micro-batch size per device; the trainer's ``accumulate_grad_batches`` multiplies it.
+            val_batch_size: Validation batch size (defaults to ``batch_size``).
+            packing: Pack several examples into each row; positions restart and no attention crosses examples.
+            completion_only: Train on assistant/completion tokens only (``text`` rows are always trained in full).
+            truncation: Rows over ``max_length``: ``error`` names the row, ``right`` cuts the end, ``drop`` skips it.
+            use_chat_template: Apply the tokenizer's chat template; null uses it when the tokenizer has one.
+            system_prompt: A system message added to every conversation that has none.
+            ignore_columns: Extra columns to skip instead of rejecting the row.
+            split: Hub split for ``train_files`` when it names a hub dataset.
+            val_split: Hub split for ``val_files`` when it names a hub dataset.
+            shuffle: Shuffle training rows each epoch (seeded by ``seed_everything``).
+            num_workers: DataLoader worker processes.
+        """
+        super().__init__()
+        if truncation not in ("error", "right", "drop"):
+            raise AlignDataError("data.truncation", None, None, "'error', 'right' or 'drop'", truncation)
+        self.save_hyperparameters()
+        self.tokenizer = None
+        self.train_set: ExampleDataset | None = None
+        self.val_set: ExampleDataset | None = None
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _resolve_tokenizer(self):
+        if self.tokenizer is None:
+            if self.hparams.tokenizer is not None:
+                from align.models.loading import load_tokenizer
+
+                self.tokenizer = load_tokenizer(self.hparams.tokenizer)
+            elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
+                self.tokenizer = self.trainer.lightning_module.tokenizer
+            else:
+                raise AlignDataError("data.tokenizer", None, None, "a tokenizer path, or a module with a policy")
+        return self.tokenizer
+
+    def _load(self, files, split: str) -> list[Example]:
+        hp = self.hparams
+        encoder = ChatEncoder(self._resolve_tokenizer(), hp.use_chat_template)
+        examples, dropped_total = [], 0
+        for source in [files] if isinstance(files, str) else files:
+            rows = read_rows(source, split)
+            found, dropped = tokenize_rows(
+                rows, source, encoder, max_length=hp.max_length, truncation=hp.truncation,
+                completion_only=hp.completion_only, ignore_columns=frozenset(hp.ignore_columns or ()),
+                system_prompt=hp.system_prompt,
+            )
+            examples += found
+            dropped_total += dropped
+            if dropped:
+                log.warning("%s: dropped %d of %d rows longer than max_length=%d", source, dropped, len(rows), hp.max_length)
+        if not examples:
+            raise AlignDataError(str(files), None, None, "at least one usable row after filtering")
+        return pack(examples, hp.max_length) if hp.packing else examples
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None and stage in (None, "fit"):
+            self.train_set = ExampleDataset(self._load(self.hparams.train_files, self.hparams.split))
+        if self.val_set is None and self.hparams.val_files:
+            self.val_set = ExampleDataset(self._load(self.hparams.val_files, self.hparams.val_split))
+
+    def _collator(self) -> SFTCollator:
+        return SFTCollator(self._resolve_tokenizer().pad_token_id, packed=self.hparams.packing)
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        sampler = RandomSampler(self.train_set) if hp.shuffle else SequentialSampler(self.train_set)
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        batch_sampler = WindowBatchSampler(
+            sampler, hp.batch_size, drop_last=False,
+            weights=[ex.loss_tokens for ex in self.train_set.examples], accumulate=accumulate,
+        )
+        return DataLoader(self.train_set, batch_sampler=batch_sampler, collate_fn=self._collator(),
+                          num_workers=hp.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+                          shuffle=False, collate_fn=self._collator(), num_workers=self.hparams.num_workers)

@@ -1,0 +1,300 @@
+"""``PolicyModel``: the one model wrapper shared by SFT, reward modelling, DPO, PPO and GRPO.
+
+It owns the causal LM (optionally LoRA / QLoRA), its tokenizer, an optional value head or separate critic,
+and the reference model. The reference is the policy with its adapter disabled when LoRA is on (no second
+copy is kept), a frozen copy of the initial policy otherwise, or a separately loaded model.
+
+Position ids are always derived from the attention mask (``cumsum - 1``), so a left-padded prompt gets the
+same positions in training as in generation, and log-probs of the old and new policy agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterator, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from align.errors import AlignConfigError
+from align.logprobs import entropy_from_logits, selective_log_softmax
+from align.models.loading import (
+    DType,
+    LoraSettings,
+    Quantization,
+    check_model_source,
+    load_causal_lm,
+    load_tokenizer,
+    torch_dtype,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TokenScores(NamedTuple):
+    """Per-token outputs for the last ``R`` positions of a batch of sequences.
+
+    ``logprobs[:, j]`` is log p(input_ids[:, T-R+j] | input_ids[:, :T-R+j]) at the given temperature.
+    """
+
+    logprobs: torch.Tensor  # (B, R) float32
+    entropy: torch.Tensor | None  # (B, R) float32
+    values: torch.Tensor | None  # (B, R) float32, V(state before token j)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, so left padding does not shift them. # (B, T)"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class ValueHead(nn.Module):
+    """A scalar per token on top of final hidden states (zero-initialised: the critic starts at V = 0)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden.to(self.proj.weight.dtype)).squeeze(-1).float()
+
+
+class PolicyModel(nn.Module):
+    def __init__(
+        self,
+        model: str = "tiny",
+        tokenizer: str | None = None,
+        dtype: DType = "float32",
+        lora: LoraSettings | None = None,
+        quantization: Quantization | None = None,
+        gradient_checkpointing: bool = False,
+        value_head: Literal["shared", "separate"] | None = None,
+        critic_model: str | None = None,
+        reference_model: str | None = None,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        pad_equals_eos: bool = False,
+        seed: int = 0,
+    ):
+        """
+        Args:
+            model: ``tiny`` (the embedded default), a local Hugging Face model directory, or a hub id.
+            tokenizer: Tokenizer path or id; defaults to ``model``.
+            dtype: Weight dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (as saved).
+            lora: LoRA adapter settings; null trains every weight.
+            quantization: ``4bit`` (nf4, double quantization) or ``8bit`` base weights for QLoRA; needs ``lora``.
+            gradient_checkpointing: Recompute activations in the backward pass to save memory.
+            value_head: ``shared``: a scalar head on the policy backbone; ``separate``: a critic with its own
+                backbone loaded from ``critic_model``; null: no values.
+            critic_model: Backbone of the separate critic (for example a trained reward model); defaults to ``model``.
+            reference_model: Load the reference from here instead of using the initial policy.
+            attn_implementation: ``sdpa``, ``eager`` or ``flash_attention_2``; null lets transformers choose.
+            trust_remote_code: Run model code shipped with a checkpoint. Off unless you trust the source.
+            revision: Hub revision (branch, tag or commit) for ``model``.
+            pad_equals_eos: Use the EOS token as pad (the tiny tokenizer ships both variants).
+            seed: Weight seed of the embedded tiny model (ignored for real models).
+        """
+        super().__init__()
+        if quantization is not None and lora is None:
+            raise AlignConfigError("policy.quantization: a quantized base cannot be trained in full; also set policy.lora")
+        if value_head not in (None, "shared", "separate"):
+            raise AlignConfigError(f"policy.value_head: expected 'shared', 'separate' or null, got {value_head!r}")
+        self.spec = {
+            "model": model, "tokenizer": tokenizer, "dtype": dtype, "lora": asdict(lora) if lora else None,
+            "quantization": quantization, "value_head": value_head, "critic_model": critic_model,
+            "reference_model": reference_model, "attn_implementation": attn_implementation,
+            "trust_remote_code": trust_remote_code, "revision": revision, "pad_equals_eos": pad_equals_eos, "seed": seed,
+        }
+        self._load_kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, revision=revision,
+                                 attn_implementation=attn_implementation, seed=seed)
+        check_model_source(model)  # before the tokenizer, so a bad model path is reported as such
+        self.tokenizer = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code, revision=revision,
+                                        pad_equals_eos=pad_equals_eos)
+        base = load_causal_lm(model, quantization=quantization, **self._load_kwargs)
+        if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
+            raise AlignConfigError(
+                f"policy.tokenizer has {len(self.tokenizer)} tokens but the model's embedding has "
+                f"{base.get_input_embeddings().num_embeddings}; use the model's own tokenizer"
+            )
+        base.config.pad_token_id = self.tokenizer.pad_token_id
+        if quantization is not None:
+            from peft import prepare_model_for_kbit_training
+
+            base = prepare_model_for_kbit_training(
+                base, use_gradient_checkpointing=gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+            )
+        elif gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora is not None:
+            from peft import get_peft_model
+
+            base = get_peft_model(base, lora.to_peft())
+        self.model = base
+        self.lora = lora
+        self.value_head = ValueHead(self.config.hidden_size) if value_head == "shared" else None
+        self.critic: nn.Module | None = None
+        self.critic_head: ValueHead | None = None
+        if value_head == "separate":
+            critic = load_causal_lm(critic_model or model, **self._load_kwargs)
+            self.critic = critic.get_decoder()
+            self.critic_head = ValueHead(critic.config.hidden_size)
+        self.ref_model: nn.Module | None = None
+        self.train()  # transformers returns models in eval mode; a wrapper built for training starts in train mode
+
+    def train(self, mode: bool = True) -> "PolicyModel":
+        super().train(mode)
+        if self.ref_model is not None:
+            self.ref_model.eval()  # the reference never runs dropout
+        return self
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.lora is not None
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The underlying transformers model (unwrapped from peft)."""
+        return self.model.get_base_model() if self.has_adapter else self.model
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.parameters() if p.requires_grad)
+
+    # ------------------------------------------------------------------ reference
+    def setup_reference(self) -> None:
+        """Make a reference model available to :meth:`score` with ``reference=True``. Idempotent.
+
+        With LoRA the reference is the adapter-disabled policy and nothing is copied. Otherwise a frozen copy of
+        the current (initial) weights is kept, or ``reference_model`` is loaded.
+        """
+        if self.ref_model is not None or (self.has_adapter and not self.spec["reference_model"]):
+            return
+        if self.spec["reference_model"]:
+            ref = load_causal_lm(self.spec["reference_model"], **self._load_kwargs)
+        else:
+            ref = copy.deepcopy(self.model)
+        ref.requires_grad_(False).eval()
+        self.ref_model = ref
+
+    @contextmanager
+    def _reference_context(self):
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.has_adapter:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            raise RuntimeError("no reference model: call PolicyModel.setup_reference() first")
+
+    # ------------------------------------------------------------------ forward passes
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        if position_ids is None and attention_mask is not None:
+            position_ids = position_ids_from_mask(attention_mask)
+        # Without a cache: transformers only honours packed position ids when no cache is passed.
+        kwargs.setdefault("use_cache", False)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+    def score(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, T)
+        *,
+        response_length: int | None = None,
+        position_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        return_values: bool = False,
+        reference: bool = False,
+    ) -> TokenScores:
+        """Log-probs (and optionally entropy and values) of the last ``response_length`` tokens.
+
+        Only the needed positions go through the output head, and log-probs are gathered without keeping a
+        full-vocabulary log-softmax. ``response_length=None`` scores every token after the first.
+        """
+        T = input_ids.shape[1]
+        R = T - 1 if response_length is None else response_length
+        if not 0 < R < T:
+            raise ValueError(f"response_length must be in [1, {T - 1}], got {R}")
+        if position_ids is None and attention_mask is not None:
+            position_ids = position_ids_from_mask(attention_mask)
+        want_values = return_values and not reference
+        hidden: list[torch.Tensor] = []
+        ctx = self._reference_context() if reference else nullcontext(self.model)
+        with ctx as lm:
+            hook = None
+            if want_values and self.value_head is not None:
+                hook = lm.get_decoder().register_forward_hook(lambda m, a, out: hidden.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+            try:
+                out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         logits_to_keep=R + 1, use_cache=False)
+            finally:
+                if hook is not None:
+                    hook.remove()
+        logits = out.logits[:, :-1]  # (B, R, V): position T-R-1+j predicts token T-R+j
+        if temperature != 1.0:
+            logits = logits / temperature
+        targets = input_ids[:, T - R:]
+        logprobs = selective_log_softmax(logits, targets)
+        entropy = entropy_from_logits(logits) if return_entropy else None
+        values = None
+        if want_values:
+            values = self._values(hidden, input_ids, attention_mask, position_ids, R)
+        return TokenScores(logprobs, entropy, values)
+
+    def _values(self, hidden, input_ids, attention_mask, position_ids, R) -> torch.Tensor:
+        T = input_ids.shape[1]
+        if self.value_head is not None:
+            return self.value_head(hidden[0][:, T - R - 1 : T - 1])
+        if self.critic is not None:
+            h = self.critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).last_hidden_state
+            return self.critic_head(h[:, T - R - 1 : T - 1])
+        raise RuntimeError("values requested but the policy has no value head; set policy.value_head")
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Sample continuations with the transformers generation loop (KV cache). Returns prompt + response ids."""
+        kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        kwargs.setdefault("eos_token_id", self.tokenizer.eos_token_id)
+        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    # ------------------------------------------------------------------ export
+    def merged_model(self, dtype: DType | None = None) -> nn.Module:
+        """A plain transformers model with any LoRA adapter merged in; the training model is left untouched."""
+        if not self.has_adapter:
+            merged = copy.deepcopy(self.model)
+        else:
+            from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+            # Rebuild an unquantized base and merge into it: merging into 4-/8-bit weights would lose precision.
+            base = load_causal_lm(self.spec["model"], **self._load_kwargs)
+            fresh = get_peft_model(base, self.lora.to_peft())
+            set_peft_model_state_dict(fresh, get_peft_model_state_dict(self.model))
+            merged = fresh.merge_and_unload()
+        td = torch_dtype(dtype) if dtype else None
+        if isinstance(td, torch.dtype):
+            merged = merged.to(td)
+        return merged
+
+    def save_pretrained(self, output_dir: str | Path, dtype: DType | None = None) -> Path:
+        """Write a merged Hugging Face model and tokenizer that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        merged = self.merged_model(dtype)
+        merged.config.pad_token_id = self.tokenizer.pad_token_id
+        merged.save_pretrained(output_dir, safe_serialization=True)
+        self.tokenizer.save_pretrained(output_dir)
+        if getattr(merged, "generation_config", None) is not None:
+            merged.generation_config.save_pretrained(output_dir)
+        return output_dir

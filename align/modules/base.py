@@ -1,0 +1,64 @@
+"""Shared LightningModule plumbing: the policy, optimizer and scheduler callables, checkpoint metadata."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from align.models.policy import PolicyModel
+from align.optim import WarmupLR
+
+
+def param_groups(module: torch.nn.Module) -> list[dict]:
+    """Weight decay on matrices only: biases, norms and other vectors are not decayed."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class AlignModule(L.LightningModule):
+    """Base of every algorithm module. Subclasses set ``headline_metrics``: what the CLI prints before and after."""
+
+    headline_metrics: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        policy: PolicyModel,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = None,
+    ):
+        super().__init__()
+        self.policy = policy
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+
+    @property
+    def tokenizer(self):
+        return self.policy.tokenizer
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum across data-parallel ranks (identity on one process)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer(param_groups(self))
+        if self.scheduler is None:
+            return optimizer
+        scheduler = self.scheduler(optimizer)
+        if isinstance(scheduler, WarmupLR) and scheduler.total_steps is None:
+            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Enough to rebuild the policy without the run's config (see ``align export``).
+        checkpoint["align"] = {"policy": self.policy.spec, "module": type(self).__name__}

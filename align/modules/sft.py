@@ -1,0 +1,85 @@
+"""Supervised fine-tuning: completion-only NLL, normalised per token over the whole optimizer step."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from align.data.chat import IGNORE_INDEX
+from align.data.sft import SFTBatch
+from align.losses import sft_loss
+from align.models.policy import PolicyModel
+from align.modules.base import AlignModule
+
+
+class SFTModule(AlignModule):
+    """Next-token NLL on the trained tokens (completions by default; see ``SFTDataModule.completion_only``).
+
+    The loss of an optimizer step is the sum of token NLLs over every micro-batch of the accumulation window
+    and every data-parallel rank, divided by their total token count. Each micro-batch carries its window's
+    token count (``SFTBatch.window_tokens``); the module all-reduces it and rescales for Lightning's division
+    by ``accumulate_grad_batches`` and the data-parallel gradient average, so accumulating 8 x 1 equals 1 x 8.
+
+    Logged: ``train/loss``, ``train/tokens_per_s``, ``val/loss``, ``val/ppl``.
+    """
+
+    headline_metrics = ("val/loss", "val/ppl")
+
+    def __init__(
+        self,
+        policy: PolicyModel | None = None,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = None,
+    ):
+        super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler)
+        self._reset_step_stats()
+        self._val_nll = self._val_tokens = 0.0
+
+    def _reset_step_stats(self) -> None:
+        self._step_loss = torch.zeros(())
+        self._step_tokens = 0
+        self._step_started = time.perf_counter()
+
+    def _nll_sum(self, batch: SFTBatch) -> torch.Tensor:
+        out = self.policy(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                          use_cache=False)
+        return sft_loss(out.logits, batch.labels, normaliser=1.0)
+
+    def training_step(self, batch: SFTBatch, batch_idx: int) -> torch.Tensor:
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+        window_tokens = self.all_reduce_sum(batch.window_tokens).clamp(min=1.0)
+        nll = self._nll_sum(batch)
+        # Lightning divides by accumulate_grad_batches and DDP averages over ranks: undo both, divide by the total.
+        loss = nll * (scale / window_tokens)
+        self._step_loss = self._step_loss.to(nll.device) + nll.detach() / window_tokens
+        self._step_tokens += batch.num_tokens
+        return loss
+
+    def on_train_start(self) -> None:
+        self._reset_step_stats()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Once per optimizer step: the window is complete, so its mean loss is exact.
+        elapsed = max(time.perf_counter() - self._step_started, 1e-9)
+        loss = self.all_reduce_sum(self._step_loss)
+        tokens = float(self.all_reduce_sum(torch.tensor(float(self._step_tokens), device=self._step_loss.device)))
+        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=1)
+        self.log("train/tokens_per_s", tokens / elapsed, on_step=True, batch_size=1)
+        self._reset_step_stats()
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_nll = torch.zeros((), device=self.device)
+        self._val_tokens = torch.zeros((), device=self.device)
+
+    def validation_step(self, batch: SFTBatch, batch_idx: int) -> None:
+        self._val_nll += self._nll_sum(batch).detach()
+        self._val_tokens += (batch.labels[:, 1:] != IGNORE_INDEX).sum()
+
+    def on_validation_epoch_end(self) -> None:
+        nll, tokens = self.all_reduce_sum(self._val_nll), self.all_reduce_sum(self._val_tokens.float())
+        loss = float(nll / tokens.clamp(min=1))
+        self.log("val/loss", loss, batch_size=1)
+        self.log("val/ppl", math.exp(min(loss, 50.0)), batch_size=1)

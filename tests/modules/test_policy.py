@@ -1,0 +1,141 @@
+import pytest
+import torch
+
+from align.errors import AlignConfigError
+from align.models import LoraSettings, PolicyModel
+from align.models.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny model saved as an ordinary Hugging Face directory: the stand-in for a real checkpoint."""
+    from align.models.tiny import load_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    build_tiny_model(seed=3).save_pretrained(path)
+    load_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def batch(policy, texts=("sort: b a", "sort: d c b a")):
+    tok = policy.tokenizer
+    tok.padding_side = "left"
+    enc = tok(list(texts), return_tensors="pt", padding=True)
+    tok.padding_side = "right"
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def naive_logprobs(model, ids, mask, R):
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return lp[:, -R:]
+
+
+def test_logprobs_equal_naive_log_softmax_gather():
+    policy = PolicyModel()
+    ids, mask = batch(policy)
+    out = policy.score(ids, mask, response_length=3, return_entropy=True)
+    torch.testing.assert_close(out.logprobs, naive_logprobs(policy.model, ids, mask, 3))
+    assert out.entropy.shape == (2, 3) and (out.entropy >= 0).all()
+    hot = policy.score(ids, mask, response_length=3, temperature=0.5).logprobs
+    assert not torch.allclose(hot, out.logprobs)
+
+
+def test_left_padding_does_not_change_logprobs():
+    policy = PolicyModel()
+    ids, mask = batch(policy)
+    alone = policy.tokenizer(["sort: b a"], return_tensors="pt")["input_ids"]
+    padded = policy.score(ids[:1], mask[:1], response_length=2).logprobs
+    torch.testing.assert_close(padded, policy.score(alone, torch.ones_like(alone), response_length=2).logprobs,
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_lora_reference_is_the_adapter_disabled_base():
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8))
+    policy.setup_reference()
+    assert policy.ref_model is None  # no second copy
+    ids, mask = batch(policy)
+    base = build_tiny_model(seed=0)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5)  # move the adapter away from its zero init
+        ref = policy.score(ids, mask, response_length=3, reference=True).logprobs
+        pol = policy.score(ids, mask, response_length=3).logprobs
+    torch.testing.assert_close(ref, naive_logprobs(base, ids, mask, 3))
+    assert not torch.allclose(ref, pol)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_frozen_copy_reference_stays_at_initial_weights():
+    policy = PolicyModel()
+    policy.setup_reference()
+    ids, mask = batch(policy)
+    before = policy.score(ids, mask, response_length=3, reference=True).logprobs
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.mul_(1.1)
+    torch.testing.assert_close(policy.score(ids, mask, response_length=3, reference=True).logprobs, before)
+    assert all(not p.requires_grad for p in policy.ref_model.parameters())
+    policy.train()
+    assert not policy.ref_model.training
+
+
+@pytest.mark.parametrize("kind", ["shared", "separate"])
+def test_value_head_shapes_and_gradients(kind):
+    policy = PolicyModel(value_head=kind)
+    ids, mask = batch(policy)
+    out = policy.score(ids, mask, response_length=3, return_values=True)
+    assert out.values.shape == (2, 3)
+    out.values.sum().backward()
+    head = policy.value_head if kind == "shared" else policy.critic_head
+    assert head.proj.weight.grad is not None
+
+
+def test_local_directory_and_bad_paths(tiny_dir, tmp_path):
+    policy = PolicyModel(model=tiny_dir)
+    ref = build_tiny_model(seed=3)
+    ids, mask = batch(policy)
+    torch.testing.assert_close(policy.score(ids, mask, response_length=2).logprobs, naive_logprobs(ref, ids, mask, 2))
+    with pytest.raises(AlignConfigError, match="does not exist"):
+        PolicyModel(model=str(tmp_path / "nope"))
+    with pytest.raises(AlignConfigError, match="without config.json"):
+        PolicyModel(model=str(tmp_path))
+    with pytest.raises(AlignConfigError, match="also set policy.lora"):
+        PolicyModel(model=tiny_dir, quantization="4bit")
+
+
+def test_qlora_forward_and_backward_on_cpu(tiny_dir):
+    pytest.importorskip("bitsandbytes")
+    policy = PolicyModel(model=tiny_dir, quantization="4bit", lora=LoraSettings(r=4, alpha=8))
+    ids, mask = batch(policy)
+    out = policy.score(ids, mask, response_length=3)
+    assert torch.isfinite(out.logprobs).all()
+    out.logprobs.sum().backward()
+    grads = [p.grad for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_export_loads_with_plain_transformers_and_generates(tmp_path, use_lora):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if use_lora else None)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name or not use_lora:
+                p.add_(0.01 * torch.randn_like(p))
+    out = policy.save_pretrained(tmp_path / "export")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids, mask = batch(policy)
+    torch.testing.assert_close(naive_logprobs(model, ids, mask, 3), policy.score(ids, mask, response_length=3).logprobs,
+                               atol=1e-5, rtol=1e-4)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "sort: b a"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    gen = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert gen.shape[1] > prompt["input_ids"].shape[1]
+    assert policy.has_adapter == use_lora  # exporting did not merge the training model in place
