@@ -1,0 +1,237 @@
+"""Rewards to advantages: KL shaping, GAE, group-relative and leave-one-out baselines.
+
+* :func:`shape_rewards`: the per-token PPO-RLHF reward of Ziegler et al. 2019
+  (arXiv 1909.08593) and Ouyang et al. 2022 (arXiv 2203.02155): ``-kl_coef *
+  KL`` on every response token, plus the sequence score on the last valid token.
+* :func:`gae`: generalized advantage estimation, Schulman et al. 2015
+  (arXiv 1506.02438).
+* :func:`group_advantages`: GRPO, Shao et al. 2024 (arXiv 2402.03300); with
+  ``scale="none"`` the unscaled variant of Dr. GRPO, Liu et al. 2025
+  (arXiv 2503.20783).
+* :func:`rloo_advantages`: REINFORCE leave-one-out, Ahmadian et al. 2024
+  (arXiv 2402.14740).
+
+Departures and choices:
+
+* GAE bootstraps with 0 after the last valid token of a response, whatever the
+  value head says at padding. A masked position inside a response (a hole in
+  the mask) is skipped, not treated as a zero-reward step: discounting carries
+  across it. Returns are computed from the *unwhitened* advantages; whitening
+  is left to the caller (:func:`align.logprobs.masked_whiten`, advantages only).
+* GRPO divides by the unbiased (Bessel-corrected, ``n - 1``) standard deviation
+  of the group, as ``torch.std`` does. The paper writes ``std`` without saying
+  which. A group whose std is at most ``eps`` gets exactly zero advantage: the
+  std is compared with ``eps`` instead of being added to the denominator.
+  Rewards are first shifted by the first reward of their group, so a group of
+  equal rewards has a std of exactly 0 (rounding in a float32 mean would
+  otherwise leave a std of order 1e-7 times the reward, which for rewards of
+  a few hundred is above the default eps).
+* All functions here return tensors detached from the graph: advantages and
+  returns are targets, never differentiated through.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple, Union
+
+import torch
+
+from align.kl import kl_estimate
+from align.logprobs import last_valid_index
+
+__all__ = ["shape_rewards", "gae", "group_advantages", "rloo_advantages", "GROUP_SCALES"]
+
+
+@torch.no_grad()
+def shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: Union[float, torch.Tensor],
+    kind: str = "k1",
+    clamp: float = 20.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards with a KL penalty and the score at the last valid token.
+
+    Args:
+        scores: ``(B,)`` sequence rewards.
+        logprobs: ``(B, T)`` policy log-probs of the sampled tokens.
+        ref_logprobs: ``(B, T)`` reference log-probs of the same tokens.
+        mask: ``(B, T)`` response mask.
+        kl_coef: KL penalty coefficient (for example ``controller.value``).
+        kind, clamp: KL estimator and log-ratio clamp, see :func:`align.kl.kl_estimate`.
+
+    Returns:
+        ``rewards`` ``(B, T)`` and ``kl`` ``(B, T)``, both 0 at masked
+        positions. A row with no valid token receives no score at all.
+    """
+    if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError(
+            "shape_rewards: logprobs, ref_logprobs and mask must share one (B, T) shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(ref_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if scores.shape != logprobs.shape[:1]:
+        raise ValueError(f"shape_rewards: scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, kind=kind, clamp=clamp), zero)  # (B, T)
+    rewards = -kl_coef * kl  # (B, T)
+    last = last_valid_index(valid)  # (B,), -1 for an empty row
+    has_valid = last >= 0
+    bonus = torch.where(has_valid, scores.to(rewards.dtype), zero)  # (B,)
+    rewards = rewards.scatter_add(1, last.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
+    return rewards, kl
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over response tokens (arXiv 1506.02438).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, where ``t + 1`` is the next
+    *valid* position and ``V`` and ``A`` after the last valid token are 0.
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards (for example from :func:`shape_rewards`).
+        values: ``(B, T)`` value estimates ``V(s_t)``.
+        mask: ``(B, T)`` response mask.
+
+    Returns:
+        ``advantages`` ``(B, T)`` unwhitened and ``returns = advantages + values``
+        ``(B, T)``; both 0 at masked positions. Masked rewards and values never
+        influence any output.
+    """
+    if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(
+            "gae: rewards, values and mask must share one (B, T) shape, got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    valid = mask.bool()
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    rewards = torch.where(valid, rewards.to(dtype), zero)
+    values = torch.where(valid, values.to(dtype), zero)
+    b, t_max = rewards.shape
+    advantages = torch.zeros_like(rewards)  # (B, T)
+    next_value = torch.zeros(b, dtype=dtype, device=rewards.device)  # (B,)
+    next_adv = torch.zeros(b, dtype=dtype, device=rewards.device)  # (B,)
+    for t in reversed(range(t_max)):
+        m = valid[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = torch.where(m, adv, zero)
+        next_adv = torch.where(m, adv, next_adv)
+        next_value = torch.where(m, values[:, t], next_value)
+    returns = torch.where(valid, advantages + values, zero)
+    return advantages, returns
+
+
+def _group_view(rewards: torch.Tensor, group_size: int, fn: str) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"{fn}: rewards must be 1-D (B*G,), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{fn}: {rewards.numel()} rewards cannot be split into groups of group_size={group_size}; "
+            "rewards must be laid out (B*G,) with each prompt's G completions consecutive"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    return rewards.view(-1, group_size)  # (B, G)
+
+
+def _shift(grouped: torch.Tensor) -> torch.Tensor:
+    # Shift by each group's first reward: a constant group becomes exactly 0.
+    # Without the shift, the rounding of the mean of a float32 group such as
+    # [123.456] * 5 leaves a std of ~1e-5, which passes an epsilon test and
+    # would be divided by. Centring and variances are shift-invariant.
+    return grouped - grouped[:, :1]
+
+
+def _unbiased_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    # Bessel-corrected std that is 0 (not NaN) for a single element.
+    n = x.numel() if dim is None else x.shape[dim]
+    if dim is None:
+        x = x - x.reshape(-1)[:1]  # shifted, as in _shift: exactly 0 for constant input
+        centered = x - x.mean()
+        return (centered.square().sum() / max(n - 1, 1)).sqrt()
+    centered = x - x.mean(dim, keepdim=True)
+    return (centered.square().sum(dim, keepdim=keepdim) / max(n - 1, 1)).sqrt()
+
+
+GROUP_SCALES = ("group", "batch", "none")
+
+
+@torch.no_grad()
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantages of GRPO (arXiv 2402.03300).
+
+    ``A_i = (r_i - mean_group(r)) / s`` where ``s`` is, by ``scale``:
+
+    * ``"group"``: the unbiased std of the group (GRPO);
+    * ``"batch"``: the unbiased std of all rewards passed in (this call's batch;
+      all-reduce first for a global one);
+    * ``"none"``: 1, no scaling (Dr. GRPO, arXiv 2503.20783).
+
+    A group whose unbiased std is ``<= eps`` gets exactly 0 for every scale,
+    never NaN. Likewise when the batch std is ``<= eps`` under ``"batch"``.
+
+    Args:
+        rewards: ``(B*G,)``, the G completions of each prompt consecutive.
+        group_size: G.
+
+    Returns:
+        ``(B*G,)`` advantages, one per completion (broadcast over its tokens).
+    """
+    if scale not in GROUP_SCALES:
+        raise ValueError(f"group_advantages: unknown scale {scale!r}; expected one of {list(GROUP_SCALES)}")
+    raw = _group_view(rewards, group_size, "group_advantages")  # (B, G)
+    grouped = _shift(raw)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
+    group_std = _unbiased_std(grouped, dim=1, keepdim=True)  # (B, 1)
+    constant_group = group_std <= eps  # (B, 1)
+    if scale == "group":
+        scaled = centered / group_std.clamp(min=eps)
+    elif scale == "batch":
+        batch_std = _unbiased_std(raw)
+        scaled = torch.where(batch_std > eps, centered / batch_std.clamp(min=eps), torch.zeros_like(centered))
+    else:
+        scaled = centered
+    return torch.where(constant_group, torch.zeros_like(scaled), scaled).reshape(-1)
+
+
+@torch.no_grad()
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages (arXiv 2402.14740).
+
+    ``A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean(r))`` within
+    each group of ``group_size`` consecutive rewards. A group whose rewards are
+    all equal gets exactly 0: rewards are shifted by the group's first reward
+    before any sum, so no rounding is left to leak.
+
+    Args:
+        rewards: ``(B*G,)``.
+        group_size: G >= 2 (with one sample there is no other sample to
+            build the baseline from).
+
+    Returns:
+        ``(B*G,)``.
+    """
+    if group_size < 2:
+        raise ValueError(
+            f"rloo_advantages: group_size must be >= 2 for a leave-one-out baseline, got {group_size}"
+        )
+    grouped = _shift(_group_view(rewards, group_size, "rloo_advantages"))  # (B, G); constant -> 0
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (B, G)
+    return (grouped - others_mean).reshape(-1)
