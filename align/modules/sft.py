@@ -34,6 +34,12 @@ class SFTModule(AlignModule):
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
     ):
+        """
+        Args:
+            policy: The model to train; null means the embedded tiny model.
+            optimizer: Optimizer callable (parameters -> optimizer); matrices get weight decay, vectors do not.
+            scheduler: Learning-rate schedule callable (optimizer -> scheduler), stepped every optimizer step.
+        """
         super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler)
         self._reset_step_stats()
         self._val_nll = self._val_tokens = 0.0

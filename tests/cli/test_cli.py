@@ -1,0 +1,138 @@
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from align.cli import AlignCLI, main, run_recipe
+from align.data import SFTDataModule
+from align.modules import SFTModule
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    build_tiny_model(seed=1).save_pretrained(path)
+    load_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def localise(node, tiny_dir):
+    """Replace every real model id in a config with a local tiny model (no hub access in tests)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("model", "critic_model", "reference_model", "tokenizer") and isinstance(value, str) and value != "tiny":
+                node[key] = tiny_dir
+            else:
+                localise(value, tiny_dir)
+    elif isinstance(node, list):
+        for item in node:
+            localise(item, tiny_dir)
+    return node
+
+
+def read_metrics(root: Path) -> list[dict]:
+    files = list(root.rglob("metrics.csv"))
+    assert len(files) == 1, files
+    return list(csv.DictReader(open(files[0])))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_config_parses_and_instantiates(config, tiny_dir, tmp_path):
+    data = localise(yaml.safe_load(config.read_text()), tiny_dir)
+    local = tmp_path / config.name
+    local.write_text(yaml.safe_dump(data))
+    cli = AlignCLI(args=["--config", str(local), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                         "--trainer.default_root_dir", str(tmp_path)], run=False)
+    assert cli.model.policy is not None and cli.datamodule is not None
+    assert cli.trainer.max_steps != 0
+
+
+def test_print_config_round_trips(tmp_path):
+    def printed(*args):
+        out = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), *args, "--print_config"],
+                             capture_output=True, text=True, check=True, cwd=tmp_path)
+        return out.stdout
+
+    first = printed("--model.init_args.policy.init_args.dtype", "bfloat16")
+    assert "dtype: bfloat16" in first and "class_path: align.modules.SFTModule" in first
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(first)
+    assert printed("--config", str(saved)) == first
+
+
+def bad_file(tmp_path, bad_line: str) -> str:
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"prompt": "sort: b a", "completion": "a b"})
+    path.write_text(f"{good}\n{good}\n{bad_line}\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "bad_line, expected",
+    [
+        ("not json", "row 3: expected one JSON object per line"),
+        (json.dumps({"prompt": "sort: b a"}), "row 3: expected a row with the fields"),
+        (json.dumps({"prompt": "sort: b a", "completion": ""}), "row 3: field 'completion': expected a non-empty string"),
+        (json.dumps({"prompt": ["x"], "completion": "a"}), "row 3: field 'prompt[0]'"),
+        (json.dumps({"prompt": "sort: b a", "completion": 3}), "row 3: field 'completion': expected a string"),
+        (json.dumps({"prompt": "sort: " + "a " * 100, "completion": "a"}), "row 3: expected at most max_length=64"),
+    ],
+)
+def test_bad_data_exits_nonzero_with_file_row_field_and_writes_no_checkpoint(tmp_path, capsys, bad_line, expected):
+    path = bad_file(tmp_path, bad_line)
+    with pytest.raises(SystemExit) as info:
+        run_recipe("sft", SFTModule, SFTDataModule, args=["--data.train_files", path, "--trainer.default_root_dir",
+                                                          str(tmp_path / "run"), "--trainer.max_steps", "2"])
+    assert info.value.code != 0
+    err = capsys.readouterr().err
+    assert path in err and expected in err
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_unknown_yaml_key_is_rejected(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        run_recipe("sft", SFTModule, SFTDataModule, args=["--model.init_args.no_such_option", "1"])
+    assert info.value.code != 0
+    assert "no_such_option" in capsys.readouterr().err
+
+
+def test_align_fit_writes_csv_checkpoint_and_export_loads(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path / "run"
+    main(["fit", "--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.max_steps", "6",
+          "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(root)])
+    out = capsys.readouterr().out
+    assert "held-out val/loss:" in out
+    rows = read_metrics(root)
+    assert any(r["train/loss"] for r in rows) and any(r["val/loss"] for r in rows)
+    ckpt = next(root.rglob("*.ckpt"))
+    main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "hf")])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "sort: c b a"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    assert model.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]
+
+
+@pytest.mark.slow
+def test_sft_recipe_end_to_end(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--trainer.default_root_dir",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("held-out val/loss:"))
+    before, after = (float(x) for x in line.split(":")[1].split("->"))
+    assert after < 0.25 * before
+    rows = read_metrics(tmp_path)
+    assert any(r["train/loss"] for r in rows) and any(r["train/tokens_per_s"] for r in rows)
