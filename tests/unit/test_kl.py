@@ -100,7 +100,7 @@ def test_k2_is_biased_for_distant_models():
 
 
 @given(st.integers(0, 2**31 - 1))
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=10, deadline=None, derandomize=True)  # statistical: fixed examples
 def test_sample_means_converge_to_kl(seed):
     log_q, log_p = _categorical_pair(seed, 5, 0.3)
     kl = _exact_kl(log_q, log_p).item()
@@ -110,8 +110,10 @@ def test_sample_means_converge_to_kl(seed):
         samples = kl_estimate(log_q[x], log_p[x], kind)
         stderr = samples.std().item() / math.sqrt(n)
         assert abs(samples.mean().item() - kl) < 5 * stderr + 1e-12
-    k2 = kl_estimate(log_q[x], log_p[x], "k2").mean().item()
-    assert k2 == pytest.approx(kl, rel=0.25)
+    # k2's sample mean converges too, but to E_q[k2], which is not the KL.
+    samples = kl_estimate(log_q[x], log_p[x], "k2")
+    k2_expectation = (log_q.exp() * kl_estimate(log_q, log_p, "k2")).sum().item()
+    assert abs(samples.mean().item() - k2_expectation) < 5 * samples.std().item() / math.sqrt(n)
 
 
 # ---------------------------------------------------------------- gradients used as a loss
