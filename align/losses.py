@@ -198,6 +198,12 @@ def ppo_policy_loss(
         raise ValueError(f"ppo_policy_loss: clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"ppo_policy_loss: dual_clip must be > 1, got {dual_clip}")
+    if advantages.dim() != logprobs.dim():
+        # A (B,) tensor would broadcast along T, silently pairing row b with token b.
+        raise ValueError(
+            f"ppo_policy_loss: advantages must be (B, T) like logprobs {tuple(logprobs.shape)}, got "
+            f"{tuple(advantages.shape)}; pass per-sequence advantages as adv[:, None]"
+        )
     # Padding is replaced, not multiplied away, so a NaN there reaches neither
     # the loss nor any gradient.
     valid = mask.bool()

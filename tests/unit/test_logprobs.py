@@ -295,3 +295,23 @@ def test_masked_whiten_gradient_ignores_nan_padding():
     masked_whiten(x, mask).pow(2).sum().backward()
     assert torch.isfinite(x.grad).all()
     assert x.grad[0, 2] == 0 and x.grad[1, 1] == 0
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: selective_log_softmax(x, torch.zeros(x.shape[:-1], dtype=torch.long)),
+        lambda x: entropy_from_logits(x, chunk_size=3),
+    ],
+)
+def test_low_precision_kernels_save_no_float32_vocabulary_tensor(fn):
+    # What autograd keeps for backward: the bf16 logits and per-row float32 values only.
+    logits = torch.randn(4, 8, 64).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn(logits)
+    assert saved
+    for t in saved:
+        assert not (t.dtype == torch.float32 and t.numel() >= logits.numel()), (t.dtype, t.shape)
+    out.sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad.float()).all()

@@ -143,6 +143,8 @@ def test_ppo_per_sequence_advantages_broadcast():
     a, _ = ppo_policy_loss(logp, torch.zeros(2, 2), adv[:, None], mask)
     b, _ = ppo_policy_loss(logp, torch.zeros(2, 2), adv[:, None].expand(2, 2), mask)
     assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"adv\[:, None\]"):
+        ppo_policy_loss(logp, torch.zeros(2, 2), adv, mask)
 
 
 @st.composite
