@@ -32,7 +32,7 @@ Departures and choices:
 
 from __future__ import annotations
 
-from typing import Dict, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 
