@@ -16,27 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-hf")
-    build_tiny_model(seed=1).save_pretrained(path)
-    load_tiny_tokenizer().save_pretrained(path)
-    return str(path)
-
-
-def localise(node, tiny_dir):
+def localise(node, tiny_model_dir):
     """Replace every real model id in a config with a local tiny model (no hub access in tests)."""
     if isinstance(node, dict):
         for key, value in node.items():
             if key in ("model", "critic_model", "reference_model", "tokenizer") and isinstance(value, str) and value != "tiny":
-                node[key] = tiny_dir
+                node[key] = tiny_model_dir
             else:
-                localise(value, tiny_dir)
+                localise(value, tiny_model_dir)
     elif isinstance(node, list):
         for item in node:
-            localise(item, tiny_dir)
+            localise(item, tiny_model_dir)
     return node
 
 
@@ -47,8 +37,8 @@ def read_metrics(root: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
-def test_every_config_parses_and_instantiates(config, tiny_dir, tmp_path):
-    data = localise(yaml.safe_load(config.read_text()), tiny_dir)
+def test_every_config_parses_and_instantiates(config, tiny_model_dir, tmp_path):
+    data = localise(yaml.safe_load(config.read_text()), tiny_model_dir)
     local = tmp_path / config.name
     local.write_text(yaml.safe_dump(data))
     cli = AlignCLI(args=["--config", str(local), "--trainer.accelerator", "cpu", "--trainer.devices", "1",

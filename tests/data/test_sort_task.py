@@ -1,8 +1,6 @@
 import importlib.resources
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -18,15 +16,6 @@ from align.data.sort_task import (
     solve,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_script(name):
-    # In-process: a fresh interpreter would spend most of the test re-importing torch.
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 KINDS = ("sft", "preference", "prompts")
 FIELDS = {
     "sft": {"prompt", "completion"},
@@ -209,7 +198,7 @@ def test_files_load_with_datasets_offline(kind, tmp_path):
     assert ds["validation"].num_rows == len(read(kind, "validation"))
 
 
-def test_generator_reproduces_the_committed_files(tmp_path):
+def test_generator_reproduces_the_committed_files(tmp_path, load_script):
     load_script("make_bundled_data").write(tmp_path)
     for kind in KINDS:
         for split in ("train", "validation"):

@@ -6,17 +6,6 @@ from align.models import LoraSettings, PolicyModel
 from align.models.tiny import build_tiny_model
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """The tiny model saved as an ordinary Hugging Face directory: the stand-in for a real checkpoint."""
-    from align.models.tiny import load_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-hf")
-    build_tiny_model(seed=3).save_pretrained(path)
-    load_tiny_tokenizer().save_pretrained(path)
-    return str(path)
-
-
 def batch(policy, texts=("sort: b a", "sort: d c b a")):
     tok = policy.tokenizer
     tok.padding_side = "left"
@@ -94,8 +83,8 @@ def test_value_head_shapes_and_gradients(kind):
     assert head.proj.weight.grad is not None
 
 
-def test_local_directory_and_bad_paths(tiny_dir, tmp_path):
-    policy = PolicyModel(model=tiny_dir)
+def test_local_directory_and_bad_paths(tiny_model_dir, tmp_path):
+    policy = PolicyModel(model=tiny_model_dir)
     ref = build_tiny_model(seed=3)
     ids, mask = batch(policy)
     torch.testing.assert_close(policy.score(ids, mask, response_length=2).logprobs, naive_logprobs(ref, ids, mask, 2))
@@ -104,12 +93,12 @@ def test_local_directory_and_bad_paths(tiny_dir, tmp_path):
     with pytest.raises(AlignConfigError, match="without config.json"):
         PolicyModel(model=str(tmp_path))
     with pytest.raises(AlignConfigError, match="also set policy.lora"):
-        PolicyModel(model=tiny_dir, quantization="4bit")
+        PolicyModel(model=tiny_model_dir, quantization="4bit")
 
 
-def test_qlora_forward_and_backward_on_cpu(tiny_dir):
+def test_qlora_forward_and_backward_on_cpu(tiny_model_dir):
     pytest.importorskip("bitsandbytes")
-    policy = PolicyModel(model=tiny_dir, quantization="4bit", lora=LoraSettings(r=4, alpha=8))
+    policy = PolicyModel(model=tiny_model_dir, quantization="4bit", lora=LoraSettings(r=4, alpha=8))
     ids, mask = batch(policy)
     out = policy.score(ids, mask, response_length=3)
     assert torch.isfinite(out.logprobs).all()

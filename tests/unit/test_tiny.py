@@ -1,7 +1,5 @@
 import importlib.resources
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,15 +15,6 @@ from align.models.tiny import (
     tiny_config,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_script(name):
-    # In-process: a fresh interpreter would spend most of the test re-importing torch.
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 PAD, BOS, EOS = 0, 1, 2
 
 
@@ -217,7 +206,7 @@ def test_no_shipped_weights_yet():
     assert not has_tiny_sort_weights()
 
 
-def test_tokenizer_script_reproduces_the_shipped_files(tmp_path):
+def test_tokenizer_script_reproduces_the_shipped_files(tmp_path, load_script):
     load_script("train_tokenizer").save(tmp_path)
     shipped = sorted(p.name for p in TOKENIZER_DIR.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == shipped
