@@ -50,6 +50,29 @@ class AlignModule(L.LightningModule):
             return value
         return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
 
+    def gradient_scale(self) -> float:
+        """The factor that undoes the framework's own loss scaling, so a loss divided by a global count is exact.
+
+        Lightning divides each micro-batch loss by ``accumulate_grad_batches``; DeepSpeed's engine divides by it
+        once more; data-parallel gradient averaging divides by the world size. A module that divides its summed
+        loss by the count over the whole optimizer step multiplies by this factor.
+        """
+        trainer = self.trainer
+        scale = trainer.accumulate_grad_batches * trainer.world_size
+        if trainer.strategy.handles_gradient_accumulation:
+            scale *= trainer.accumulate_grad_batches
+        return float(scale)
+
+    def configure_model(self) -> None:
+        # FSDP2: shard per decoder layer, then the policy (reference and critic included).
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if isinstance(self.trainer.strategy, ModelParallelStrategy) and not getattr(self, "_fsdp_applied", False):
+            from align.strategies import apply_fsdp2
+
+            apply_fsdp2(self.policy, self.trainer.strategy)
+            self._fsdp_applied = True
+
     def configure_optimizers(self):
         optimizer = self.optimizer(param_groups(self))
         if self.scheduler is None:

@@ -55,10 +55,10 @@ class SFTModule(AlignModule):
         return sft_loss(out.logits, batch.labels, normaliser=1.0)
 
     def training_step(self, batch: SFTBatch, batch_idx: int) -> torch.Tensor:
-        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+        scale = self.gradient_scale()
         window_tokens = self.all_reduce_sum(batch.window_tokens).clamp(min=1.0)
         nll = self._nll_sum(batch)
-        # Lightning divides by accumulate_grad_batches and DDP averages over ranks: undo both, divide by the total.
+        # Undo the framework's own scaling (see gradient_scale), then divide by the step's total token count.
         loss = nll * (scale / window_tokens)
         self._step_loss = self._step_loss.to(nll.device) + nll.detach() / window_tokens
         self._step_tokens += batch.num_tokens
