@@ -1,0 +1,401 @@
+"""Preference data: validation, tokenization and collation into :class:`PreferenceBatch`.
+
+A row is ``{"prompt", "chosen", "rejected"}`` (DESIGN.md); each field is a string or a list of messages (the
+prompt may hold several turns, each response is one assistant message). An optional ``margin`` column (a number,
+the Llama 2 preference strength, arXiv 2307.09288) is used by the reward model's Bradley-Terry loss.
+
+Tokenization applies the chat template once to the prompt plus each response (:class:`~align.data.chat.ChatEncoder`):
+the prompt ids are the ids a rollout would generate from, and each response's ids are what the template adds after
+them (the response text, its turn end and EOS). Chosen and rejected share the same prompt ids.
+
+Handled explicitly, with counts logged per file:
+
+* A prompt too long for ``max_length`` (or ``max_prompt_length``): ``truncation="left"`` keeps the prompt's last
+  tokens and both full responses; ``"drop"`` skips the row; ``"error"`` stops with the file and row. A pair whose
+  responses alone do not fit is dropped under ``"drop"`` and an error otherwise (responses are never cut).
+* ``chosen == rejected``: a warning with the count; such a pair carries no preference, so it is dropped unless
+  ``identical_pairs="keep"``.
+* A missing or malformed field: :class:`~align.errors.AlignDataError` naming the file, row and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+
+from align.data.chat import ChatEncoder
+from align.data.formats import completion_text, detect_format, prompt_messages, _expect_str
+from align.data.io import read_rows
+from align.data.sampling import WindowBatchSampler
+from align.errors import AlignDataError
+
+log = logging.getLogger(__name__)
+
+Truncation = Literal["left", "drop", "error"]
+IdenticalPairs = Literal["drop", "keep", "error"]
+
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+PREFERENCE_FORMATS = {"preference": (frozenset(PREFERENCE_FIELDS), frozenset({"system", "margin"}))}
+
+
+@dataclass
+class PreferenceRecord:
+    """A validated preference row: the prompt as messages and the two responses as text."""
+
+    prompt: list[dict]
+    chosen: str
+    rejected: str
+    margin: float | None
+    row: int
+    source: str
+
+
+@dataclass
+class PreferenceExample:
+    """One tokenized pair. ``prompt_ids + chosen_ids`` is the templated conversation with the chosen answer."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    margin: float = 0.0
+    row: int = 0  # row number in its source file (from 1), for messages
+    truncated: bool = False
+
+
+@dataclass
+class PreparedSplit:
+    """What :func:`tokenize_preference_rows` kept, and what it counted on the way."""
+
+    examples: list[PreferenceExample] = field(default_factory=list)
+    rows: int = 0
+    truncated: int = 0
+    dropped_long: int = 0
+    identical: int = 0
+    dropped_identical: int = 0
+
+
+@dataclass
+class PreferenceBatch:
+    """A micro-batch of ``B`` pairs laid out for one concatenated forward pass.
+
+    Rows ``0..B-1`` hold prompt + chosen and rows ``B..2B-1`` prompt + rejected, for the same pairs in the same
+    order. Each row is ``[left-padded prompt (P) | right-padded response (R)]``, ``T = P + R``, so the last ``R``
+    positions are the responses of every row (``PolicyModel.score(..., response_length=R)``). Positions come from
+    the attention mask, so the left padding does not shift them.
+    """
+
+    input_ids: torch.Tensor  # (2B, T)
+    attention_mask: torch.Tensor  # (2B, T) 1 on real tokens
+    response_mask: torch.Tensor  # (2B, R) 1 on response tokens (turn end and EOS included)
+    margin: torch.Tensor  # (B,) float32 preference margin (0 where the data has none)
+    index: torch.Tensor  # (B,) long: position of each pair in its dataset (keys the reference cache)
+    window_pairs: torch.Tensor  # () pairs in this rank's whole accumulation window
+    num_tokens: int  # real (non-pad) tokens, for throughput
+
+    @property
+    def num_pairs(self) -> int:
+        return self.input_ids.shape[0] // 2
+
+    @property
+    def response_length(self) -> int:
+        return self.response_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.num_pairs
+
+
+def preference_record(row: dict, source: str, index: int, ignore: frozenset = frozenset(),
+                      system_prompt: str | None = None) -> PreferenceRecord:
+    """Validate one row; errors name the file, the row and the field."""
+    for name in PREFERENCE_FIELDS:
+        if name not in row:
+            raise AlignDataError(source, index, name, f"a '{name}' field (a string or a list of messages) in every "
+                                 "preference row {prompt, chosen, rejected}", f"fields {sorted(row)}")
+    detect_format(row, PREFERENCE_FORMATS, source, index, ignore)
+    system = row.get("system", system_prompt)
+    if system is not None:
+        system = _expect_str(system, source, index, "system")
+    margin = row.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin):
+        raise AlignDataError(source, index, "margin", "a number", margin)
+    return PreferenceRecord(
+        prompt=prompt_messages(row["prompt"], source, index, "prompt", system),
+        chosen=completion_text(row["chosen"], source, index, "chosen"),
+        rejected=completion_text(row["rejected"], source, index, "rejected"),
+        margin=None if margin is None else float(margin),
+        row=index,
+        source=source,
+    )
+
+
+def encode_response(encoder: ChatEncoder, prompt_ids: list[int], messages: list[dict], response: str,
+                    source: str = "<data>", row: int | None = None, name: str = "response") -> list[int]:
+    """Ids the chat template adds after ``prompt_ids`` for ``response`` as the assistant's reply."""
+    ids, _ = encoder.encode(messages + [{"role": "assistant", "content": response}], source, row)
+    if ids[: len(prompt_ids)] != prompt_ids or len(ids) == len(prompt_ids):
+        raise AlignDataError(source, row, name, "a chat template whose rendering of prompt + response starts with "
+                             "the rendering of the prompt alone")
+    return ids[len(prompt_ids):]
+
+
+def fit_prompt(prompt_ids: list[int], response_len: int, max_length: int, max_prompt_length: int | None) -> int:
+    """How many prompt tokens fit (keeping the last ones); 0 when the responses alone leave no room."""
+    budget = max_length - response_len
+    if max_prompt_length is not None:
+        budget = min(budget, max_prompt_length)
+    return max(0, min(len(prompt_ids), budget))
+
+
+def tokenize_preference_rows(
+    rows: Sequence[dict],
+    source: str,
+    encoder: ChatEncoder,
+    *,
+    max_length: int,
+    max_prompt_length: int | None = None,
+    truncation: Truncation = "left",
+    identical_pairs: IdenticalPairs = "drop",
+    ignore_columns: frozenset = frozenset(),
+    system_prompt: str | None = None,
+) -> PreparedSplit:
+    """Validate and tokenize every row of one file."""
+    out = PreparedSplit(rows=len(rows))
+    for index, row in enumerate(rows, start=1):
+        record = preference_record(row, source, index, ignore_columns, system_prompt)
+        if record.chosen == record.rejected:
+            out.identical += 1
+            if identical_pairs == "error":
+                raise AlignDataError(source, index, "rejected", "a response different from 'chosen' (or set "
+                                     "data.identical_pairs to 'drop' or 'keep')", record.rejected)
+            if identical_pairs == "drop":
+                out.dropped_identical += 1
+                continue
+        prompt_ids = encoder.prompt_ids(record.prompt)
+        chosen = encode_response(encoder, prompt_ids, record.prompt, record.chosen, source, index, "chosen")
+        rejected = encode_response(encoder, prompt_ids, record.prompt, record.rejected, source, index, "rejected")
+        longest = max(len(chosen), len(rejected))
+        keep = fit_prompt(prompt_ids, longest, max_length, max_prompt_length)
+        truncated = keep < len(prompt_ids)
+        if truncated:
+            if truncation == "drop":
+                out.dropped_long += 1
+                continue
+            if keep == 0 or truncation == "error":
+                what = ("responses of at most max_length - 1 tokens" if keep == 0 else
+                        "a prompt that fits max_length/max_prompt_length (or set data.truncation to 'left' or 'drop')")
+                raise AlignDataError(source, index, None, f"{what} (max_length={max_length}, max_prompt_length="
+                                     f"{max_prompt_length})", f"prompt {len(prompt_ids)} + response {longest} tokens")
+            prompt_ids = prompt_ids[len(prompt_ids) - keep:]
+            out.truncated += 1
+        out.examples.append(PreferenceExample(prompt_ids, chosen, rejected, record.margin or 0.0, index, truncated))
+    return out
+
+
+def fingerprint_examples(examples: Sequence[PreferenceExample]) -> str:
+    """A sha256 of every pair's token ids and margin, in order: the data half of the reference-cache key."""
+    h = hashlib.sha256()
+    for ex in examples:
+        for part in (ex.prompt_ids, ex.chosen_ids, ex.rejected_ids):
+            h.update(len(part).to_bytes(4, "little"))
+            h.update(torch.tensor(part, dtype=torch.int64).numpy().tobytes())
+        h.update(repr(ex.margin).encode())
+    return h.hexdigest()
+
+
+class PreferenceDataset(Dataset):
+    """Items by index, or by ``(index, window_pairs)`` from :class:`WindowBatchSampler`."""
+
+    def __init__(self, examples: list[PreferenceExample]):
+        self.examples = examples
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, key):
+        index, window = key if isinstance(key, tuple) else (key, None)
+        return index, self.examples[index], window
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint_examples(self.examples)
+        return self._fingerprint
+
+
+class PreferenceCollator:
+    """Pads pairs into a :class:`PreferenceBatch`: prompts on the left, responses on the right."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, items: list[tuple[int, PreferenceExample, int | None]]) -> PreferenceBatch:
+        examples = [ex for _, ex, _ in items]
+        B = len(examples)
+        P = max(len(ex.prompt_ids) for ex in examples)
+        R = max(max(len(ex.chosen_ids), len(ex.rejected_ids)) for ex in examples)
+        if self.pad_to_multiple_of:
+            R = -(-(P + R) // self.pad_to_multiple_of) * self.pad_to_multiple_of - P
+        input_ids = torch.full((2 * B, P + R), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((2 * B, P + R), dtype=torch.long)
+        response_mask = torch.zeros((2 * B, R), dtype=torch.long)
+        for b, ex in enumerate(examples):
+            p = len(ex.prompt_ids)
+            for row, response in ((b, ex.chosen_ids), (B + b, ex.rejected_ids)):
+                n = len(response)
+                input_ids[row, P - p:P] = torch.tensor(ex.prompt_ids)
+                input_ids[row, P:P + n] = torch.tensor(response)
+                attention_mask[row, P - p:P + n] = 1
+                response_mask[row, :n] = 1
+        windows = {w for _, _, w in items}
+        window = windows.pop() if len(windows) == 1 and None not in windows else B
+        return PreferenceBatch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            margin=torch.tensor([ex.margin for ex in examples], dtype=torch.float32),
+            index=torch.tensor([i for i, _, _ in items], dtype=torch.long),
+            window_pairs=torch.tensor(float(window)),
+            num_tokens=int(attention_mask.sum()),
+        )
+
+
+class PreferenceDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        train_files: str | list[str] = "align:sort/preference/train.jsonl",
+        val_files: str | list[str] | None = "align:sort/preference/validation.jsonl",
+        tokenizer: str | None = None,
+        max_length: int = 512,
+        max_prompt_length: int | None = None,
+        truncation: Truncation = "left",
+        identical_pairs: IdenticalPairs = "drop",
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        use_chat_template: bool | None = None,
+        system_prompt: str | None = None,
+        ignore_columns: list[str] | None = None,
+        split: str = "train",
+        val_split: str = "validation",
+        shuffle: bool = True,
+        num_workers: int = 0,
+    ):
+        """
+        Args:
+            train_files: Training pairs ``{prompt, chosen, rejected}``: jsonl/json/parquet/csv paths, ``align:...``
+                bundled files, or a hub dataset.
+            val_files: Held-out pairs in the same format; null for none.
+            tokenizer: Tokenizer path or id; null uses the policy's.
+            max_length: Longest allowed prompt + response, in tokens (the longer response counts).
+            max_prompt_length: Longest allowed prompt in tokens; null means only ``max_length`` applies.
+            truncation: Prompts too long: ``left`` keeps their last tokens, ``drop`` skips the row (counted),
+                ``error`` names the row. Responses are never cut.
+            identical_pairs: Rows whose chosen equals rejected (always warned and counted): ``drop``, ``keep`` or
+                ``error``.
+            batch_size: Pairs per micro-batch per device; the trainer's ``accumulate_grad_batches`` multiplies it.
+            val_batch_size: Validation pairs per batch (defaults to ``batch_size``).
+            use_chat_template: Apply the tokenizer's chat template; null uses it when the tokenizer has one.
+            system_prompt: A system message added to every prompt that has none.
+            ignore_columns: Extra columns to skip instead of rejecting the row.
+            split: Hub split for ``train_files`` when it names a hub dataset.
+            val_split: Hub split for ``val_files`` when it names a hub dataset.
+            shuffle: Shuffle training pairs each epoch (seeded by ``seed_everything``).
+            num_workers: DataLoader worker processes.
+        """
+        super().__init__()
+        if truncation not in ("left", "drop", "error"):
+            raise AlignDataError("data.truncation", None, None, "'left', 'drop' or 'error'", truncation)
+        if identical_pairs not in ("drop", "keep", "error"):
+            raise AlignDataError("data.identical_pairs", None, None, "'drop', 'keep' or 'error'", identical_pairs)
+        self.save_hyperparameters()
+        self.tokenizer = None
+        self.train_set: PreferenceDataset | None = None
+        self.val_set: PreferenceDataset | None = None
+        self.stats: dict[str, PreparedSplit] = {}
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _resolve_tokenizer(self):
+        if self.tokenizer is None:
+            if self.hparams.tokenizer is not None:
+                from align.models.loading import load_tokenizer
+
+                self.tokenizer = load_tokenizer(self.hparams.tokenizer)
+            elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
+                self.tokenizer = self.trainer.lightning_module.tokenizer
+            else:
+                raise AlignDataError("data.tokenizer", None, None, "a tokenizer path, or a module with a policy")
+        return self.tokenizer
+
+    def encoder(self) -> ChatEncoder:
+        return ChatEncoder(self._resolve_tokenizer(), self.hparams.use_chat_template)
+
+    def encoding_spec(self) -> dict:
+        """What a scorer needs to encode text the way training did (saved with reward-model exports)."""
+        hp = self.hparams
+        return {"use_chat_template": self.encoder().use_chat_template, "system_prompt": hp.system_prompt,
+                "max_length": hp.max_length, "max_prompt_length": hp.max_prompt_length}
+
+    def _load(self, files, split: str, name: str) -> PreferenceDataset:
+        hp = self.hparams
+        encoder = self.encoder()
+        total = PreparedSplit()
+        for source in [files] if isinstance(files, str) else files:
+            found = tokenize_preference_rows(
+                read_rows(source, split), source, encoder, max_length=hp.max_length,
+                max_prompt_length=hp.max_prompt_length, truncation=hp.truncation, identical_pairs=hp.identical_pairs,
+                ignore_columns=frozenset(hp.ignore_columns or ()), system_prompt=hp.system_prompt,
+            )
+            if found.identical:
+                log.warning("%s: %d of %d rows have chosen == rejected (%s)", source, found.identical, found.rows,
+                            "dropped" if found.dropped_identical else "kept")
+            if found.truncated:
+                log.warning("%s: truncated the prompt (from the left) of %d of %d rows to fit max_length=%d",
+                            source, found.truncated, found.rows, hp.max_length)
+            if found.dropped_long:
+                log.warning("%s: dropped %d of %d rows longer than max_length=%d", source, found.dropped_long,
+                            found.rows, hp.max_length)
+            total.examples += found.examples
+            for key in ("rows", "truncated", "dropped_long", "identical", "dropped_identical"):
+                setattr(total, key, getattr(total, key) + getattr(found, key))
+        if not total.examples:
+            raise AlignDataError(str(files), None, None, "at least one usable pair after filtering")
+        self.stats[name] = total
+        return PreferenceDataset(total.examples)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None and stage in (None, "fit"):
+            self.train_set = self._load(self.hparams.train_files, self.hparams.split, "train")
+        if self.val_set is None and self.hparams.val_files:
+            self.val_set = self._load(self.hparams.val_files, self.hparams.val_split, "val")
+
+    def collator(self) -> PreferenceCollator:
+        return PreferenceCollator(self._resolve_tokenizer().pad_token_id)
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        sampler = RandomSampler(self.train_set) if hp.shuffle else SequentialSampler(self.train_set)
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        # Every pair weighs 1: the loss of an optimizer step is a mean over the pairs of its whole window.
+        batch_sampler = WindowBatchSampler(sampler, hp.batch_size, drop_last=False,
+                                           weights=[1] * len(self.train_set), accumulate=accumulate)
+        return DataLoader(self.train_set, batch_sampler=batch_sampler, collate_fn=self.collator(),
+                          num_workers=hp.num_workers)
+
+    def eval_dataloader(self, dataset: PreferenceDataset, batch_size: int | None = None) -> DataLoader:
+        """In-order batches over ``dataset`` (validation, and reference precomputation)."""
+        return DataLoader(dataset, batch_size=batch_size or self.hparams.val_batch_size or self.hparams.batch_size,
+                          shuffle=False, collate_fn=self.collator(), num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        if self.val_set is None:
+            return []
+        return self.eval_dataloader(self.val_set)

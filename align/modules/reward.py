@@ -1,0 +1,182 @@
+"""Reward-model training: a Bradley-Terry loss on pairwise preferences (Ouyang et al. 2022, arXiv 2203.02155).
+
+Head choice: the reward model is the shared :class:`~align.models.policy.PolicyModel` with its scalar
+``value_head="shared"`` read at the last real token (:func:`align.models.reward.sequence_scores`), not
+``AutoModelForSequenceClassification``. Reasons:
+
+* One loading path: LoRA, QLoRA, dtype, gradient checkpointing, the tiny default and checkpoint metadata all come
+  from the policy wrapper, and the export is an ordinary causal-LM directory a PPO critic can start from.
+* The last token is found from the attention mask, not from ``input_ids != pad_token_id``; sequence-classification
+  heads use the latter, which picks the wrong token when ``pad == eos`` (the response's own EOS looks like padding)
+  and breaks with left padding.
+* Only the decoder runs; no vocabulary-sized logits are computed.
+
+Loss normalisation: the loss of an optimizer step is the mean over every pair of its accumulation window and of all
+data-parallel ranks (each micro-batch carries its window's pair count, as SFT does with tokens), so 8 x 1 equals
+1 x 8. The Llama 2 margin (arXiv 2307.09288) is taken from the data's ``margin`` column when ``use_margin`` is on.
+
+Departure: the head starts from small random weights instead of zeros, so the untrained model ranks pairs at about
+chance instead of tying every pair (a tie counts as wrong in ``rm/accuracy``).
+
+Logged: ``train/loss``, ``rm/accuracy``, ``rm/margin`` (mean chosen - rejected score), ``rm/score_chosen``,
+``rm/score_rejected``, ``train/pairs_per_s``; held out: ``val/loss``, ``val/rm_accuracy``, ``val/rm_margin``,
+``val/rm_score_chosen``, ``val/rm_score_rejected``. At the end of ``fit`` the model is exported to
+``<run dir>/export`` (see :mod:`align.models.reward`), loadable by :class:`align.models.reward.RewardModelScorer`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from align.data.preference import PreferenceBatch
+from align.losses import bradley_terry_loss
+from align.models.policy import PolicyModel, ValueHead
+from align.models.reward import init_reward_head, save_reward_model, sequence_scores
+from align.modules.base import AlignModule
+
+
+class PairMetrics:
+    """Sums of per-pair statistics over an accumulation window (or a validation epoch), reduced across ranks."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.pairs = 0
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, pairs: int, tokens: int = 0, **sums: torch.Tensor) -> None:
+        for name, value in sums.items():
+            value = value.detach().float()
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.pairs += pairs
+        self.tokens += tokens
+
+    def means(self, module: AlignModule) -> dict[str, float]:
+        """Window means over all ranks (one all-reduce); ``pairs_per_s`` from this rank's clock."""
+        if not self.sums:
+            return {}
+        names = list(self.sums)
+        device = self.sums[names[0]].device
+        packed = torch.stack([self.sums[n] for n in names] + [torch.tensor(float(self.pairs), device=device)])
+        packed = module.all_reduce_sum(packed)
+        pairs = float(packed[-1].clamp(min=1))
+        out = {n: float(packed[i]) / pairs for i, n in enumerate(names)}
+        out["pairs_per_s"] = float(packed[-1]) / max(time.perf_counter() - self.started, 1e-9)
+        return out
+
+
+def step_scale(module: AlignModule, window_pairs: torch.Tensor) -> torch.Tensor:
+    """Factor turning a micro-batch's *sum* of per-pair losses into its share of the step's per-pair mean.
+
+    Lightning divides each micro-batch loss by ``accumulate_grad_batches`` and DDP averages gradients over ranks;
+    both are undone here, and the sum is divided by the pair count of the whole window on all ranks.
+    """
+    scale = module.trainer.accumulate_grad_batches * module.trainer.world_size
+    return scale / module.all_reduce_sum(window_pairs).clamp(min=1.0)
+
+
+class RewardModule(AlignModule):
+    headline_metrics = ("val/rm_accuracy", "val/rm_margin", "val/loss")
+
+    def __init__(
+        self,
+        policy: PolicyModel | None = None,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = None,
+        use_margin: bool = True,
+        export: bool = True,
+        export_dtype: str | None = None,
+    ):
+        """
+        Args:
+            policy: The backbone; a scalar head (``value_head: shared``) is added when missing. Null means the
+                embedded tiny model.
+            optimizer: Optimizer callable (parameters -> optimizer); matrices get weight decay, vectors do not.
+            scheduler: Learning-rate schedule callable (optimizer -> scheduler), stepped every optimizer step.
+            use_margin: Subtract the data's per-pair ``margin`` column inside the Bradley-Terry loss.
+            export: Write the trained reward model to ``<run dir>/export`` when ``fit`` ends.
+            export_dtype: Weight dtype of the export (null keeps the training dtype).
+        """
+        policy = policy if policy is not None else PolicyModel(value_head="shared")
+        if policy.value_head is None:
+            if policy.critic is not None:
+                raise ValueError("RewardModule: the policy has a separate critic; use value_head 'shared' or null")
+            policy.value_head = ValueHead(policy.config.hidden_size)
+            policy.spec["value_head"] = "shared"
+        if not bool(policy.value_head.proj.weight.any()):  # a fresh (zero) head; a trained one is kept
+            init_reward_head(policy)
+        super().__init__(policy, optimizer, scheduler)
+        self.use_margin = use_margin
+        self.export = export
+        self.export_dtype = export_dtype
+        self._window = PairMetrics()
+        self._val = PairMetrics()
+
+    # ------------------------------------------------------------------ shared
+    def pair_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(chosen, rejected)`` scores, each ``(B,)``, from one forward pass over all ``2B`` rows."""
+        scores = sequence_scores(self.policy, batch.input_ids, batch.attention_mask)  # (2B,)
+        return scores.chunk(2)
+
+    def _loss_and_stats(self, batch: PreferenceBatch) -> tuple[torch.Tensor, dict]:
+        chosen, rejected = self.pair_scores(batch)
+        margin = batch.margin.to(chosen.device) if self.use_margin else None
+        loss, accuracy = bradley_terry_loss(chosen, rejected, margin)  # per-pair means over the micro-batch
+        n = batch.num_pairs
+        stats = dict(loss=loss.detach() * n, accuracy=accuracy * n, margin=(chosen - rejected).detach().sum(),
+                     score_chosen=chosen.detach().sum(), score_rejected=rejected.detach().sum())
+        return loss * n, stats
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: PreferenceBatch, batch_idx: int) -> torch.Tensor:
+        loss_sum, stats = self._loss_and_stats(batch)
+        self._window.add(batch.num_pairs, batch.num_tokens, **stats)
+        return loss_sum * step_scale(self, batch.window_pairs.to(loss_sum.device))
+
+    def on_train_start(self) -> None:
+        self._window = PairMetrics()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        m = self._window.means(self)
+        if m:
+            self.log("train/loss", m["loss"], on_step=True, prog_bar=True, batch_size=1)
+            self.log("rm/accuracy", m["accuracy"], on_step=True, prog_bar=True, batch_size=1)
+            for name in ("margin", "score_chosen", "score_rejected"):
+                self.log(f"rm/{name}", m[name], on_step=True, batch_size=1)
+            self.log("train/pairs_per_s", m["pairs_per_s"], on_step=True, batch_size=1)
+        self._window = PairMetrics()
+
+    # ------------------------------------------------------------------ validation
+    def on_validation_epoch_start(self) -> None:
+        self._val = PairMetrics()
+
+    def validation_step(self, batch: PreferenceBatch, batch_idx: int) -> None:
+        _, stats = self._loss_and_stats(batch)
+        self._val.add(batch.num_pairs, **stats)
+
+    def on_validation_epoch_end(self) -> None:
+        m = self._val.means(self)
+        if m:
+            self.log("val/loss", m["loss"], batch_size=1)
+            for name in ("accuracy", "margin", "score_chosen", "score_rejected"):
+                self.log(f"val/rm_{name}", m[name], batch_size=1)
+
+    # ------------------------------------------------------------------ export
+    def encoding_spec(self) -> dict:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        return dm.encoding_spec() if hasattr(dm, "encoding_spec") else {}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["align"]["reward"] = {"encoding": self.encoding_spec()}
+
+    def export_dir(self) -> Path:
+        return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "export"
+
+    def on_fit_end(self) -> None:
+        if self.export and self.trainer.is_global_zero and not self.trainer.interrupted:
+            save_reward_model(self.policy, self.export_dir(), self.encoding_spec(), dtype=self.export_dtype)
