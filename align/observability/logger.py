@@ -1,0 +1,289 @@
+"""``OTLPLogger``: a Lightning logger that exports every logged metric over OTLP (gRPC or HTTP/protobuf).
+
+Naming scheme: ``<prefix>.<name with "/" replaced by ".">``; ``train/kl`` -> ``align.train.kl``,
+``rollout/reward_mean`` -> ``align.rollout.reward_mean``, Lightning's ``epoch`` -> ``align.epoch``; the trainer's step
+is ``align.step``. Scalars are gauges (the last value in each export interval). Distributions recorded with
+``record_distribution`` (or scalars whose name matches ``histogram_metrics``) are histograms, base-2 exponential by
+default. Every data point carries ``align.run_id``, ``align.algorithm``, ``align.model`` and ``align.rank``;
+hyperparameters are flattened, redacted and exported once as the attributes of ``align.run.info`` (value 1).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from argparse import Namespace
+from typing import Any, Iterable, Literal, Mapping
+
+from lightning.pytorch.loggers.logger import Logger
+from opentelemetry.sdk.metrics import Histogram, MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import (
+    ExplicitBucketHistogramAggregation,
+    ExponentialBucketHistogramAggregation,
+    View,
+)
+
+from align.observability.attributes import (
+    algorithm_of,
+    hparam_attributes,
+    matches_any,
+    metric_name,
+    model_name_of,
+)
+from align.observability.export import (
+    SDK_LOGS,
+    CountingMetricExporter,
+    DropCounter,
+    ExportSettings,
+    ObservabilityConfigError,
+    bounded,
+    build_resource,
+    current_rank,
+    default_run_id,
+    make_metric_exporter,
+    publish_run_id,
+)
+
+SCOPE = "align.observability"
+
+
+class OTLPLogger(Logger):
+    """Exports the run's metrics over OTLP to a collector (Grafana Alloy, the OTel Collector, Jaeger, Honeycomb,
+    Datadog, ...). Export runs on a background thread; a down or slow collector never slows or fails training.
+
+    Every argument left unset falls back to the standard environment variable (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+    ``..._PROTOCOL``, ``..._HEADERS``, ``..._INSECURE``, ``..._COMPRESSION``, ``..._TIMEOUT`` (ms),
+    ``..._CERTIFICATE``, the ``..._METRICS_*`` variants, ``OTEL_METRIC_EXPORT_INTERVAL`` (ms),
+    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``), then to a local collector on ``localhost``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        protocol: Literal["grpc", "http/protobuf"] | None = None,
+        headers: dict[str, str] | None = None,
+        insecure: bool | None = None,
+        compression: Literal["none", "gzip", "deflate"] | None = None,
+        timeout: float | None = None,
+        export_interval: float | None = None,
+        certificate_file: str | None = None,
+        service_name: str | None = None,
+        resource_attributes: dict[str, str] | None = None,
+        run_id: str | None = None,
+        algorithm: str | None = None,
+        model_name: str | None = None,
+        prefix: str = "align",
+        histogram_metrics: list[str] | None = None,
+        histogram_boundaries: list[float] | None = None,
+        rank_zero_only: bool = False,
+    ):
+        """
+        Args:
+            endpoint: Collector address: ``host:port`` or ``http(s)://host:port[/base]`` (HTTP adds ``/v1/metrics``).
+            protocol: ``grpc`` (port 4317) or ``http/protobuf`` (port 4318).
+            headers: Extra request headers, e.g. an API key for a hosted backend (never logged).
+            insecure: Plain-text connection; default: true for ``http://`` endpoints, false for ``https://``.
+            compression: Request compression: none, gzip or deflate.
+            timeout: Seconds allowed per export; also the most that flushing at the end of a stage may take.
+            export_interval: Seconds between exports (default 10).
+            certificate_file: CA bundle (PEM) to verify the collector's TLS certificate.
+            service_name: OTel ``service.name`` (default ``align``).
+            resource_attributes: Extra resource attributes (after ``OTEL_RESOURCE_ATTRIBUTES``).
+            run_id: Identifies the run across ranks and signals (default: ``ALIGN_RUN_ID`` or a new timestamped id).
+            algorithm: Attribute ``align.algorithm``; default: from the LightningModule's class (``SFTModule`` -> sft).
+            model_name: Attribute ``align.model``; default: the policy's model id or path.
+            prefix: First component of every metric name (``align`` gives ``align.train.kl``).
+            histogram_metrics: Name patterns (fnmatch, e.g. ``rollout/*_length``) of logged scalars to export as
+                histograms (one sample per logged value) instead of gauges.
+            histogram_boundaries: Explicit bucket boundaries for every histogram; default: base-2 exponential buckets.
+            rank_zero_only: Export from global rank 0 only; by default every rank exports, each as its own service
+                instance with an ``align.rank`` attribute.
+        """
+        super().__init__()
+        self._settings = ExportSettings.resolve(
+            "metrics", endpoint=endpoint, protocol=protocol, headers=headers, insecure=insecure,
+            compression=compression, timeout=timeout, certificate_file=certificate_file)
+        if export_interval is None:
+            import os
+
+            env = os.environ.get("OTEL_METRIC_EXPORT_INTERVAL")
+            export_interval = float(env) / 1000.0 if env else 10.0
+        if not export_interval > 0:
+            raise ObservabilityConfigError(f"export_interval: expected positive seconds, got {export_interval!r}")
+        self._export_interval = float(export_interval)
+        self._service_name = service_name
+        self._resource_attributes = dict(resource_attributes or {})
+        self._run_id = run_id or default_run_id()
+        publish_run_id(self._run_id)
+        self._algorithm = algorithm
+        self._model_name = model_name
+        self._prefix = prefix
+        self._histogram_patterns = tuple(histogram_metrics or ())
+        self._histogram_boundaries = list(histogram_boundaries) if histogram_boundaries else None
+        self._rank_zero_only = rank_zero_only
+
+        self._lock = threading.Lock()
+        self._provider: MeterProvider | None = None
+        self._exporter: CountingMetricExporter | None = None
+        self._counter: DropCounter | None = None
+        self._meter = None
+        self._instruments: dict[tuple[str, str], Any] = {}
+        self._attrs: dict[str, Any] = {}
+        self._hparams: dict[str, Any] = {}
+        self._past_counters: list[DropCounter] = []
+        self.skipped_non_finite = 0
+
+    # ------------------------------------------------------------------ Lightning Logger API
+
+    @property
+    def name(self) -> str:
+        return "otlp"
+
+    @property
+    def version(self) -> str:
+        return self._run_id
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def settings(self) -> ExportSettings:
+        return self._settings
+
+    @property
+    def dropped(self) -> int:
+        """Metric data points that could not be delivered so far (collector down, slow or refusing)."""
+        counters = [*self._past_counters, *([self._counter] if self._counter else [])]
+        return sum(c.dropped for c in counters)
+
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None, *args: Any, **kwargs: Any) -> None:
+        if isinstance(params, Namespace):
+            params = vars(params)
+        self._hparams.update(hparam_attributes(params))
+        # Exported with the first metrics (Lightning names the module in ``log_graph`` right after this call).
+        if self._provider is not None and self._enabled():
+            self._record_run_info()
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        # Lightning calls this once per stage with the LightningModule: it names the algorithm and the model.
+        self._algorithm = self._algorithm or algorithm_of(model)
+        self._model_name = self._model_name or model_name_of(model)
+        if self._attrs:
+            self._attrs = {**self._attrs, "align.algorithm": self._algorithm or "unknown",
+                           "align.model": self._model_name or "unknown"}
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if not self._enabled():
+            return
+        self._ensure_started()
+        attrs = self._attrs
+        for key, value in metrics.items():
+            value = _as_float(value)
+            if value is None:
+                continue
+            if not math.isfinite(value):
+                self.skipped_non_finite += 1
+                continue
+            if self._histogram_patterns and matches_any(key, self._histogram_patterns):
+                self._instrument("histogram", key).record(value, attrs)
+            else:
+                self._instrument("gauge", key).set(value, attrs)
+        if step is not None:
+            self._instrument("gauge", "step").set(int(step), attrs)
+
+    def record_distribution(self, name: str, values: Iterable[float] | Any) -> None:
+        """Record every value of a distribution (e.g. ``"rollout/reward"``, per-sample rewards) in a histogram
+        named by the same scheme (``align.rollout.reward``). ``values``: numbers or a tensor of any shape."""
+        if not self._enabled():
+            return
+        self._ensure_started()
+        histogram = self._instrument("histogram", name)
+        attrs = self._attrs
+        for value in _flat_floats(values):
+            if math.isfinite(value):
+                histogram.record(value, attrs)
+            else:
+                self.skipped_non_finite += 1
+
+    def save(self) -> None:
+        pass
+
+    def finalize(self, status: str) -> None:
+        """Flush and shut the exporter down, waiting at most ``timeout`` seconds. Lightning calls this at the end
+        of every stage; logging again afterwards (the CLI validates after fit) starts a new exporter."""
+        with self._lock:
+            provider, exporter, counter = self._provider, self._exporter, self._counter
+            self._provider = self._exporter = self._counter = self._meter = None
+            self._instruments = {}
+        if provider is None:
+            return
+        # After failures the collector is known to be unreachable: don't spend the full timeout on a last try.
+        wait = self._settings.timeout if counter.failed == 0 else min(self._settings.timeout, 1.0)
+        bounded(lambda: provider.shutdown(timeout_millis=wait * 1000), wait, on_timeout=exporter.abandon)
+        self._past_counters.append(counter)
+        SDK_LOGS.release(grace=self._settings.timeout + 1.0)
+
+    # ------------------------------------------------------------------ internals
+
+    def _enabled(self) -> bool:
+        return not self._rank_zero_only or current_rank() == 0
+
+    def _ensure_started(self) -> None:
+        if self._provider is not None:
+            return
+        with self._lock:
+            if self._provider is not None:
+                return
+            rank = current_rank()
+            resource = build_resource(run_id=self._run_id, rank=rank, service_name=self._service_name,
+                                      resource_attributes=self._resource_attributes, algorithm=self._algorithm,
+                                      model_name=self._model_name)
+            counter = DropCounter("metrics", self._settings, self._run_id)
+            exporter = CountingMetricExporter(make_metric_exporter(self._settings), counter)
+            SDK_LOGS.acquire()
+            reader = PeriodicExportingMetricReader(exporter, export_interval_millis=self._export_interval * 1000,
+                                                   export_timeout_millis=self._settings.timeout * 1000)
+            aggregation = (ExplicitBucketHistogramAggregation(self._histogram_boundaries)
+                           if self._histogram_boundaries else ExponentialBucketHistogramAggregation())
+            self._provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False,
+                                           views=[View(instrument_type=Histogram, aggregation=aggregation)])
+            self._exporter, self._counter = exporter, counter
+            self._meter = self._provider.get_meter(SCOPE)
+            self._attrs = {"align.run_id": self._run_id, "align.rank": rank,
+                           "align.algorithm": self._algorithm or "unknown", "align.model": self._model_name or "unknown"}
+        if self._hparams:
+            self._record_run_info()
+
+    def _record_run_info(self) -> None:
+        self._instrument("gauge", "run/info").set(1, {**self._attrs, **self._hparams})
+
+    def _instrument(self, kind: str, key: str):
+        inst = self._instruments.get((kind, key))
+        if inst is None:
+            name = metric_name(key, self._prefix)
+            inst = (self._meter.create_histogram(name) if kind == "histogram" else self._meter.create_gauge(name))
+            self._instruments[(kind, key)] = inst
+        return inst
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if hasattr(value, "item"):
+        try:
+            return float(value.item())
+        except (ValueError, RuntimeError):
+            return None
+    return None
+
+
+def _flat_floats(values: Any) -> list[float]:
+    if hasattr(values, "detach"):  # torch tensor: one device-to-host copy
+        return values.detach().float().reshape(-1).cpu().tolist()
+    if hasattr(values, "tolist") and hasattr(values, "shape"):
+        return [float(v) for v in values.reshape(-1).tolist()]
+    return [float(v) for v in values]

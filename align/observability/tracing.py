@@ -1,0 +1,415 @@
+"""``OTelTracingCallback``: OTLP traces of where a run spends its time.
+
+Span tree of one ``trainer.fit`` (one trace per fit; a standalone validate is its own ``validate`` trace)::
+
+    fit                                 run id, algorithm, model, world size, hyperparameters
+    ├── epoch                           align.epoch
+    │   ├── step                        align.step, align.batch.size, align.batch.tokens, logged step metrics
+    │   │   ├── generation / scoring / reference_forward / value_forward / update_epoch ...
+    │   │   │                           opened by the module with ``align.observability.span(...)``
+    │   ├── checkpoint_save             from ``on_save_checkpoint`` to the end of the file write
+    │   └── validation
+    └── ...
+
+Spans are exported by a ``BatchSpanProcessor`` (bounded queue, background thread); drops are counted in
+``dropped`` and warned about once. Exceptions are recorded as span events with an error status.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from lightning.pytorch.callbacks import Callback
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+
+from align.observability import spans as _spans
+from align.observability.attributes import (
+    algorithm_of,
+    attribute_value,
+    hparam_attributes,
+    metric_name,
+    model_name_of,
+)
+from align.observability.export import (
+    SDK_LOGS,
+    CountingSpanExporter,
+    CountingSpanProcessor,
+    DropCounter,
+    ExportSettings,
+    bounded,
+    build_resource,
+    current_rank,
+    default_run_id,
+    make_span_exporter,
+)
+
+SCOPE = "align.observability"
+# Logged metrics copied onto each step span when present (DESIGN.md names).
+DEFAULT_STEP_METRICS = (
+    "train/loss", "train/kl", "train/entropy", "train/policy_loss", "train/value_loss", "train/clipfrac",
+    "rollout/reward_mean", "rollout/response_length", "rollout/tokens_per_s", "train/tokens_per_s",
+)
+
+
+class OTelTracingCallback(Callback):
+    """Traces fit -> epoch -> step (and the module's own ``span(...)`` sections, checkpoint saves and validation)
+    and exports them over OTLP. Under DDP every rank exports its own spans as its own service instance
+    (``service.instance.id = <run id>-rank<N>``, attribute ``align.rank``).
+
+    Unset arguments fall back to the standard ``OTEL_EXPORTER_OTLP_*`` / ``..._TRACES_*`` variables,
+    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``. With an ``OTLPLogger`` on the trainer both share its run id.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        protocol: Literal["grpc", "http/protobuf"] | None = None,
+        headers: dict[str, str] | None = None,
+        insecure: bool | None = None,
+        compression: Literal["none", "gzip", "deflate"] | None = None,
+        timeout: float | None = None,
+        export_interval: float = 5.0,
+        max_queue_size: int = 2048,
+        max_export_batch_size: int = 512,
+        certificate_file: str | None = None,
+        service_name: str | None = None,
+        resource_attributes: dict[str, str] | None = None,
+        run_id: str | None = None,
+        step_every_n: int = 1,
+        step_metrics: list[str] | None = None,
+    ):
+        """
+        Args:
+            endpoint: Collector address: ``host:port`` or ``http(s)://host:port[/base]`` (HTTP adds ``/v1/traces``).
+            protocol: ``grpc`` (port 4317) or ``http/protobuf`` (port 4318).
+            headers: Extra request headers, e.g. an API key for a hosted backend (never logged).
+            insecure: Plain-text connection; default: true for ``http://`` endpoints, false for ``https://``.
+            compression: Request compression: none, gzip or deflate.
+            timeout: Seconds allowed per export; also the most that flushing at the end of a stage may take.
+            export_interval: Seconds between span batch exports.
+            max_queue_size: Spans buffered for export; beyond it spans are dropped (counted, warned once).
+            max_export_batch_size: Spans per export request.
+            certificate_file: CA bundle (PEM) to verify the collector's TLS certificate.
+            service_name: OTel ``service.name`` (default ``align``).
+            resource_attributes: Extra resource attributes (after ``OTEL_RESOURCE_ATTRIBUTES``).
+            run_id: Run id; default: the trainer's ``OTLPLogger`` run id, else ``ALIGN_RUN_ID``, else a new one.
+            step_every_n: Trace every n-th training batch (1: every batch); the module's spans in untraced steps
+                nest under the epoch span.
+            step_metrics: Logged metrics copied onto step spans when present; default: loss, KL, entropy, reward
+                mean, response length and throughput names from DESIGN.md. An empty list reads none.
+        """
+        super().__init__()
+        if max_queue_size < 1 or max_export_batch_size < 1 or step_every_n < 1:
+            from align.observability.export import ObservabilityConfigError
+
+            raise ObservabilityConfigError("max_queue_size, max_export_batch_size and step_every_n must be >= 1")
+        self._settings = ExportSettings.resolve(
+            "traces", endpoint=endpoint, protocol=protocol, headers=headers, insecure=insecure,
+            compression=compression, timeout=timeout, certificate_file=certificate_file)
+        self._export_interval = float(export_interval)
+        self._max_queue_size = int(max_queue_size)
+        self._max_export_batch_size = min(int(max_export_batch_size), self._max_queue_size)
+        self._service_name = service_name
+        self._resource_attributes = dict(resource_attributes or {})
+        self._run_id_arg = run_id
+        self.run_id: str | None = run_id
+        self._step_every_n = int(step_every_n)
+        self._step_metrics = tuple(DEFAULT_STEP_METRICS if step_metrics is None else step_metrics)
+
+        self._provider: TracerProvider | None = None
+        self._tracer = None
+        self._exporter: CountingSpanExporter | None = None
+        self._counter: DropCounter | None = None
+        self._past_counters: list[DropCounter] = []
+        self._root = None  # fit / validate / test / predict span
+        self._epoch = None
+        self._step = None
+        self._step_end_ns: int | None = None
+        self._step_open = False
+        self._val = None
+        self._ckpt = None
+        self._trainer = None
+        self._saved_save_checkpoint = None
+
+    @property
+    def settings(self) -> ExportSettings:
+        return self._settings
+
+    @property
+    def dropped(self) -> int:
+        """Spans that could not be delivered so far (collector down, slow or refusing, or a full queue)."""
+        counters = [*self._past_counters, *([self._counter] if self._counter else [])]
+        return sum(c.dropped for c in counters)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
+        self._resolve_run_id(trainer)
+        if self._provider is None:
+            self._start(pl_module)
+        _spans._install(self)
+        self._wrap_checkpoint_write(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._close_all()
+        self._unwrap_checkpoint_write(trainer)
+        if _spans._current() is self:
+            _spans._install(None)
+        self._shutdown()
+        self._trainer = None
+
+    def _resolve_run_id(self, trainer) -> None:
+        from align.observability.logger import OTLPLogger
+
+        otlp_loggers = [lg for lg in trainer.loggers if isinstance(lg, OTLPLogger)]
+        run_id = self._run_id_arg or (otlp_loggers[0].run_id if otlp_loggers else None) or self.run_id \
+            or default_run_id()
+        if trainer.world_size > 1:  # every rank calls setup at the same point: safe to broadcast
+            run_id = trainer.strategy.broadcast(run_id, src=0)
+        self.run_id = run_id
+        for lg in otlp_loggers:
+            if lg._provider is None and lg.run_id != run_id:
+                lg._run_id = run_id
+
+    def _start(self, pl_module) -> None:
+        rank = current_rank()
+        self._algorithm, self._model_name = algorithm_of(pl_module), model_name_of(pl_module)
+        resource = build_resource(run_id=self.run_id, rank=rank, service_name=self._service_name,
+                                  resource_attributes=self._resource_attributes, algorithm=self._algorithm,
+                                  model_name=self._model_name)
+        self._counter = DropCounter("traces", self._settings, self.run_id)
+        self._exporter = CountingSpanExporter(make_span_exporter(self._settings), self._counter)
+        SDK_LOGS.acquire()
+        batch = BatchSpanProcessor(self._exporter, max_queue_size=self._max_queue_size,
+                                   schedule_delay_millis=self._export_interval * 1000,
+                                   max_export_batch_size=self._max_export_batch_size,
+                                   export_timeout_millis=self._settings.timeout * 1000)
+        self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        self._provider.add_span_processor(
+            CountingSpanProcessor(batch, self._exporter, self._counter, self._max_queue_size))
+        self._tracer = self._provider.get_tracer(SCOPE)
+
+    def _shutdown(self) -> None:
+        provider, exporter, counter = self._provider, self._exporter, self._counter
+        self._provider = self._tracer = self._exporter = self._counter = None
+        if provider is None:
+            return
+        wait = self._settings.timeout if counter.failed == 0 else min(self._settings.timeout, 1.0)
+        bounded(provider.shutdown, wait, on_timeout=exporter.abandon)
+        self._past_counters.append(counter)
+        SDK_LOGS.release(grace=self._settings.timeout + 1.0)
+
+    # ------------------------------------------------------------------ span helpers
+
+    def _start_span(self, name: str, parent, attributes: dict[str, Any] | None = None):
+        ctx = trace.set_span_in_context(parent) if parent is not None else None
+        return self._tracer.start_span(name, context=ctx, attributes=attributes)
+
+    def _parent(self):
+        """The innermost open trainer span: step, validation, epoch, then the root."""
+        if self._step is not None and self._step_open:
+            return self._step
+        return self._val or self._epoch or self._root
+
+    def _end(self, span, end_time: int | None = None) -> None:
+        if span is not None:
+            span.end(end_time=end_time)
+
+    def _close_step(self) -> None:
+        """End the step span; done at the next hook so that the step's logged metrics are final."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self._step_open = False
+        if self._step_metrics and self._trainer is not None:
+            try:
+                metrics = self._trainer.callback_metrics
+                for name in self._step_metrics:
+                    value = metrics.get(name)
+                    if value is not None:
+                        step.set_attribute(metric_name(name), float(value))
+            except Exception:  # attributes are a bonus; never fail a step for them
+                pass
+        step.end(end_time=self._step_end_ns)
+
+    def _close_checkpoint(self, path: str | None = None) -> None:
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is not None:
+            if path:
+                ckpt.set_attribute("align.checkpoint.path", str(path))
+            ckpt.end()
+
+    def _close_all(self, error: BaseException | None = None) -> None:
+        self._close_checkpoint()
+        self._close_step()
+        for attr in ("_val", "_epoch", "_root"):
+            span = getattr(self, attr)
+            if span is not None and error is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:512]))
+            self._end(span)
+            setattr(self, attr, None)
+
+    # ------------------------------------------------------------------ backend of align.observability.span
+
+    def child_span(self, name: str, attributes: dict[str, Any]):
+        tracer = self._tracer
+        if tracer is None:
+            return _spans.NOOP_SPAN
+        current = trace.get_current_span()
+        parent_ctx = None if current.get_span_context().is_valid and current.is_recording() \
+            else trace.set_span_in_context(self._parent()) if self._parent() is not None else None
+        attrs = {k: attribute_value(v) for k, v in attributes.items()} if attributes else None
+        return tracer.start_as_current_span(name, context=parent_ctx, attributes=attrs)
+
+    def annotate(self, attributes: dict[str, Any]) -> None:
+        current = trace.get_current_span()
+        target = current if current.get_span_context().is_valid and current.is_recording() else self._parent()
+        if target is not None:
+            target.set_attributes({k: attribute_value(v) for k, v in attributes.items()})
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def _root_attributes(self, trainer, pl_module) -> dict[str, Any]:
+        attrs = {"align.run_id": self.run_id, "align.rank": current_rank(), "align.world_size": trainer.world_size,
+                 "align.algorithm": self._algorithm or "unknown", "align.model": self._model_name or "unknown"}
+        if trainer.max_steps and trainer.max_steps > 0:
+            attrs["align.max_steps"] = int(trainer.max_steps)
+        if trainer.max_epochs is not None:
+            attrs["align.max_epochs"] = int(trainer.max_epochs)
+        try:
+            attrs.update(hparam_attributes(dict(pl_module.hparams)))
+        except Exception:
+            pass
+        return attrs
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self._tracer is not None:
+            self._root = self._start_span("fit", None, self._root_attributes(trainer, pl_module))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._close_all()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self._tracer is not None:
+            self._close_step()
+            self._end(self._epoch)
+            self._epoch = self._start_span("epoch", self._root, {"align.epoch": trainer.current_epoch})
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._close_checkpoint()
+        self._close_step()
+        # ModelCheckpoint may still save after this hook: the epoch span ends at the next epoch or at fit end.
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._close_checkpoint()
+        self._close_step()
+        self._end(self._epoch)
+        self._epoch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._tracer is None:
+            return
+        self._close_checkpoint()
+        self._close_step()
+        if batch_idx % self._step_every_n:
+            return
+        attrs = {"align.step": trainer.global_step, "align.batch_idx": batch_idx, "align.epoch": trainer.current_epoch}
+        attrs.update(_batch_attributes(batch))
+        self._step = self._start_span("step", self._epoch or self._root, attrs)
+        self._step_open = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._step is not None and self._step_open:
+            self._step_open = False
+            self._step_end_ns = time.time_ns()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self._tracer is None:
+            return
+        self._close_step()
+        if trainer.state.fn == "fit" and self._root is not None:
+            self._val = self._start_span("validation", self._epoch or self._root,
+                                         {"align.step": trainer.global_step})
+        else:
+            self._root = self._start_span("validate", None, self._root_attributes(trainer, pl_module))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._val is not None:
+            self._end(self._val)
+            self._val = None
+        elif self._root is not None and trainer.state.fn != "fit":
+            self._end(self._root)
+            self._root = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self._tracer is None:
+            return
+        self._close_checkpoint()
+        parent = self._val or self._epoch or self._root
+        self._ckpt = self._start_span("checkpoint_save", parent, {"align.step": trainer.global_step,
+                                                                   "align.epoch": trainer.current_epoch})
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        innermost = self._ckpt or (self._step if self._step is not None else None) or self._val or self._epoch \
+            or self._root
+        if innermost is not None:
+            innermost.record_exception(exception)
+            innermost.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"[:512]))
+        if self._step is not None:
+            self._step_end_ns = None
+            self._step_open = False
+        self._close_all(error=exception)
+        # Lightning skips the ``teardown`` hook after an exception: export what the run recorded now.
+        self.teardown(trainer, pl_module, "fit")
+
+    # ------------------------------------------------------------------ checkpoint write timing
+
+    def _wrap_checkpoint_write(self, trainer) -> None:
+        """End ``checkpoint_save`` when the strategy has written the file, not at the next hook."""
+        strategy = trainer.strategy
+        if self._saved_save_checkpoint is not None or "save_checkpoint" in vars(strategy):
+            return
+        original = strategy.save_checkpoint
+        callback = self
+
+        def save_checkpoint(checkpoint, filepath, *args, **kwargs):
+            try:
+                return original(checkpoint, filepath, *args, **kwargs)
+            finally:
+                callback._close_checkpoint(filepath)
+
+        strategy.save_checkpoint = save_checkpoint
+        self._saved_save_checkpoint = (strategy, save_checkpoint)
+
+    def _unwrap_checkpoint_write(self, trainer) -> None:
+        saved, self._saved_save_checkpoint = self._saved_save_checkpoint, None
+        if saved is not None:
+            strategy, wrapper = saved
+            if vars(strategy).get("save_checkpoint") is wrapper:
+                del strategy.save_checkpoint
+
+
+def _batch_attributes(batch: Any) -> dict[str, Any]:
+    """Batch size and token counts without a device sync: ``num_tokens`` when the batch carries it, else the
+    attention mask's sum only for CPU tensors, else the padded size."""
+    out: dict[str, Any] = {}
+    if isinstance(batch, (list, tuple)) and batch and hasattr(batch[0], "shape") and len(batch[0].shape) >= 1:
+        return {"align.batch.size": int(batch[0].shape[0])}
+    get = (lambda k: batch.get(k)) if isinstance(batch, dict) else (lambda k: getattr(batch, k, None))
+    input_ids = get("input_ids")
+    if input_ids is not None and hasattr(input_ids, "shape") and len(input_ids.shape) >= 1:
+        out["align.batch.size"] = int(input_ids.shape[0])
+        out["align.batch.padded_tokens"] = int(input_ids.numel())
+    num_tokens = get("num_tokens")
+    if isinstance(num_tokens, int):
+        out["align.batch.tokens"] = num_tokens
+    else:
+        mask = get("attention_mask")
+        if mask is not None and getattr(getattr(mask, "device", None), "type", None) == "cpu":
+            out["align.batch.tokens"] = int(mask.sum())
+    return out

@@ -1,0 +1,89 @@
+import logging
+
+import lightning as L
+import pytest
+import torch
+
+from align.observability import annotate, record_distribution, span
+from otlp_receiver import Receiver
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean_otel_env(monkeypatch):
+    for key in list(__import__("os").environ):
+        if key.startswith("OTEL_") or key == "ALIGN_RUN_ID":
+            monkeypatch.delenv(key, raising=False)
+
+
+class ToyRLModule(L.LightningModule):
+    """A stand-in for an RL module: the spans and distributions a GRPO/PPO step records, on a linear model."""
+
+    def __init__(self, fail_at_step: int | None = None):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.fail_at_step = fail_at_step
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at_step is not None and self.global_step == self.fail_at_step:
+            raise RuntimeError("reward function exploded")
+        x = batch[0]
+        with span("generation", prompts=int(x.shape[0])) as s:
+            s.set_attribute("completion_tokens", 7)
+        with span("scoring"):
+            rewards = torch.arange(x.shape[0], dtype=torch.float32) / 2  # 0, 0.5, 1.0, ...
+        with span("reference_forward"):
+            pass
+        loss = self.layer(x).pow(2).mean()
+        for epoch in range(2):
+            with span("update_epoch", epoch=epoch):
+                pass
+        annotate(reward_mean=float(rewards.mean()))
+        record_distribution(self, "rollout/reward", rewards)
+        self.log("train/loss", loss, on_step=True)
+        self.log("train/kl", 0.25, on_step=True)
+        self.log("rollout/reward_mean", rewards.mean(), on_step=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(24, 4))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def toy_trainer(tmp_path, **kwargs):
+    defaults = dict(accelerator="cpu", devices=1, max_steps=3, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, log_every_n_steps=1, default_root_dir=str(tmp_path),
+                    enable_checkpointing=False)
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+class WarningCounter(logging.Handler):
+    """Counts WARNING+ records from every logger (align's and opentelemetry's)."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def relevant(self):
+        return [r for r in self.records if r.name.startswith(("align", "opentelemetry", "grpc"))]
+
+
+@pytest.fixture
+def warning_counter():
+    handler = WarningCounter()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    yield handler
+    root.removeHandler(handler)

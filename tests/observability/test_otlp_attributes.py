@@ -1,0 +1,121 @@
+"""Naming, redaction and settings resolution: pure functions, no exporter involved."""
+
+import subprocess
+import sys
+
+import pytest
+
+from align.observability.attributes import (
+    REDACTED,
+    algorithm_of,
+    flatten,
+    hparam_attributes,
+    is_secret_key,
+    metric_name,
+)
+from align.observability.export import ExportSettings, ObservabilityConfigError, parse_headers
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("train/kl", "align.train.kl"),
+    ("rollout/reward_mean", "align.rollout.reward_mean"),
+    ("val/reward_mean", "align.val.reward_mean"),
+    ("epoch", "align.epoch"),
+    ("train/loss step", "align.train.loss_step"),
+    ("dpo/rewards_chosen", "align.dpo.rewards_chosen"),
+])
+def test_metric_names_follow_the_documented_scheme(name, expected):
+    assert metric_name(name) == expected
+
+
+def test_metric_name_without_prefix_still_starts_with_a_letter():
+    assert metric_name("train/kl", prefix="") == "train.kl"
+    assert metric_name("0/x", prefix="") == "m_0.x"
+
+
+@pytest.mark.parametrize("key", ["hf_token", "api_key", "wandb.api_key", "OPENAI_API_KEY", "password", "db.passwd",
+                                 "Authorization", "client_secret", "apiKey", "headers.authorization", "token"])
+def test_secret_keys_are_recognised(key):
+    assert is_secret_key(key)
+
+
+@pytest.mark.parametrize("key", ["max_new_tokens", "tokenizer", "num_tokens", "model", "lr", "monkey", "kl_coef",
+                                 "keys_total", "capital"])
+def test_ordinary_keys_are_not_secrets(key):
+    assert not is_secret_key(key)
+
+
+def test_hparams_are_flattened_and_redacted():
+    params = {"model": {"class_path": "align.modules.GRPOModule",
+                        "init_args": {"beta": 0.04, "max_new_tokens": 32, "hf_token": "hf_abc", "api": {"key": "k"}}},
+              "reward": {"auth_header": "Bearer abc.def"}, "note": "Bearer xyz", "lr": 1e-3, "_private": 1,
+              "tags": ["a", "b"], "obj": object()}
+    attrs = hparam_attributes(params)
+    assert attrs["hparam.model.class_path"] == "align.modules.GRPOModule"
+    assert attrs["hparam.model.init_args.beta"] == 0.04
+    assert attrs["hparam.model.init_args.max_new_tokens"] == 32
+    assert attrs["hparam.model.init_args.hf_token"] == REDACTED
+    assert attrs["hparam.model.init_args.api.key"] == REDACTED
+    assert attrs["hparam.reward.auth_header"] == REDACTED
+    assert attrs["hparam.note"] == REDACTED  # a bearer credential under an innocent key
+    assert attrs["hparam.tags"] == ["a", "b"]
+    assert isinstance(attrs["hparam.obj"], str)
+    assert not any("_private" in k for k in attrs)
+
+
+def test_flatten_handles_empty_and_scalar_values():
+    assert flatten({}) == {}
+    assert flatten({"a": {}, "b": 1}) == {"a": {}, "b": 1}
+
+
+def test_algorithm_names():
+    class SFTModule: ...
+    class GRPOModule: ...
+    assert algorithm_of(SFTModule()) == "sft" and algorithm_of(GRPOModule()) == "grpo" and algorithm_of(None) is None
+
+
+def test_settings_from_arguments():
+    s = ExportSettings.resolve("metrics", endpoint="127.0.0.1:9999", protocol="grpc", headers={"X-Key": "v"},
+                               compression="gzip", timeout=2.5)
+    assert (s.endpoint, s.insecure, s.headers, s.compression, s.timeout) == \
+        ("127.0.0.1:9999", True, {"x-key": "v"}, "gzip", 2.5)
+    h = ExportSettings.resolve("traces", endpoint="https://otel.example.com", protocol="http/protobuf")
+    assert h.endpoint == "https://otel.example.com:4318/v1/traces" and not h.insecure
+    h = ExportSettings.resolve("metrics", endpoint="http://host:1234/otlp/", protocol="http")
+    assert h.endpoint == "http://host:1234/otlp/v1/metrics" and h.insecure
+
+
+def test_settings_fall_back_to_the_standard_environment(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "api-key=s%20ecret,x-team=rl")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2500")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://tempo:4318/custom/traces")
+    m = ExportSettings.resolve("metrics")
+    assert m.endpoint == "http://collector:4318/v1/metrics"
+    assert m.headers == {"api-key": "s ecret", "x-team": "rl"} and m.timeout == 2.5 and m.compression == "gzip"
+    t = ExportSettings.resolve("traces")
+    assert t.endpoint == "http://tempo:4318/custom/traces"  # a signal-specific URL is used as given
+    # arguments win over the environment
+    assert ExportSettings.resolve("metrics", endpoint="localhost:1", protocol="grpc").endpoint == "localhost:1"
+
+
+def test_bad_settings_fail_with_a_clear_message():
+    with pytest.raises(ObservabilityConfigError, match="protocol"):
+        ExportSettings.resolve("metrics", protocol="thrift")
+    with pytest.raises(ObservabilityConfigError, match="compression"):
+        ExportSettings.resolve("metrics", compression="zstd")
+    with pytest.raises(ObservabilityConfigError, match="key=value"):
+        parse_headers("novalue")
+    with pytest.raises(ObservabilityConfigError, match="timeout"):
+        ExportSettings.resolve("metrics", timeout=0)
+
+
+def test_the_span_api_does_not_import_opentelemetry():
+    code = ("import sys, align.observability as o\n"
+            "with o.span('generation', n=1) as s: s.set_attribute('x', 1)\n"
+            "o.annotate(a=1); o.record_distribution(None, 'rollout/reward', [1.0])\n"
+            "assert not o.tracing_enabled()\n"
+            "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'opentelemetry imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,267 @@
+"""The logger and the tracing callback against an in-process OTLP receiver (gRPC and HTTP/protobuf)."""
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from align.observability import OTelTracingCallback, OTLPLogger, span, tracing_enabled
+from align.observability.attributes import REDACTED
+from conftest import ToyRLModule, toy_trainer
+
+PROTOCOLS = ["grpc", "http/protobuf"]
+
+
+def by_name(points):
+    out = {}
+    for p in points:
+        out.setdefault(p.metric, []).append(p)
+    return out
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_logger_exports_names_values_attributes_and_histograms(receiver, protocol, monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=ci,team=rl")
+    logger = OTLPLogger(endpoint=receiver.endpoint(protocol), protocol=protocol, run_id="run-1", algorithm="grpo",
+                        model_name="tiny", headers={"x-api-key": "s3cret"}, compression="gzip", export_interval=60)
+    logger.log_hyperparams({"model": {"beta": 0.04, "hf_token": "hf_abcdefghijklmnopqrstuvwxyz"},
+                            "reward": {"api_key": "k", "max_new_tokens": 32}})
+    logger.log_metrics({"train/kl": 0.125, "rollout/reward_mean": 0.5, "epoch": 0.0}, step=3)
+    logger.log_metrics({"train/kl": 0.25}, step=4)  # a gauge exports the last value
+    logger.record_distribution("rollout/reward", torch.tensor([[0.0, 1.0], [2.0, float("nan")]]))
+    logger.record_distribution("rollout/response_length", [3, 5, 8])
+    logger.finalize("success")
+
+    transport = "grpc" if protocol == "grpc" else "http"
+    points = by_name(receiver.points(transport))
+    assert points["align.train.kl"][-1].value == 0.25
+    assert points["align.rollout.reward_mean"][-1].value == 0.5
+    assert points["align.step"][-1].value == 4
+    assert "align.epoch" in points
+    reward = points["align.rollout.reward"][-1]
+    assert reward.kind == "exponential_histogram" and reward.count == 3 and reward.sum == 3.0  # NaN skipped
+    assert logger.skipped_non_finite == 1
+    length = points["align.rollout.response_length"][-1]
+    assert length.count == 3 and length.sum == 16
+    kl = points["align.train.kl"][-1]
+    assert kl.attributes == {"align.run_id": "run-1", "align.rank": 0, "align.algorithm": "grpo",
+                             "align.model": "tiny"}
+    assert kl.resource["service.name"] == "align" and kl.resource["service.instance.id"] == "run-1-rank0"
+    assert kl.resource["deployment.environment"] == "ci" and kl.resource["team"] == "rl"
+    info = points["align.run.info"][-1].attributes
+    assert info["hparam.model.beta"] == 0.04 and info["hparam.reward.max_new_tokens"] == 32
+    assert info["hparam.model.hf_token"] == REDACTED and info["hparam.reward.api_key"] == REDACTED
+    assert "hf_abcdefghijklmnopqrstuvwxyz" not in repr(receiver.metric_requests)
+    assert receiver.headers[-1]["x-api-key"] == "s3cret"
+    assert logger.dropped == 0
+
+
+def test_histogram_patterns_and_explicit_buckets(receiver):
+    logger = OTLPLogger(endpoint=receiver.endpoint("grpc"), histogram_metrics=["rollout/*_length"],
+                        histogram_boundaries=[0, 10, 100], export_interval=60)
+    for v in (4.0, 20.0):
+        logger.log_metrics({"rollout/response_length": v, "train/loss": 1.0}, step=1)
+    logger.finalize("success")
+    points = by_name(receiver.points())
+    hist = points["align.rollout.response_length"][-1]
+    assert hist.kind == "histogram" and hist.count == 2 and hist.sum == 24.0
+    assert points["align.train.loss"][-1].kind == "gauge"
+
+
+def test_logger_can_log_again_after_finalize(receiver):
+    logger = OTLPLogger(endpoint=receiver.endpoint("grpc"), export_interval=60, run_id="r")
+    logger.log_metrics({"val/loss": 2.0})
+    logger.finalize("success")
+    logger.log_metrics({"val/loss": 1.0})  # the CLI validates again after fit
+    logger.finalize("success")
+    assert [p.value for p in receiver.points() if p.metric == "align.val.loss"] == [2.0, 1.0]
+
+
+def span_tree(spans):
+    by_id = {s.span_id: s for s in spans}
+    return by_id, (lambda s: by_id.get(s.parent_span_id))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_training_exports_the_span_tree_and_metrics(receiver, protocol, tmp_path):
+    endpoint = receiver.endpoint(protocol)
+    logger = OTLPLogger(endpoint=endpoint, protocol=protocol, export_interval=60)
+    callback = OTelTracingCallback(endpoint=endpoint, protocol=protocol, export_interval=60)
+    trainer = toy_trainer(tmp_path, logger=logger, callbacks=[callback], max_steps=3)
+    trainer.fit(ToyRLModule())
+    assert not tracing_enabled()  # torn down after fit
+
+    spans = receiver.spans()
+    by_id, parent = span_tree(spans)
+    names = [s.name for s in spans]
+    assert names.count("fit") == 1 and names.count("epoch") == 1 and names.count("step") == 3
+    fit = next(s for s in spans if s.name == "fit")
+    assert fit.parent_span_id == "" and fit.attributes["align.algorithm"] == "toyrl"
+    assert fit.resource["align.run_id"] == logger.run_id == callback.run_id  # one run id for both signals
+    assert fit.resource["service.instance.id"] == f"{logger.run_id}-rank0"
+    for s in spans:
+        assert s.trace_id == fit.trace_id
+    steps = [s for s in spans if s.name == "step"]
+    for step in steps:
+        assert parent(step).name == "epoch" and parent(parent(step)).name == "fit"
+        assert step.attributes["align.batch.size"] == 4
+        assert step.attributes["align.train.kl"] == 0.25
+        assert step.attributes["align.rollout.reward_mean"] == 0.75
+        assert step.attributes["reward_mean"] == 0.75  # from annotate()
+        children = sorted(s.name for s in spans if s.parent_span_id == step.span_id)
+        assert children == ["generation", "reference_forward", "scoring", "update_epoch", "update_epoch"]
+        assert step.start <= min(c.start for c in spans if c.parent_span_id == step.span_id)
+    gen = next(s for s in spans if s.name == "generation")
+    assert gen.attributes == {"prompts": 4, "completion_tokens": 7}
+    assert sorted(s.attributes["epoch"] for s in spans if s.name == "update_epoch")[:2] == [0, 0]
+    assert [s.attributes["align.step"] for s in steps] == [0, 1, 2]
+
+    points = by_name(receiver.points())
+    assert points["align.train.kl"][-1].value == 0.25
+    assert points["align.rollout.reward"][-1].count == 12  # 3 steps x 4 rewards
+    assert points["align.train.kl"][-1].attributes["align.algorithm"] == "toyrl"
+
+
+def test_checkpoint_saves_and_validation_are_spans(receiver, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class WithVal(ToyRLModule):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/reward_mean", 1.0)
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
+    trainer = toy_trainer(tmp_path, logger=False, max_steps=2, limit_val_batches=1, val_check_interval=2,
+                          enable_checkpointing=True,
+                          callbacks=[callback, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)])
+    trainer.fit(WithVal())
+    spans = receiver.spans()
+    by_id, parent = span_tree(spans)
+    saves = [s for s in spans if s.name == "checkpoint_save"]
+    assert len(saves) >= 2
+    assert all(parent(s).name in ("epoch", "validation") for s in saves)
+    assert all(s.attributes["align.checkpoint.path"].endswith(".ckpt") for s in saves)
+    val = [s for s in spans if s.name == "validation"]
+    assert len(val) == 1 and parent(val[0]).name == "epoch"
+
+
+def test_exceptions_are_recorded_as_span_events(receiver, tmp_path):
+    callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
+    trainer = toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=5)
+    with pytest.raises(RuntimeError, match="exploded"):
+        trainer.fit(ToyRLModule(fail_at_step=1))
+    spans = receiver.spans()
+    failed = [s for s in spans if s.events]
+    assert len(failed) == 1 and failed[0].name == "step"
+    name, attrs = failed[0].events[0]
+    assert name == "exception" and attrs["exception.type"] == "RuntimeError"
+    assert "exploded" in attrs["exception.message"]
+    assert failed[0].status_code == 2  # STATUS_CODE_ERROR
+    assert next(s for s in spans if s.name == "fit").status_code == 2
+
+
+def test_span_is_a_no_op_without_the_callback():
+    with span("generation", n=1) as s:
+        s.set_attribute("x", 1)
+        s.add_event("e")
+    assert not tracing_enabled()
+
+
+def test_spans_from_other_threads_nest_under_the_step(receiver, tmp_path):
+    class Threaded(ToyRLModule):
+        def training_step(self, batch, batch_idx):
+            t = threading.Thread(target=lambda: span("generation").__enter__().__exit__(None, None, None))
+            with span("generation_worker_pool"):
+                pass
+            t.start()
+            t.join()
+            return self.layer(batch[0]).sum()
+
+    callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
+    toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=1).fit(Threaded())
+    spans = receiver.spans()
+    _, parent = span_tree(spans)
+    gen = next(s for s in spans if s.name == "generation")
+    assert parent(gen).name == "step"
+
+
+# ------------------------------------------------------------------------------------------------ failures
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_collector_down_training_finishes_with_a_single_warning(tmp_path, protocol, warning_counter):
+    port = closed_port()
+    endpoint = f"127.0.0.1:{port}" if protocol == "grpc" else f"http://127.0.0.1:{port}"
+    logger = OTLPLogger(endpoint=endpoint, protocol=protocol, export_interval=0.05, timeout=2)
+    callback = OTelTracingCallback(endpoint=endpoint, protocol=protocol, export_interval=0.05, timeout=2)
+    trainer = toy_trainer(tmp_path, logger=logger, callbacks=[callback], max_steps=6)
+    start = time.monotonic()
+    trainer.fit(ToyRLModule())
+    elapsed = time.monotonic() - start
+    assert trainer.global_step == 6
+    assert logger.dropped > 0 and callback.dropped > 0
+    warnings = warning_counter.relevant()
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert warnings[0].name == "align.observability" and f"127.0.0.1:{port}" in warnings[0].getMessage()
+    assert elapsed < 30, elapsed
+
+
+def test_full_span_queue_drops_are_counted_and_warned_once(tmp_path, warning_counter):
+    callback = OTelTracingCallback(endpoint=f"127.0.0.1:{closed_port()}", export_interval=60, max_queue_size=4,
+                                   max_export_batch_size=4, timeout=1)
+    toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=6).fit(ToyRLModule())
+    assert callback.dropped >= 6 * 6 - 4  # 6 steps x (step + 5 children) spans, 4 fit in the queue
+    assert len(warning_counter.relevant()) == 1
+
+
+def silent_server():
+    """A TCP server that accepts connections and never answers: the slowest possible collector."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    conns = []
+    stop = threading.Event()
+
+    def accept():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conns.append(server.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def close():
+        stop.set()
+        for c in conns:
+            c.close()
+        server.close()
+
+    return server.getsockname()[1], close
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_shutdown_never_waits_longer_than_the_timeout(protocol):
+    port, close = silent_server()
+    try:
+        endpoint = f"127.0.0.1:{port}" if protocol == "grpc" else f"http://127.0.0.1:{port}"
+        logger = OTLPLogger(endpoint=endpoint, protocol=protocol, timeout=1.0, export_interval=60)
+        for step in range(5):
+            logger.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+        start = time.monotonic()
+        logger.finalize("success")
+        assert time.monotonic() - start < 1.5
+        assert logger.dropped > 0
+    finally:
+        close()
