@@ -222,6 +222,8 @@ class OTLPLogger(Logger):
         # After failures the collector is known to be unreachable: don't spend the full timeout on a last try.
         wait = self._settings.timeout if counter.failed == 0 else min(self._settings.timeout, 1.0)
         bounded(lambda: provider.shutdown(timeout_millis=wait * 1000), wait, on_timeout=exporter.abandon)
+        if exporter.in_flight and not exporter.abandoned:  # the SDK returned with a request still pending
+            exporter.abandon()
         self._past_counters.append(counter)
         SDK_LOGS.release(grace=self._settings.timeout + 1.0)
 

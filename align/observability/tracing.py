@@ -201,6 +201,8 @@ class OTelTracingCallback(Callback):
             return
         wait = self._settings.timeout if counter.failed == 0 else min(self._settings.timeout, 1.0)
         bounded(provider.shutdown, wait, on_timeout=exporter.abandon)
+        if exporter.in_flight and not exporter.abandoned:  # the SDK returned with a request still pending
+            exporter.abandon()
         self._past_counters.append(counter)
         SDK_LOGS.release(grace=self._settings.timeout + 1.0)
 
