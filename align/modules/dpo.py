@@ -268,12 +268,14 @@ class DPOModule(AlignModule):
     def _compute_cache(self, dataset: PreferenceDataset) -> ReferenceCache:
         dm = self.trainer.datamodule
         chosen, rejected = torch.zeros(len(dataset)), torch.zeros(len(dataset))
+        # Without LoRA or a loaded reference, the policy before its first update is the reference itself.
+        reference = self.policy.has_adapter or self.policy.ref_model is not None
         was_training = self.policy.training
         self.policy.eval()
         try:
             for batch in dm.eval_dataloader(dataset):
                 batch = batch_to(batch, self.device)
-                c, r = sequence_logps(self.policy, batch, reference=True).float().cpu().chunk(2)
+                c, r = sequence_logps(self.policy, batch, reference=reference).float().cpu().chunk(2)
                 chosen[batch.index.cpu()], rejected[batch.index.cpu()] = c, r
         finally:
             self.policy.train(was_training)

@@ -1,0 +1,203 @@
+import json
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+
+from align.data.preference import PreferenceDataModule
+from align.models import LoraSettings, PolicyModel
+from align.modules.dpo import PREFERENCE_LOSSES, DPOModule, ReferenceCache, batch_to, sequence_logps
+
+
+def trainer(**kwargs):
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, num_sanity_val_steps=0)
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def varied_pairs(tmp_path_factory):
+    """Pairs of very different lengths, so a mean of per-micro-batch means would differ from the per-pair mean."""
+    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
+    letters = "abcdefghij"
+    rows = []
+    for i in range(8):
+        n = 1 + (i * 5) % 7
+        prompt = [letters[(i + k) % 10] for k in range(n)]
+        rows.append({"prompt": "sort: " + " ".join(prompt), "chosen": " ".join(sorted(prompt)),
+                     "rejected": " ".join(prompt[::-1] + prompt[: 1 + i % 3]), "margin": 0.25 * i})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def data(path, **kwargs):
+    return PreferenceDataModule(**{**dict(train_files=path, val_files=path, max_length=64, shuffle=False), **kwargs})
+
+
+def one_step_params(path, batch_size, accumulate, **module_kwargs):
+    L.seed_everything(0)
+    module = DPOModule(PolicyModel(lora=module_kwargs.pop("lora", None)), optimizer=partial(torch.optim.SGD, lr=1.0),
+                       **module_kwargs)
+    trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
+        module, data(path, val_files=None, batch_size=batch_size))
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad and "ref_model" not in n}
+
+
+def perturbed(module):
+    """Move the policy away from its reference, so the implicit rewards are not all zero."""
+    with torch.no_grad():
+        for p in module.policy.model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(rpo_alpha=0.5, loss_type="ipo", beta=0.5),
+                                      dict(lora=LoraSettings(r=4, alpha=8))], ids=["sigmoid", "ipo+rpo", "lora"])
+def test_accumulating_8x1_equals_one_batch_of_8(varied_pairs, settings):
+    full = one_step_params(varied_pairs, 8, 1, **dict(settings))
+    for batch_size, accumulate in [(1, 8), (2, 4)]:
+        accumulated = one_step_params(varied_pairs, batch_size, accumulate, **dict(settings))
+        for name, value in full.items():
+            torch.testing.assert_close(accumulated[name], value, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_concatenated_forward_equals_separate_forwards(varied_pairs):
+    L.seed_everything(0)
+    policy = PolicyModel().eval()
+    dm = data(varied_pairs, batch_size=8)
+    dm.set_tokenizer(policy.tokenizer)
+    dm.setup("fit")
+    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    B = batch.num_pairs
+    assert B == 8
+    with torch.no_grad():
+        together = sequence_logps(policy, batch)  # (2B,)
+        for b, ex in enumerate(dm.train_set.examples):
+            for row, response in ((b, ex.chosen_ids), (B + b, ex.rejected_ids)):
+                ids = torch.tensor([ex.prompt_ids + response])
+                alone = policy.score(ids, torch.ones_like(ids), response_length=len(response)).logprobs.sum()
+                torch.testing.assert_close(together[row], alone, atol=1e-4, rtol=1e-5)
+
+
+def test_a_few_steps_raise_held_out_accuracy():
+    L.seed_everything(0)
+    module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3), beta=0.1)
+    dm = PreferenceDataModule(batch_size=32, max_length=64)
+    t = trainer(max_steps=20, limit_val_batches=3)
+    before = t.validate(module, dm, verbose=False)[0]
+    assert before["val/dpo_accuracy"] == pytest.approx(0.5) and before["val/dpo_margin"] == pytest.approx(0.0)
+    t.fit(module, dm)
+    logged = dict(t.callback_metrics)
+    for name in ("train/loss", "dpo/accuracy", "dpo/margin", "dpo/rewards_chosen", "dpo/rewards_rejected",
+                 "dpo/logps_chosen", "dpo/logps_rejected", "train/pairs_per_s"):
+        assert torch.isfinite(logged[name]), name
+    after = t.validate(module, dm, verbose=False)[0]
+    assert after["val/dpo_accuracy"] > 0.7 and after["val/loss"] < before["val/loss"]
+    assert after["val/dpo_margin"] > 0
+
+
+@pytest.mark.parametrize("loss_type", sorted(PREFERENCE_LOSSES))
+def test_each_loss_type_trains(varied_pairs, loss_type):
+    L.seed_everything(0)
+    extra = {"label_smoothing": 0.1} if loss_type == "conservative" else {}
+    module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3), loss_type=loss_type, **extra)
+    t = trainer(max_steps=3, limit_val_batches=1)
+    t.fit(module, data(varied_pairs, batch_size=4))
+    assert torch.isfinite(t.callback_metrics["train/loss"])
+    assert (module.policy.ref_model is None) == (loss_type == "simpo")  # SimPO is reference-free
+
+
+def test_lora_reference_is_the_adapter_disabled_policy(varied_pairs):
+    module = DPOModule(PolicyModel(lora=LoraSettings(r=4, alpha=8)))
+    trainer(max_steps=1, limit_val_batches=0).fit(module, data(varied_pairs, batch_size=4, val_files=None))
+    assert module.policy.ref_model is None  # no second copy
+    dm = data(varied_pairs, batch_size=8)
+    dm.set_tokenizer(module.tokenizer)
+    dm.setup("fit")
+    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    module.eval()
+    base = PolicyModel().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_logps(module.policy, batch, reference=True), sequence_logps(base, batch))
+        assert not torch.allclose(sequence_logps(module.policy, batch), sequence_logps(base, batch))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_cached_reference_logps_equal_live_ones(varied_pairs, tmp_path, lora):
+    settings = LoraSettings(r=4, alpha=8) if lora else None
+    L.seed_everything(0)
+    cached = DPOModule(PolicyModel(lora=settings), precompute_reference=True, reference_cache_dir=str(tmp_path))
+    dm = data(varied_pairs, batch_size=3)
+    t = trainer(max_steps=2, limit_val_batches=0)
+    t.fit(cached, dm)
+    # Train and val are the same file here, so they share one cache entry.
+    assert cached.policy.ref_model is None and len(list(tmp_path.glob("*.safetensors"))) == 1
+    assert set(cached._caches) == {"train", "val"}
+    live = DPOModule(PolicyModel(lora=settings))
+    live.policy.setup_reference()
+    live.eval()
+    with torch.no_grad():
+        for batch in dm.eval_dataloader(dm.train_set):
+            c, r = cached._reference_logps(batch, "train")
+            torch.testing.assert_close(torch.cat([c, r]), sequence_logps(live.policy, batch, reference=True),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_cache_is_reused_and_invalidated_when_data_or_reference_change(varied_pairs, tmp_path):
+    def run(path, seed=0, reference_model=None):
+        module = DPOModule(PolicyModel(seed=seed, reference_model=reference_model), precompute_reference=True,
+                           reference_cache_dir=str(tmp_path / "cache"))
+        t = trainer(max_steps=1, limit_val_batches=0)
+        t.fit(module, data(path, val_files=None, batch_size=4))
+        return module
+
+    first = run(varied_pairs)
+    files = sorted((tmp_path / "cache").glob("*.safetensors"))
+    assert len(files) == 1
+    # Same data and reference: the file is loaded, not recomputed.
+    stamp = files[0].stat().st_mtime_ns
+    second = run(varied_pairs)
+    assert files[0].stat().st_mtime_ns == stamp
+    torch.testing.assert_close(second._caches["train"].chosen, first._caches["train"].chosen)
+    # Different reference weights: a new key.
+    run(varied_pairs, seed=1)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
+    # Different data: a new key.
+    rows = [json.loads(line) for line in open(varied_pairs)]
+    rows[0]["chosen"] += " a"
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run(str(other))
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 3
+
+
+def test_cache_validation_rejects_a_mismatched_file(tmp_path):
+    cache = ReferenceCache(torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0]))
+    path = tmp_path / "c.safetensors"
+    cache.save(path, "k1")
+    assert ReferenceCache.load(path, "k1", 2) is not None
+    assert ReferenceCache.load(path, "k2", 2) is None  # other data/reference
+    assert ReferenceCache.load(path, "k1", 3) is None  # other number of pairs
+    path.write_bytes(b"not a safetensors file")
+    assert ReferenceCache.load(path, "k1", 2) is None
+
+
+def test_bad_settings_fail_early():
+    from align.errors import AlignConfigError
+
+    policy = PolicyModel()
+    with pytest.raises(AlignConfigError, match="loss_type"):
+        DPOModule(policy, loss_type="nope")
+    with pytest.raises(AlignConfigError, match="label_smoothing"):
+        DPOModule(policy, loss_type="conservative")
+    with pytest.raises(AlignConfigError, match="label_smoothing"):
+        DPOModule(policy, label_smoothing=0.1)
+
+
+def test_batch_to_moves_every_tensor(varied_pairs):
+    dm = data(varied_pairs, batch_size=2)
+    dm.set_tokenizer(PolicyModel().tokenizer)
+    dm.setup("fit")
+    batch = batch_to(next(iter(dm.eval_dataloader(dm.train_set))), torch.device("cpu"))
+    assert batch.input_ids.device.type == "cpu" and batch.num_pairs == 2
