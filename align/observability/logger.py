@@ -219,13 +219,25 @@ class OTLPLogger(Logger):
             self._instruments = {}
         if provider is None:
             return
-        # After failures the collector is known to be unreachable: don't spend the full timeout on a last try.
-        wait = self._settings.timeout if counter.failed == 0 else min(self._settings.timeout, 1.0)
+        # After a failure, or with an export still retrying, the collector is down or slow: a short last try.
+        wait = self._settings.timeout if counter.failed == 0 and not exporter.in_flight \
+            else min(self._settings.timeout, 1.0)
         bounded(lambda: provider.shutdown(timeout_millis=wait * 1000), wait, on_timeout=exporter.abandon)
         if exporter.in_flight and not exporter.abandoned:  # the SDK returned with a request still pending
             exporter.abandon()
         self._past_counters.append(counter)
         SDK_LOGS.release(grace=self._settings.timeout + 1.0)
+
+    def __getstate__(self) -> dict:
+        # Picklable for spawn-based launchers: exporters and locks are rebuilt in the new process.
+        state = self.__dict__.copy()
+        state.update(_lock=None, _provider=None, _exporter=None, _counter=None, _meter=None, _instruments={},
+                     _attrs={}, _past_counters=[])
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ internals
 

@@ -199,7 +199,9 @@ class OTelTracingCallback(Callback):
         self._provider = self._tracer = self._exporter = self._counter = None
         if provider is None:
             return
-        wait = self._settings.timeout if counter.failed == 0 else min(self._settings.timeout, 1.0)
+        # After a failure, or with an export still retrying, the collector is down or slow: a short last try.
+        wait = self._settings.timeout if counter.failed == 0 and not exporter.in_flight \
+            else min(self._settings.timeout, 1.0)
         bounded(provider.shutdown, wait, on_timeout=exporter.abandon)
         if exporter.in_flight and not exporter.abandoned:  # the SDK returned with a request still pending
             exporter.abandon()

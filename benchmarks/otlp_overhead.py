@@ -1,0 +1,229 @@
+"""Step-time overhead of OTLP export: ``OTLPLogger`` + ``OTelTracingCallback`` (+ the CSV logger) against the CSV
+logger alone, on a tiny run. Target: at most 2% on the median step time.
+
+Usage::
+
+    python benchmarks/otlp_overhead.py                       # SFT on the tiny model, rotel collector, 5+5 trials
+    python benchmarks/otlp_overhead.py --trials 7 --steps 60 --json otlp-overhead.json
+    python benchmarks/otlp_overhead.py --collector down      # the collector's port is closed: the failure path
+    python benchmarks/otlp_overhead.py --module align.modules.grpo.GRPOModule \\
+        --datamodule align.data.prompts.PromptDataModule --data-args '{"batch_size": 4}'
+
+What happens:
+
+1. If ``--collector rotel`` (default), a rotel collector (the ``rotel`` wheel of the dev extra) listens on free
+   localhost ports and discards what it receives (``--exporter blackhole``). ``--collector down`` points the exporters
+   at a closed port instead.
+2. Trials run in fresh subprocesses, alternating ``csv, otlp, csv, otlp, ...`` (``--trials`` each), so load drifts
+   on a shared machine hit both arms alike. Each trial builds the module and data module from class paths (any
+   ``AlignModule``: SFT today, GRPO/PPO by ``--module``), trains ``--warmup + --steps`` steps, and times the interval
+   between consecutive ``on_train_batch_start`` hooks of a callback placed first: forward, backward, optimizer,
+   every other callback and every logger call of the step are inside it. Warmup steps are excluded.
+3. ``csv`` trials have Lightning's CSVLogger (what every align run has). ``otlp`` trials add ``OTLPLogger`` and
+   ``OTelTracingCallback`` with their defaults except the endpoint, and log every step (``--log-every 1`` is the worst
+   case; align's configs log every 10 steps).
+4. Reported: per arm, the median over trials of each trial's median step time, and the overhead in percent; the
+   pooled medians over all timed steps as a cross-check; the same for CPU time per step, of the whole trainer
+   process (training thread plus the export threads) and of the training thread alone. CPU time is what to read on
+   a loaded shared machine: other processes stretch wall time but not this process's CPU time. The machine load
+   before and after is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load(path: str):
+    from importlib import import_module
+
+    module, _, name = path.rpartition(".")
+    return getattr(import_module(module), name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one trial (child process)
+
+
+def run_trial(spec: dict) -> dict:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.set_num_threads(spec["threads"])
+    L.seed_everything(0, verbose=False)
+
+    class StepTimer(Callback):
+        """Wall time, CPU time of the whole process (training and export threads) and of the training thread."""
+
+        def __init__(self):
+            self.marks: list[tuple[float, float, float]] = []
+
+        def _mark(self):
+            self.marks.append((time.perf_counter(), time.process_time(), time.thread_time()))
+
+        def on_train_batch_start(self, *args):
+            self._mark()
+
+        def on_train_end(self, *args):
+            self._mark()
+
+    timer = StepTimer()
+    loggers = [CSVLogger(save_dir=spec["root"], name="")]
+    callbacks = [timer]
+    if spec["arm"] == "otlp":
+        from align.observability import OTelTracingCallback, OTLPLogger
+
+        loggers.append(OTLPLogger(endpoint=spec["endpoint"], protocol=spec["protocol"]))
+        callbacks.append(OTelTracingCallback(endpoint=spec["endpoint"], protocol=spec["protocol"]))
+    module = _load(spec["module"])(**spec["module_args"])
+    data = _load(spec["datamodule"])(**spec["data_args"])
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["warmup"] + spec["steps"], logger=loggers,
+                        callbacks=callbacks, log_every_n_steps=spec["log_every"], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=spec["root"])
+    trainer.fit(module, data)
+    deltas = [tuple(b[i] - a[i] for i in range(3)) for a, b in zip(timer.marks, timer.marks[1:])][spec["warmup"]:]
+    step_times = [d[0] for d in deltas]
+    out = {"arm": spec["arm"], "step_times": step_times, "median": statistics.median(step_times),
+           "median_process_cpu": statistics.median(d[1] for d in deltas),
+           "median_thread_cpu": statistics.median(d[2] for d in deltas)}
+    if spec["arm"] == "otlp":
+        out["dropped"] = {"metrics": loggers[1].dropped, "spans": callbacks[1].dropped}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parent: collector, alternating trials, report
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rotel(tmp: Path):
+    binary = shutil.which("rotel-agent")
+    if binary is None:
+        try:
+            import rotel
+
+            binary = str(Path(rotel.__file__).parent / "rotel-agent")
+        except ImportError:
+            sys.exit("the rotel collector is not installed: pip install -e '.[dev]' (or run with --collector down)")
+    grpc_port, http_port = free_port(), free_port()
+    proc = subprocess.Popen([binary, "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
+                             "--otlp-http-endpoint", f"127.0.0.1:{http_port}", "--exporter", "blackhole",
+                             "--pid-file", str(tmp / "rotel.pid"), "--log-file", str(tmp / "rotel.log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", grpc_port), timeout=0.2):
+                return proc, grpc_port, http_port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    sys.exit("rotel did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", default="align.modules.sft.SFTModule", help="LightningModule class path")
+    parser.add_argument("--module-args", default="{}", help="JSON init args of the module")
+    parser.add_argument("--datamodule", default="align.data.sft.SFTDataModule", help="LightningDataModule class path")
+    parser.add_argument("--data-args", default='{"batch_size": 8, "max_length": 64}', help="JSON init args")
+    parser.add_argument("--trials", type=int, default=5, help="trials per arm (alternating)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per trial")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--log-every", type=int, default=1, help="Trainer log_every_n_steps")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per trial")
+    parser.add_argument("--protocol", default="grpc", choices=["grpc", "http/protobuf"])
+    parser.add_argument("--collector", default="rotel", choices=["rotel", "down"])
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--_trial", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args._trial:
+        print("RESULT " + json.dumps(run_trial(json.loads(args._trial))))
+        return
+
+    tmp = Path(tempfile.mkdtemp(prefix="otlp-bench-"))
+    proc = None
+    if args.collector == "rotel":
+        proc, grpc_port, http_port = start_rotel(tmp)
+        endpoint = f"127.0.0.1:{grpc_port}" if args.protocol == "grpc" else f"http://127.0.0.1:{http_port}"
+    else:
+        endpoint = f"127.0.0.1:{free_port()}" if args.protocol == "grpc" else f"http://127.0.0.1:{free_port()}"
+    load_before = os.getloadavg()
+    results = {"csv": [], "otlp": []}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    try:
+        for trial in range(args.trials):
+            for arm in ("csv", "otlp"):
+                spec = {"arm": arm, "module": args.module, "module_args": json.loads(args.module_args),
+                        "datamodule": args.datamodule, "data_args": json.loads(args.data_args),
+                        "steps": args.steps, "warmup": args.warmup, "log_every": args.log_every,
+                        "threads": args.threads, "endpoint": endpoint, "protocol": args.protocol,
+                        "root": str(tmp / f"{arm}-{trial}")}
+                out = subprocess.run([sys.executable, __file__, "--_trial", json.dumps(spec)], capture_output=True,
+                                     text=True, env=env, cwd=tmp)
+                line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if out.returncode != 0 or line is None:
+                    sys.exit(f"trial {arm}/{trial} failed:\n{out.stderr[-3000:]}")
+                result = json.loads(line[len("RESULT "):])
+                results[arm].append(result)
+                extra = f"  dropped {result['dropped']}" if "dropped" in result else ""
+                print(f"trial {trial} {arm:4s}: median step {result['median'] * 1e3:8.2f} ms  process CPU "
+                      f"{result['median_process_cpu'] * 1e3:8.2f} ms  training-thread CPU "
+                      f"{result['median_thread_cpu'] * 1e3:8.2f} ms{extra}", flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    load_after = os.getloadavg()
+
+    med = {arm: statistics.median(r["median"] for r in rs) for arm, rs in results.items()}
+    cpu = {arm: statistics.median(r["median_process_cpu"] for r in rs) for arm, rs in results.items()}
+    tcpu = {arm: statistics.median(r["median_thread_cpu"] for r in rs) for arm, rs in results.items()}
+    cpu_overhead = (cpu["otlp"] / cpu["csv"] - 1) * 100
+    tcpu_overhead = (tcpu["otlp"] / tcpu["csv"] - 1) * 100
+    pooled = {arm: statistics.median(t for r in rs for t in r["step_times"]) for arm, rs in results.items()}
+    overhead = (med["otlp"] / med["csv"] - 1) * 100
+    pooled_overhead = (pooled["otlp"] / pooled["csv"] - 1) * 100
+    print(f"\nmodule {args.module}, {args.trials} trials x {args.steps} timed steps per arm, log every "
+          f"{args.log_every} step(s), {args.protocol} to {'rotel' if proc else 'a closed port'}")
+    print(f"median step time  csv: {med['csv'] * 1e3:.2f} ms   csv+otlp: {med['otlp'] * 1e3:.2f} ms   "
+          f"overhead: {overhead:+.2f}%  (target <= 2%)")
+    print(f"pooled medians    csv: {pooled['csv'] * 1e3:.2f} ms   csv+otlp: {pooled['otlp'] * 1e3:.2f} ms   "
+          f"overhead: {pooled_overhead:+.2f}%")
+    print(f"process CPU/step  csv: {cpu['csv'] * 1e3:.2f} ms   csv+otlp: {cpu['otlp'] * 1e3:.2f} ms   "
+          f"overhead: {cpu_overhead:+.2f}%  (all threads of the trainer: training and export)")
+    print(f"thread CPU/step   csv: {tcpu['csv'] * 1e3:.2f} ms   csv+otlp: {tcpu['otlp'] * 1e3:.2f} ms   "
+          f"overhead: {tcpu_overhead:+.2f}%  (the training thread only)")
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} cores)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "median_step_s": med, "overhead_pct": overhead, "pooled_median_step_s": pooled,
+            "pooled_overhead_pct": pooled_overhead, "median_process_cpu_s": cpu, "process_cpu_overhead_pct":
+            cpu_overhead, "median_thread_cpu_s": tcpu, "thread_cpu_overhead_pct": tcpu_overhead, "load_before": load_before, "load_after": load_after,
+            "trials": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
