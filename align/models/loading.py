@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from align.errors import AlignConfigError
-from align.models.tiny import build_tiny_model, is_tiny, load_tiny_tokenizer
+from align.models.tiny import TINY_SORT_DIR, build_tiny_model, has_tiny_sort_weights, is_tiny, is_tiny_sort, load_tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,12 @@ def check_model_source(name: str, what: str = "model") -> str:
     """Fail early, naming the setting, when a local model path does not exist."""
     if is_tiny(name):
         return name
+    if is_tiny_sort(name):
+        # The shipped SFT-warmed tiny model: a plain Hugging Face directory inside the package.
+        if not has_tiny_sort_weights():
+            raise AlignConfigError(f"{what}: 'tiny-sort' weights are missing from {TINY_SORT_DIR}; "
+                                   "run scripts/make_tiny_sort.py to rebuild them")
+        return str(TINY_SORT_DIR)
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir() and not (path / "config.json").exists() and what == "model":

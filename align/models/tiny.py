@@ -24,11 +24,20 @@ TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 """The shipped tokenizer directory; ``AutoTokenizer.from_pretrained(TOKENIZER_DIR)`` loads it."""
 
 TINY_SORT_DIR = ASSETS_DIR / "tiny-sort"
-"""Reserved for SFT-warmed weights on the sort task. Absent for now; when it holds a
-``config.json``, a loader beside :func:`build_tiny_model` will prefer it (see :func:`has_tiny_sort_weights`)."""
+"""SFT-warmed weights of the tiny Llama on the sort task (made by ``scripts/make_tiny_sort.py``), a
+Hugging Face model directory addressed by the model id :data:`TINY_SORT`."""
 
 TINY = "tiny"
 """The model id that means the embedded default, e.g. ``--model.policy tiny`` or ``name_or_path: tiny`` in YAML."""
+
+
+TINY_SORT = "tiny-sort"
+"""The model id of the SFT-warmed tiny model (:data:`TINY_SORT_DIR`): the GRPO/PPO recipes' default policy."""
+
+
+def is_tiny_sort(name: Any) -> bool:
+    """Whether a model id names the shipped SFT-warmed tiny model (case and surrounding spaces ignored)."""
+    return isinstance(name, str) and name.strip().lower() == TINY_SORT
 
 
 def is_tiny(name: Any) -> bool:
