@@ -2,7 +2,8 @@
 
 JSON lines are read line by line first so that a malformed line, a non-object line or invalid UTF-8 fails
 with the file and line number; the other formats are read with ``datasets`` and rows are numbered from 1.
-A bundled file is named ``align:<task>/<kind>/<split>.jsonl`` (for example ``align:sort/sft/train.jsonl``).
+A bundled file is named ``align:<task>/<kind>/<split>.jsonl`` (for example ``align:sort/sft/train.jsonl``); a hub
+dataset with several configs is named ``org/name:config`` (for example ``openai/gsm8k:main``).
 """
 
 from __future__ import annotations
@@ -79,10 +80,12 @@ def _read_with_datasets(path: Path, source: str, builder: str) -> list[dict]:
 
 
 def _read_hub(name: str, split: str) -> list[dict]:
+    """A hub dataset ``org/name``, or ``org/name:config`` for one with several configs (``openai/gsm8k:main``)."""
     import datasets
 
+    repo, _, config = name.partition(":")
     try:
-        ds = datasets.load_dataset(name, split=split)
+        ds = datasets.load_dataset(repo, config or None, split=split)
     except Exception as err:  # noqa: BLE001
         raise AlignDataError(
             name, None, None, f"a local file or a reachable hub dataset with split '{split}' ({type(err).__name__}: {err})"
