@@ -1,0 +1,212 @@
+"""RL prompt data: ``{"prompt", ...}`` rows -> token ids with the chat template applied once, plus columns.
+
+A prompt is a string (one user message) or a list of ``{role, content}`` messages not ending with an
+assistant turn. Every other column (for example ``answer``) is kept and passed to the reward functions as a
+keyword argument, one value per completion. Rows are validated up front: a row without the prompt field,
+or with an empty or malformed prompt, fails with the file, the row and the field.
+
+Held-out prompts for ``val/reward_mean`` come from ``val_files``, or, without them, from a seeded split of
+``val_size`` rows taken off the end of a shuffled copy of the training rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from align.data.chat import ChatEncoder
+from align.data.formats import prompt_messages
+from align.data.io import read_rows
+from align.errors import AlignDataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptExample:
+    prompt_ids: list[int]  # chat template applied, ready for generation
+    prompt: str  # the prompt text given to reward functions
+    columns: dict[str, Any]  # every other column of the row
+
+
+@dataclass
+class PromptBatch:
+    """``B`` prompts. Rewards see ``prompts`` and ``columns``; the rollout engine pads ``prompt_ids``."""
+
+    prompt_ids: list[list[int]]  # B token id lists, unpadded
+    prompts: list[str]  # B prompt texts
+    columns: dict[str, list]  # column name -> B values
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def repeat(self, group_size: int) -> tuple[list[str], dict[str, list]]:
+        """Prompts and columns with each entry repeated ``group_size`` times, aligned with a rollout's rows."""
+        prompts = [p for p in self.prompts for _ in range(group_size)]
+        columns = {k: [v for v in values for _ in range(group_size)] for k, values in self.columns.items()}
+        return prompts, columns
+
+
+def prompt_text(messages: list[dict]) -> str:
+    """The text reward functions see: the content of the last message (the user's request)."""
+    return messages[-1]["content"]
+
+
+def encode_prompt_rows(
+    rows: list[dict],
+    source: str,
+    encoder: ChatEncoder,
+    *,
+    prompt_field: str = "prompt",
+    max_prompt_length: int | None = None,
+    system_prompt: str | None = None,
+) -> list[PromptExample]:
+    """Validate and encode every row (rows numbered from 1 in errors)."""
+    examples = []
+    for index, row in enumerate(rows, start=1):
+        if prompt_field not in row:
+            raise AlignDataError(source, index, prompt_field, f"a row with a '{prompt_field}' field (a string or a "
+                                 "list of messages)", f"fields {sorted(row)}")
+        messages = prompt_messages(row[prompt_field], source, index, prompt_field, system_prompt)
+        ids = encoder.prompt_ids(messages)
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            raise AlignDataError(source, index, prompt_field, f"at most max_prompt_length={max_prompt_length} "
+                                 "tokens", f"{len(ids)} tokens")
+        columns = {k: v for k, v in row.items() if k != prompt_field}
+        examples.append(PromptExample(ids, prompt_text(messages), columns))
+    return examples
+
+
+class PromptDataset(Dataset):
+    def __init__(self, examples: list[PromptExample]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> PromptExample:
+        return self.examples[index]
+
+
+def collate_prompts(examples: list[PromptExample]) -> PromptBatch:
+    keys = sorted({k for ex in examples for k in ex.columns})
+    return PromptBatch(
+        prompt_ids=[ex.prompt_ids for ex in examples],
+        prompts=[ex.prompt for ex in examples],
+        columns={k: [ex.columns.get(k) for ex in examples] for k in keys},
+    )
+
+
+class PromptDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        train_files: str | list[str] = "align:sort/prompts/train.jsonl",
+        val_files: str | list[str] | None = "align:sort/prompts/validation.jsonl",
+        tokenizer: str | None = None,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        val_size: int = 0,
+        max_prompt_length: int | None = 256,
+        prompt_field: str = "prompt",
+        system_prompt: str | None = None,
+        use_chat_template: bool | None = None,
+        split: str = "train",
+        val_split: str = "validation",
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
+        """
+        Args:
+            train_files: Prompt data: jsonl/json/parquet/csv paths, ``align:...`` bundled files, or a hub dataset.
+            val_files: Held-out prompts for ``val/reward_mean``; null to split ``val_size`` rows off the training data.
+            tokenizer: Tokenizer path or id; null uses the policy's.
+            batch_size: Prompts per rollout on each device (each is sampled ``group_size`` times).
+            val_batch_size: Prompts per validation batch (defaults to ``batch_size``).
+            val_size: Without ``val_files``: how many training rows to hold out for validation.
+            max_prompt_length: Longest allowed prompt in tokens (the row is named if one is longer); null: no limit.
+            prompt_field: Name of the prompt column; every other column is passed to the rewards.
+            system_prompt: A system message added to every prompt that has none.
+            use_chat_template: Apply the tokenizer's chat template; null uses it when the tokenizer has one.
+            split: Hub split for ``train_files`` when it names a hub dataset.
+            val_split: Hub split for ``val_files`` when it names a hub dataset.
+            shuffle: Shuffle training prompts each epoch (seeded by ``seed_everything``).
+            seed: Seed of the held-out split taken with ``val_size``.
+            num_workers: DataLoader worker processes.
+        """
+        super().__init__()
+        if val_size < 0:
+            raise AlignDataError("data.val_size", None, None, "a count >= 0", val_size)
+        self.save_hyperparameters()
+        self.tokenizer = None
+        self.train_set: PromptDataset | None = None
+        self.val_set: PromptDataset | None = None
+        self._loaded = False
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _resolve_tokenizer(self):
+        if self.tokenizer is None:
+            if self.hparams.tokenizer is not None:
+                from align.models.loading import load_tokenizer
+
+                self.tokenizer = load_tokenizer(self.hparams.tokenizer)
+            elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
+                self.tokenizer = self.trainer.lightning_module.tokenizer
+            else:
+                raise AlignDataError("data.tokenizer", None, None, "a tokenizer path, or a module with a policy")
+        return self.tokenizer
+
+    def _load(self, files, split: str) -> list[PromptExample]:
+        hp = self.hparams
+        encoder = ChatEncoder(self._resolve_tokenizer(), hp.use_chat_template)
+        examples: list[PromptExample] = []
+        for source in [files] if isinstance(files, str) else files:
+            examples += encode_prompt_rows(read_rows(source, split), source, encoder, prompt_field=hp.prompt_field,
+                                           max_prompt_length=hp.max_prompt_length, system_prompt=hp.system_prompt)
+        return examples
+
+    def setup(self, stage: str | None = None) -> None:
+        hp = self.hparams
+        if self._loaded:
+            return
+        self._loaded = True
+        train = self._load(hp.train_files, hp.split)
+        if hp.val_files:
+            val = self._load(hp.val_files, hp.val_split)
+        elif hp.val_size:
+            if hp.val_size >= len(train):
+                raise AlignDataError(str(hp.train_files), None, None,
+                                     f"more than val_size={hp.val_size} rows to split off", f"{len(train)} rows")
+            order = list(range(len(train)))
+            random.Random(hp.seed).shuffle(order)
+            keep, held = sorted(order[: -hp.val_size]), sorted(order[-hp.val_size:])
+            train, val = [train[i] for i in keep], [train[i] for i in held]
+        else:
+            val = []
+        self.train_set = PromptDataset(train)
+        self.val_set = PromptDataset(val) if val else None
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        return DataLoader(self.train_set, batch_size=hp.batch_size, shuffle=hp.shuffle, drop_last=True,
+                          collate_fn=collate_prompts, num_workers=hp.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+                          shuffle=False, collate_fn=collate_prompts, num_workers=self.hparams.num_workers)
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        return batch  # token id lists stay on the host; the rollout engine moves the padded tensors
+
+
+__all__ = ["PromptBatch", "PromptDataModule", "PromptExample", "collate_prompts", "encode_prompt_rows"]

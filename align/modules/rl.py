@@ -1,0 +1,245 @@
+"""RL plumbing shared by GRPO and PPO: rollout -> rewards -> tensors, minibatch iteration, the manual
+optimizer step with its step-wide loss normaliser, and the held-out reward evaluation.
+
+Loss normalisation (DESIGN.md): one optimizer step consumes one *minibatch* of rollout rows, processed as
+one or more micro-batches. Every micro-batch loss is a sum over its valid tokens (or sequences) divided by
+the count over the whole minibatch on all ranks (:meth:`RLModule.step_normaliser`), and is multiplied by
+the world size to undo the data-parallel gradient average. Accumulated gradients therefore equal the
+gradient of the full minibatch loss, whatever the micro-batch size or the number of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Callable, Literal, Optional
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from align.data.prompts import PromptBatch
+from align.logprobs import masked_mean
+from align.models.policy import PolicyModel
+from align.modules.base import AlignModule
+from align.rewards import CombinedReward, RewardSpec
+from align.rollout import Rollout, RolloutEngine, SamplingConfig
+
+Aggregation = Literal["token_mean", "seq_mean", "constant"]
+
+
+@dataclass
+class RLBatch:
+    """Rollout rows ready for a policy update. ``N`` rows, ``T = P + R`` tokens, ``R`` response tokens."""
+
+    input_ids: torch.Tensor  # (N, T) prompt (left-padded) + response
+    attention_mask: torch.Tensor  # (N, T) prompt mask + response mask
+    response_mask: torch.Tensor  # (N, R) bool
+    old_logprobs: torch.Tensor  # (N, R) sampling log-probs
+    advantages: torch.Tensor  # (N, R) per-token advantages (GRPO broadcasts one per sequence)
+    ref_logprobs: Optional[torch.Tensor] = None  # (N, R) reference log-probs, when a KL term needs them
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.response_mask.shape[1]
+
+    def select(self, index: torch.Tensor) -> "RLBatch":
+        """The rows ``index``, with the padding columns that no selected row uses trimmed off."""
+        rows = {f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)}
+        width = int(rows["response_mask"].sum(dim=1).max().clamp(min=1))
+        cut = self.response_length - width
+        for name in ("old_logprobs", "advantages", "ref_logprobs", "response_mask"):
+            if rows[name] is not None:
+                rows[name] = rows[name][:, :width]
+        if cut:
+            rows["input_ids"] = rows["input_ids"][:, :-cut]
+            rows["attention_mask"] = rows["attention_mask"][:, :-cut]
+        return RLBatch(**rows)
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None) -> "RLBatch":
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand_as(rollout.old_logprobs)  # (N,) -> (N, R)
+        return cls(rollout.input_ids, rollout.attention_mask, rollout.response_mask, rollout.old_logprobs,
+                   advantages, ref_logprobs)
+
+
+def minibatch_indices(n: int, num_minibatches: int, micro_batch_size: Optional[int], shuffle: bool = True,
+                      generator: Optional[torch.Generator] = None) -> list[list[torch.Tensor]]:
+    """Split ``n`` rows into ``num_minibatches`` (one optimizer step each), each into micro-batches of at
+    most ``micro_batch_size`` rows (``None``: one micro-batch). Returns ``[[indices, ...], ...]``."""
+    if not 1 <= num_minibatches <= n:
+        raise ValueError(f"num_minibatches must be in [1, {n}] (rows per rollout), got {num_minibatches}")
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    out = []
+    for mb in torch.tensor_split(order, num_minibatches):
+        size = micro_batch_size or len(mb)
+        out.append(list(torch.split(mb, size)))
+    return out
+
+
+class RLModule(AlignModule):
+    """Base of the on-policy RL modules (manual optimization). Subclasses implement ``training_step`` with
+    :meth:`rollout`, :meth:`score_rewards` and :meth:`update`.
+
+    Evaluation: each validation batch is answered once per prompt with ``eval_sampling`` (greedy by
+    default, so before/after numbers are not sampling noise) and logged as ``val/reward_mean`` (the
+    weighted total), ``val/reward/<name>``, ``val/accuracy`` (share of completions whose
+    ``accuracy_reward`` is at least ``accuracy_threshold``) and ``val/response_length``.
+    """
+
+    headline_metrics = ("val/reward_mean", "val/accuracy")
+
+    def __init__(
+        self,
+        policy: PolicyModel,
+        rewards: list[RewardSpec],
+        sampling: SamplingConfig | None = None,
+        eval_sampling: SamplingConfig | None = None,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = None,
+        ppo_epochs: int = 1,
+        num_minibatches: int = 1,
+        micro_batch_size: int | None = None,
+        max_grad_norm: float | None = 1.0,
+        loss_aggregation: Aggregation = "token_mean",
+        accuracy_reward: str | None = None,
+        accuracy_threshold: float = 1.0,
+    ):
+        super().__init__(policy, optimizer, scheduler)
+        self.automatic_optimization = False
+        self.reward = CombinedReward(rewards)
+        self.engine = RolloutEngine(sampling or SamplingConfig())
+        self.eval_engine = RolloutEngine(eval_sampling or SamplingConfig(
+            max_new_tokens=self.engine.sampling.max_new_tokens, temperature=0.0))
+        if ppo_epochs < 1 or num_minibatches < 1 or (micro_batch_size is not None and micro_batch_size < 1):
+            raise ValueError("ppo_epochs, num_minibatches and micro_batch_size must be >= 1")
+        if loss_aggregation not in ("token_mean", "seq_mean", "constant"):
+            raise ValueError(f"loss_aggregation: expected token_mean, seq_mean or constant, got {loss_aggregation!r}")
+        self.ppo_epochs = ppo_epochs
+        self.num_minibatches = num_minibatches
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.loss_aggregation = loss_aggregation
+        names = self.reward.names
+        if accuracy_reward is not None and accuracy_reward not in names:
+            raise ValueError(f"accuracy_reward: {accuracy_reward!r} is not one of the rewards {names}")
+        self.accuracy_reward = accuracy_reward or names[0]
+        self.accuracy_threshold = accuracy_threshold
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ rollout and rewards
+    @property
+    def score_temperature(self) -> float:
+        """Temperature of the training log-probs: the sampling temperature (1 for greedy sampling)."""
+        return self.engine.sampling.temperature or 1.0
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout: the policy that sampled is the one being updated."""
+        return self.ppo_epochs == 1 and self.num_minibatches == 1
+
+    def rollout(self, batch: PromptBatch, group_size: int = 1, engine: RolloutEngine | None = None) -> Rollout:
+        return (engine or self.engine).generate(self.policy, batch.prompt_ids, group_size)
+
+    def score_rewards(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device."""
+        prompts, columns = batch.repeat(rollout.group_size)
+        total, parts = self.reward(prompts, rollout.texts, **columns)
+        to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=rollout.response_ids.device)
+        return to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
+
+    def rollout_metrics(self, rollout: Rollout, rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> dict[str, float]:
+        metrics = dict(rollout.metrics)
+        metrics["rollout/reward_mean"] = float(rewards.mean())
+        metrics["rollout/reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+        for name, values in parts.items():
+            metrics[f"rollout/reward/{name}"] = float(values.mean())
+        return metrics
+
+    # ------------------------------------------------------------------ updates
+    def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R),
+        summed over every rank, in the unit of ``loss_aggregation``."""
+        if self.loss_aggregation == "token_mean":
+            local = response_mask.sum()
+        elif self.loss_aggregation == "seq_mean":
+            local = torch.tensor(response_mask.shape[0], device=response_mask.device)
+        else:  # Dr. GRPO's constant: sequences x max_new_tokens, independent of the padded width
+            local = torch.tensor(response_mask.shape[0] * self.engine.sampling.max_new_tokens, device=response_mask.device)
+        return self.all_reduce_sum(local.float()).clamp(min=1.0)
+
+    def update(self, data: RLBatch, loss_fn: Callable[[RLBatch, torch.Tensor], tuple[torch.Tensor, dict]],
+               ) -> dict[str, float]:
+        """``ppo_epochs`` passes over ``data``, one optimizer step per minibatch, micro-batches accumulated.
+
+        ``loss_fn(micro, normaliser) -> (loss, {metric: value})`` returns the micro-batch's share of the
+        step loss and metrics that are means over the micro-batch's valid tokens; they are averaged over
+        all micro-batches weighted by valid tokens.
+        """
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        world = self.trainer.world_size if self._trainer is not None else 1
+        sums: dict[str, float] = {}
+        weight_total = 0.0
+        for _ in range(self.ppo_epochs):
+            for micro_indices in minibatch_indices(len(data), self.num_minibatches, self.micro_batch_size):
+                normaliser = self.step_normaliser(data.response_mask[torch.cat(micro_indices)])
+                for index in micro_indices:
+                    micro = data.select(index.to(data.input_ids.device))
+                    loss, stats = loss_fn(micro, normaliser)
+                    self.manual_backward(loss * world)
+                    weight = float(micro.response_mask.sum())
+                    weight_total += weight
+                    for name, value in stats.items():
+                        sums[name] = sums.get(name, 0.0) + float(value) * weight
+                if self.max_grad_norm is not None:
+                    self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if scheduler is not None:
+                    scheduler.step()
+        return {name: value / max(weight_total, 1.0) for name, value in sums.items()}
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ evaluation
+    def on_validation_epoch_start(self) -> None:
+        self._val: dict[str, torch.Tensor] = {}
+
+    def _val_add(self, name: str, value: torch.Tensor) -> None:
+        self._val[name] = self._val.get(name, torch.zeros((), device=self.device)) + value.detach().float().sum()
+
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        rollout = self.rollout(batch, 1, self.eval_engine)
+        rewards, parts = self.score_rewards(batch, rollout)
+        self._val_add("count", torch.tensor(float(len(rollout)), device=self.device))
+        self._val_add("reward_mean", rewards)
+        self._val_add("accuracy", (parts[self.accuracy_reward] >= self.accuracy_threshold).float())
+        self._val_add("response_length", rollout.response_lengths)
+        for name, values in parts.items():
+            self._val_add(f"reward/{name}", values)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val:
+            return
+        totals = {k: self.all_reduce_sum(v) for k, v in self._val.items()}
+        count = totals.pop("count").clamp(min=1.0)
+        self.log_dict({f"val/{k}": float(v / count) for k, v in totals.items()}, batch_size=1)
+
+
+class Timer:
+    """Wall-clock seconds of a block, added to ``store[name]``."""
+
+    def __init__(self, store: dict[str, float], name: str):
+        self.store, self.name = store, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.store[self.name] = self.store.get(self.name, 0.0) + time.perf_counter() - self.start

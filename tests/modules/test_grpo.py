@@ -1,0 +1,148 @@
+import csv
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from align.data.chat import ChatEncoder
+from align.data.prompts import PromptBatch, PromptDataModule
+from align.models.policy import PolicyModel
+from align.modules.grpo import GRPOModule
+from align.modules.rl import RLBatch, minibatch_indices
+from align.rewards import RewardSpec
+from align.rollout import SamplingConfig
+
+PROMPTS = ["sort: d a c b", "sort: b a", "sort: c c a", "sort: j e f g"]
+
+
+def constant_reward(prompts, completions, **kw):
+    return [1.0] * len(completions)
+
+
+def length_reward(prompts, completions, **kw):
+    return [float(len(c) % 3) for c in completions]
+
+
+def make_module(**kw):
+    defaults = dict(policy=PolicyModel("tiny", seed=2), rewards=[length_reward], group_size=4,
+                    sampling=SamplingConfig(max_new_tokens=6), max_grad_norm=None, log_entropy=False)
+    return GRPOModule(**{**defaults, **kw})
+
+
+class CaptureOptimizer:
+    """Stands in for Lightning's optimizer: records the gradients at each step."""
+
+    def __init__(self, module):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.grads = []
+
+    def step(self):
+        self.grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.params])
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def detach_from_trainer(module):
+    opt = CaptureOptimizer(module)
+    module.optimizers = lambda: opt
+    module.lr_schedulers = lambda: None
+    module.manual_backward = lambda loss: loss.backward()
+    module.logged = {}
+    module.log_metrics = module.logged.update
+    return opt
+
+
+def prompt_batch(policy, prompts=PROMPTS):
+    enc = ChatEncoder(policy.tokenizer)
+    ids = [enc.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
+    return PromptBatch(ids, list(prompts), {})
+
+
+def fixed_batch(module, n_prompts=2):
+    torch.manual_seed(0)
+    rollout = module.rollout(prompt_batch(module.policy, PROMPTS[:n_prompts]), module.group_size)
+    advantages = torch.linspace(-1.0, 1.0, len(rollout))
+    return RLBatch.from_rollout(rollout, advantages)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "constant"])
+def test_one_minibatch_of_8_equals_8_accumulated_micro_steps_of_1(agg):
+    module = make_module(loss_aggregation=agg)
+    data = fixed_batch(module)  # 2 prompts x 4 = 8 rows
+    assert len(data) == 8
+    grads = {}
+    for micro in (None, 1):
+        module.micro_batch_size = micro
+        opt = detach_from_trainer(module)
+        module.update(data, module._loss)
+        assert len(opt.grads) == 1
+        grads[micro] = opt.grads[0]
+    assert any(g.abs().sum() > 0 for g in grads[None])
+    for full, accumulated in zip(grads[None], grads[1]):
+        torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
+
+
+def test_minibatches_and_epochs_give_one_step_each():
+    idx = minibatch_indices(8, num_minibatches=2, micro_batch_size=3)
+    assert [[len(m) for m in mb] for mb in idx] == [[3, 1], [3, 1]]
+    assert sorted(torch.cat([m for mb in idx for m in mb]).tolist()) == list(range(8))
+    module = make_module(ppo_epochs=2, num_minibatches=2)
+    opt = detach_from_trainer(module)
+    module.update(fixed_batch(module), module._loss)
+    assert len(opt.grads) == 4
+
+
+def test_beta_zero_needs_no_reference_and_trains():
+    module = make_module(beta=0.0)
+    module.setup("fit")
+    assert module.policy.ref_model is None
+    opt = detach_from_trainer(module)
+    torch.manual_seed(0)
+    module.training_step(prompt_batch(module.policy), 0)
+    assert len(opt.grads) == 1
+    assert "train/kl" not in module.logged and module.logged["rollout/reward_std"] >= 0
+
+
+def test_zero_variance_groups_give_zero_gradient():
+    module = make_module(rewards=[constant_reward], beta=0.0)
+    opt = detach_from_trainer(module)
+    torch.manual_seed(0)
+    module.training_step(prompt_batch(module.policy), 0)
+    assert all((g == 0).all() for g in opt.grads[0])
+    assert module.logged["rollout/zero_std_frac"] == 1.0
+
+
+def test_kl_in_reward_and_off_policy_iterations_run():
+    module = make_module(beta=0.1, kl_placement="reward", ppo_epochs=2, clip_high=0.28, std_scale="batch")
+    module.setup("fit")
+    assert module.kl_estimator == "k1" and module.policy.ref_model is not None
+    opt = detach_from_trainer(module)
+    torch.manual_seed(0)
+    module.training_step(prompt_batch(module.policy), 0)
+    assert len(opt.grads) == 2 and "train/kl" in module.logged
+
+
+METRICS = ["train/loss", "train/policy_loss", "train/kl", "train/clipfrac", "train/approx_kl", "train/entropy",
+           "rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/tokens_per_s",
+           "rollout/truncated_frac", "rollout/reward/sort_format"]
+
+
+def test_trains_a_few_steps_with_lightning_and_logs_the_metrics(tmp_path):
+    module = GRPOModule(policy=PolicyModel("tiny", seed=2), rewards=[RewardSpec("align.rewards.sort_format")],
+                        group_size=4, sampling=SamplingConfig(max_new_tokens=6), beta=0.05, num_minibatches=2,
+                        micro_batch_size=2)
+    data = PromptDataModule(batch_size=2, val_batch_size=4)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name=""),
+                        log_every_n_steps=1, limit_val_batches=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    trainer.validate(module, datamodule=data, verbose=False)
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 4  # 2 rollouts x 2 minibatches
+    assert any((a != b).any() for a, b in zip(before, module.policy.parameters()))
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    for name in METRICS + ["val/reward_mean", "val/accuracy"]:
+        assert any(r.get(name) for r in rows), name
