@@ -25,8 +25,9 @@ What happens:
 4. Reported: per arm, the median over trials of each trial's median step time, and the overhead in percent; the
    pooled medians over all timed steps as a cross-check; the same for CPU time per step, of the whole trainer
    process (training thread plus the export threads) and of the training thread alone. CPU time is what to read on
-   a loaded shared machine: other processes stretch wall time but not this process's CPU time. The machine load
-   before and after is printed.
+   a loaded shared machine: other processes stretch wall time but not this process's CPU time. Finally the time the
+   training thread spends inside the OTLP logger's and callback's own methods (wrapped with a timer), per step and
+   as a share of the CSV-only step: the direct cost, immune to run-to-run noise. The machine load is printed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -66,6 +68,9 @@ def run_trial(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     L.seed_everything(0, verbose=False)
 
+    # seconds the training thread spent inside the OTLP logger's and callback's methods in timed steps; counting?
+    hook_time = [0.0, False]
+
     class StepTimer(Callback):
         """Wall time, CPU time of the whole process (training and export threads) and of the training thread."""
 
@@ -74,6 +79,7 @@ def run_trial(spec: dict) -> dict:
 
         def _mark(self):
             self.marks.append((time.perf_counter(), time.process_time(), time.thread_time()))
+            hook_time[1] = len(self.marks) > spec["warmup"]  # count hook time in timed steps only
 
         def on_train_batch_start(self, *args):
             self._mark()
@@ -87,8 +93,15 @@ def run_trial(spec: dict) -> dict:
     if spec["arm"] == "otlp":
         from align.observability import OTelTracingCallback, OTLPLogger
 
-        loggers.append(OTLPLogger(endpoint=spec["endpoint"], protocol=spec["protocol"]))
-        callbacks.append(OTelTracingCallback(endpoint=spec["endpoint"], protocol=spec["protocol"]))
+        logger = OTLPLogger(endpoint=spec["endpoint"], protocol=spec["protocol"])
+        tracer = OTelTracingCallback(endpoint=spec["endpoint"], protocol=spec["protocol"])
+        for obj, names in ((logger, ("log_metrics", "log_hyperparams", "record_distribution")),
+                           (tracer, ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start",
+                                     "on_train_epoch_end", "child_span", "annotate"))):
+            for name in names:
+                setattr(obj, name, _timed(getattr(obj, name), hook_time))
+        loggers.append(logger)
+        callbacks.append(tracer)
     module = _load(spec["module"])(**spec["module_args"])
     data = _load(spec["datamodule"])(**spec["data_args"])
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["warmup"] + spec["steps"], logger=loggers,
@@ -101,9 +114,24 @@ def run_trial(spec: dict) -> dict:
     out = {"arm": spec["arm"], "step_times": step_times, "median": statistics.median(step_times),
            "median_process_cpu": statistics.median(d[1] for d in deltas),
            "median_thread_cpu": statistics.median(d[2] for d in deltas)}
+    timed_steps = len(deltas)
+    out["hook_s_per_step"] = hook_time[0] / max(timed_steps, 1)
     if spec["arm"] == "otlp":
         out["dropped"] = {"metrics": loggers[1].dropped, "spans": callbacks[1].dropped}
     return out
+
+
+def _timed(fn, acc: list):
+    def wrapper(*args, **kwargs):
+        if not acc[1]:
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter() - start
+
+    return wrapper
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,6 +190,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_trial(json.loads(args._trial))))
         return
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still stop the collector when terminated
     tmp = Path(tempfile.mkdtemp(prefix="otlp-bench-"))
     proc = None
     if args.collector == "rotel":
@@ -187,7 +216,8 @@ def main() -> None:
                     sys.exit(f"trial {arm}/{trial} failed:\n{out.stderr[-3000:]}")
                 result = json.loads(line[len("RESULT "):])
                 results[arm].append(result)
-                extra = f"  dropped {result['dropped']}" if "dropped" in result else ""
+                extra = (f"  in OTLP code {result['hook_s_per_step'] * 1e6:6.0f} us/step  dropped {result['dropped']}"
+                         if "dropped" in result else "")
                 print(f"trial {trial} {arm:4s}: median step {result['median'] * 1e3:8.2f} ms  process CPU "
                       f"{result['median_process_cpu'] * 1e3:8.2f} ms  training-thread CPU "
                       f"{result['median_thread_cpu'] * 1e3:8.2f} ms{extra}", flush=True)
@@ -201,6 +231,8 @@ def main() -> None:
     med = {arm: statistics.median(r["median"] for r in rs) for arm, rs in results.items()}
     cpu = {arm: statistics.median(r["median_process_cpu"] for r in rs) for arm, rs in results.items()}
     tcpu = {arm: statistics.median(r["median_thread_cpu"] for r in rs) for arm, rs in results.items()}
+    hook = statistics.median(r["hook_s_per_step"] for r in results["otlp"])
+    hook_pct = hook / med["csv"] * 100
     cpu_overhead = (cpu["otlp"] / cpu["csv"] - 1) * 100
     tcpu_overhead = (tcpu["otlp"] / tcpu["csv"] - 1) * 100
     pooled = {arm: statistics.median(t for r in rs for t in r["step_times"]) for arm, rs in results.items()}
@@ -216,11 +248,14 @@ def main() -> None:
           f"overhead: {cpu_overhead:+.2f}%  (all threads of the trainer: training and export)")
     print(f"thread CPU/step   csv: {tcpu['csv'] * 1e3:.2f} ms   csv+otlp: {tcpu['otlp'] * 1e3:.2f} ms   "
           f"overhead: {tcpu_overhead:+.2f}%  (the training thread only)")
+    print(f"in the OTLP logger's and callback's code on the training thread: {hook * 1e6:.0f} us/step = "
+          f"{hook_pct:.2f}% of the CSV-only median step (export itself runs on background threads)")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} cores)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "median_step_s": med, "overhead_pct": overhead, "pooled_median_step_s": pooled,
-            "pooled_overhead_pct": pooled_overhead, "median_process_cpu_s": cpu, "process_cpu_overhead_pct":
+            "pooled_overhead_pct": pooled_overhead, "otlp_code_s_per_step": hook, "otlp_code_pct": hook_pct,
+            "median_process_cpu_s": cpu, "process_cpu_overhead_pct":
             cpu_overhead, "median_thread_cpu_s": tcpu, "thread_cpu_overhead_pct": tcpu_overhead, "load_before": load_before, "load_after": load_after,
             "trials": results}, indent=2))
 

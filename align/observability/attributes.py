@@ -5,6 +5,7 @@ Nothing here imports opentelemetry, so these are cheap to import and to test.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Iterable, Mapping
 
@@ -24,6 +25,7 @@ MAX_VALUE_CHARS = 512
 MAX_ATTRIBUTES = 256
 
 
+@functools.lru_cache(maxsize=4096)  # called for every logged value: the regex runs once per name
 def metric_name(name: str, prefix: str = "align") -> str:
     """The OTLP instrument name of a Lightning metric: ``train/kl`` -> ``align.train.kl``.
 

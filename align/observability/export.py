@@ -98,14 +98,16 @@ class ExportSettings:
         env_insecure = _env(signal, "INSECURE")
         if insecure is None and env_insecure is not None:
             insecure = env_insecure.strip().lower() == "true"
-        if "://" not in raw:
+        bare = "://" not in raw
+        if bare:
             raw = ("https://" if insecure is False else "http://") + raw
         url = urlparse(raw)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ObservabilityConfigError(f"OTLP endpoint: expected 'host:port' or 'http(s)://host:port', got {raw!r}")
         if insecure is None:
             insecure = url.scheme == "http"
-        port = url.port or DEFAULT_PORTS[proto]
+        # ``host`` alone means the OTLP port; a URL without a port means its scheme's (``https://api.vendor.io``: 443).
+        port = url.port or (DEFAULT_PORTS[proto] if bare else 443 if url.scheme == "https" else 80)
         host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
         if proto == "grpc":
             target = f"{host}:{port}"
@@ -113,7 +115,9 @@ class ExportSettings:
             path = url.path.rstrip("/")
             if not signal_env and not path.endswith(f"/v1/{signal}"):
                 path = f"{path}/v1/{signal}"
-            target = f"{'http' if insecure else 'https'}://{host}:{port}{path}"
+            scheme = "http" if insecure else "https"
+            default = url.port is None and not bare and scheme == url.scheme
+            target = f"{scheme}://{host}{'' if default else f':{port}'}{path}"
 
         comp = (compression or _env(signal, "COMPRESSION") or "none").strip().lower()
         if comp not in ("none", "gzip", "deflate"):

@@ -132,6 +132,7 @@ class OTLPLogger(Logger):
         self._attrs: dict[str, Any] = {}
         self._hparams: dict[str, Any] = {}
         self._past_counters: list[DropCounter] = []
+        self._metrics_sink = None
         self.skipped_non_finite = 0
 
     # ------------------------------------------------------------------ Lightning Logger API
@@ -192,6 +193,8 @@ class OTLPLogger(Logger):
                 self._instrument("gauge", key).set(value, attrs)
         if step is not None:
             self._instrument("gauge", "step").set(int(step), attrs)
+        if self._metrics_sink is not None:  # the tracing callback puts them on the step span
+            self._metrics_sink(metrics)
 
     def record_distribution(self, name: str, values: Iterable[float] | Any) -> None:
         """Record every value of a distribution (e.g. ``"rollout/reward"``, per-sample rewards) in a histogram
@@ -231,8 +234,8 @@ class OTLPLogger(Logger):
     def __getstate__(self) -> dict:
         # Picklable for spawn-based launchers: exporters and locks are rebuilt in the new process.
         state = self.__dict__.copy()
-        state.update(_lock=None, _provider=None, _exporter=None, _counter=None, _meter=None, _instruments={},
-                     _attrs={}, _past_counters=[])
+        state.update(_lock=None, _metrics_sink=None, _provider=None, _exporter=None, _counter=None, _meter=None,
+                     _instruments={}, _attrs={}, _past_counters=[])
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -134,6 +134,8 @@ class OTelTracingCallback(Callback):
         self._ckpt = None
         self._trainer = None
         self._saved_save_checkpoint = None
+        self._logged: dict[str, float] | None = None
+        self._has_otlp_logger = False
 
     @property
     def settings(self) -> ExportSettings:
@@ -157,6 +159,9 @@ class OTelTracingCallback(Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._close_all()
+        for lg in trainer.loggers:
+            if getattr(lg, "_metrics_sink", None) == self.receive_logged_metrics:
+                lg._metrics_sink = None
         self._unwrap_checkpoint_write(trainer)
         if _spans._current() is self:
             _spans._install(None)
@@ -172,9 +177,11 @@ class OTelTracingCallback(Callback):
         if trainer.world_size > 1:  # every rank calls setup at the same point: safe to broadcast
             run_id = trainer.strategy.broadcast(run_id, src=0)
         self.run_id = run_id
+        self._has_otlp_logger = bool(otlp_loggers)
         for lg in otlp_loggers:
             if lg._provider is None and lg.run_id != run_id:
                 lg._run_id = run_id
+            lg._metrics_sink = self.receive_logged_metrics
 
     def _start(self, pl_module) -> None:
         rank = current_rank()
@@ -230,16 +237,28 @@ class OTelTracingCallback(Callback):
         if step is None:
             return
         self._step_open = False
+        logged, self._logged = self._logged, None
         if self._step_metrics and self._trainer is not None:
             try:
-                metrics = self._trainer.callback_metrics
-                for name in self._step_metrics:
-                    value = metrics.get(name)
+                if logged is None and not self._has_otlp_logger and self._is_logging_step():
+                    # ``callback_metrics`` recomputes Lightning's metric dict: only on steps Lightning logs anyway.
+                    logged = self._trainer.callback_metrics
+                for name in self._step_metrics if logged else ():
+                    value = logged.get(name)
                     if value is not None:
                         step.set_attribute(metric_name(name), float(value))
             except Exception:  # attributes are a bonus; never fail a step for them
                 pass
         step.end(end_time=self._step_end_ns)
+
+    def _is_logging_step(self) -> bool:
+        every = max(int(getattr(self._trainer, "log_every_n_steps", 1) or 1), 1)
+        return self._trainer.global_step % every == 0
+
+    def receive_logged_metrics(self, metrics: dict[str, float]) -> None:
+        """Called by an ``OTLPLogger`` of the same trainer with the floats Lightning just logged (no extra work)."""
+        if self._step is not None and not self._step_open:  # between the step's end and the next hook
+            self._logged = metrics
 
     def _close_checkpoint(self, path: str | None = None) -> None:
         ckpt, self._ckpt = self._ckpt, None

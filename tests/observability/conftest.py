@@ -25,8 +25,9 @@ def _clean_otel_env(monkeypatch):
 class ToyRLModule(L.LightningModule):
     """A stand-in for an RL module: the spans and distributions a GRPO/PPO step records, on a linear model."""
 
-    def __init__(self, fail_at_step: int | None = None):
+    def __init__(self, fail_at_step: int | None = None, hf_token: str = "hf_0123456789abcdefghij", beta: float = 0.04):
         super().__init__()
+        self.save_hyperparameters()
         self.layer = torch.nn.Linear(4, 1)
         self.fail_at_step = fail_at_step
 

@@ -80,7 +80,11 @@ def test_settings_from_arguments():
     assert (s.endpoint, s.insecure, s.headers, s.compression, s.timeout) == \
         ("127.0.0.1:9999", True, {"x-key": "v"}, "gzip", 2.5)
     h = ExportSettings.resolve("traces", endpoint="https://otel.example.com", protocol="http/protobuf")
-    assert h.endpoint == "https://otel.example.com:4318/v1/traces" and not h.insecure
+    assert h.endpoint == "https://otel.example.com/v1/traces" and not h.insecure  # a URL's own default port
+    assert ExportSettings.resolve("traces", endpoint="https://otel.example.com").endpoint == "otel.example.com:443"
+    assert ExportSettings.resolve("traces", endpoint="collector").endpoint == "collector:4317"
+    assert ExportSettings.resolve("traces", endpoint="collector", protocol="http").endpoint == \
+        "http://collector:4318/v1/traces"
     h = ExportSettings.resolve("metrics", endpoint="http://host:1234/otlp/", protocol="http")
     assert h.endpoint == "http://host:1234/otlp/v1/metrics" and h.insecure
 

@@ -101,6 +101,10 @@ def test_training_exports_the_span_tree_and_metrics(receiver, protocol, tmp_path
     assert fit.parent_span_id == "" and fit.attributes["align.algorithm"] == "toyrl"
     assert fit.resource["align.run_id"] == logger.run_id == callback.run_id  # one run id for both signals
     assert fit.resource["service.instance.id"] == f"{logger.run_id}-rank0"
+    assert fit.attributes["hparam.beta"] == 0.04 and fit.attributes["hparam.hf_token"] == REDACTED
+    assert "hf_0123456789abcdefghij" not in repr(receiver.trace_requests) + repr(receiver.metric_requests)
+    info = next(p for p in receiver.points() if p.metric == "align.run.info").attributes
+    assert info["hparam.hf_token"] == REDACTED and info["hparam.beta"] == 0.04
     for s in spans:
         assert s.trace_id == fit.trace_id
     steps = [s for s in spans if s.name == "step"]
@@ -145,6 +149,8 @@ def test_checkpoint_saves_and_validation_are_spans(receiver, tmp_path):
     assert len(saves) >= 2
     assert all(parent(s).name in ("epoch", "validation") for s in saves)
     assert all(s.attributes["align.checkpoint.path"].endswith(".ckpt") for s in saves)
+    # without an OTLPLogger the callback reads Lightning's metrics on logging steps (every step here)
+    assert all(s.attributes["align.train.kl"] == 0.25 for s in spans if s.name == "step")
     val = [s for s in spans if s.name == "validation"]
     assert len(val) == 1 and parent(val[0]).name == "epoch"
 
