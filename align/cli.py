@@ -98,6 +98,15 @@ def _guarded(fn):
     except AlignError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except ValueError as err:
+        # jsonargparse re-raises errors from class instantiation as a ValueError caused by the original one.
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, AlignError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def export_main(args: list[str]) -> None:
