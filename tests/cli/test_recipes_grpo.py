@@ -1,0 +1,92 @@
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.cli import run_recipe
+from align.data.prompts import PromptDataModule
+from align.modules.grpo import GRPOModule
+
+ROOT = Path(__file__).resolve().parents[2]
+DESIGN_METRICS = ["train/loss", "train/policy_loss", "train/kl", "train/clipfrac", "train/approx_kl", "train/entropy",
+                  "rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/tokens_per_s",
+                  "val/reward_mean"]
+QUICK = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--data.init_args.val_batch_size", "4",
+         "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2"]
+
+
+def read_metrics(root: Path) -> list[dict]:
+    files = list(root.rglob("metrics.csv"))
+    assert len(files) == 1, files
+    return list(csv.DictReader(open(files[0])))
+
+
+def rewards_config(tmp_path: Path, fn: str) -> str:
+    path = tmp_path / "rewards.yaml"
+    path.write_text(f"model:\n  init_args:\n    rewards:\n      - fn: {fn}\n        weight: 1.0\n"
+                    "      - fn: align.rewards.sort_format\n        weight: 0.5\n")
+    return str(path)
+
+
+def test_user_reward_file_named_in_yaml_trains(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_rewards.py").write_text(
+        "def short_answer(prompts, completions, answer, **kwargs):\n"
+        "    assert len(answer) == len(completions)\n"
+        "    return [1.0 if len(c) <= len(a) else 0.0 for c, a in zip(completions, answer)]\n")
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "run"
+    run_recipe("grpo", GRPOModule, PromptDataModule,
+               args=["--config", rewards_config(tmp_path, "my_rewards.py:short_answer"), *QUICK,
+                     "--trainer.default_root_dir", str(root)])
+    assert "held-out val/reward_mean:" in capsys.readouterr().out
+    rows = read_metrics(root)
+    assert any(r.get("rollout/reward/short_answer") for r in rows)
+    assert any(r.get("rollout/reward/sort_format") for r in rows)
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("return [float('nan')] * len(completions)", "returned nan for sample 0 (prompt 'sort: "),
+        ("return [1.0]", "returned 1 values for"),
+        ("raise RuntimeError('scorer offline')", "raised RuntimeError: scorer offline"),
+    ],
+)
+def test_bad_reward_stops_the_run_with_a_clear_error_and_no_checkpoint(tmp_path, monkeypatch, capsys, body, expected):
+    (tmp_path / "bad_rewards.py").write_text(f"def flaky(prompts, completions, **kwargs):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        run_recipe("grpo", GRPOModule, PromptDataModule,
+                   args=["--config", rewards_config(tmp_path, "bad_rewards.py:flaky"), *QUICK,
+                         "--eval_before_after", "false", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert info.value.code != 0
+    err = capsys.readouterr().err
+    assert "reward 'flaky' (bad_rewards.py:flaky)" in err and expected in err
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_unknown_reward_path_fails_at_configuration(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        run_recipe("grpo", GRPOModule, PromptDataModule,
+                   args=["--config", rewards_config(tmp_path, "align.rewards.no_such_reward"),
+                         "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert info.value.code != 0
+    assert "module 'align.rewards' has no attribute 'no_such_reward'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_grpo_recipe_end_to_end_improves_held_out_reward(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "grpo.py"), "--trainer.default_root_dir",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("held-out val/reward_mean:"))
+    before, after = (float(x) for x in line.split(":")[1].split("->"))
+    assert after - before >= 0.2, line
+    rows = read_metrics(tmp_path)
+    for name in DESIGN_METRICS:
+        assert any(r.get(name) for r in rows), name
+    assert list(tmp_path.rglob("*.ckpt"))
