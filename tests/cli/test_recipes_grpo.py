@@ -90,3 +90,22 @@ def test_grpo_recipe_end_to_end_improves_held_out_reward(tmp_path):
     for name in DESIGN_METRICS:
         assert any(r.get(name) for r in rows), name
     assert list(tmp_path.rglob("*.ckpt"))
+
+
+def test_tiny_sort_loads_by_id_and_the_script_reproduces_it(tmp_path):
+    from align.models.policy import PolicyModel
+    from align.models.tiny import TINY_SORT_DIR
+
+    shipped = PolicyModel("tiny-sort")
+    assert sum(f.stat().st_size for f in TINY_SORT_DIR.iterdir()) <= 10 * 2**20
+    assert shipped.tokenizer.eos_token_id == 2
+    out = tmp_path / "tiny-sort"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_sort.py"), "--steps", "2", "--output",
+                           str(out), "--work_dir", str(tmp_path / "work"), "--eval_limit", "4"],
+                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "greedy held-out exact match" in proc.stdout
+    policy = PolicyModel(str(out))
+    ids = policy.tokenizer.apply_chat_template([{"role": "user", "content": "sort: c b a"}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+    assert policy.generate(**ids, max_new_tokens=4, do_sample=False).shape[1] > ids["input_ids"].shape[1]
