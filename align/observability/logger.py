@@ -2,10 +2,14 @@
 
 Naming scheme: ``<prefix>.<name with "/" replaced by ".">``; ``train/kl`` -> ``align.train.kl``,
 ``rollout/reward_mean`` -> ``align.rollout.reward_mean``, Lightning's ``epoch`` -> ``align.epoch``; the trainer's step
-is ``align.step``. Scalars are gauges (the last value in each export interval). Distributions recorded with
+is ``align.step``. Scalars are gauges (the last logged value at each export). Distributions recorded with
 ``record_distribution`` (or scalars whose name matches ``histogram_metrics``) are histograms, base-2 exponential by
 default. Every data point carries ``align.run_id``, ``align.algorithm``, ``align.model`` and ``align.rank``;
-hyperparameters are flattened, redacted and exported once as the attributes of ``align.run.info`` (value 1).
+hyperparameters are flattened, redacted and exported as the attributes of ``align.run.info`` (value 1).
+
+The training thread does almost nothing: ``log_metrics`` stores floats, ``record_distribution`` appends to a bounded
+buffer. The SDK reads both on the exporter's thread at each collection (observable gauges; the buffered values are
+recorded into the histograms by the first callback of the collection).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from align.observability.export import (
 )
 
 SCOPE = "align.observability"
+MAX_PENDING_VALUES = 1_000_000  # distribution values buffered between two exports; beyond, dropped and counted
 
 
 class OTLPLogger(Logger):
@@ -128,8 +133,12 @@ class OTLPLogger(Logger):
         self._exporter: CountingMetricExporter | None = None
         self._counter: DropCounter | None = None
         self._meter = None
-        self._instruments: dict[tuple[str, str], Any] = {}
         self._attrs: dict[str, Any] = {}
+        self._last: dict[str, float | None] = {}  # Lightning name (and "step") -> last logged value
+        self._pending: list[tuple[str, list[float]]] = []  # distribution values not yet in a histogram
+        self._pending_n = 0
+        self._pending_lock = threading.Lock()
+        self._histograms: dict[str, Any] = {}
         self._hparams: dict[str, Any] = {}
         self._past_counters: list[DropCounter] = []
         self._metrics_sink = None
@@ -162,10 +171,7 @@ class OTLPLogger(Logger):
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None, *args: Any, **kwargs: Any) -> None:
         if isinstance(params, Namespace):
             params = vars(params)
-        self._hparams.update(hparam_attributes(params))
-        # Exported with the first metrics (Lightning names the module in ``log_graph`` right after this call).
-        if self._provider is not None and self._enabled():
-            self._record_run_info()
+        self._hparams.update(hparam_attributes(params))  # exported as align.run.info at each collection
 
     def log_graph(self, model: Any, input_array: Any = None) -> None:
         # Lightning calls this once per stage with the LightningModule: it names the algorithm and the model.
@@ -176,10 +182,11 @@ class OTLPLogger(Logger):
                            "align.model": self._model_name or "unknown"}
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        # The training thread only stores floats; the SDK reads them on the exporter's thread at collection time.
         if not self._enabled():
             return
         self._ensure_started()
-        attrs = self._attrs
+        last = self._last
         for key, value in metrics.items():
             value = _as_float(value)
             if value is None:
@@ -188,11 +195,13 @@ class OTLPLogger(Logger):
                 self.skipped_non_finite += 1
                 continue
             if self._histogram_patterns and matches_any(key, self._histogram_patterns):
-                self._instrument("histogram", key).record(value, attrs)
+                self._buffer(key, [value])
             else:
-                self._instrument("gauge", key).set(value, attrs)
+                if key not in last:
+                    self._observe(key)
+                last[key] = value
         if step is not None:
-            self._instrument("gauge", "step").set(int(step), attrs)
+            last["step"] = int(step)
         if self._metrics_sink is not None:  # the tracing callback puts them on the step span
             self._metrics_sink(metrics)
 
@@ -202,13 +211,10 @@ class OTLPLogger(Logger):
         if not self._enabled():
             return
         self._ensure_started()
-        histogram = self._instrument("histogram", name)
-        attrs = self._attrs
-        for value in _flat_floats(values):
-            if math.isfinite(value):
-                histogram.record(value, attrs)
-            else:
-                self.skipped_non_finite += 1
+        floats = _flat_floats(values)
+        finite = [v for v in floats if math.isfinite(v)]
+        self.skipped_non_finite += len(floats) - len(finite)
+        self._buffer(name, finite)
 
     def save(self) -> None:
         pass
@@ -218,8 +224,7 @@ class OTLPLogger(Logger):
         of every stage; logging again afterwards (the CLI validates after fit) starts a new exporter."""
         with self._lock:
             provider, exporter, counter = self._provider, self._exporter, self._counter
-            self._provider = self._exporter = self._counter = self._meter = None
-            self._instruments = {}
+            self._provider = self._exporter = self._counter = None
         if provider is None:
             return
         # After a failure, or with an export still retrying, the collector is down or slow: a short last try.
@@ -234,13 +239,14 @@ class OTLPLogger(Logger):
     def __getstate__(self) -> dict:
         # Picklable for spawn-based launchers: exporters and locks are rebuilt in the new process.
         state = self.__dict__.copy()
-        state.update(_lock=None, _metrics_sink=None, _provider=None, _exporter=None, _counter=None, _meter=None,
-                     _instruments={}, _attrs={}, _past_counters=[])
+        state.update(_lock=None, _pending_lock=None, _metrics_sink=None, _provider=None, _exporter=None,
+                     _counter=None, _meter=None, _attrs={}, _past_counters=[], _last={}, _pending=[], _pending_n=0,
+                     _histograms={})
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock, self._pending_lock = threading.Lock(), threading.Lock()
 
     # ------------------------------------------------------------------ internals
 
@@ -264,25 +270,58 @@ class OTLPLogger(Logger):
                                                    export_timeout_millis=self._settings.timeout * 1000)
             aggregation = (ExplicitBucketHistogramAggregation(self._histogram_boundaries)
                            if self._histogram_boundaries else ExponentialBucketHistogramAggregation())
-            self._provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False,
-                                           views=[View(instrument_type=Histogram, aggregation=aggregation)])
+            provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False,
+                                     views=[View(instrument_type=Histogram, aggregation=aggregation)])
             self._exporter, self._counter = exporter, counter
-            self._meter = self._provider.get_meter(SCOPE)
+            self._meter = provider.get_meter(SCOPE)
             self._attrs = {"align.run_id": self._run_id, "align.rank": rank,
                            "align.algorithm": self._algorithm or "unknown", "align.model": self._model_name or "unknown"}
-        if self._hparams:
-            self._record_run_info()
+            self._last, self._pending, self._pending_n, self._histograms = {}, [], 0, {}
+            # Created first, so its callback runs first at each collection: it moves buffered distributions into
+            # the histograms before they are collected.
+            self._meter.create_observable_gauge(metric_name("step", self._prefix), callbacks=[self._collect_step])
+            self._meter.create_observable_gauge(metric_name("run/info", self._prefix), callbacks=[self._collect_info])
+            self._provider = provider
 
-    def _record_run_info(self) -> None:
-        self._instrument("gauge", "run/info").set(1, {**self._attrs, **self._hparams})
+    def _observe(self, key: str) -> None:
+        """An observable gauge reporting the last logged value of ``key``."""
+        from opentelemetry.metrics import Observation
 
-    def _instrument(self, kind: str, key: str):
-        inst = self._instruments.get((kind, key))
-        if inst is None:
-            name = metric_name(key, self._prefix)
-            inst = (self._meter.create_histogram(name) if kind == "histogram" else self._meter.create_gauge(name))
-            self._instruments[(kind, key)] = inst
-        return inst
+        def callback(options, key=key):
+            value = self._last.get(key)
+            return [] if value is None else [Observation(value, self._attrs)]
+
+        self._last.setdefault(key, None)
+        self._meter.create_observable_gauge(metric_name(key, self._prefix), callbacks=[callback])
+
+    def _buffer(self, key: str, values: list[float]) -> None:
+        with self._pending_lock:
+            if self._pending_n + len(values) > MAX_PENDING_VALUES:
+                if self._counter is not None:
+                    self._counter.queue_overflow(len(values))
+                return
+            self._pending.append((key, values))
+            self._pending_n += len(values)
+
+    def _collect_step(self, options):
+        from opentelemetry.metrics import Observation
+
+        with self._pending_lock:
+            pending, self._pending, self._pending_n = self._pending, [], 0
+        attrs = self._attrs
+        for key, values in pending:
+            histogram = self._histograms.get(key)
+            if histogram is None:
+                histogram = self._histograms[key] = self._meter.create_histogram(metric_name(key, self._prefix))
+            for value in values:
+                histogram.record(value, attrs)
+        step = self._last.get("step")
+        return [] if step is None else [Observation(step, attrs)]
+
+    def _collect_info(self, options):
+        from opentelemetry.metrics import Observation
+
+        return [Observation(1, {**self._attrs, **self._hparams})] if self._hparams else []
 
 
 def _as_float(value: Any) -> float | None:
