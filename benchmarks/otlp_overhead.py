@@ -255,8 +255,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "median_step_s": med, "overhead_pct": overhead, "pooled_median_step_s": pooled,
             "pooled_overhead_pct": pooled_overhead, "otlp_code_s_per_step": hook, "otlp_code_pct": hook_pct,
-            "median_process_cpu_s": cpu, "process_cpu_overhead_pct":
-            cpu_overhead, "median_thread_cpu_s": tcpu, "thread_cpu_overhead_pct": tcpu_overhead, "load_before": load_before, "load_after": load_after,
+            "median_process_cpu_s": cpu, "process_cpu_overhead_pct": cpu_overhead, "median_thread_cpu_s": tcpu,
+            "thread_cpu_overhead_pct": tcpu_overhead, "load_before": load_before, "load_after": load_after,
             "trials": results}, indent=2))
 
 

@@ -52,7 +52,8 @@ def parse_headers(headers: Mapping[str, str] | str | None) -> dict[str, str]:
             continue
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ObservabilityConfigError(f"OTLP headers: expected 'key=value' pairs separated by commas, got {item!r}")
+            raise ObservabilityConfigError(
+                f"OTLP headers: expected 'key=value' pairs separated by commas, got {item!r}")
         out[unquote(key.strip()).lower()] = unquote(value.strip())
     return out
 
@@ -127,7 +128,8 @@ class ExportSettings:
             try:
                 timeout = float(env_timeout) / 1000.0 if env_timeout else 10.0
             except ValueError:
-                raise ObservabilityConfigError(f"OTEL_EXPORTER_OTLP_TIMEOUT: expected milliseconds, got {env_timeout!r}") from None
+                raise ObservabilityConfigError(
+                    f"OTEL_EXPORTER_OTLP_TIMEOUT: expected milliseconds, got {env_timeout!r}") from None
         if not timeout > 0:
             raise ObservabilityConfigError(f"OTLP timeout: expected a positive number of seconds, got {timeout!r}")
         return ExportSettings(
@@ -178,8 +180,9 @@ def make_metric_exporter(s: ExportSettings, **kwargs) -> MetricExporter:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
     comp = {"none": Compression.NoCompression, "gzip": Compression.Gzip, "deflate": Compression.Deflate}[s.compression]
-    return OTLPMetricExporter(endpoint=s.endpoint, certificate_file=s.certificate_file, client_key_file=s.client_key_file,
-                              client_certificate_file=s.client_certificate_file, headers=dict(s.headers),
+    return OTLPMetricExporter(endpoint=s.endpoint, certificate_file=s.certificate_file,
+                              client_key_file=s.client_key_file, client_certificate_file=s.client_certificate_file,
+                              headers=dict(s.headers),
                               timeout=s.timeout, compression=comp, **kwargs)
 
 

@@ -275,7 +275,8 @@ class OTLPLogger(Logger):
             self._exporter, self._counter = exporter, counter
             self._meter = provider.get_meter(SCOPE)
             self._attrs = {"align.run_id": self._run_id, "align.rank": rank,
-                           "align.algorithm": self._algorithm or "unknown", "align.model": self._model_name or "unknown"}
+                           "align.algorithm": self._algorithm or "unknown",
+                           "align.model": self._model_name or "unknown"}
             self._last, self._pending, self._pending_n, self._histograms = {}, [], 0, {}
             # Created first, so its callback runs first at each collection: it moves buffered distributions into
             # the histograms before they are collected.
