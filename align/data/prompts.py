@@ -196,7 +196,9 @@ class PromptDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
-        return DataLoader(self.train_set, batch_size=hp.batch_size, shuffle=hp.shuffle, drop_last=True,
+        # Full batches only (every rollout has the same shape), unless the data is smaller than one batch.
+        drop_last = len(self.train_set) >= hp.batch_size
+        return DataLoader(self.train_set, batch_size=hp.batch_size, shuffle=hp.shuffle, drop_last=drop_last,
                           collate_fn=collate_prompts, num_workers=hp.num_workers)
 
     def val_dataloader(self) -> DataLoader:
