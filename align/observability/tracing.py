@@ -428,6 +428,13 @@ def _batch_attributes(batch: Any) -> dict[str, Any]:
     if input_ids is not None and hasattr(input_ids, "shape") and len(input_ids.shape) >= 1:
         out["align.batch.size"] = int(input_ids.shape[0])
         out["align.batch.padded_tokens"] = int(input_ids.numel())
+    prompt_ids = get("prompt_ids")
+    if isinstance(prompt_ids, list):  # RL prompt batches: unpadded id lists
+        out["align.batch.size"] = len(prompt_ids)
+        out["align.batch.prompt_tokens"] = sum(len(p) for p in prompt_ids)
+    if "align.batch.size" not in out and hasattr(batch, "__len__") and not isinstance(batch, (dict, str)) \
+            and not hasattr(batch, "shape"):
+        out["align.batch.size"] = len(batch)
     num_tokens = get("num_tokens")
     if isinstance(num_tokens, int):
         out["align.batch.tokens"] = num_tokens
