@@ -12,8 +12,8 @@ Two layers:
   repeats each one ``group_size`` times (GRPO groups are consecutive rows), samples, builds the response
   mask with :func:`align.logprobs.response_mask` and decodes the texts with the policy's tokenizer.
 
-Log-probs are computed exactly as :meth:`align.models.policy.PolicyModel.score` computes them in training:
-``selective_log_softmax(logits / temperature)`` over the *full* vocabulary, in float32. Top-k, top-p and
+Log-probs are computed as :meth:`align.models.policy.PolicyModel.score` computes them in training: the
+log-softmax of ``logits / temperature`` over the *full* vocabulary, in float32. Top-k, top-p and
 the minimum length only restrict which token is drawn; they do not renormalise the recorded log-probs, so
 the old and new policy of a PPO/GRPO ratio are the same distribution. With ``temperature=0`` (greedy) the
 log-probs are those of temperature 1. Position ids follow the attention mask (``cumsum - 1``), as in
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from align.logprobs import response_mask, selective_log_softmax, truncated
+from align.logprobs import response_mask, truncated
 
 __all__ = ["SamplingConfig", "SampleOutput", "Rollout", "RolloutEngine", "sample", "left_pad", "filter_logits"]
 
@@ -134,41 +134,47 @@ def sample(
     must return an object with ``.logits`` ``(B, t, V)`` and ``.past_key_values``.
     """
     device = input_ids.device
-    batch = input_ids.shape[0]
+    batch, prompt_width = input_ids.shape
     stop_ids = _as_id_tensor(eos_token_id, device)
-    attention_mask = attention_mask.long()
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    is_stop = (lambda t: t == stop_ids[0]) if stop_ids.numel() == 1 else (lambda t: torch.isin(t, stop_ids))
+    # The mask of every step is a prefix of one preallocated mask: no concatenation per token.
+    full_mask = torch.cat([attention_mask.long(), attention_mask.new_ones(batch, max_new_tokens, dtype=torch.long)], 1)
+    position_ids = (full_mask[:, :prompt_width].cumsum(-1) - 1).clamp(min=0)  # (B, P)
     next_position = position_ids[:, -1:] + 1  # (B, 1)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
+    pad = torch.full((batch,), pad_token_id, dtype=torch.long, device=device)
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     step_ids, cache = input_ids, None
     for step in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = model(input_ids=step_ids, attention_mask=full_mask[:, : prompt_width + step], position_ids=position_ids,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()  # (B, V)
         if temperature > 0:
             logits = logits / temperature
-        allowed = logits
+        # One log-softmax serves both the recorded log-prob (the full distribution, as in training) and sampling.
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+        allowed = logp
         if step < min_new_tokens:
             allowed = allowed.index_fill(-1, stop_ids, float("-inf"))
         if temperature > 0:
             allowed = filter_logits(allowed, top_k, top_p)
-            token = torch.multinomial(torch.softmax(allowed, dim=-1), 1, generator=generator).squeeze(-1)  # (B,)
+            # Exponential race (equivalent to Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) samples i with
+            # probability p_i, and costs a fraction of torch.multinomial on CPU.
+            noise = torch.empty_like(allowed).exponential_(generator=generator)
+            token = (allowed - noise.log()).argmax(dim=-1)  # (B,)
         else:
             token = allowed.argmax(dim=-1)
-        logprob = selective_log_softmax(logits, token)  # (B,), the full distribution, as in training
-        token = torch.where(done, torch.full_like(token, pad_token_id), token)
-        tokens.append(token)
-        logprobs.append(torch.where(done, torch.zeros_like(logprob), logprob))
-        done = done | torch.isin(token, stop_ids)
+        logprob = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)  # (B,)
+        tokens.append(torch.where(done, pad, token))
+        logprobs.append(logprob.masked_fill(done, 0.0))
+        done = done | is_stop(tokens[-1])
         if bool(done.all()):
             break
-        step_ids = token.unsqueeze(-1)  # (B, 1)
+        step_ids = tokens[-1].unsqueeze(-1)  # (B, 1)
         position_ids = next_position
         next_position = next_position + 1
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
     return SampleOutput(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), len(tokens))
 
 
