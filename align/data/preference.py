@@ -135,13 +135,34 @@ def preference_record(row: dict, source: str, index: int, ignore: frozenset = fr
 
 
 def encode_response(encoder: ChatEncoder, prompt_ids: list[int], messages: list[dict], response: str,
-                    source: str = "<data>", row: int | None = None, name: str = "response") -> list[int]:
-    """Ids the chat template adds after ``prompt_ids`` for ``response`` as the assistant's reply."""
+                    source: str = "<data>", row: int | None = None, name: str = "response",
+                    prompt_text: str | None = None) -> list[int]:
+    """Ids the chat template adds after ``prompt_ids`` for ``response`` as the assistant's reply.
+
+    With a chat template, prompt + response is rendered once and the text after the rendered prompt (the
+    generation prompt included) is tokenized on its own, so no BPE merge crosses the boundary and the prompt ids
+    stay exactly :meth:`ChatEncoder.prompt_ids`. ``prompt_text`` (the rendered prompt) saves a render per response.
+    """
+    if encoder.use_chat_template:
+        if prompt_text is None:
+            prompt_text = encoder._render(messages, add_generation_prompt=True)
+        full = encoder._render(messages + [{"role": "assistant", "content": response}], add_generation_prompt=False)
+        if not full.startswith(prompt_text) or len(full) == len(prompt_text):
+            raise AlignDataError(source, row, name, "a chat template whose rendering of prompt + response starts with "
+                                 "the rendering of the prompt (with its generation prompt)")
+        return encoder._ids(full[len(prompt_text):])
     ids, _ = encoder.encode(messages + [{"role": "assistant", "content": response}], source, row)
     if ids[: len(prompt_ids)] != prompt_ids or len(ids) == len(prompt_ids):
-        raise AlignDataError(source, row, name, "a chat template whose rendering of prompt + response starts with "
-                             "the rendering of the prompt alone")
+        raise AlignDataError(source, row, name, "a tokenization of prompt + response that starts with the prompt's")
     return ids[len(prompt_ids):]
+
+
+def encode_prompt(encoder: ChatEncoder, messages: list[dict]) -> tuple[list[int], str | None]:
+    """``(prompt ids, rendered prompt text or None without a chat template)``: render once, reuse per response."""
+    if encoder.use_chat_template:
+        text = encoder._render(messages, add_generation_prompt=True)
+        return encoder._ids(text), text
+    return encoder.prompt_ids(messages), None
 
 
 def fit_prompt(prompt_ids: list[int], response_len: int, max_length: int, max_prompt_length: int | None) -> int:
@@ -176,9 +197,10 @@ def tokenize_preference_rows(
             if identical_pairs == "drop":
                 out.dropped_identical += 1
                 continue
-        prompt_ids = encoder.prompt_ids(record.prompt)
-        chosen = encode_response(encoder, prompt_ids, record.prompt, record.chosen, source, index, "chosen")
-        rejected = encode_response(encoder, prompt_ids, record.prompt, record.rejected, source, index, "rejected")
+        prompt_ids, prompt_text = encode_prompt(encoder, record.prompt)
+        chosen = encode_response(encoder, prompt_ids, record.prompt, record.chosen, source, index, "chosen", prompt_text)
+        rejected = encode_response(encoder, prompt_ids, record.prompt, record.rejected, source, index, "rejected",
+                                   prompt_text)
         longest = max(len(chosen), len(rejected))
         keep = fit_prompt(prompt_ids, longest, max_length, max_prompt_length)
         truncated = keep < len(prompt_ids)

@@ -174,13 +174,14 @@ class RewardModelScorer:
 
     def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         """``(prompt_ids, completion_ids)`` exactly as the training data layer builds them, after truncation."""
-        from align.data.preference import encode_response, fit_prompt
+        from align.data.preference import encode_prompt, encode_response, fit_prompt
 
         messages = [{"role": "user", "content": prompt}]
         if self.encoding.get("system_prompt"):
             messages = [{"role": "system", "content": self.encoding["system_prompt"]}] + messages
-        prompt_ids = self.encoder.prompt_ids(messages)
-        response = encode_response(self.encoder, prompt_ids, messages, completion, "<reward input>", None, "completion")
+        prompt_ids, prompt_text = encode_prompt(self.encoder, messages)
+        response = encode_response(self.encoder, prompt_ids, messages, completion, "<reward input>", None,
+                                   "completion", prompt_text)
         max_length = self.encoding["max_length"]
         if len(response) >= max_length:
             log.warning("RewardModelScorer: a completion of %d tokens is cut to max_length - 1 = %d", len(response),

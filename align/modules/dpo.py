@@ -251,9 +251,12 @@ class DPOModule(AlignModule):
         return {name: ds for name, ds in (("train", getattr(dm, "train_set", None)), ("val", getattr(dm, "val_set", None)))
                 if ds is not None}
 
+    def _live_reference(self) -> bool:
+        """Whether the reference can still be run after updates (LoRA, or a separately loaded model)."""
+        return self.policy.has_adapter or bool(self.policy.spec.get("reference_model"))
+
     def _fingerprint(self) -> str:
-        live_reference = self.policy.has_adapter or bool(self.policy.spec.get("reference_model"))
-        if live_reference:
+        if self._live_reference():
             self.policy.setup_reference()
             return reference_fingerprint(self.policy)
         if self._ref_fingerprint is None:
@@ -293,6 +296,10 @@ class DPOModule(AlignModule):
             path = ReferenceCache.path(directory, key)
             cache = ReferenceCache.load(path, key, len(dataset))
             if cache is None:
+                if self.global_step > 0 and not self._live_reference():
+                    raise AlignConfigError(f"model.precompute_reference: no valid cache at {path} and the policy has "
+                                           "been updated, so it is no longer the reference; keep reference_cache_dir "
+                                           "across resumes or set precompute_reference false")
                 cache = self._compute_cache(dataset)
                 if self.trainer.is_global_zero:
                     cache.save(path, key)
