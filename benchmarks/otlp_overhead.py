@@ -6,8 +6,8 @@ Usage::
     python benchmarks/otlp_overhead.py                       # SFT on the tiny model, rotel collector, 5+5 trials
     python benchmarks/otlp_overhead.py --trials 7 --steps 60 --json otlp-overhead.json
     python benchmarks/otlp_overhead.py --collector down      # the collector's port is closed: the failure path
-    python benchmarks/otlp_overhead.py --module align.modules.grpo.GRPOModule \\
-        --datamodule align.data.prompts.PromptDataModule --data-args '{"batch_size": 4}'
+    python benchmarks/otlp_overhead.py --config configs/grpo/tiny.yaml --steps 10 --warmup 2 \\
+        --override=--data.init_args.batch_size=4 --override=--model.init_args.group_size=4
 
 What happens:
 
@@ -16,7 +16,7 @@ What happens:
    at a closed port instead.
 2. Trials run in fresh subprocesses, alternating ``csv, otlp, csv, otlp, ...`` (``--trials`` each), so load drifts
    on a shared machine hit both arms alike. Each trial builds the module and data module from class paths (any
-   ``AlignModule``: SFT today, GRPO/PPO by ``--module``), trains ``--warmup + --steps`` steps, and times the interval
+   ``AlignModule``: SFT by default, GRPO/PPO by ``--module`` or ``--config``), trains ``--warmup + --steps`` steps, and times the interval
    between consecutive ``on_train_batch_start`` hooks of a callback placed first: forward, backward, optimizer,
    every other callback and every logger call of the step are inside it. Warmup steps are excluded.
 3. ``csv`` trials have Lightning's CSVLogger (what every align run has). ``otlp`` trials add ``OTLPLogger`` and
@@ -102,8 +102,14 @@ def run_trial(spec: dict) -> dict:
                 setattr(obj, name, _timed(getattr(obj, name), hook_time))
         loggers.append(logger)
         callbacks.append(tracer)
-    module = _load(spec["module"])(**spec["module_args"])
-    data = _load(spec["datamodule"])(**spec["data_args"])
+    if spec["config"]:  # a recipe YAML (e.g. configs/grpo/tiny.yaml) and dotted overrides, as the CLI reads them
+        from align.cli import AlignCLI
+
+        cli = AlignCLI(args=["--config", spec["config"], *spec["overrides"], "--trainer.logger", "false"], run=False)
+        module, data = cli.model, cli.datamodule
+    else:
+        module = _load(spec["module"])(**spec["module_args"])
+        data = _load(spec["datamodule"])(**spec["data_args"])
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["warmup"] + spec["steps"], logger=loggers,
                         callbacks=callbacks, log_every_n_steps=spec["log_every"], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -175,6 +181,9 @@ def main() -> None:
     parser.add_argument("--module-args", default="{}", help="JSON init args of the module")
     parser.add_argument("--datamodule", default="align.data.sft.SFTDataModule", help="LightningDataModule class path")
     parser.add_argument("--data-args", default='{"batch_size": 8, "max_length": 64}', help="JSON init args")
+    parser.add_argument("--config", default=None, help="build module and data from this recipe YAML instead")
+    parser.add_argument("--override", action="append", default=[],
+                        help="a CLI override for --config, e.g. --override=--model.init_args.group_size=4 (repeatable)")
     parser.add_argument("--trials", type=int, default=5, help="trials per arm (alternating)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per trial")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
@@ -190,6 +199,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run_trial(json.loads(args._trial))))
         return
 
+    if args.config:
+        args.config = str(Path(args.config).resolve())  # trials run in a temporary directory
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still stop the collector when terminated
     tmp = Path(tempfile.mkdtemp(prefix="otlp-bench-"))
     proc = None
@@ -204,7 +215,7 @@ def main() -> None:
     try:
         for trial in range(args.trials):
             for arm in ("csv", "otlp"):
-                spec = {"arm": arm, "module": args.module, "module_args": json.loads(args.module_args),
+                spec = {"arm": arm, "config": args.config, "overrides": args.override, "module": args.module, "module_args": json.loads(args.module_args),
                         "datamodule": args.datamodule, "data_args": json.loads(args.data_args),
                         "steps": args.steps, "warmup": args.warmup, "log_every": args.log_every,
                         "threads": args.threads, "endpoint": endpoint, "protocol": args.protocol,
@@ -238,7 +249,7 @@ def main() -> None:
     pooled = {arm: statistics.median(t for r in rs for t in r["step_times"]) for arm, rs in results.items()}
     overhead = (med["otlp"] / med["csv"] - 1) * 100
     pooled_overhead = (pooled["otlp"] / pooled["csv"] - 1) * 100
-    print(f"\nmodule {args.module}, {args.trials} trials x {args.steps} timed steps per arm, log every "
+    print(f"\n{args.config or args.module}, {args.trials} trials x {args.steps} timed steps per arm, log every "
           f"{args.log_every} step(s), {args.protocol} to {'rotel' if proc else 'a closed port'}")
     print(f"median step time  csv: {med['csv'] * 1e3:.2f} ms   csv+otlp: {med['otlp'] * 1e3:.2f} ms   "
           f"overhead: {overhead:+.2f}%  (target <= 2%)")
