@@ -113,7 +113,7 @@ def _as_id_tensor(ids: TokenIds, device) -> torch.Tensor:
     return torch.as_tensor([ids] if isinstance(ids, int) else list(ids), dtype=torch.long, device=device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample(
     model: Callable[..., Any],
     input_ids: torch.Tensor,  # (B, P) left-padded
@@ -130,7 +130,8 @@ def sample(
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens per row with a KV cache; see the module docstring.
 
-    ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True, logits_to_keep=1)``
+    Runs in ``torch.inference_mode`` (less per-op overhead than ``no_grad``); clone the outputs before using
+    them in autograd. ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True, logits_to_keep=1)``
     must return an object with ``.logits`` ``(B, t, V)`` and ``.past_key_values``.
     """
     device = input_ids.device
@@ -254,6 +255,8 @@ class RolloutEngine:
         finally:
             policy.train(was_training)
         seconds = max(time.perf_counter() - started, 1e-9)
+        # sample() runs in inference mode; clones are ordinary tensors that training may use.
+        out = SampleOutput(out.response_ids.clone(), out.logprobs.clone(), out.steps)
         resp_mask = response_mask(out.response_ids, stop)  # (N, R)
         is_truncated = truncated(out.response_ids, stop) & (out.response_ids.shape[1] >= s.max_new_tokens)
         texts = tok.batch_decode(torch.where(resp_mask, out.response_ids, tok.pad_token_id).tolist(),
