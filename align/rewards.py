@@ -20,7 +20,8 @@ raised inside a reward function stops the run with a :class:`RewardError` that n
 offending sample. An import path that does not resolve fails when the module is built, before training.
 
 Built-in rewards: :func:`sort_exact_match` and :func:`sort_format` for the bundled sort task
-(:mod:`align.data.sort_task`), and :func:`math_answer` for GSM8K-style math answers.
+(:mod:`align.data.sort_task`), and :func:`math_answer` for GSM8K-style math answers. A trained reward model
+is a reward too: :class:`RewardModelScorer` (defined in :mod:`align.models.reward`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 from align.data import sort_task
 from align.errors import AlignConfigError, AlignError
+from align.models.reward import RewardModelScorer
 
 __all__ = [
     "RewardError",
@@ -48,6 +50,7 @@ __all__ = [
     "sort_format",
     "math_answer",
     "extract_final_number",
+    "RewardModelScorer",
 ]
 
 RewardFn = Callable[..., Sequence[float]]

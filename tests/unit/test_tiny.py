@@ -202,8 +202,8 @@ def test_build_tiny_model_accepts_overrides():
     assert out.logits.shape == (1, 3, model.config.vocab_size)
 
 
-def test_no_shipped_weights_yet():
-    assert not has_tiny_sort_weights()
+def test_sft_warmed_weights_ship_with_the_package():
+    assert has_tiny_sort_weights()
 
 
 def test_tokenizer_script_reproduces_the_shipped_files(tmp_path, load_script):
