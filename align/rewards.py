@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -77,6 +78,9 @@ class RewardSpec:
     """Metric name (``rollout/reward/<name>``); defaults to the function's name."""
     kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments passed on every call (for example a tolerance)."""
+    init_kwargs: dict | None = None
+    """When ``fn`` names a class (such as ``align.rewards.RewardModelScorer``), it is built once with these
+    arguments and the instance is the reward."""
 
 
 def _load_file(path_text: str, attr: str, spec_text: str) -> Any:
@@ -148,6 +152,15 @@ class RewardFunction:
         if isinstance(spec, RewardSpec):
             self.fn: RewardFn = resolve_reward(spec.fn)
             self.path = spec.fn
+            if isinstance(self.fn, type):
+                try:
+                    self.fn = self.fn(**(spec.init_kwargs or {}))
+                except TypeError as err:
+                    raise AlignConfigError(f"reward '{spec.fn}': cannot build it from init_kwargs "
+                                           f"{spec.init_kwargs or {}}: {err}") from err
+            elif spec.init_kwargs:
+                raise AlignConfigError(f"reward '{spec.fn}': init_kwargs are for a class; pass per-call arguments "
+                                       "in kwargs instead")
         elif callable(spec):
             self.fn, self.path = spec, getattr(spec, "__qualname__", type(spec).__name__)
             spec = RewardSpec(fn=self.path)
@@ -156,7 +169,7 @@ class RewardFunction:
         self.weight = float(spec.weight)
         if not math.isfinite(self.weight):
             raise AlignConfigError(f"reward '{spec.fn}': weight must be finite, got {self.weight}")
-        self.name = spec.name or getattr(self.fn, "__name__", None) or type(self.fn).__name__
+        self.name = spec.name or (self.fn.__name__ if inspect.isroutine(self.fn) else type(self.fn).__name__)
         self.kwargs = dict(spec.kwargs)
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:

@@ -136,11 +136,12 @@ class RewardModelScorer:
     mode and without gradients, so the same inputs always give the same scores. Too-long prompts keep their last
     tokens, as in training.
 
-    In YAML::
+    In a GRPO config's reward list::
 
-        reward:
-          class_path: align.rewards.RewardModelScorer
-          init_args: {path: runs/rm/version_0/export, batch_size: 32}
+        rewards:
+          - fn: align.rewards.RewardModelScorer
+            init_kwargs: {path: runs/rm/version_0/export, batch_size: 32}
+            name: rm
     """
 
     def __init__(self, path: str, batch_size: int = 16, device: str | None = None, dtype: DType = "float32",

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from align.cli import run_recipe
 from align.data.prompts import PromptDataModule
@@ -109,3 +110,25 @@ def test_tiny_sort_loads_by_id_and_the_script_reproduces_it(tmp_path):
     ids = policy.tokenizer.apply_chat_template([{"role": "user", "content": "sort: c b a"}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)
     assert policy.generate(**ids, max_new_tokens=4, do_sample=False).shape[1] > ids["input_ids"].shape[1]
+
+
+def test_grpo_config_names_a_trained_reward_model_as_its_reward(tmp_path, capsys):
+    from align.models import PolicyModel
+    from align.models.reward import init_reward_head, save_reward_model
+
+    rm = PolicyModel(value_head="shared")
+    init_reward_head(rm, torch.Generator().manual_seed(0))
+    export = save_reward_model(rm, tmp_path / "rm-export")
+    config = tmp_path / "rm_reward.yaml"
+    config.write_text(
+        "model:\n  init_args:\n    rewards:\n"
+        "      - fn: align.rewards.RewardModelScorer\n"
+        f"        init_kwargs: {{path: {export}, batch_size: 4}}\n"
+        "        name: rm\n"
+        "      - fn: align.rewards.sort_exact_match\n        weight: 0.0\n")
+    root = tmp_path / "run"
+    run_recipe("grpo", GRPOModule, PromptDataModule,
+               args=["--config", str(config), *QUICK, "--trainer.default_root_dir", str(root)])
+    rows = read_metrics(root)
+    scores = [float(r["rollout/reward/rm"]) for r in rows if r.get("rollout/reward/rm")]
+    assert scores and all(s == s for s in scores)  # finite, logged under the reward's own name
