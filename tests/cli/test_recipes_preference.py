@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_recipe(name: str, root: Path) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / f"{name}.py"), "--trainer.default_root_dir",
-                           str(root)], capture_output=True, text=True, env=env, timeout=900)
+                           str(root)], capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

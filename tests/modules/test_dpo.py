@@ -201,3 +201,24 @@ def test_batch_to_moves_every_tensor(varied_pairs):
     dm.setup("fit")
     batch = batch_to(next(iter(dm.eval_dataloader(dm.train_set))), torch.device("cpu"))
     assert batch.input_ids.device.type == "cpu" and batch.num_pairs == 2
+
+
+def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(varied_pairs, tmp_path):
+    from align.errors import AlignConfigError
+
+    L.seed_everything(0)
+    module = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "a"))
+    t = trainer(max_steps=1, limit_val_batches=0, default_root_dir=str(tmp_path))
+    t.fit(module, data(varied_pairs, val_files=None, batch_size=4))
+    ckpt = tmp_path / "step1.ckpt"
+    t.save_checkpoint(ckpt)
+    assert module._ref_fingerprint is not None
+    resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "b"))
+    with pytest.raises(AlignConfigError, match="no longer the reference"):
+        trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
+                                                      ckpt_path=str(ckpt))
+    # With the cache directory kept, the resume finds the cache by the fingerprint stored in the checkpoint.
+    resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "a"))
+    trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
+                                                  ckpt_path=str(ckpt))
+    torch.testing.assert_close(resumed._caches["train"].chosen, module._caches["train"].chosen)
