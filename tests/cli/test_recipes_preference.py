@@ -32,6 +32,7 @@ def metrics(root: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the recipe takes about a minute on 2 idle cores; shared machines are slower
 def test_dpo_recipe_raises_held_out_accuracy_from_chance(tmp_path):
     out = run_recipe("dpo", tmp_path)
     before, after = before_after(out, "val/dpo_accuracy")
@@ -43,6 +44,7 @@ def test_dpo_recipe_raises_held_out_accuracy_from_chance(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_rm_recipe_reaches_90_percent_and_its_export_is_a_reward(tmp_path):
     from align.data.io import read_rows
     from align.models.reward import RewardModelScorer
