@@ -25,10 +25,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
 
+from align.data.base import TokenizerDataModule
 from align.data.chat import ChatEncoder
 from align.data.formats import completion_text, detect_format, prompt_messages, _expect_str
 from align.data.io import read_rows
@@ -289,7 +289,7 @@ class PreferenceCollator:
         )
 
 
-class PreferenceDataModule(L.LightningDataModule):
+class PreferenceDataModule(TokenizerDataModule):
     def __init__(
         self,
         train_files: str | list[str] = "align:sort/preference/train.jsonl",
@@ -337,28 +337,10 @@ class PreferenceDataModule(L.LightningDataModule):
         if identical_pairs not in ("drop", "keep", "error"):
             raise AlignDataError("data.identical_pairs", None, None, "'drop', 'keep' or 'error'", identical_pairs)
         self.save_hyperparameters()
-        self.tokenizer = None
         self.train_set: PreferenceDataset | None = None
         self.val_set: PreferenceDataset | None = None
         self.stats: dict[str, PreparedSplit] = {}
 
-    def set_tokenizer(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def _resolve_tokenizer(self):
-        if self.tokenizer is None:
-            if self.hparams.tokenizer is not None:
-                from align.models.loading import load_tokenizer
-
-                self.tokenizer = load_tokenizer(self.hparams.tokenizer)
-            elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
-                self.tokenizer = self.trainer.lightning_module.tokenizer
-            else:
-                raise AlignDataError("data.tokenizer", None, None, "a tokenizer path, or a module with a policy")
-        return self.tokenizer
-
-    def encoder(self) -> ChatEncoder:
-        return ChatEncoder(self._resolve_tokenizer(), self.hparams.use_chat_template)
 
     def encoding_spec(self) -> dict:
         """What a scorer needs to encode text the way training did (saved with reward-model exports)."""

@@ -16,10 +16,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
-import torch
 from torch.utils.data import DataLoader, Dataset
 
+from align.data.base import TokenizerDataModule
 from align.data.chat import ChatEncoder
 from align.data.formats import prompt_messages
 from align.data.io import read_rows
@@ -103,7 +102,7 @@ def collate_prompts(examples: list[PromptExample]) -> PromptBatch:
     )
 
 
-class PromptDataModule(L.LightningDataModule):
+class PromptDataModule(TokenizerDataModule):
     def __init__(
         self,
         train_files: str | list[str] = "align:sort/prompts/train.jsonl",
@@ -144,29 +143,14 @@ class PromptDataModule(L.LightningDataModule):
         if val_size < 0:
             raise AlignDataError("data.val_size", None, None, "a count >= 0", val_size)
         self.save_hyperparameters()
-        self.tokenizer = None
         self.train_set: PromptDataset | None = None
         self.val_set: PromptDataset | None = None
         self._loaded = False
 
-    def set_tokenizer(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def _resolve_tokenizer(self):
-        if self.tokenizer is None:
-            if self.hparams.tokenizer is not None:
-                from align.models.loading import load_tokenizer
-
-                self.tokenizer = load_tokenizer(self.hparams.tokenizer)
-            elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
-                self.tokenizer = self.trainer.lightning_module.tokenizer
-            else:
-                raise AlignDataError("data.tokenizer", None, None, "a tokenizer path, or a module with a policy")
-        return self.tokenizer
 
     def _load(self, files, split: str) -> list[PromptExample]:
         hp = self.hparams
-        encoder = ChatEncoder(self._resolve_tokenizer(), hp.use_chat_template)
+        encoder = self.encoder()
         examples: list[PromptExample] = []
         for source in [files] if isinstance(files, str) else files:
             examples += encode_prompt_rows(read_rows(source, split), source, encoder, prompt_field=hp.prompt_field,

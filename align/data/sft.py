@@ -6,10 +6,10 @@ import logging
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
 
+from align.data.base import TokenizerDataModule
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.formats import sft_record
 from align.data.io import read_rows
@@ -166,7 +166,7 @@ class SFTCollator:
         )
 
 
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(TokenizerDataModule):
     def __init__(
         self,
         train_files: str | list[str] = "align:sort/sft/train.jsonl",
@@ -209,28 +209,13 @@ class SFTDataModule(L.LightningDataModule):
         if truncation not in ("error", "right", "drop"):
             raise AlignDataError("data.truncation", None, None, "'error', 'right' or 'drop'", truncation)
         self.save_hyperparameters()
-        self.tokenizer = None
         self.train_set: ExampleDataset | None = None
         self.val_set: ExampleDataset | None = None
 
-    def set_tokenizer(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def _resolve_tokenizer(self):
-        if self.tokenizer is None:
-            if self.hparams.tokenizer is not None:
-                from align.models.loading import load_tokenizer
-
-                self.tokenizer = load_tokenizer(self.hparams.tokenizer)
-            elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
-                self.tokenizer = self.trainer.lightning_module.tokenizer
-            else:
-                raise AlignDataError("data.tokenizer", None, None, "a tokenizer path, or a module with a policy")
-        return self.tokenizer
 
     def _load(self, files, split: str) -> list[Example]:
         hp = self.hparams
-        encoder = ChatEncoder(self._resolve_tokenizer(), hp.use_chat_template)
+        encoder = self.encoder()
         examples, dropped_total = [], 0
         for source in [files] if isinstance(files, str) else files:
             rows = read_rows(source, split)

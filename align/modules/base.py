@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
 
 import lightning as L
 import torch

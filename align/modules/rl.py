@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
-from align.logprobs import masked_mean
 from align.models.policy import PolicyModel
 from align.modules.base import AlignModule
 from align.rewards import CombinedReward, RewardSpec

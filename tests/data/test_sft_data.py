@@ -6,7 +6,7 @@ import torch
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.io import read_rows
 from align.data.sampling import WindowBatchSampler
-from align.data.sft import Example, SFTCollator, SFTDataModule, pack, tokenize_rows
+from align.data.sft import SFTCollator, SFTDataModule, pack, tokenize_rows
 from align.errors import AlignDataError
 from align.models.tiny import build_tiny_model, load_tiny_tokenizer
 
