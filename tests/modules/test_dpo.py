@@ -4,31 +4,22 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from _helpers import cpu_trainer, write_varied_pairs
 
 from align.data.preference import PreferenceDataModule
 from align.models import LoraSettings, PolicyModel
-from align.modules.dpo import PREFERENCE_LOSSES, DPOModule, ReferenceCache, batch_to, sequence_logps
-
-
-def trainer(**kwargs):
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0)
-    return L.Trainer(**{**defaults, **kwargs})
+from align.modules.dpo import (
+    PREFERENCE_LOSSES,
+    DPOModule,
+    ReferenceCache,
+    batch_to,
+    sequence_logps,
+)
 
 
 @pytest.fixture(scope="module")
 def varied_pairs(tmp_path_factory):
-    """Pairs of very different lengths, so a mean of per-micro-batch means would differ from the per-pair mean."""
-    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
-    letters = "abcdefghij"
-    rows = []
-    for i in range(8):
-        n = 1 + (i * 5) % 7
-        prompt = [letters[(i + k) % 10] for k in range(n)]
-        rows.append({"prompt": "sort: " + " ".join(prompt), "chosen": " ".join(sorted(prompt)),
-                     "rejected": " ".join(prompt[::-1] + prompt[: 1 + i % 3]), "margin": 0.25 * i})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_varied_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl")
 
 
 def data(path, **kwargs):
@@ -39,7 +30,7 @@ def one_step_params(path, batch_size, accumulate, **module_kwargs):
     L.seed_everything(0)
     module = DPOModule(PolicyModel(lora=module_kwargs.pop("lora", None)), optimizer=partial(torch.optim.SGD, lr=1.0),
                        **module_kwargs)
-    trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
+    cpu_trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
         module, data(path, val_files=None, batch_size=batch_size))
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad and "ref_model" not in n}
 
@@ -84,7 +75,7 @@ def test_a_few_steps_raise_held_out_accuracy():
     L.seed_everything(0)
     module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3), beta=0.1)
     dm = PreferenceDataModule(batch_size=32, max_length=64)
-    t = trainer(max_steps=20, limit_val_batches=3)
+    t = cpu_trainer(max_steps=20, limit_val_batches=3)
     before = t.validate(module, dm, verbose=False)[0]
     assert before["val/dpo_accuracy"] == pytest.approx(0.5) and before["val/dpo_margin"] == pytest.approx(0.0)
     t.fit(module, dm)
@@ -102,7 +93,7 @@ def test_each_loss_type_trains(varied_pairs, loss_type):
     L.seed_everything(0)
     extra = {"label_smoothing": 0.1} if loss_type == "conservative" else {}
     module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3), loss_type=loss_type, **extra)
-    t = trainer(max_steps=3, limit_val_batches=1)
+    t = cpu_trainer(max_steps=3, limit_val_batches=1)
     t.fit(module, data(varied_pairs, batch_size=4))
     assert torch.isfinite(t.callback_metrics["train/loss"])
     assert (module.policy.ref_model is None) == (loss_type == "simpo")  # SimPO is reference-free
@@ -110,7 +101,7 @@ def test_each_loss_type_trains(varied_pairs, loss_type):
 
 def test_lora_reference_is_the_adapter_disabled_policy(varied_pairs):
     module = DPOModule(PolicyModel(lora=LoraSettings(r=4, alpha=8)))
-    trainer(max_steps=1, limit_val_batches=0).fit(module, data(varied_pairs, batch_size=4, val_files=None))
+    cpu_trainer(max_steps=1, limit_val_batches=0).fit(module, data(varied_pairs, batch_size=4, val_files=None))
     assert module.policy.ref_model is None  # no second copy
     dm = data(varied_pairs, batch_size=8)
     dm.set_tokenizer(module.tokenizer)
@@ -129,7 +120,7 @@ def test_cached_reference_logps_equal_live_ones(varied_pairs, tmp_path, lora):
     L.seed_everything(0)
     cached = DPOModule(PolicyModel(lora=settings), precompute_reference=True, reference_cache_dir=str(tmp_path))
     dm = data(varied_pairs, batch_size=3)
-    t = trainer(max_steps=2, limit_val_batches=0)
+    t = cpu_trainer(max_steps=2, limit_val_batches=0)
     t.fit(cached, dm)
     # Train and val are the same file here, so they share one cache entry.
     assert cached.policy.ref_model is None and len(list(tmp_path.glob("*.safetensors"))) == 1
@@ -148,7 +139,7 @@ def test_cache_is_reused_and_invalidated_when_data_or_reference_change(varied_pa
     def run(path, seed=0, reference_model=None):
         module = DPOModule(PolicyModel(seed=seed, reference_model=reference_model), precompute_reference=True,
                            reference_cache_dir=str(tmp_path / "cache"))
-        t = trainer(max_steps=1, limit_val_batches=0)
+        t = cpu_trainer(max_steps=1, limit_val_batches=0)
         t.fit(module, data(path, val_files=None, batch_size=4))
         return module
 
@@ -208,17 +199,17 @@ def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(va
 
     L.seed_everything(0)
     module = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "a"))
-    t = trainer(max_steps=1, limit_val_batches=0, default_root_dir=str(tmp_path))
+    t = cpu_trainer(max_steps=1, limit_val_batches=0, default_root_dir=str(tmp_path))
     t.fit(module, data(varied_pairs, val_files=None, batch_size=4))
     ckpt = tmp_path / "step1.ckpt"
     t.save_checkpoint(ckpt)
     assert module._ref_fingerprint is not None
     resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "b"))
     with pytest.raises(AlignConfigError, match="no longer the reference"):
-        trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
+        cpu_trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
                                                       ckpt_path=str(ckpt))
     # With the cache directory kept, the resume finds the cache by the fingerprint stored in the checkpoint.
     resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "a"))
-    trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
+    cpu_trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
                                                   ckpt_path=str(ckpt))
     torch.testing.assert_close(resumed._caches["train"].chosen, module._caches["train"].chosen)

@@ -1,36 +1,26 @@
-import json
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
+from _helpers import cpu_trainer, write_varied_pairs
 
 from align.data.io import read_rows
 from align.data.preference import PreferenceDataModule
 from align.errors import AlignConfigError
 from align.models import LoraSettings, PolicyModel
-from align.models.reward import RewardModelScorer, load_reward_model, save_reward_model, sequence_scores
+from align.models.reward import (
+    RewardModelScorer,
+    load_reward_model,
+    save_reward_model,
+    sequence_scores,
+)
 from align.modules.reward import RewardModule
-
-
-def trainer(**kwargs):
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0)
-    return L.Trainer(**{**defaults, **kwargs})
 
 
 @pytest.fixture(scope="module")
 def varied_pairs(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
-    letters = "abcdefghij"
-    rows = []
-    for i in range(8):
-        n = 1 + (i * 5) % 7
-        prompt = [letters[(i + k) % 10] for k in range(n)]
-        rows.append({"prompt": "sort: " + " ".join(prompt), "chosen": " ".join(sorted(prompt)),
-                     "rejected": " ".join(prompt[::-1] + prompt[: 1 + i % 3]), "margin": 0.25 * i})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_varied_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl")
 
 
 def data(path, **kwargs):
@@ -60,7 +50,7 @@ def one_step_params(path, batch_size, accumulate, lora=False):
     L.seed_everything(0)
     module = RewardModule(PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None),
                           optimizer=partial(torch.optim.SGD, lr=1.0), export=False)
-    trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
+    cpu_trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
         module, data(path, val_files=None, batch_size=batch_size))
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
 

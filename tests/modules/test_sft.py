@@ -4,16 +4,11 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from _helpers import cpu_trainer
 
 from align.data import SFTDataModule
 from align.models import LoraSettings, PolicyModel
 from align.modules import SFTModule
-
-
-def trainer(**kwargs):
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0)
-    return L.Trainer(**{**defaults, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +30,7 @@ def one_step_params(path, batch_size, accumulate, lora=False):
     module = SFTModule(PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None),
                        optimizer=partial(torch.optim.SGD, lr=1.0))
     data = SFTDataModule(train_files=path, val_files=None, batch_size=batch_size, max_length=64, shuffle=False)
-    trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(module, data)
+    cpu_trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(module, data)
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
@@ -52,7 +47,7 @@ def test_a_few_steps_reduce_the_held_out_loss():
     L.seed_everything(0)
     module = SFTModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=3e-3))
     data = SFTDataModule(batch_size=32, max_length=64)
-    t = trainer(max_steps=40, limit_val_batches=2)
+    t = cpu_trainer(max_steps=40, limit_val_batches=2)
     before = t.validate(module, data, verbose=False)[0]["val/loss"]
     t.fit(module, data)
     logged = dict(t.callback_metrics)
