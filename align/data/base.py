@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import lightning as L
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from align.data.chat import ChatEncoder
+from align.data.sampling import WindowBatchSampler
 from align.errors import AlignDataError
 
 
@@ -36,3 +40,13 @@ class TokenizerDataModule(L.LightningDataModule):
 
     def encoder(self) -> ChatEncoder:
         return ChatEncoder(self._resolve_tokenizer(), self.hparams.get("use_chat_template"))
+
+    def window_dataloader(self, dataset: Dataset, weights: Sequence[int], collate_fn: Callable) -> DataLoader:
+        """Training batches whose items carry their optimizer step's total weight (see ``WindowBatchSampler``):
+        shuffled when ``hparams.shuffle``, ``hparams.batch_size`` per micro-batch, one window per optimizer step."""
+        hp = self.hparams
+        sampler = RandomSampler(dataset) if hp.shuffle else SequentialSampler(dataset)
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        batch_sampler = WindowBatchSampler(sampler, hp.batch_size, drop_last=False, weights=weights,
+                                           accumulate=accumulate)
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=hp.num_workers)

@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset
 
 from align.data.base import TokenizerDataModule
 from align.data.chat import ChatEncoder
 from align.data.formats import completion_text, detect_format, prompt_messages, _expect_str
 from align.data.io import read_rows
-from align.data.sampling import WindowBatchSampler
 from align.errors import AlignDataError
 
 log = logging.getLogger(__name__)
@@ -385,14 +384,8 @@ class PreferenceDataModule(TokenizerDataModule):
         return PreferenceCollator(self._resolve_tokenizer().pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        sampler = RandomSampler(self.train_set) if hp.shuffle else SequentialSampler(self.train_set)
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
         # Every pair weighs 1: the loss of an optimizer step is a mean over the pairs of its whole window.
-        batch_sampler = WindowBatchSampler(sampler, hp.batch_size, drop_last=False,
-                                           weights=[1] * len(self.train_set), accumulate=accumulate)
-        return DataLoader(self.train_set, batch_sampler=batch_sampler, collate_fn=self.collator(),
-                          num_workers=hp.num_workers)
+        return self.window_dataloader(self.train_set, [1] * len(self.train_set), self.collator())
 
     def eval_dataloader(self, dataset: PreferenceDataset, batch_size: int | None = None) -> DataLoader:
         """In-order batches over ``dataset`` (validation, and reference precomputation)."""

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset
 
 from align.data.base import TokenizerDataModule
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.formats import sft_record
 from align.data.io import read_rows
-from align.data.sampling import WindowBatchSampler
 from align.errors import AlignDataError
 
 log = logging.getLogger(__name__)
@@ -242,15 +241,8 @@ class SFTDataModule(TokenizerDataModule):
         return SFTCollator(self._resolve_tokenizer().pad_token_id, packed=self.hparams.packing)
 
     def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        sampler = RandomSampler(self.train_set) if hp.shuffle else SequentialSampler(self.train_set)
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        batch_sampler = WindowBatchSampler(
-            sampler, hp.batch_size, drop_last=False,
-            weights=[ex.loss_tokens for ex in self.train_set.examples], accumulate=accumulate,
-        )
-        return DataLoader(self.train_set, batch_sampler=batch_sampler, collate_fn=self._collator(),
-                          num_workers=hp.num_workers)
+        return self.window_dataloader(self.train_set, [ex.loss_tokens for ex in self.train_set.examples],
+                                      self._collator())
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
