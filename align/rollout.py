@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from align.logprobs import response_mask, truncated
+from align.models.decoding import decoder_for
 
 __all__ = ["SamplingConfig", "SampleOutput", "Rollout", "RolloutEngine", "sample", "left_pad", "filter_logits"]
 
@@ -53,6 +54,9 @@ class SamplingConfig:
     """Draw from the ``top_k`` most likely tokens only (0 = off)."""
     min_new_tokens: int = 0
     """Stop tokens are forbidden before this many tokens have been generated."""
+    fast_decoder: bool = True
+    """Decode Llama-family models with :class:`align.models.decoding.FastDecoder` (same logits, fewer
+    operations per token); false, or a model it does not cover, samples through the model's own forward."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -162,9 +166,10 @@ def sample(
         if temperature > 0:
             allowed = filter_logits(allowed, top_k, top_p)
             # Exponential race (equivalent to Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) samples i with
-            # probability p_i, and costs a fraction of torch.multinomial on CPU.
-            noise = torch.empty_like(allowed).exponential_(generator=generator)
-            token = (allowed - noise.log()).argmax(dim=-1)  # (B,)
+            # probability p_i. E = -log(U), U ~ Uniform[0, 1): on CPU a fraction of the cost of
+            # torch.multinomial or Tensor.exponential_.
+            exp_noise = torch.rand(allowed.shape, generator=generator, device=allowed.device).log_().neg_()
+            token = (allowed - exp_noise.log_()).argmax(dim=-1)  # (B,)
         else:
             token = allowed.argmax(dim=-1)
         logprob = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)  # (B,)
@@ -249,7 +254,10 @@ class RolloutEngine:
         policy.eval()  # no dropout while sampling, as when scoring
         started = time.perf_counter()
         try:
-            out = sample(policy.model, ids, mask, eos_token_id=stop, pad_token_id=tok.pad_token_id,
+            model = policy.model
+            if s.fast_decoder:
+                model = decoder_for(model, capacity=ids.shape[1] + s.max_new_tokens)
+            out = sample(model, ids, mask, eos_token_id=stop, pad_token_id=tok.pad_token_id,
                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                          top_p=s.top_p, min_new_tokens=s.min_new_tokens, generator=generator)
         finally:

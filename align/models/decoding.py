@@ -1,0 +1,276 @@
+"""A lean incremental decoder for Llama-family causal LMs, used by the rollout sampler.
+
+Sampling runs one forward pass per generated token. For the models RL fine-tuning starts from (and, on CPU,
+for any model of modest size) the cost of such a pass is dominated by per-operation overhead rather than
+arithmetic: module calls, a key/value cache that grows by concatenation, a 4D mask built on every step.
+:class:`FastDecoder` runs the same computation as the Hugging Face modules with fewer operations:
+
+* the weights are read once per rollout: query/key/value and gate/up projections are fused into one matrix
+  each, and LoRA adapters are merged into that copy (the trainable parameters are not touched);
+* the key/value cache is preallocated for the whole rollout and written in place;
+* rotary embeddings come from the model's own rotary module (so every RoPE scaling type it supports works)
+  and are applied to queries and keys in one pass;
+* only the last position goes through the final norm and the output head.
+
+It is an exact re-expression, not an approximation: logits agree with the model's own forward to float
+rounding (``tests/unit/test_decoding.py`` checks prefill and every decoding step). Models it does not cover
+(other architectures, quantized or sharded weights, DoRA, sliding-window attention) are reported by
+:func:`fast_decoder_unsupported` and sampled through the model's ``forward`` instead.
+
+Memory: the fused copy costs one copy of the decoder's projection weights during generation; above
+``max_copy_bytes`` the sampler uses the model's own forward instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FastDecoder", "fast_decoder_unsupported", "DecodeCache", "decoder_for"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def _lora_layer_type():
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except Exception:  # pragma: no cover - peft is a dependency, but keep the decoder usable without it
+        return None
+    return LoraLinear
+
+
+def _active_lora(module: nn.Module) -> list[str]:
+    """Adapters whose delta must be added to ``module``'s base weight (empty: plain weight)."""
+    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return []
+    return [name for name in module.active_adapters if name in module.lora_A]
+
+
+def _linear_unsupported(module: nn.Module) -> Optional[str]:
+    lora = _lora_layer_type()
+    if lora is not None and isinstance(module, lora):
+        for name in _active_lora(module):
+            if module.use_dora.get(name, False):
+                return "DoRA adapters"
+            if module.lora_bias.get(name, False):
+                return "LoRA adapters with a bias"
+        module = module.get_base_layer()
+    if type(module) is not nn.Linear:
+        return f"{type(module).__name__} projections (quantized or replaced linear layers)"
+    return None
+
+
+def _weight(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(weight, bias)`` that ``module`` applies, with active LoRA adapters merged into a new tensor."""
+    lora = _lora_layer_type()
+    if lora is not None and isinstance(module, lora):
+        base = module.get_base_layer()
+        weight = base.weight
+        for name in _active_lora(module):
+            weight = weight + module.get_delta_weight(name).to(weight.dtype)
+        return weight.detach(), None if base.bias is None else base.bias.detach()
+    return module.weight.detach(), None if module.bias is None else module.bias.detach()
+
+
+def _fused(modules: list[nn.Module]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    parts = [_weight(m) for m in modules]
+    weight = torch.cat([w for w, _ in parts], dim=0)
+    if all(b is None for _, b in parts):
+        return weight, None
+    biases = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts]
+    return weight, torch.cat(biases, dim=0)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` inside a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def fast_decoder_unsupported(model: nn.Module) -> Optional[str]:
+    """Why :class:`FastDecoder` cannot run ``model`` (``None`` when it can)."""
+    lm = _causal_lm(model)
+    config = getattr(lm, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    if model_type == "mistral" and getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    inner = getattr(lm, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "an unexpected module layout"
+    if type(inner.embed_tokens) is not nn.Embedding:
+        return "an adapted or replaced embedding"
+    first = next(lm.parameters(), None)
+    if first is not None and _is_dtensor(first):
+        return "sharded parameters (FSDP)"
+    if first is not None and first.numel() == 0:
+        return "partitioned parameters (DeepSpeed ZeRO-3)"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            reason = _linear_unsupported(module)
+            if reason:
+                return reason
+    return _linear_unsupported(lm.lm_head)
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    o: torch.Tensor
+    o_bias: Optional[torch.Tensor]
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: Optional[torch.Tensor]
+    down: torch.Tensor
+    down_bias: Optional[torch.Tensor]
+
+
+class DecodeCache:
+    """Preallocated keys and values of every layer: ``(B, H_kv, capacity, head_dim)``; ``length`` are filled."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0
+        self.capacity = capacity
+
+
+@dataclass
+class DecodeOutput:
+    logits: torch.Tensor  # (B, 1, V)
+    past_key_values: DecodeCache
+
+
+class FastDecoder:
+    """Callable with the interface :func:`align.rollout.sample` expects of a causal LM.
+
+    Build one per rollout (it snapshots the current weights) with ``capacity`` = prompt width + new tokens.
+    """
+
+    def __init__(self, model: nn.Module, capacity: int):
+        reason = fast_decoder_unsupported(model)
+        if reason:
+            raise ValueError(f"FastDecoder does not support this model: {reason}")
+        lm = _causal_lm(model)
+        inner, config = lm.model, lm.config
+        first = inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.scaling = first.scaling
+        self.q_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.eps = inner.norm.variance_epsilon
+        self.capacity = capacity
+        self.rotary = inner.rotary_emb
+        with torch.no_grad():
+            self.embed = inner.embed_tokens.weight.detach()
+            self.norm = inner.norm.weight.detach()
+            self.head, self.head_bias = _weight(lm.lm_head)
+            self.layers = []
+            for layer in inner.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv, qkv_bias = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
+                o, o_bias = _weight(attn.o_proj)
+                gate_up, gate_up_bias = _fused([mlp.gate_proj, mlp.up_proj])
+                down, down_bias = _weight(mlp.down_proj)
+                self.layers.append(_Layer(layer.input_layernorm.weight.detach(), qkv, qkv_bias, o, o_bias,
+                                          layer.post_attention_layernorm.weight.detach(), gate_up, gate_up_bias,
+                                          down, down_bias))
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As the Hugging Face RMSNorm: normalise in float32, cast back, then scale.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 past_key_values: Optional[DecodeCache] = None, use_cache: bool = True, logits_to_keep: int = 1,
+                 **_: object) -> DecodeOutput:
+        """``input_ids`` ``(B, t)`` new tokens; ``attention_mask`` ``(B, cached + t)``; ``position_ids`` ``(B, t)``."""
+        batch, t = input_ids.shape
+        x = F.embedding(input_ids, self.embed)  # (B, t, H)
+        cache = past_key_values
+        if cache is None:
+            cache = DecodeCache(len(self.layers), batch, self.kv_heads, self.capacity, self.head_dim, x.dtype, x.device)
+        start, end = cache.length, cache.length + t
+        if end > cache.capacity:
+            raise ValueError(f"FastDecoder: {end} positions exceed the cache capacity {cache.capacity}")
+        keys_visible = attention_mask[:, :end].bool()  # (B, end)
+        if t == 1:
+            mask = keys_visible[:, None, None, :]  # (B, 1, 1, end)
+        else:
+            causal = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            mask = causal[None] & keys_visible[:, None, :]
+            # A padding query sees no key; let it see itself so its (unused) output stays finite.
+            mask[:, torch.arange(t), torch.arange(start, end)] = True
+            mask = mask[:, None]  # (B, 1, t, end)
+        cos, sin = self.rotary(x, position_ids)  # (B, t, d)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        qk_heads = self.q_heads + self.kv_heads
+        half = self.head_dim // 2
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.ln1)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (B, t, (Hq + 2 Hkv) d)
+            qk = qkv[..., : qk_heads * self.head_dim].view(batch, t, qk_heads, self.head_dim)
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin
+            q = qk[:, :, : self.q_heads].transpose(1, 2)  # (B, Hq, t, d)
+            cache.keys[i][:, :, start:end] = qk[:, :, self.q_heads:].transpose(1, 2)
+            cache.values[i][:, :, start:end] = qkv[..., qk_heads * self.head_dim:].view(
+                batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end],
+                                                  attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=self.q_heads != self.kv_heads)
+            x = x + F.linear(attn.transpose(1, 2).reshape(batch, t, -1), layer.o, layer.o_bias)
+            h = self._rms_norm(x, layer.ln2)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        cache.length = end
+        last = self._rms_norm(x[:, -logits_to_keep:], self.norm)
+        return DecodeOutput(F.linear(last, self.head, self.head_bias), cache)
+
+
+def _copy_bytes(model: nn.Module) -> int:
+    """Bytes of the weight copy a :class:`FastDecoder` of ``model`` makes (projection and output weights)."""
+    lm = _causal_lm(model)
+    total = 0
+    for layer in lm.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+            total += base.weight.numel() * base.weight.element_size()
+        for module in (attn.o_proj, mlp.down_proj):
+            if hasattr(module, "get_base_layer") and _active_lora(module):
+                total += module.get_base_layer().weight.numel() * module.get_base_layer().weight.element_size()
+    return total
+
+
+def decoder_for(model: nn.Module, capacity: int, max_copy_bytes: int = 2 ** 30):
+    """A :class:`FastDecoder` for ``model`` when it supports it and its weight copy fits in
+    ``max_copy_bytes``; otherwise ``model`` itself (sampled through its own ``forward``)."""
+    if fast_decoder_unsupported(model) is not None or _copy_bytes(model) > max_copy_bytes:
+        return model
+    return FastDecoder(model, capacity)

@@ -1,0 +1,146 @@
+"""FastDecoder is an exact re-expression of the Hugging Face forward for the architectures it covers."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from align.models.decoding import FastDecoder, decoder_for, fast_decoder_unsupported
+from align.models.tiny import build_tiny_model
+from align.rollout import sample
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _llama(**kw):
+    return build_tiny_model(seed=0, **{**SMALL, **kw}).eval()
+
+
+def _qwen2():
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=True)).eval()  # q/k/v projections have a bias
+
+
+def _mistral(sliding_window=None):
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=sliding_window)).eval()
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)  # a non-zero adapter, so merging it matters
+    return peft_model.eval()
+
+
+def _left_padded(batch=4, width=7, vocab=97, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, width), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 2, 5, 1][:batch]):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def _reference_steps(model, ids, mask, new_tokens):
+    """Logits of the model's own full forward at the last position after appending each token of ``new_tokens``."""
+    out = []
+    for step in range(new_tokens.shape[1] + 1):
+        full_ids = torch.cat([ids, new_tokens[:, :step]], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(new_tokens[:, :step])], dim=1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=full_ids, attention_mask=full_mask, position_ids=positions).logits[:, -1]
+        out.append(logits)
+    return out
+
+
+def _decoder_steps(model, ids, mask, new_tokens):
+    decoder = FastDecoder(model, capacity=ids.shape[1] + new_tokens.shape[1])
+    full_mask = torch.cat([mask, torch.ones_like(new_tokens)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = decoder(ids, mask, positions)
+    logits = [out.logits[:, -1]]
+    for step in range(new_tokens.shape[1]):
+        positions = positions[:, -1:] + 1
+        out = decoder(new_tokens[:, step:step + 1], full_mask[:, : ids.shape[1] + step + 1], positions,
+                      past_key_values=out.past_key_values)
+        logits.append(out.logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("build", [_llama, _qwen2, _mistral, lambda: _lora(_llama())],
+                         ids=["llama", "qwen2-bias", "mistral", "llama-lora"])
+def test_prefill_and_every_step_match_the_model_forward(build):
+    model = build()
+    assert fast_decoder_unsupported(model) is None
+    ids, mask = _left_padded()
+    new_tokens = torch.randint(3, 97, (ids.shape[0], 5), generator=torch.Generator().manual_seed(1))
+    expected = _reference_steps(model, ids, mask, new_tokens)
+    got = _decoder_steps(model, ids, mask, new_tokens)
+    for step, (e, g) in enumerate(zip(expected, got)):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5, msg=f"step {step}")
+
+
+def test_lora_with_adapters_disabled_matches_the_base_model():
+    model = _lora(_llama())
+    ids, mask = _left_padded()
+    new_tokens = torch.randint(3, 97, (ids.shape[0], 2), generator=torch.Generator().manual_seed(2))
+    with model.disable_adapter():
+        got = _decoder_steps(model, ids, mask, new_tokens)
+        expected = _reference_steps(model.get_base_model(), ids, mask, new_tokens)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+
+
+def test_decoder_snapshot_leaves_the_trainable_weights_untouched():
+    model = _lora(_llama())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    FastDecoder(model, capacity=8)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_bfloat16_model_matches_within_bf16_rounding():
+    model = _llama().to(torch.bfloat16)
+    ids, mask = _left_padded()
+    new_tokens = torch.randint(3, 97, (ids.shape[0], 3), generator=torch.Generator().manual_seed(3))
+    for e, g in zip(_reference_steps(model, ids, mask, new_tokens), _decoder_steps(model, ids, mask, new_tokens)):
+        torch.testing.assert_close(g.float(), e.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_sampling_through_the_decoder_draws_the_same_tokens_and_logprobs():
+    model = _llama()
+    ids, mask = _left_padded()
+    kwargs = dict(eos_token_id=2, pad_token_id=0, max_new_tokens=12, temperature=0.9, top_k=40)
+    ref = sample(model, ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
+    fast = sample(FastDecoder(model, ids.shape[1] + 12), ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
+    assert torch.equal(ref.response_ids, fast.response_ids)
+    torch.testing.assert_close(fast.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_capacity_is_enforced():
+    model = _llama()
+    ids, mask = _left_padded()
+    decoder = FastDecoder(model, capacity=ids.shape[1])
+    out = decoder(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+    with pytest.raises(ValueError, match="capacity"):
+        decoder(ids[:, :1], torch.cat([mask, mask[:, :1]], 1), torch.zeros_like(ids[:, :1]), out.past_key_values)
+
+
+def test_unsupported_models_are_named_and_fall_back_to_their_own_forward():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2))
+    assert "gpt2" in fast_decoder_unsupported(gpt2)
+    assert decoder_for(gpt2, capacity=8) is gpt2
+    assert "sliding" in fast_decoder_unsupported(_mistral(sliding_window=4))
+    from peft import LoraConfig, get_peft_model
+
+    dora = get_peft_model(_llama(), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    assert "DoRA" in fast_decoder_unsupported(dora)
+    llama = _llama()
+    assert isinstance(decoder_for(llama, capacity=8), FastDecoder)
+    assert decoder_for(llama, capacity=8, max_copy_bytes=0) is llama  # the weight copy would not fit
