@@ -26,7 +26,8 @@ limit (``max_completion_length``), temperature 1, no top-k/top-p, one policy ite
 0.2, token-mean loss over the step (TRL ``loss_type="dapo"``), AdamW with a constant learning rate, gradient
 clipping at 1.0, fp32, LoRA on or off (r 16, alpha 32, all linear layers), ``--threads`` torch threads, no
 checkpoints, no evaluation. Each framework keeps its own generation loop: align its KV-cache sampler that stops
-when all rows are done; TRL ``transformers.generate``.
+when all rows are done, through :class:`align.models.decoding.FastDecoder` (``--no-fast-decoder``: through the
+model's own forward, to see what the decoder contributes); TRL ``transformers.generate``.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def run_align(spec: dict) -> dict:
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     module = GRPOModule(
         policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=spec["group"],
-        sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0), beta=0.0,
+        sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
+                                fast_decoder=spec["fast_decoder"]), beta=0.0,
         max_grad_norm=1.0, log_entropy=False,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
     )
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--no-fast-decoder", dest="fast_decoder", action="store_false",
+                        help="align samples through the model's own forward instead of its FastDecoder")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         load_tiny_tokenizer().save_pretrained(model_dir)
         spec = {"model_dir": str(model_dir), "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
-                "lora": ns.lora, "threads": ns.threads}
+                "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder}
         results: dict[str, list[dict]] = {"align": [], "trl": []}
         for trial in range(ns.trials):
             for framework in ("align", "trl"):
@@ -235,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
 
     med = {fw: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for fw, rs in results.items()}
     print(f"\nGRPO full step, {ns.prompts} prompts x {ns.group} completions, {ns.max_new_tokens} new tokens, "
-          f"LoRA {'on' if ns.lora else 'off'}, {ns.threads} threads, medians of {ns.trials} trials:")
+          f"LoRA {'on' if ns.lora else 'off'}, {ns.threads} threads, "
+          f"align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of {ns.trials} trials:")
     print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}{'gen %':>8s}{'update %':>10s}{'peak RSS MB':>13s}")
     for fw in ("align", "trl"):
         m = med[fw]

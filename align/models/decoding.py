@@ -23,6 +23,7 @@ Memory: the fused copy costs one copy of the decoder's projection weights during
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,11 +37,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 def _lora_layer_type():
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-    except Exception:  # pragma: no cover - peft is a dependency, but keep the decoder usable without it
-        return None
-    return LoraLinear
+    """peft's LoRA linear layer class, if peft's LoRA layers have been imported (a model can only contain
+    them then; importing peft here would pull in bitsandbytes for nothing)."""
+    layer_module = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(layer_module, "Linear", None)
 
 
 def _active_lora(module: nn.Module) -> list[str]:
