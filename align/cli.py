@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -28,6 +29,8 @@ class AlignCLI(LightningCLI):
     def __init__(self, model_class=None, datamodule_class=None, **kwargs):
         from align.modules.base import AlignModule
 
+        # Frozen reference, reward and critic-initialising copies are kept in eval mode on purpose.
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
