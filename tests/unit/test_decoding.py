@@ -144,3 +144,18 @@ def test_unsupported_models_are_named_and_fall_back_to_their_own_forward():
     llama = _llama()
     assert isinstance(decoder_for(llama, capacity=8), FastDecoder)
     assert decoder_for(llama, capacity=8, max_copy_bytes=0) is llama  # the weight copy would not fit
+
+
+def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
+    from align.models.policy import PolicyModel
+    from align.rollout import RolloutEngine, SamplingConfig
+
+    policy = PolicyModel("tiny")
+    prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]
+    rollouts = []
+    for fast in (True, False):
+        engine = RolloutEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast))
+        rollouts.append(engine.generate(policy, prompts, group_size=2, generator=torch.Generator().manual_seed(7)))
+    fast, slow = rollouts
+    assert torch.equal(fast.response_ids, slow.response_ids) and fast.texts == slow.texts
+    torch.testing.assert_close(fast.old_logprobs, slow.old_logprobs, atol=1e-5, rtol=1e-5)
