@@ -16,6 +16,7 @@ import torch
 
 from align.errors import AlignConfigError
 from align.models.tiny import TINY_SORT_DIR, build_tiny_model, has_tiny_sort_weights, is_tiny, is_tiny_sort, load_tiny_tokenizer
+from align.models.tiny import TINY_SORT_RM_DIR, is_tiny_sort_rm
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,12 @@ def check_model_source(name: str, what: str = "model") -> str:
             raise AlignConfigError(f"{what}: 'tiny-sort' weights are missing from {TINY_SORT_DIR}; "
                                    "run scripts/make_tiny_sort.py to rebuild them")
         return str(TINY_SORT_DIR)
+    if is_tiny_sort_rm(name):
+        # The shipped sort-task reward model: an export directory whose backbone is a plain causal LM.
+        if not (TINY_SORT_RM_DIR / "config.json").is_file():
+            raise AlignConfigError(f"{what}: 'tiny-sort-rm' weights are missing from {TINY_SORT_RM_DIR}; "
+                                   "run scripts/make_tiny_sort_rm.py to rebuild them")
+        return str(TINY_SORT_RM_DIR)
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir() and not (path / "config.json").exists() and what == "model":

@@ -284,6 +284,30 @@ class PolicyModel(nn.Module):
             return self.critic_head(h[:, T - R - 1 : T - 1])
         raise RuntimeError("values requested but the policy has no value head; set policy.value_head")
 
+    def values(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, T)
+        *,
+        response_length: int,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(B, R)`` float32 values ``V(state before token j)`` of the last ``R`` tokens, without the LM head.
+
+        The same numbers as ``score(..., return_values=True).values``; for a value-only update or a rollout.
+        """
+        T = input_ids.shape[1]
+        if not 0 < response_length < T:
+            raise ValueError(f"response_length must be in [1, {T - 1}], got {response_length}")
+        if position_ids is None and attention_mask is not None:
+            position_ids = position_ids_from_mask(attention_mask)
+        hidden: list[torch.Tensor] = []
+        if self.value_head is not None:
+            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids, use_cache=False)
+            hidden.append(out.last_hidden_state)
+        return self._values(hidden, input_ids, attention_mask, position_ids, response_length)
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Sample continuations with the transformers generation loop (KV cache). Returns prompt + response ids."""

@@ -25,7 +25,8 @@ import torch
 
 from align.errors import AlignConfigError
 from align.logprobs import last_valid_index
-from align.models.loading import DType, LoraSettings, torch_dtype
+from align.models.loading import DType, LoraSettings, check_model_source, torch_dtype
+from align.models.tiny import is_tiny_sort_rm
 from align.models.policy import PolicyModel, position_ids_from_mask
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ def save_reward_model(policy: PolicyModel, output_dir: str | Path, encoding: dic
 
 def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[PolicyModel, dict]:
     """``(policy with its head, encoding spec)`` from an export directory or an align ``.ckpt``."""
+    if is_tiny_sort_rm(path):
+        path = check_model_source(str(path), what="reward model path")
     path = Path(path).expanduser()
     if not path.exists():
         raise AlignConfigError(f"reward model path: '{path}' does not exist; expected an export directory "
@@ -148,7 +151,8 @@ class RewardModelScorer:
                  max_length: int | None = None, system_prompt: str | None = None):
         """
         Args:
-            path: A reward-model export directory (``<run dir>/export``) or a reward-model ``.ckpt``.
+            path: A reward-model export directory (``<run dir>/export``), a reward-model ``.ckpt``, or
+                ``tiny-sort-rm`` (the shipped sort-task reward model).
             batch_size: Sequences scored per forward pass.
             device: ``cpu``, ``cuda``, ``cuda:1``...; null picks CUDA when available.
             dtype: Weight dtype for scoring.

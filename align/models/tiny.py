@@ -35,6 +35,21 @@ TINY_SORT = "tiny-sort"
 """The model id of the SFT-warmed tiny model (:data:`TINY_SORT_DIR`): the GRPO/PPO recipes' default policy."""
 
 
+TINY_SORT_RM_DIR = ASSETS_DIR / "tiny-sort-rm"
+"""A reward model for the sort task (made by ``scripts/make_tiny_sort_rm.py`` with ``recipes/rm.py`` on the
+bundled preferences): a reward-model export directory (see :mod:`align.models.reward`) addressed by the id
+:data:`TINY_SORT_RM`."""
+
+TINY_SORT_RM = "tiny-sort-rm"
+"""The id of the shipped sort-task reward model (:data:`TINY_SORT_RM_DIR`): a reward for PPO, and a critic
+backbone (``critic_model: tiny-sort-rm``)."""
+
+
+def is_tiny_sort_rm(name: Any) -> bool:
+    """Whether a model id names the shipped sort-task reward model (case and surrounding spaces ignored)."""
+    return isinstance(name, str) and name.strip().lower() == TINY_SORT_RM
+
+
 def is_tiny_sort(name: Any) -> bool:
     """Whether a model id names the shipped SFT-warmed tiny model (case and surrounding spaces ignored)."""
     return isinstance(name, str) and name.strip().lower() == TINY_SORT
