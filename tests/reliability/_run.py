@@ -1,0 +1,89 @@
+"""Run a recipe in this process the way the resume tests need it: one thread, deterministic kernels, and
+optionally a SIGKILL of the process itself right after optimizer step ``--kill-at`` (before that step's
+checkpoint, so the run must go back to the previous one) or in the middle of writing checkpoint file number
+``--kill-in-write``.
+
+    python tests/reliability/_run.py sft [--kill-at K] [--kill-in-write N] -- <recipe arguments>
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+torch.use_deterministic_algorithms(True)
+
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+import align.cli  # noqa: E402
+from align.checkpointing import AtomicCheckpointIO  # noqa: E402
+
+
+class KillAtStep(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # Lightning runs checkpoint callbacks after every other callback: the checkpoint of this step is not written.
+        if trainer.global_step == self.step:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_write(n: int) -> None:
+    """SIGKILL in the middle of writing the n-th checkpoint file (half of its bytes are on disk)."""
+    original = AtomicCheckpointIO._write
+    count = {"writes": 0}
+
+    def write(self, checkpoint, f):
+        count["writes"] += 1
+        if count["writes"] < n:
+            return original(self, checkpoint, f)
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        data = buffer.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    AtomicCheckpointIO._write = write
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("algorithm")
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-in-write", type=int, default=None)
+    ns = parser.parse_args(argv[:split])
+    recipe_args = argv[split + 1:]
+    if ns.kill_in_write:
+        kill_in_write(ns.kill_in_write)
+    if ns.kill_at is not None:
+        original = align.cli.AlignCLI._instantiate_trainer
+
+        def instantiate(self, config, callbacks):
+            return original(self, config, [*callbacks, KillAtStep(ns.kill_at)])
+
+        align.cli.AlignCLI._instantiate_trainer = instantiate
+    from align.modules.dpo import DPOModule
+    from align.modules.grpo import GRPOModule
+    from align.modules.sft import SFTModule
+    from align.data.preference import PreferenceDataModule
+    from align.data.prompts import PromptDataModule
+    from align.data.sft import SFTDataModule
+
+    classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
+               "grpo": (GRPOModule, PromptDataModule)}
+    align.cli.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Exact resume after SIGKILL: a run killed at a random step after a checkpoint and resumed with
+``--ckpt_path last`` logs the same metrics, bit for bit, as a run that was never interrupted.
+
+Each run is its own process (``_run.py``: one thread, deterministic kernels). The kill lands after an
+optimizer step whose checkpoint is not written yet, so the resumed run repeats the steps since the previous
+checkpoint: the data position, the RNG streams (rollout sampling included), the optimizer, the schedule and
+the loop counters must all come back for the numbers to match. Every setting crosses an epoch boundary.
+"""
+
+import csv
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from align.checkpointing import AtomicCheckpointIO
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+DATA = ROOT / "align" / "data" / "assets" / "sort"
+# Wall-clock metrics differ between any two runs.
+TIMING = ("tokens_per_s", "time/", "_s")
+
+pytestmark = pytest.mark.slow
+
+
+def first_rows(src: Path, dst: Path, n: int) -> str:
+    dst.write_text("".join(open(src).readlines()[:n]))
+    return str(dst)
+
+
+def run(algorithm: str, root: Path, args: list[str], *extra: str, kill_at: int | None = None,
+        kill_in_write: int | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(HERE / "_run.py"), algorithm]
+    if kill_at is not None:
+        cmd += ["--kill-at", str(kill_at)]
+    if kill_in_write is not None:
+        cmd += ["--kill-in-write", str(kill_in_write)]
+    cmd += ["--", "--trainer.default_root_dir", str(root), *args, *extra]
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
+
+
+def metrics_by_step(root: Path, version: int) -> dict[int, dict[str, str]]:
+    rows = list(csv.DictReader(open(root / f"version_{version}" / "metrics.csv")))
+    out: dict[int, dict[str, str]] = {}
+    for row in rows:
+        kept = {k: v for k, v in row.items() if v != "" and not any(t in k for t in TIMING)}
+        out.setdefault(int(row["step"]), {}).update(kept)
+    return out
+
+
+def common(max_steps: int, every: int) -> list[str]:
+    return ["--trainer.max_steps", str(max_steps), "--trainer.limit_val_batches", "0", "--eval_before_after", "false",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.callbacks+=align.checkpointing.AlignCheckpoint",
+            "--trainer.callbacks.every_n_train_steps", str(every)]
+
+
+def settings(algorithm: str, tmp: Path) -> tuple[list[str], int, int]:
+    """Recipe arguments, total optimizer steps, checkpoint interval."""
+    if algorithm == "sft":  # 40 rows / (4 x 2 accumulated) = 5 optimizer steps per epoch
+        data = first_rows(DATA / "sft" / "train.jsonl", tmp / "sft.jsonl", 40)
+        return [*common(8, 2), "--trainer.accumulate_grad_batches", "2", "--data.init_args.batch_size", "4",
+                "--data.init_args.train_files", data], 8, 2
+    if algorithm == "dpo":  # 24 pairs / 4 = 6 steps per epoch; the reference cache lives in the run directory
+        data = first_rows(DATA / "preference" / "train.jsonl", tmp / "pairs.jsonl", 24)
+        return [*common(8, 2), "--trainer.max_epochs", "3", "--data.init_args.batch_size", "4",
+                "--data.init_args.train_files", data, "--data.init_args.val_files", "null"], 8, 2
+    # grpo: 10 prompts / 4 = 2 rollouts per epoch (last partial batch dropped); sampling at temperature 1
+    data = first_rows(DATA / "prompts" / "train.jsonl", tmp / "prompts.jsonl", 10)
+    return [*common(6, 2), "--data.init_args.batch_size", "4", "--model.init_args.group_size", "2",
+            "--model.init_args.sampling.max_new_tokens", "8", "--model.init_args.sampling.temperature", "1.0",
+            "--data.init_args.train_files", data, "--data.init_args.val_files", "null"], 6, 2
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "dpo", "grpo"])
+def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm):
+    args, steps, every = settings(algorithm, tmp_path)
+    full_root, cut_root = tmp_path / "full", tmp_path / "cut"
+    done = run(algorithm, full_root, args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    full = metrics_by_step(full_root, 0)
+    assert sorted(full) == list(range(steps)), sorted(full)
+
+    # A random optimizer step after the first checkpoint that is not itself a checkpoint step.
+    kill_at = random.choice([s for s in range(every + 1, steps) if s % every])
+    killed = run(algorithm, cut_root, args, kill_at=kill_at)
+    assert killed.returncode == -9, (kill_at, killed.returncode, killed.stderr[-3000:])
+    resumed = run(algorithm, cut_root, args, "--ckpt_path", "last")
+    assert resumed.returncode == 0, (kill_at, resumed.stderr[-3000:])
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+
+    before, after = metrics_by_step(cut_root, 0), metrics_by_step(cut_root, 1)
+    restart = (kill_at // every) * every  # the step of the last checkpoint written before the kill
+    assert sorted(after) == list(range(restart, steps)), (kill_at, sorted(after))
+    for step in range(restart, steps):
+        assert after[step] == full[step], f"{algorithm}: step {step} differs after a kill at step {kill_at}"
+    # Rows the killed run flushed before it died (the CSV is written in batches) match too, including
+    # the steps it trained that the resumed run had to repeat.
+    for step, row in before.items():
+        assert row == full[step], f"{algorithm}: step {step} of the killed run differs"
+    ckpt = AtomicCheckpointIO().load_checkpoint(cut_root / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == steps
+    if algorithm == "grpo":
+        assert ckpt["align"]["rl"] == {"rollouts": steps, "updates": steps}
+
+
+def test_kill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
+    """SIGKILL with half of the second checkpoint on disk: ``last.ckpt`` is still the first one, whole, and the
+    run resumes from it."""
+    args, steps, every = settings("sft", tmp_path)
+    root = tmp_path / "run"
+    # Writes: 1 = epoch=0-step=2.ckpt, 2 = last.ckpt at step 2, 3 = epoch=0-step=4.ckpt, 4 = last.ckpt at step 4.
+    killed = run("sft", root, args, kill_in_write=4)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    files = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert any(name.startswith(".last.ckpt.tmp.") for name in files), files  # the torn write
+    last = AtomicCheckpointIO().load_checkpoint(root / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 2
+    assert torch.isfinite(next(iter(last["state_dict"].values()))).all()
+
+    resumed = run("sft", root, args, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    files = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert not any(".tmp." in name for name in files), files  # the next write cleared the torn file
+    assert AtomicCheckpointIO().load_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == steps
