@@ -17,6 +17,7 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
 
+import align.strategies  # noqa: F401  (registers the short names: --trainer.strategy fsdp2 / zero1..3 / zero3_offload)
 from align.errors import AlignError
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,13 @@ class AlignCLI(LightningCLI):
         if not self._wants_eval() or self.trainer.interrupted:
             return
         after = self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False))
+        log_dir = self.trainer.log_dir  # a broadcast under several processes: every rank asks
         if self.trainer.is_global_zero:
             for name, value in after.items():
                 before = self._before.get(name)
                 shown = f"{before:.4f} -> {value:.4f}" if before is not None else f"{value:.4f}"
                 print(f"held-out {name}: {shown}")
-            print(f"run directory: {self.trainer.log_dir}")
+            print(f"run directory: {log_dir}")
 
 
 def _with_subcommand(args: list[str]) -> list[str]:
@@ -90,8 +92,10 @@ def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | 
     default = CONFIG_DIR / algorithm / "tiny.yaml"
     parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
     trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
-    sys.argv = sys.argv[:1]  # the arguments travel in ``args``; LightningCLI warns when both are set
-    return _guarded(lambda: AlignCLI(model_class, datamodule_class, args=args, parser_kwargs=parser_kwargs,
+    # The arguments travel in ``sys.argv``, not ``args``: with ``--trainer.devices N`` Lightning starts the other
+    # ranks by re-running this script with ``sys.argv``, and they must see the same subcommand and overrides.
+    sys.argv = [sys.argv[0], *args]
+    return _guarded(lambda: AlignCLI(model_class, datamodule_class, args=None, parser_kwargs=parser_kwargs,
                                      trainer_defaults=trainer_defaults))
 
 
