@@ -131,8 +131,13 @@ def sample(
     top_p: float = 1.0,
     min_new_tokens: int = 0,
     generator: Optional[torch.Generator] = None,
+    sync_stop: Optional[Callable[[bool], bool]] = None,
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens per row with a KV cache; see the module docstring.
+
+    ``sync_stop(all_rows_done) -> stop`` makes the early-stop decision shared when several processes must run
+    the same number of forward passes (parameters gathered per layer on use, as under DeepSpeed ZeRO-3): it
+    and-s the flag across ranks, and a rank whose rows are done decodes padding until every rank is done.
 
     Runs in ``torch.inference_mode`` (less per-op overhead than ``no_grad``); clone the outputs before using
     them in autograd. ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True, logits_to_keep=1)``
@@ -176,7 +181,10 @@ def sample(
         tokens.append(torch.where(done, pad, token))
         logprobs.append(logprob.masked_fill(done, 0.0))
         done = done | is_stop(tokens[-1])
-        if bool(done.all()):
+        finished = bool(done.all())
+        if sync_stop is not None:
+            finished = sync_stop(finished)
+        if finished:
             break
         step_ids = tokens[-1].unsqueeze(-1)  # (B, 1)
         position_ids = next_position
@@ -239,8 +247,10 @@ class RolloutEngine:
         prompt_ids: Sequence[Sequence[int]],
         group_size: int = 1,
         generator: Optional[torch.Generator] = None,
+        sync_stop: Optional[Callable[[bool], bool]] = None,
     ) -> Rollout:
-        """Sample ``group_size`` completions for each prompt (lists of token ids, chat template applied)."""
+        """Sample ``group_size`` completions for each prompt (lists of token ids, chat template applied).
+        ``sync_stop``: see :func:`sample` (``align.strategies.generation_context`` provides it when needed)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         tok = policy.tokenizer
@@ -259,7 +269,7 @@ class RolloutEngine:
                 model = decoder_for(model, capacity=ids.shape[1] + s.max_new_tokens)
             out = sample(model, ids, mask, eos_token_id=stop, pad_token_id=tok.pad_token_id,
                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                         top_p=s.top_p, min_new_tokens=s.min_new_tokens, generator=generator)
+                         top_p=s.top_p, min_new_tokens=s.min_new_tokens, generator=generator, sync_stop=sync_stop)
         finally:
             policy.train(was_training)
         seconds = max(time.perf_counter() - started, 1e-9)
