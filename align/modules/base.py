@@ -62,6 +62,27 @@ class AlignModule(L.LightningModule):
             scale *= trainer.accumulate_grad_batches
         return float(scale)
 
+    def accumulating(self) -> bool:
+        """Whether the current micro-batch does not end an optimizer step although the optimizer hooks run.
+
+        Under DeepSpeed (which accumulates gradients itself) Lightning calls ``optimizer.step`` and
+        ``on_before_optimizer_step`` after *every* micro-batch; the engine only updates at the window's end.
+        Per-step bookkeeping (the window's loss, tokens/s) must wait for that end.
+        """
+        trainer = self._trainer
+        return bool(trainer is not None and trainer.strategy.handles_gradient_accumulation
+                    and trainer.fit_loop._should_accumulate())
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        from align.strategies import unshard_root
+
+        unshard_root(self.policy)  # FSDP2: for code that enters the model below the root (no-op otherwise)
+
+    def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        from align.strategies import unshard_root
+
+        unshard_root(self.policy)
+
     def configure_model(self) -> None:
         # FSDP2: shard per decoder layer, then the policy (reference and critic included).
         from lightning.pytorch.strategies import ModelParallelStrategy

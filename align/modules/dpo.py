@@ -362,6 +362,8 @@ class DPOModule(AlignModule):
         return loss_sum * step_scale(self, batch.window_pairs.to(loss_sum.device))
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        if self.accumulating():  # DeepSpeed: called after every micro-batch; wait for the window's end
+            return
         m = self._window.means(self)
         if m:
             self.log("train/loss", m.pop("loss"), on_step=True, prog_bar=True, batch_size=1)

@@ -72,11 +72,11 @@ class PairMetrics:
 def step_scale(module: AlignModule, window_pairs: torch.Tensor) -> torch.Tensor:
     """Factor turning a micro-batch's *sum* of per-pair losses into its share of the step's per-pair mean.
 
-    Lightning divides each micro-batch loss by ``accumulate_grad_batches`` and DDP averages gradients over ranks;
-    both are undone here, and the sum is divided by the pair count of the whole window on all ranks.
+    Lightning divides each micro-batch loss by ``accumulate_grad_batches``, DeepSpeed once more, and data
+    parallelism averages gradients over ranks; all are undone here (:meth:`AlignModule.gradient_scale`), and the
+    sum is divided by the pair count of the whole window on all ranks.
     """
-    scale = module.trainer.accumulate_grad_batches * module.trainer.world_size
-    return scale / module.all_reduce_sum(window_pairs).clamp(min=1.0)
+    return module.gradient_scale() / module.all_reduce_sum(window_pairs).clamp(min=1.0)
 
 
 class RewardModule(AlignModule):
@@ -141,6 +141,8 @@ class RewardModule(AlignModule):
         self._window = PairMetrics()
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        if self.accumulating():  # DeepSpeed: called after every micro-batch; wait for the window's end
+            return
         m = self._window.means(self)
         if m:
             self.log("train/loss", m["loss"], on_step=True, prog_bar=True, batch_size=1)

@@ -141,7 +141,11 @@ class RLModule(AlignModule):
         return self.ppo_epochs == 1 and self.num_minibatches == 1
 
     def rollout(self, batch: PromptBatch, group_size: int = 1, engine: RolloutEngine | None = None) -> Rollout:
-        return (engine or self.engine).generate(self.policy, batch.prompt_ids, group_size)
+        # Sharded parameters (FSDP2, ZeRO-3) need the generation context: see align.strategies.generation_context.
+        from align.strategies import generation_context
+
+        with generation_context(self) as sync_stop:
+            return (engine or self.engine).generate(self.policy, batch.prompt_ids, group_size, sync_stop=sync_stop)
 
     def score_rewards(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device."""
@@ -157,6 +161,13 @@ class RLModule(AlignModule):
         for name, values in parts.items():
             metrics[f"rollout/reward/{name}"] = float(values.mean())
         return metrics
+
+    def global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+        """Mean of ``values`` over the ``mask``-ed elements of every rank (one all-reduce of a sum and a count):
+        the same number on every rank, e.g. the KL fed to an adaptive KL controller. 0 when nothing is valid."""
+        packed = torch.stack([(values.detach().float() * mask).sum(), mask.float().sum()])
+        total, count = self.all_reduce_sum(packed).unbind()
+        return float(total / count.clamp(min=1.0))
 
     # ------------------------------------------------------------------ updates
     def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,8 @@ class SFTModule(AlignModule):
         self._reset_step_stats()
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        if self.accumulating():  # DeepSpeed: called after every micro-batch; the window is not complete yet
+            return
         # Once per optimizer step: the window is complete, so its mean loss is exact.
         elapsed = max(time.perf_counter() - self._step_started, 1e-9)
         loss = self.all_reduce_sum(self._step_loss)
