@@ -11,7 +11,8 @@ of every parameter the optimizer updates. When any of them is NaN or infinite:
   count). The learning-rate schedule and ``global_step`` still advance. Skipped steps are counted in
   ``train/nonfinite_skipped`` (logged once the first one happens, saved in checkpoints).
 
-Works for automatic and manual optimization (Lightning calls both hooks from ``manual_backward`` and
+With fp16 mixed precision, gradient overflow is left to the gradient scaler (it skips those steps and lowers
+its scale); only the loss is checked. Works for automatic and manual optimization (Lightning calls both hooks from ``manual_backward`` and
 ``optimizer.step()``). Under data parallelism the verdict is all-reduced, so every rank skips or stops together
 even when gradients are sharded.
 """
@@ -73,7 +74,9 @@ class NonFiniteGuard(Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         loss_finite, self._loss_finite = self._loss_finite, None
-        grads = [_local(p.grad) for p in params]
+        # fp16 mixed precision: the gradient scaler skips overflowing steps and lowers its scale by design.
+        scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
+        grads = [] if scaled else [_local(p.grad) for p in params]
         if grads:
             norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
             grads_finite = torch.isfinite(torch.stack([n.float().to(grads[0].device) for n in norms]).sum())
