@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 import align.strategies  # noqa: F401  (registers the short names: --trainer.strategy fsdp2 / zero1..3 / zero3_offload)
@@ -24,6 +26,44 @@ log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
+
+
+# Settings whose values are credentials: never written to the run directory's config.yaml.
+SECRET_KEY = re.compile(r"^(headers|(hf_|auth_|access_|api_|bearer_)?token|(\w+_)?secret|password|passwd|(\w+_)?api_?key|"
+                        r"authorization|credentials?)$", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def redact_secrets(value):
+    """A copy of a parsed config with the values of secret-looking keys (OTLP ``headers``, ``token``,
+    ``api_key``, ``password``...) replaced by ``<redacted>``."""
+    from jsonargparse import Namespace
+
+    def walk(v, key: str = ""):
+        if SECRET_KEY.search(key) and v is not None and not isinstance(v, (bool, int, float)):
+            return {k: REDACTED for k in v} if isinstance(v, dict) else REDACTED
+        if isinstance(v, Namespace):
+            out = Namespace()
+            for k, item in vars(v).items():
+                setattr(out, k, walk(item, k))
+            return out
+        if isinstance(v, dict):
+            return {k: walk(item, str(k)) for k, item in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(walk(item) for item in v)
+        return v
+
+    return walk(value)
+
+
+class RedactingSaveConfigCallback(SaveConfigCallback):
+    """Lightning's config.yaml writer, with credentials redacted (pass them by environment variable, e.g.
+    ``OTEL_EXPORTER_OTLP_HEADERS``, to re-run from the saved file)."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.already_saved:
+            self.config = redact_secrets(self.config)
+        super().setup(trainer, pl_module, stage)
 
 
 class AlignCLI(LightningCLI):
@@ -36,16 +76,21 @@ class AlignCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("save_config_callback", RedactingSaveConfigCallback)
         kwargs.setdefault("trainer_defaults", dict(TRAINER_DEFAULTS))
         super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--eval_before_after", type=bool, default=True,
                             help="Evaluate the held-out set before and after fit and print the headline metrics.")
+        parser.add_argument("--resume", type=Literal["never", "auto"], default="never",
+                            help="auto: fit resumes from <default_root_dir>/checkpoints/last.ckpt when it exists "
+                                 "(same as --ckpt_path last); never: only an explicit --ckpt_path resumes.")
 
     def _instantiate_trainer(self, config, callbacks):
         config = dict(config)
         root = config.get("default_root_dir") or "runs"
+        _checkpoint_defaults(config, callbacks, root)
         logger = config.get("logger")
         if logger is not False:
             loggers: list[Logger] = [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
@@ -53,6 +98,12 @@ class AlignCLI(LightningCLI):
                 loggers.insert(0, CSVLogger(save_dir=root, name=""))
             config["logger"] = loggers
         return super()._instantiate_trainer(config, callbacks)
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand == "fit" and kwargs.get("ckpt_path") is None and self.config[subcommand].get("resume") == "auto":
+            kwargs["ckpt_path"] = "last"  # Lightning starts from scratch, with a warning, when there is none yet
+        return kwargs
 
     def _headline(self, results: list[dict]) -> dict[str, float]:
         merged = {k: float(v) for r in results for k, v in r.items()}
@@ -77,6 +128,25 @@ class AlignCLI(LightningCLI):
                 shown = f"{before:.4f} -> {value:.4f}" if before is not None else f"{value:.4f}"
                 print(f"held-out {name}: {shown}")
             print(f"run directory: {log_dir}")
+
+
+def _checkpoint_defaults(config: dict, callbacks: list, root: str) -> None:
+    """Checkpoints go to ``<root>/checkpoints`` (not a per-run version folder) so ``--ckpt_path last`` finds them
+    from a new process; they are written atomically (``align.checkpointing``). Without a configured checkpoint
+    callback, an :class:`~align.checkpointing.AlignCheckpoint` saves ``last.ckpt`` at the end of every epoch."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from align.checkpointing import AlignCheckpoint, default_checkpoint_dir
+
+    configured = config.get("callbacks")
+    configured = [] if configured is None else list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    checkpoints = [cb for cb in [*configured, *callbacks] if isinstance(cb, ModelCheckpoint)]
+    for cb in checkpoints:
+        if cb.dirpath is None:
+            cb.dirpath = os.path.realpath(default_checkpoint_dir(root))
+    if not checkpoints and config.get("enable_checkpointing") is not False:
+        configured.append(AlignCheckpoint(dirpath=os.path.realpath(default_checkpoint_dir(root))))
+        config["callbacks"] = configured
 
 
 def _with_subcommand(args: list[str]) -> list[str]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import lightning as L
-from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset
 
 from align.data.chat import ChatEncoder
-from align.data.sampling import WindowBatchSampler
+from align.data.sampling import (EpochRandomSampler, EpochSequentialSampler, ResumableBatchSampler, ResumableDataLoader,
+                                 WindowBatchSampler)
 from align.errors import AlignDataError
 
 
@@ -43,10 +44,23 @@ class TokenizerDataModule(L.LightningDataModule):
 
     def window_dataloader(self, dataset: Dataset, weights: Sequence[int], collate_fn: Callable) -> DataLoader:
         """Training batches whose items carry their optimizer step's total weight (see ``WindowBatchSampler``):
-        shuffled when ``hparams.shuffle``, ``hparams.batch_size`` per micro-batch, one window per optimizer step."""
+        shuffled when ``hparams.shuffle``, ``hparams.batch_size`` per micro-batch, one window per optimizer step.
+        The loader resumes mid-epoch exactly (see ``align.data.sampling``)."""
         hp = self.hparams
-        sampler = RandomSampler(dataset) if hp.shuffle else SequentialSampler(dataset)
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        batch_sampler = WindowBatchSampler(sampler, hp.batch_size, drop_last=False, weights=weights,
-                                           accumulate=accumulate)
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=hp.num_workers)
+        batch_sampler = WindowBatchSampler(self._train_sampler(dataset), hp.batch_size, drop_last=False,
+                                           weights=weights, accumulate=accumulate)
+        return ResumableDataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn,
+                                   num_workers=hp.num_workers)
+
+    def resumable_dataloader(self, dataset: Dataset, collate_fn: Callable, drop_last: bool = False) -> DataLoader:
+        """Training batches of ``hparams.batch_size``, shuffled when ``hparams.shuffle``, that resume mid-epoch
+        exactly (see ``align.data.sampling``)."""
+        hp = self.hparams
+        batch_sampler = ResumableBatchSampler(self._train_sampler(dataset), hp.batch_size, drop_last=drop_last)
+        return ResumableDataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn,
+                                   num_workers=hp.num_workers)
+
+    def _train_sampler(self, dataset: Dataset):
+        # Shuffled by (seed_everything's seed, epoch), never by the global RNG: an epoch's order survives a restart.
+        return EpochRandomSampler(dataset) if self.hparams.shuffle else EpochSequentialSampler(dataset)

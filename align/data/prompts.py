@@ -182,8 +182,7 @@ class PromptDataModule(TokenizerDataModule):
         hp = self.hparams
         # Full batches only (every rollout has the same shape), unless the data is smaller than one batch.
         drop_last = len(self.train_set) >= hp.batch_size
-        return DataLoader(self.train_set, batch_size=hp.batch_size, shuffle=hp.shuffle, drop_last=drop_last,
-                          collate_fn=collate_prompts, num_workers=hp.num_workers)
+        return self.resumable_dataloader(self.train_set, collate_prompts, drop_last=drop_last)
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:

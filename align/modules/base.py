@@ -102,6 +102,15 @@ class AlignModule(L.LightningModule):
             scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def configure_callbacks(self):
+        """Exact resume (RNG states, dataloader position, atomic checkpoint writes) and the non-finite guard
+        (policy ``error``), unless the trainer already has callbacks of those types."""
+        from align.checkpointing import ExactResume
+        from align.guards import NonFiniteGuard
+
+        present = tuple(type(cb) for cb in (self.trainer.callbacks if self._trainer is not None else []))
+        return [cb() for cb in (ExactResume, NonFiniteGuard) if not any(issubclass(t, cb) for t in present)]
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Enough to rebuild the policy without the run's config (see ``align export``).
         checkpoint["align"] = {"policy": self.policy.spec, "module": type(self).__name__}

@@ -128,6 +128,8 @@ class RLModule(AlignModule):
         self.accuracy_reward = accuracy_reward or names[0]
         self.accuracy_threshold = accuracy_threshold
         self.timings: dict[str, float] = {}
+        # Saved in checkpoints: training rollouts (one per training batch) and optimizer steps taken by ``update``.
+        self.rl_counters = {"rollouts": 0, "updates": 0}
 
     # ------------------------------------------------------------------ rollout and rewards
     @property
@@ -207,11 +209,24 @@ class RLModule(AlignModule):
                         sums[name] = sums.get(name, 0.0) + float(value) * weight
                 if self.max_grad_norm is not None:
                     self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
-                optimizer.step()
+                optimizer.step()  # a non-finite loss or gradient stops or skips here (align.guards.NonFiniteGuard)
                 optimizer.zero_grad(set_to_none=True)
+                self.rl_counters["updates"] += 1
                 if scheduler is not None:
                     scheduler.step()
         return {name: value / max(weight_total, 1.0) for name, value in sums.items()}
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.rl_counters["rollouts"] += 1
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint.setdefault("align", {})["rl"] = dict(self.rl_counters)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.rl_counters.update((checkpoint.get("align") or {}).get("rl") or {})
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
