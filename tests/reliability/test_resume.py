@@ -129,3 +129,24 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
     files = sorted(p.name for p in (root / "checkpoints").iterdir())
     assert not any(".tmp." in name for name in files), files  # the next write cleared the torn file
     assert AtomicCheckpointIO().load_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == steps
+
+
+def test_resume_auto_starts_fresh_then_continues_from_last(tmp_path):
+    """``--resume auto``: the same command line launches a run and, once it has a checkpoint, resumes it."""
+    from align.cli import run_recipe
+    from align.data.sft import SFTDataModule
+    from align.modules.sft import SFTModule
+
+    args, _, _ = settings("sft", tmp_path)
+    root = tmp_path / "run"
+
+    def launch(max_steps: int) -> None:
+        run_recipe("sft", SFTModule, SFTDataModule, args=[*args, "--trainer.max_steps", str(max_steps), "--resume",
+                                                          "auto", "--trainer.default_root_dir", str(root)])
+
+    launch(2)  # nothing to resume yet: a fresh run
+    assert sorted(metrics_by_step(root, 0)) == [0, 1]
+    launch(4)
+    last = AtomicCheckpointIO().load_checkpoint(root / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 4
+    assert sorted(metrics_by_step(root, 1)) == [2, 3]  # the second launch trained only the new steps
