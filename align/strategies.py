@@ -167,6 +167,19 @@ def global_all(flag: bool, device: torch.device | str = "cpu") -> bool:
     return bool(value.item() > 0.5)
 
 
+def accumulation_boundary(module, is_boundary: bool) -> None:
+    """Under DeepSpeed with manual optimization (GRPO, PPO), mark whether the next backward ends an optimizer
+    step. Lightning sets DeepSpeed's accumulation to ``accumulate_grad_batches`` (1 under manual optimization),
+    so without this the engine treats every micro-batch's backward as the last of a step, and a step of several
+    micro-batches does not get their summed gradient (tests/distributed checks it against one process).
+    No-op otherwise."""
+    trainer = getattr(module, "_trainer", None)
+    strategy = trainer.strategy if trainer is not None else None
+    engine = getattr(strategy, "model", None) if isinstance(strategy, DeepSpeedStrategy) else None
+    if engine is not None and hasattr(engine, "set_gradient_accumulation_boundary"):
+        engine.set_gradient_accumulation_boundary(is_boundary)
+
+
 def parameters_sharded(strategy) -> bool:
     """Whether ``strategy`` keeps only a shard of each parameter on a rank (FSDP2, ZeRO-3)."""
     return isinstance(strategy, ModelParallelStrategy) or (

@@ -15,7 +15,7 @@ One training step is one rollout, turned into a :class:`PPOBatch` by :meth:`PPOM
    token: the first EOS, or the last token of a response truncated at ``max_new_tokens`` (DESIGN.md).
 4. **Values** ``V(s_t)`` from the value model at rollout time, then :func:`align.advantages.gae` (``gamma``,
    ``lam``): advantages and returns = unwhitened advantages + values. Advantages (only) are whitened over
-   the valid tokens of the rollout (:func:`align.logprobs.masked_whiten`, ``whiten_advantages``).
+   the valid tokens of the rollout on every rank (:meth:`RLModule.global_masked_whiten`, ``whiten_advantages``).
 
 The update (:meth:`PPOModule.update_policy`) runs ``ppo_epochs`` passes over ``num_minibatches`` minibatches
 (one optimizer step each, micro-batches accumulated, gradients clipped; :meth:`align.modules.rl.RLModule.
@@ -52,7 +52,7 @@ from align.advantages import gae, shape_rewards
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
-from align.logprobs import masked_mean, masked_sum, masked_whiten
+from align.logprobs import masked_mean, masked_sum
 from align.losses import aggregate, ppo_policy_loss, value_loss
 from align.models.policy import PolicyModel, TokenScores
 from align.modules.rl import Aggregation, RLBatch, RLModule, Timer
@@ -371,7 +371,7 @@ class PPOModule(RLModule):
             rewards, kl = shape_rewards(scores, old_logprobs, old_logprobs if ref_logprobs is None else ref_logprobs,
                                         mask, self.kl_controller.value, kind=self.kl_estimator)
             raw_advantages, returns = gae(rewards, values, mask, self.gamma, self.lam)
-            advantages = masked_whiten(raw_advantages, mask) if self.whiten_advantages else raw_advantages
+            advantages = self.global_masked_whiten(raw_advantages, mask) if self.whiten_advantages else raw_advantages
         metrics = self.rollout_metrics(rollout, total, parts)
         seq_kl = masked_sum(kl, mask, dim=1)  # (N,)
         sums = self.all_reduce_sum(torch.stack([seq_kl.sum(), kl.sum(), mask.sum().float(),

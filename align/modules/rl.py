@@ -18,10 +18,12 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
+from align.logprobs import masked_whiten
 from align.models.policy import PolicyModel
 from align.modules.base import AlignModule
 from align.rewards import CombinedReward, RewardSpec
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
+from align.strategies import accumulation_boundary
 
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
 
@@ -171,6 +173,22 @@ class RLModule(AlignModule):
         total, count = self.all_reduce_sum(packed).unbind()
         return float(total / count.clamp(min=1.0))
 
+    def global_masked_whiten(self, x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        """:func:`align.logprobs.masked_whiten` with the mean and unbiased variance of the valid elements of
+        *every* rank (two all-reduces: sum and count, then squared deviations), e.g. PPO advantage whitening.
+        One process: exactly ``masked_whiten``. Masked outputs are 0; fewer than 2 valid elements in all: the
+        valid values unchanged."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return masked_whiten(x, mask, eps=eps)
+        valid = mask.bool().expand_as(x)
+        x = torch.where(valid, x, torch.zeros_like(x))
+        total, n = self.all_reduce_sum(torch.stack([x.detach().float().sum(), valid.float().sum()])).unbind()
+        mean = total / n.clamp(min=1.0)
+        squares = self.all_reduce_sum(torch.where(valid, (x.detach().float() - mean).square(), 0.0).sum())
+        var = squares / (n - 1).clamp(min=1.0)
+        whitened = (x - mean.to(x.dtype)) * torch.rsqrt(var + eps).to(x.dtype)
+        return torch.where(valid, torch.where(n >= 2, whitened, x), torch.zeros_like(x))
+
     # ------------------------------------------------------------------ updates
     def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:
         """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R),
@@ -199,7 +217,8 @@ class RLModule(AlignModule):
         for _ in range(self.ppo_epochs):
             for micro_indices in minibatch_indices(len(data), self.num_minibatches, self.micro_batch_size):
                 normaliser = self.step_normaliser(data.response_mask[torch.cat(micro_indices)])
-                for index in micro_indices:
+                for j, index in enumerate(micro_indices):
+                    accumulation_boundary(self, j == len(micro_indices) - 1)  # DeepSpeed: reduce on the last only
                     micro = data.select(index.to(data.input_ids.device))
                     loss, stats = loss_fn(micro, normaliser)
                     self.manual_backward(loss * world)
