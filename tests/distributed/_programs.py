@@ -1,0 +1,188 @@
+"""What the distributed tests run: small SFT / DPO / GRPO setups, and programs with known answers (an SFT step,
+a GRPO update on fixed rollout rows, an adaptive-KL update) that a 1-process run reproduces in the test itself.
+
+Imported by ``_worker.py`` (in each rank) and by the tests (for the 1-process references).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import lightning as L
+import torch
+
+from align.data import SFTDataModule
+from align.data.preference import PreferenceDataModule
+from align.data.prompts import PromptDataModule
+from align.kl import AdaptiveKLController
+from align.models.policy import PolicyModel
+from align.modules import SFTModule
+from align.modules.dpo import DPOModule
+from align.modules.grpo import GRPOModule
+from align.modules.rl import RLBatch
+from align.rewards import RewardSpec
+from align.rollout import SamplingConfig
+
+SFT_DATA = "align:sort/sft/train.jsonl"
+PREF_DATA = "align:sort/preference/train.jsonl"
+SFT_VAL = "align:sort/sft/validation.jsonl"
+PREF_VAL = "align:sort/preference/validation.jsonl"
+PROMPT_DATA = "align:sort/prompts/train.jsonl"
+PROMPT_VAL = "align:sort/prompts/validation.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------------- smoke setups
+def sft_setup():
+    module = SFTModule(PolicyModel("tiny", seed=1), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    return module, SFTDataModule(train_files=SFT_DATA, val_files=SFT_VAL, batch_size=4, max_length=64)
+
+
+def dpo_setup():
+    # A live reference: under FSDP2 and ZeRO-3 it is sharded like the policy.
+    module = DPOModule(PolicyModel("tiny", seed=1), optimizer=partial(torch.optim.AdamW, lr=1e-3), beta=0.1)
+    return module, PreferenceDataModule(train_files=PREF_DATA, val_files=PREF_VAL, batch_size=4, max_length=64)
+
+
+def grpo_setup():
+    module = GRPOModule(PolicyModel("tiny-sort"), rewards=[RewardSpec("align.rewards.sort_exact_match")], group_size=4,
+                        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), beta=0.02, log_entropy=False,
+                        optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
+
+
+SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup}
+
+
+# ---------------------------------------------------------------------------------------------------- SFT equivalence
+def sft_equivalence_run(trainer: L.Trainer, batch_size: int, train_files: str = SFT_DATA) -> SFTModule:
+    """One SGD step of SFT, no clipping."""
+    module = SFTModule(PolicyModel("tiny", seed=1), optimizer=partial(torch.optim.SGD, lr=0.5))
+    data = SFTDataModule(train_files=train_files, val_files=None, batch_size=batch_size, max_length=64, shuffle=False)
+    trainer.fit(module, data)
+    return module
+
+
+def first_distributed_rows(path, rows: int = 4, seed: int = 0) -> str:
+    """Write to ``path`` the rows of the bundled SFT data that the first optimizer step of 2 ranks uses, and
+    return the path. Lightning always shards a training loader with a *shuffled* ``DistributedSampler``
+    (seed ``PL_GLOBAL_SEED``, default 0; ``data.shuffle`` only applies to one process): rank ``r`` takes
+    ``perm[r::2]``, so a step of 2 x 2 rows covers ``perm[:4]``."""
+    import json
+
+    from align.data.io import read_rows
+
+    data = read_rows(SFT_DATA)
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed)).tolist()
+    with open(path, "w") as f:
+        for i in perm[:rows]:
+            f.write(json.dumps(data[i]) + "\n")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------- GRPO update
+ROWS, PROMPT_LEN, RESPONSE_LEN = 8, 5, 7
+
+
+def fixed_rollout_rows(vocab: int) -> RLBatch:
+    """Eight rollout rows with very different response lengths (1 to 7 tokens), so a per-rank token mean differs
+    from the global one. Left-padded prompts of 2-5 tokens."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, vocab, (ROWS, PROMPT_LEN + RESPONSE_LEN), generator=g)
+    prompt_lengths = torch.tensor([5, 3, 4, 2, 5, 5, 3, 4])
+    response_lengths = torch.tensor([7, 1, 2, 6, 1, 3, 7, 2])
+    attention = torch.zeros(ROWS, PROMPT_LEN + RESPONSE_LEN, dtype=torch.long)
+    response_mask = torch.zeros(ROWS, RESPONSE_LEN, dtype=torch.bool)
+    for i in range(ROWS):
+        attention[i, PROMPT_LEN - prompt_lengths[i]: PROMPT_LEN + response_lengths[i]] = 1
+        response_mask[i, : response_lengths[i]] = True
+    ids = ids.masked_fill(attention == 0, 0)
+    advantages = torch.linspace(-1.0, 1.2, ROWS)[:, None].expand(ROWS, RESPONSE_LEN).clone()
+    return RLBatch(ids, attention, response_mask, torch.zeros(ROWS, RESPONSE_LEN), advantages)
+
+
+class FixedRowsGRPO(GRPOModule):
+    """GRPO whose update runs on fixed rollout rows, split between ranks (rank ``r`` takes rows ``r::world``),
+    instead of sampling: the parameters after one step must not depend on the number of ranks, and every rank
+    feeds the same all-reduced KL to its adaptive controller."""
+
+    def __init__(self, loss_aggregation: str = "token_mean", micro_batch_size: int | None = None):
+        super().__init__(PolicyModel("tiny", seed=1), rewards=[RewardSpec(_zero_reward)], group_size=2,
+                         loss_aggregation=loss_aggregation, micro_batch_size=micro_batch_size, max_grad_norm=None,
+                         log_entropy=False, optimizer=partial(torch.optim.SGD, lr=0.5))
+        self.kl_controller = AdaptiveKLController(init_kl_coef=0.1, target=0.05, horizon=100)
+        self.kl_seen: list[float] = []
+        # PPO's own controller update, fed the same per-token KL (its input is the per-sequence KL over all ranks).
+        from align.modules.ppo import PPOModule
+
+        self.ppo = [PPOModule(PolicyModel("tiny", value_head="shared", seed=1), rewards=[RewardSpec(_zero_reward)],
+                              kl_coef=0.1, kl_target=0.5, kl_horizon=100.0)]  # a list: not a submodule
+
+    def training_step(self, batch, batch_idx: int) -> None:
+        rows = fixed_rollout_rows(self.policy.config.vocab_size)
+        rank, world = self.global_rank, self.trainer.world_size
+        mine = torch.arange(rank, ROWS, world)
+        data = rows.select(mine)
+        data = RLBatch(*(None if t is None else t.to(self.device) for t in (
+            data.input_ids, data.attention_mask, data.response_mask, data.old_logprobs, data.advantages,
+            data.ref_logprobs)))
+        # A per-token "KL" that differs between ranks: the controller must see the mean over all ranks' tokens.
+        kl = (data.input_ids[:, -data.response_length:] % 5).float() / 10.0  # (n, R)
+        global_kl = self.global_masked_mean(kl, data.response_mask)
+        self.kl_controller.update(global_kl, n_steps=ROWS)
+        ppo = self.ppo[0]
+        ppo.trainer = self.trainer
+        ppo.update_kl_controller(_KLRows(kl * data.response_mask, data.response_mask))
+        self.kl_seen = [global_kl, self.kl_controller.value, ppo.kl_controller.value]
+        # Whitening over every rank's valid tokens (PPO advantages): this rank's rows of the global result.
+        self.whitened = self.global_masked_whiten(kl * 3.0 - 0.2, data.response_mask).tolist()
+        self.update(data, self._loss)
+
+
+def _zero_reward(prompts, completions, **columns):
+    return [0.0] * len(completions)
+
+
+class _KLRows:
+    """What ``PPOModule.update_kl_controller`` reads of a ``PPOBatch``."""
+
+    def __init__(self, kl: torch.Tensor, response_mask: torch.Tensor):
+        self.kl, self.response_mask = kl, response_mask
+
+    def __len__(self) -> int:
+        return self.kl.shape[0]
+
+
+def pooled_whitened() -> torch.Tensor:
+    """What ``global_masked_whiten`` must give on all rows together: ``masked_whiten`` on one process. (N, R)"""
+    from align.logprobs import masked_whiten
+
+    rows = fixed_rollout_rows(PolicyModel("tiny", seed=1).config.vocab_size)
+    kl = (rows.input_ids[:, -rows.response_length:] % 5).float() / 10.0
+    return masked_whiten(kl * 3.0 - 0.2, rows.response_mask)
+
+
+def pooled_kl() -> float:
+    """The KL the controller must receive: the token mean over all rows (what one process sees)."""
+    rows = fixed_rollout_rows(PolicyModel("tiny", seed=1).config.vocab_size)
+    kl = (rows.input_ids[:, -rows.response_length:] % 5).float() / 10.0
+    return float((kl * rows.response_mask).sum() / rows.response_mask.sum())
+
+
+class _OneBatch(L.LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([0], batch_size=1)
+
+
+def grpo_equivalence_run(trainer: L.Trainer, **kwargs) -> FixedRowsGRPO:
+    module = FixedRowsGRPO(**kwargs)
+    trainer.fit(module, _OneBatch())
+    return module
+
+
+def flat_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().cpu().clone() for n, p in module.policy.model.named_parameters()}
+
+
+def flat_params_init() -> dict[str, torch.Tensor]:
+    """The parameters every program starts from."""
+    return {n: p.detach().float().clone() for n, p in PolicyModel("tiny", seed=1).model.named_parameters()}
