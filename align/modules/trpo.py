@@ -195,9 +195,10 @@ class TRPOModule(PPOModule):
             policy = PolicyModel("tiny-sort", value_head="separate")
         super().__init__(
             policy=policy, reward_model=reward_model, reward_model_weight=reward_model_weight,
-            reward_model_batch_size=reward_model_batch_size, rewards=rewards, eval_rewards=eval_rewards, samples_per_prompt=samples_per_prompt,
-            sampling=sampling, eval_sampling=eval_sampling, kl_coef=kl_coef, kl_target=kl_target,
-            kl_horizon=kl_horizon, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
+            reward_model_batch_size=reward_model_batch_size, rewards=rewards, eval_rewards=eval_rewards,
+            samples_per_prompt=samples_per_prompt, sampling=sampling, eval_sampling=eval_sampling,
+            kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon, kl_estimator=kl_estimator, gamma=gamma,
+            lam=lam,
             whiten_advantages=whiten_advantages, missing_eos_penalty=missing_eos_penalty,
             whiten_scores=whiten_scores, score_scale=score_scale, score_clip=score_clip, value_clip=value_clip,
             critic_warmup_steps=critic_warmup_steps, critic_head_from_reward_model=critic_head_from_reward_model,
