@@ -291,10 +291,13 @@ class PolicyModel(nn.Module):
         *,
         response_length: int,
         position_ids: torch.Tensor | None = None,
+        detach_backbone: bool = False,
     ) -> torch.Tensor:
         """``(B, R)`` float32 values ``V(state before token j)`` of the last ``R`` tokens, without the LM head.
 
         The same numbers as ``score(..., return_values=True).values``; for a value-only update or a rollout.
+        ``detach_backbone``: with a shared head, run the policy backbone without gradients, so a value-only
+        update trains the head alone and leaves the policy unchanged.
         """
         T = input_ids.shape[1]
         if not 0 < response_length < T:
@@ -303,8 +306,9 @@ class PolicyModel(nn.Module):
             position_ids = position_ids_from_mask(attention_mask)
         hidden: list[torch.Tensor] = []
         if self.value_head is not None:
-            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids, use_cache=False)
+            with torch.no_grad() if detach_backbone else nullcontext():
+                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                               position_ids=position_ids, use_cache=False)
             hidden.append(out.last_hidden_state)
         return self._values(hidden, input_ids, attention_mask, position_ids, response_length)
 
