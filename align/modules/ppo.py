@@ -22,7 +22,7 @@ The update (:meth:`PPOModule.update_policy`) runs ``ppo_epochs`` passes over ``n
 update`) of ``policy_loss + vf_coef * value_loss``: the clipped surrogate minus ``entropy_coef`` times the
 entropy, and the squared-error value loss, clipped around the rollout values when ``value_clip`` is set.
 During the first ``critic_warmup_steps`` rollouts only the value loss is optimised
-(:meth:`PPOModule.update_value`); with a shared value head the shared backbone then moves too.
+(:meth:`PPOModule.update_value`); a shared value head then trains alone, so the policy does not move.
 
 KL coefficient: fixed (``kl_coef``), or adaptive when ``kl_target`` is set (:class:`align.kl.
 AdaptiveKLController`, Ziegler et al.), updated after every rollout with the mean per-sequence KL averaged
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -55,9 +55,9 @@ from align.kl import AdaptiveKLController, FixedKLController, KLController, kl_e
 from align.logprobs import masked_mean, masked_sum
 from align.losses import aggregate, ppo_policy_loss, value_loss
 from align.models.policy import PolicyModel, TokenScores
-from align.modules.rl import Aggregation, RLBatch, RLModule, Timer
 from align.models.reward import RewardModelScorer
 from align.models.tiny import TINY_SORT_RM
+from align.modules.rl import Aggregation, RLBatch, RLModule, Timer
 from align.rewards import RewardFunction, RewardSpec
 from align.rollout import Rollout, SamplingConfig
 
@@ -90,14 +90,14 @@ class PPOBatch(RLBatch):
     (N, R) or None when no KL term is used. Every (N, R) tensor is 0 at masked positions.
     """
 
-    values: Optional[torch.Tensor] = None  # (N, R) V(s_t) at rollout time
-    returns: Optional[torch.Tensor] = None  # (N, R) value targets: unwhitened GAE advantages + values
-    rewards: Optional[torch.Tensor] = None  # (N, R) per-token rewards: -kl_coef * kl, score at the last valid token
-    kl: Optional[torch.Tensor] = None  # (N, R) per-token KL estimate to the reference (0 without a reference)
-    scores: Optional[torch.Tensor] = None  # (N,) sequence scores after penalty / whitening / scaling / clipping
+    values: torch.Tensor | None = None  # (N, R) V(s_t) at rollout time
+    returns: torch.Tensor | None = None  # (N, R) value targets: unwhitened GAE advantages + values
+    rewards: torch.Tensor | None = None  # (N, R) per-token rewards: -kl_coef * kl, score at the last valid token
+    kl: torch.Tensor | None = None  # (N, R) per-token KL estimate to the reference (0 without a reference)
+    scores: torch.Tensor | None = None  # (N,) sequence scores after penalty / whitening / scaling / clipping
     metrics: dict = field(default_factory=dict)  # rollout/* and time/* floats of the step that built it
 
-    def select(self, index: torch.Tensor) -> "PPOBatch":
+    def select(self, index: torch.Tensor) -> PPOBatch:
         """The rows ``index`` with the response columns no selected row uses trimmed off (metrics dropped)."""
         width = int(self.response_mask[index].sum(dim=1).max().clamp(min=1))
         cut = self.response_length - width
@@ -303,7 +303,7 @@ class PPOModule(RLModule):
             self.policy.critic_head.load_state_dict(load_file(str(source / HEAD_FILE)))
 
     @property
-    def reward_model(self) -> "LazyRewardModel | None":
+    def reward_model(self) -> LazyRewardModel | None:
         """The reward model of the reward list (the reward named ``rm``), or None."""
         for reward in self.reward.rewards:
             if isinstance(reward.fn, LazyRewardModel):
@@ -429,7 +429,9 @@ class PPOModule(RLModule):
         return loss, {**p_metrics, **v_metrics, "train/loss": self._token_mean(loss, normaliser, micro.response_mask)}
 
     def _value_only_loss(self, micro: PPOBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        values = self.policy.values(micro.input_ids, micro.attention_mask, response_length=micro.response_length)
+        # During warm-up a shared head trains alone: the policy backbone must not move before its first update.
+        values = self.policy.values(micro.input_ids, micro.attention_mask, response_length=micro.response_length,
+                                    detach_backbone=self.warming_up)
         return self.value_loss(micro, normaliser, values)
 
     # ------------------------------------------------------------------ updates

@@ -153,6 +153,20 @@ def test_explained_variance_rises_during_critic_warmup_on_a_fixed_rollout():
     assert module.rollouts_done == 25 and not module.warming_up  # the next rollout trains the policy
 
 
+def test_critic_warmup_with_a_shared_head_trains_the_head_alone():
+    module = make_module(critic_warmup_steps=1, kl_coef=0.0)
+    detach_from_trainer(module)
+    adam = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    module.optimizers = lambda: adam
+    backbone = [p.detach().clone() for p in module.policy.model.parameters()]
+    head = [p.detach().clone() for p in module.policy.value_head.parameters()]
+    torch.manual_seed(0)
+    module.training_step(prompt_batch(module.policy), 0)
+    assert all(torch.equal(a, b) for a, b in zip(backbone, module.policy.model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(head, module.policy.value_head.parameters()))
+    assert not module.warming_up
+
+
 def test_joint_update_steps_and_accumulation_matches_one_micro_batch():
     module = make_module(num_minibatches=2, ppo_epochs=2, kl_coef=0.05)
     module.setup("fit")
