@@ -1,5 +1,6 @@
-"""Exact resume after SIGKILL: a run killed at a random step after a checkpoint and resumed with
-``--ckpt_path last`` logs the same metrics, bit for bit, as a run that was never interrupted.
+"""Exact resume after SIGKILL: a run killed at a random step after a checkpoint (or in the middle of writing
+one) and resumed with ``--ckpt_path last`` logs the same metrics, bit for bit, as a run that was never
+interrupted.
 
 Each run is its own process (``_run.py``: one thread, deterministic kernels). The kill lands after an
 optimizer step whose checkpoint is not written yet, so the resumed run repeats the steps since the previous
@@ -15,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from align.checkpointing import AtomicCheckpointIO
 
@@ -78,8 +78,11 @@ def settings(algorithm: str, tmp: Path) -> tuple[list[str], int, int]:
             "--data.init_args.train_files", data, "--data.init_args.val_files", "null"], 6, 2
 
 
-@pytest.mark.parametrize("algorithm", ["sft", "dpo", "grpo"])
-def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm, kill", [("sft", "step"), ("dpo", "write"), ("grpo", "step")])
+def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
+    """``kill="step"``: SIGKILL right after a random optimizer step that is not a checkpoint step.
+    ``kill="write"``: SIGKILL with half of a random checkpoint file on disk (atomicity: ``last.ckpt`` must still
+    be the previous checkpoint, whole)."""
     args, steps, every = settings(algorithm, tmp_path)
     full_root, cut_root = tmp_path / "full", tmp_path / "cut"
     done = run(algorithm, full_root, args)
@@ -87,48 +90,39 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm):
     full = metrics_by_step(full_root, 0)
     assert sorted(full) == list(range(steps)), sorted(full)
 
-    # A random optimizer step after the first checkpoint that is not itself a checkpoint step.
-    kill_at = random.choice([s for s in range(every + 1, steps) if s % every])
-    killed = run(algorithm, cut_root, args, kill_at=kill_at)
-    assert killed.returncode == -9, (kill_at, killed.returncode, killed.stderr[-3000:])
-    resumed = run(algorithm, cut_root, args, "--ckpt_path", "last")
-    assert resumed.returncode == 0, (kill_at, resumed.stderr[-3000:])
-    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    if kill == "step":  # a random step after the first checkpoint that does not write one itself
+        kill_at = random.choice([s for s in range(every + 1, steps) if s % every])
+        killed = run(algorithm, cut_root, args, kill_at=kill_at)
+        restart = (kill_at // every) * every  # the last checkpoint written before the kill
+    else:  # each save writes epoch=E-step=S.ckpt, then last.ckpt: tear one of them at a random save after the first
+        save = random.randrange(2, steps // every + 1)
+        write = 2 * save - random.randrange(2)
+        killed = run(algorithm, cut_root, args, kill_in_write=write)
+        kill_at, restart = save * every, (save - 1) * every
+    case = f"{algorithm}: killed at step {kill_at}, resumed from step {restart}"
+    assert killed.returncode == -9, (case, killed.returncode, killed.stderr[-3000:])
+    if kill == "write":
+        names = sorted(p.name for p in (cut_root / "checkpoints").iterdir())
+        assert any(".tmp." in name for name in names), (case, names)  # the torn file is there, under its temp name
+        assert AtomicCheckpointIO().load_checkpoint(cut_root / "checkpoints" / "last.ckpt")["global_step"] == restart
 
+    resumed = run(algorithm, cut_root, args, "--ckpt_path", "last")
+    assert resumed.returncode == 0, (case, resumed.stderr[-3000:])
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
     before, after = metrics_by_step(cut_root, 0), metrics_by_step(cut_root, 1)
-    restart = (kill_at // every) * every  # the step of the last checkpoint written before the kill
-    assert sorted(after) == list(range(restart, steps)), (kill_at, sorted(after))
+    assert sorted(after) == list(range(restart, steps)), (case, sorted(after))
     for step in range(restart, steps):
-        assert after[step] == full[step], f"{algorithm}: step {step} differs after a kill at step {kill_at}"
+        assert after[step] == full[step], f"{case}: step {step} differs"
     # Rows the killed run flushed before it died (the CSV is written in batches) match too, including
     # the steps it trained that the resumed run had to repeat.
     for step, row in before.items():
-        assert row == full[step], f"{algorithm}: step {step} of the killed run differs"
+        assert row == full[step], f"{case}: step {step} of the killed run differs"
+    names = sorted(p.name for p in (cut_root / "checkpoints").iterdir())
+    assert not any(".tmp." in name for name in names), names  # the next save cleared the torn file
     ckpt = AtomicCheckpointIO().load_checkpoint(cut_root / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == steps
     if algorithm == "grpo":
         assert ckpt["align"]["rl"] == {"rollouts": steps, "updates": steps}
-
-
-def test_kill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
-    """SIGKILL with half of the second checkpoint on disk: ``last.ckpt`` is still the first one, whole, and the
-    run resumes from it."""
-    args, steps, every = settings("sft", tmp_path)
-    root = tmp_path / "run"
-    # Writes: 1 = epoch=0-step=2.ckpt, 2 = last.ckpt at step 2, 3 = epoch=0-step=4.ckpt, 4 = last.ckpt at step 4.
-    killed = run("sft", root, args, kill_in_write=4)
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    files = sorted(p.name for p in (root / "checkpoints").iterdir())
-    assert any(name.startswith(".last.ckpt.tmp.") for name in files), files  # the torn write
-    last = AtomicCheckpointIO().load_checkpoint(root / "checkpoints" / "last.ckpt")
-    assert last["global_step"] == 2
-    assert torch.isfinite(next(iter(last["state_dict"].values()))).all()
-
-    resumed = run("sft", root, args, "--ckpt_path", "last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    files = sorted(p.name for p in (root / "checkpoints").iterdir())
-    assert not any(".tmp." in name for name in files), files  # the next write cleared the torn file
-    assert AtomicCheckpointIO().load_checkpoint(root / "checkpoints" / "last.ckpt")["global_step"] == steps
 
 
 def test_resume_auto_starts_fresh_then_continues_from_last(tmp_path):
