@@ -276,6 +276,16 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    def _initialize_deepspeed_train(self, model) -> None:
+        if self.zero_stage_3 and any(hasattr(p, "ds_id") for p in model.parameters()):
+            # An earlier engine (``trainer.validate`` before ``fit``, as the CLI does) left its ZeRO-3 hooks on the
+            # modules; with a second set from the training engine, DeepSpeed's prefetch trace breaks ("pop from an
+            # empty deque"). Lightning clears them before a validation engine; do the same before training.
+            from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+            remove_module_hooks(model)
+        super()._initialize_deepspeed_train(model)
+
     def _initialize_deepspeed_inference(self, model) -> None:
         # Validation or prediction without fit (the CLI validates before fit): the same engine as Lightning's,
         # with this process's local rank as the device rank (a CPU device has no index).
