@@ -166,6 +166,7 @@ class PPOModule(RLModule):
         entropy_coef: float = 0.0,
         critic_warmup_steps: int = 0,
         critic_head_from_reward_model: bool = True,
+        value_lr_scale: float = 1.0,
         ppo_epochs: int = 4,
         num_minibatches: int = 1,
         micro_batch_size: int | None = None,
@@ -213,6 +214,8 @@ class PPOModule(RLModule):
             critic_warmup_steps: Rollouts at the start of training that update only the value model.
             critic_head_from_reward_model: Start a separate critic's head from the reward head when its
                 backbone (``critic_model``) is a reward-model export.
+            value_lr_scale: Learning rate of the value head and critic relative to the policy's (a zero-initialised
+                head needs many more steps than the policy to reach the scale of the returns).
             ppo_epochs: Passes over each rollout.
             num_minibatches: Optimizer steps per pass; the rollout's rows are split evenly between them.
             micro_batch_size: Rows per forward/backward pass (gradient accumulation); null: a whole minibatch.
@@ -259,6 +262,8 @@ class PPOModule(RLModule):
         for name, value in (("score_clip", score_clip), ("value_clip", value_clip)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or null, got {value}")
+        if value_lr_scale <= 0:
+            raise ValueError(f"value_lr_scale must be > 0, got {value_lr_scale}")
         if samples_per_prompt < 1 or critic_warmup_steps < 0:
             raise ValueError("samples_per_prompt must be >= 1 and critic_warmup_steps >= 0")
         super().__init__(
@@ -284,6 +289,7 @@ class PPOModule(RLModule):
         self.clip_range, self.value_clip = clip_range, value_clip
         self.vf_coef, self.entropy_coef = vf_coef, entropy_coef
         self.critic_warmup_steps = critic_warmup_steps
+        self.value_lr_scale = value_lr_scale
         self.log_entropy = log_entropy or entropy_coef > 0
         self.rollouts_done = 0
         self.headline_metrics = ("val/reward_mean", *(f"val/reward/{n}" for n in names), "val/accuracy", "val/kl")
@@ -309,6 +315,33 @@ class PPOModule(RLModule):
             if isinstance(reward.fn, LazyRewardModel):
                 return reward.fn
         return None
+
+    def configure_optimizers(self):
+        """One optimizer; the value head / critic parameters get ``value_lr_scale`` times the learning rate."""
+        if self.value_lr_scale == 1.0:
+            return super().configure_optimizers()
+        from align.modules.base import param_groups
+        from align.optim import WarmupLR
+
+        value_ids = {id(p) for m in (self.policy.value_head, self.policy.critic, self.policy.critic_head)
+                     if m is not None for p in m.parameters()}
+        groups = []
+        for group in param_groups(self):  # each weight-decay group split into policy and value parameters
+            options = {k: v for k, v in group.items() if k != "params"}
+            for is_value in (False, True):
+                params = [p for p in group["params"] if (id(p) in value_ids) == is_value]
+                if params:
+                    groups.append({"params": params, **options, "value_params": is_value})
+        optimizer = self.optimizer(groups)
+        for group in optimizer.param_groups:
+            if group["value_params"]:
+                group["lr"] *= self.value_lr_scale
+        if self.scheduler is None:
+            return optimizer
+        scheduler = self.scheduler(optimizer)
+        if isinstance(scheduler, WarmupLR) and scheduler.total_steps is None:
+            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def setup(self, stage: str) -> None:
         if self.reward_model is not None:

@@ -243,3 +243,19 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
     fresh.on_load_checkpoint(torch.load(ckpt, weights_only=False))
     assert fresh.kl_controller.value == pytest.approx(module.kl_controller.value)
     assert fresh.rollouts_done == 3
+
+
+def test_value_lr_scale_gives_the_value_parameters_their_own_learning_rate():
+    from functools import partial
+
+    module = make_module(PolicyModel("tiny", seed=2, value_head="separate"), value_lr_scale=10.0,
+                         optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    optimizer = module.configure_optimizers()
+    value_ids = {id(p) for p in [*module.policy.critic.parameters(), *module.policy.critic_head.parameters()]}
+    seen = set()
+    for group in optimizer.param_groups:
+        ids = {id(p) for p in group["params"]}
+        seen |= ids
+        assert ids <= value_ids if group["value_params"] else not ids & value_ids
+        assert group["lr"] == pytest.approx(1e-2 if group["value_params"] else 1e-3)
+    assert seen == {id(p) for p in module.parameters() if p.requires_grad}
