@@ -16,7 +16,10 @@ def param_groups(module: torch.nn.Module) -> list[dict]:
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            # A parameter already partitioned by DeepSpeed ZeRO-3 (an earlier validation engine) holds an empty
+            # local tensor; its real shape is ``ds_shape``.
+            ndim = len(getattr(p, "ds_shape", p.shape))
+            (decay if ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
