@@ -109,7 +109,7 @@ def apply_fsdp2(module: nn.Module, strategy: FSDP2Strategy | ModelParallelStrate
     # output head, value heads) around them as it does around ``forward``.
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    for name in ("score", "generate"):
+    for name in ("score", "values", "generate"):
         if hasattr(module, name):
             register_fsdp_forward_method(module, name)
     # Fix ``module`` as the root now: FSDP otherwise makes the first unit to run forward the root, and a first
