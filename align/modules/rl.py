@@ -233,6 +233,10 @@ class RLModule(AlignModule):
                 self.rl_counters["updates"] += 1
                 if scheduler is not None:
                     scheduler.step()
+        if world > 1 and sums:  # token-weighted means over every rank's micro-batches (one all-reduce)
+            names = sorted(sums)
+            packed = self.all_reduce_sum(torch.tensor([sums[n] for n in names] + [weight_total], device=self.device))
+            sums, weight_total = dict(zip(names, packed[:-1].tolist())), float(packed[-1])
         return {name: value / max(weight_total, 1.0) for name, value in sums.items()}
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -248,7 +252,16 @@ class RLModule(AlignModule):
         self.rl_counters.update((checkpoint.get("align") or {}).get("rl") or {})
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
-        self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
+        """Log the step's metrics, averaged over ranks (one all-reduce; every rank logs the same numbers).
+        Ranks hold equally many rollout rows, so rollout means are global means; ``rollout/reward_std`` and
+        ``time/*`` are means of per-rank values, ``rollout/tokens_per_s`` is per process."""
+        metrics = {k: float(v) for k, v in metrics.items()}
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1 and metrics:
+            names = sorted(metrics)
+            packed = self.all_reduce_sum(torch.tensor([metrics[n] for n in names], device=self.device)) / world
+            metrics = dict(zip(names, packed.tolist()))
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_epoch_start(self) -> None:

@@ -59,6 +59,8 @@ def train_save_resume(name: str, algo: str, out: Path) -> dict:
     module, data = P.SETUPS[algo]()
     first = Record()
     t = trainer(name, out, max_steps=2, callbacks=[first])
+    if algo == "grpo":  # as the CLI does: validate (sampling from the sharded policy), then fit on the same trainer
+        result_before = float(t.validate(module, data, verbose=False)[0]["val/reward_mean"])
     t.fit(module, data)
     ckpt = out / f"{algo}.ckpt"
     t.save_checkpoint(ckpt)
@@ -77,6 +79,7 @@ def train_save_resume(name: str, algo: str, out: Path) -> dict:
     if algo == "grpo":  # held-out generation from the resumed (sharded) policy, reduced over ranks
         metrics = t.validate(module, data, verbose=False)[0]
         result["val_reward_mean"] = float(metrics["val/reward_mean"])
+        result["val_reward_mean_before"] = result_before
     result["seconds"] = time.perf_counter() - started
     return result
 
