@@ -5,8 +5,9 @@ One training step is one rollout, turned into a :class:`PPOBatch` by :meth:`PPOM
 
 1. **Rollout.** ``samples_per_prompt`` completions per prompt from the rollout engine, with the sampling
    log-probs recorded (computed as in training, same temperature).
-2. **Scores.** The weighted total of the reward list (a trained reward model, :class:`align.rewards.
-   RewardModelScorer`, and/or reward callables). In this order and each off by default: a penalty for
+2. **Scores.** The weighted total of the reward model's score (``reward_model``, a
+   :class:`~align.models.reward.RewardModelScorer` loaded at setup and logged as ``rm``) and any reward
+   callables (``rewards``); ``eval_rewards`` are logged but weigh 0. In this order and each off by default: a penalty for
    responses truncated without EOS (``missing_eos_penalty``), whitening of the scores over the rollout
    (``whiten_scores``, mean and std over every rank), a constant factor (``score_scale``) and clipping to
    ``[-score_clip, score_clip]``.
