@@ -74,7 +74,7 @@ def test_ppo_recipe_end_to_end_raises_the_true_task_reward_with_bounded_kl(tmp_p
                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=1700, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before, after = before_after(proc.stdout, "val/reward/sort_exact_match")
-    assert after - before >= 0.15, proc.stdout[-2000:]
+    assert after - before >= 0.15 - 1e-9, proc.stdout[-2000:]  # printed with 4 decimals
     kl_before, kl_after = before_after(proc.stdout, "val/kl")
     assert abs(kl_before) < 0.5 and kl_after < 20.0, proc.stdout[-2000:]
     rows = read_metrics(tmp_path)
