@@ -97,7 +97,11 @@ class AlignModule(L.LightningModule):
             self._fsdp_applied = True
 
     def configure_optimizers(self):
-        optimizer = self.optimizer(param_groups(self))
+        return self.with_scheduler(self.optimizer(param_groups(self)))
+
+    def with_scheduler(self, optimizer: torch.optim.Optimizer):
+        """``configure_optimizers``' return value for ``optimizer`` and the module's scheduler, stepped every
+        optimizer step (a :class:`~align.optim.WarmupLR` without total steps gets the trainer's)."""
         if self.scheduler is None:
             return optimizer
         scheduler = self.scheduler(optimizer)

@@ -322,7 +322,6 @@ class PPOModule(RLModule):
         if self.value_lr_scale == 1.0:
             return super().configure_optimizers()
         from align.modules.base import param_groups
-        from align.optim import WarmupLR
 
         value_ids = {id(p) for m in (self.policy.value_head, self.policy.critic, self.policy.critic_head)
                      if m is not None for p in m.parameters()}
@@ -337,12 +336,7 @@ class PPOModule(RLModule):
         for group in optimizer.param_groups:
             if group["value_params"]:
                 group["lr"] *= self.value_lr_scale
-        if self.scheduler is None:
-            return optimizer
-        scheduler = self.scheduler(optimizer)
-        if isinstance(scheduler, WarmupLR) and scheduler.total_steps is None:
-            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return self.with_scheduler(optimizer)
 
     def setup(self, stage: str) -> None:
         if self.reward_model is not None:

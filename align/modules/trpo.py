@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -62,7 +62,6 @@ from align.models.policy import PolicyModel
 from align.modules.base import param_groups
 from align.modules.ppo import KLKind, PPOBatch, PPOModule
 from align.modules.rl import Aggregation, minibatch_indices
-from align.optim import WarmupLR
 from align.rewards import RewardSpec
 from align.rollout import SamplingConfig
 from align.trust_region import fisher_vector_product_fn, flat_grad, trpo_step
@@ -225,12 +224,7 @@ class TRPOModule(PPOModule):
 
     def configure_optimizers(self):
         optimizer = self.optimizer(param_groups(self.value_modules()))
-        if self.scheduler is None:
-            return optimizer
-        scheduler = self.scheduler(optimizer)
-        if isinstance(scheduler, WarmupLR) and scheduler.total_steps is None:
-            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return self.with_scheduler(optimizer)
 
     @contextmanager
     def _frozen_policy(self) -> Iterator[None]:
