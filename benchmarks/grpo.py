@@ -35,15 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from _rl_harness import run_child, sort_prompts, step_summary
 
 
 def length_reward(prompts, completions, **kwargs):
@@ -51,26 +48,10 @@ def length_reward(prompts, completions, **kwargs):
     return [min(len(c), 40) / 40.0 for c in completions]
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _prompts(spec: dict) -> list[str]:
-    from align.data.io import read_rows
-
-    return [r["prompt"] for r in read_rows("align:sort/prompts/train.jsonl")[: spec["prompts"]]]
 
 
-def _summary(step_seconds, gen_seconds, tokens, warmup) -> dict:
-    s, g, t = step_seconds[warmup:], gen_seconds[warmup:], tokens[warmup:]
-    return {
-        "tokens_per_s": sum(t) / sum(s),
-        "step_s": statistics.median(s),
-        "generation_share": sum(g) / sum(s),
-        "update_share": 1.0 - sum(g) / sum(s),
-        "completion_tokens_per_step": statistics.mean(t),
-        "peak_rss_mb": _peak_rss_mb(),
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,7 +71,7 @@ def run_align(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     workdir = Path(spec["workdir"])
     data_file = workdir / "prompts.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in _prompts(spec)))
+    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sort_prompts(spec["prompts"])))
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     module = GRPOModule(
         policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=spec["group"],
@@ -123,7 +104,7 @@ def run_align(spec: dict) -> dict:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Meter()], max_epochs=-1)
     trainer.fit(module, datamodule=data)
-    return _summary(steps, gens, tokens, spec["warmup"])
+    return step_summary(steps, tokens, spec["warmup"], generation=gens)
 
 
 def run_trl(spec: dict) -> dict:
@@ -134,7 +115,7 @@ def run_trl(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     n = spec["prompts"] * spec["group"]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in _prompts(spec)] * spec["steps"])
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in sort_prompts(spec["prompts"])] * spec["steps"])
     config = GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n, num_generations=spec["group"],
         max_completion_length=spec["max_new_tokens"], max_steps=spec["steps"], learning_rate=1e-5,
@@ -172,20 +153,13 @@ def run_trl(spec: dict) -> dict:
 
     trainer.add_callback(Meter())
     trainer.train()
-    return _summary(steps, gens, tokens, spec["warmup"])
+    return step_summary(steps, tokens, spec["warmup"], generation=gens)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
 
 
-def _child(framework: str, spec: dict) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--child", framework, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{framework} trial failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, list[dict]] = {"align": [], "trl": []}
         for trial in range(ns.trials):
             for framework in ("align", "trl"):
-                res = _child(framework, spec)
+                res = run_child(__file__, framework, spec)
                 res["load"] = os.getloadavg()[0]
                 results[framework].append(res)
                 print(f"trial {trial + 1} {framework:5s}: {res['tokens_per_s']:8.1f} completion tok/s, step "

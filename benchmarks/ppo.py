@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,31 +48,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from _rl_harness import run_child, sort_prompts, step_summary
 KL_COEF, LR = 0.05, 1e-5
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _prompts(spec: dict) -> list[str]:
-    from align.data.io import read_rows
-
-    return [r["prompt"] for r in read_rows("align:sort/prompts/train.jsonl")[: spec["prompts"]]]
 
 
-def _summary(step_seconds, gen_seconds, score_seconds, tokens, warmup) -> dict:
-    s, g, c, t = step_seconds[warmup:], gen_seconds[warmup:], score_seconds[warmup:], tokens[warmup:]
-    return {
-        "tokens_per_s": sum(t) / sum(s),
-        "step_s": statistics.median(s),
-        "generation_share": sum(g) / sum(s),
-        "scoring_share": sum(c) / sum(s),
-        "update_share": 1.0 - (sum(g) + sum(c)) / sum(s),
-        "completion_tokens_per_step": statistics.mean(t),
-        "peak_rss_mb": _peak_rss_mb(),
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -92,7 +74,7 @@ def run_align(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     workdir = Path(spec["workdir"])
     data_file = workdir / "prompts.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in _prompts(spec)))
+    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sort_prompts(spec["prompts"])))
     module = PPOModule(
         policy=PolicyModel(spec["model_dir"], value_head="separate", critic_model=spec["rm_dir"]),
         reward_model=spec["rm_dir"], reward_model_batch_size=spec["prompts"], eval_rewards=[],
@@ -126,7 +108,7 @@ def run_align(spec: dict) -> dict:
                         devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Meter()], max_epochs=-1)
     trainer.fit(module, datamodule=data)
-    return _summary(steps, gens, scores, tokens, spec["warmup"])
+    return step_summary(steps, tokens, spec["warmup"], generation=gens, scoring=scores)
 
 
 def run_trl(spec: dict) -> dict:
@@ -155,7 +137,7 @@ def run_trl(spec: dict) -> dict:
     )
 
     encoder = ChatEncoder(tokenizer)
-    rows = [{"input_ids": encoder.prompt_ids([{"role": "user", "content": p}])} for p in _prompts(spec)]
+    rows = [{"input_ids": encoder.prompt_ids([{"role": "user", "content": p}])} for p in sort_prompts(spec["prompts"])]
     dataset = Dataset.from_list(rows * (spec["steps"] + 1))
     n = spec["prompts"]
     config = PPOConfig(
@@ -208,20 +190,13 @@ def run_trl(spec: dict) -> dict:
 
     trainer.add_callback(Meter())
     trainer.train()
-    return _summary(steps, gens, scores, tokens, spec["warmup"])
+    return step_summary(steps, tokens, spec["warmup"], generation=gens, scoring=scores)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
 
 
-def _child(framework: str, spec: dict) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--child", framework, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, cwd=REPO, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{framework} trial failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _trl_has_ppo(trl_path: str | None) -> str | None:
@@ -299,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, list[dict]] = {fw: [] for fw in frameworks}
         for trial in range(ns.trials):
             for framework in frameworks:
-                res = _child(framework, spec)
+                res = run_child(__file__, framework, spec)
                 res["load"] = os.getloadavg()[0]
                 results[framework].append(res)
                 print(f"trial {trial + 1} {framework:5s}: {res['tokens_per_s']:8.1f} completion tok/s, step "
