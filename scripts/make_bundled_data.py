@@ -13,13 +13,17 @@ prompt held out by any validation split, so held-out numbers never measure
 memorisation. Prompts are unique within a validation file; train files may
 repeat a prompt (there are only 1,000 distinct length-3 prompts).
 
-Rejected answers are wrong in a way a checker can see:
-  - swap (70%): the sorted list with two adjacent distinct letters swapped;
-  - echo (10%): the unsorted input copied back;
-  - drop (10%): the sorted list missing one letter;
-  - dup  (10%): the sorted list with one letter doubled.
+Rejected answers are wrong in a way a checker can see, and cover the mistakes a
+partly trained policy makes (so that a reward model trained on them can rank its samples):
+  - edit (65%): the right letters with 1 to 3 random edits (a letter substituted,
+    inserted or deleted; 1 edit 60%, 2 edits 30%, 3 edits 10%), sorted again:
+    a well-ordered answer with the wrong letters;
+  - swap (25%): the sorted list with two adjacent distinct letters swapped;
+  - echo (10%): the unsorted input copied back.
 When a kind cannot produce a wrong answer (``a a a`` has no distinct neighbours
 to swap, a sorted input echoes the right answer) the next kind that can is used.
+Rejected answers come from their own random stream, so the choice of prompts
+(and with it every other split) does not depend on how answers are corrupted.
 """
 
 from __future__ import annotations
@@ -29,19 +33,39 @@ import json
 import random
 from pathlib import Path
 
-from align.data.sort_task import prompt_letters, sample_problem
+from align.data.sort_task import LETTERS, prompt_letters, sample_problem
 
 SEED = 1729
 SIZES = {
     ("sft", "train"): 4000,
     ("sft", "validation"): 200,
-    ("preference", "train"): 2000,
+    ("preference", "train"): 10000,
     ("preference", "validation"): 200,
     ("prompts", "train"): 2000,
     ("prompts", "validation"): 100,
 }
 KINDS = ("sft", "preference", "prompts")
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "align" / "data" / "assets" / "sort"
+
+
+def _edit(rng: random.Random, letters: list[str]) -> str | None:
+    ordered = sorted(letters)
+    edits = rng.choices((1, 2, 3), weights=(0.6, 0.3, 0.1))[0]
+    for _ in range(100):  # an insertion and a deletion can cancel out; draw again
+        out = list(ordered)
+        for _ in range(edits):
+            op = rng.choice(("sub", "ins", "del") if len(out) > 1 else ("sub", "ins"))
+            if op == "sub":
+                i = rng.randrange(len(out))
+                out[i] = rng.choice([x for x in LETTERS if x != out[i]])
+            elif op == "ins":
+                out.append(rng.choice(LETTERS))
+            else:
+                del out[rng.randrange(len(out))]
+        out.sort()
+        if out != ordered:
+            return " ".join(out)
+    return None
 
 
 def _swap(rng: random.Random, letters: list[str]) -> str | None:
@@ -60,23 +84,8 @@ def _echo(rng: random.Random, letters: list[str]) -> str | None:
     return " ".join(letters)
 
 
-def _drop(rng: random.Random, letters: list[str]) -> str | None:
-    ordered = sorted(letters)
-    if len(ordered) < 2:
-        return None
-    del ordered[rng.randrange(len(ordered))]
-    return " ".join(ordered)
-
-
-def _dup(rng: random.Random, letters: list[str]) -> str | None:
-    ordered = sorted(letters)
-    i = rng.randrange(len(ordered))
-    ordered.insert(i, ordered[i])
-    return " ".join(ordered)
-
-
 # Order matters for the fallback: a kind that cannot corrupt this input hands over to the next one.
-_CORRUPTIONS = ((0.7, _swap), (0.1, _echo), (0.1, _drop), (0.1, _dup))
+_CORRUPTIONS = ((0.65, _edit), (0.25, _swap), (0.10, _echo))
 
 
 def corrupt(rng: random.Random, prompt: str) -> str:
@@ -92,15 +101,15 @@ def corrupt(rng: random.Random, prompt: str) -> str:
         rejected = _CORRUPTIONS[(start + k) % len(_CORRUPTIONS)][1](rng, letters)
         if rejected is not None:
             return rejected
-    raise AssertionError(f"no corruption applies to {prompt!r}")  # _dup always applies
+    raise AssertionError(f"no corruption applies to {prompt!r}")  # _edit always applies
 
 
-def _row(kind: str, rng: random.Random, problem: dict[str, str]) -> dict[str, str]:
+def _row(kind: str, wrong: random.Random, problem: dict[str, str]) -> dict[str, str]:
     prompt, answer = problem["prompt"], problem["answer"]
     if kind == "sft":
         return {"prompt": prompt, "completion": answer}
     if kind == "preference":
-        rejected = corrupt(rng, prompt)
+        rejected = corrupt(wrong, prompt)
         assert rejected != answer, (prompt, rejected)
         return {"prompt": prompt, "chosen": answer, "rejected": rejected}
     return {"prompt": prompt, "answer": answer}
@@ -110,26 +119,27 @@ def build(seed: int = SEED) -> dict[tuple[str, str], list[dict[str, str]]]:
     """All six splits as lists of rows, validation prompts disjoint from every train split."""
     out: dict[tuple[str, str], list[dict[str, str]]] = {}
     held_out: set[str] = set()
-    # One stream per split, so resizing one split leaves the others unchanged.
+    # One stream of problems per split, so resizing one split leaves the others unchanged, and a second
+    # stream per split for the rejected answers, so how they are made never changes which prompts are drawn.
     for i, kind in enumerate(KINDS):
-        rng = random.Random(seed * 100 + 2 * i + 1)
+        rng, wrong = random.Random(seed * 100 + 2 * i + 1), random.Random(seed * 100 + 50 + 2 * i + 1)
         rows, seen = [], set()
         while len(rows) < SIZES[kind, "validation"]:
             problem = sample_problem(rng)
             if problem["prompt"] in seen:
                 continue
             seen.add(problem["prompt"])
-            rows.append(_row(kind, rng, problem))
+            rows.append(_row(kind, wrong, problem))
         held_out |= seen
         out[kind, "validation"] = rows
     for i, kind in enumerate(KINDS):
-        rng = random.Random(seed * 100 + 2 * i)
+        rng, wrong = random.Random(seed * 100 + 2 * i), random.Random(seed * 100 + 50 + 2 * i)
         rows = []
         while len(rows) < SIZES[kind, "train"]:
             problem = sample_problem(rng)
             if problem["prompt"] in held_out:
                 continue
-            rows.append(_row(kind, rng, problem))
+            rows.append(_row(kind, wrong, problem))
         out[kind, "train"] = rows
     return out
 
