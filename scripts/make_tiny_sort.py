@@ -1,7 +1,7 @@
 """Rebuild the shipped ``tiny-sort`` policy: the embedded tiny Llama warm-started by the SFT recipe.
 
 GRPO and PPO on the embedded default start from this policy, so they begin from a model that solves the
-bundled sort task some of the time (about 45% of the held-out prompts, greedily) and has headroom to improve.
+bundled sort task some of the time (about half of the held-out prompts, greedily) and has headroom to improve.
 The weights are reproduced exactly (same machine kind, same library versions) by:
 
     python scripts/make_tiny_sort.py
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "align" / "models" / "assets" / "tiny-sort"
-STEPS = 65
+STEPS = 50
 """SFT optimizer steps of the shipped weights (batch 32, lr 1e-3)."""
 
 

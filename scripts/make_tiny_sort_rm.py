@@ -1,7 +1,7 @@
 """Rebuild the shipped ``tiny-sort-rm`` reward model: ``recipes/rm.py`` on the bundled sort preferences.
 
 PPO on the embedded default (``python recipes/ppo.py``) is rewarded by this model and starts its critic from
-it. It is the reward-model recipe's own default run (the embedded tiny Llama, ``configs/rm/tiny.yaml``: two
+it. It is the reward-model recipe's own default run (``configs/rm/tiny.yaml``: started from ``tiny-sort``, two
 epochs over ``align:sort/preference/train.jsonl``), reproduced exactly (same machine kind, same library
 versions) by:
 
