@@ -55,7 +55,7 @@ def test_trpo_recipe_end_to_end_improves_held_out_reward_within_the_trust_region
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("held-out val/reward_mean:"))
     before, after = (float(x) for x in line.split(":")[1].split("->"))
-    assert after > before, line  # 0.45 -> 0.51 in the measured run
+    assert after > before, line  # 0.24 -> 0.38 in the measured run
     rows = read_metrics(tmp_path)
     updates = check_trust_region_rows(rows)
     assert sum(float(r["trpo/accepted"]) for r in updates) >= 0.8 * len(updates)
