@@ -48,12 +48,6 @@ def length_reward(prompts, completions, **kwargs):
     return [min(len(c), 40) / 40.0 for c in completions]
 
 
-
-
-
-
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # children
 
@@ -158,8 +152,6 @@ def run_trl(spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
-
-
 
 
 def main(argv: list[str] | None = None) -> None:

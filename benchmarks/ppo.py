@@ -49,13 +49,8 @@ import time
 from pathlib import Path
 
 from _rl_harness import run_child, sort_prompts, step_summary
+
 KL_COEF, LR = 0.05, 1e-5
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,8 +190,6 @@ def run_trl(spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
-
-
 
 
 def _trl_has_ppo(trl_path: str | None) -> str | None:
