@@ -1,7 +1,9 @@
-"""Loading causal LMs and tokenizers: the embedded tiny default, a local directory, or a hub id.
+"""Loading causal LMs and tokenizers: the embedded tiny default, a local directory, a GGUF file, or a hub id.
 
 A hub id needs network access. Local paths are checked before anything is loaded, so a typo fails with a
-message naming the path rather than a hub lookup error.
+message naming the path rather than a hub lookup error. A ``.gguf`` file or a packaged model id such as
+``smollm2-135m-instruct`` is converted once into a cached Hugging Face folder (:mod:`align.models.gguf`) and
+loaded from there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Literal
 import torch
 
 from align.errors import AlignConfigError
+from align.models.gguf import converted_dir, is_gguf_source
 from align.models.tiny import TINY_SORT_DIR, build_tiny_model, has_tiny_sort_weights, is_tiny, is_tiny_sort, load_tiny_tokenizer
 from align.models.tiny import TINY_SORT_RM_DIR, is_tiny_sort_rm
 
@@ -95,6 +98,8 @@ def check_model_source(name: str, what: str = "model") -> str:
             raise AlignConfigError(f"{what}: 'tiny-sort-rm' weights are missing from {TINY_SORT_RM_DIR}; "
                                    "run scripts/make_tiny_sort_rm.py to rebuild them")
         return str(TINY_SORT_RM_DIR)
+    if is_gguf_source(name):
+        return str(converted_dir(name))
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir() and not (path / "config.json").exists() and what == "model":
@@ -103,7 +108,7 @@ def check_model_source(name: str, what: str = "model") -> str:
     if not _is_hub_id(name):
         raise AlignConfigError(
             f"{what}: '{name}' does not exist; expected a local model directory, a hub id such as "
-            "'Qwen/Qwen2.5-0.5B-Instruct', or 'tiny'"
+            "'Qwen/Qwen2.5-0.5B-Instruct', a .gguf file, 'smollm2-135m-instruct' or 'tiny'"
         )
     return name
 
