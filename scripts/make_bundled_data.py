@@ -144,9 +144,10 @@ def build(seed: int = SEED) -> dict[tuple[str, str], list[dict[str, str]]]:
     return out
 
 
-def write(out_dir: Path, seed: int = SEED) -> list[Path]:
+def write_splits(out_dir: Path, splits: dict[tuple[str, str], list[dict]]) -> list[Path]:
+    """Write ``{(kind, split): rows}`` as ``out_dir/<kind>/<split>.jsonl``, keys sorted, one row a line."""
     written = []
-    for (kind, split), rows in sorted(build(seed).items()):
+    for (kind, split), rows in sorted(splits.items()):
         path = out_dir / kind / f"{split}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", encoding="utf-8", newline="\n") as f:
@@ -154,6 +155,10 @@ def write(out_dir: Path, seed: int = SEED) -> list[Path]:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
         written.append(path)
     return written
+
+
+def write(out_dir: Path, seed: int = SEED) -> list[Path]:
+    return write_splits(out_dir, build(seed))
 
 
 def main() -> None:

@@ -1,0 +1,118 @@
+"""The bundled real-model task: small arithmetic questions with a numeric answer.
+
+A prompt asks for one expression of two or three small operands with ``+``, ``-`` or ``*``, in one of a few
+phrasings, and asks for the number alone::
+
+    prompt:  "What is 7 + 12? Reply with just the number."
+    answer:  "19"
+
+It is the task of the real-model tier (SmolLM2-135M-Instruct): such a model answers part of it correctly
+before training (about 40% greedy), so every algorithm has a signal and room to improve, and every
+completion is checked exactly by :func:`align.rewards.math_answer`, which compares the last number of the
+completion with the ``answer`` column.
+
+Rows are made by ``scripts/make_arith_data.py``: ``sft`` (prompt, completion: the bare number),
+``preference`` (chosen: the bare correct number; rejected: a plausible wrong number, bare or in a sentence,
+or the right number buried in chatter) and ``prompts`` (prompt, answer). Held-out expressions never occur
+in any training split, in any phrasing.
+
+Pure Python (no torch), like :mod:`align.data.sort_task`.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent / "assets" / "arith"
+"""Where the bundled jsonl files live: ``{sft,preference,prompts}/{train,validation}.jsonl``."""
+
+PHRASINGS: tuple[str, ...] = (
+    "What is {e}? Reply with just the number.",
+    "Compute {e}. Answer with the number only.",
+    "{e} = ? Give only the result.",
+    "Calculate {e} and reply with only the result.",
+    "What does {e} equal? Respond with just the number.",
+)
+"""Question templates; ``{e}`` is the expression."""
+
+
+def expression(rng: random.Random) -> str:
+    """Draw an expression: ``a + b`` or ``a - b`` (2..20), ``a * b`` (2..12), or three operands (2..9) with
+    ``+``/``-``, or ``a * b + c``. All randomness comes from ``rng``."""
+    kind = rng.choices(("add", "sub", "mul", "three", "muladd"), weights=(0.3, 0.25, 0.2, 0.15, 0.1))[0]
+    if kind == "add":
+        return f"{rng.randint(2, 20)} + {rng.randint(2, 20)}"
+    if kind == "sub":
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        return f"{max(a, b)} - {min(a, b)}" if rng.random() < 0.8 else f"{a} - {b}"
+    if kind == "mul":
+        return f"{rng.randint(2, 12)} * {rng.randint(2, 12)}"
+    if kind == "three":
+        return f"{rng.randint(2, 9)} {rng.choice('+-')} {rng.randint(2, 9)} {rng.choice('+-')} {rng.randint(2, 9)}"
+    return f"{rng.randint(2, 9)} * {rng.randint(2, 9)} + {rng.randint(2, 9)}"
+
+
+def evaluate(expr: str) -> int:
+    """The value of an expression made by :func:`expression` (integers, ``+ - *``, usual precedence)."""
+    tokens = expr.split()
+    if len(tokens) % 2 == 0 or any(not t.lstrip("-").isdigit() for t in tokens[::2]) or \
+            any(t not in ("+", "-", "*") for t in tokens[1::2]):
+        raise ValueError(f"malformed expression {expr!r}; expected e.g. '3 + 4 * 2'")
+    terms: list[int] = [int(tokens[0])]
+    for op, value in zip(tokens[1::2], tokens[2::2]):
+        if op == "*":
+            terms[-1] *= int(value)
+        else:
+            terms.append(int(value) if op == "+" else -int(value))
+    return sum(terms)
+
+
+def make_prompt(expr: str, phrasing: int) -> str:
+    return PHRASINGS[phrasing].format(e=expr)
+
+
+def sample_problem(rng: random.Random) -> dict[str, str]:
+    """``{"prompt", "answer", "expression"}`` for one random expression and phrasing."""
+    expr = expression(rng)
+    return {"prompt": make_prompt(expr, rng.randrange(len(PHRASINGS))), "answer": str(evaluate(expr)),
+            "expression": expr}
+
+
+def wrong_number(rng: random.Random, expr: str) -> int:
+    """A plausible mistake: off by a little, an operator misread, or the digits swapped; never the answer."""
+    right = evaluate(expr)
+    for _ in range(100):
+        kind = rng.random()
+        if kind < 0.5:
+            got = right + rng.choice((-3, -2, -1, 1, 2, 3, 10, -10))
+        elif kind < 0.8:
+            ops = [i for i, t in enumerate(expr.split()) if t in "+-*"]
+            tokens = expr.split()
+            i = rng.choice(ops)
+            tokens[i] = rng.choice([o for o in "+-*" if o != tokens[i]])
+            got = evaluate(" ".join(tokens))
+        else:
+            got = int(str(abs(right))[::-1]) * (1 if right >= 0 else -1)
+        if got != right:
+            return got
+    return right + 1
+
+
+_WRONG_SENTENCES = ("The answer is {n}.", "{e} = {n}", "{n}.", "It equals {n}.")
+_CHATTER = ("Sure! Let me work that out. {e} = {n}. I hope this helps, let me know if you have another question!",
+            "Great question! To find the answer we compute {e}, which gives us {n}. So the final answer is {n}.",
+            "Okay, here is the result you asked for: {n}. Arithmetic like this is easy once you practise it.")
+
+
+def rejected_answer(rng: random.Random, expr: str) -> str:
+    """A rejected completion: a wrong number (70%, bare or in a short sentence) or the right number in chatter
+    that ignores the instruction to reply with the number only (30%)."""
+    if rng.random() < 0.7:
+        n = wrong_number(rng, expr)
+        return str(n) if rng.random() < 0.5 else rng.choice(_WRONG_SENTENCES).format(e=expr, n=n)
+    return rng.choice(_CHATTER).format(e=expr, n=evaluate(expr))
+
+
+__all__ = ["DATA_DIR", "PHRASINGS", "evaluate", "expression", "make_prompt", "rejected_answer", "sample_problem",
+           "wrong_number"]

@@ -1,0 +1,86 @@
+"""Generate the bundled arithmetic datasets under ``align/data/assets/arith/`` (the real-model tier's task).
+
+    python scripts/make_arith_data.py [--out-dir DIR]
+
+Writes, from one fixed seed, byte-identical files on every run::
+
+    sft/{train,validation}.jsonl         {"completion", "prompt"}            completion: the bare number
+    preference/{train,validation}.jsonl  {"chosen", "prompt", "rejected"}    see align.data.arith_task
+    prompts/{train,validation}.jsonl     {"answer", "prompt"}                scored by align.rewards.math_answer
+
+Validation expressions are drawn first, unique within each file; no training row of any kind uses a held-out
+expression, in any phrasing, so held-out accuracy measures arithmetic rather than memorised questions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_bundled_data import write_splits  # noqa: E402
+
+from align.data.arith_task import rejected_answer, sample_problem  # noqa: E402
+
+SEED = 2024
+SIZES = {
+    ("sft", "train"): 2000,
+    ("sft", "validation"): 200,
+    ("preference", "train"): 2000,
+    ("preference", "validation"): 200,
+    ("prompts", "train"): 2000,
+    ("prompts", "validation"): 200,
+}
+KINDS = ("sft", "preference", "prompts")
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "align" / "data" / "assets" / "arith"
+
+
+def _row(kind: str, wrong: random.Random, problem: dict[str, str]) -> dict[str, str]:
+    prompt, answer = problem["prompt"], problem["answer"]
+    if kind == "sft":
+        return {"prompt": prompt, "completion": answer}
+    if kind == "preference":
+        return {"prompt": prompt, "chosen": answer, "rejected": rejected_answer(wrong, problem["expression"])}
+    return {"prompt": prompt, "answer": answer}
+
+
+def build(seed: int = SEED) -> dict[tuple[str, str], list[dict[str, str]]]:
+    """All six splits; held-out expressions are disjoint from every train split."""
+    out: dict[tuple[str, str], list[dict[str, str]]] = {}
+    held_out: set[str] = set()
+    # Separate streams per split for problems and for rejected answers (as in make_bundled_data.py).
+    for i, kind in enumerate(KINDS):
+        rng, wrong = random.Random(seed * 100 + 2 * i + 1), random.Random(seed * 100 + 50 + 2 * i + 1)
+        rows, seen = [], set()
+        while len(rows) < SIZES[kind, "validation"]:
+            problem = sample_problem(rng)
+            if problem["expression"] in seen:
+                continue
+            seen.add(problem["expression"])
+            rows.append(_row(kind, wrong, problem))
+        held_out |= seen
+        out[kind, "validation"] = rows
+    for i, kind in enumerate(KINDS):
+        rng, wrong = random.Random(seed * 100 + 2 * i), random.Random(seed * 100 + 50 + 2 * i)
+        rows = []
+        while len(rows) < SIZES[kind, "train"]:
+            problem = sample_problem(rng)
+            if problem["expression"] not in held_out:
+                rows.append(_row(kind, wrong, problem))
+        out[kind, "train"] = rows
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where to write the jsonl files")
+    parser.add_argument("--seed", type=int, default=SEED, help="change only to make a different dataset")
+    args = parser.parse_args()
+    for path in write_splits(args.out_dir, build(args.seed)):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
