@@ -7,6 +7,10 @@ from, and no BPE merge can cross the prompt/response boundary.
 
 Without a chat template (or with ``use_chat_template=False``) a single-turn conversation is encoded as
 ``tokenizer(prompt)`` followed by the completion and an EOS.
+
+An assistant turn ends at its first EOS, as a sampled response does (``align.logprobs.response_mask``):
+text that a template adds after it (ChatML's newline after ``<|im_end|>``) is never trained on, and after the
+last turn it is dropped, so a trained or scored sequence ends exactly where a generated one stops.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ class ChatEncoder:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def until_eos(self, ids: list[int]) -> int:
+        """Length of ``ids`` up to and including its first EOS (all of it when there is none)."""
+        eos = self.tokenizer.eos_token_id
+        return ids.index(eos) + 1 if eos in ids else len(ids)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Ids of a prompt ready for generation (template with the generation prompt)."""
@@ -66,10 +75,15 @@ class ChatEncoder:
         cuts.append(len(full))
         input_ids: list[int] = []
         labels: list[int] = []
+        turn_end = 0
         for i in range(len(cuts) - 1):
             ids = self._ids(full[cuts[i]:cuts[i + 1]])
+            trained = self.until_eos(ids) if i % 2 == 1 else 0
             input_ids += ids
-            labels += ids if i % 2 == 1 else [IGNORE_INDEX] * len(ids)
+            labels += ids[:trained] + [IGNORE_INDEX] * (len(ids) - trained)
+            turn_end = len(input_ids) - len(ids) + trained if i % 2 == 1 else turn_end
+        if messages and messages[-1]["role"] == "assistant":
+            input_ids, labels = input_ids[:turn_end], labels[:turn_end]
         if not self._warned_no_eos and self.tokenizer.eos_token_id not in [t for t in labels if t != IGNORE_INDEX]:
             self._warned_no_eos = True
             log.warning("the chat template does not end assistant turns with the EOS token %r; a trained model "

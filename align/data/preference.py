@@ -149,7 +149,8 @@ def encode_response(encoder: ChatEncoder, prompt_ids: list[int], messages: list[
         if not full.startswith(prompt_text) or len(full) == len(prompt_text):
             raise AlignDataError(source, row, name, "a chat template whose rendering of prompt + response starts with "
                                  "the rendering of the prompt (with its generation prompt)")
-        return encoder._ids(full[len(prompt_text):])
+        ids = encoder._ids(full[len(prompt_text):])
+        return ids[: encoder.until_eos(ids)]  # a response ends at its first EOS, as a sampled one does
     ids, _ = encoder.encode(messages + [{"role": "assistant", "content": response}], source, row)
     if ids[: len(prompt_ids)] != prompt_ids or len(ids) == len(prompt_ids):
         raise AlignDataError(source, row, name, "a tokenization of prompt + response that starts with the prompt's")
