@@ -10,7 +10,8 @@ Two layers:
   of every sampled token.
 * :class:`RolloutEngine` turns prompt token ids into a :class:`Rollout`: it left-pads the prompts,
   repeats each one ``group_size`` times (GRPO groups are consecutive rows), samples, builds the response
-  mask with :func:`align.logprobs.response_mask` and decodes the texts with the policy's tokenizer.
+  mask with :func:`align.logprobs.response_mask` and decodes the texts with the policy's tokenizer. The
+  prompt of a group is encoded once and its KV cache repeated for the group's rows (``shared_prefix``).
 
 Log-probs are computed as :meth:`align.models.policy.PolicyModel.score` computes them in training: the
 log-softmax of ``logits / temperature`` over the *full* vocabulary, in float32. Top-k, top-p and
@@ -57,6 +58,9 @@ class SamplingConfig:
     fast_decoder: bool = True
     """Decode Llama-family models with :class:`align.models.decoding.FastDecoder` (same logits, fewer
     operations per token); false, or a model it does not cover, samples through the model's own forward."""
+    shared_prefill: bool = True
+    """Encode each prompt once for its whole group and repeat its KV cache for the group's completions
+    (the same numbers as encoding every copy, up to float rounding); false encodes every copy."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -132,8 +136,14 @@ def sample(
     min_new_tokens: int = 0,
     generator: Optional[torch.Generator] = None,
     sync_stop: Optional[Callable[[bool], bool]] = None,
+    shared_prefix: int = 1,
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens per row with a KV cache; see the module docstring.
+
+    ``shared_prefix``: the rows come in consecutive groups of this many identical prompts. The prompt of each
+    group is then encoded once and its KV cache and first logits repeated for the group's rows, which saves
+    ``(1 - 1/shared_prefix)`` of the prefill. Used when the model's cache can be repeated in place
+    (:class:`~align.models.decoding.DecodeCache` and transformers' caches); otherwise every row is encoded.
 
     ``sync_stop(all_rows_done) -> stop`` makes the early-stop decision shared when several processes must run
     the same number of forward passes (parameters gathered per layer on use, as under DeepSpeed ZeRO-3): it
@@ -157,10 +167,13 @@ def sample(
     logprobs: list[torch.Tensor] = []
     step_ids, cache = input_ids, None
     for step in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=full_mask[:, : prompt_width + step], position_ids=position_ids,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        logits = out.logits[:, -1, :].float()  # (B, V)
+        if step == 0 and shared_prefix > 1 and batch % shared_prefix == 0:
+            logits, cache = _shared_prefill(model, input_ids, full_mask[:, :prompt_width], position_ids, shared_prefix)
+        else:
+            out = model(input_ids=step_ids, attention_mask=full_mask[:, : prompt_width + step],
+                        position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # (B, V)
         if temperature > 0:
             logits = logits / temperature
         # One log-softmax serves both the recorded log-prob (the full distribution, as in training) and sampling.
@@ -190,6 +203,19 @@ def sample(
         position_ids = next_position
         next_position = next_position + 1
     return SampleOutput(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), len(tokens))
+
+
+def _shared_prefill(model, input_ids, attention_mask, position_ids, group: int) -> tuple[torch.Tensor, Any]:
+    """Prefill one row per group, then repeat its cache and last logits ``group`` times. ``(B, V)``, cache."""
+    out = model(input_ids=input_ids[::group], attention_mask=attention_mask[::group],
+                position_ids=position_ids[::group], past_key_values=None, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    if not hasattr(cache, "batch_repeat_interleave"):  # a cache we cannot widen: encode every row instead
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    past_key_values=None, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float(), out.past_key_values
+    cache.batch_repeat_interleave(group)
+    return out.logits[:, -1, :].float().repeat_interleave(group, dim=0), cache
 
 
 @dataclass
@@ -269,7 +295,8 @@ class RolloutEngine:
                 model = decoder_for(model, capacity=ids.shape[1] + s.max_new_tokens)
             out = sample(model, ids, mask, eos_token_id=stop, pad_token_id=tok.pad_token_id,
                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                         top_p=s.top_p, min_new_tokens=s.min_new_tokens, generator=generator, sync_stop=sync_stop)
+                         top_p=s.top_p, min_new_tokens=s.min_new_tokens, generator=generator, sync_stop=sync_stop,
+                         shared_prefix=group_size if s.shared_prefill else 1)
         finally:
             policy.train(was_training)
         seconds = max(time.perf_counter() - started, 1e-9)

@@ -157,6 +157,11 @@ class DecodeCache:
         self.length = 0
         self.capacity = capacity
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place (one prompt encoded once, then sampled several times)."""
+        self.keys = [k.repeat_interleave(repeats, dim=0) for k in self.keys]
+        self.values = [v.repeat_interleave(repeats, dim=0) for v in self.values]
+
 
 @dataclass
 class DecodeOutput:

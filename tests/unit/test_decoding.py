@@ -159,3 +159,21 @@ def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
     fast, slow = rollouts
     assert torch.equal(fast.response_ids, slow.response_ids) and fast.texts == slow.texts
     torch.testing.assert_close(fast.old_logprobs, slow.old_logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-decoder", "model-forward"])
+def test_a_group_shares_one_prefill_and_samples_as_if_each_copy_were_encoded(fast):
+    from align.models.policy import PolicyModel
+    from align.rollout import RolloutEngine, SamplingConfig
+
+    policy = PolicyModel("tiny")
+    prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]
+    rollouts = []
+    for shared in (True, False):
+        engine = RolloutEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast,
+                                              shared_prefill=shared))
+        rollouts.append(engine.generate(policy, prompts, group_size=3, generator=torch.Generator().manual_seed(7)))
+    shared, each = rollouts
+    assert torch.equal(shared.response_ids, each.response_ids) and shared.texts == each.texts
+    torch.testing.assert_close(shared.old_logprobs, each.old_logprobs, atol=1e-5, rtol=1e-5)
+    assert len(set(map(tuple, shared.response_ids[:3].tolist()))) > 1, "the copies of a prompt are sampled apart"
