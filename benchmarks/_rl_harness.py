@@ -1,5 +1,5 @@
-"""Pieces shared by the RL step benchmarks (``grpo.py``, ``ppo.py``): bundled prompts, the per-trial summary
-and the subprocess that runs one framework's trial."""
+"""Pieces shared by the RL step benchmarks (``grpo.py``, ``ppo.py``): the policy model (``--model`` or the tiny
+Llama), bundled prompts, the per-trial summary and the subprocess that runs one framework's trial."""
 
 from __future__ import annotations
 
@@ -50,3 +50,37 @@ def run_child(script: str, framework: str, spec: dict) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{framework} trial failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def add_model_args(parser) -> None:
+    """``--model`` and the tiny Llama's size flags (used only without ``--model``)."""
+    from _model import MODEL_HELP
+
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    tiny = parser.add_argument_group("tiny Llama size (the default model; ignored with --model)")
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--intermediate", type=int, default=192)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+
+
+def prepare_model(ns, tmp: str) -> tuple[str, str, int]:
+    """``(folder, description, parameter count)`` of the policy both frameworks load: the folder ``--model``
+    resolves to, or else a tiny random Llama with the size flags and the shipped tokenizer saved under ``tmp``."""
+    from _model import model_config_and_parameters, resolve_model_dir
+
+    if ns.model:
+        model_dir = resolve_model_dir(ns.model)
+        return model_dir, ns.model, model_config_and_parameters(model_dir)[1]
+    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+
+    model_dir = Path(tmp) / "model"
+    model = build_tiny_model(seed=0, hidden_size=ns.hidden_size, num_hidden_layers=ns.layers,
+                             intermediate_size=ns.intermediate, num_attention_heads=ns.heads,
+                             num_key_value_heads=ns.kv_heads)
+    model.save_pretrained(model_dir)
+    load_tiny_tokenizer().save_pretrained(model_dir)
+    description = (f"tiny (hidden {ns.hidden_size}, {ns.layers} layers, intermediate {ns.intermediate}, "
+                   f"heads {ns.heads}/{ns.kv_heads})")
+    return str(model_dir), description, sum(p.numel() for p in model.parameters())

@@ -6,11 +6,14 @@ Usage::
     python benchmarks/dpo.py --hidden-size 512 --layers 4 --intermediate 1536 --heads 8 --kv-heads 4
     python benchmarks/dpo.py --trials 3 --steps 40 --json dpo-bench.json
     python benchmarks/dpo.py --full                             # no LoRA: both sides keep a frozen reference copy
+    python benchmarks/dpo.py --model smollm2-135m-instruct --batch-size 4 --steps 10 --warmup 2 --threads 2
 
 What happens:
 
 1. A tiny Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are saved to a
-   temporary Hugging Face directory; both frameworks load it in float32.
+   temporary Hugging Face directory; both frameworks load it in float32. With ``--model`` (a local Hugging Face
+   folder, a ``.gguf`` file or a packaged id such as ``smollm2-135m-instruct``) the size flags are ignored and both
+   load that model and its tokenizer, in float32, from the one folder it resolves to.
 2. Data: the bundled sorting preferences (``align:sort/preference/train.jsonl``), written as conversational rows
    (prompt = one user message, chosen/rejected = one assistant message each). Both frameworks apply the same chat
    template to them; the token counts each side fed to the model are reported.
@@ -42,6 +45,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _model import MODEL_HELP, model_config_and_parameters, resolve_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -255,16 +260,19 @@ def print_table(summary: dict, results: dict, args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    g = p.add_argument_group("model (tiny Llama; unset fields keep align.models.tiny defaults)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
+    g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of training")
+    g.add_argument("--full", action="store_true", help="train every weight (no LoRA); both keep a reference copy")
+    g.add_argument("--lora-r", type=int, default=8)
+    g.add_argument("--lora-alpha", type=int, default=16)
+    g = p.add_argument_group("tiny Llama size (the default model; ignored with --model; unset fields keep "
+                             "align.models.tiny defaults)")
     g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument("--layers", type=int, default=None)
     g.add_argument("--intermediate", type=int, default=None)
     g.add_argument("--heads", type=int, default=None)
     g.add_argument("--kv-heads", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--full", action="store_true", help="train every weight (no LoRA); both keep a reference copy")
-    g.add_argument("--lora-r", type=int, default=8)
-    g.add_argument("--lora-alpha", type=int, default=16)
     g = p.add_argument_group("data and training")
     g.add_argument("--batch-size", type=int, default=8, help="pairs per optimizer step")
     g.add_argument("--max-length", type=int, default=64)
@@ -295,15 +303,22 @@ def main(argv=None) -> int:
         ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads")) if getattr(args, flag) is not None}
     with tempfile.TemporaryDirectory(prefix="dpo-bench-") as tmp:
         tmp = Path(tmp)
-        n_params = save_model(tmp / "model", args.seed, overrides)
+        if args.model:
+            model_dir = resolve_model_dir(args.model)
+            n_params = model_config_and_parameters(model_dir)[1]
+            model_name = f"{args.model} ({model_dir})"
+        else:
+            model_dir = str(tmp / "model")
+            n_params = save_model(tmp / "model", args.seed, overrides)
+            model_name = f"tiny Llama {overrides or '(align.models.tiny defaults)'}"
         n_rows = write_data(tmp / "pairs.jsonl", args.rows)
-        spec = dict(model_dir=str(tmp / "model"), train_file=str(tmp / "pairs.jsonl"), threads=args.threads,
+        spec = dict(model_dir=model_dir, train_file=str(tmp / "pairs.jsonl"), threads=args.threads,
                     seed=args.seed, full=args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                     batch_size=args.batch_size, max_length=args.max_length, steps=args.steps, warmup=args.warmup,
                     lr=args.lr, beta=args.beta, log_every=args.log_every, workdir=str(tmp / "work"))
         spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        print(f"model: {n_params / 1e6:.2f}M parameters {overrides or '(tiny defaults)'}; "
+        print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters; "
               f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} pairs; "
               f"batch {args.batch_size} pairs; {args.steps} steps ({args.warmup} warmup); {args.threads} threads")
         kinds = ["align", "trl"] if args.trl else ["align"]
@@ -317,7 +332,8 @@ def main(argv=None) -> int:
     summary = summarise(results)
     print_table(summary, results, args)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+        args.json.write_text(json.dumps({"model": args.model or "tiny", "parameters": n_params,
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                          "trials": results}, indent=2))
     return 0
 

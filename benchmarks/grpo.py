@@ -5,11 +5,14 @@ Usage::
     python benchmarks/grpo.py                          # tiny Llama, 8 prompts x 4 completions, 32 new tokens
     python benchmarks/grpo.py --lora --trials 3 --json grpo-bench.json
     python benchmarks/grpo.py --hidden-size 256 --layers 4 --prompts 16 --group 8
+    python benchmarks/grpo.py --model smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 32 --threads 2
 
 What happens:
 
 1. A tiny random Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are
-   saved to a temporary Hugging Face directory; both frameworks load it from there in float32.
+   saved to a temporary Hugging Face directory; both frameworks load it from there in float32. With ``--model`` (a
+   local Hugging Face folder, a ``.gguf`` file or a packaged id such as ``smollm2-135m-instruct``) the size flags are
+   ignored and both load that model and its tokenizer, in float32, from the one folder it resolves to.
 2. Prompts: the first ``--prompts`` bundled sort prompts, as one user message each (both apply the same chat
    template). Reward: the same plain function on both sides (``length_reward``: longer completions score higher,
    so there is a learning signal in every group).
@@ -40,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _rl_harness import run_child, sort_prompts, step_summary
+from _rl_harness import add_model_args, prepare_model, run_child, sort_prompts, step_summary
 
 
 def length_reward(prompts, completions, **kwargs):
@@ -166,11 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fast-decoder", dest="fast_decoder", action="store_false",
                         help="align samples through the model's own forward instead of its FastDecoder")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=192)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    add_model_args(parser)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", choices=["align", "trl"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -182,14 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
 
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        build_tiny_model(seed=0, hidden_size=ns.hidden_size, num_hidden_layers=ns.layers,
-                         intermediate_size=ns.intermediate, num_attention_heads=ns.heads,
-                         num_key_value_heads=ns.kv_heads).save_pretrained(model_dir)
-        load_tiny_tokenizer().save_pretrained(model_dir)
+        model_dir, model_name, n_params = prepare_model(ns, tmp)
+        print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
         spec = {"model_dir": str(model_dir), "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
                 "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder}
@@ -204,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{res['peak_rss_mb']:.0f} MB, load {res['load']:.1f}", flush=True)
 
     med = {fw: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for fw, rs in results.items()}
-    print(f"\nGRPO full step, {ns.prompts} prompts x {ns.group} completions, {ns.max_new_tokens} new tokens, "
+    print(f"\nGRPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x {ns.group} "
+          f"completions, {ns.max_new_tokens} new tokens, "
           f"LoRA {'on' if ns.lora else 'off'}, {ns.threads} threads, "
           f"align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of {ns.trials} trials:")
     print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}{'gen %':>8s}{'update %':>10s}{'peak RSS MB':>13s}")
@@ -217,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"throughput ratio align/TRL: {ratios['throughput_align_over_trl']:.2f}x; "
           f"peak memory ratio align/TRL: {ratios['peak_rss_align_over_trl']:.2f}")
     if ns.json:
-        ns.json.write_text(json.dumps({"settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
+        ns.json.write_text(json.dumps({"model": ns.model or "tiny", "model_dir": str(model_dir) if ns.model else None,
+                                       "parameters": n_params,
+                                       "settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
                                        "medians": med, "ratios": ratios}, indent=2, default=str))
 
 

@@ -6,6 +6,7 @@ Usage::
     pip install --no-deps --target /tmp/trl-1.12 trl==1.12.0     # the last TRL release with a PPO trainer
     python benchmarks/ppo.py --trl-path /tmp/trl-1.12 --trials 3 --json ppo-bench.json
     python benchmarks/ppo.py --hidden-size 256 --layers 4 --prompts 32
+    python benchmarks/ppo.py --model smollm2-135m-instruct --prompts 8 --max-new-tokens 32 --threads 2
 
 TRL removed ``trl.experimental.ppo`` in 1.13.0; the installed TRL (1.16) has no PPO trainer at all. With
 ``--trl-path DIR`` the TRL child imports ``trl`` from ``DIR`` first (the rest of the environment, transformers
@@ -14,9 +15,12 @@ and accelerate included, is shared), so TRL's last PPO trainer runs side by side
 What happens:
 
 1. A tiny random Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are
-   saved to a temporary Hugging Face directory. The reward model is the same backbone with a scalar head: an
-   ``align`` reward-model export for align, ``LlamaForSequenceClassification`` (one label) for TRL. Both load in
-   float32; both start the critic (a separate model) from the reward model.
+   saved to a temporary Hugging Face directory. With ``--model`` (a local Hugging Face folder, a ``.gguf`` file or a
+   packaged id such as ``smollm2-135m-instruct``) the size flags are ignored and both frameworks load that model and
+   its tokenizer from the one folder it resolves to. The reward model is the same backbone with a random scalar
+   head: an ``align`` reward-model export for align, ``AutoModelForSequenceClassification`` (one label; for a Llama,
+   ``LlamaForSequenceClassification``) for TRL. Both load in float32; both start the critic (a separate model) from
+   the reward model.
 2. Prompts: the first ``--prompts`` bundled sort prompts, one user message each, with the chat template applied.
 3. Trials run in fresh subprocesses, alternating ``align, trl, align, trl, ...``. Each trial runs ``--steps`` full
    PPO steps (generation, scoring: reward model, reference and values, then the update: ``--ppo-epochs`` x
@@ -48,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _rl_harness import run_child, sort_prompts, step_summary
+from _rl_harness import add_model_args, prepare_model, run_child, sort_prompts, step_summary
 
 KL_COEF, LR = 0.05, 1e-5
 
@@ -145,10 +149,10 @@ def run_trl(spec: dict) -> dict:
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, num_sample_generations=0,
         dataloader_num_workers=0, disable_tqdm=True,
     )
-    policy = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
-    ref = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
-    reward = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1)
-    value = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1)
+    policy = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1, dtype=torch.float32)
+    value = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1, dtype=torch.float32)
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=dataset)
     steps, gens, scores, tokens = [], [], [], []
@@ -216,11 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=192)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    add_model_args(parser)
     parser.add_argument("--trl-path", default=None, help="A directory holding a TRL release with a PPO trainer.")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", choices=["align", "trl"], default=None, help=argparse.SUPPRESS)
@@ -236,26 +236,23 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--prompts must be a multiple of --minibatches")
 
     import torch
-    from transformers import LlamaForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     from align.models.policy import PolicyModel
     from align.models.reward import save_reward_model
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
 
     trl_missing = _trl_has_ppo(ns.trl_path)
     if trl_missing:
         print(f"TRL not run: {trl_missing}", flush=True)
     frameworks = ("align",) if trl_missing else ("align", "trl")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, rm_dir, trl_rm_dir = Path(tmp) / "model", Path(tmp) / "rm", Path(tmp) / "trl-rm"
-        build_tiny_model(seed=0, hidden_size=ns.hidden_size, num_hidden_layers=ns.layers,
-                         intermediate_size=ns.intermediate, num_attention_heads=ns.heads,
-                         num_key_value_heads=ns.kv_heads).save_pretrained(model_dir)
-        load_tiny_tokenizer().save_pretrained(model_dir)
+        rm_dir, trl_rm_dir = Path(tmp) / "rm", Path(tmp) / "trl-rm"
+        model_dir, model_name, n_params = prepare_model(ns, tmp)
+        print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
         rm = PolicyModel(str(model_dir), value_head="shared")
         torch.nn.init.normal_(rm.value_head.proj.weight, std=0.05)
         save_reward_model(rm, rm_dir)
-        trl_rm = LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+        trl_rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
         with torch.no_grad():
             trl_rm.score.weight.copy_(rm.value_head.proj.weight)
         trl_rm.config.pad_token_id = rm.tokenizer.pad_token_id
@@ -276,8 +273,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"{res['peak_rss_mb']:.0f} MB, load {res['load']:.1f}", flush=True)
 
     med = {fw: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for fw, rs in results.items()}
-    print(f"\nPPO full step, {ns.prompts} prompts x 1 completion, {ns.max_new_tokens} new tokens, {ns.ppo_epochs} "
-          f"epochs x {ns.minibatches} minibatches, {ns.threads} threads, medians of {ns.trials} trials:")
+    print(f"\nPPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 1 completion, "
+          f"{ns.max_new_tokens} new tokens, {ns.ppo_epochs} epochs x {ns.minibatches} minibatches, {ns.threads} "
+          f"threads, medians of {ns.trials} trials:")
     print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}{'gen %':>8s}{'score %':>9s}{'update %':>10s}{'peak RSS MB':>13s}")
     for fw in frameworks:
         m = med[fw]
@@ -290,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"throughput ratio align/TRL: {ratios['throughput_align_over_trl']:.2f}x; "
               f"peak memory ratio align/TRL: {ratios['peak_rss_align_over_trl']:.2f}")
     if ns.json:
-        ns.json.write_text(json.dumps({"settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
+        ns.json.write_text(json.dumps({"model": ns.model or "tiny", "model_dir": str(model_dir) if ns.model else None,
+                                       "parameters": n_params,
+                                       "settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
                                        "medians": med, "ratios": ratios, "trl_not_run": trl_missing},
                                       indent=2, default=str))
 

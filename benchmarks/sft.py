@@ -6,11 +6,14 @@ Usage::
     python benchmarks/sft.py --hidden-size 512 --layers 4 --intermediate 1536 --heads 8 --kv-heads 4
     python benchmarks/sft.py --trials 3 --steps 40 --json sft-bench.json
     python benchmarks/sft.py --no-trl                          # align and the matmul peak only
+    python benchmarks/sft.py --model smollm2-135m-instruct --batch-size 2 --steps 6 --warmup 2 --threads 2
 
 What happens:
 
 1. A tiny Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are saved to a
-   temporary Hugging Face directory. Both frameworks load the model from there, in float32.
+   temporary Hugging Face directory. Both frameworks load the model from there, in float32. With ``--model`` (a local
+   Hugging Face folder, a ``.gguf`` file or a packaged id such as ``smollm2-135m-instruct``) the size flags are
+   ignored and both load that model and its tokenizer, in float32, from the one folder it resolves to.
 2. Training data: the bundled sort task (``align:sort/sft/train.jsonl``); ``--turns K`` joins K consecutive problems
    into one K-turn conversation so documents are longer. It is written as ``messages`` jsonl. ``align`` reads that
    file through ``SFTDataModule``; TRL receives the very same token ids and labels (tokenized once with align's
@@ -69,6 +72,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _model import MODEL_HELP, model_config_and_parameters, resolve_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -438,13 +443,16 @@ def print_table(summary, peak, n_probes, args, flops, stats, results) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("model (tiny Llama; unset fields keep align.models.tiny defaults)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
+    g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of training")
+    g = p.add_argument_group("tiny Llama size (the default model; ignored with --model; unset fields keep "
+                             "align.models.tiny defaults)")
     g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument("--layers", type=int, default=None)
     g.add_argument("--intermediate", type=int, default=None)
     g.add_argument("--heads", type=int, default=None)
     g.add_argument("--kv-heads", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("data and training")
     g.add_argument("--turns", type=int, default=4, help="sort problems per conversation")
     g.add_argument("--max-length", type=int, default=256, help="packed row length")
@@ -477,9 +485,19 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="align-bench-sft-") as tmp:
         tmp = Path(tmp)
-        config, n_params = save_model(tmp / "model", args.seed, model_overrides(args))
+        if args.model:
+            model_dir = resolve_model_dir(args.model)
+            config, n_params = model_config_and_parameters(model_dir)
+            model_name = f"{args.model} ({model_dir})"
+            if args.max_length > config.max_position_embeddings:
+                p.error(f"--max-length {args.max_length} is longer than the model's max_position_embeddings "
+                        f"{config.max_position_embeddings}")
+        else:
+            model_dir = str(tmp / "model")
+            config, n_params = save_model(tmp / "model", args.seed, model_overrides(args))
+            model_name = "tiny Llama"
         conversations = write_data(tmp / "train.jsonl", args.turns)
-        spec = dict(model_dir=str(tmp / "model"), train_file=str(tmp / "train.jsonl"), workdir=str(tmp),
+        spec = dict(model_dir=model_dir, train_file=str(tmp / "train.jsonl"), workdir=str(tmp),
                     max_length=args.max_length, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
                     lr=args.lr, weight_decay=args.weight_decay, fused_adamw=args.fused_adamw,
                     log_every=args.log_every, threads=args.threads, seed=args.seed)
@@ -487,7 +505,7 @@ def main(argv=None) -> int:
         spec_path.write_text(json.dumps(spec))
         stats = data_stats(spec)
         flops = flops_per_token(config, stats["loss_fraction"], stats["mean_context"], args.max_length)
-        print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers, intermediate "
+        print(f"model: {model_name}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, intermediate "
               f"{config.intermediate_size}, heads {config.num_attention_heads}/{config.num_key_value_heads}, vocab "
               f"{config.vocab_size}, {n_params / 1e6:.2f}M parameters")
         print(f"data: {conversations} conversations of {args.turns} sort problems, mean {stats['mean_length']:.1f} "
@@ -525,7 +543,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "settings": {k: v for k, v in vars(args).items() if k not in ("child", "spec", "out", "json")},
-            "model": {"hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
+            "model": {"name": args.model or "tiny", "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
                       "intermediate_size": config.intermediate_size, "heads": config.num_attention_heads,
                       "kv_heads": config.num_key_value_heads, "vocab_size": config.vocab_size, "parameters": n_params},
             "data": stats, "flops": flops, "matmul_probes": probes, "matmul_peak_flops": peak,
