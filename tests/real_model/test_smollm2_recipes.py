@@ -1,0 +1,90 @@
+"""Each algorithm's SmolLM2 config runs a few steps through the CLI, as a user would start it."""
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from align.cli import run_recipe
+from align.data import SFTDataModule
+from align.data.preference import PreferenceDataModule
+from align.data.prompts import PromptDataModule
+from align.modules import SFTModule
+from align.modules.dpo import DPOModule
+from align.modules.grpo import GRPOModule
+from align.modules.ppo import PPOModule
+from align.modules.reward import RewardModule
+
+pytestmark = pytest.mark.slow
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+FEW = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1"]
+PAIRS = ["--data.init_args.batch_size", "2", "--data.init_args.val_batch_size", "4"]
+ROLLOUTS = ["--data.init_args.batch_size", "2", "--data.init_args.val_batch_size", "4",
+            "--model.init_args.sampling.max_new_tokens", "8"]
+
+
+def run(algorithm, module, data, config, root, *extra):
+    run_recipe(algorithm, module, data, args=["--config", str(CONFIGS / config), *FEW,
+                                              "--trainer.default_root_dir", str(root), *extra])
+    files = list(Path(root).rglob("metrics.csv"))
+    assert len(files) == 1, files
+    return list(csv.DictReader(open(files[0])))
+
+
+def finite(rows, name):
+    values = [float(r[name]) for r in rows if r.get(name)]
+    assert values and all(math.isfinite(v) for v in values), name
+    return values
+
+
+def held_out(out: str, name: str) -> tuple[float, float]:
+    line = next(l for l in out.splitlines() if l.startswith(f"held-out {name}:"))
+    before, after = (float(x) for x in line.split(":", 1)[1].split("->"))
+    return before, after
+
+
+@pytest.mark.parametrize("config", ["sft/smollm2.yaml", "sft/smollm2-lora.yaml"])
+def test_sft(config, tmp_path, capsys):
+    rows = run("sft", SFTModule, SFTDataModule, config, tmp_path, *PAIRS)
+    finite(rows, "train/loss")
+    held_out(capsys.readouterr().out, "val/loss")
+
+
+@pytest.fixture(scope="module")
+def reward_model_export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    rows = run("rm", RewardModule, PreferenceDataModule, "rm/smollm2.yaml", root, *PAIRS)
+    finite(rows, "train/loss")
+    export = next(root.rglob("export"))
+    assert (export / "reward_head.safetensors").is_file()
+    return export
+
+
+def test_reward_model(reward_model_export):
+    assert (reward_model_export / "config.json").is_file()
+
+
+def test_dpo(tmp_path, capsys):
+    rows = run("dpo", DPOModule, PreferenceDataModule, "dpo/smollm2.yaml", tmp_path, *PAIRS,
+               "--model.init_args.precompute_reference", "false")
+    finite(rows, "train/loss")
+    held_out(capsys.readouterr().out, "val/dpo_accuracy")
+
+
+def test_grpo(tmp_path, capsys):
+    rows = run("grpo", GRPOModule, PromptDataModule, "grpo/smollm2-arith.yaml", tmp_path, *ROLLOUTS,
+               "--model.init_args.group_size", "2")
+    finite(rows, "rollout/reward_mean")
+    before, after = held_out(capsys.readouterr().out, "val/accuracy")
+    assert 0 <= before <= 1 and 0 <= after <= 1
+
+
+def test_ppo_on_the_trained_reward_model(reward_model_export, tmp_path, capsys):
+    rows = run("ppo", PPOModule, PromptDataModule, "ppo/smollm2.yaml", tmp_path, *ROLLOUTS,
+               "--model.init_args.reward_model", str(reward_model_export), "--model.init_args.samples_per_prompt", "2",
+               "--model.init_args.critic_warmup_steps", "1")
+    finite(rows, "rollout/reward_mean")
+    out = capsys.readouterr().out
+    held_out(out, "val/reward/math_answer")
+    held_out(out, "val/kl")
