@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_bundled_data import write_splits  # noqa: E402
+from make_bundled_data import draw_splits, write_splits  # noqa: E402
 
 from align.data.arith_task import rejected_answer, sample_problem  # noqa: E402
 
@@ -48,29 +48,7 @@ def _row(kind: str, wrong: random.Random, problem: dict[str, str]) -> dict[str, 
 
 def build(seed: int = SEED) -> dict[tuple[str, str], list[dict[str, str]]]:
     """All six splits; held-out expressions are disjoint from every train split."""
-    out: dict[tuple[str, str], list[dict[str, str]]] = {}
-    held_out: set[str] = set()
-    # Separate streams per split for problems and for rejected answers (as in make_bundled_data.py).
-    for i, kind in enumerate(KINDS):
-        rng, wrong = random.Random(seed * 100 + 2 * i + 1), random.Random(seed * 100 + 50 + 2 * i + 1)
-        rows, seen = [], set()
-        while len(rows) < SIZES[kind, "validation"]:
-            problem = sample_problem(rng)
-            if problem["expression"] in seen:
-                continue
-            seen.add(problem["expression"])
-            rows.append(_row(kind, wrong, problem))
-        held_out |= seen
-        out[kind, "validation"] = rows
-    for i, kind in enumerate(KINDS):
-        rng, wrong = random.Random(seed * 100 + 2 * i), random.Random(seed * 100 + 50 + 2 * i)
-        rows = []
-        while len(rows) < SIZES[kind, "train"]:
-            problem = sample_problem(rng)
-            if problem["expression"] not in held_out:
-                rows.append(_row(kind, wrong, problem))
-        out[kind, "train"] = rows
-    return out
+    return draw_splits(seed, SIZES, KINDS, sample_problem, _row, key=lambda problem: problem["expression"])
 
 
 def main() -> None:

@@ -115,33 +115,42 @@ def _row(kind: str, wrong: random.Random, problem: dict[str, str]) -> dict[str, 
     return {"prompt": prompt, "answer": answer}
 
 
-def build(seed: int = SEED) -> dict[tuple[str, str], list[dict[str, str]]]:
-    """All six splits as lists of rows, validation prompts disjoint from every train split."""
-    out: dict[tuple[str, str], list[dict[str, str]]] = {}
-    held_out: set[str] = set()
-    # One stream of problems per split, so resizing one split leaves the others unchanged, and a second
-    # stream per split for the rejected answers, so how they are made never changes which prompts are drawn.
-    for i, kind in enumerate(KINDS):
+def draw_splits(seed: int, sizes: dict[tuple[str, str], int], kinds: tuple[str, ...], sample, make_row,
+                key) -> dict[tuple[str, str], list[dict]]:
+    """Every ``(kind, split)`` of a task, held-out problems (by ``key(problem)``) disjoint from every train split.
+
+    ``sample(rng) -> problem``; ``make_row(kind, wrong_rng, problem) -> row``. Validation problems are drawn
+    first and are unique within a file. One stream of problems per split, so resizing one split leaves the
+    others unchanged, and a second stream per split for the rejected answers, so how they are made never
+    changes which problems are drawn.
+    """
+    out: dict[tuple[str, str], list[dict]] = {}
+    held_out: set = set()
+    for i, kind in enumerate(kinds):
         rng, wrong = random.Random(seed * 100 + 2 * i + 1), random.Random(seed * 100 + 50 + 2 * i + 1)
         rows, seen = [], set()
-        while len(rows) < SIZES[kind, "validation"]:
-            problem = sample_problem(rng)
-            if problem["prompt"] in seen:
+        while len(rows) < sizes[kind, "validation"]:
+            problem = sample(rng)
+            if key(problem) in seen:
                 continue
-            seen.add(problem["prompt"])
-            rows.append(_row(kind, wrong, problem))
+            seen.add(key(problem))
+            rows.append(make_row(kind, wrong, problem))
         held_out |= seen
         out[kind, "validation"] = rows
-    for i, kind in enumerate(KINDS):
+    for i, kind in enumerate(kinds):
         rng, wrong = random.Random(seed * 100 + 2 * i), random.Random(seed * 100 + 50 + 2 * i)
         rows = []
-        while len(rows) < SIZES[kind, "train"]:
-            problem = sample_problem(rng)
-            if problem["prompt"] in held_out:
-                continue
-            rows.append(_row(kind, wrong, problem))
+        while len(rows) < sizes[kind, "train"]:
+            problem = sample(rng)
+            if key(problem) not in held_out:
+                rows.append(make_row(kind, wrong, problem))
         out[kind, "train"] = rows
     return out
+
+
+def build(seed: int = SEED) -> dict[tuple[str, str], list[dict[str, str]]]:
+    """All six splits as lists of rows, validation prompts disjoint from every train split."""
+    return draw_splits(seed, SIZES, KINDS, sample_problem, _row, key=lambda problem: problem["prompt"])
 
 
 def write_splits(out_dir: Path, splits: dict[tuple[str, str], list[dict]]) -> list[Path]:
