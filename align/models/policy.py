@@ -62,7 +62,15 @@ def _contiguous_head_input(model: nn.Module) -> None:
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Module):
-        head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]) if args else None)
+        head.register_forward_pre_hook(_contiguous_if_frozen)
+
+
+def _contiguous_if_frozen(module: nn.Module, args: tuple):
+    # A trained head already takes torch's reshape-and-matmul path: leave its numbers exactly as they were.
+    weight = getattr(module, "weight", None)
+    if not args or weight is None or weight.requires_grad:
+        return None
+    return (args[0].contiguous(), *args[1:])
 
 
 class ValueHead(nn.Module):
