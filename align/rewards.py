@@ -1,6 +1,6 @@
 """Reward functions: plain callables named by import path, combined with weights, checked on every call.
 
-A reward function has the signature (DESIGN.md)::
+A reward function has the signature (docs/rewards.md)::
 
     def my_reward(prompts: list[str], completions: list[str], **columns) -> list[float]: ...
 

@@ -22,7 +22,7 @@ training, so left padding does not shift them.
 
 Departure from ``transformers.generate``: a stop token ends a row and is kept (the response mask includes
 it); rows that stopped are filled with the pad id; a response cut at ``max_new_tokens`` gets no stop token
-appended (DESIGN.md, "Response mask").
+appended (docs/algorithms.md, "Response mask").
 """
 
 from __future__ import annotations

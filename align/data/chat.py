@@ -79,9 +79,10 @@ class ChatEncoder:
         for i in range(len(cuts) - 1):
             ids = self._ids(full[cuts[i]:cuts[i + 1]])
             trained = self.until_eos(ids) if i % 2 == 1 else 0
+            if i % 2 == 1:
+                turn_end = len(input_ids) + trained
             input_ids += ids
             labels += ids[:trained] + [IGNORE_INDEX] * (len(ids) - trained)
-            turn_end = len(input_ids) - len(ids) + trained if i % 2 == 1 else turn_end
         if messages and messages[-1]["role"] == "assistant":
             input_ids, labels = input_ids[:turn_end], labels[:turn_end]
         if not self._warned_no_eos and self.tokenizer.eos_token_id not in [t for t in labels if t != IGNORE_INDEX]:

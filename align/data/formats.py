@@ -1,6 +1,6 @@
 """Row formats and their validation.
 
-SFT rows take one of four shapes (DESIGN.md): ``{"prompt","completion"}``, ``{"messages": [...]}``,
+SFT rows take one of four shapes (README, "Data formats"): ``{"prompt","completion"}``, ``{"messages": [...]}``,
 ``{"instruction","input","output"}`` or ``{"text"}``. Preference rows are ``{"prompt","chosen","rejected"}``,
 each a string or a list of messages. RL prompt rows are ``{"prompt", ...}`` with any extra columns.
 Every check names the file, the row and the field.

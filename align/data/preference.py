@@ -1,6 +1,6 @@
 """Preference data: validation, tokenization and collation into :class:`PreferenceBatch`.
 
-A row is ``{"prompt", "chosen", "rejected"}`` (DESIGN.md); each field is a string or a list of messages (the
+A row is ``{"prompt", "chosen", "rejected"}`` (README, "Data formats"); each field is a string or a list of messages (the
 prompt may hold several turns, each response is one assistant message). An optional ``margin`` column (a number,
 the Llama 2 preference strength, arXiv 2307.09288) is used by the reward model's Bradley-Terry loss.
 

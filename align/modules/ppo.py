@@ -13,7 +13,7 @@ One training step is one rollout, turned into a :class:`PPOBatch` by :meth:`PPOM
    ``[-score_clip, score_clip]``.
 3. **Per-token rewards.** :func:`align.advantages.shape_rewards`: ``-kl_coef * KL_t`` on every response
    token (``kl_estimator``, ``k1`` by default, against the reference policy) and the score on the last valid
-   token: the first EOS, or the last token of a response truncated at ``max_new_tokens`` (DESIGN.md).
+   token: the first EOS, or the last token of a response truncated at ``max_new_tokens`` (docs/algorithms.md, "Response mask").
 4. **Values** ``V(s_t)`` from the value model at rollout time, then :func:`align.advantages.gae` (``gamma``,
    ``lam``): advantages and returns = unwhitened advantages + values. Advantages (only) are whitened over
    the valid tokens of the rollout on every rank (:meth:`RLModule.global_masked_whiten`, ``whiten_advantages``).

@@ -1,7 +1,7 @@
 """RL plumbing shared by GRPO and PPO: rollout -> rewards -> tensors, minibatch iteration, the manual
 optimizer step with its step-wide loss normaliser, and the held-out reward evaluation.
 
-Loss normalisation (DESIGN.md): one optimizer step consumes one *minibatch* of rollout rows, processed as
+Loss normalisation (docs/algorithms.md, "Losses"): one optimizer step consumes one *minibatch* of rollout rows, processed as
 one or more micro-batches. Every micro-batch loss is a sum over its valid tokens (or sequences) divided by
 the count over the whole minibatch on all ranks (:meth:`RLModule.step_normaliser`), and is multiplied by
 the world size to undo the data-parallel gradient average. Accumulated gradients therefore equal the

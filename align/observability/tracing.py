@@ -48,7 +48,7 @@ from align.observability.export import (
 )
 
 SCOPE = "align.observability"
-# Logged metrics copied onto each step span when present (DESIGN.md names).
+# Logged metrics copied onto each step span when present (names in docs/observability.md, "Metrics").
 DEFAULT_STEP_METRICS = (
     "train/loss", "train/kl", "train/entropy", "train/policy_loss", "train/value_loss", "train/clipfrac",
     "rollout/reward_mean", "rollout/response_length", "rollout/tokens_per_s", "train/tokens_per_s",
@@ -100,7 +100,7 @@ class OTelTracingCallback(Callback):
             step_every_n: Trace every n-th training batch (1: every batch); the module's spans in untraced steps
                 nest under the epoch span.
             step_metrics: Logged metrics copied onto step spans when present; default: loss, KL, entropy, reward
-                mean, response length and throughput names from DESIGN.md. An empty list reads none.
+                mean, response length and throughput names of docs/observability.md. An empty list reads none.
         """
         super().__init__()
         if max_queue_size < 1 or max_export_batch_size < 1 or step_every_n < 1:
