@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_bundled_data import draw_splits, write_splits  # noqa: E402
 
-from align.data.arith_task import rejected_answer, sample_problem  # noqa: E402
+from align.data.arith_task import preference_pair, sample_problem  # noqa: E402
 
 SEED = 2024
 SIZES = {
@@ -42,7 +42,8 @@ def _row(kind: str, wrong: random.Random, problem: dict[str, str]) -> dict[str, 
     if kind == "sft":
         return {"prompt": prompt, "completion": answer}
     if kind == "preference":
-        return {"prompt": prompt, "chosen": answer, "rejected": rejected_answer(wrong, problem["expression"])}
+        chosen, rejected = preference_pair(wrong, problem["expression"])
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     return {"prompt": prompt, "answer": answer}
 
 

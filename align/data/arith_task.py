@@ -7,13 +7,13 @@ phrasings, and asks for the number alone::
     answer:  "19"
 
 It is the task of the real-model tier (SmolLM2-135M-Instruct): such a model answers part of it correctly
-before training (about 40% greedy), so every algorithm has a signal and room to improve, and every
+before training (about 30% greedy on the held-out prompts), so every algorithm has a signal and room to improve, and every
 completion is checked exactly by :func:`align.rewards.math_answer`, which compares the last number of the
 completion with the ``answer`` column.
 
 Rows are made by ``scripts/make_arith_data.py``: ``sft`` (prompt, completion: the bare number),
-``preference`` (chosen: the bare correct number; rejected: a plausible wrong number, bare or in a sentence,
-or the right number buried in chatter) and ``prompts`` (prompt, answer). Held-out expressions never occur
+``preference`` (see :func:`preference_pair`: mostly the right against a plausible wrong number in the same
+format, bare or as the worked equation; some the bare right number against chatter) and ``prompts`` (prompt, answer). Held-out expressions never occur
 in any training split, in any phrasing.
 
 Pure Python (no torch), like :mod:`align.data.sort_task`.
@@ -99,20 +99,32 @@ def wrong_number(rng: random.Random, expr: str) -> int:
     return right + 1
 
 
-_WRONG_SENTENCES = ("The answer is {n}.", "{e} = {n}", "{n}.", "It equals {n}.")
+FORMATS: tuple[str, ...] = ("{n}", "{e} = {n}")
+"""The two well-formatted answers: the bare number, or the worked equation ending in it (the form in which a
+small instruct model does its arithmetic). ``{e}`` is the expression, ``{n}`` the number."""
+
 _CHATTER = ("Sure! Let me work that out. {e} = {n}. I hope this helps, let me know if you have another question!",
             "Great question! To find the answer we compute {e}, which gives us {n}. So the final answer is {n}.",
             "Okay, here is the result you asked for: {n}. Arithmetic like this is easy once you practise it.")
 
-
-def rejected_answer(rng: random.Random, expr: str) -> str:
-    """A rejected completion: a wrong number (70%, bare or in a short sentence) or the right number in chatter
-    that ignores the instruction to reply with the number only (30%)."""
-    if rng.random() < 0.7:
-        n = wrong_number(rng, expr)
-        return str(n) if rng.random() < 0.5 else rng.choice(_WRONG_SENTENCES).format(e=expr, n=n)
-    return rng.choice(_CHATTER).format(e=expr, n=evaluate(expr))
+CHATTER_SHARE = 0.15
+"""Share of preference pairs that differ in format rather than correctness."""
 
 
-__all__ = ["DATA_DIR", "PHRASINGS", "evaluate", "expression", "make_prompt", "rejected_answer", "sample_problem",
-           "wrong_number"]
+def preference_pair(rng: random.Random, expr: str) -> tuple[str, str]:
+    """``(chosen, rejected)`` for one expression.
+
+    Most pairs (``1 - CHATTER_SHARE``) differ only in correctness: both answers take one of :data:`FORMATS`,
+    the chosen with the right number and the rejected with a plausible wrong one, so a model trained on them
+    learns to get the number right rather than to change how it writes. The rest differ only in format: the
+    bare right number against the right number buried in chatter that ignores "reply with just the number".
+    """
+    right = evaluate(expr)
+    if rng.random() < CHATTER_SHARE:
+        return str(right), rng.choice(_CHATTER).format(e=expr, n=right)
+    form = rng.choice(FORMATS)
+    return form.format(e=expr, n=right), form.format(e=expr, n=wrong_number(rng, expr))
+
+
+__all__ = ["CHATTER_SHARE", "DATA_DIR", "FORMATS", "PHRASINGS", "evaluate", "expression", "make_prompt",
+           "preference_pair", "sample_problem", "wrong_number"]

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from align.data.arith_task import DATA_DIR, PHRASINGS, evaluate, expression, rejected_answer, sample_problem, wrong_number
+from align.data.arith_task import (CHATTER_SHARE, DATA_DIR, FORMATS, PHRASINGS, evaluate, expression, preference_pair,
+                                   sample_problem, wrong_number)
 from align.rewards import math_answer
 
 KINDS = ("sft", "preference", "prompts")
@@ -47,8 +48,22 @@ def test_wrong_answers_are_never_right():
     for _ in range(2000):
         expr = expression(rng)
         assert wrong_number(rng, expr) != evaluate(expr)
-        rejected = rejected_answer(rng, expr)
-        assert rejected != str(evaluate(expr))
+
+
+def test_a_pair_differs_either_in_the_number_alone_or_in_format_alone():
+    rng = random.Random(3)
+    pairs = [(expr, *preference_pair(rng, expr)) for expr in (expression(rng) for _ in range(2000))]
+    chatter = 0
+    for expr, chosen, rejected in pairs:
+        right = str(evaluate(expr))
+        if chosen == right and rejected.startswith(("Sure", "Great", "Okay")):
+            chatter += 1
+            assert right in rejected
+            continue
+        form = next(f for f in FORMATS if chosen == f.format(e=expr, n=right))
+        wrong = rejected.removeprefix(f"{expr} = ") if form != "{n}" else rejected
+        assert rejected == form.format(e=expr, n=wrong) and wrong != right and wrong.lstrip("-").isdigit()
+    assert abs(chatter / len(pairs) - CHATTER_SHARE) < 0.03
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -58,18 +73,24 @@ def test_rows_have_exact_fields_and_right_answers(kind):
         assert rows and all(set(r) == FIELDS[kind] for r in rows)
         for row in rows:
             assert any(row["prompt"] == p.format(e=expression_of(row["prompt"])) for p in PHRASINGS)
-            right = str(evaluate(expression_of(row["prompt"])))
-            assert row.get("answer", row.get("completion", row.get("chosen"))) == right
+            expr = expression_of(row["prompt"])
+            right = str(evaluate(expr))
+            if kind == "preference":
+                assert row["chosen"] in {f.format(e=expr, n=right) for f in FORMATS}
+            else:
+                assert row.get("answer", row.get("completion")) == right
 
 
 def test_the_task_reward_scores_chosen_answers_right_and_wrong_numbers_wrong():
     rows = read("preference", "validation")
-    prompts, answers = [r["prompt"] for r in rows], [r["chosen"] for r in rows]
-    assert math_answer(prompts, answers, answer=answers) == [1.0] * len(rows)
+    prompts = [r["prompt"] for r in rows]
+    answers = [str(evaluate(expression_of(p))) for p in prompts]
+    assert math_answer(prompts, [r["chosen"] for r in rows], answer=answers) == [1.0] * len(rows)
     rejected = math_answer(prompts, [r["rejected"] for r in rows], answer=answers)
     chatter = [r["rejected"].startswith(("Sure", "Great", "Okay")) for r in rows]
     assert all(score == float(c) for score, c in zip(rejected, chatter)), "only chatter keeps the right number"
-    assert 0.15 < sum(chatter) / len(rows) < 0.45
+    assert 0.05 < sum(chatter) / len(rows) < 0.3
+    assert 0.3 < sum(" = " in r["chosen"] for r in rows) / len(rows) < 0.6, "both formats are chosen"
 
 
 def test_held_out_expressions_never_appear_in_any_training_split():
