@@ -62,115 +62,134 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _LowPrecisionSelectiveLogSoftmax(torch.autograd.Function):
-    """log p(index) for bf16/fp16 logits without keeping a float32 copy.
+    """log p(index) under softmax(logits / T) for bf16/fp16 logits without keeping a float32 copy.
 
-    Autograd through ``log_softmax(logits.float())`` would save a float32
+    Autograd through ``log_softmax(logits.float() / T)`` would save a float32
     (N, V) tensor for the backward pass, twice the size of the bf16 logits.
     Here the forward keeps only the logits (which the graph holds anyway) and
     a float32 log-normaliser per row; the backward recomputes the softmax one
-    chunk of rows at a time: d log p(i) / d logits = onehot(i) - softmax.
+    chunk of rows at a time: d log p(i) / d logits = (onehot(i) - softmax) / T.
+    The temperature divides each chunk after its upcast, as the sampler does,
+    never the low-precision logits (whose rounding would shift every log-prob).
     """
 
     @staticmethod
-    def forward(ctx, logits, index):  # logits (N, V) low precision, index (N,) long
+    def forward(ctx, logits, index, temperature):  # logits (N, V) low precision, index (N,) long
         n, vocab = logits.shape
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # (N,)
         step = _rows_per_chunk(vocab)
         for start in range(0, n, step):
-            lse[start : start + step] = torch.logsumexp(logits[start : start + step].float(), dim=-1)
-        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).float()  # (N,)
+            lse[start : start + step] = torch.logsumexp(logits[start : start + step].float() / temperature, dim=-1)
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).float() / temperature  # (N,)
+        ctx.temperature = temperature
         ctx.save_for_backward(logits, index, lse)
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (N,)
         logits, index, lse = ctx.saved_tensors
+        t = ctx.temperature
         n, vocab = logits.shape
         grad_logits = torch.empty_like(logits)
         step = _rows_per_chunk(vocab)
         for start in range(0, n, step):
             rows = slice(start, start + step)
-            g = grad_out[rows].float().unsqueeze(-1)  # (n_chunk, 1)
-            probs = torch.exp(logits[rows].float() - lse[rows].unsqueeze(-1))  # (n_chunk, V)
+            g = grad_out[rows].float().unsqueeze(-1) / t  # (n_chunk, 1)
+            probs = torch.exp(logits[rows].float() / t - lse[rows].unsqueeze(-1))  # (n_chunk, V)
             chunk = -probs * g
             chunk.scatter_add_(-1, index[rows].unsqueeze(-1), g)
             grad_logits[rows] = chunk.to(logits.dtype)
-        return grad_logits, None
+        return grad_logits, None, None
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Log-probability of the token ``index`` under ``softmax(logits)``.
+def _check_temperature(fn: str, temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"{fn}: temperature must be > 0, got {temperature}")
+    return float(temperature)
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of the token ``index`` under ``softmax(logits / temperature)``.
 
     Args:
         logits: ``(..., V)`` in any floating dtype.
         index: ``(...)`` integer token ids.
+        temperature: ``> 0``; applied after the upcast to float32, exactly as the sampler in
+            :mod:`align.rollout` applies it, so that sampled and trained log-probs agree in bf16 too.
 
     Returns:
         ``(...)`` log-probabilities in float32 (float64 if the logits are
         float64). Gradients flow to ``logits``.
 
-    Equals ``log_softmax(logits.float(), -1).gather(-1, index)`` without
-    materialising the full-vocabulary log-softmax: float32/float64 logits use
-    ``gather - logsumexp``; bf16/fp16 logits are upcast one chunk of rows at a
-    time, and the backward recomputes the softmax in chunks instead of keeping
-    a float32 copy of the logits alive.
+    Equals ``log_softmax(logits.float() / temperature, -1).gather(-1, index)``
+    without materialising the full-vocabulary log-softmax: float32/float64
+    logits use ``gather - logsumexp``; bf16/fp16 logits are upcast one chunk
+    of rows at a time, and the backward recomputes the softmax in chunks
+    instead of keeping a float32 copy of the logits alive.
     """
     if logits.shape[:-1] != index.shape:
         raise ValueError(
             f"selective_log_softmax: index shape {tuple(index.shape)} must equal "
             f"logits shape without the vocabulary dim {tuple(logits.shape[:-1])}"
         )
+    temperature = _check_temperature("selective_log_softmax", temperature)
     index = index.long()
     if logits.dtype in (torch.float32, torch.float64):
+        if temperature != 1.0:
+            logits = logits / temperature
         picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # (...)
         return picked - torch.logsumexp(logits, dim=-1)
     vocab = logits.shape[-1]
-    flat = _LowPrecisionSelectiveLogSoftmax.apply(logits.reshape(-1, vocab), index.reshape(-1))
+    flat = _LowPrecisionSelectiveLogSoftmax.apply(logits.reshape(-1, vocab), index.reshape(-1), temperature)
     return flat.view(index.shape)
 
 
 class _ChunkedEntropy(torch.autograd.Function):
-    """Entropy of softmax(logits) per row, chunked in forward and backward.
+    """Entropy of softmax(logits / T) per row, chunked in forward and backward.
 
-    H = logsumexp(x) - sum(p * x) and dH/dx = -p * (log p + H); the backward
-    recomputes p per chunk so no (N, V) float32 tensor is saved.
+    With x = logits / T (upcast first): H = logsumexp(x) - sum(p * x) and
+    dH/dlogits = -p * (log p + H) / T; the backward recomputes p per chunk so
+    no (N, V) float32 tensor is saved.
     """
 
     @staticmethod
-    def forward(ctx, logits, chunk_size):  # logits (N, V)
+    def forward(ctx, logits, chunk_size, temperature):  # logits (N, V)
         dtype = _compute_dtype(logits.dtype)
         n = logits.shape[0]
         out = torch.empty(n, dtype=dtype, device=logits.device)  # (N,)
         for start in range(0, n, chunk_size):
-            x = logits[start : start + chunk_size].to(dtype)
+            x = logits[start : start + chunk_size].to(dtype) / temperature
             logp = F.log_softmax(x, dim=-1)
             out[start : start + chunk_size] = -(logp.exp() * logp).sum(-1)
         ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
         ctx.save_for_backward(logits, out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (N,)
         logits, entropy = ctx.saved_tensors
-        dtype = entropy.dtype
+        dtype, t = entropy.dtype, ctx.temperature
         grad_logits = torch.empty_like(logits)
         step = ctx.chunk_size
         for start in range(0, logits.shape[0], step):
             rows = slice(start, start + step)
-            logp = F.log_softmax(logits[rows].to(dtype), dim=-1)  # (n_chunk, V)
-            g = grad_out[rows].to(dtype).unsqueeze(-1)
+            logp = F.log_softmax(logits[rows].to(dtype) / t, dim=-1)  # (n_chunk, V)
+            g = grad_out[rows].to(dtype).unsqueeze(-1) / t
             grad = -logp.exp() * (logp + entropy[rows].unsqueeze(-1)) * g
             grad_logits[rows] = grad.to(logits.dtype)
-        return grad_logits, None
+        return grad_logits, None, None
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of the categorical distribution ``softmax(logits)``.
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the categorical distribution ``softmax(logits / temperature)``.
 
     Args:
         logits: ``(..., V)``.
         chunk_size: rows (tokens) upcast to float32 at once; bounds the peak
             memory of both the forward and the backward pass.
+        temperature: ``> 0``; divides each chunk after its upcast (see
+            :func:`selective_log_softmax`).
 
     Returns:
         ``(...)`` entropies in float32 (float64 for float64 logits), always
@@ -181,8 +200,9 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.T
     """
     if chunk_size < 1:
         raise ValueError(f"entropy_from_logits: chunk_size must be >= 1, got {chunk_size}")
+    temperature = _check_temperature("entropy_from_logits", temperature)
     vocab = logits.shape[-1]
-    flat = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size))
+    flat = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size), temperature)
     return flat.view(logits.shape[:-1])
 
 

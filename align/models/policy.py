@@ -287,11 +287,11 @@ class PolicyModel(nn.Module):
                 if hook is not None:
                     hook.remove()
         logits = out.logits[:, :-1]  # (B, R, V): position T-R-1+j predicts token T-R+j
-        if temperature != 1.0:
-            logits = logits / temperature
         targets = input_ids[:, T - R:]
-        logprobs = selective_log_softmax(logits, targets)
-        entropy = entropy_from_logits(logits) if return_entropy else None
+        # The temperature divides after the per-chunk upcast, as in the sampler: dividing bf16 logits first
+        # would round them and shift every log-prob (and so every importance ratio) away from the sampler's.
+        logprobs = selective_log_softmax(logits, targets, temperature)
+        entropy = entropy_from_logits(logits, temperature=temperature) if return_entropy else None
         values = None
         if want_values:
             values = self._values(hidden, input_ids, attention_mask, position_ids, R)

@@ -31,6 +31,21 @@ def test_logprobs_equal_naive_log_softmax_gather():
     assert not torch.allclose(hot, out.logprobs)
 
 
+def test_bf16_logprobs_and_entropy_at_a_temperature_match_the_samplers_formula():
+    # The sampler records log_softmax(logits.float() / T); the trainer must compute the same numbers from the
+    # same bf16 logits, or every importance ratio starts away from 1.
+    policy = PolicyModel(dtype="bfloat16").eval()
+    ids, mask = batch(policy)
+    with torch.no_grad():
+        out = policy.score(ids, mask, response_length=4, temperature=0.7, return_entropy=True)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = policy.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -5:-1]
+    assert logits.dtype == torch.bfloat16
+    logp = torch.log_softmax(logits.float() / 0.7, -1)
+    torch.testing.assert_close(out.logprobs, logp.gather(-1, ids[:, -4:, None]).squeeze(-1), atol=2e-6, rtol=0)
+    torch.testing.assert_close(out.entropy, -(logp.exp() * logp).sum(-1), atol=2e-6, rtol=0)
+
+
 def test_left_padding_does_not_change_logprobs():
     policy = PolicyModel()
     ids, mask = batch(policy)

@@ -78,6 +78,49 @@ def test_selective_log_softmax_low_precision_is_accurate_against_float64():
     torch.testing.assert_close(selective_log_softmax(logits, index).double(), exact, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_temperature_divides_after_the_upcast_as_the_sampler_does(dtype, monkeypatch):
+    # The sampler (align.rollout.sample) computes log_softmax(logits.float() / T). Dividing the low-precision
+    # logits first rounds them: with bf16 at T = 0.7 that moved log-probs by ~1e-2 here. Several chunks run.
+    monkeypatch.setattr(lp, "_CHUNK_ELEMENTS", 64)
+    g = torch.Generator().manual_seed(4)
+    logits = (4 * torch.randn(3, 5, 29, generator=g)).to(dtype).requires_grad_()
+    index = torch.randint(0, 29, (3, 5), generator=g)
+    sampler = torch.log_softmax(logits.detach().float() / 0.7, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    out = selective_log_softmax(logits, index, temperature=0.7)
+    torch.testing.assert_close(out, sampler, atol=2e-6, rtol=0)
+    if dtype == torch.bfloat16:
+        rounded = selective_log_softmax(logits.detach() / 0.7, index)
+        assert (rounded - sampler).abs().max() > 1e-3, "the test must tell the two orders apart"
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = torch.log_softmax(ref_logits.float() / 0.7, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    weights = torch.randn(3, 5, generator=g)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_entropy_at_a_temperature_upcasts_first(dtype):
+    g = torch.Generator().manual_seed(5)
+    logits = (4 * torch.randn(6, 29, generator=g)).to(dtype).requires_grad_()
+    logp = torch.log_softmax(logits.detach().float() / 0.6, -1)
+    torch.testing.assert_close(entropy_from_logits(logits, chunk_size=4, temperature=0.6),
+                               -(logp.exp() * logp).sum(-1), atol=2e-6, rtol=0)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, chunk_size=2, temperature=0.6), (x,))
+    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, torch.tensor([0, 2, 5]), temperature=1.7), (x,))
+
+
+@pytest.mark.parametrize("fn", [lambda x, t: selective_log_softmax(x, torch.zeros(2, dtype=torch.long), temperature=t),
+                                lambda x, t: entropy_from_logits(x, temperature=t)])
+@pytest.mark.parametrize("t", [0.0, -1.0])
+def test_temperature_must_be_positive(fn, t):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        fn(torch.zeros(2, 3), t)
+
+
 def test_selective_log_softmax_shape_mismatch():
     with pytest.raises(ValueError, match="index shape"):
         selective_log_softmax(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
