@@ -73,6 +73,17 @@ def _contiguous_if_frozen(module: nn.Module, args: tuple):
     return (args[0].contiguous(), *args[1:])
 
 
+def _adapter_switch_types() -> tuple[type, ...]:
+    """peft module types that ``enable_adapters(False)`` returns to the base model's computation."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    try:  # peft >= 0.15: the base class of ModulesToSaveWrapper and TrainableTokensWrapper
+        from peft.utils.other import AuxiliaryTrainingWrapper as Wrapper
+    except ImportError:  # pragma: no cover - older peft
+        from peft.utils.other import ModulesToSaveWrapper as Wrapper
+    return BaseTunerLayer, Wrapper
+
+
 class ValueHead(nn.Module):
     """A scalar per token on top of final hidden states (zero-initialised: the critic starts at V = 0)."""
 
@@ -198,10 +209,20 @@ class PolicyModel(nn.Module):
     def setup_reference(self) -> None:
         """Make a reference model available to :meth:`score` with ``reference=True``. Idempotent.
 
-        With LoRA the reference is the adapter-disabled policy and nothing is copied. Otherwise a frozen copy of
-        the current (initial) weights is kept, or ``reference_model`` is loaded.
+        With LoRA the reference is the adapter-disabled policy and nothing is copied: every LoRA layer and every
+        module trained in full beside it (``lora.modules_to_save``) is switched to the base weights. Trained
+        biases (``lora.bias``) change the base layers themselves, so they need a separate ``reference_model``.
+        Otherwise a frozen copy of the current (initial) weights is kept, or ``reference_model`` is loaded.
         """
-        if self.ref_model is not None or (self.has_adapter and not self.spec["reference_model"]):
+        if self.ref_model is not None:
+            return
+        if self.has_adapter and not self.spec["reference_model"]:
+            if self.lora.bias != "none":
+                raise AlignConfigError(
+                    f"policy.lora.bias: {self.lora.bias!r} trains the base model's biases, so the adapter-disabled "
+                    "model is no longer the initial one and cannot be the reference; use bias: none, or set "
+                    "policy.reference_model to the base model"
+                )
             return
         if self.spec["reference_model"]:
             ref = load_causal_lm(self.spec["reference_model"], **self._load_kwargs)
@@ -222,16 +243,17 @@ class PolicyModel(nn.Module):
 
     @contextmanager
     def _adapters_off(self):
-        """peft's ``disable_adapter`` for LoRA layers, without its per-call status walk over every module.
+        """peft's ``disable_adapter`` without its per-call status walk over every module.
 
-        peft's context inspects the whole model (``get_model_status``) on each entry, which costs tens of
-        milliseconds per reference forward on small models; the adapter layers are found once here instead.
+        As in peft, both the LoRA layers and the auxiliary wrappers (``modules_to_save``, trainable tokens) are
+        switched off, so the model computes with its base weights only. peft's context inspects the whole model
+        (``get_model_status``) on each entry, which costs tens of milliseconds per reference forward on small
+        models; the switchable modules are found once here instead.
         """
-        layers = getattr(self, "_tuner_layers", None)
+        layers = getattr(self, "_adapter_switches", None)
         if layers is None:
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            layers = self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+            kinds = _adapter_switch_types()
+            layers = self._adapter_switches = [m for m in self.model.modules() if isinstance(m, kinds)]
         was_off = [layer.disable_adapters for layer in layers]
         try:
             for layer in layers:
