@@ -36,11 +36,14 @@ class AlignModule(L.LightningModule):
         policy: PolicyModel,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
+        disable_dropout: bool = False,
     ):
         super().__init__()
         self.policy = policy
         self.optimizer = optimizer
         self.scheduler = scheduler
+        if disable_dropout:
+            policy.disable_dropout()
 
     @property
     def tokenizer(self):

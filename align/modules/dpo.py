@@ -203,6 +203,7 @@ class DPOModule(AlignModule):
         rpo_alpha: float = 0.0,
         precompute_reference: bool = False,
         reference_cache_dir: str | None = None,
+        disable_dropout: bool = True,
     ):
         """
         Args:
@@ -218,8 +219,10 @@ class DPOModule(AlignModule):
             precompute_reference: Compute reference log-probs once before training and cache them (no reference
                 forward while training, no frozen copy of the model).
             reference_cache_dir: Where cached reference log-probs are kept; null: ``<default_root_dir>/ref_cache``.
+            disable_dropout: Set every dropout (model, LoRA adapter) to 0, so that the policy and reference
+                passes over a pair are deterministic; false keeps the model's dropout.
         """
-        super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler)
+        super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler, disable_dropout)
         if loss_type not in PREFERENCE_LOSSES:
             raise AlignConfigError(f"model.loss_type: expected one of {sorted(PREFERENCE_LOSSES)}, got {loss_type!r}")
         if beta <= 0:

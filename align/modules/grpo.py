@@ -75,6 +75,7 @@ class GRPOModule(RLModule):
         accuracy_threshold: float = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
+        disable_dropout: bool = True,
     ):
         """
         Args:
@@ -99,6 +100,9 @@ class GRPOModule(RLModule):
             accuracy_threshold: A held-out completion is accurate when that reward is at least this.
             optimizer: Optimizer callable (parameters -> optimizer).
             scheduler: Learning-rate schedule callable, stepped every optimizer step.
+            disable_dropout: Set every dropout (model, LoRA adapter, critic) to 0, so that the training
+                log-probs equal the sampler's and the reference's and a ratio starts at exactly 1; false keeps
+                the model's dropout (noisier ratios and reference).
         """
         if group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
@@ -110,7 +114,7 @@ class GRPOModule(RLModule):
             policy if policy is not None else PolicyModel("tiny-sort"),
             rewards if rewards is not None else [RewardSpec("align.rewards.sort_exact_match")],
             sampling, eval_sampling, optimizer, scheduler, ppo_epochs, num_minibatches, micro_batch_size,
-            max_grad_norm, loss_aggregation, accuracy_reward, accuracy_threshold,
+            max_grad_norm, loss_aggregation, accuracy_reward, accuracy_threshold, disable_dropout,
         )
         self.group_size = group_size
         self.beta = beta

@@ -178,6 +178,7 @@ class PPOModule(RLModule):
         accuracy_threshold: float = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
+        disable_dropout: bool = True,
     ):
         """
         Args:
@@ -228,6 +229,9 @@ class PPOModule(RLModule):
             accuracy_threshold: A held-out completion is accurate when that reward is at least this.
             optimizer: Optimizer callable (parameters -> optimizer); one optimizer for policy and value model.
             scheduler: Learning-rate schedule callable, stepped every optimizer step.
+            disable_dropout: Set every dropout (model, LoRA adapter, critic) to 0, so that the training
+                log-probs equal the sampler's and the reference's and a ratio starts at exactly 1; false keeps
+                the model's dropout (noisier ratios and reference).
         """
         default_rm = reward_model is None and rewards is None
         if default_rm:
@@ -270,6 +274,7 @@ class PPOModule(RLModule):
         super().__init__(
             policy, list(rewards) + eval_specs, sampling, eval_sampling, optimizer, scheduler, ppo_epochs,
             num_minibatches, micro_batch_size, max_grad_norm, loss_aggregation, None, accuracy_threshold,
+            disable_dropout,
         )
         names = self.reward.names
         eval_names = names[len(rewards):]

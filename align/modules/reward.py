@@ -90,6 +90,7 @@ class RewardModule(AlignModule):
         use_margin: bool = True,
         export: bool = True,
         export_dtype: str | None = None,
+        disable_dropout: bool = True,
     ):
         """
         Args:
@@ -100,6 +101,7 @@ class RewardModule(AlignModule):
             use_margin: Subtract the data's per-pair ``margin`` column inside the Bradley-Terry loss.
             export: Write the trained reward model to ``<run dir>/export`` when ``fit`` ends.
             export_dtype: Weight dtype of the export (null keeps the training dtype).
+            disable_dropout: Set every dropout (model, LoRA adapter) to 0, as for DPO; false keeps it.
         """
         policy = policy if policy is not None else PolicyModel(value_head="shared")
         if policy.value_head is None:
@@ -109,7 +111,7 @@ class RewardModule(AlignModule):
             policy.spec["value_head"] = "shared"
         if not bool(policy.value_head.proj.weight.any()):  # a fresh (zero) head; a trained one is kept
             init_reward_head(policy)
-        super().__init__(policy, optimizer, scheduler)
+        super().__init__(policy, optimizer, scheduler, disable_dropout)
         self.use_margin = use_margin
         self.export = export
         self.export_dtype = export_dtype

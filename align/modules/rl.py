@@ -108,8 +108,9 @@ class RLModule(AlignModule):
         loss_aggregation: Aggregation = "token_mean",
         accuracy_reward: str | None = None,
         accuracy_threshold: float = 1.0,
+        disable_dropout: bool = True,
     ):
-        super().__init__(policy, optimizer, scheduler)
+        super().__init__(policy, optimizer, scheduler, disable_dropout)
         self.automatic_optimization = False
         self.reward = CombinedReward(rewards)
         self.engine = RolloutEngine(sampling or SamplingConfig())

@@ -125,6 +125,7 @@ class TRPOModule(PPOModule):
         accuracy_threshold: float = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
+        disable_dropout: bool = True,
     ):
         """
         Args:
@@ -176,6 +177,9 @@ class TRPOModule(PPOModule):
             accuracy_threshold: A held-out completion is accurate when that reward is at least this.
             optimizer: Optimizer callable of the value model (the policy step needs none).
             scheduler: Learning-rate schedule of the value optimizer, stepped every value step.
+            disable_dropout: Set every dropout (model, LoRA adapter, critic) to 0, so that the training
+                log-probs equal the sampler's and the reference's and a ratio starts at exactly 1; false keeps
+                the model's dropout (noisier ratios and reference).
         """
         for name, value in (("max_kl", max_kl), ("backtrack_ratio", backtrack_ratio)):
             if not value > 0:
@@ -204,7 +208,7 @@ class TRPOModule(PPOModule):
             ppo_epochs=value_epochs, num_minibatches=value_minibatches, micro_batch_size=micro_batch_size,
             max_grad_norm=max_grad_norm, loss_aggregation=loss_aggregation, log_entropy=log_entropy,
             accuracy_reward=accuracy_reward, accuracy_threshold=accuracy_threshold, optimizer=optimizer,
-            scheduler=scheduler,
+            scheduler=scheduler, disable_dropout=disable_dropout,
         )
         self.max_kl, self.damping = max_kl, damping
         self.cg_iters, self.cg_tol = cg_iters, cg_tol

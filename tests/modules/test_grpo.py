@@ -146,3 +146,34 @@ def test_trains_a_few_steps_with_lightning_and_logs_the_metrics(tmp_path):
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     for name in METRICS + ["val/reward_mean", "val/accuracy"]:
         assert any(r.get(name) for r in rows), name
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_dropout_is_off_in_the_update_passes_by_default(disable):
+    # LoRA dropout 0.3 and attention dropout 0.2 are configured; the module runs its passes in train mode.
+    from align.models import LoraSettings
+
+    policy = PolicyModel("tiny", seed=2, lora=LoraSettings(r=4, alpha=8, dropout=0.3))
+    for module in policy.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.2
+    module = make_module(policy=policy, ppo_epochs=2, disable_dropout=disable)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter, so that its dropout matters
+    torch.manual_seed(0)
+    rollout = module.rollout(prompt_batch(policy, PROMPTS[:2]), module.group_size)
+    data = RLBatch.from_rollout(rollout, torch.zeros(len(rollout)))
+    policy.train()
+    with torch.no_grad():
+        first, second = module._scores(data).logprobs, module._scores(data).logprobs
+    mask = data.response_mask
+    ratio = torch.exp(first - data.old_logprobs)[mask]
+    if disable:
+        torch.testing.assert_close(first, second, atol=0, rtol=0)
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)  # the sampler's log-probs
+        assert not any(m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout))
+    else:
+        assert not torch.allclose(first[mask], second[mask], atol=1e-4)
+        assert (ratio - 1).abs().max() > 1e-3
