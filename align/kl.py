@@ -35,9 +35,13 @@ estimator of the GRPO paper (Shao et al. 2024, arXiv 2402.03300); choosing
 Off-policy minibatches (several PPO epochs on one rollout) add a further bias
 to every choice, because no importance weight is applied to the KL term.
 
-Departure: the log-ratio is clamped to ``[-clamp, clamp]`` before use, so one
+Departures: the log-ratio is clamped to ``[-clamp, clamp]`` before use, so one
 token whose probability collapsed under either model cannot overflow ``exp``
 in k3 or dominate a batch mean. The clamp has zero gradient outside the range.
+That alone leaves k3 as large as ``e**20`` (and its gradient with it) for a
+token the policy has made 20 nats less likely than the reference, so k3 is
+also bounded above by ``k3_max`` (10 by default, as verl does), again with zero
+gradient beyond the bound. k3 >= 0, so only the upper side needs a bound.
 
 The adaptive controller is the one of Ziegler et al. 2019 (arXiv 1909.08593).
 """
@@ -79,6 +83,7 @@ def kl_estimate(
     ref_logprobs: torch.Tensor,
     kind: str = "k1",
     clamp: Optional[float] = 20.0,
+    k3_max: Optional[float] = 10.0,
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from log-probs of tokens sampled by pi.
 
@@ -87,6 +92,7 @@ def kl_estimate(
         ref_logprobs: ``(B, T)`` log-probs of the same tokens under the reference.
         kind: ``"k1"``, ``"k2"`` or ``"k3"`` (see the module docstring).
         clamp: bound on ``|logprobs - ref_logprobs|``; ``None`` disables it.
+        k3_max: upper bound on each ``k3`` estimate (zero gradient above it); ``None`` disables it.
 
     Returns:
         ``(B, T)`` per-token estimates; padding is not masked here.
@@ -100,7 +106,12 @@ def kl_estimate(
         if clamp <= 0:
             raise ValueError(f"kl_estimate: clamp must be > 0 or None, got {clamp}")
         log_ratio = log_ratio.clamp(-clamp, clamp)
-    return estimator(log_ratio)
+    estimate = estimator(log_ratio)
+    if kind == "k3" and k3_max is not None:
+        if k3_max <= 0:
+            raise ValueError(f"kl_estimate: k3_max must be > 0 or None, got {k3_max}")
+        estimate = estimate.clamp(max=k3_max)
+    return estimate
 
 
 def _as_finite_float(name: str, value) -> float:

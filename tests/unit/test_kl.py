@@ -41,10 +41,24 @@ def test_log_ratio_is_clamped():
     torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor([20.0, -20.0]))
     torch.testing.assert_close(kl_estimate(logp, ref, "k1", clamp=5.0), torch.tensor([5.0, -5.0]))
     torch.testing.assert_close(kl_estimate(logp, ref, "k1", clamp=None), torch.tensor([30.0, -50.0]))
-    # clamped k3 at log_r = -20: exp(20) - 20 - 1, finite
-    k3 = kl_estimate(logp, ref, "k3")
+    # clamped k3 at log_r = -20 without its bound: exp(20) - 20 - 1, finite but ~5e8
+    k3 = kl_estimate(logp, ref, "k3", k3_max=None)
     assert torch.isfinite(k3).all()
     assert k3[1].item() == pytest.approx(math.exp(20.0) - 21.0, rel=1e-6)
+
+
+def test_k3_is_bounded_above_with_no_gradient_beyond_the_bound():
+    # log_r = 20, -2, -20: k3 = e^-20 + 19 (= 19.0), e^2 - 3 (= 4.389), e^20 - 21; bounded at 10 by default.
+    logp = torch.tensor([20.0, -2.0, -20.0], requires_grad=True)
+    k3 = kl_estimate(logp, torch.zeros(3), "k3")
+    torch.testing.assert_close(k3, torch.tensor([10.0, math.exp(2.0) - 3.0, 10.0]))
+    k3.sum().backward()
+    # d k3 / d log_r = 1 - exp(-log_r): 0 beyond the bound, 1 - e^2 at log_r = -2
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, 1.0 - math.exp(2.0), 0.0]))
+    torch.testing.assert_close(kl_estimate(logp, torch.zeros(3), "k3", k3_max=2.5)[1], torch.tensor(2.5))
+    torch.testing.assert_close(kl_estimate(logp, torch.zeros(3), "k2"), torch.tensor([200.0, 2.0, 200.0]))
+    with pytest.raises(ValueError, match="k3_max must be > 0"):
+        kl_estimate(logp, torch.zeros(3), "k3", k3_max=0.0)
 
 
 def test_unknown_kind_and_bad_clamp():
