@@ -168,8 +168,9 @@ class AdaptiveKLController(KLController):
         init_kl_coef = _as_finite_float("AdaptiveKLController: init_kl_coef", init_kl_coef)
         target = _as_finite_float("AdaptiveKLController: target", target)
         horizon = _as_finite_float("AdaptiveKLController: horizon", horizon)
-        if init_kl_coef < 0:
-            raise ValueError(f"AdaptiveKLController: init_kl_coef must be >= 0, got {init_kl_coef}")
+        if init_kl_coef <= 0:
+            raise ValueError(f"AdaptiveKLController: init_kl_coef must be > 0 (the update multiplies it, so a "
+                             f"controller started at 0 would stay at 0), got {init_kl_coef}")
         if target <= 0:
             raise ValueError(f"AdaptiveKLController: target must be > 0, got {target}")
         if horizon <= 0:

@@ -264,6 +264,9 @@ class PPOModule(RLModule):
             raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
         if kl_target is not None and kl_target <= 0:
             raise ValueError(f"kl_target must be > 0 or null, got {kl_target}")
+        if kl_target is not None and kl_coef <= 0:
+            raise AlignConfigError(f"model.kl_coef: the adaptive controller (kl_target {kl_target}) multiplies the "
+                                   f"coefficient, so it must start > 0 (e.g. 0.05), got {kl_coef}")
         for name, value in (("score_clip", score_clip), ("value_clip", value_clip)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or null, got {value}")

@@ -203,6 +203,13 @@ def test_no_value_model_is_an_error_naming_the_setting():
         make_module(PolicyModel("tiny", seed=2))
 
 
+def test_an_adaptive_kl_controller_must_start_above_zero():
+    from align.errors import AlignConfigError
+
+    with pytest.raises(AlignConfigError, match=r"^model.kl_coef: the adaptive controller .* must start > 0"):
+        make_module(kl_coef=0.0, kl_target=0.5)
+
+
 METRICS = ["train/loss", "train/policy_loss", "train/value_loss", "train/entropy", "train/kl", "train/kl_coef",
            "train/clipfrac", "train/approx_kl", "train/explained_variance", "train/returns_mean",
            "rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/tokens_per_s",
