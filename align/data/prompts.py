@@ -27,20 +27,27 @@ from align.errors import AlignDataError
 log = logging.getLogger(__name__)
 
 
+REWARD_INPUTS = ("prompt_messages", "completion_ids", "completion_truncated")
+"""Keyword arguments every reward receives besides the data's columns (docs/rewards.md); no column may take
+these names."""
+
+
 @dataclass
 class PromptExample:
     prompt_ids: list[int]  # chat template applied, ready for generation
     prompt: str  # the prompt text given to reward functions
     columns: dict[str, Any]  # every other column of the row
+    messages: list[dict] | None = None  # the whole prompt conversation (system prompt included) as generated from
 
 
 @dataclass
 class PromptBatch:
-    """``B`` prompts. Rewards see ``prompts`` and ``columns``; the rollout engine pads ``prompt_ids``."""
+    """``B`` prompts. Rewards see ``prompts``, ``messages`` and ``columns``; the rollout engine pads ``prompt_ids``."""
 
     prompt_ids: list[list[int]]  # B token id lists, unpadded
     prompts: list[str]  # B prompt texts
     columns: dict[str, list]  # column name -> B values
+    messages: list[list[dict]] | None = None  # B prompt conversations; None: one user message per prompt text
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -50,6 +57,11 @@ class PromptBatch:
         prompts = [p for p in self.prompts for _ in range(group_size)]
         columns = {k: [v for v in values for _ in range(group_size)] for k, values in self.columns.items()}
         return prompts, columns
+
+    def repeat_messages(self, group_size: int) -> list[list[dict]]:
+        """Each prompt's conversation, repeated ``group_size`` times (a one-message conversation when unknown)."""
+        messages = self.messages or [[{"role": "user", "content": p}] for p in self.prompts]
+        return [m for m in messages for _ in range(group_size)]
 
 
 def prompt_text(messages: list[dict]) -> str:
@@ -78,7 +90,11 @@ def encode_prompt_rows(
             raise AlignDataError(source, index, prompt_field, f"at most max_prompt_length={max_prompt_length} "
                                  "tokens", f"{len(ids)} tokens")
         columns = {k: v for k, v in row.items() if k != prompt_field}
-        examples.append(PromptExample(ids, prompt_text(messages), columns))
+        clash = sorted(set(columns) & set(REWARD_INPUTS))
+        if clash:
+            raise AlignDataError(source, index, clash[0], f"a column name other than {clash[0]!r}, which rewards "
+                                 "receive from the rollout (see docs/rewards.md); rename the column")
+        examples.append(PromptExample(ids, prompt_text(messages), columns, messages))
     return examples
 
 
@@ -99,6 +115,7 @@ def collate_prompts(examples: list[PromptExample]) -> PromptBatch:
         prompt_ids=[ex.prompt_ids for ex in examples],
         prompts=[ex.prompt for ex in examples],
         columns={k: [ex.columns.get(k) for ex in examples] for k in keys},
+        messages=[ex.messages or [{"role": "user", "content": ex.prompt}] for ex in examples],
     )
 
 

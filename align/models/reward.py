@@ -134,10 +134,19 @@ def _load_checkpoint(path: Path, dtype: DType) -> tuple[PolicyModel, dict]:
 class RewardModelScorer:
     """A trained reward model as a reward callable: ``fn(prompts, completions, **columns) -> list[float]``.
 
-    Each prompt becomes the user message and each completion the assistant reply, encoded with the chat template
-    and settings the model was trained with (saved in the export or checkpoint). Scoring runs in batches, in eval
-    mode and without gradients, so the same inputs always give the same scores. Too-long prompts keep their last
-    tokens, as in training.
+    What it scores (docs/rewards.md, "What a reward model sees"):
+
+    * the whole prompt conversation when the caller gives it (``prompt_messages``, as every RL module does):
+      system prompt and earlier turns included; otherwise the prompt text as one user message. The saved
+      ``system_prompt`` is added only to a conversation that has none.
+    * the exact token ids the policy sampled (``completion_ids``), when its tokenizer decodes them to the
+      completion's text (the reward model shares the policy's tokenizer). A completion cut off at
+      ``max_new_tokens`` is then scored as it is, without an end of turn, as are its re-encoded text
+      (``completion_truncated``). Otherwise the completion's text is encoded as the assistant's reply.
+
+    Encoding follows the chat template and settings the model was trained with (saved in the export or
+    checkpoint). Scoring runs in batches, in eval mode and without gradients, so the same inputs always give the
+    same scores. Too-long prompts keep their last tokens, as in training.
 
     In a GRPO config's reward list::
 
@@ -177,16 +186,27 @@ class RewardModelScorer:
         self.encoder = ChatEncoder(policy.tokenizer, self.encoding["use_chat_template"])
         self.__name__ = f"RewardModelScorer({self.path})"
 
-    def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-        """``(prompt_ids, completion_ids)`` exactly as the training data layer builds them, after truncation."""
+    def encode(self, prompt: str | list[dict], completion: str, completion_ids: list[int] | None = None,
+               truncated: bool = False) -> tuple[list[int], list[int]]:
+        """``(prompt_ids, completion_ids)`` as the training data layer builds them, after truncation.
+
+        ``prompt``: the prompt text (one user message) or the whole conversation. ``completion_ids``: the ids the
+        policy sampled, used as they are when this tokenizer decodes them to ``completion``. ``truncated``: the
+        completion was cut off, so no end of turn follows it.
+        """
         from align.data.preference import encode_prompt, encode_response, fit_prompt
 
-        messages = [{"role": "user", "content": prompt}]
-        if self.encoding.get("system_prompt"):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.encoding.get("system_prompt") and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": self.encoding["system_prompt"]}] + messages
         prompt_ids, prompt_text = encode_prompt(self.encoder, messages)
-        response = encode_response(self.encoder, prompt_ids, messages, completion, "<reward input>", None,
-                                   "completion", prompt_text)
+        if completion_ids is not None and self._shares_tokenizer(completion_ids, completion):
+            response = list(completion_ids)
+        else:
+            response = encode_response(self.encoder, prompt_ids, messages, completion, "<reward input>", None,
+                                       "completion", prompt_text)
+            if truncated and response and response[-1] == self.policy.tokenizer.eos_token_id:
+                response = response[:-1]  # the policy never ended its turn: neither does the scored text
         max_length = self.encoding["max_length"]
         if len(response) >= max_length:
             log.warning("RewardModelScorer: a completion of %d tokens is cut to max_length - 1 = %d", len(response),
@@ -195,15 +215,31 @@ class RewardModelScorer:
         keep = fit_prompt(prompt_ids, len(response), max_length, self.encoding.get("max_prompt_length"))
         return prompt_ids[len(prompt_ids) - keep:], response
 
+    def _shares_tokenizer(self, ids: list[int], text: str) -> bool:
+        tokenizer = self.policy.tokenizer
+        if not ids or max(ids) >= len(tokenizer):
+            return False
+        return tokenizer.decode(ids, skip_special_tokens=True) == text
+
     @torch.inference_mode()
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
-        if len(prompts) != len(completions):
-            raise ValueError(f"RewardModelScorer: {len(prompts)} prompts but {len(completions)} completions")
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], prompt_messages: Sequence[list] | None = None,
+                 completion_ids: Sequence[list[int]] | None = None, completion_truncated: Sequence[bool] | None = None,
+                 **columns: Any) -> list[float]:
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"RewardModelScorer: {len(prompts)} prompts but {n} completions")
+        for name, given in (("prompt_messages", prompt_messages), ("completion_ids", completion_ids),
+                            ("completion_truncated", completion_truncated)):
+            if given is not None and len(given) != n:
+                raise ValueError(f"RewardModelScorer: {len(given)} {name} for {n} completions")
         pad = self.policy.tokenizer.pad_token_id
         scores: list[float] = []
-        for start in range(0, len(prompts), self.batch_size):
-            pairs = [self.encode(p, c) for p, c in zip(prompts[start:start + self.batch_size],
-                                                        completions[start:start + self.batch_size])]
+        for start in range(0, n, self.batch_size):
+            rows = range(start, min(start + self.batch_size, n))
+            pairs = [self.encode(prompt_messages[i] if prompt_messages is not None else prompts[i], completions[i],
+                                 completion_ids[i] if completion_ids is not None else None,
+                                 bool(completion_truncated[i]) if completion_truncated is not None else False)
+                     for i in rows]
             T = max(len(p) + len(c) for p, c in pairs)
             input_ids = torch.full((len(pairs), T), pad, dtype=torch.long)
             attention_mask = torch.zeros((len(pairs), T), dtype=torch.long)

@@ -50,7 +50,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.advantages import gae, shape_rewards
-from align.data.prompts import PromptBatch
+from align.data.prompts import REWARD_INPUTS, PromptBatch
 from align.errors import AlignConfigError
 from align.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
 from align.logprobs import masked_mean, masked_sum
@@ -79,7 +79,8 @@ class LazyRewardModel:
         return self.scorer
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
-        return self.load()(prompts, completions)
+        inputs = {k: columns[k] for k in REWARD_INPUTS if k in columns}  # the data's own columns are not used
+        return self.load()(prompts, completions, **inputs)
 
 
 @dataclass

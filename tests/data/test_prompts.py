@@ -33,6 +33,8 @@ def test_rows_encode_with_template_once_and_keep_columns(tokenizer):
     prompts, columns = batch.repeat(2)
     assert prompts == ["sort: b a", "sort: b a", "sort: c a", "sort: c a"]
     assert columns["answer"] == ["a b", "a b", "a c", "a c"]
+    # Rewards also get each prompt's whole conversation, as the policy saw it.
+    assert batch.repeat_messages(1) == [[{"role": "user", "content": "sort: b a"}], rows[1]["prompt"]]
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,8 @@ def test_rows_encode_with_template_once_and_keep_columns(tokenizer):
         ({"prompt": ""}, "row 2: field 'prompt': expected a non-empty string"),
         ({"prompt": [{"role": "assistant", "content": "hi"}]}, "row 2: field 'prompt': expected a prompt that does not end"),
         ({"prompt": "sort: " + "a " * 300}, "row 2: field 'prompt': expected at most max_prompt_length=256"),
+        ({"prompt": "sort: b", "completion_ids": [1]}, "row 2: field 'completion_ids': expected a column name other "
+                                                       "than 'completion_ids', which rewards receive from the rollout"),
     ],
 )
 def test_bad_rows_name_file_row_field(tmp_path, tokenizer, row, message):

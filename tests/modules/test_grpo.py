@@ -177,3 +177,26 @@ def test_dropout_is_off_in_the_update_passes_by_default(disable):
     else:
         assert not torch.allclose(first[mask], second[mask], atol=1e-4)
         assert (ratio - 1).abs().max() > 1e-3
+
+
+def test_rewards_receive_the_conversation_the_sampled_ids_and_truncation():
+    seen = {}
+
+    def capture(prompts, completions, **inputs):
+        seen.update(inputs, completions=completions)
+        return [0.0] * len(completions)
+
+    module = make_module(rewards=[capture], sampling=SamplingConfig(max_new_tokens=3))
+    tok = module.policy.tokenizer
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}] for p in PROMPTS[:2]]
+    enc = ChatEncoder(tok)
+    batch = PromptBatch([enc.prompt_ids(c) for c in chats], list(PROMPTS[:2]), {"answer": ["x", "y"]}, chats)
+    torch.manual_seed(0)
+    rollout = module.rollout(batch, module.group_size)
+    module.score_rewards(batch, rollout)
+    assert seen["prompt_messages"] == [c for c in chats for _ in range(module.group_size)]
+    assert seen["answer"] == ["x"] * 4 + ["y"] * 4
+    assert [tok.decode(ids, skip_special_tokens=True) for ids in seen["completion_ids"]] == seen["completions"]
+    assert seen["completion_truncated"] == rollout.truncated.tolist()
+    for ids, cut in zip(seen["completion_ids"], seen["completion_truncated"]):
+        assert (ids[-1] != tok.eos_token_id) == cut and tok.eos_token_id not in ids[:-1]

@@ -157,3 +157,38 @@ def test_bad_paths_fail_clearly(tmp_path):
         RewardModelScorer(str(tmp_path / "plain"))
     with pytest.raises(AlignConfigError, match="batch_size"):
         RewardModelScorer(str(tmp_path / "plain"), batch_size=0)
+
+
+def _direct_score(scorer, prompt_ids, response_ids):
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        return sequence_scores(scorer.policy, ids, torch.ones_like(ids)).item()
+
+
+def test_the_scorer_sees_the_whole_conversation_and_the_sampled_ids(trained):
+    from align.data.preference import encode_prompt
+
+    scorer = RewardModelScorer(str(trained["export"]))
+    tok = scorer.policy.tokenizer
+    chat = [{"role": "system", "content": "Sort the letters."}, {"role": "user", "content": "sort: c a b"},
+            {"role": "assistant", "content": "a b c"}, {"role": "user", "content": "sort: d b"}]
+    prompt_ids, _ = encode_prompt(scorer.encoder, chat)
+    # The whole conversation is scored, not its last message re-templated as a single user turn.
+    whole = scorer(["sort: d b"], ["b d"], prompt_messages=[chat])[0]
+    assert whole == pytest.approx(_direct_score(scorer, prompt_ids, scorer.encode(chat, "b d")[1]), abs=1e-5)
+    assert whole != pytest.approx(scorer(["sort: d b"], ["b d"])[0], abs=1e-4)
+    # The sampled ids are scored as they are: a cut-off completion gets no end of turn appended ...
+    cut = tok("b", add_special_tokens=False)["input_ids"]
+    as_sampled = scorer(["sort: d b"], ["b"], prompt_messages=[chat], completion_ids=[cut],
+                        completion_truncated=[True])[0]
+    assert as_sampled == pytest.approx(_direct_score(scorer, prompt_ids, cut), abs=1e-5)
+    assert as_sampled != pytest.approx(scorer(["sort: d b"], ["b"], prompt_messages=[chat])[0], abs=1e-4)
+    # ... nor when only its text is known,
+    assert scorer(["sort: d b"], ["b"], prompt_messages=[chat], completion_truncated=[True])[0] == pytest.approx(
+        as_sampled, abs=1e-5)
+    # ... and ids that this tokenizer does not decode to the completion (another tokenizer's) are not used.
+    foreign = tok("z z z", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert scorer(["sort: d b"], ["b d"], prompt_messages=[chat], completion_ids=[foreign])[0] == pytest.approx(
+        whole, abs=1e-5)
+    with pytest.raises(ValueError, match="1 completion_ids for 2 completions"):
+        scorer(["a", "b"], ["a", "b"], completion_ids=[[1]])
