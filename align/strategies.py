@@ -217,6 +217,13 @@ def generation_context(module) -> Iterator[Optional[Callable[[bool], bool]]]:
             engine = strategy.model
             if hasattr(engine, "empty_partition_cache"):
                 engine.empty_partition_cache()
+            # DeepSpeed also released each module's gathered weights after its forward inside inference mode, so the
+            # empty placeholder each parameter now holds is an inference tensor too. A parameter that the next
+            # backward does not use (the policy during PPO's value-only update with a separate critic) keeps it,
+            # and DeepSpeed's count of the parameters in that backward fails on it: give each an ordinary one.
+            for param in module.parameters():
+                if param.is_inference():
+                    param.data = param.data.clone()
 
 
 class DeepSpeedZeROStrategy(DeepSpeedStrategy):

@@ -19,6 +19,7 @@ from align.models.policy import PolicyModel
 from align.modules import SFTModule
 from align.modules.dpo import DPOModule
 from align.modules.grpo import GRPOModule
+from align.modules.ppo import PPOModule
 from align.modules.rl import RLBatch
 from align.rewards import RewardSpec
 from align.rollout import SamplingConfig
@@ -50,7 +51,18 @@ def grpo_setup():
     return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
 
 
-SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup}
+def ppo_setup():
+    # A separate critic (the shipped reward model's backbone) and a live reference, all sharded under ZeRO-3. The
+    # first rollout trains the critic alone: a backward in which no policy parameter takes part.
+    module = PPOModule(PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm"),
+                       rewards=[RewardSpec("align.rewards.sort_exact_match")], samples_per_prompt=2,
+                       sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), kl_coef=0.05, critic_warmup_steps=1,
+                       ppo_epochs=1, num_minibatches=1, log_entropy=False, optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
+
+
+SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup, "ppo": ppo_setup}
+RL = ("grpo", "ppo")
 
 
 # ---------------------------------------------------------------------------------------------------- SFT equivalence

@@ -1,6 +1,7 @@
-"""One rank of a 2-process CPU job (see ``_launch.py``): SFT, DPO and GRPO under one strategy, each trained for
-two steps, checkpointed, and resumed for a third; then, under ``ddp`` and ``zero2``, the programs with known
-answers (``_programs.py``). Writes ``<out>/rank<r>.json``; rank 0 also writes the parameters the tests compare.
+"""One rank of a 2-process CPU job (see ``_launch.py``): SFT, DPO and GRPO under one strategy (and PPO under
+ZeRO-3), each trained for two steps, checkpointed, and resumed for a third; then, under ``ddp`` and ``zero2``,
+the programs with known answers (``_programs.py``). Writes ``<out>/rank<r>.json``; rank 0 also writes the
+parameters the tests compare.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 _worker.py STRATEGY OUT_DIR
 """
@@ -59,13 +60,13 @@ def train_save_resume(name: str, algo: str, out: Path) -> dict:
     module, data = P.SETUPS[algo]()
     first = Record()
     t = trainer(name, out, max_steps=2, callbacks=[first])
-    if algo == "grpo":  # as the CLI does: validate (sampling from the sharded policy), then fit on the same trainer
+    if algo in P.RL:  # as the CLI does: validate (sampling from the sharded policy), then fit on the same trainer
         result_before = float(t.validate(module, data, verbose=False)[0]["val/reward_mean"])
     t.fit(module, data)
     ckpt = out / f"{algo}.ckpt"
     t.save_checkpoint(ckpt)
     result = {"losses": first.losses, "checkpoint": ckpt.exists()}
-    if algo != "grpo":  # the restored weights give the same held-out loss as the saved ones
+    if algo not in P.RL:  # the restored weights give the same held-out loss as the saved ones
         result["val_loss_saved"] = float(t.validate(module, data, verbose=False)[0]["val/loss"])
         module, data = P.SETUPS[algo]()
         t = trainer(name, out, max_steps=2)
@@ -76,7 +77,7 @@ def train_save_resume(name: str, algo: str, out: Path) -> dict:
     t = trainer(name, out, max_steps=3, callbacks=[resumed])
     t.fit(module, data, ckpt_path=ckpt)
     result.update(resumed_losses=resumed.losses, global_step=t.global_step)
-    if algo == "grpo":  # held-out generation from the resumed (sharded) policy, reduced over ranks
+    if algo in P.RL:  # held-out generation from the resumed (sharded) policy, reduced over ranks
         metrics = t.validate(module, data, verbose=False)[0]
         result["val_reward_mean"] = float(metrics["val/reward_mean"])
         result["val_reward_mean_before"] = result_before
@@ -89,7 +90,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     results: dict = {"strategy": name}
-    algos = () if "--equivalence-only" in sys.argv else ("sft", "dpo", "grpo")  # (for debugging)
+    algos = () if "--equivalence-only" in sys.argv else ("sft", "dpo", "grpo") + (("ppo",) if name == "zero3" else ())
     for algo in algos:
         results[algo] = train_save_resume(name, algo, out)
     rank = int(os.environ.get("RANK", "0"))
