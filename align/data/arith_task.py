@@ -12,8 +12,8 @@ completion is checked exactly by :func:`align.rewards.math_answer`, which compar
 completion with the ``answer`` column.
 
 Rows are made by ``scripts/make_arith_data.py``: ``sft`` (prompt, completion: the bare number),
-``preference`` (see :func:`preference_pair`: mostly the right against a plausible wrong number in the same
-format, bare or as the worked equation; some the bare right number against chatter) and ``prompts`` (prompt, answer). Held-out expressions never occur
+``preference`` (see :func:`preference_pair`: the worked equation with the right number against the same
+equation with a plausible wrong number, or against the right number in chatter) and ``prompts`` (prompt, answer). Held-out expressions never occur
 in any training split, in any phrasing.
 
 Pure Python (no torch), like :mod:`align.data.sort_task`.
@@ -99,9 +99,11 @@ def wrong_number(rng: random.Random, expr: str) -> int:
     return right + 1
 
 
-FORMATS: tuple[str, ...] = ("{n}", "{e} = {n}")
-"""The two well-formatted answers: the bare number, or the worked equation ending in it (the form in which a
-small instruct model does its arithmetic). ``{e}`` is the expression, ``{n}`` the number."""
+ANSWER_FORMAT = "{e} = {n}"
+"""A well-formatted answer: the worked equation ending in the number (``7 + 12 = 19``), short, with the result
+last, where :func:`align.rewards.math_answer` reads it. It is also the form in which SmolLM2-135M-Instruct
+does its arithmetic: asked for the bare number, it answers ``7 + 12 = 19`` more often than not, and its bare
+numbers are far less often right, so a preference for bare numbers teaches it to stop computing."""
 
 _CHATTER = ("Sure! Let me work that out. {e} = {n}. I hope this helps, let me know if you have another question!",
             "Great question! To find the answer we compute {e}, which gives us {n}. So the final answer is {n}.",
@@ -112,19 +114,19 @@ CHATTER_SHARE = 0.15
 
 
 def preference_pair(rng: random.Random, expr: str) -> tuple[str, str]:
-    """``(chosen, rejected)`` for one expression.
+    """``(chosen, rejected)`` for one expression; the chosen is always the right :data:`ANSWER_FORMAT` answer.
 
-    Most pairs (``1 - CHATTER_SHARE``) differ only in correctness: both answers take one of :data:`FORMATS`,
-    the chosen with the right number and the rejected with a plausible wrong one, so a model trained on them
-    learns to get the number right rather than to change how it writes. The rest differ only in format: the
-    bare right number against the right number buried in chatter that ignores "reply with just the number".
+    Most pairs (``1 - CHATTER_SHARE``) differ only in correctness: the rejected is the same equation ending in a
+    plausible wrong number (:func:`wrong_number`), so a model trained on them learns to get the number right
+    rather than to change how it writes. The rest differ only in format: the rejected has the right number
+    buried in chatter that ignores "reply with just the number".
     """
     right = evaluate(expr)
+    chosen = ANSWER_FORMAT.format(e=expr, n=right)
     if rng.random() < CHATTER_SHARE:
-        return str(right), rng.choice(_CHATTER).format(e=expr, n=right)
-    form = rng.choice(FORMATS)
-    return form.format(e=expr, n=right), form.format(e=expr, n=wrong_number(rng, expr))
+        return chosen, rng.choice(_CHATTER).format(e=expr, n=right)
+    return chosen, ANSWER_FORMAT.format(e=expr, n=wrong_number(rng, expr))
 
 
-__all__ = ["CHATTER_SHARE", "DATA_DIR", "FORMATS", "PHRASINGS", "evaluate", "expression", "make_prompt",
+__all__ = ["ANSWER_FORMAT", "CHATTER_SHARE", "DATA_DIR", "PHRASINGS", "evaluate", "expression", "make_prompt",
            "preference_pair", "sample_problem", "wrong_number"]

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from align.data.arith_task import (CHATTER_SHARE, DATA_DIR, FORMATS, PHRASINGS, evaluate, expression, preference_pair,
-                                   sample_problem, wrong_number)
+from align.data.arith_task import (ANSWER_FORMAT, CHATTER_SHARE, DATA_DIR, PHRASINGS, evaluate, expression,
+                                   preference_pair, sample_problem, wrong_number)
 from align.rewards import math_answer
 
 KINDS = ("sft", "preference", "prompts")
@@ -56,13 +56,13 @@ def test_a_pair_differs_either_in_the_number_alone_or_in_format_alone():
     chatter = 0
     for expr, chosen, rejected in pairs:
         right = str(evaluate(expr))
-        if chosen == right and rejected.startswith(("Sure", "Great", "Okay")):
+        assert chosen == f"{expr} = {right}" == ANSWER_FORMAT.format(e=expr, n=right)
+        if rejected.startswith(("Sure", "Great", "Okay")):
             chatter += 1
             assert right in rejected
             continue
-        form = next(f for f in FORMATS if chosen == f.format(e=expr, n=right))
-        wrong = rejected.removeprefix(f"{expr} = ") if form != "{n}" else rejected
-        assert rejected == form.format(e=expr, n=wrong) and wrong != right and wrong.lstrip("-").isdigit()
+        wrong = rejected.removeprefix(f"{expr} = ")
+        assert wrong != rejected and wrong != right and wrong.lstrip("-").isdigit()
     assert abs(chatter / len(pairs) - CHATTER_SHARE) < 0.03
 
 
@@ -76,7 +76,7 @@ def test_rows_have_exact_fields_and_right_answers(kind):
             expr = expression_of(row["prompt"])
             right = str(evaluate(expr))
             if kind == "preference":
-                assert row["chosen"] in {f.format(e=expr, n=right) for f in FORMATS}
+                assert row["chosen"] == ANSWER_FORMAT.format(e=expr, n=right)
             else:
                 assert row.get("answer", row.get("completion")) == right
 
@@ -90,7 +90,6 @@ def test_the_task_reward_scores_chosen_answers_right_and_wrong_numbers_wrong():
     chatter = [r["rejected"].startswith(("Sure", "Great", "Okay")) for r in rows]
     assert all(score == float(c) for score, c in zip(rejected, chatter)), "only chatter keeps the right number"
     assert 0.05 < sum(chatter) / len(rows) < 0.3
-    assert 0.3 < sum(" = " in r["chosen"] for r in rows) / len(rows) < 0.6, "both formats are chosen"
 
 
 def test_held_out_expressions_never_appear_in_any_training_split():
