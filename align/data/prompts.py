@@ -37,7 +37,7 @@ class PromptExample:
     prompt_ids: list[int]  # chat template applied, ready for generation
     prompt: str  # the prompt text given to reward functions
     columns: dict[str, Any]  # every other column of the row
-    messages: list[dict] | None = None  # the whole prompt conversation (system prompt included) as generated from
+    messages: list[dict]  # the whole prompt conversation (system prompt included) as generated from
 
 
 @dataclass
@@ -115,7 +115,7 @@ def collate_prompts(examples: list[PromptExample]) -> PromptBatch:
         prompt_ids=[ex.prompt_ids for ex in examples],
         prompts=[ex.prompt for ex in examples],
         columns={k: [ex.columns.get(k) for ex in examples] for k in keys},
-        messages=[ex.messages or [{"role": "user", "content": ex.prompt}] for ex in examples],
+        messages=[ex.messages for ex in examples],
     )
 
 

@@ -188,27 +188,23 @@ class PolicyModel(nn.Module):
             self.ref_model.eval()  # the reference never runs dropout
         return self
 
-    def disable_dropout(self) -> int:
-        """Set every dropout of the model, adapter, value head, critic and reference to 0; returns how many.
+    def disable_dropout(self) -> None:
+        """Set every dropout of the model, adapter, value head, critic and reference to 0.
 
         Covers ``nn.Dropout`` modules (LoRA's ``lora_dropout`` included) and the float ``attention_dropout``
         that transformers' attention layers pass to their kernels in train mode. With dropout off, the
         training forward pass computes the same log-probs as the sampler and the reference (eval mode), so an
         importance ratio is exactly 1 before the first update.
         """
-        count = 0
         for module in self.modules():
-            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p:
+            if isinstance(module, nn.modules.dropout._DropoutNd):
                 module.p = 0.0
-                count += 1
-            if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout:
+            if isinstance(getattr(module, "attention_dropout", None), float):
                 module.attention_dropout = 0.0
-                count += 1
             config = getattr(module, "config", None)
             for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
                 if isinstance(getattr(config, name, None), float):
                     setattr(config, name, 0.0)
-        return count
 
     # ------------------------------------------------------------------ properties
     @property
