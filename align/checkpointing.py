@@ -6,8 +6,8 @@
   the temporary file under ``/tmp`` and moves it, which is a copy, not a rename, across filesystems.) It loads
   with ``torch.load(weights_only=True)`` unless told otherwise: no code runs while a checkpoint loads.
 * :class:`AlignCheckpoint` is Lightning's ``ModelCheckpoint`` with the defaults a long run needs: a ``last``
-  checkpoint, step-based frequency, top-k retention, and a fixed directory (``<default_root_dir>/checkpoints``,
-  set by the command line) so that ``--ckpt_path last`` finds it from a new process.
+  checkpoint, step-based frequency and top-k retention. Under the command line it writes to the run's own
+  ``<default_root_dir>/version_N/checkpoints`` (``align.runs``), where ``--resume auto`` finds it.
 * :class:`ExactResume` (attached by every :class:`~align.modules.base.AlignModule`) saves the RNG states
   (python, numpy, torch and CUDA, per rank) with each checkpoint and restores them just before the first
   training step after a resume; rollout sampling draws from torch's generator, so it continues the same
@@ -133,7 +133,7 @@ def install_atomic_io(trainer: L.Trainer) -> None:
 # ---------------------------------------------------------------------------------------------- checkpoints
 class AlignCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint``, written atomically (:class:`AtomicCheckpointIO`), with defaults for runs
-    that must survive pre-emption: a ``last.ckpt`` on every save, and a directory that a new process can find.
+    that must survive pre-emption: a ``last.ckpt`` on every save, in the run's folder where a new process finds it.
     """
 
     def __init__(
@@ -150,7 +150,7 @@ class AlignCheckpoint(ModelCheckpoint):
     ):
         """
         Args:
-            dirpath: Checkpoint directory; null: ``<default_root_dir>/checkpoints`` under the command line.
+            dirpath: Checkpoint directory; null: the run's ``<default_root_dir>/version_N/checkpoints``.
             filename: Name pattern, e.g. ``"{epoch}-{step}"``; null: Lightning's ``epoch=E-step=S``.
             every_n_train_steps: Save every N optimizer steps; null: at the end of every epoch.
             every_n_epochs: Save every N epochs (with ``every_n_train_steps`` null).
@@ -167,16 +167,6 @@ class AlignCheckpoint(ModelCheckpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         install_atomic_io(trainer)
         super().setup(trainer, pl_module, stage)
-
-
-def default_checkpoint_dir(root: _PATH) -> str:
-    return str(Path(root) / "checkpoints")
-
-
-def last_checkpoint(directory: _PATH) -> Optional[str]:
-    """``directory/last.ckpt`` (or the newest ``last-vN.ckpt``) when one exists."""
-    found = [p for p in Path(directory).glob("last*.ckpt") if p.is_file() or p.is_dir()]
-    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
 # ---------------------------------------------------------------------------------------------- RNG states
@@ -264,5 +254,5 @@ class ExactResume(Callback):
         iter(fetcher)
 
 
-__all__ = ["AlignCheckpoint", "AtomicCheckpointIO", "ExactResume", "Resume", "atomic_write", "default_checkpoint_dir",
-           "install_atomic_io", "last_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["AlignCheckpoint", "AtomicCheckpointIO", "ExactResume", "Resume", "atomic_write", "install_atomic_io",
+           "rng_state", "set_rng_state"]

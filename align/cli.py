@@ -1,8 +1,12 @@
 """Command line: ``align fit|validate|test|predict --config ...`` (LightningCLI) and ``align export``.
 
-Every run writes its metrics to a CSV under the trainer's ``default_root_dir``; other loggers (for example
-``align.observability.OTLPLogger``) are added alongside. Before and after ``fit`` the held-out set is
-evaluated and the module's headline metrics are printed, so a run shows what it learned.
+Every run is one folder, ``<default_root_dir>/version_N/``, holding its ``config.yaml``, ``metrics.csv`` and
+``checkpoints/`` (``align.runs``); other loggers (for example ``align.observability.OTLPLogger``) are added
+alongside. ``--resume auto`` continues the newest run of the root in its own folder. Before and after ``fit``
+the held-out set is evaluated and the module's headline metrics are printed, so a run shows what it learned.
+
+``--config align:<algorithm>/<name>.yaml`` names a config shipped inside the package (``align/configs``), so an
+installed ``align`` runs them without a checkout.
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ from typing import Literal
 import lightning as L
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import align.strategies  # noqa: F401  (registers the short names: --trainer.strategy fsdp2 / zero1..3 / zero3_offload)
-from align.errors import AlignError
+from align.errors import AlignConfigError, AlignError
+from align.runs import RunLogger, RunRecord, latest_run, next_version, run_of_checkpoint
 
 log = logging.getLogger(__name__)
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The shipped configs live in the package, so a wheel has them; a checkout's ``configs`` links here.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+SHIPPED = "align:"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
 
@@ -84,25 +93,57 @@ class AlignCLI(LightningCLI):
         parser.add_argument("--eval_before_after", type=bool, default=True,
                             help="Evaluate the held-out set before and after fit and print the headline metrics.")
         parser.add_argument("--resume", type=Literal["never", "auto"], default="never",
-                            help="auto: fit resumes from <default_root_dir>/checkpoints/last.ckpt when it exists "
-                                 "(same as --ckpt_path last); never: only an explicit --ckpt_path resumes.")
+                            help="auto: fit continues the newest run under <default_root_dir> (version_N/checkpoints/"
+                                 "last.ckpt, same as --ckpt_path last) in its own folder, or starts version_0 when "
+                                 "there is none; never: only an explicit --ckpt_path resumes.")
 
     def _instantiate_trainer(self, config, callbacks):
         config = dict(config)
-        root = config.get("default_root_dir") or "runs"
-        _checkpoint_defaults(config, callbacks, root)
+        root = str(config.get("default_root_dir") or "runs")
+        version = self._choose_run(root)
+        self.record = RunRecord()
+        callbacks = [self.record, *callbacks]
+        _checkpoint_defaults(config, callbacks)
         logger = config.get("logger")
         if logger is not False:
             loggers: list[Logger] = [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
-            if not any(isinstance(lg, CSVLogger) for lg in loggers):
-                loggers.insert(0, CSVLogger(save_dir=root, name=""))
-            config["logger"] = loggers
+            csv_loggers = [lg for lg in loggers if isinstance(lg, CSVLogger)]
+            if not csv_loggers:
+                csv_loggers = [RunLogger(root, version=version, append=version is not None)]
+            # Lightning names the checkpoint folder after the first logger's version: the run's CSV logger.
+            config["logger"] = [csv_loggers[0], *(lg for lg in loggers if lg is not csv_loggers[0])]
         return super()._instantiate_trainer(config, callbacks)
+
+    def _choose_run(self, root: str) -> int | None:
+        """The ``version_N`` a ``fit`` continues (``None``: a new run) and the checkpoint it starts from.
+
+        ``--resume auto`` and ``--ckpt_path last`` continue the newest run under ``root`` that has a checkpoint;
+        an explicit ``--ckpt_path`` inside ``root/version_N/checkpoints/`` continues run N; any other checkpoint
+        (say, another root's) starts a new run from it. Every rank reads the same folders before any of them
+        writes, so all agree."""
+        self._ckpt_path = None
+        if self.subcommand != "fit":
+            return None
+        settings = self.config["fit"]
+        ckpt_path, resume = settings.get("ckpt_path"), settings.get("resume")
+        if ckpt_path == "last" or (ckpt_path is None and resume == "auto"):
+            run = latest_run(root)
+            if run is None:
+                _say(f"resume: no earlier run with a checkpoint under {root}; starting version_{next_version(root)}")
+                return None
+            _say(f"resume: continuing {run.directory} from {run.checkpoint}")
+            self._ckpt_path = str(run.checkpoint)
+            return run.version
+        self._ckpt_path = ckpt_path
+        if ckpt_path is None or ckpt_path in ("best", "hpc", "registry") or "://" in str(ckpt_path):
+            return None
+        return run_of_checkpoint(root, ckpt_path)
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
-        if subcommand == "fit" and kwargs.get("ckpt_path") is None and self.config[subcommand].get("resume") == "auto":
-            kwargs["ckpt_path"] = "last"  # Lightning starts from scratch, with a warning, when there is none yet
+        if subcommand == "fit":
+            # "last" is resolved here: Lightning would look for it in the new run's (empty) checkpoint folder.
+            kwargs["ckpt_path"] = self._ckpt_path
         return kwargs
 
     def _headline(self, results: list[dict]) -> dict[str, float]:
@@ -111,42 +152,107 @@ class AlignCLI(LightningCLI):
         return {k: merged[k] for k in names if k in merged}
 
     def _wants_eval(self) -> bool:
-        return bool(self.config[self.subcommand].get("eval_before_after", True)) and self.datamodule is not None
+        """Evaluate before and after fit unless switched off or there is nothing to evaluate on (no data module,
+        or one without validation data: it returns no loader, or an empty one)."""
+        return bool(self.config[self.subcommand].get("eval_before_after", True)) and self.datamodule is not None \
+            and is_overridden("val_dataloader", self.datamodule) and is_overridden("validation_step", self.model)
+
+    def _validate(self) -> dict[str, float]:
+        return self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False) or [])
 
     def before_fit(self) -> None:
-        self._before = self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)) \
-            if self._wants_eval() else {}
+        # A continued run takes its "before" from the checkpoint (RunRecord): its starting weights are trained.
+        if self._wants_eval() and self._ckpt_path is None:
+            self.record.before = self._validate()
 
     def after_fit(self) -> None:
-        if not self._wants_eval() or self.trainer.interrupted:
+        if self.trainer.interrupted:
             return
-        after = self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False))
+        after = self._final_metrics() if self._wants_eval() else {}
         log_dir = self.trainer.log_dir  # a broadcast under several processes: every rank asks
-        if self.trainer.is_global_zero:
-            for name, value in after.items():
-                before = self._before.get(name)
-                shown = f"{before:.4f} -> {value:.4f}" if before is not None else f"{value:.4f}"
-                print(f"held-out {name}: {shown}")
+        if not self.trainer.is_global_zero:
+            return
+        before = self.record.before
+        for name, value in after.items():
+            if before is not None and name in before:
+                print(f"held-out {name}: {before[name]:.4f} -> {value:.4f}")
+            elif self._ckpt_path is not None:
+                print(f"held-out {name}: {value:.4f} (resumed from {self._ckpt_path}, which holds no earlier value)")
+            else:
+                print(f"held-out {name}: {value:.4f}")
+        if log_dir is not None:
             print(f"run directory: {log_dir}")
+        last = _last_checkpoint_path(self.trainer)
+        if last:
+            print(f"last checkpoint: {last}")
+
+    def _final_metrics(self) -> dict[str, float]:
+        """The held-out metrics of the final weights: those of the last in-training validation when it ran after
+        the final step (validating again would repeat it), otherwise a fresh validation."""
+        done = self.record.last_validation
+        if done is not None and done[0] == self.trainer.global_step:
+            names = getattr(self.model, "headline_metrics", ()) or [k for k in done[1] if k.startswith("val")]
+            reused = {k: done[1][k] for k in names if k in done[1]}
+            if reused:
+                return reused
+        return self._validate()
 
 
-def _checkpoint_defaults(config: dict, callbacks: list, root: str) -> None:
-    """Checkpoints go to ``<root>/checkpoints`` (not a per-run version folder) so ``--ckpt_path last`` finds them
-    from a new process; they are written atomically (``align.checkpointing``). Without a configured checkpoint
-    callback, an :class:`~align.checkpointing.AlignCheckpoint` saves ``last.ckpt`` at the end of every epoch."""
+@rank_zero_only
+def _say(message: str) -> None:
+    print(message)
+
+
+def _last_checkpoint_path(trainer) -> str | None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from align.checkpointing import AlignCheckpoint, default_checkpoint_dir
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            path = cb.last_model_path or cb.best_model_path
+            if path:
+                return path
+    return None
+
+
+def _checkpoint_defaults(config: dict, callbacks: list) -> None:
+    """Without a configured checkpoint callback, an :class:`~align.checkpointing.AlignCheckpoint` saves
+    ``last.ckpt`` at the end of every epoch. Checkpoint callbacks without a ``dirpath`` write to the run's own
+    ``version_N/checkpoints`` (Lightning derives it from the run's logger and broadcasts rank 0's choice)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from align.checkpointing import AlignCheckpoint
 
     configured = config.get("callbacks")
     configured = [] if configured is None else list(configured) if isinstance(configured, (list, tuple)) else [configured]
     checkpoints = [cb for cb in [*configured, *callbacks] if isinstance(cb, ModelCheckpoint)]
-    for cb in checkpoints:
-        if cb.dirpath is None:
-            cb.dirpath = os.path.realpath(default_checkpoint_dir(root))
+    if checkpoints and config.get("enable_checkpointing") is False:
+        names = ", ".join(sorted({type(cb).__name__ for cb in checkpoints}))
+        raise AlignConfigError(f"trainer.enable_checkpointing: false, but trainer.callbacks holds {names}; remove "
+                               "the checkpoint callback or set enable_checkpointing true")
     if not checkpoints and config.get("enable_checkpointing") is not False:
-        configured.append(AlignCheckpoint(dirpath=os.path.realpath(default_checkpoint_dir(root))))
+        configured.append(AlignCheckpoint())
         config["callbacks"] = configured
+
+
+def resolve_config_args(args: list[str]) -> list[str]:
+    """``--config align:<algorithm>/<name>.yaml`` -> the shipped file's path (jsonargparse reads plain paths)."""
+    out = []
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if eq and key == "--config" and value.startswith(SHIPPED):
+            arg = f"--config={shipped_config(value)}"
+        elif i > 0 and args[i - 1] == "--config" and arg.startswith(SHIPPED):
+            arg = str(shipped_config(arg))
+        out.append(arg)
+    return out
+
+
+def shipped_config(name: str) -> Path:
+    path = CONFIG_DIR / name.removeprefix(SHIPPED)
+    if not path.is_file():
+        shipped = ", ".join(f"{SHIPPED}{p.relative_to(CONFIG_DIR)}" for p in sorted(CONFIG_DIR.rglob("*.yaml")))
+        raise AlignConfigError(f"--config: '{name}' is not a shipped config; expected one of {shipped}")
+    return path
 
 
 def _with_subcommand(args: list[str]) -> list[str]:
@@ -157,8 +263,8 @@ def _with_subcommand(args: list[str]) -> list[str]:
 
 
 def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None) -> AlignCLI:
-    """Entry point of ``recipes/<algorithm>.py``: ``configs/<algorithm>/tiny.yaml`` is the default config."""
-    args = _with_subcommand(list(sys.argv[1:] if args is None else args))
+    """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/tiny.yaml`` is the default config."""
+    args = _guarded(lambda: resolve_config_args(_with_subcommand(list(sys.argv[1:] if args is None else args))))
     default = CONFIG_DIR / algorithm / "tiny.yaml"
     parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
     trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
@@ -203,11 +309,15 @@ def export_main(args: list[str]) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """The ``align`` console script."""
+    from_argv = args is None
     args = list(sys.argv[1:] if args is None else args)
     logging.basicConfig(level=os.environ.get("ALIGN_LOG_LEVEL", "WARNING"))
     if args[:1] == ["export"]:
         return export_main(args[1:])
-    _guarded(lambda: AlignCLI(args=args))
+    args = _guarded(lambda: resolve_config_args(args))
+    if from_argv:  # other ranks re-run ``sys.argv``; LightningCLI reads it when given no ``args``
+        sys.argv = [sys.argv[0], *args]
+    _guarded(lambda: AlignCLI(args=None if from_argv else args))
 
 
 if __name__ == "__main__":
