@@ -132,12 +132,16 @@ class AlignCLI(LightningCLI):
                 _say(f"resume: no earlier run with a checkpoint under {root}; starting version_{next_version(root)}")
                 return None
             _say(f"resume: continuing {run.directory} from {run.checkpoint}")
+            _continuing_a_run()
             self._ckpt_path = str(run.checkpoint)
             return run.version
         self._ckpt_path = ckpt_path
         if ckpt_path is None or ckpt_path in ("best", "hpc", "registry") or "://" in str(ckpt_path):
             return None
-        return run_of_checkpoint(root, ckpt_path)
+        version = run_of_checkpoint(root, ckpt_path)
+        if version is not None:
+            _continuing_a_run()
+        return version
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
@@ -196,6 +200,11 @@ class AlignCLI(LightningCLI):
             if reused:
                 return reused
         return self._validate()
+
+
+def _continuing_a_run() -> None:
+    # Writing into the run's own non-empty checkpoint folder is the point of continuing it.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 @rank_zero_only

@@ -1,6 +1,6 @@
 """Exact resume after SIGKILL: a run killed at a random step after a checkpoint (or in the middle of writing
 one) and resumed with ``--ckpt_path last`` logs the same metrics, bit for bit, as a run that was never
-interrupted.
+interrupted, in the same run folder (``version_0``).
 
 Each run is its own process (``_run.py``: one thread, deterministic kernels). The kill lands after an
 optimizer step whose checkpoint is not written yet, so the resumed run repeats the steps since the previous
@@ -45,13 +45,23 @@ def run(algorithm: str, root: Path, args: list[str], *extra: str, kill_at: int |
     return subprocess.run(cmd, cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
 
 
-def metrics_by_step(root: Path, version: int) -> dict[int, dict[str, str]]:
+def rows_of(root: Path, version: int) -> list[dict[str, str]]:
+    """Rows of ``version_N/metrics.csv`` without empty cells and wall-clock columns, in file order."""
     rows = list(csv.DictReader(open(root / f"version_{version}" / "metrics.csv")))
+    return [{k: v for k, v in row.items() if v != "" and not any(t in k for t in TIMING)} for row in rows]
+
+
+def metrics_by_step(root: Path, version: int) -> dict[int, dict[str, str]]:
     out: dict[int, dict[str, str]] = {}
-    for row in rows:
-        kept = {k: v for k, v in row.items() if v != "" and not any(t in k for t in TIMING)}
-        out.setdefault(int(row["step"]), {}).update(kept)
+    for row in rows_of(root, version):
+        out.setdefault(int(row["step"]), {}).update(row)
     return out
+
+
+def steps_in_order(rows: list[dict[str, str]]) -> list[int]:
+    """The step of each row, consecutive repeats (several rows of one step) collapsed."""
+    steps = [int(r["step"]) for r in rows]
+    return [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s]
 
 
 def common(max_steps: int, every: int) -> list[str]:
@@ -101,25 +111,37 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
         kill_at, restart = save * every, (save - 1) * every
     case = f"{algorithm}: killed at step {kill_at}, resumed from step {restart}"
     assert killed.returncode == -9, (case, killed.returncode, killed.stderr[-3000:])
+    ckpt_dir = cut_root / "version_0" / "checkpoints"
     if kill == "write":
-        names = sorted(p.name for p in (cut_root / "checkpoints").iterdir())
+        names = sorted(p.name for p in ckpt_dir.iterdir())
         assert any(".tmp." in name for name in names), (case, names)  # the torn file is there, under its temp name
-        assert AtomicCheckpointIO().load_checkpoint(cut_root / "checkpoints" / "last.ckpt")["global_step"] == restart
+        assert AtomicCheckpointIO().load_checkpoint(ckpt_dir / "last.ckpt")["global_step"] == restart
+    killed_rows = rows_of(cut_root, 0) if (cut_root / "version_0" / "metrics.csv").exists() else []
 
     resumed = run(algorithm, cut_root, args, "--ckpt_path", "last")
     assert resumed.returncode == 0, (case, resumed.stderr[-3000:])
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
-    before, after = metrics_by_step(cut_root, 0), metrics_by_step(cut_root, 1)
-    assert sorted(after) == list(range(restart, steps)), (case, sorted(after))
+    # The resumed run continues the killed run's folder: no second run folder, its rows appended to metrics.csv.
+    assert sorted(p.name for p in cut_root.glob("version_*")) == ["version_0"], case
+    rows = rows_of(cut_root, 0)
+    assert rows[:len(killed_rows)] == killed_rows, case
+    appended = rows[len(killed_rows):]
+    assert steps_in_order(appended) == list(range(restart, steps)), (case, steps_in_order(appended))
+    by_step: dict[int, dict[str, str]] = {}
+    for row in appended:
+        by_step.setdefault(int(row["step"]), {}).update(row)
     for step in range(restart, steps):
-        assert after[step] == full[step], f"{case}: step {step} differs"
+        assert by_step[step] == full[step], f"{case}: step {step} differs"
     # Rows the killed run flushed before it died (the CSV is written in batches) match too, including
     # the steps it trained that the resumed run had to repeat.
-    for step, row in before.items():
+    killed_by_step: dict[int, dict[str, str]] = {}
+    for row in killed_rows:
+        killed_by_step.setdefault(int(row["step"]), {}).update(row)
+    for step, row in killed_by_step.items():
         assert row == full[step], f"{case}: step {step} of the killed run differs"
-    names = sorted(p.name for p in (cut_root / "checkpoints").iterdir())
+    names = sorted(p.name for p in ckpt_dir.iterdir())
     assert not any(".tmp." in name for name in names), names  # the next save cleared the torn file
-    ckpt = AtomicCheckpointIO().load_checkpoint(cut_root / "checkpoints" / "last.ckpt")
+    ckpt = AtomicCheckpointIO().load_checkpoint(ckpt_dir / "last.ckpt")
     assert ckpt["global_step"] == steps
     if algorithm == "grpo":
         assert ckpt["align"]["rl"] == {"rollouts": steps, "updates": steps}
@@ -141,6 +163,8 @@ def test_resume_auto_starts_fresh_then_continues_from_last(tmp_path):
     launch(2)  # nothing to resume yet: a fresh run
     assert sorted(metrics_by_step(root, 0)) == [0, 1]
     launch(4)
-    last = AtomicCheckpointIO().load_checkpoint(root / "checkpoints" / "last.ckpt")
+    # The same run, continued in its own folder: one version, its checkpoint and its metrics carried on.
+    assert sorted(p.name for p in root.glob("version_*")) == ["version_0"]
+    last = AtomicCheckpointIO().load_checkpoint(root / "version_0" / "checkpoints" / "last.ckpt")
     assert last["global_step"] == 4
-    assert sorted(metrics_by_step(root, 1)) == [2, 3]  # the second launch trained only the new steps
+    assert steps_in_order(rows_of(root, 0)) == [0, 1, 2, 3]  # the second launch trained only the new steps
