@@ -74,7 +74,7 @@ def test_messages_fields_equal_string_fields(encoder):
 def test_bad_rows_name_file_row_and_field(encoder, row, field, expected):
     good = {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}
     with pytest.raises(AlignDataError) as info:
-        tokenize(encoder, [good, good, row])
+        tokenize(encoder, [good, good, row], strict=True)
     message = str(info.value)
     assert "pairs.jsonl: row 3" in message and f"field '{field}'" in message and expected in message
 
