@@ -9,6 +9,7 @@ seeded ``val_size`` slice of the training rows; ``val_files`` named explicitly a
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Callable, Sequence
 
 import lightning as L
@@ -120,6 +121,13 @@ class TokenizerDataModule(L.LightningDataModule):
             notice(line)
         if train is not None:
             self.train_set = self.make_dataset(train, "train")
+
+    @staticmethod
+    def no_validation() -> list:
+        """What ``val_dataloader`` returns without validation data: no loaders, which Lightning skips. Its warning
+        that the validation data is empty is silenced: the choice was announced at setup."""
+        warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+        return []
 
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -10,7 +10,7 @@
 
 A split may be sliced with the ``datasets`` syntax, for every kind of source: ``train[:10]``, ``train[10%:]``,
 ``train[:50%]+train[-5:]``. Rows keep the numbers they have in their source (from 1), so an error in
-``train[100:]`` names the row as it is numbered in the file.
+``train[100:]`` names the row as it is numbered in the file (for JSON lines, its line number).
 """
 
 from __future__ import annotations
@@ -97,12 +97,14 @@ def _slice(splits: dict, spec: str, source: str, split_key: str) -> Rows:
         rows = splits[part.splitname]
         out.extend(rows[part.from_:part.to] if isinstance(rows, list) else
                    rows.select(range(part.from_, part.to)).to_list())
-        out.numbers.extend(range(part.from_ + 1, part.to + 1))
+        numbers = getattr(rows, "numbers", None) or range(1, len(rows) + 1)
+        out.numbers.extend(numbers[part.from_:part.to])
     return out
 
 
-def _read_jsonl(path: Path, source: str) -> list[dict]:
-    rows = []
+def _read_jsonl(path: Path, source: str) -> Rows:
+    """Rows numbered by their line (blank lines are skipped, so row N is line N of the file)."""
+    rows = Rows()
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
@@ -118,6 +120,7 @@ def _read_jsonl(path: Path, source: str) -> list[dict]:
             if not isinstance(row, dict):
                 raise AlignDataError(source, lineno, None, "a JSON object", row)
             rows.append(row)
+            rows.numbers.append(lineno)
     return rows
 
 

@@ -459,5 +459,5 @@ class PreferenceDataModule(TokenizerDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
-            return []
+            return self.no_validation()
         return self.eval_dataloader(self.val_set)

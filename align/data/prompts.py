@@ -189,7 +189,7 @@ class PromptDataModule(TokenizerDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
-            return []
+            return self.no_validation()
         return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
                           shuffle=False, collate_fn=collate_prompts, num_workers=self.hparams.num_workers)
 

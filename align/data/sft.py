@@ -258,6 +258,6 @@ class SFTDataModule(TokenizerDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
-            return []
+            return self.no_validation()
         return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
                           shuffle=False, collate_fn=self._collator(), num_workers=self.hparams.num_workers)
