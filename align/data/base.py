@@ -41,7 +41,7 @@ def bundled_validation(train_files: Sequence[str]) -> list[str] | None:
 
 def check_val_size(val_size: int | float) -> None:
     if isinstance(val_size, bool) or not (
-            (isinstance(val_size, int) and val_size >= 0) or (isinstance(val_size, float) and 0 < val_size < 1)):
+            (isinstance(val_size, int) and val_size >= 0) or (isinstance(val_size, float) and 0 <= val_size < 1)):
         raise AlignDataError("data.val_size", None, None, "a row count >= 0 or a fraction between 0 and 1", val_size)
 
 
@@ -105,6 +105,9 @@ class TokenizerDataModule(L.LightningDataModule):
             if val_files:
                 val = self.load_examples(val_files, hp.val_split, "val", "data.val_split")
                 line = f"validation: {', '.join(val_files)} ({reason})"
+            elif hold and isinstance(hp.val_size, float) and len(train) < 2:
+                line = (f"validation: none ({', '.join(train_files)} has {len(train)} row, too few to hold out "
+                        f"data.val_size {hp.val_size})")
             elif hold:
                 count = held_out_count(hp.val_size, len(train))
                 if count >= len(train):

@@ -141,6 +141,10 @@ def test_held_out_rows_never_train_and_a_too_small_file_says_what_to_do(tmp_path
     assert sum(e.loss_tokens for e in packed.val_set.examples) == sum(e.loss_tokens for e in dm.val_set.examples)
     with pytest.raises(AlignDataError, match=r"my.jsonl: expected more than the 20 rows data.val_size=20 holds out"):
         setup_module_(SFTDataModule, tokenizer, caplog, train_files=path, val_size=20)
+    one = write(tmp_path / "one.jsonl", SFT_ROWS[:1])
+    dm, line = setup_module_(SFTDataModule, tokenizer, caplog, train_files=one)  # a fraction of one row: none
+    assert line == f"validation: none ({one} has 1 row, too few to hold out data.val_size 0.05)"
+    assert dm.val_set is None and len(dm.train_set) == 1
     with pytest.raises(AlignDataError, match="data.val_size: expected a row count >= 0 or a fraction"):
         SFTDataModule(val_size=1.5)
 
