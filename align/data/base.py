@@ -1,16 +1,61 @@
-"""What every ``align`` data module shares: its tokenizer and its chat encoder."""
+"""What every ``align`` data module shares: its tokenizer, its chat encoder, and how it picks validation data.
+
+Validation data (docs/data.md, "Validation data"): ``val_files: auto`` (the default) takes the bundled task's
+own validation file when the training files are that task's bundled training files, and otherwise holds out a
+seeded ``val_size`` slice of the training rows; ``val_files`` named explicitly are used as given, and
+``val_files: null`` (or ``val_size: 0``) runs without validation. A run never evaluates on another task's data.
+"""
 
 from __future__ import annotations
 
+import random
+import warnings
 from typing import Callable, Sequence
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from align.data.chat import ChatEncoder
+from align.data.formats import notice
+from align.data.io import BUNDLED_PREFIX
 from align.data.sampling import (EpochRandomSampler, EpochSequentialSampler, ResumableBatchSampler, ResumableDataLoader,
                                  WindowBatchSampler)
 from align.errors import AlignDataError
+
+
+AUTO = "auto"
+"""``val_files`` default: the bundled task's validation file, or a held-out slice of the user's training rows."""
+
+
+def file_list(files: str | Sequence[str] | None) -> list[str]:
+    return [] if files is None else [files] if isinstance(files, str) else list(files)
+
+
+def bundled_validation(train_files: Sequence[str]) -> list[str] | None:
+    """``align:<task>/<kind>/validation.jsonl`` for each bundled training file; None when any file is the user's."""
+    suffix = "/train.jsonl"
+    if not train_files or not all(f.startswith(BUNDLED_PREFIX) and f.endswith(suffix) for f in train_files):
+        return None
+    return [f[: -len(suffix)] + "/validation.jsonl" for f in train_files]
+
+
+def check_val_size(val_size: int | float) -> None:
+    if isinstance(val_size, bool) or not (
+            (isinstance(val_size, int) and val_size >= 0) or (isinstance(val_size, float) and 0 <= val_size < 1)):
+        raise AlignDataError("data.val_size", None, None, "a row count >= 0 or a fraction between 0 and 1", val_size)
+
+
+def held_out_count(val_size: int | float, rows: int) -> int:
+    """Rows ``val_size`` holds out of ``rows``: a count, or a fraction (at least one row)."""
+    return val_size if isinstance(val_size, int) else max(1, round(val_size * rows))
+
+
+def hold_out(items: list, count: int, seed: int) -> tuple[list, list]:
+    """``(kept, held)``: ``count`` items chosen by a seeded shuffle, both in their original order."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    held = set(order[len(items) - count:])
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
 
 class TokenizerDataModule(L.LightningDataModule):
@@ -18,11 +63,74 @@ class TokenizerDataModule(L.LightningDataModule):
 
     Subclasses call ``save_hyperparameters()`` with ``tokenizer`` and ``use_chat_template`` among their
     arguments. ``set_tokenizer`` supplies one directly (outside a trainer, or in tests).
+
+    Subclasses have ``train_files``, ``val_files``, ``val_size``, ``seed``, ``split`` and ``val_split`` settings
+    and implement :meth:`load_examples` and :meth:`make_dataset`; :meth:`setup` does the rest.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.tokenizer = None
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self._val_chosen = False
+
+    def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list:
+        """Validated, tokenized examples of ``files`` for ``split`` (``name`` is ``train`` or ``val``; ``split_key``
+        is the setting named when the split is wrong)."""
+        raise NotImplementedError
+
+    def make_dataset(self, examples: list, name: str) -> Dataset:
+        """The dataset of ``examples`` (``name`` is ``train`` or ``val``)."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        """Training data when ``stage`` fits, and the validation data (:func:`bundled_validation`, the given
+        files, a held-out slice, or none), chosen once and announced in one line on global rank 0."""
+        hp = self.hparams
+        need_train = stage in (None, "fit") and self.train_set is None
+        if self._val_chosen and not need_train:
+            return
+        train_files = file_list(hp.train_files)
+        val_files, reason = None, "data.val_files"
+        if hp.val_files == AUTO:
+            val_files, reason = bundled_validation(train_files), "bundled with the training task"
+        elif hp.val_files:
+            val_files = file_list(hp.val_files)
+        hold = not self._val_chosen and hp.val_files == AUTO and val_files is None and hp.val_size != 0
+        train = self.load_examples(train_files, hp.split, "train", "data.split") if need_train or hold else None
+        if not self._val_chosen:
+            self._val_chosen = True
+            val = None
+            if val_files:
+                val = self.load_examples(val_files, hp.val_split, "val", "data.val_split")
+                line = f"validation: {', '.join(val_files)} ({reason})"
+            elif hold and isinstance(hp.val_size, float) and len(train) < 2:
+                line = (f"validation: none ({', '.join(train_files)} has {len(train)} row, too few to hold out "
+                        f"data.val_size {hp.val_size})")
+            elif hold:
+                count = held_out_count(hp.val_size, len(train))
+                if count >= len(train):
+                    raise AlignDataError(", ".join(train_files), None, None, f"more than the {count} rows "
+                                         f"data.val_size={hp.val_size} holds out for validation (or set "
+                                         "data.val_size 0, or give data.val_files)", f"{len(train)} rows")
+                train, val = hold_out(train, count, hp.seed)
+                line = (f"validation: {count} of {count + len(train)} rows held out of {', '.join(train_files)} "
+                        f"(data.val_size {hp.val_size}, data.seed {hp.seed})")
+            else:
+                line = "validation: none (" + ("data.val_size is 0" if hp.val_files == AUTO
+                                               else "data.val_files is null") + ")"
+            self.val_set = self.make_dataset(val, "val") if val else None
+            notice(line)
+        if train is not None:
+            self.train_set = self.make_dataset(train, "train")
+
+    @staticmethod
+    def no_validation() -> list:
+        """What ``val_dataloader`` returns without validation data: no loaders, which Lightning skips. Its warning
+        that the validation data is empty is silenced: the choice was announced at setup."""
+        warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+        return []
 
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer

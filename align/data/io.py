@@ -1,9 +1,16 @@
-"""Reading dataset files: jsonl, json, parquet and csv through ``datasets``, the bundled task, or the hub.
+"""Reading datasets: local files, ``save_to_disk`` folders, the bundled tasks and the hub (docs/data.md).
 
-JSON lines are read line by line first so that a malformed line, a non-object line or invalid UTF-8 fails
-with the file and line number; the other formats are read with ``datasets`` and rows are numbered from 1.
-A bundled file is named ``align:<task>/<kind>/<split>.jsonl`` (for example ``align:sort/sft/train.jsonl``); a hub
-dataset with several configs is named ``org/name:config`` (for example ``openai/gsm8k:main``).
+* A local file is read by its extension: jsonl, json, parquet or csv. JSON lines are read line by line first,
+  so that a malformed line, a non-object line or invalid UTF-8 fails with the file and line number; the other
+  formats are read with ``datasets``. A file has one split, ``train``.
+* A folder written by ``Dataset.save_to_disk`` (one split, ``train``) or ``DatasetDict.save_to_disk`` (its own
+  splits) is read with ``datasets.load_from_disk``.
+* A bundled file is named ``align:<task>/<kind>/<split>.jsonl`` (for example ``align:sort/sft/train.jsonl``).
+* Any other name is a hub dataset, ``org/name`` or ``org/name:config`` (for example ``openai/gsm8k:main``).
+
+A split may be sliced with the ``datasets`` syntax, for every kind of source: ``train[:10]``, ``train[10%:]``,
+``train[:50%]+train[-5:]``. Rows keep the numbers they have in their source (from 1), so an error in
+``train[100:]`` names the row as it is numbered in the file (for JSON lines, its line number).
 """
 
 from __future__ import annotations
@@ -16,6 +23,21 @@ from align.errors import AlignDataError
 BUNDLED_PREFIX = "align:"
 ASSETS = Path(__file__).parent / "assets"
 _EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+LOCAL_SPLIT = "train"
+
+
+class Rows(list):
+    """A list of row dicts that also knows each row's number in its source (from 1), for error messages."""
+
+    def __init__(self, rows=(), numbers=None):
+        super().__init__(rows)
+        self.numbers: list[int] = list(numbers) if numbers is not None else list(range(1, len(self) + 1))
+
+
+def numbered(rows) -> list[tuple[int, dict]]:
+    """``(row number in its source, row)`` pairs: the numbers :class:`Rows` carries, else 1, 2, ..."""
+    numbers = getattr(rows, "numbers", None) or range(1, len(rows) + 1)
+    return list(zip(numbers, rows))
 
 
 def resolve(source: str) -> str:
@@ -29,28 +51,60 @@ def resolve(source: str) -> str:
     return source
 
 
-def read_rows(source: str, split: str = "train") -> list[dict]:
-    """Rows of a local file (by extension) or a hub dataset (name plus ``split``) as dicts."""
+def read_rows(source: str, split: str | None = LOCAL_SPLIT, split_key: str = "data.split") -> Rows:
+    """Rows of ``source`` (see the module docstring) for ``split``, sliced when the split says so.
+
+    ``split=None`` takes the source's natural held-out split: ``train`` for a file (its only one), ``validation``
+    for a hub dataset or a ``DatasetDict`` folder. ``split_key`` is the setting named when the split is wrong.
+    """
     path_str = resolve(source)
     path = Path(path_str).expanduser()
     suffix = path.suffix.lower()
-    if path.exists():
-        if path.is_dir():
-            raise AlignDataError(source, None, None, "a .jsonl, .json, .parquet or .csv file, not a directory")
+    if path.is_dir():
+        rows = _read_saved(path, source, split, split_key)
+    elif path.exists():
         if suffix not in _EXTENSIONS:
-            raise AlignDataError(source, None, None, f"a file ending in one of {sorted(_EXTENSIONS)}")
-        rows = _read_jsonl(path, source) if suffix == ".jsonl" else _read_with_datasets(path, source, _EXTENSIONS[suffix])
+            raise AlignDataError(source, None, None, f"a file ending in one of {sorted(_EXTENSIONS)}, or a folder "
+                                 "written by Dataset.save_to_disk")
+        full = _read_jsonl(path, source) if suffix == ".jsonl" else _read_with_datasets(path, source, _EXTENSIONS[suffix])
+        rows = _slice({LOCAL_SPLIT: full}, split or LOCAL_SPLIT, source, split_key)
     elif suffix in _EXTENSIONS or path_str.startswith((".", "/", "~")):
         raise AlignDataError(source, None, None, "an existing file (no such file)")
     else:
-        rows = _read_hub(path_str, split)
+        rows = _read_hub(path_str, split or "validation")
     if not rows:
         raise AlignDataError(source, None, None, "at least one row (the dataset is empty)")
     return rows
 
 
-def _read_jsonl(path: Path, source: str) -> list[dict]:
-    rows = []
+def _slice(splits: dict, spec: str, source: str, split_key: str) -> Rows:
+    """The rows ``spec`` selects from ``splits`` (name -> list of rows or ``datasets.Dataset``), numbered as in
+    their split."""
+    import datasets
+
+    sizes = {name: len(rows) for name, rows in splits.items()}
+    try:
+        parts = datasets.ReadInstruction.from_spec(spec).to_absolute(sizes)
+    except (ValueError, AssertionError):
+        example = next(iter(sizes))
+        what = (f"the split '{LOCAL_SPLIT}' (a file has no other)" if set(sizes) == {LOCAL_SPLIT}
+                else f"one of the splits {sorted(sizes)}")
+        raise AlignDataError(source, None, split_key, f"{what}, optionally sliced in the datasets syntax "
+                             f"('{example}[:10]', '{example}[10%:]', '{example}[:50%]')", spec) from None
+    out = Rows()
+    out.numbers = []
+    for part in parts:
+        rows = splits[part.splitname]
+        out.extend(rows[part.from_:part.to] if isinstance(rows, list) else
+                   rows.select(range(part.from_, part.to)).to_list())
+        numbers = getattr(rows, "numbers", None) or range(1, len(rows) + 1)
+        out.numbers.extend(numbers[part.from_:part.to])
+    return out
+
+
+def _read_jsonl(path: Path, source: str) -> Rows:
+    """Rows numbered by their line (blank lines are skipped, so row N is line N of the file)."""
+    rows = Rows()
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
@@ -66,6 +120,7 @@ def _read_jsonl(path: Path, source: str) -> list[dict]:
             if not isinstance(row, dict):
                 raise AlignDataError(source, lineno, None, "a JSON object", row)
             rows.append(row)
+            rows.numbers.append(lineno)
     return rows
 
 
@@ -79,8 +134,26 @@ def _read_with_datasets(path: Path, source: str, builder: str) -> list[dict]:
     return ds.to_list()
 
 
-def _read_hub(name: str, split: str) -> list[dict]:
-    """A hub dataset ``org/name``, or ``org/name:config`` for one with several configs (``openai/gsm8k:main``)."""
+def _read_saved(path: Path, source: str, split: str | None, split_key: str) -> Rows:
+    """A folder written by ``Dataset.save_to_disk`` (split ``train``) or ``DatasetDict.save_to_disk``."""
+    import datasets
+
+    if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        raise AlignDataError(source, None, None, "a .jsonl, .json, .parquet or .csv file, or a folder written by "
+                             "Dataset.save_to_disk or DatasetDict.save_to_disk (no dataset_dict.json or state.json "
+                             "in this folder)")
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as err:  # noqa: BLE001
+        raise AlignDataError(source, None, None, f"a readable save_to_disk folder ({type(err).__name__}: {err})") from None
+    if isinstance(saved, datasets.DatasetDict):
+        return _slice(dict(saved), split or "validation", source, split_key)
+    return _slice({LOCAL_SPLIT: saved}, split or LOCAL_SPLIT, source, split_key)
+
+
+def _read_hub(name: str, split: str) -> Rows:
+    """A hub dataset ``org/name``, or ``org/name:config`` for one with several configs (``openai/gsm8k:main``).
+    ``datasets`` applies the split's slice itself."""
     import datasets
 
     repo, _, config = name.partition(":")
@@ -90,4 +163,4 @@ def _read_hub(name: str, split: str) -> list[dict]:
         raise AlignDataError(
             name, None, None, f"a local file or a reachable hub dataset with split '{split}' ({type(err).__name__}: {err})"
         ) from None
-    return ds.to_list()
+    return Rows(ds.to_list())

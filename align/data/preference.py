@@ -1,8 +1,19 @@
 """Preference data: validation, tokenization and collation into :class:`PreferenceBatch`.
 
-A row is ``{"prompt", "chosen", "rejected"}`` (README, "Data formats"); each field is a string or a list of messages (the
-prompt may hold several turns, each response is one assistant message). An optional ``margin`` column (a number,
-the Llama 2 preference strength, arXiv 2307.09288) is used by the reward model's Bradley-Terry loss.
+Rows take TRL's preference shapes (docs/data.md, "Preference"), each reduced to a prompt (messages) and two
+responses (one assistant message each):
+
+* explicit prompt, ``{"prompt", "chosen", "rejected"}``: each field a string or a list of messages (the prompt may
+  hold several turns, each response is one assistant message). UltraFeedback's shape, where ``chosen`` and
+  ``rejected`` are whole conversations that start with the prompt's messages, is read the same way: the prompt's
+  turns are stripped from each.
+* implicit prompt, ``{"chosen", "rejected"}``: two whole conversations (lists of messages, or Anthropic HH text
+  with ``\n\nHuman:``/``\n\nAssistant:`` turns) identical up to their final assistant message. That shared
+  prefix is the prompt, and each final assistant message a response.
+
+Unpaired rows ``{"prompt", "completion", "label"}`` (KTO) are refused with a line saying that no algorithm here
+takes them yet. An optional ``margin`` column (a number, the Llama 2 preference strength, arXiv 2307.09288) is used
+by the reward model's Bradley-Terry loss.
 
 Tokenization applies the chat template once to the prompt plus each response (:class:`~align.data.chat.ChatEncoder`):
 the prompt ids are the ids a rollout would generate from, and each response's ids are what the template adds after
@@ -28,10 +39,11 @@ from typing import Literal, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from align.data.base import TokenizerDataModule
+from align.data.base import AUTO, TokenizerDataModule, check_val_size
 from align.data.chat import ChatEncoder
-from align.data.formats import completion_text, detect_format, prompt_messages, _expect_str
-from align.data.io import read_rows
+from align.data.formats import (UnusedColumns, check_messages, completion_text, conversation, detect_format,
+                                hh_messages, prompt_messages, row_system, with_system)
+from align.data.io import numbered, read_rows
 from align.errors import AlignDataError
 
 log = logging.getLogger(__name__)
@@ -39,8 +51,11 @@ log = logging.getLogger(__name__)
 Truncation = Literal["left", "drop", "error"]
 IdenticalPairs = Literal["drop", "keep", "error"]
 
-PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
-PREFERENCE_FORMATS = {"preference": (frozenset(PREFERENCE_FIELDS), frozenset({"system", "margin"}))}
+PREFERENCE_FORMATS = {
+    "explicit-prompt preference": (frozenset({"prompt", "chosen", "rejected"}), frozenset({"system", "margin"})),
+    "implicit-prompt preference": (frozenset({"chosen", "rejected"}), frozenset({"system", "margin"})),
+    "unpaired preference": (frozenset({"prompt", "completion", "label"}), frozenset({"system"})),
+}
 
 
 @dataclass
@@ -110,27 +125,67 @@ class PreferenceBatch:
 
 
 def preference_record(row: dict, source: str, index: int, ignore: frozenset = frozenset(),
-                      system_prompt: str | None = None) -> PreferenceRecord:
-    """Validate one row; errors name the file, the row and the field."""
-    for name in PREFERENCE_FIELDS:
-        if name not in row:
-            raise AlignDataError(source, index, name, f"a '{name}' field (a string or a list of messages) in every "
-                                 "preference row {prompt, chosen, rejected}", f"fields {sorted(row)}")
-    detect_format(row, PREFERENCE_FORMATS, source, index, ignore)
-    system = row.get("system", system_prompt)
-    if system is not None:
-        system = _expect_str(system, source, index, "system")
+                      system_prompt: str | None = None, unused: UnusedColumns | None = None) -> PreferenceRecord:
+    """Validate one row of any accepted shape; errors name the file, the row and the field."""
+    for name, other in (("chosen", "rejected"), ("rejected", "chosen")):
+        if other in row and name not in row:
+            raise AlignDataError(source, index, name, f"a '{name}' field beside '{other}' in every preference row "
+                                 "({prompt, chosen, rejected} or {chosen, rejected})", f"fields {sorted(row)}")
+    fmt, extra = detect_format(row, PREFERENCE_FORMATS, source, index, ignore)
+    if fmt == "unpaired preference":
+        raise AlignDataError(source, index, "label", "paired rows {prompt, chosen, rejected} or {chosen, rejected}: "
+                             "unpaired {prompt, completion, label} rows (KTO) are not taken by any align algorithm yet")
+    if unused is not None:
+        unused.check(index, fmt, extra, PREFERENCE_FORMATS[fmt][0] | PREFERENCE_FORMATS[fmt][1])
+    system = row_system(row, source, index, system_prompt)
     margin = row.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin):
         raise AlignDataError(source, index, "margin", "a number", margin)
-    return PreferenceRecord(
-        prompt=prompt_messages(row["prompt"], source, index, "prompt", system),
-        chosen=completion_text(row["chosen"], source, index, "chosen"),
-        rejected=completion_text(row["rejected"], source, index, "rejected"),
-        margin=None if margin is None else float(margin),
-        row=index,
-        source=source,
-    )
+    if fmt == "explicit-prompt preference":
+        prompt = prompt_messages(row["prompt"], source, index, "prompt")
+        chosen = response_after(prompt, row["chosen"], source, index, "chosen")
+        rejected = response_after(prompt, row["rejected"], source, index, "rejected")
+    else:
+        if isinstance(row["chosen"], str) and hh_messages(row["chosen"], source, index, "chosen") is None:
+            raise AlignDataError(source, index, "prompt", "a 'prompt' field when 'chosen' is plain text (without one, "
+                                 "chosen and rejected are whole conversations: lists of messages, or Anthropic HH "
+                                 "text)", f"fields {sorted(row)}")
+        prompt, chosen, rejected = shared_prompt(conversation(row["chosen"], source, index, "chosen"),
+                                                 conversation(row["rejected"], source, index, "rejected"),
+                                                 source, index)
+    return PreferenceRecord(with_system(prompt, system), chosen, rejected,
+                            None if margin is None else float(margin), index, source)
+
+
+def response_after(prompt: list[dict], value, source: str, index: int, field: str) -> str:
+    """A response given as text, as one assistant message, or as a whole conversation that starts with the
+    prompt's messages (UltraFeedback) and continues with one assistant message."""
+    if not isinstance(value, list) or len(value) <= 1:
+        return completion_text(value, source, index, field)
+    messages = check_messages(value, source, index, field, need_assistant=True)
+    if messages[:len(prompt)] != prompt or len(messages) != len(prompt) + 1 or messages[-1]["role"] != "assistant":
+        raise AlignDataError(source, index, field, "a string, one assistant message, or a conversation made of the "
+                             "prompt's messages followed by one assistant message", value)
+    return messages[-1]["content"]
+
+
+def shared_prompt(chosen: list[dict], rejected: list[dict], source: str, index: int) -> tuple[list[dict], str, str]:
+    """Implicit prompt: ``(prompt, chosen reply, rejected reply)`` from two conversations identical up to their
+    final assistant messages."""
+    for name, messages in (("chosen", chosen), ("rejected", rejected)):
+        if messages[-1]["role"] != "assistant" or len(messages) < 2:
+            raise AlignDataError(source, index, name, "a conversation of at least one prompt message followed by the "
+                                 "assistant's reply (an implicit-prompt row ends with one assistant message)",
+                                 f"{len(messages)} messages ending with a {messages[-1]['role']} message")
+    prompt = chosen[:-1]
+    if rejected[:-1] != prompt:
+        at = next((i for i, (a, b) in enumerate(zip(prompt, rejected[:-1])) if a != b), min(len(prompt), len(rejected) - 1))
+        raise AlignDataError(source, index, "rejected", "the same messages as 'chosen' before the final assistant "
+                             f"message (the shared prompt); they differ at message {at}")
+    if prompt[-1]["role"] == "assistant":
+        raise AlignDataError(source, index, "chosen", "a prompt (the shared messages) that does not end with an "
+                             "assistant message", prompt[-1])
+    return prompt, chosen[-1]["content"], rejected[-1]["content"]
 
 
 def encode_response(encoder: ChatEncoder, prompt_ids: list[int], messages: list[dict], response: str,
@@ -184,11 +239,13 @@ def tokenize_preference_rows(
     identical_pairs: IdenticalPairs = "drop",
     ignore_columns: frozenset = frozenset(),
     system_prompt: str | None = None,
+    strict: bool = False,
 ) -> PreparedSplit:
-    """Validate and tokenize every row of one file."""
+    """Validate and tokenize every row of one file (unused columns: one notice, or an error when ``strict``)."""
     out = PreparedSplit(rows=len(rows))
-    for index, row in enumerate(rows, start=1):
-        record = preference_record(row, source, index, ignore_columns, system_prompt)
+    unused = UnusedColumns(source, strict)
+    for index, row in numbered(rows):
+        record = preference_record(row, source, index, ignore_columns, system_prompt, unused)
         if record.chosen == record.rejected:
             out.identical += 1
             if identical_pairs == "error":
@@ -216,6 +273,7 @@ def tokenize_preference_rows(
             prompt_ids = prompt_ids[len(prompt_ids) - keep:]
             out.truncated += 1
         out.examples.append(PreferenceExample(prompt_ids, chosen, rejected, record.margin or 0.0, index, truncated))
+    unused.report()
     return out
 
 
@@ -293,7 +351,9 @@ class PreferenceDataModule(TokenizerDataModule):
     def __init__(
         self,
         train_files: str | list[str] = "align:sort/preference/train.jsonl",
-        val_files: str | list[str] | None = "align:sort/preference/validation.jsonl",
+        val_files: str | list[str] | None = AUTO,
+        val_size: int | float = 0.05,
+        seed: int = 0,
         tokenizer: str | None = None,
         max_length: int = 512,
         max_prompt_length: int | None = None,
@@ -304,16 +364,22 @@ class PreferenceDataModule(TokenizerDataModule):
         use_chat_template: bool | None = None,
         system_prompt: str | None = None,
         ignore_columns: list[str] | None = None,
+        strict: bool = False,
         split: str = "train",
-        val_split: str = "validation",
+        val_split: str | None = None,
         shuffle: bool = True,
         num_workers: int = 0,
     ):
         """
         Args:
-            train_files: Training pairs ``{prompt, chosen, rejected}``: jsonl/json/parquet/csv paths, ``align:...``
-                bundled files, or a hub dataset.
-            val_files: Held-out pairs in the same format; null for none.
+            train_files: Training pairs (``{prompt, chosen, rejected}`` or ``{chosen, rejected}``, docs/data.md):
+                jsonl/json/parquet/csv files, save_to_disk folders, ``align:...`` bundled files, or hub datasets
+                ``org/name[:config]``.
+            val_files: Validation pairs; ``auto``: the bundled task's validation file for bundled training files,
+                else ``val_size`` pairs held out of the training data; null: no validation.
+            val_size: Pairs held out of the user's training data under ``val_files: auto``: a count, or a fraction
+                (0.05); 0 for no validation.
+            seed: Seed of the held-out pairs' selection.
             tokenizer: Tokenizer path or id; null uses the policy's.
             max_length: Longest allowed prompt + response, in tokens (the longer response counts).
             max_prompt_length: Longest allowed prompt in tokens; null means only ``max_length`` applies.
@@ -325,9 +391,12 @@ class PreferenceDataModule(TokenizerDataModule):
             val_batch_size: Validation pairs per batch (defaults to ``batch_size``).
             use_chat_template: Apply the tokenizer's chat template; null uses it when the tokenizer has one.
             system_prompt: A system message added to every prompt that has none.
-            ignore_columns: Extra columns to skip instead of rejecting the row.
-            split: Hub split for ``train_files`` when it names a hub dataset.
-            val_split: Hub split for ``val_files`` when it names a hub dataset.
+            ignore_columns: Columns to skip silently (other unused columns are ignored with a one-line notice).
+            strict: Refuse a row with a column its shape does not use, instead of the notice.
+            split: Split of ``train_files``, sliceable as in ``train[:1000]`` or ``train[10%:]`` (a file has only
+                ``train``).
+            val_split: Split of ``val_files``; null: ``train`` for a file, ``validation`` for a hub dataset or a
+                DatasetDict folder.
             shuffle: Shuffle training pairs each epoch (seeded by ``seed_everything``).
             num_workers: DataLoader worker processes.
         """
@@ -336,11 +405,9 @@ class PreferenceDataModule(TokenizerDataModule):
             raise AlignDataError("data.truncation", None, None, "'left', 'drop' or 'error'", truncation)
         if identical_pairs not in ("drop", "keep", "error"):
             raise AlignDataError("data.identical_pairs", None, None, "'drop', 'keep' or 'error'", identical_pairs)
+        check_val_size(val_size)
         self.save_hyperparameters()
-        self.train_set: PreferenceDataset | None = None
-        self.val_set: PreferenceDataset | None = None
         self.stats: dict[str, PreparedSplit] = {}
-
 
     def encoding_spec(self) -> dict:
         """What a scorer needs to encode text the way training did (saved with reward-model exports)."""
@@ -348,15 +415,15 @@ class PreferenceDataModule(TokenizerDataModule):
         return {"use_chat_template": self.encoder().use_chat_template, "system_prompt": hp.system_prompt,
                 "max_length": hp.max_length, "max_prompt_length": hp.max_prompt_length}
 
-    def _load(self, files, split: str, name: str) -> PreferenceDataset:
+    def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list[PreferenceExample]:
         hp = self.hparams
         encoder = self.encoder()
         total = PreparedSplit()
-        for source in [files] if isinstance(files, str) else files:
+        for source in files:
             found = tokenize_preference_rows(
-                read_rows(source, split), source, encoder, max_length=hp.max_length,
+                read_rows(source, split, split_key), source, encoder, max_length=hp.max_length,
                 max_prompt_length=hp.max_prompt_length, truncation=hp.truncation, identical_pairs=hp.identical_pairs,
-                ignore_columns=frozenset(hp.ignore_columns or ()), system_prompt=hp.system_prompt,
+                ignore_columns=frozenset(hp.ignore_columns or ()), system_prompt=hp.system_prompt, strict=hp.strict,
             )
             if found.identical:
                 log.warning("%s: %d of %d rows have chosen == rejected (%s)", source, found.identical, found.rows,
@@ -371,15 +438,12 @@ class PreferenceDataModule(TokenizerDataModule):
             for key in ("rows", "truncated", "dropped_long", "identical", "dropped_identical"):
                 setattr(total, key, getattr(total, key) + getattr(found, key))
         if not total.examples:
-            raise AlignDataError(str(files), None, None, "at least one usable pair after filtering")
-        self.stats[name] = total
-        return PreferenceDataset(total.examples)
+            raise AlignDataError(", ".join(files), None, None, "at least one usable pair after filtering")
+        self.stats[name] = total  # counts of the files read (before any held-out split)
+        return total.examples
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None and stage in (None, "fit"):
-            self.train_set = self._load(self.hparams.train_files, self.hparams.split, "train")
-        if self.val_set is None and self.hparams.val_files:
-            self.val_set = self._load(self.hparams.val_files, self.hparams.val_split, "val")
+    def make_dataset(self, examples: list[PreferenceExample], name: str) -> PreferenceDataset:
+        return PreferenceDataset(examples)
 
     def collator(self) -> PreferenceCollator:
         return PreferenceCollator(self._resolve_tokenizer().pad_token_id)
@@ -395,5 +459,5 @@ class PreferenceDataModule(TokenizerDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
-            return []
+            return self.no_validation()
         return self.eval_dataloader(self.val_set)

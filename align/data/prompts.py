@@ -5,23 +5,22 @@ assistant turn. Every other column (for example ``answer``) is kept and passed t
 keyword argument, one value per completion. Rows are validated up front: a row without the prompt field,
 or with an empty or malformed prompt, fails with the file, the row and the field.
 
-Held-out prompts for ``val/reward_mean`` come from ``val_files``, or, without them, from a seeded split of
-``val_size`` rows taken off the end of a shuffled copy of the training rows.
+Held-out prompts for ``val/reward_mean`` are chosen as for every data module (:mod:`align.data.base`): the bundled
+task's validation prompts, the given ``val_files``, or a seeded ``val_size`` slice of the user's prompts.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from align.data.base import TokenizerDataModule
+from align.data.base import AUTO, TokenizerDataModule, check_val_size
 from align.data.chat import ChatEncoder
 from align.data.formats import prompt_messages
-from align.data.io import read_rows
+from align.data.io import numbered, read_rows
 from align.errors import AlignDataError
 
 log = logging.getLogger(__name__)
@@ -77,10 +76,11 @@ def encode_prompt_rows(
     prompt_field: str = "prompt",
     max_prompt_length: int | None = None,
     system_prompt: str | None = None,
+    ignore_columns: frozenset = frozenset(),
 ) -> list[PromptExample]:
-    """Validate and encode every row (rows numbered from 1 in errors)."""
+    """Validate and encode every row (rows numbered as in their source, from 1, in errors)."""
     examples = []
-    for index, row in enumerate(rows, start=1):
+    for index, row in numbered(rows):
         if prompt_field not in row:
             raise AlignDataError(source, index, prompt_field, f"a row with a '{prompt_field}' field (a string or a "
                                  "list of messages)", f"fields {sorted(row)}")
@@ -89,7 +89,7 @@ def encode_prompt_rows(
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             raise AlignDataError(source, index, prompt_field, f"at most max_prompt_length={max_prompt_length} "
                                  "tokens", f"{len(ids)} tokens")
-        columns = {k: v for k, v in row.items() if k != prompt_field}
+        columns = {k: v for k, v in row.items() if k != prompt_field and k not in ignore_columns}
         clash = sorted(set(columns) & set(REWARD_INPUTS))
         if clash:
             raise AlignDataError(source, index, clash[0], f"a column name other than {clash[0]!r}, which rewards "
@@ -123,77 +123,63 @@ class PromptDataModule(TokenizerDataModule):
     def __init__(
         self,
         train_files: str | list[str] = "align:sort/prompts/train.jsonl",
-        val_files: str | list[str] | None = "align:sort/prompts/validation.jsonl",
+        val_files: str | list[str] | None = AUTO,
+        val_size: int | float = 0.05,
+        seed: int = 0,
         tokenizer: str | None = None,
         batch_size: int = 8,
         val_batch_size: int | None = None,
-        val_size: int = 0,
         max_prompt_length: int | None = 256,
         prompt_field: str = "prompt",
         system_prompt: str | None = None,
         use_chat_template: bool | None = None,
+        ignore_columns: list[str] | None = None,
         split: str = "train",
-        val_split: str = "validation",
+        val_split: str | None = None,
         shuffle: bool = True,
-        seed: int = 0,
         num_workers: int = 0,
     ):
         """
         Args:
-            train_files: Prompt data: jsonl/json/parquet/csv paths, ``align:...`` bundled files, or a hub dataset.
-            val_files: Held-out prompts for ``val/reward_mean``; null to split ``val_size`` rows off the training data.
+            train_files: Prompt data ``{prompt, ...}``: jsonl/json/parquet/csv files, save_to_disk folders,
+                ``align:...`` bundled files, or hub datasets ``org/name[:config]`` (docs/data.md).
+            val_files: Held-out prompts for ``val/reward_mean``; ``auto``: the bundled task's validation prompts for
+                bundled training files, else ``val_size`` prompts held out of the training data; null: none.
+            val_size: Prompts held out of the user's training data under ``val_files: auto``: a count, or a
+                fraction (0.05); 0 for no validation.
+            seed: Seed of the held-out prompts' selection.
             tokenizer: Tokenizer path or id; null uses the policy's.
             batch_size: Prompts per rollout on each device (each is sampled ``group_size`` times).
             val_batch_size: Prompts per validation batch (defaults to ``batch_size``).
-            val_size: Without ``val_files``: how many training rows to hold out for validation.
             max_prompt_length: Longest allowed prompt in tokens (the row is named if one is longer); null: no limit.
             prompt_field: Name of the prompt column; every other column is passed to the rewards.
             system_prompt: A system message added to every prompt that has none.
             use_chat_template: Apply the tokenizer's chat template; null uses it when the tokenizer has one.
-            split: Hub split for ``train_files`` when it names a hub dataset.
-            val_split: Hub split for ``val_files`` when it names a hub dataset.
+            ignore_columns: Columns not passed to the rewards (every other column is).
+            split: Split of ``train_files``, sliceable as in ``train[:1000]`` or ``train[10%:]`` (a file has only
+                ``train``).
+            val_split: Split of ``val_files``; null: ``train`` for a file, ``validation`` for a hub dataset or a
+                DatasetDict folder.
             shuffle: Shuffle training prompts each epoch (seeded by ``seed_everything``).
-            seed: Seed of the held-out split taken with ``val_size``.
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        if val_size < 0:
-            raise AlignDataError("data.val_size", None, None, "a count >= 0", val_size)
+        check_val_size(val_size)
         self.save_hyperparameters()
-        self.train_set: PromptDataset | None = None
-        self.val_set: PromptDataset | None = None
-        self._loaded = False
 
-
-    def _load(self, files, split: str) -> list[PromptExample]:
+    def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list[PromptExample]:
         hp = self.hparams
         encoder = self.encoder()
         examples: list[PromptExample] = []
-        for source in [files] if isinstance(files, str) else files:
-            examples += encode_prompt_rows(read_rows(source, split), source, encoder, prompt_field=hp.prompt_field,
-                                           max_prompt_length=hp.max_prompt_length, system_prompt=hp.system_prompt)
+        for source in files:
+            examples += encode_prompt_rows(read_rows(source, split, split_key), source, encoder,
+                                           prompt_field=hp.prompt_field, max_prompt_length=hp.max_prompt_length,
+                                           system_prompt=hp.system_prompt,
+                                           ignore_columns=frozenset(hp.ignore_columns or ()))
         return examples
 
-    def setup(self, stage: str | None = None) -> None:
-        hp = self.hparams
-        if self._loaded:
-            return
-        self._loaded = True
-        train = self._load(hp.train_files, hp.split)
-        if hp.val_files:
-            val = self._load(hp.val_files, hp.val_split)
-        elif hp.val_size:
-            if hp.val_size >= len(train):
-                raise AlignDataError(str(hp.train_files), None, None,
-                                     f"more than val_size={hp.val_size} rows to split off", f"{len(train)} rows")
-            order = list(range(len(train)))
-            random.Random(hp.seed).shuffle(order)
-            keep, held = sorted(order[: -hp.val_size]), sorted(order[-hp.val_size:])
-            train, val = [train[i] for i in keep], [train[i] for i in held]
-        else:
-            val = []
-        self.train_set = PromptDataset(train)
-        self.val_set = PromptDataset(val) if val else None
+    def make_dataset(self, examples: list[PromptExample], name: str) -> PromptDataset:
+        return PromptDataset(examples)
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
@@ -203,7 +189,7 @@ class PromptDataModule(TokenizerDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
-            return []
+            return self.no_validation()
         return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
                           shuffle=False, collate_fn=collate_prompts, num_workers=self.hparams.num_workers)
 

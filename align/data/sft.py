@@ -9,10 +9,10 @@ from typing import Literal, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from align.data.base import TokenizerDataModule
+from align.data.base import AUTO, TokenizerDataModule, check_val_size
 from align.data.chat import IGNORE_INDEX, ChatEncoder
-from align.data.formats import sft_record
-from align.data.io import read_rows
+from align.data.formats import UnusedColumns, sft_record
+from align.data.io import numbered, read_rows
 from align.errors import AlignDataError
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,15 @@ def tokenize_rows(
     completion_only: bool = True,
     ignore_columns: frozenset = frozenset(),
     system_prompt: str | None = None,
+    strict: bool = False,
 ) -> tuple[list[Example], int]:
-    """Validate and tokenize every row. Returns the examples and the number of rows dropped."""
+    """Validate and tokenize every row. Returns the examples and the number of rows dropped.
+
+    Columns the row's shape does not use are reported once for the file, or refused when ``strict``."""
     examples, dropped = [], 0
-    for index, row in enumerate(rows, start=1):
-        record = sft_record(row, source, index, ignore_columns, system_prompt)
+    unused = UnusedColumns(source, strict)
+    for index, row in numbered(rows):
+        record = sft_record(row, source, index, ignore_columns, system_prompt, unused)
         if record.text is not None:
             ids, labels = encoder.encode_text(record.text)
         else:
@@ -81,6 +85,7 @@ def tokenize_rows(
                 continue
             raise AlignDataError(source, index, None, "a row with at least one token to train on")
         examples.append(example)
+    unused.report()
     return examples, dropped
 
 
@@ -169,7 +174,9 @@ class SFTDataModule(TokenizerDataModule):
     def __init__(
         self,
         train_files: str | list[str] = "align:sort/sft/train.jsonl",
-        val_files: str | list[str] | None = "align:sort/sft/validation.jsonl",
+        val_files: str | list[str] | None = AUTO,
+        val_size: int | float = 0.05,
+        seed: int = 0,
         tokenizer: str | None = None,
         max_length: int = 512,
         batch_size: int = 8,
@@ -180,15 +187,21 @@ class SFTDataModule(TokenizerDataModule):
         use_chat_template: bool | None = None,
         system_prompt: str | None = None,
         ignore_columns: list[str] | None = None,
+        strict: bool = False,
         split: str = "train",
-        val_split: str = "validation",
+        val_split: str | None = None,
         shuffle: bool = True,
         num_workers: int = 0,
     ):
         """
         Args:
-            train_files: Training data: jsonl/json/parquet/csv paths, ``align:...`` bundled files, or a hub dataset.
-            val_files: Held-out data in the same format; null for none.
+            train_files: Training data: jsonl/json/parquet/csv files, save_to_disk folders, ``align:...`` bundled
+                files, or hub datasets ``org/name[:config]`` (docs/data.md).
+            val_files: Validation data; ``auto``: the bundled task's validation file for bundled training files,
+                else ``val_size`` rows held out of the training data; null: no validation.
+            val_size: Rows held out of the user's training data under ``val_files: auto``: a count, or a fraction
+                (0.05); 0 for no validation.
+            seed: Seed of the held-out rows' selection.
             tokenizer: Tokenizer path or id; null uses the policy's.
             max_length: Longest allowed row (and packed row) in tokens.
             batch_size: Micro-batch size per device; the trainer's ``accumulate_grad_batches`` multiplies it.
@@ -198,44 +211,43 @@ class SFTDataModule(TokenizerDataModule):
             truncation: Rows over ``max_length``: ``error`` names the row, ``right`` cuts the end, ``drop`` skips it.
             use_chat_template: Apply the tokenizer's chat template; null uses it when the tokenizer has one.
             system_prompt: A system message added to every conversation that has none.
-            ignore_columns: Extra columns to skip instead of rejecting the row.
-            split: Hub split for ``train_files`` when it names a hub dataset.
-            val_split: Hub split for ``val_files`` when it names a hub dataset.
+            ignore_columns: Columns to skip silently (other unused columns are ignored with a one-line notice).
+            strict: Refuse a row with a column its shape does not use, instead of the notice.
+            split: Split of ``train_files``, sliceable as in ``train[:1000]`` or ``train[10%:]`` (a file has only
+                ``train``).
+            val_split: Split of ``val_files``; null: ``train`` for a file, ``validation`` for a hub dataset or a
+                DatasetDict folder.
             shuffle: Shuffle training rows each epoch (seeded by ``seed_everything``).
             num_workers: DataLoader worker processes.
         """
         super().__init__()
         if truncation not in ("error", "right", "drop"):
             raise AlignDataError("data.truncation", None, None, "'error', 'right' or 'drop'", truncation)
+        check_val_size(val_size)
         self.save_hyperparameters()
-        self.train_set: ExampleDataset | None = None
-        self.val_set: ExampleDataset | None = None
 
-
-    def _load(self, files, split: str) -> list[Example]:
+    def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list[Example]:
         hp = self.hparams
         encoder = self.encoder()
         examples, dropped_total = [], 0
-        for source in [files] if isinstance(files, str) else files:
-            rows = read_rows(source, split)
+        for source in files:
+            rows = read_rows(source, split, split_key)
             found, dropped = tokenize_rows(
                 rows, source, encoder, max_length=hp.max_length, truncation=hp.truncation,
                 completion_only=hp.completion_only, ignore_columns=frozenset(hp.ignore_columns or ()),
-                system_prompt=hp.system_prompt,
+                system_prompt=hp.system_prompt, strict=hp.strict,
             )
             examples += found
             dropped_total += dropped
             if dropped:
                 log.warning("%s: dropped %d of %d rows longer than max_length=%d", source, dropped, len(rows), hp.max_length)
         if not examples:
-            raise AlignDataError(str(files), None, None, "at least one usable row after filtering")
-        return pack(examples, hp.max_length) if hp.packing else examples
+            raise AlignDataError(", ".join(files), None, None, "at least one usable row after filtering")
+        return examples
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None and stage in (None, "fit"):
-            self.train_set = ExampleDataset(self._load(self.hparams.train_files, self.hparams.split))
-        if self.val_set is None and self.hparams.val_files:
-            self.val_set = ExampleDataset(self._load(self.hparams.val_files, self.hparams.val_split))
+    def make_dataset(self, examples: list[Example], name: str) -> ExampleDataset:
+        # Packed after the held-out split, so no validation row shares a packed row with a training one.
+        return ExampleDataset(pack(examples, self.hparams.max_length) if self.hparams.packing else examples)
 
     def _collator(self) -> SFTCollator:
         return SFTCollator(self._resolve_tokenizer().pad_token_id, packed=self.hparams.packing)
@@ -246,6 +258,6 @@ class SFTDataModule(TokenizerDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
-            return []
+            return self.no_validation()
         return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
                           shuffle=False, collate_fn=self._collator(), num_workers=self.hparams.num_workers)

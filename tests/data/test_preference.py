@@ -74,7 +74,7 @@ def test_messages_fields_equal_string_fields(encoder):
 def test_bad_rows_name_file_row_and_field(encoder, row, field, expected):
     good = {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}
     with pytest.raises(AlignDataError) as info:
-        tokenize(encoder, [good, good, row])
+        tokenize(encoder, [good, good, row], strict=True)
     message = str(info.value)
     assert "pairs.jsonl: row 3" in message and f"field '{field}'" in message and expected in message
 
@@ -168,3 +168,31 @@ def test_bundled_preference_data_loads_cleanly(tokenizer):
     for split in ("train", "val"):
         stats = dm.stats[split]
         assert stats.truncated == stats.dropped_long == 0 and len(stats.examples) == stats.rows - stats.dropped_identical
+
+
+def test_every_preference_shape_of_one_pair_tokenizes_to_the_same_ids(encoder, tmp_path):
+    """Explicit, implicit, UltraFeedback and HH text are one multi-turn pair: identical prompt and response ids."""
+    turns = [{"role": "user", "content": "sort: b a"}, {"role": "assistant", "content": "b a?"},
+             {"role": "user", "content": "sorted, please"}]
+    reply = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    hh = "\n\nHuman: sort: b a\n\nAssistant: b a?\n\nHuman: sorted, please\n\nAssistant: "
+    rows = [
+        {"prompt": turns, "chosen": "a b", "rejected": "b a"},
+        {"chosen": turns + reply("a b"), "rejected": turns + reply("b a")},
+        {"prompt": turns, "chosen": turns + reply("a b"), "rejected": turns + reply("b a")},
+        {"chosen": hh + "a b", "rejected": hh + "b a"},
+    ]
+    examples = tokenize(encoder, rows).examples
+    assert len(examples) == 4
+    first = examples[0]
+    assert encoder.tokenizer.decode(first.prompt_ids).count("sorted, please") == 1
+    for ex in examples[1:]:
+        assert (ex.prompt_ids, ex.chosen_ids, ex.rejected_ids) == (first.prompt_ids, first.chosen_ids, first.rejected_ids)
+
+    import datasets
+
+    datasets.Dataset.from_list(rows[1:2] * 3).save_to_disk(str(tmp_path / "pairs"))
+    dm = PreferenceDataModule(train_files=str(tmp_path / "pairs"), val_files=None, max_length=64)
+    dm.set_tokenizer(encoder.tokenizer)
+    dm.setup("fit")
+    assert [(e.prompt_ids, e.chosen_ids) for e in dm.train_set.examples] == [(first.prompt_ids, first.chosen_ids)] * 3

@@ -66,13 +66,13 @@ def test_bundled_data_and_held_out_split(tmp_path, tokenizer):
     assert len(batch) == 4 and len(batch.columns["answer"]) == 4
 
     path = write(tmp_path, [{"prompt": f"sort: {c} a", "answer": f"a {c}"} for c in "abcdefghij"])
-    dm = PromptDataModule(train_files=path, val_files=None, val_size=3, batch_size=2)
+    dm = PromptDataModule(train_files=path, val_size=3, batch_size=2)
     dm.set_tokenizer(tokenizer)
     dm.setup("fit")
     train = {e.prompt for e in dm.train_set.examples}
     val = {e.prompt for e in dm.val_set.examples}
     assert len(train) == 7 and len(val) == 3 and not train & val
     with pytest.raises(AlignDataError, match="val_size"):
-        bad = PromptDataModule(train_files=path, val_files=None, val_size=10)
+        bad = PromptDataModule(train_files=path, val_size=10)
         bad.set_tokenizer(tokenizer)
         bad.setup("fit")

@@ -128,7 +128,6 @@ GOOD = {"prompt": "sort: b a", "completion": "a b"}
         ({"prompt": "sort: b a"}, ["row 2", "expected a row with the fields"]),
         ({"prompt": "sort: b a", "completion": ""}, ["row 2", "field 'completion'", "non-empty string"]),
         ({"prompt": "sort: b a", "completion": 7}, ["row 2", "field 'completion'", "expected a string", "int"]),
-        ({"prompt": "sort: b a", "completion": "a b", "score": 1}, ["row 2", "field 'score'", "ignore_columns"]),
         ({"messages": [{"role": "user", "content": "hi"}]}, ["row 2", "field 'messages'", "assistant"]),
         ({"messages": [{"role": "bot", "content": "hi"}]}, ["row 2", "field 'messages[0].role'"]),
         ([1, 2], ["row 2", "a JSON object"]),

@@ -32,6 +32,14 @@ QUICK = {"sft": ["--data.init_args.val_files", "null"],
 PAIR = {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}
 SFT = {"prompt": "sort: b a", "completion": "a b"}
 PROMPT = {"prompt": "sort: b a", "answer": "a b"}
+U = {"role": "user", "content": "sort: b a"}
+
+
+def _dataset_dict(path: Path) -> None:
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([SFT]), "test": datasets.Dataset.from_list([SFT])}
+                         ).save_to_disk(str(path))
 
 
 def jsonl(*rows) -> str:
@@ -63,6 +71,51 @@ CASES = [
     ("missing-file", "sft", {}, ["--data.init_args.train_files", "{tmp}/nope.jsonl"], ["nope.jsonl", "an existing file"]),
     ("prompt-column-absent-rl", "grpo", {"p.jsonl": jsonl(PROMPT, {"question": "sort: b a", "answer": "a b"})},
      ["--data.init_args.train_files", "{tmp}/p.jsonl"], ["p.jsonl", "row 2", "field 'prompt'", "question"]),
+    # row shapes beyond {prompt, completion} / {prompt, chosen, rejected} (docs/data.md)
+    ("sharegpt-unknown-speaker", "sft",
+     {"d.jsonl": jsonl(SFT, {"conversations": [{"from": "human", "value": "sort: b a"}, {"from": "bot", "value": "a b"}]})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 2", "field 'conversations[1].from'", "gpt"]),
+    ("implicit-prompt-not-shared", "dpo",
+     {"d.jsonl": jsonl(PAIR, {"chosen": [U, {"role": "assistant", "content": "a b"}],
+                              "rejected": [{"role": "user", "content": "sort: c a"}, {"role": "assistant", "content": "a c"}]})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 2", "field 'rejected'", "shared prompt"]),
+    ("implicit-prompt-no-final-reply", "dpo",
+     {"d.jsonl": jsonl(PAIR, {"chosen": [U], "rejected": [U, {"role": "assistant", "content": "b a"}]})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 2", "field 'chosen'", "assistant"]),
+    ("hh-text-empty-turn", "dpo",
+     {"d.jsonl": jsonl(PAIR, {"chosen": "\n\nHuman: sort: b a\n\nAssistant:", "rejected": "\n\nHuman: sort: b a\n\nAssistant: b a"})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 2", "field 'chosen'", "turn 2 is empty"]),
+    ("plain-text-pair-without-prompt", "dpo", {"d.jsonl": jsonl(PAIR, {"chosen": "a b", "rejected": "b a"})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 2", "field 'prompt'"]),
+    ("ultrafeedback-conversation-other-prompt", "dpo",
+     {"d.jsonl": jsonl(PAIR, {**PAIR, "chosen": [{"role": "user", "content": "sort: c a"}, {"role": "assistant", "content": "a c"}]})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 2", "field 'chosen'", "the prompt's messages"]),
+    ("unpaired-kto-row", "dpo", {"d.jsonl": jsonl({"prompt": "sort: b a", "completion": "a b", "label": True})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 1", "field 'label'", "KTO"]),
+    ("unused-column-strict", "sft", {"d.jsonl": jsonl(SFT, {**SFT, "score": 1})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl", "--data.init_args.strict", "true"],
+     ["d.jsonl", "row 2", "field 'score'", "data.strict"]),
+    ("unused-column-strict-prompt-pairs", "dpo", {"d.jsonl": jsonl({**PAIR, "id": 3})},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl", "--data.init_args.strict", "true"],
+     ["d.jsonl", "row 1", "field 'id'", "data.strict"]),
+    # sources and splits
+    ("local-file-other-split", "sft", {"d.jsonl": jsonl(SFT)},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl", "--data.init_args.split", "eval"],
+     ["d.jsonl", "field 'data.split'", "the split 'train'", "'eval'"]),
+    ("local-val-file-other-split", "sft", {"d.jsonl": jsonl(SFT), "v.jsonl": jsonl(SFT)},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl", "--data.init_args.val_files", "{tmp}/v.jsonl",
+      "--data.init_args.val_split", "validation"], ["v.jsonl", "field 'data.val_split'", "'validation'"]),
+    ("bad-slice", "grpo", {"p.jsonl": jsonl(PROMPT)},
+     ["--data.init_args.train_files", "{tmp}/p.jsonl", "--data.init_args.split", "train[one:]"],
+     ["p.jsonl", "field 'data.split'", "train[:10]", "train[one:]"]),
+    ("save-to-disk-missing-split", "sft", {"ds": lambda path: _dataset_dict(path)},
+     ["--data.init_args.train_files", "{tmp}/ds", "--data.init_args.split", "validation"],
+     ["ds", "field 'data.split'", "one of the splits ['test', 'train']"]),
+    ("folder-not-a-dataset", "sft", {"folder/readme.txt": "notes"},
+     ["--data.init_args.train_files", "{tmp}/folder"], ["folder", "save_to_disk"]),
+    ("held-out-larger-than-data", "sft", {"d.jsonl": jsonl(SFT, SFT)},
+     ["--data.init_args.train_files", "{tmp}/d.jsonl", "--data.init_args.val_files", "auto",
+      "--data.init_args.val_size", "2"], ["d.jsonl", "data.val_size=2", "2 rows"]),
     ("unknown-yaml-key", "sft", {"c.yaml": "model:\n  init_args:\n    learning_rate: 0.1\n"},
      ["--config", "{tmp}/c.yaml"], ["learning_rate"]),
     ("wrong-type-yaml", "sft", {"c.yaml": "trainer:\n  max_steps: ten\n"}, ["--config", "{tmp}/c.yaml"],
@@ -81,7 +134,11 @@ CASES = [
 def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_path, monkeypatch, capsys, case,
                                                                         recipe, files, args, expected):
     for name, content in files.items():
-        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if callable(content):
+            content(tmp_path / name)
+        else:
+            (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "run"
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
