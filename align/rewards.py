@@ -299,7 +299,7 @@ class RewardFunction:
         if self.accepts is not None:
             unknown = sorted(set(self.kwargs) - self.accepts)
             if unknown:
-                raise AlignConfigError(f"{self.where}: kwargs {unknown} are not parameters of {_qualname(self.fn)} "
+                raise AlignConfigError(f"{self.where}: kwargs {unknown} are not parameters of the function "
                                        f"(it takes {sorted(self.accepts)}; add **kwargs to take any)")
         clash = sorted(set(self.kwargs) & fixed)
         if clash:
