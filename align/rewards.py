@@ -229,8 +229,10 @@ def _location(err: BaseException, fn: Any) -> str:
               or next((f for f in reversed(frames) if own and os.path.realpath(f.filename) == own), None))
     if chosen is None:
         return ""
-    where = f" at {_shown_path(chosen.filename)}, line {chosen.lineno}"
-    return where + (f" in {chosen.name}()" if chosen.name and not chosen.name.startswith("<") else "")
+    # A comprehension has its own frame (``<listcomp>``): name the function it runs in.
+    outer = frames[: frames.index(chosen) + 1]
+    name = next((f.name for f in reversed(outer) if f.filename == chosen.filename and not f.name.startswith("<")), None)
+    return f" at {_shown_path(chosen.filename)}, line {chosen.lineno}" + (f" in {name}()" if name else "")
 
 
 class RewardFunction:
