@@ -210,8 +210,10 @@ def _shown_path(filename: str) -> str:
     return path if rel.startswith(os.pardir) else rel
 
 
-_LIBRARY_DIRS = tuple({os.path.join(os.path.realpath(p), "") for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                                                      sysconfig.get_paths()["platlib"], str(Path(__file__).parent))})
+_LIBRARY_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "")
+                       for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+                      | {os.path.join(os.path.realpath(Path(__file__).parent), "")})
+"""Folders whose frames are not the user's code: the standard library, installed packages and align itself."""
 
 
 def _location(err: BaseException, fn: Any) -> str:
@@ -288,22 +290,20 @@ class RewardFunction:
     def _read_signature(self) -> None:
         """Which keyword arguments the function accepts (``None``: any, it has ``**kwargs``) and which it requires."""
         try:
-            params = inspect.signature(self.fn).parameters.values()
+            params = list(inspect.signature(self.fn).parameters.values())
         except (TypeError, ValueError):  # some builtins and C callables have no signature: pass everything
-            self.accepts, self.required, self.positional_only = None, set(), []
-            return
+            params = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
         kinds = inspect.Parameter
         self.positional_only = [p.name for p in params if p.kind is kinds.POSITIONAL_ONLY]
         named = [p for p in params if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
         self.accepts = None if any(p.kind is kinds.VAR_KEYWORD for p in params) else {p.name for p in named}
         self.required = {p.name for p in named if p.default is inspect.Parameter.empty}
-        fixed = set(BASE_INPUTS) | set(REWARD_INPUTS)
         if self.accepts is not None:
             unknown = sorted(set(self.kwargs) - self.accepts)
             if unknown:
                 raise AlignConfigError(f"{self.where}: kwargs {unknown} are not parameters of the function "
                                        f"(it takes {sorted(self.accepts)}; add **kwargs to take any)")
-        clash = sorted(set(self.kwargs) & fixed)
+        clash = sorted(set(self.kwargs) & (set(BASE_INPUTS) | set(REWARD_INPUTS)))
         if clash:
             raise AlignConfigError(f"{self.where}: kwargs {clash} would replace inputs every reward receives; "
                                    "rename them")
