@@ -149,13 +149,15 @@ class RLModule(AlignModule):
         # Sharded parameters (FSDP2, ZeRO-3) need the generation context: see align.strategies.generation_context.
         from align.strategies import generation_context
 
+        self.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
         with generation_context(self) as sync_stop:
             return (engine or self.engine).generate(self.policy, batch.prompt_ids, group_size, sync_stop=sync_stop)
 
     def score_rewards(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device.
 
-        Every reward receives, besides the prompt texts, the completions and the data's columns, the whole
+        Every reward is called with keyword arguments (:class:`align.rewards.RewardFunction`) and receives,
+        besides the prompt texts, the completions and the data's columns, the whole
         prompt conversation (``prompt_messages``), the sampled token ids through the first stop token
         (``completion_ids``) and whether a completion was cut off at ``max_new_tokens`` (``completion_truncated``).
         """
@@ -164,7 +166,7 @@ class RLModule(AlignModule):
         inputs = {"prompt_messages": batch.repeat_messages(rollout.group_size),
                   "completion_ids": [ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)],
                   "completion_truncated": [bool(t) for t in rollout.truncated.tolist()]}
-        total, parts = self.reward(prompts, rollout.texts, **columns, **inputs)
+        total, parts = self.reward(prompts=prompts, completions=rollout.texts, **columns, **inputs)
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=rollout.response_ids.device)
         return to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
 

@@ -69,6 +69,28 @@ def test_bad_reward_stops_the_run_with_a_clear_error_and_no_checkpoint(tmp_path,
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
+@pytest.mark.slow
+def test_a_dotted_reward_in_the_working_directory_loads_in_every_rank(tmp_path):
+    """``my_rewards.fn`` resolves from the working directory without PYTHONPATH, also in the rank Lightning
+    starts by re-running the script for ``--trainer.devices 2``; each rank marks that it scored."""
+    (tmp_path / "my_rewards.py").write_text(
+        "import os\n\n\n"
+        "def brevity(completions, **kwargs):\n"
+        "    open(f\"scored-rank{os.environ.get('LOCAL_RANK', '0')}\", 'w').close()\n"
+        "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))  # align from this checkout; the reward from the cwd
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "grpo.py"), "--model.init_args.rewards", '[{"fn": "my_rewards.brevity"}]',
+         "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
+         "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", "--data.init_args.val_batch_size", "2",
+         "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
+         "--model.init_args.sampling.max_new_tokens", "4", "--trainer.default_root_dir", str(tmp_path / "run")],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "scored-rank0").exists() and (tmp_path / "scored-rank1").exists()
+
+
 def test_unknown_reward_path_fails_at_configuration(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         run_recipe("grpo", GRPOModule, PromptDataModule,

@@ -4,11 +4,15 @@ before any weights are written, and the message names the file, row or field and
 Rows of the table already covered elsewhere are listed in the docs with their test: SFT rows that are
 malformed JSON, miss a field, hold an empty string or a wrong type or are too long, and an unknown YAML key
 (tests/cli/test_cli.py); reader-level non-UTF-8 bytes and empty files (tests/data/test_sft_data.py);
-rewards returning NaN, the wrong length or raising, in a real GRPO run (tests/cli/test_recipes_grpo.py).
+rewards returning NaN, the wrong length or raising, in a real GRPO run (tests/cli/test_recipes_grpo.py), and
+the printed output of a raising reward through the recipe script (the last test here).
 This file covers the rest through the same command line, one table row per case.
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ from align.modules.grpo import GRPOModule
 from align.modules.sft import SFTModule
 from align.rewards import CombinedReward, RewardError, RewardSpec
 
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
            "grpo": (GRPOModule, PromptDataModule)}
 QUICK = {"sft": ["--data.init_args.val_files", "null"],
@@ -127,6 +132,26 @@ CASES = [
      ["align.rewards.no_such_reward", "has no attribute 'no_such_reward'"]),
     ("reward-module-missing", "grpo", {}, ["--model.init_args.rewards", '[{"fn": "no_such_pkg.scores:fn"}]'],
      ["no_such_pkg.scores", "cannot import module"]),
+    # Reward modules below sit in the working directory and are named by dotted path: no PYTHONPATH needed.
+    ("reward-raises", "grpo",
+     {"p.jsonl": jsonl(PROMPT, PROMPT), "bad_reward_r1.py": "def flaky(completions, answer, **kw):\n    known = {}\n"
+                                                            "    return [known[a] for a in answer]\n"},
+     ["--data.init_args.train_files", "{tmp}/p.jsonl", "--model.init_args.rewards", '[{"fn": "bad_reward_r1.flaky"}]'],
+     ["error: reward 'flaky' (bad_reward_r1.flaky) raised KeyError: 'a b' at bad_reward_r1.py, line 3 in flaky(); "
+      "first failing sample 0 of 4: prompt 'sort: b a', completion ", "answer='a b'"]),
+    ("reward-argument-no-column-provides", "grpo",
+     {"p.jsonl": jsonl(PROMPT), "bad_reward_r2.py": "def exact(completions, solution):\n    return [0.0] * len(completions)\n"},
+     ["--data.init_args.train_files", "{tmp}/p.jsonl", "--model.init_args.rewards", '[{"fn": "bad_reward_r2.exact"}]'],
+     ["reward 'exact' (bad_reward_r2.exact) requires 'solution', which no data column or input provides",
+      "data columns: answer"]),
+    ("reward-kwargs-not-a-parameter", "grpo",
+     {"bad_reward_r3.py": "def exact(completions, answer):\n    return [0.0] * len(completions)\n"},
+     ["--model.init_args.rewards", '[{"fn": "bad_reward_r3.exact", "kwargs": {"tolerance": 0.1}}]'],
+     ["reward 'exact' (bad_reward_r3.exact): kwargs ['tolerance'] are not parameters of the function"]),
+    ("reward-column-shadows-an-input", "grpo",
+     {"p.jsonl": jsonl({**PROMPT, "completions": "x"})},
+     ["--data.init_args.train_files", "{tmp}/p.jsonl"],
+     ["data column(s) ['completions'] have the name of a reward input"]),
 ]
 
 
@@ -151,6 +176,35 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
         assert part in err, f"{case}: {part!r} not in {err[-2000:]}"
     assert "Traceback" not in err
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*.safetensors"))
+
+
+def test_a_raising_reward_prints_one_error_line_through_the_recipe_script(tmp_path):
+    """End to end: ``python recipes/grpo.py`` from a folder holding the user's reward module (named by dotted
+    path, no PYTHONPATH entry for it) exits 2 and prints the reward's error as one line, the last on stderr,
+    with no traceback; the other lines are Lightning's and transformers' usual start-up lines."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(completions, answer, **kwargs):\n"
+        "    return [grade(c, a) for c, a in zip(completions, answer)]\n"
+        "\n\n"
+        "def grade(completion, answer):\n"
+        "    raise RuntimeError(f'grader offline for {answer!r}')\n")
+    (tmp_path / "p.jsonl").write_text(jsonl(PROMPT, {"prompt": "sort: c a", "answer": "a c"}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))  # align from this checkout; the reward from the cwd
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "grpo.py"), *QUICK["grpo"], "--data.init_args.train_files", "p.jsonl",
+         "--model.init_args.rewards", '[{"fn": "my_rewards.exact"}]', "--trainer.max_steps", "1",
+         "--trainer.default_root_dir", str(tmp_path / "run")],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: reward 'exact' (my_rewards.exact) raised RuntimeError: grader offline for "
+                                "'a b' at my_rewards.py, line 6 in grade(); first failing sample 0 of 4: prompt "
+                                "'sort: b a', completion "), lines[-1]
+    assert lines[-1].endswith(", answer='a b'")
+    assert "Traceback" not in proc.stderr
+    assert [line for line in lines if "grader offline" in line or "error:" in line] == lines[-1:]
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 def scorer(values):

@@ -1,3 +1,5 @@
+import functools
+import sys
 from fractions import Fraction
 
 import pytest
@@ -114,9 +116,142 @@ def test_bad_reward_values_name_the_function_and_sample(returned, message):
     assert "bad_reward" in str(info.value)
 
 
-def test_raising_reward_names_the_function():
-    def exploding(prompts, completions, **kw):
-        raise KeyError("answer")
+INPUTS = {"prompt_messages": [[{"role": "user", "content": "p0"}], [{"role": "user", "content": "p1"}]],
+          "completion_ids": [[5, 2], [6]], "completion_truncated": [False, True]}
 
-    with pytest.raises(RewardError, match=r"reward 'exploding'.*raised KeyError.*first prompt 'p0'"):
-        RewardFunction(exploding)(["p0"], ["c0"])
+
+def test_each_signature_style_receives_what_it_names_by_keyword():
+    """align's documented names, TRL's ``(completions, **kwargs)``, a strict signature, a class and a partial."""
+    seen = {}
+
+    def align_style(prompts, completions, **columns):
+        seen["align_style"] = {"prompts": prompts, "completions": completions, **columns}
+        return [1.0, 2.0]
+
+    def trl_style(completions, **kwargs):
+        seen["trl_style"] = {"completions": completions, **kwargs}
+        return [float(len(c)) for c in completions]
+
+    def strict(completions, answer):  # no **kwargs: only the names it lists
+        seen["strict"] = {"completions": completions, "answer": answer}
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    class Scorer:
+        def __init__(self, bonus):
+            self.bonus = bonus
+
+        def __call__(self, completions, completion_truncated):
+            return [self.bonus * (not t) for t in completion_truncated]
+
+    def scaled(prompts, completions, scale, level):
+        return [scale * lv for lv in level]
+
+    combined = CombinedReward([align_style, trl_style, strict, Scorer(3.0), functools.partial(scaled, scale=0.5)])
+    total, parts = combined(prompts=["p0", "p1"], completions=["ab", "c"], answer=["ab", "x"], level=[2, 4], **INPUTS)
+    assert parts == {"align_style": [1.0, 2.0], "trl_style": [2.0, 1.0], "strict": [1.0, 0.0], "Scorer": [3.0, 0.0],
+                     "scaled": [1.0, 2.0]}
+    assert total == [8.0, 5.0]
+    everything = {"prompts": ["p0", "p1"], "completions": ["ab", "c"], "answer": ["ab", "x"], "level": [2, 4], **INPUTS}
+    assert seen["align_style"] == everything and seen["trl_style"] == everything
+    assert seen["strict"] == {"completions": ["ab", "c"], "answer": ["ab", "x"]}
+
+
+def test_positional_only_parameters_are_filled_by_name():
+    def positional(prompts, completions, /, answer=None):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    assert RewardFunction(positional)(["p"], ["a"], answer=["a"], level=[1]) == [1.0]
+
+
+def test_a_required_argument_that_nothing_provides_fails_before_any_rollout():
+    def needs_solution(completions, solution, tolerance=0.0):
+        return [0.0] * len(completions)
+
+    combined = CombinedReward([RewardSpec(needs_solution, name="exact")])
+    with pytest.raises(AlignConfigError) as info:
+        combined.check_inputs(["answer", "level"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert "reward 'exact' (" in message and ".needs_solution) requires 'solution', which no data column" in message
+    assert "available: prompts, completions, prompt_messages, completion_ids, completion_truncated, answer, level" in message
+    assert "data columns: answer, level" in message
+    combined.check_inputs(["solution"])  # provided by a column: fine
+    RewardFunction(RewardSpec(needs_solution, kwargs={"solution": "42"})).check_inputs([])  # or by kwargs
+
+
+def test_kwargs_must_be_parameters_and_columns_must_not_shadow_inputs():
+    def strict(completions, answer):
+        return [1.0] * len(completions)
+
+    with pytest.raises(AlignConfigError, match=r"kwargs \['tolerance'\] are not parameters of the function"):
+        RewardFunction(RewardSpec(strict, kwargs={"tolerance": 0.1}))
+    with pytest.raises(AlignConfigError, match=r"kwargs \['completions'\] would replace inputs"):
+        RewardFunction(RewardSpec(sort_format, kwargs={"completions": []}))
+    with pytest.raises(AlignConfigError, match=r"data column\(s\) \['prompts'\] have the name of a reward input"):
+        RewardFunction(sort_format).check_inputs(["prompts"])
+
+
+def test_dotted_path_imports_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "cwd_rewards_a1.py").write_text("def brevity(completions, **kw):\n"
+                                                "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    fn = RewardFunction(RewardSpec("cwd_rewards_a1.brevity"))
+    assert fn(["p"], ["abc"]) == [0.25]
+    assert sys.path[-1] == str(tmp_path)  # searched last: never shadows an installed package
+
+
+def test_a_module_that_fails_to_import_names_the_error_and_line(tmp_path, monkeypatch):
+    (tmp_path / "cwd_rewards_b2.py").write_text("import math\n\nVALUE = 1 / 0\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AlignConfigError, match=r"importing module 'cwd_rewards_b2' failed: ZeroDivisionError: "
+                                               r"division by zero at cwd_rewards_b2.py, line 3"):
+        resolve_reward("cwd_rewards_b2.fn")
+
+
+def _score(completion, answer):
+    if not completion:
+        raise ZeroDivisionError("empty completion")
+    return float(completion == answer)
+
+
+def test_a_raising_reward_names_itself_the_users_line_and_the_first_failing_sample():
+    def exact(prompts, completions, answer, **kw):
+        return [_score(c, a) for c, a in zip(completions, answer)]
+
+    with pytest.raises(RewardError) as info:
+        RewardFunction(RewardSpec(exact, name="exact"))(["p0", "p1", "p2"], ["a", "", ""], answer=["a", "b", "c"],
+                                                        **{k: v + v[:1] for k, v in INPUTS.items()})
+    message = str(info.value)
+    line = _score.__code__.co_firstlineno + 2
+    assert message == (f"reward 'exact' (test_a_raising_reward_names_itself_the_users_line_and_the_first_failing_sample"
+                       f".<locals>.exact) raised ZeroDivisionError: empty completion at tests/unit/test_rewards.py, "
+                       f"line {line} in _score(); first failing sample 1 of 3: prompt 'p1', completion '', answer='b'")
+
+
+def test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so():
+    class AtMostTwo:
+        def __call__(self, completions, **kw):
+            if len(completions) > 2:
+                raise ValueError(f"at most 2 completions, got {len(completions)}")
+            return [0.0] * len(completions)
+
+    with pytest.raises(RewardError) as info:
+        RewardFunction(RewardSpec(AtMostTwo(), name="four"))(["p"] * 3, ["a", "b", "c"])
+    message = str(info.value)
+    assert message.startswith("reward 'four' (test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so"
+                              ".<locals>.AtMostTwo.__call__) raised ValueError: at most 2 completions, got 3 at "
+                              "tests/unit/test_rewards.py, line ")
+    assert message.endswith("in __call__(); every sample passes on its own, the batch of 3 fails as a whole")
+
+
+def test_a_built_in_reward_that_raises_points_at_its_own_file():
+    with pytest.raises(RewardError, match=r"reward 'math_answer' \(align.rewards.math_answer\) raised ValueError: "
+                                          r"math_answer needs an 'answer' column .* at .*align/rewards.py, line \d+ "
+                                          r"in math_answer\(\); first failing sample 0 of 1: prompt 'q'"):
+        RewardFunction(RewardSpec("align.rewards.math_answer"))(["q"], ["1"])
+
+
+def test_a_non_number_names_the_sample():
+    with pytest.raises(RewardError, match=r"must return a list of numbers, got \[1.0, 'high'\] \(sample 1: 'high'\)"):
+        RewardFunction(lambda completions, **kw: [1.0, "high"])(["p0", "p1"], ["c0", "c1"])
