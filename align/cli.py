@@ -265,8 +265,9 @@ def shipped_config(name: str) -> Path:
 
 
 def _with_subcommand(args: list[str]) -> list[str]:
-    """Recipes run ``fit`` when no subcommand is given."""
-    if any(a in SUBCOMMANDS for a in args) or any(a in ("-h", "--help") for a in args[:1]):
+    """Recipes run ``fit`` when no subcommand is given. A subcommand comes first: a later ``test`` is a value
+    (``--data.split test``), not a subcommand."""
+    if args[:1] and args[0] in (*SUBCOMMANDS, "-h", "--help"):
         return args
     return ["fit", *args]
 

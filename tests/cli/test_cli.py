@@ -130,3 +130,13 @@ def test_sft_recipe_end_to_end(tmp_path):
     assert after < 0.25 * before
     rows = read_metrics(tmp_path)
     assert any(r["train/loss"] for r in rows) and any(r["train/tokens_per_s"] for r in rows)
+
+
+def test_recipe_subcommand_is_the_first_argument_only():
+    from align.cli import _with_subcommand
+
+    assert _with_subcommand([]) == ["fit"]
+    assert _with_subcommand(["--data.split", "test"]) == ["fit", "--data.split", "test"]
+    assert _with_subcommand(["--trainer.max_steps", "3", "validate"])[0] == "fit"
+    assert _with_subcommand(["validate", "--ckpt_path", "x.ckpt"]) == ["validate", "--ckpt_path", "x.ckpt"]
+    assert _with_subcommand(["--help"]) == ["--help"]
