@@ -55,7 +55,7 @@ class GRPOModule(RLModule):
     def __init__(
         self,
         policy: PolicyModel | None = None,
-        rewards: list[RewardSpec] | None = None,
+        rewards: list[RewardSpec | str] | None = None,
         group_size: int = 8,
         sampling: SamplingConfig | None = None,
         eval_sampling: SamplingConfig | None = None,

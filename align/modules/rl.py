@@ -96,7 +96,7 @@ class RLModule(AlignModule):
     def __init__(
         self,
         policy: PolicyModel,
-        rewards: list[RewardSpec],
+        rewards: list[RewardSpec | str],
         sampling: SamplingConfig | None = None,
         eval_sampling: SamplingConfig | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,

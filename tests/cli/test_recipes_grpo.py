@@ -155,3 +155,16 @@ def test_grpo_config_names_a_trained_reward_model_as_its_reward(tmp_path, capsys
     rows = read_metrics(root)
     scores = [float(r["rollout/reward/rm"]) for r in rows if r.get("rollout/reward/rm")]
     assert scores and all(s == s for s in scores)  # finite, logged under the reward's own name
+
+
+def test_rewards_given_as_bare_import_paths(tmp_path):
+    """``--model.init_args.rewards '[a.b, {fn: c.d, weight: 0.5}]'``: a bare path is a reward of weight 1."""
+    from align.cli import AlignCLI
+
+    cli = AlignCLI(args=["--config", str(ROOT / "configs" / "grpo" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path),
+                         "--model.init_args.rewards",
+                         '[align.rewards.sort_format, {"fn": "align.rewards.sort_exact_match", "weight": 0.5}]'],
+                   run=False)
+    assert cli.model.reward.names == ["sort_format", "sort_exact_match"]
+    total, parts = cli.model.reward(prompts=["sort: b a"], completions=["a b"], answer=["a b"])
+    assert parts == {"sort_format": [1.0], "sort_exact_match": [1.0]} and total == [1.5]
