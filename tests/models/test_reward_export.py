@@ -77,6 +77,7 @@ def test_export_loads_in_transformers_with_its_head_and_scores_as_align(tmp_path
 
 
 def test_lora_is_merged_into_the_export(tmp_path):
+    torch.manual_seed(0)  # peft draws the adapter's A matrices from the global generator
     policy = reward_policy(lora=LoraSettings(r=4, alpha=8))
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -89,7 +90,8 @@ def test_lora_is_merged_into_the_export(tmp_path):
     with torch.no_grad():
         ours = sequence_scores(policy, ids, mask)
         without_adapter = sequence_scores(PolicyModel(value_head="shared").eval().requires_grad_(False), ids, mask)
-    torch.testing.assert_close(hf_scores(model, ids, mask), ours, atol=1e-5, rtol=1e-5)
+    # Merged weights round differently from base + adapter: agreement to float32 rounding of the merge.
+    torch.testing.assert_close(hf_scores(model, ids, mask), ours, atol=2e-4, rtol=2e-4)
     assert not torch.allclose(ours - ours.mean(), without_adapter - without_adapter.mean(), atol=1e-3)
 
 
