@@ -218,3 +218,15 @@ def test_the_scorer_sees_the_whole_conversation_and_the_sampled_ids(trained):
         whole, abs=1e-5)
     with pytest.raises(ValueError, match="1 completion_ids for 2 completions"):
         scorer(["a", "b"], ["a", "b"], completion_ids=[[1]])
+
+
+def test_export_callback_on_a_reward_model_run_writes_the_reward_model(trained, tmp_path):
+    from align.models.export import ExportCallback
+    from align.models.loading import is_sequence_classifier
+
+    module = trained["module"]
+    ExportCallback(str(tmp_path / "cb")).on_fit_end(module.trainer, module)
+    assert is_sequence_classifier(tmp_path / "cb")
+    prompts, completions = ["sort: c a b"], ["a b c"]
+    assert RewardModelScorer(str(tmp_path / "cb"))(prompts, completions) == pytest.approx(
+        RewardModelScorer(str(trained["export"]))(prompts, completions), abs=1e-5)
