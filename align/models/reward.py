@@ -82,8 +82,8 @@ def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, 
 
     Padding may sit on either side: positions come from the mask.
     """
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state  # (N, T, H)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,  # (N, T, H)
+                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     last = last_scored_index(input_ids, attention_mask, skip_token_id)  # (N,)
     return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
 
@@ -212,7 +212,8 @@ def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[Rewar
     path = Path(path).expanduser()
     if not path.exists():
         raise AlignConfigError(f"reward model path: '{path}' does not exist; expected a sequence-classification "
-                               "checkpoint directory (a reward-model export) or a .ckpt written by the reward-model recipe")
+                               "checkpoint directory (a reward-model export) or a .ckpt written by the reward-model "
+                               "recipe")
     if not path.is_dir():
         return _load_checkpoint(path, dtype)
     if is_sequence_classifier(path):

@@ -125,7 +125,8 @@ def test_the_version_1_format_still_loads(tmp_path):
     with torch.no_grad():
         policy.value_head.proj.bias.fill_(0.5)  # version 1 kept a bias; it loads with it
     policy.save_pretrained(tmp_path / "v1")
-    save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, str(tmp_path / "v1" / LEGACY_HEAD_FILE))
+    head = {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}
+    save_file(head, str(tmp_path / "v1" / LEGACY_HEAD_FILE))
     (tmp_path / "v1" / "reward_model.json").write_text(json.dumps(
         {"format": "align-reward-model", "version": 1, "encoding": {"max_length": 48}}))
     scorer = RewardModelScorer(str(tmp_path / "v1"))
