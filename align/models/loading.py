@@ -8,6 +8,7 @@ loaded from there.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ def check_model_source(name: str, what: str = "model") -> str:
                                    "run scripts/make_tiny_sort.py to rebuild them")
         return str(TINY_SORT_DIR)
     if is_tiny_sort_rm(name):
-        # The shipped sort-task reward model: an export directory whose backbone is a plain causal LM.
+        # The shipped sort-task reward model: a sequence-classification export directory.
         if not (TINY_SORT_RM_DIR / "config.json").is_file():
             raise AlignConfigError(f"{what}: 'tiny-sort-rm' weights are missing from {TINY_SORT_RM_DIR}; "
                                    "run scripts/make_tiny_sort_rm.py to rebuild them")
@@ -154,6 +155,43 @@ def load_causal_lm(
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as err:
         raise AlignConfigError(f"model: could not load '{name}': {err}") from err
+
+
+def is_sequence_classifier(source: str | Path) -> bool:
+    """Whether a local model directory holds a ``*ForSequenceClassification`` checkpoint (a reward model), by the
+    architectures its ``config.json`` names."""
+    config = Path(source) / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in architectures)
+
+
+def load_decoder(
+    name: str,
+    *,
+    dtype: DType = "float32",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    attn_implementation: str | None = None,
+    seed: int = 0,
+):
+    """The decoder stack (no output head) of a causal LM or of a sequence classifier such as a reward-model
+    export: the backbone of a separate critic."""
+    source = check_model_source(name)
+    if not is_tiny(source) and is_sequence_classifier(source):
+        from transformers import AutoModelForSequenceClassification
+
+        kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision, "dtype": torch_dtype(dtype)}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(source, **kwargs)
+        except OSError as err:
+            raise AlignConfigError(f"model: could not load '{name}': {err}") from err
+        return getattr(model, model.base_model_prefix)
+    return load_causal_lm(name, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision,
+                          attn_implementation=attn_implementation, seed=seed).get_decoder()
 
 
 def quantization_config(quantization: Quantization, dtype: DType = "bfloat16"):

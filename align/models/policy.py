@@ -28,6 +28,7 @@ from align.models.loading import (
     Quantization,
     check_model_source,
     load_causal_lm,
+    load_decoder,
     load_tokenizer,
     torch_dtype,
 )
@@ -176,9 +177,8 @@ class PolicyModel(nn.Module):
         self.critic: nn.Module | None = None
         self.critic_head: ValueHead | None = None
         if value_head == "separate":
-            critic = load_causal_lm(critic_model or model, **self._load_kwargs)
-            self.critic = critic.get_decoder()
-            self.critic_head = ValueHead(critic.config.hidden_size)
+            self.critic = load_decoder(critic_model or model, **self._load_kwargs)
+            self.critic_head = ValueHead(self.critic.config.hidden_size)
         self.ref_model: nn.Module | None = None
         self.train()  # transformers returns models in eval mode; a wrapper built for training starts in train mode
 

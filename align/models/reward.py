@@ -1,58 +1,138 @@
 """Reward models: scoring the last token, the export format, and :class:`RewardModelScorer` (a reward callable).
 
-A reward model here is a :class:`~align.models.policy.PolicyModel` with ``value_head="shared"``: the causal LM's
-decoder (LoRA / QLoRA and every loading option of the policy wrapper apply) and a scalar linear head read at the
-last real token of each sequence (:func:`sequence_scores`). The LM head is never run.
+A reward model is trained as a :class:`~align.models.policy.PolicyModel` with ``value_head="shared"``: the causal
+LM's decoder (LoRA / QLoRA and every loading option of the policy wrapper apply) and a scalar linear head read at
+the last real token of each sequence (:func:`sequence_scores`). The LM head is never run.
 
-Export format (a directory, written by :func:`save_reward_model`)::
+Export format (a directory, written by :func:`save_reward_model`): a standard Hugging Face sequence-classification
+checkpoint, as TRL's ``RewardTrainer`` and the hub's reward models write it::
 
-    config.json, model.safetensors, tokenizer files   a merged Hugging Face causal LM (LoRA folded in)
-    reward_head.safetensors                           the head: ``proj.weight`` (1, H), ``proj.bias`` (1,)
-    reward_model.json                                 format version and how text was encoded in training
+    config.json, model.safetensors   ``*ForSequenceClassification``, ``num_labels=1``, LoRA merged, the trained head
+                                     as ``score.weight``, ``pad_token_id`` set
+    tokenizer files                  the training tokenizer; its pad token is never the EOS (see below)
+    reward_model.json                align's own sidecar: format version and how text was encoded in training
 
-The backbone directory is an ordinary causal LM, so it also serves as a PPO critic's starting point
-(``PolicyModel(value_head="separate", critic_model=<export>)``). A training checkpoint (``.ckpt``) loads too.
+``AutoModelForSequenceClassification.from_pretrained(export)`` loads it and scores exactly as align does.
+
+Where the score is read. transformers' sequence classifiers take the rightmost token that is not
+``config.pad_token_id``; align reads the last real token of the attention mask, which is the response's EOS.
+When ``pad == eos`` (SmolLM2, many chat models) the two differ: transformers skips a final EOS as if it were
+padding, and so cannot tell a finished answer from one cut off at the same token. The export therefore names a
+pad token that is not the EOS (the tokenizer's own pad when distinct, else its unk, a ``pad``/``reserved``
+special token, or BOS), so the two rules pick the same token. Loading any sequence-classification checkpoint
+(a peer's included), align reads the score where transformers does: the last real token that is not the
+model's pad id. For align's exports that is the mask's last token; for a model trained by TRL with
+``pad == eos`` it is the token before the final EOS, as in its training.
+
+The head's bias: a sequence classifier's ``score`` has none. Bradley-Terry training cannot move a constant
+offset, so :class:`~align.modules.reward.RewardModule` keeps the bias frozen at 0; a non-zero bias (a head
+brought from elsewhere) is dropped at export with a notice (every score shifts by it; pair rankings do not).
+
+Also loaded, read-only: a training checkpoint (``.ckpt``) and the format of align before version 2 (a causal LM
+directory with ``reward_head.safetensors``). The PPO critic can start from any of these
+(:func:`init_critic_head_from_reward_model`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
 from align.errors import AlignConfigError
 from align.logprobs import last_valid_index
-from align.models.loading import DType, LoraSettings, check_model_source, torch_dtype
+from align.models.loading import DType, check_model_source, is_sequence_classifier, torch_dtype
 from align.models.tiny import is_tiny_sort_rm
 from align.models.policy import PolicyModel, position_ids_from_mask
 
 log = logging.getLogger(__name__)
 
 FORMAT = "align-reward-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_FILE = "reward_model.json"
-HEAD_FILE = "reward_head.safetensors"
+LEGACY_HEAD_FILE = "reward_head.safetensors"
+"""The head file of the version 1 export (a causal LM plus this file), still loaded."""
 DEFAULT_ENCODING = {"use_chat_template": None, "system_prompt": None, "max_length": 512, "max_prompt_length": None}
+
+
+def last_scored_index(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      skip_token_id: int | None = None) -> torch.Tensor:
+    """``(N,)`` index of the token a sequence's score is read at: the last real token (attention mask) that is
+    not ``skip_token_id``. With ``skip_token_id`` = a model's ``config.pad_token_id`` this is the token
+    transformers' ``*ForSequenceClassification`` pools on real-token inputs; a row made only of that token
+    falls back to its last real token."""
+    real = attention_mask.bool()  # (N, T)
+    last = last_valid_index(real)
+    if skip_token_id is not None:
+        kept = last_valid_index(real & (input_ids != skip_token_id))
+        last = torch.where(kept >= 0, kept, last)
+    if bool((last < 0).any()):
+        raise ValueError("sequence_scores: a row has no real token")
+    return last
+
+
+def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  skip_token_id: int | None = None) -> torch.Tensor:
+    """Run ``decoder`` and ``head`` at each row's scored token (:func:`last_scored_index`). ``(N, T) -> (N,)``.
+
+    Padding may sit on either side: positions come from the mask.
+    """
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,  # (N, T, H)
+                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    last = last_scored_index(input_ids, attention_mask, skip_token_id)  # (N,)
+    return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
 
 
 def sequence_scores(policy: PolicyModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scalar score of each sequence, read at its last real token. ``(N, T) -> (N,)`` float32.
 
-    Padding may sit on either side (positions come from the mask). Only the decoder and the head run.
+    Only the decoder and the head run.
     """
     if policy.value_head is None:
         raise AlignConfigError("reward model: the policy needs value_head='shared' (the scalar head)")
-    decoder = policy.model.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state  # (N, T, H)
-    last = last_valid_index(attention_mask)  # (N,)
-    if bool((last < 0).any()):
-        raise ValueError("sequence_scores: a row has no real token")
-    picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (N, H)
-    return policy.value_head(picked)  # (N,)
+    return pooled_scores(policy.model.get_decoder(), policy.value_head, input_ids, attention_mask)
+
+
+class ScalarHead(nn.Module):
+    """A sequence classifier's ``score`` layer (``Linear(H, 1)``) as a head giving ``(..., H) -> (...)`` float32."""
+
+    def __init__(self, score: nn.Linear):
+        super().__init__()
+        self.score = score
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1).float()
+
+
+class RewardModel(nn.Module):
+    """What scoring needs, whatever the source: a decoder, a scalar head, the tokenizer and the pooling rule.
+
+    ``skip_token_id``: the pad id a sequence classifier skips when it pools (see the module docstring);
+    None for a model trained by align from a checkpoint, which reads the mask's last token.
+    """
+
+    def __init__(self, decoder: nn.Module, head: nn.Module, tokenizer, skip_token_id: int | None = None):
+        super().__init__()
+        self.decoder, self.head = decoder, head
+        self.tokenizer = tokenizer
+        self.skip_token_id = skip_token_id
+
+    @classmethod
+    def from_policy(cls, policy: PolicyModel) -> "RewardModel":
+        return cls(policy.model.get_decoder(), policy.value_head, policy.tokenizer)
+
+    @classmethod
+    def from_sequence_classifier(cls, model: nn.Module, tokenizer) -> "RewardModel":
+        return cls(getattr(model, model.base_model_prefix), ScalarHead(model.score), tokenizer,
+                   model.config.get_text_config().pad_token_id)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return pooled_scores(self.decoder, self.head, input_ids, attention_mask, self.skip_token_id)
 
 
 def init_reward_head(policy: PolicyModel, generator: torch.Generator | None = None) -> None:
@@ -63,15 +143,59 @@ def init_reward_head(policy: PolicyModel, generator: torch.Generator | None = No
         head.bias.zero_()
 
 
+def scoring_pad_token(tokenizer) -> str | None:
+    """A pad token for the export that is not the EOS, so transformers pools on the EOS as align does; None when
+    the tokenizer has no other special token."""
+    eos = tokenizer.eos_token_id
+    specials = [t for t in tokenizer.all_special_tokens if t not in (tokenizer.eos_token, tokenizer.bos_token)]
+    candidates = [tokenizer.pad_token, tokenizer.unk_token,
+                  *(t for t in specials if "pad" in t.lower()), *(t for t in specials if "reserved" in t.lower()),
+                  tokenizer.bos_token]
+    for token in candidates:
+        if token is not None and tokenizer.convert_tokens_to_ids(token) not in (None, eos):
+            return token
+    return None
+
+
+def sequence_classifier(policy: PolicyModel, dtype: DType | None = None) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)``: the reward model as a transformers ``*ForSequenceClassification`` with ``num_labels=1``,
+    LoRA merged, the trained head as ``score``, and a tokenizer whose pad token is not the EOS."""
+    from transformers import AutoModelForSequenceClassification
+
+    if policy.value_head is None:
+        raise AlignConfigError("reward model export: the policy needs value_head='shared' (the scalar head)")
+    tokenizer = copy.deepcopy(policy.tokenizer)
+    pad = scoring_pad_token(tokenizer)
+    if pad is None:
+        log.warning("reward model export: the tokenizer has no special token besides EOS to pad with; transformers "
+                    "will score the token before a final EOS, align the EOS itself")
+    else:
+        tokenizer.pad_token = pad
+    merged = policy.merged_model(dtype)
+    config = copy.deepcopy(merged.config)
+    config.num_labels, config.architectures = 1, None
+    config.pad_token_id = tokenizer.pad_token_id
+    model = AutoModelForSequenceClassification.from_config(config, dtype=next(merged.parameters()).dtype)
+    getattr(model, model.base_model_prefix).load_state_dict(merged.get_decoder().state_dict())
+    head = policy.value_head.proj
+    bias = float(head.bias.detach().float().item()) if head.bias is not None else 0.0
+    if bias != 0.0:
+        log.warning("reward model export: the head's bias %.3g is dropped (a sequence classifier has none); every "
+                    "score shifts by it, pair rankings do not", bias)
+    with torch.no_grad():
+        model.score.weight.copy_(head.weight.detach().to(model.score.weight.dtype))
+    return model.eval(), tokenizer
+
+
 def save_reward_model(policy: PolicyModel, output_dir: str | Path, encoding: dict | None = None,
                       dtype: DType | None = None) -> Path:
     """Write the export format above; ``encoding`` is :meth:`PreferenceDataModule.encoding_spec`."""
-    from safetensors.torch import save_file
-
     output_dir = Path(output_dir)
-    policy.save_pretrained(output_dir, dtype=dtype)
-    head = {k: v.detach().float().cpu().contiguous() for k, v in policy.value_head.state_dict().items()}
-    save_file(head, str(output_dir / HEAD_FILE))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = sequence_classifier(policy, dtype)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    (output_dir / LEGACY_HEAD_FILE).unlink(missing_ok=True)  # overwriting a version 1 export
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "encoding": dict(DEFAULT_ENCODING, **(encoding or {})),
             "base_model": policy.spec["model"]}
     tmp = output_dir / (META_FILE + ".tmp")
@@ -80,55 +204,110 @@ def save_reward_model(policy: PolicyModel, output_dir: str | Path, encoding: dic
     return output_dir
 
 
-def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[PolicyModel, dict]:
-    """``(policy with its head, encoding spec)`` from an export directory or an align ``.ckpt``."""
+def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[RewardModel, dict]:
+    """``(reward model, encoding spec)`` from a sequence-classification checkpoint (align's export or a peer's),
+    an align ``.ckpt``, or a version 1 align export."""
     if is_tiny_sort_rm(path):
         path = check_model_source(str(path), what="reward model path")
     path = Path(path).expanduser()
     if not path.exists():
-        raise AlignConfigError(f"reward model path: '{path}' does not exist; expected an export directory "
-                               f"(with {META_FILE}) or a .ckpt written by the reward-model recipe")
-    if path.is_dir():
-        return _load_export(path, dtype)
-    return _load_checkpoint(path, dtype)
+        raise AlignConfigError(f"reward model path: '{path}' does not exist; expected a sequence-classification "
+                               "checkpoint directory (a reward-model export) or a .ckpt written by the reward-model "
+                               "recipe")
+    if not path.is_dir():
+        return _load_checkpoint(path, dtype)
+    if is_sequence_classifier(path):
+        return _load_sequence_classifier(path, dtype)
+    if (path / LEGACY_HEAD_FILE).is_file():
+        return _load_legacy_export(path, dtype)
+    raise AlignConfigError(f"reward model path: '{path}' is not a reward-model export: its config.json names no "
+                           "*ForSequenceClassification architecture (a trained RM run writes one to <run dir>/export)")
 
 
-def _load_export(path: Path, dtype: DType) -> tuple[PolicyModel, dict]:
+def _encoding(path: Path) -> dict:
+    meta_path = path / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta and (meta.get("format") != FORMAT or meta.get("version") not in (1, FORMAT_VERSION)):
+        raise AlignConfigError(f"reward model path: '{path}': unsupported {META_FILE} format {meta.get('format')!r} "
+                               f"version {meta.get('version')!r}; expected {FORMAT!r} version <= {FORMAT_VERSION}")
+    return dict(DEFAULT_ENCODING, **meta.get("encoding", {}))
+
+
+def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
+    from transformers import AutoModelForSequenceClassification
+
+    from align.models.loading import load_tokenizer
+
+    encoding = _encoding(path)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch_dtype(dtype))
+    except (OSError, ValueError) as err:
+        raise AlignConfigError(f"reward model path: could not load '{path}': {err}") from err
+    if model.config.num_labels != 1 or not isinstance(getattr(model, "score", None), nn.Linear):
+        raise AlignConfigError(f"reward model path: '{path}' has {model.config.num_labels} labels; a reward model "
+                               "has one (num_labels=1) and a linear 'score' head")
+    return RewardModel.from_sequence_classifier(model, load_tokenizer(str(path))), encoding
+
+
+def _load_legacy_export(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
     from safetensors.torch import load_file
 
-    meta_path = path / META_FILE
-    if not meta_path.exists() or not (path / HEAD_FILE).exists():
-        raise AlignConfigError(f"reward model path: '{path}' has no {META_FILE} / {HEAD_FILE}; it is not a reward-"
-                               "model export (a trained RM run writes one to <run dir>/export)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-        raise AlignConfigError(f"reward model path: '{path}': unsupported format {meta.get('format')!r} version "
-                               f"{meta.get('version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}")
     policy = PolicyModel(model=str(path), dtype=dtype, value_head="shared")
-    policy.value_head.load_state_dict(load_file(str(path / HEAD_FILE)))
-    return policy, dict(DEFAULT_ENCODING, **meta.get("encoding", {}))
+    policy.value_head.load_state_dict(load_file(str(path / LEGACY_HEAD_FILE)))
+    return RewardModel.from_policy(policy), _encoding(path)
 
 
-def _load_checkpoint(path: Path, dtype: DType) -> tuple[PolicyModel, dict]:
-    from align.models.export import load_checkpoint
+def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
+    from align.models.export import load_checkpoint, policy_from_checkpoint
 
     checkpoint = load_checkpoint(path)
-    meta = checkpoint.get("align") or {}
-    if "policy" not in meta or "reward" not in meta:
+    if "reward" not in (checkpoint.get("align") or {}):
         raise AlignConfigError(f"reward model path: '{path}' is not a reward-model checkpoint (no align reward "
                                "metadata); expected a .ckpt written by align.modules.reward.RewardModule")
-    spec = dict(meta["policy"], value_head="shared", reference_model=None, critic_model=None, dtype=dtype)
-    if spec.get("lora"):
-        spec["lora"] = LoraSettings(**spec["lora"])
-    policy = PolicyModel(**spec)
-    state = {k[len("policy."):]: v for k, v in checkpoint["state_dict"].items()
-             if k.startswith(("policy.model.", "policy.value_head."))}
-    missing, unexpected = policy.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k.startswith(("model.", "value_head."))]
-    if missing or unexpected:
-        raise AlignConfigError(f"reward model path: '{path}' does not match its policy spec (missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]})")
-    return policy, dict(DEFAULT_ENCODING, **meta["reward"].get("encoding", {}))
+    policy = policy_from_checkpoint(path, checkpoint=checkpoint, reward_head=True, dtype=dtype)
+    return RewardModel.from_policy(policy), dict(DEFAULT_ENCODING, **checkpoint["align"]["reward"].get("encoding", {}))
+
+
+def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
+    """The scalar head of a reward model directory as a :class:`~align.models.policy.ValueHead` state dict
+    (``proj.weight`` (1, H), ``proj.bias`` (1,)), or None when ``source`` is not a reward model (a plain causal LM)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        path = Path(check_model_source(source, what="critic_model"))
+    except AlignConfigError:
+        return None
+    if not path.is_dir():
+        return None
+    if (path / LEGACY_HEAD_FILE).is_file():
+        return load_file(str(path / LEGACY_HEAD_FILE))
+    if not is_sequence_classifier(path):
+        return None
+    index = path / "model.safetensors.index.json"
+    shard = json.loads(index.read_text())["weight_map"].get("score.weight") if index.is_file() else "model.safetensors"
+    if shard is None or not (path / shard).is_file():
+        return None
+    with safe_open(str(path / shard), framework="pt") as f:
+        if "score.weight" not in f.keys():
+            return None
+        weight = f.get_tensor("score.weight").float()
+    if weight.shape[0] != 1:
+        raise AlignConfigError(f"critic_model: '{source}' has {weight.shape[0]} labels; a reward model has one")
+    return {"proj.weight": weight, "proj.bias": torch.zeros(1)}
+
+
+def init_critic_head_from_reward_model(policy: PolicyModel) -> bool:
+    """Start a separate critic's head from the reward head when its backbone (``critic_model``) is a reward model,
+    so the critic starts by predicting the reward model's score of each prefix instead of 0. Returns whether it did."""
+    if policy.critic_head is None:
+        return False
+    state = reward_head_state(policy.spec["critic_model"] or policy.spec["model"])
+    if state is None:
+        return False
+    head = policy.critic_head.proj
+    policy.critic_head.load_state_dict({k: v.to(head.weight.dtype) for k, v in state.items()})
+    return True
 
 
 class RewardModelScorer:
@@ -160,8 +339,9 @@ class RewardModelScorer:
                  max_length: int | None = None, system_prompt: str | None = None):
         """
         Args:
-            path: A reward-model export directory (``<run dir>/export``), a reward-model ``.ckpt``, or
-                ``tiny-sort-rm`` (the shipped sort-task reward model).
+            path: A reward-model export directory (``<run dir>/export``), any Hugging Face sequence-classification
+                checkpoint with one label (e.g. one written by TRL's ``RewardTrainer``), a reward-model ``.ckpt``,
+                or ``tiny-sort-rm`` (the shipped sort-task reward model).
             batch_size: Sequences scored per forward pass.
             device: ``cpu``, ``cuda``, ``cuda:1``...; null picks CUDA when available.
             dtype: Weight dtype for scoring.
@@ -174,16 +354,17 @@ class RewardModelScorer:
             raise AlignConfigError(f"RewardModelScorer.batch_size: expected >= 1, got {batch_size}")
         self.path = str(path)
         self.batch_size = batch_size
-        policy, self.encoding = load_reward_model(path, dtype)
+        model, self.encoding = load_reward_model(path, dtype)
         if max_length is not None:
             self.encoding["max_length"] = max_length
         if system_prompt is not None:
             self.encoding["system_prompt"] = system_prompt
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         td = torch_dtype(dtype)
-        self.policy = policy.to(self.device, td if isinstance(td, torch.dtype) else None).eval()
-        self.policy.requires_grad_(False)
-        self.encoder = ChatEncoder(policy.tokenizer, self.encoding["use_chat_template"])
+        self.model = model.to(self.device, td if isinstance(td, torch.dtype) else None).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = model.tokenizer
+        self.encoder = ChatEncoder(self.tokenizer, self.encoding["use_chat_template"])
         self.__name__ = f"RewardModelScorer({self.path})"
 
     def encode(self, prompt: str | list[dict], completion: str, completion_ids: list[int] | None = None,
@@ -205,7 +386,7 @@ class RewardModelScorer:
         else:
             response = encode_response(self.encoder, prompt_ids, messages, completion, "<reward input>", None,
                                        "completion", prompt_text)
-            if truncated and response and response[-1] == self.policy.tokenizer.eos_token_id:
+            if truncated and response and response[-1] == self.tokenizer.eos_token_id:
                 response = response[:-1]  # the policy never ended its turn: neither does the scored text
         max_length = self.encoding["max_length"]
         if len(response) >= max_length:
@@ -216,7 +397,7 @@ class RewardModelScorer:
         return prompt_ids[len(prompt_ids) - keep:], response
 
     def _shares_tokenizer(self, ids: list[int], text: str) -> bool:
-        tokenizer = self.policy.tokenizer
+        tokenizer = self.tokenizer
         if not ids or max(ids) >= len(tokenizer):
             return False
         return tokenizer.decode(ids, skip_special_tokens=True) == text
@@ -232,7 +413,7 @@ class RewardModelScorer:
                             ("completion_truncated", completion_truncated)):
             if given is not None and len(given) != n:
                 raise ValueError(f"RewardModelScorer: {len(given)} {name} for {n} completions")
-        pad = self.policy.tokenizer.pad_token_id
+        pad = self.tokenizer.pad_token_id
         scores: list[float] = []
         for start in range(0, n, self.batch_size):
             rows = range(start, min(start + self.batch_size, n))
@@ -246,6 +427,6 @@ class RewardModelScorer:
             for i, (p, c) in enumerate(pairs):
                 input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
                 attention_mask[i, : len(p) + len(c)] = 1
-            out = sequence_scores(self.policy, input_ids.to(self.device), attention_mask.to(self.device))
+            out = self.model(input_ids.to(self.device), attention_mask.to(self.device))
             scores += out.float().cpu().tolist()
         return scores

@@ -43,7 +43,6 @@ policy step overrides :meth:`update_policy` and calls :meth:`update_value` for t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -56,7 +55,7 @@ from align.kl import AdaptiveKLController, FixedKLController, KLController, kl_e
 from align.logprobs import masked_mean, masked_sum
 from align.losses import aggregate, ppo_policy_loss, value_loss
 from align.models.policy import PolicyModel, TokenScores
-from align.models.reward import RewardModelScorer
+from align.models.reward import RewardModelScorer, init_critic_head_from_reward_model
 from align.models.tiny import TINY_SORT_RM
 from align.modules.rl import Aggregation, RLBatch, RLModule, Timer
 from align.rewards import RewardFunction, RewardSpec
@@ -304,19 +303,7 @@ class PPOModule(RLModule):
         self.rollouts_done = 0
         self.headline_metrics = ("val/reward_mean", *(f"val/reward/{n}" for n in names), "val/accuracy", "val/kl")
         if critic_head_from_reward_model:
-            self._critic_head_from_reward_model()
-
-    def _critic_head_from_reward_model(self) -> None:
-        from align.models.loading import check_model_source
-        from align.models.reward import HEAD_FILE
-
-        if self.policy.critic_head is None:
-            return
-        source = Path(check_model_source(self.policy.spec["critic_model"] or self.policy.spec["model"]))
-        if (source / HEAD_FILE).is_file():
-            from safetensors.torch import load_file
-
-            self.policy.critic_head.load_state_dict(load_file(str(source / HEAD_FILE)))
+            init_critic_head_from_reward_model(self.policy)
 
     @property
     def reward_model(self) -> LazyRewardModel | None:

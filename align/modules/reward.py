@@ -1,22 +1,24 @@
 """Reward-model training: a Bradley-Terry loss on pairwise preferences (Ouyang et al. 2022, arXiv 2203.02155).
 
-Head choice: the reward model is the shared :class:`~align.models.policy.PolicyModel` with its scalar
-``value_head="shared"`` read at the last real token (:func:`align.models.reward.sequence_scores`), not
-``AutoModelForSequenceClassification``. Reasons:
+Head choice: the reward model is trained as the shared :class:`~align.models.policy.PolicyModel` with its scalar
+``value_head="shared"`` read at the last real token (:func:`align.models.reward.sequence_scores`), and exported
+as a standard ``*ForSequenceClassification`` checkpoint. Reasons:
 
 * One loading path: LoRA, QLoRA, dtype, gradient checkpointing, the tiny default and checkpoint metadata all come
-  from the policy wrapper, and the export is an ordinary causal-LM directory a PPO critic can start from.
-* The last token is found from the attention mask, not from ``input_ids != pad_token_id``; sequence-classification
-  heads use the latter, which picks the wrong token when ``pad == eos`` (the response's own EOS looks like padding)
-  and breaks with left padding.
+  from the policy wrapper.
+* The last token is found from the attention mask, not from ``input_ids != pad_token_id``, which picks the token
+  before the response's EOS when ``pad == eos``; the export names a pad token other than the EOS, so transformers
+  reads the same token (see :mod:`align.models.reward`).
 * Only the decoder runs; no vocabulary-sized logits are computed.
 
 Loss normalisation: the loss of an optimizer step is the mean over every pair of its accumulation window and of all
 data-parallel ranks (each micro-batch carries its window's pair count, as SFT does with tokens), so 8 x 1 equals
 1 x 8. The Llama 2 margin (arXiv 2307.09288) is taken from the data's ``margin`` column when ``use_margin`` is on.
 
-Departure: the head starts from small random weights instead of zeros, so the untrained model ranks pairs at about
-chance instead of tying every pair (a tie counts as wrong in ``rm/accuracy``).
+Departures: the head starts from small random weights instead of zeros, so the untrained model ranks pairs at about
+chance instead of tying every pair (a tie counts as wrong in ``rm/accuracy``). Its bias is frozen: the loss does not
+depend on it (only rounding noise reaches it, which Adam would turn into a drift), and a sequence classifier's head
+has none.
 
 Logged: ``train/loss``, ``rm/accuracy``, ``rm/margin`` (mean chosen - rejected score), ``rm/score_chosen``,
 ``rm/score_rejected``, ``train/pairs_per_s``; held out: ``val/loss``, ``val/rm_accuracy``, ``val/rm_margin``,
@@ -111,6 +113,7 @@ class RewardModule(AlignModule):
             policy.spec["value_head"] = "shared"
         if not bool(policy.value_head.proj.weight.any()):  # a fresh (zero) head; a trained one is kept
             init_reward_head(policy)
+        policy.value_head.proj.bias.requires_grad_(False)
         super().__init__(policy, optimizer, scheduler, disable_dropout)
         self.use_margin = use_margin
         self.export = export

@@ -266,3 +266,21 @@ def test_value_lr_scale_gives_the_value_parameters_their_own_learning_rate():
         assert ids <= value_ids if group["value_params"] else not ids & value_ids
         assert group["lr"] == pytest.approx(1e-2 if group["value_params"] else 1e-3)
     assert seen == {id(p) for p in module.parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("from_rm", [True, False])
+def test_critic_head_starts_from_the_shipped_reward_models_head(from_rm):
+    """The default critic's backbone is ``tiny-sort-rm`` (a sequence-classification export): its head starts as the
+    reward model's ``score`` (bias 0), or at zero when ``critic_head_from_reward_model`` is off."""
+    from safetensors.torch import load_file
+
+    from align.models.tiny import TINY_SORT_RM_DIR
+
+    module = PPOModule(critic_head_from_reward_model=from_rm)
+    head = module.policy.critic_head.proj
+    score = load_file(str(TINY_SORT_RM_DIR / "model.safetensors"))["score.weight"]
+    if from_rm:
+        torch.testing.assert_close(head.weight.detach(), score)
+    else:
+        assert not head.weight.any()
+    assert not head.bias.any()

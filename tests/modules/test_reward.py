@@ -107,6 +107,7 @@ def test_a_few_steps_raise_held_out_accuracy_and_log_metrics(trained):
 def test_export_loads_as_a_reward_callable(trained):
     export = trained["export"]
     assert (export / "reward_model.json").exists() and (export / "config.json").exists()
+    assert not (export / "reward_head.safetensors").exists()  # the head is the classifier's own ``score``
     scorer = RewardModelScorer(str(export), batch_size=3)
     rows = read_rows("align:sort/preference/validation.jsonl")[:10]  # the bundled pairs validate by default
     prompts = [r["prompt"] for r in rows]
@@ -122,7 +123,7 @@ def test_export_loads_as_a_reward_callable(trained):
     with torch.no_grad():
         c, r = module.pair_scores(batch)
     assert c.tolist() == pytest.approx(chosen, abs=1e-4) and r.tolist() == pytest.approx(rejected, abs=1e-4)
-    assert not any(p.requires_grad for p in scorer.policy.parameters())
+    assert not any(p.requires_grad for p in scorer.model.parameters())
 
 
 def test_checkpoint_loads_like_the_export(trained):
@@ -130,6 +131,30 @@ def test_checkpoint_loads_like_the_export(trained):
     from_export = RewardModelScorer(str(trained["export"]))(prompts, completions)
     from_ckpt = RewardModelScorer(str(trained["ckpt"]))(prompts, completions)
     assert from_ckpt == pytest.approx(from_export, abs=1e-4)
+
+
+def test_the_head_bias_stays_zero_so_the_export_scores_as_trained(trained):
+    # Bradley-Terry does not depend on a constant offset, and a sequence classifier's head has none.
+    bias = trained["module"].policy.value_head.proj.bias
+    assert not bias.requires_grad and float(bias) == 0.0
+
+
+def test_align_export_of_an_rm_checkpoint_is_a_sequence_classifier(trained, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from align.cli import main
+
+    main(["export", "--ckpt_path", str(trained["ckpt"]), "--output_dir", str(tmp_path / "hf")])
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert model.config.architectures == ["LlamaForSequenceClassification"] and model.config.num_labels == 1
+    scorer = RewardModelScorer(str(trained["ckpt"]))
+    prompt_ids, response_ids = scorer.encode("sort: c a b", "a b c")
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert hf.shape == (1, 1)
+    assert hf.item() == pytest.approx(scorer(["sort: c a b"], ["a b c"])[0], abs=1e-4)
+    assert RewardModelScorer(str(tmp_path / "hf")).encoding == scorer.encoding  # the training encoding travels
 
 
 def test_lora_reward_model_round_trips(tmp_path):
@@ -142,10 +167,11 @@ def test_lora_reward_model_round_trips(tmp_path):
                 p.normal_()
     save_reward_model(policy, tmp_path / "export", {"max_length": 64})
     loaded, encoding = load_reward_model(tmp_path / "export")
-    assert encoding["max_length"] == 64 and loaded.value_head is not None
+    assert encoding["max_length"] == 64
+    assert not any("lora" in name for name, _ in loaded.named_parameters())  # merged into the base weights
     ids = torch.tensor([[1, 5, 6, 7, 2]])
     with torch.no_grad():
-        torch.testing.assert_close(sequence_scores(loaded.eval(), ids, torch.ones_like(ids)),
+        torch.testing.assert_close(loaded.eval()(ids, torch.ones_like(ids)),
                                    sequence_scores(policy.eval(), ids, torch.ones_like(ids)), atol=1e-4, rtol=1e-4)
 
 
@@ -162,14 +188,14 @@ def test_bad_paths_fail_clearly(tmp_path):
 def _direct_score(scorer, prompt_ids, response_ids):
     ids = torch.tensor([prompt_ids + response_ids])
     with torch.no_grad():
-        return sequence_scores(scorer.policy, ids, torch.ones_like(ids)).item()
+        return scorer.model(ids, torch.ones_like(ids)).item()
 
 
 def test_the_scorer_sees_the_whole_conversation_and_the_sampled_ids(trained):
     from align.data.preference import encode_prompt
 
     scorer = RewardModelScorer(str(trained["export"]))
-    tok = scorer.policy.tokenizer
+    tok = scorer.tokenizer
     chat = [{"role": "system", "content": "Sort the letters."}, {"role": "user", "content": "sort: c a b"},
             {"role": "assistant", "content": "a b c"}, {"role": "user", "content": "sort: d b"}]
     prompt_ids, _ = encode_prompt(scorer.encoder, chat)
@@ -192,3 +218,15 @@ def test_the_scorer_sees_the_whole_conversation_and_the_sampled_ids(trained):
         whole, abs=1e-5)
     with pytest.raises(ValueError, match="1 completion_ids for 2 completions"):
         scorer(["a", "b"], ["a", "b"], completion_ids=[[1]])
+
+
+def test_export_callback_on_a_reward_model_run_writes_the_reward_model(trained, tmp_path):
+    from align.models.export import ExportCallback
+    from align.models.loading import is_sequence_classifier
+
+    module = trained["module"]
+    ExportCallback(str(tmp_path / "cb")).on_fit_end(module.trainer, module)
+    assert is_sequence_classifier(tmp_path / "cb")
+    prompts, completions = ["sort: c a b"], ["a b c"]
+    assert RewardModelScorer(str(tmp_path / "cb"))(prompts, completions) == pytest.approx(
+        RewardModelScorer(str(trained["export"]))(prompts, completions), abs=1e-5)

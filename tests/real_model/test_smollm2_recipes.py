@@ -57,12 +57,30 @@ def reward_model_export(tmp_path_factory):
     rows = run("rm", RewardModule, PreferenceDataModule, "rm/smollm2.yaml", root, *PAIRS)
     finite(rows, "train/loss")
     export = next(root.rglob("export"))
-    assert (export / "reward_head.safetensors").is_file()
+    assert (export / "config.json").is_file() and (export / "reward_model.json").is_file()
     return export
 
 
 def test_reward_model(reward_model_export):
-    assert (reward_model_export / "config.json").is_file()
+    """The export is a standard sequence classifier: transformers loads its head and scores as align does, on
+    SmolLM2, whose pad token is its EOS (the export pads with another token, so the EOS is the scored one)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from align.models.reward import RewardModelScorer
+
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_export).eval()
+    scorer = RewardModelScorer(str(reward_model_export), device="cpu")
+    assert model.config.num_labels == 1 and model.config.pad_token_id != scorer.tokenizer.eos_token_id
+    prompts, completions = ["What is 2 + 3? Reply with just the number.", "What is 7 + 9?"], ["5", "The answer is 16."]
+    rows = [sum(scorer.encode(p, c), []) for p, c in zip(prompts, completions)]
+    T = max(map(len, rows))
+    pad = model.config.pad_token_id
+    ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+    torch.testing.assert_close(hf, torch.tensor(scorer(prompts, completions)), atol=1e-4, rtol=1e-4)
 
 
 def test_dpo(tmp_path, capsys):

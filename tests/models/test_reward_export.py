@@ -1,0 +1,154 @@
+"""The reward-model export is a standard sequence-classification checkpoint, and align scores any such checkpoint
+(its own or a peer's) exactly as transformers does."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
+
+from align.models import LoraSettings, PolicyModel
+from align.models.reward import (
+    LEGACY_HEAD_FILE,
+    RewardModelScorer,
+    init_critic_head_from_reward_model,
+    init_reward_head,
+    last_scored_index,
+    save_reward_model,
+    sequence_scores,
+)
+from align.models.tiny import load_tiny_tokenizer, tiny_config
+
+EOS = 2
+
+
+def reward_policy(seed=0, **kwargs):
+    policy = PolicyModel(value_head="shared", seed=seed, **kwargs).eval()
+    init_reward_head(policy, torch.Generator().manual_seed(seed))
+    return policy
+
+
+def padded(rows, pad, left=False):
+    """``(ids, mask)`` of ``rows`` padded with ``pad`` to the longest, on the right or the left."""
+    T = max(map(len, rows))
+    ids = torch.full((len(rows), T), pad)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(T - len(row), T) if left else slice(0, len(row))
+        ids[i, span], mask[i, span] = torch.tensor(row), 1
+    return ids, mask
+
+
+# Sequences ending in EOS (a finished answer) and one cut off without it, of different lengths.
+ROWS = [[1, 40, 41, 42, EOS], [1, 50, 51, EOS], [1, 60, 61, 62, 63, 64], [1, 70, EOS]]
+
+
+def hf_scores(model, ids, mask):
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits  # (N, 1)
+    assert logits.shape == (ids.shape[0], 1)
+    return logits.squeeze(-1)
+
+
+@pytest.mark.parametrize("pad_equals_eos", [True, False])
+def test_export_loads_in_transformers_with_its_head_and_scores_as_align(tmp_path, pad_equals_eos):
+    policy = reward_policy(pad_equals_eos=pad_equals_eos)
+    assert (policy.tokenizer.pad_token_id == EOS) == pad_equals_eos
+    export = save_reward_model(policy, tmp_path / "export")
+    model = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and model.config.num_labels == 1
+    # The trained head, not a fresh one; the pad token is never the EOS, so transformers pools on the EOS.
+    torch.testing.assert_close(model.score.weight, policy.value_head.proj.weight)
+    assert model.config.pad_token_id == tokenizer.pad_token_id != tokenizer.eos_token_id == EOS
+    for left in (False, True):
+        ids, mask = padded(ROWS, tokenizer.pad_token_id, left)
+        with torch.no_grad():
+            ours = sequence_scores(policy, ids, mask)
+        torch.testing.assert_close(hf_scores(model, ids, mask), ours, atol=1e-5, rtol=1e-5)
+    # Why the pad token moves: with pad == eos transformers skips each row's final EOS and reads the token before.
+    model.config.pad_token_id = EOS
+    naive = hf_scores(model, *padded(ROWS, EOS))
+    ends_in_eos = torch.tensor([row[-1] == EOS for row in ROWS])
+    assert not torch.allclose(naive[ends_in_eos], ours[ends_in_eos], atol=1e-3)
+    torch.testing.assert_close(naive[~ends_in_eos], ours[~ends_in_eos], atol=1e-5, rtol=1e-5)
+
+
+def test_lora_is_merged_into_the_export(tmp_path):
+    torch.manual_seed(0)  # peft draws the adapter's A matrices from the global generator
+    policy = reward_policy(lora=LoraSettings(r=4, alpha=8))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(1))
+    export = save_reward_model(policy, tmp_path / "export")
+    model = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    ids, mask = padded(ROWS, model.config.pad_token_id)
+    with torch.no_grad():
+        ours = sequence_scores(policy, ids, mask)
+        without_adapter = sequence_scores(PolicyModel(value_head="shared").eval().requires_grad_(False), ids, mask)
+    # Merged weights round differently from base + adapter: agreement to float32 rounding of the merge.
+    torch.testing.assert_close(hf_scores(model, ids, mask), ours, atol=2e-4, rtol=2e-4)
+    assert not torch.allclose(ours - ours.mean(), without_adapter - without_adapter.mean(), atol=1e-3)
+
+
+@pytest.mark.parametrize("pad_equals_eos", [True, False])
+def test_a_peers_sequence_classifier_scores_as_in_transformers(tmp_path, pad_equals_eos):
+    """As TRL's RewardTrainer saves one: a LlamaForSequenceClassification with one label and its tokenizer."""
+    tokenizer = load_tiny_tokenizer(pad_equals_eos=pad_equals_eos)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(tiny_config(num_labels=1, pad_token_id=tokenizer.pad_token_id)).eval()
+    torch.nn.init.normal_(model.score.weight)
+    model.save_pretrained(tmp_path / "peer")
+    tokenizer.save_pretrained(tmp_path / "peer")
+    scorer = RewardModelScorer(str(tmp_path / "peer"), batch_size=3)
+    prompts, completions = ["sort: c a b", "sort: b a", "sort: d c b a", "x"], ["a b c", "a b", "a", "b c d e f"]
+    ours = scorer(prompts, completions)
+    rows = [sum(scorer.encode(p, c), []) for p, c in zip(prompts, completions)]
+    assert all(row[-1] == EOS for row in rows)  # each scored text ends its turn
+    reference = hf_scores(model, *padded(rows, tokenizer.pad_token_id))
+    torch.testing.assert_close(torch.tensor(ours), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_scored_token_is_the_last_real_one_that_is_not_the_models_pad():
+    ids = torch.tensor([[1, 5, 2, 2, 2], [0, 1, 5, 6, 2], [2, 2, 2, 2, 2]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    assert last_scored_index(ids, mask).tolist() == [2, 4, 1]  # align's rule: the mask's last token
+    assert last_scored_index(ids, mask, skip_token_id=2).tolist() == [1, 3, 1]  # transformers' with pad id 2
+
+
+def test_the_version_1_format_still_loads(tmp_path):
+    policy = reward_policy()
+    with torch.no_grad():
+        policy.value_head.proj.bias.fill_(0.5)  # version 1 kept a bias; it loads with it
+    policy.save_pretrained(tmp_path / "v1")
+    head = {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}
+    save_file(head, str(tmp_path / "v1" / LEGACY_HEAD_FILE))
+    (tmp_path / "v1" / "reward_model.json").write_text(json.dumps(
+        {"format": "align-reward-model", "version": 1, "encoding": {"max_length": 48}}))
+    scorer = RewardModelScorer(str(tmp_path / "v1"))
+    assert scorer.encoding["max_length"] == 48
+    prompt_ids, response_ids = scorer.encode("sort: b a", "a b")
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        expected = sequence_scores(policy, ids, torch.ones_like(ids)).item()
+    assert scorer(["sort: b a"], ["a b"])[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_separate_critic_starts_from_the_reward_model(tmp_path):
+    """Critic backbone and head from an export: its value of a sequence's end state is the reward model's score."""
+    export = save_reward_model(reward_policy(seed=4), tmp_path / "rm")
+    policy = PolicyModel(value_head="separate", critic_model=str(export)).eval()
+    assert init_critic_head_from_reward_model(policy)
+    scorer = RewardModelScorer(str(export))
+    prompt_ids, response_ids = scorer.encode("sort: b a", "a b")
+    ids = torch.tensor([prompt_ids + response_ids + [EOS]])  # the value at the last token sees everything before it
+    with torch.no_grad():
+        value = policy.values(ids, torch.ones_like(ids), response_length=1)  # (1, 1)
+    assert value.item() == pytest.approx(scorer(["sort: b a"], ["a b"])[0], abs=1e-5)
+    # A plain causal LM as the critic backbone has no reward head: the critic head stays at zero.
+    plain = PolicyModel(value_head="separate")
+    assert not init_critic_head_from_reward_model(plain) and not plain.critic_head.proj.weight.any()
