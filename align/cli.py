@@ -143,6 +143,15 @@ class AlignCLI(LightningCLI):
             _continuing_a_run()
         return version
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            # The logger's own folder, not ``trainer.log_dir``: that one is a collective, and other ranks may be gone.
+            loggers = getattr(self.trainer, "loggers", None) or []
+            _remove_if_empty(loggers[0].log_dir if loggers and isinstance(loggers[0], CSVLogger) else None)
+            raise
+
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         if subcommand == "fit":
@@ -200,6 +209,16 @@ class AlignCLI(LightningCLI):
             if reused:
                 return reused
         return self._validate()
+
+
+def _remove_if_empty(directory: str | None) -> None:
+    """A run that failed before writing anything (bad data, a reward that cannot be called) leaves no empty
+    ``version_N`` behind, so the next run takes its number. A folder with anything in it is kept."""
+    if directory:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
 
 
 def _continuing_a_run() -> None:

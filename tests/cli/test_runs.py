@@ -200,3 +200,15 @@ def test_ddp_ranks_agree_on_one_run_folder_and_resume_it(tmp_path):
     assert global_step(tmp_path / "version_0" / "checkpoints" / "last.ckpt") == 2
     assert global_step(tmp_path / "version_1" / "checkpoints" / "last.ckpt") == 1
     assert f"run directory: {tmp_path / 'version_0'}" in out  # the resumed run reports the folder it continued
+
+
+def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path):
+    """Bad data stops the run before anything is written: no empty ``version_0`` is left, so the next run is
+    ``version_0``."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "sort: b a"}\n')
+    root = tmp_path / "runs"
+    with pytest.raises(SystemExit):
+        main(["fit", "--model", "SFTModule", "--data", "SFTDataModule", "--data.train_files", str(bad),
+              "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1"])
+    assert not root.exists() or list(root.iterdir()) == []
