@@ -192,14 +192,14 @@ def test_ddp_ranks_agree_on_one_run_folder_and_resume_it(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout
 
+    (tmp_path / "version_0").mkdir()  # an earlier run: rank 0 starts version_1, and rank 1 must not pick version_2
+    (tmp_path / "version_0" / "metrics.csv").write_text("step\n")
     launch("--trainer.max_steps", "1")
     out = launch("--trainer.max_steps", "2", "--resume", "auto")
     assert "resume: continuing" in out
-    launch("--trainer.max_steps", "1")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
-    assert global_step(tmp_path / "version_0" / "checkpoints" / "last.ckpt") == 2
-    assert global_step(tmp_path / "version_1" / "checkpoints" / "last.ckpt") == 1
-    assert f"run directory: {tmp_path / 'version_0'}" in out  # the resumed run reports the folder it continued
+    assert global_step(tmp_path / "version_1" / "checkpoints" / "last.ckpt") == 2
+    assert f"run directory: {tmp_path / 'version_1'}" in out  # the resumed run reports the folder it continued
 
 
 def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path):
