@@ -16,7 +16,7 @@ One training step is one rollout, turned into a :class:`PPOBatch` by :meth:`PPOM
    token: the first EOS, or the last token of a response truncated at ``max_new_tokens`` (docs/algorithms.md, "Response mask").
 4. **Values** ``V(s_t)`` from the value model at rollout time, then :func:`align.advantages.gae` (``gamma``,
    ``lam``): advantages and returns = unwhitened advantages + values. Advantages (only) are whitened over
-   the valid tokens of the rollout on every rank (:meth:`RLModule.global_masked_whiten`, ``whiten_advantages``).
+   the valid tokens of the rollout on every rank (:func:`align.stats.whiten`, ``whiten_advantages``).
 
 The update (:meth:`PPOModule.update_policy`) runs ``ppo_epochs`` passes over ``num_minibatches`` minibatches
 (one optimizer step each, micro-batches accumulated, gradients clipped; :meth:`align.modules.rl.RLModule.
@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from align import stats
 from align.advantages import gae, shape_rewards
 from align.data.prompts import REWARD_INPUTS, PromptBatch
 from align.errors import AlignConfigError
@@ -347,31 +348,9 @@ class PPOModule(RLModule):
         return self.rollouts_done < self.critic_warmup_steps
 
     def transform_scores(self, scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        """The score options, in order: EOS penalty, whitening, scaling, clipping. ``(N,) -> (N,)``."""
-        if self.missing_eos_penalty is not None:
-            scores = scores - self.missing_eos_penalty * rollout.truncated.to(scores.dtype)
-        if self.whiten_scores:
-            mean, var = self.global_mean_var(scores, torch.ones_like(scores, dtype=torch.bool))
-            scores = (scores - mean) * torch.rsqrt(var + 1e-8)
-        scores = scores * self.score_scale
-        if self.score_clip is not None:
-            scores = scores.clamp(-self.score_clip, self.score_clip)
-        return scores
-
-    def global_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and unbiased variance of the valid elements of ``x`` over every rank (0 variance for n < 2)."""
-        x = x.detach().float()
-        packed = torch.stack([masked_sum(x, mask), masked_sum(x.square(), mask), mask.sum().float()])
-        total, total_sq, n = self.all_reduce_sum(packed).unbind()
-        mean = total / n.clamp(min=1)
-        var = ((total_sq - n * mean.square()) / (n - 1).clamp(min=1)).clamp(min=0)
-        return mean, var
-
-    def explained_variance(self, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-        """``1 - Var(returns - values) / Var(returns)`` over valid tokens on all ranks; 0 when Var(returns) = 0."""
-        _, var_returns = self.global_mean_var(returns, mask)
-        _, var_error = self.global_mean_var(returns - values, mask)
-        return float(torch.where(var_returns > 0, 1 - var_error / var_returns.clamp(min=1e-12), 0.0))
+        """The score options (:func:`align.stats.transform_scores`), whitening over every rank. ``(N,) -> (N,)``."""
+        return stats.transform_scores(scores, rollout.truncated, self.missing_eos_penalty, self.whiten_scores,
+                                      self.score_scale, self.score_clip, all_reduce=self.all_reduce_sum)
 
     @torch.no_grad()
     def make_batch(self, batch: PromptBatch) -> PPOBatch:
@@ -395,7 +374,8 @@ class PPOModule(RLModule):
             rewards, kl = shape_rewards(scores, old_logprobs, old_logprobs if ref_logprobs is None else ref_logprobs,
                                         mask, self.kl_controller.value, kind=self.kl_estimator)
             raw_advantages, returns = gae(rewards, values, mask, self.gamma, self.lam)
-            advantages = self.global_masked_whiten(raw_advantages, mask) if self.whiten_advantages else raw_advantages
+            advantages = (stats.whiten(raw_advantages, mask, all_reduce=self.all_reduce_sum)
+                          if self.whiten_advantages else raw_advantages)
         metrics = self.rollout_metrics(rollout, total, parts)
         seq_kl = masked_sum(kl, mask, dim=1)  # (N,)
         sums = self.all_reduce_sum(torch.stack([seq_kl.sum(), kl.sum(), mask.sum().float(),
@@ -403,7 +383,8 @@ class PPOModule(RLModule):
         metrics["train/kl"] = float(sums[0] / sums[3].clamp(min=1))
         metrics["train/kl_per_token"] = float(sums[1] / sums[2].clamp(min=1))
         metrics["train/kl_coef"] = float(self.kl_controller.value)
-        metrics["train/explained_variance"] = self.explained_variance(values, returns, mask)
+        explained = stats.explained_variance(values, returns, mask, all_reduce=self.all_reduce_sum)
+        metrics["train/explained_variance"] = float(explained)
         metrics["train/returns_mean"] = float(masked_mean(returns, mask))
         metrics["train/values_mean"] = float(masked_mean(values, mask))
         metrics["train/advantages_mean"] = float(masked_mean(raw_advantages, mask))
@@ -427,10 +408,10 @@ class PPOModule(RLModule):
         """Clipped surrogate minus ``entropy_coef`` times the entropy: ``(loss share, metrics)``."""
         mask = micro.response_mask
         old = scores.logprobs.detach() if self.on_policy else micro.old_logprobs
-        loss, stats = ppo_policy_loss(scores.logprobs, old, micro.advantages, mask, self.clip_range,
+        loss, surrogate = ppo_policy_loss(scores.logprobs, old, micro.advantages, mask, self.clip_range,
                                       agg=self.loss_aggregation, normaliser=normaliser)
-        metrics = {"train/policy_loss": self._token_mean(loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
-                   "train/approx_kl": stats.approx_kl}
+        metrics = {"train/policy_loss": self._token_mean(loss, normaliser, mask), "train/clipfrac": surrogate.clipfrac,
+                   "train/approx_kl": surrogate.approx_kl}
         if scores.entropy is not None:
             if self.entropy_coef > 0:
                 loss = loss - self.entropy_coef * aggregate(scores.entropy, mask, self.loss_aggregation, normaliser)
@@ -478,11 +459,11 @@ class PPOModule(RLModule):
         warmup = self.warming_up
         timings: dict[str, float] = {}
         with Timer(timings, "time/update_s"):
-            stats = self.update_value(data) if warmup else self.update_policy(data)
+            updates = self.update_value(data) if warmup else self.update_policy(data)
         self.update_kl_controller(data)
         self.rollouts_done += 1
         self.timings = {k: v for k, v in {**data.metrics, **timings}.items() if k.startswith("time/")}
-        self.log_metrics({**data.metrics, **stats, **timings, "train/critic_warmup": float(warmup)})
+        self.log_metrics({**data.metrics, **updates, **timings, "train/critic_warmup": float(warmup)})
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:

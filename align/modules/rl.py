@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
-from align.logprobs import masked_whiten
 from align.models.policy import PolicyModel
 from align.modules.base import AlignModule
 from align.rewards import CombinedReward, RewardSpec
@@ -177,29 +176,6 @@ class RLModule(AlignModule):
         for name, values in parts.items():
             metrics[f"rollout/reward/{name}"] = float(values.mean())
         return metrics
-
-    def global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
-        """Mean of ``values`` over the ``mask``-ed elements of every rank (one all-reduce of a sum and a count):
-        the same number on every rank, e.g. the KL fed to an adaptive KL controller. 0 when nothing is valid."""
-        packed = torch.stack([(values.detach().float() * mask).sum(), mask.float().sum()])
-        total, count = self.all_reduce_sum(packed).unbind()
-        return float(total / count.clamp(min=1.0))
-
-    def global_masked_whiten(self, x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-        """:func:`align.logprobs.masked_whiten` with the mean and unbiased variance of the valid elements of
-        *every* rank (two all-reduces: sum and count, then squared deviations), e.g. PPO advantage whitening.
-        One process: exactly ``masked_whiten``. Masked outputs are 0; fewer than 2 valid elements in all: the
-        valid values unchanged."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return masked_whiten(x, mask, eps=eps)
-        valid = mask.bool().expand_as(x)
-        x = torch.where(valid, x, torch.zeros_like(x))
-        total, n = self.all_reduce_sum(torch.stack([x.detach().float().sum(), valid.float().sum()])).unbind()
-        mean = total / n.clamp(min=1.0)
-        squares = self.all_reduce_sum(torch.where(valid, (x.detach().float() - mean).square(), 0.0).sum())
-        var = squares / (n - 1).clamp(min=1.0)
-        whitened = (x - mean.to(x.dtype)) * torch.rsqrt(var + eps).to(x.dtype)
-        return torch.where(valid, torch.where(n >= 2, whitened, x), torch.zeros_like(x))
 
     # ------------------------------------------------------------------ updates
     def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from functools import partial
 import lightning as L
 import torch
 
+from align import stats
 from align.data import SFTDataModule
 from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule
@@ -139,14 +140,14 @@ class FixedRowsGRPO(GRPOModule):
             data.ref_logprobs)))
         # A per-token "KL" that differs between ranks: the controller must see the mean over all ranks' tokens.
         kl = (data.input_ids[:, -data.response_length:] % 5).float() / 10.0  # (n, R)
-        global_kl = self.global_masked_mean(kl, data.response_mask)
+        global_kl = float(stats.mean_var(kl, data.response_mask, all_reduce=self.all_reduce_sum)[0])
         self.kl_controller.update(global_kl, n_steps=ROWS)
         ppo = self.ppo[0]
         ppo.trainer = self.trainer
         ppo.update_kl_controller(_KLRows(kl * data.response_mask, data.response_mask))
         self.kl_seen = [global_kl, self.kl_controller.value, ppo.kl_controller.value]
         # Whitening over every rank's valid tokens (PPO advantages): this rank's rows of the global result.
-        self.whitened = self.global_masked_whiten(kl * 3.0 - 0.2, data.response_mask).tolist()
+        self.whitened = stats.whiten(kl * 3.0 - 0.2, data.response_mask, all_reduce=self.all_reduce_sum).tolist()
         self.update(data, self._loss)
 
 
@@ -165,7 +166,7 @@ class _KLRows:
 
 
 def pooled_whitened() -> torch.Tensor:
-    """What ``global_masked_whiten`` must give on all rows together: ``masked_whiten`` on one process. (N, R)"""
+    """What ``align.stats.whiten`` over 2 ranks must give on all rows together: ``masked_whiten`` on one process. (N, R)"""
     from align.logprobs import masked_whiten
 
     rows = fixed_rollout_rows(PolicyModel("tiny", seed=1).config.vocab_size)
