@@ -70,6 +70,16 @@ def test_mean_var_of_nothing_valid_is_zero_and_of_one_value_has_zero_variance():
     assert mean.item() == 5.0 and var.item() == 0.0
 
 
+def test_variance_keeps_its_digits_when_the_mean_is_large():
+    # Returns near 300 with a spread of 0.5 in float32: sum(x**2) - n * mean**2 cancels to a few percent off
+    # (about 7% for this draw); the two-pass variance matches float64 to float32 rounding.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g) * 0.5 + 300.0
+    mask = torch.rand(64, 32, generator=g) > 0.3
+    exact = x.double()[mask].var().item()
+    assert mean_var(x, mask)[1].item() == pytest.approx(exact, rel=1e-5)
+
+
 def test_statistics_are_float32_and_detached():
     x = torch.tensor([1.0, 3.0], dtype=torch.bfloat16, requires_grad=True)
     mean, var = mean_var(x, torch.ones(2))
