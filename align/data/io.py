@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from align.errors import AlignDataError
 
@@ -34,10 +35,14 @@ class Rows(list):
         self.numbers: list[int] = list(numbers) if numbers is not None else list(range(1, len(self) + 1))
 
 
+def row_numbers(rows) -> Sequence[int]:
+    """Each row's number in its source: the numbers :class:`Rows` carries, else 1, 2, ..."""
+    return getattr(rows, "numbers", None) or range(1, len(rows) + 1)
+
+
 def numbered(rows) -> list[tuple[int, dict]]:
-    """``(row number in its source, row)`` pairs: the numbers :class:`Rows` carries, else 1, 2, ..."""
-    numbers = getattr(rows, "numbers", None) or range(1, len(rows) + 1)
-    return list(zip(numbers, rows))
+    """``(row number in its source, row)`` pairs (:func:`row_numbers`)."""
+    return list(zip(row_numbers(rows), rows))
 
 
 def resolve(source: str) -> str:
@@ -97,8 +102,7 @@ def _slice(splits: dict, spec: str, source: str, split_key: str) -> Rows:
         rows = splits[part.splitname]
         out.extend(rows[part.from_:part.to] if isinstance(rows, list) else
                    rows.select(range(part.from_, part.to)).to_list())
-        numbers = getattr(rows, "numbers", None) or range(1, len(rows) + 1)
-        out.numbers.extend(numbers[part.from_:part.to])
+        out.numbers.extend(row_numbers(rows)[part.from_:part.to])
     return out
 
 

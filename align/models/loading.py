@@ -145,14 +145,20 @@ def load_causal_lm(
 
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision, "dtype": torch_dtype(dtype)}
+    extra = {} if quantization is None else {"quantization_config": quantization_config(quantization, dtype),
+                                             "device_map": _device_map()}
+    return _from_pretrained(AutoModelForCausalLM, name, source, dtype=dtype, trust_remote_code=trust_remote_code,
+                            revision=revision, attn_implementation=attn_implementation, **extra)
+
+
+def _from_pretrained(auto_class, name: str, source: str, *, dtype: DType, trust_remote_code: bool,
+                     revision: str | None, attn_implementation: str | None, **extra):
+    """``auto_class.from_pretrained`` with the wrapper's loading options; a missing or unreadable model is one line."""
+    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision, "dtype": torch_dtype(dtype), **extra}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    if quantization is not None:
-        kwargs["quantization_config"] = quantization_config(quantization, dtype)
-        kwargs["device_map"] = _device_map()
     try:
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        return auto_class.from_pretrained(source, **kwargs)
     except OSError as err:
         raise AlignConfigError(f"model: could not load '{name}': {err}") from err
 
@@ -182,13 +188,9 @@ def load_decoder(
     if not is_tiny(source) and is_sequence_classifier(source):
         from transformers import AutoModelForSequenceClassification
 
-        kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision, "dtype": torch_dtype(dtype)}
-        if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(source, **kwargs)
-        except OSError as err:
-            raise AlignConfigError(f"model: could not load '{name}': {err}") from err
+        model = _from_pretrained(AutoModelForSequenceClassification, name, source, dtype=dtype,
+                                 trust_remote_code=trust_remote_code, revision=revision,
+                                 attn_implementation=attn_implementation)
         return getattr(model, model.base_model_prefix)
     return load_causal_lm(name, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision,
                           attn_implementation=attn_implementation, seed=seed).get_decoder()
