@@ -49,11 +49,12 @@ The adaptive controller is the one of Ziegler et al. 2019 (arXiv 1909.08593).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Literal, Optional
 
 import torch
 
 __all__ = [
+    "KLKind",
     "KL_ESTIMATORS",
     "kl_estimate",
     "KLController",
@@ -74,6 +75,9 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     # (r - 1) - log r with r = p/q = exp(-log_ratio); expm1 keeps precision near 0.
     return torch.expm1(-log_ratio) + log_ratio
 
+
+KLKind = Literal["k1", "k2", "k3"]
+"""The name of a per-token KL estimator."""
 
 KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
 

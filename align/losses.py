@@ -46,6 +46,7 @@ __all__ = [
     "DPO_LOSSES",
     "PolicyLossStats",
     "aggregate",
+    "importance_ratio",
     "ppo_policy_loss",
     "value_loss",
     "dpo_loss",
@@ -60,6 +61,13 @@ __all__ = [
 Normaliser = Optional[Union[int, float, torch.Tensor]]
 
 _LOG_RATIO_CLAMP = 20.0
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``pi_theta / pi_old`` per token, from log-probs of any shape. The log-ratio is clamped to ``[-20, 20]``
+    before ``exp`` (zero gradient outside), so one token whose probability collapsed cannot overflow.
+    ``old_logprobs`` is used as given: detach it for a ratio whose gradient flows through ``logprobs`` only."""
+    return torch.exp((logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
 
 
 def _fill_masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -210,8 +218,7 @@ def ppo_policy_loss(
     old_logprobs = _fill_masked(old_logprobs.detach(), valid)
     logprobs = _fill_masked(logprobs, valid)
     advantages = _fill_masked(advantages.detach().expand_as(logprobs), valid)
-    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
+    ratio = importance_ratio(logprobs, old_logprobs)  # (B, T)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)  # (B, T)

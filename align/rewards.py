@@ -56,6 +56,9 @@ __all__ = [
     "RewardSpec",
     "RewardFunction",
     "CombinedReward",
+    "RewardModelSpec",
+    "LazyRewardModel",
+    "training_rewards",
     "resolve_reward",
     "sort_exact_match",
     "sort_format",
@@ -430,6 +433,64 @@ class CombinedReward:
         parts = {r.name: r(prompts, completions, **columns) for r in self.rewards}
         total = [sum(r.weight * parts[r.name][i] for r in self.rewards) for i in range(len(completions))]
         return total, parts
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """A trained reward model used as the training reward named ``rm``."""
+
+    path: str
+    """An export directory (any ``*ForSequenceClassification`` checkpoint), a reward-model ``.ckpt``, or
+    ``tiny-sort-rm``; loaded at setup, so a config instantiates without its weights."""
+    weight: float = 1.0
+    """Weight of the reward-model score in the training reward."""
+    batch_size: int = 32
+    """Sequences per reward-model forward pass."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise AlignConfigError(f"model.reward_model.batch_size: expected >= 1, got {self.batch_size}")
+
+
+class LazyRewardModel:
+    """A :class:`RewardModelScorer` built by :meth:`load` (at setup) or on first call, so that building a module
+    from a config does not need the reward model's weights."""
+
+    def __init__(self, path: str, batch_size: int = 32):
+        self.path, self.batch_size = path, batch_size
+        self.scorer: RewardModelScorer | None = None
+
+    def load(self, device: str | None = None) -> RewardModelScorer:
+        if self.scorer is None:
+            self.scorer = RewardModelScorer(self.path, batch_size=self.batch_size, device=device)
+        return self.scorer
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
+        inputs = {k: columns[k] for k in REWARD_INPUTS if k in columns}  # the data's own columns are not used
+        return self.load()(prompts, completions, **inputs)
+
+
+def training_rewards(rewards: Sequence[RewardSpec | str] | None, reward_model: RewardModelSpec | str | None,
+                     eval_rewards: Sequence[RewardSpec | str] | None) -> tuple[CombinedReward, list[str]]:
+    """The reward list of an RL run and the names of its eval rewards.
+
+    The reward model (the reward named ``rm``) comes first, then ``rewards``; ``eval_rewards`` join with weight
+    0, so they are computed, checked and logged (``rollout/reward/<name>``, ``val/reward/<name>``) but never
+    trained on, e.g. a task's true verifiable reward next to a reward model's score, so reward hacking shows.
+    """
+    specs: list[RewardSpec | str | RewardFunction] = list(rewards or [])
+    if isinstance(reward_model, str):
+        reward_model = RewardModelSpec(reward_model)
+    if reward_model is not None:
+        rm = RewardFunction(LazyRewardModel(reward_model.path, reward_model.batch_size))
+        rm.name, rm.weight = "rm", float(reward_model.weight)
+        specs.insert(0, rm)
+    if not specs:
+        raise AlignConfigError("model.rewards: an RL run needs a training reward; set reward_model and/or rewards")
+    evals = [RewardSpec(fn=s.fn, weight=0.0, name=s.name, kwargs=dict(s.kwargs), init_kwargs=s.init_kwargs)
+             if isinstance(s, RewardSpec) else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
+    combined = CombinedReward([*specs, *evals])
+    return combined, combined.names[len(specs):]
 
 
 # ----------------------------------------------------------------------------

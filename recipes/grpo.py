@@ -2,7 +2,7 @@
 
     python recipes/grpo.py
     python recipes/grpo.py --config configs/grpo/qwen2.5-0.5b-gsm8k.yaml
-    python recipes/grpo.py --model.init_args.beta 0.04 --trainer.max_steps 100
+    python recipes/grpo.py --model.kl.coef 0.04 --trainer.max_steps 100
     python recipes/grpo.py --print_config
 """
 

@@ -4,7 +4,7 @@ next to it.
 
     python recipes/ppo.py
     python recipes/ppo.py --config configs/ppo/qwen2.5-0.5b-lora.yaml
-    python recipes/ppo.py --model.init_args.kl_target 6 --trainer.max_steps 200
+    python recipes/ppo.py --model.kl.target 6 --trainer.max_steps 200
     python recipes/ppo.py --print_config
 """
 

@@ -1,7 +1,7 @@
 """TRPO. With no arguments: the shipped SFT-warmed tiny model on the bundled sorting task, exact-match reward.
 
     python recipes/trpo.py
-    python recipes/trpo.py --model.init_args.max_kl 0.05 --trainer.max_steps 60
+    python recipes/trpo.py --model.trust_region.max_kl 0.05 --trainer.max_steps 60
     python recipes/trpo.py --print_config
 """
 

@@ -100,7 +100,7 @@ class PreferenceBatch:
 
     Rows ``0..B-1`` hold prompt + chosen and rows ``B..2B-1`` prompt + rejected, for the same pairs in the same
     order. Each row is ``[left-padded prompt (P) | right-padded response (R)]``, ``T = P + R``, so the last ``R``
-    positions are the responses of every row (``PolicyModel.score(..., response_length=R)``). Positions come from
+    positions are the responses of every row (``PolicyModel.token_logprobs(..., response_length=R)``). Positions come from
     the attention mask, so the left padding does not shift them.
     """
 

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["4bit", "8bit"]
+LEGACY_HEAD_FILE = "reward_head.safetensors"
+"""The reward head of a version 1 reward-model export (a causal LM folder plus this file)."""
 
 
 @dataclass
@@ -236,3 +238,32 @@ def load_tokenizer(name: str, *, trust_remote_code: bool = False, revision: str 
             log.info("tokenizer '%s' has no pad token; using its eos token %r as pad", name, tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
+    """The scalar head of a reward model directory as a :class:`~align.models.policy.ValueHead` state dict
+    (``proj.weight`` (1, H), ``proj.bias`` (1,)), or None when ``source`` is not a reward model (a plain causal LM)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        path = Path(check_model_source(source, what="critic_model"))
+    except AlignConfigError:
+        return None
+    if not path.is_dir():
+        return None
+    if (path / LEGACY_HEAD_FILE).is_file():
+        return load_file(str(path / LEGACY_HEAD_FILE))
+    if not is_sequence_classifier(path):
+        return None
+    index = path / "model.safetensors.index.json"
+    shard = json.loads(index.read_text())["weight_map"].get("score.weight") if index.is_file() else "model.safetensors"
+    if shard is None or not (path / shard).is_file():
+        return None
+    with safe_open(str(path / shard), framework="pt") as f:
+        if "score.weight" not in f.keys():
+            return None
+        weight = f.get_tensor("score.weight").float()
+    if weight.shape[0] != 1:
+        raise AlignConfigError(f"critic_model: '{source}' has {weight.shape[0]} labels; a reward model has one")
+    return {"proj.weight": weight, "proj.bias": torch.zeros(1)}

@@ -30,13 +30,14 @@ from align.models.loading import (
     load_causal_lm,
     load_decoder,
     load_tokenizer,
+    reward_head_state,
     torch_dtype,
 )
 
 log = logging.getLogger(__name__)
 
 
-class TokenScores(NamedTuple):
+class TokenLogprobs(NamedTuple):
     """Per-token outputs for the last ``R`` positions of a batch of sequences.
 
     ``logprobs[:, j]`` is log p(input_ids[:, T-R+j] | input_ids[:, :T-R+j]) at the given temperature.
@@ -109,6 +110,7 @@ class PolicyModel(nn.Module):
         gradient_checkpointing: bool = False,
         value_head: Literal["shared", "separate"] | None = None,
         critic_model: str | None = None,
+        critic_head_from_reward_model: bool = True,
         reference_model: str | None = None,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
@@ -127,6 +129,9 @@ class PolicyModel(nn.Module):
             value_head: ``shared``: a scalar head on the policy backbone; ``separate``: a critic with its own
                 backbone loaded from ``critic_model``; null: no values.
             critic_model: Backbone of the separate critic (for example a trained reward model); defaults to ``model``.
+            critic_head_from_reward_model: When ``critic_model`` is a reward model (any export or checkpoint that
+                :class:`~align.models.reward.RewardModelScorer` loads), start the critic's head from its reward
+                head, so the critic starts by predicting the reward model's score of each prefix instead of 0.
             reference_model: Load the reference from here instead of using the initial policy.
             attn_implementation: ``sdpa``, ``eager`` or ``flash_attention_2``; null lets transformers choose.
             trust_remote_code: Run model code shipped with a checkpoint. Off unless you trust the source.
@@ -142,6 +147,7 @@ class PolicyModel(nn.Module):
         self.spec = {
             "model": model, "tokenizer": tokenizer, "dtype": dtype, "lora": asdict(lora) if lora else None,
             "quantization": quantization, "value_head": value_head, "critic_model": critic_model,
+            "critic_head_from_reward_model": critic_head_from_reward_model,
             "reference_model": reference_model, "attn_implementation": attn_implementation,
             "trust_remote_code": trust_remote_code, "revision": revision, "pad_equals_eos": pad_equals_eos, "seed": seed,
         }
@@ -179,8 +185,22 @@ class PolicyModel(nn.Module):
         if value_head == "separate":
             self.critic = load_decoder(critic_model or model, **self._load_kwargs)
             self.critic_head = ValueHead(self.critic.config.hidden_size)
+            if critic_head_from_reward_model:
+                self.init_critic_head_from_reward_model()
         self.ref_model: nn.Module | None = None
         self.train()  # transformers returns models in eval mode; a wrapper built for training starts in train mode
+
+    def init_critic_head_from_reward_model(self) -> bool:
+        """Load the reward head of ``critic_model`` (or ``model``) into the separate critic's head when that
+        backbone is a reward model. Returns whether it did."""
+        if self.critic_head is None:
+            return False
+        state = reward_head_state(self.spec["critic_model"] or self.spec["model"])
+        if state is None:
+            return False
+        head = self.critic_head.proj
+        self.critic_head.load_state_dict({k: v.to(head.weight.dtype) for k, v in state.items()})
+        return True
 
     def train(self, mode: bool = True) -> "PolicyModel":
         super().train(mode)
@@ -290,7 +310,7 @@ class PolicyModel(nn.Module):
         kwargs.setdefault("use_cache", False)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
-    def score(
+    def token_logprobs(
         self,
         input_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # (B, T)
@@ -301,7 +321,7 @@ class PolicyModel(nn.Module):
         return_entropy: bool = False,
         return_values: bool = False,
         reference: bool = False,
-    ) -> TokenScores:
+    ) -> TokenLogprobs:
         """Log-probs (and optionally entropy and values) of the last ``response_length`` tokens.
 
         Only the needed positions go through the output head, and log-probs are gathered without keeping a
@@ -335,7 +355,7 @@ class PolicyModel(nn.Module):
         values = None
         if want_values:
             values = self._values(hidden, input_ids, attention_mask, position_ids, R)
-        return TokenScores(logprobs, entropy, values)
+        return TokenLogprobs(logprobs, entropy, values)
 
     def _values(self, hidden, input_ids, attention_mask, position_ids, R) -> torch.Tensor:
         T = input_ids.shape[1]

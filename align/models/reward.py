@@ -30,7 +30,7 @@ brought from elsewhere) is dropped at export with a notice (every score shifts b
 
 Also loaded, read-only: a training checkpoint (``.ckpt``) and the format of align before version 2 (a causal LM
 directory with ``reward_head.safetensors``). The PPO critic can start from any of these
-(:func:`init_critic_head_from_reward_model`).
+(``PolicyModel(critic_head_from_reward_model=True)``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from torch import nn
 
 from align.errors import AlignConfigError
 from align.logprobs import last_valid_index
-from align.models.loading import DType, check_model_source, is_sequence_classifier, torch_dtype
+from align.models.loading import LEGACY_HEAD_FILE, DType, check_model_source, is_sequence_classifier, torch_dtype
 from align.models.tiny import is_tiny_sort_rm
 from align.models.policy import PolicyModel, position_ids_from_mask
 
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 FORMAT = "align-reward-model"
 FORMAT_VERSION = 2
 META_FILE = "reward_model.json"
-LEGACY_HEAD_FILE = "reward_head.safetensors"
 """The head file of the version 1 export (a causal LM plus this file), still loaded."""
 DEFAULT_ENCODING = {"use_chat_template": None, "system_prompt": None, "max_length": 512, "max_prompt_length": None}
 
@@ -266,48 +265,6 @@ def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
                                "metadata); expected a .ckpt written by align.modules.reward.RewardModule")
     policy = policy_from_checkpoint(path, checkpoint=checkpoint, reward_head=True, dtype=dtype)
     return RewardModel.from_policy(policy), dict(DEFAULT_ENCODING, **checkpoint["align"]["reward"].get("encoding", {}))
-
-
-def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
-    """The scalar head of a reward model directory as a :class:`~align.models.policy.ValueHead` state dict
-    (``proj.weight`` (1, H), ``proj.bias`` (1,)), or None when ``source`` is not a reward model (a plain causal LM)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    try:
-        path = Path(check_model_source(source, what="critic_model"))
-    except AlignConfigError:
-        return None
-    if not path.is_dir():
-        return None
-    if (path / LEGACY_HEAD_FILE).is_file():
-        return load_file(str(path / LEGACY_HEAD_FILE))
-    if not is_sequence_classifier(path):
-        return None
-    index = path / "model.safetensors.index.json"
-    shard = json.loads(index.read_text())["weight_map"].get("score.weight") if index.is_file() else "model.safetensors"
-    if shard is None or not (path / shard).is_file():
-        return None
-    with safe_open(str(path / shard), framework="pt") as f:
-        if "score.weight" not in f.keys():
-            return None
-        weight = f.get_tensor("score.weight").float()
-    if weight.shape[0] != 1:
-        raise AlignConfigError(f"critic_model: '{source}' has {weight.shape[0]} labels; a reward model has one")
-    return {"proj.weight": weight, "proj.bias": torch.zeros(1)}
-
-
-def init_critic_head_from_reward_model(policy: PolicyModel) -> bool:
-    """Start a separate critic's head from the reward head when its backbone (``critic_model``) is a reward model,
-    so the critic starts by predicting the reward model's score of each prefix instead of 0. Returns whether it did."""
-    if policy.critic_head is None:
-        return False
-    state = reward_head_state(policy.spec["critic_model"] or policy.spec["model"])
-    if state is None:
-        return False
-    head = policy.critic_head.proj
-    policy.critic_head.load_state_dict({k: v.to(head.weight.dtype) for k, v in state.items()})
-    return True
 
 
 class RewardModelScorer:

@@ -103,7 +103,7 @@ def batch_to(batch: PreferenceBatch, device: torch.device) -> PreferenceBatch:
 
 def sequence_logps(policy: PolicyModel, batch: PreferenceBatch, reference: bool = False) -> torch.Tensor:
     """Summed response log-probs of all ``2B`` rows from one forward pass. ``(2B,)``"""
-    scores = policy.score(batch.input_ids, batch.attention_mask, response_length=batch.response_length,
+    scores = policy.token_logprobs(batch.input_ids, batch.attention_mask, response_length=batch.response_length,
                           reference=reference)
     return masked_sum(scores.logprobs, batch.response_mask, dim=-1)
 

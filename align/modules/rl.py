@@ -12,24 +12,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
-from align.models.policy import PolicyModel
+from align.kl import AdaptiveKLController, FixedKLController, KLController
+from align.logprobs import masked_sum
+from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule
-from align.rewards import CombinedReward, RewardSpec
+from align.modules.options import Aggregation, Evaluation, KLPenalty, Updates
+from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, training_rewards
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
 from align.strategies import accumulation_boundary
 
-Aggregation = Literal["token_mean", "seq_mean", "constant"]
+__all__ = ["Aggregation", "RLBatch", "RLModule", "Timer", "minibatch_indices"]
 
 
 @dataclass
 class RLBatch:
-    """Rollout rows ready for a policy update. ``N`` rows, ``T = P + R`` tokens, ``R`` response tokens."""
+    """Rollout rows ready for a policy update. ``N`` rows, ``T = P + R`` tokens, ``R`` response tokens.
+
+    Subclasses add fields (PPO: values, returns, ...). :meth:`select` handles every tensor field by its shape:
+    ``(N, R)`` per response token, ``(N,)`` per row; other fields are per rollout and are not carried over.
+    """
 
     input_ids: torch.Tensor  # (N, T) prompt (left-padded) + response
     attention_mask: torch.Tensor  # (N, T) prompt mask + response mask
@@ -47,16 +54,20 @@ class RLBatch:
 
     def select(self, index: torch.Tensor) -> "RLBatch":
         """The rows ``index``, with the padding columns that no selected row uses trimmed off."""
-        rows = {f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)}
-        width = int(rows["response_mask"].sum(dim=1).max().clamp(min=1))
+        width = int(self.response_mask[index].sum(dim=1).max().clamp(min=1))
         cut = self.response_length - width
-        for name in ("old_logprobs", "advantages", "ref_logprobs", "response_mask"):
-            if rows[name] is not None:
-                rows[name] = rows[name][:, :width]
-        if cut:
-            rows["input_ids"] = rows["input_ids"][:, :-cut]
-            rows["attention_mask"] = rows["attention_mask"][:, :-cut]
-        return RLBatch(**rows)
+        rows = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            value = value[index]
+            if f.name in ("input_ids", "attention_mask"):
+                value = value[:, : value.shape[1] - cut] if cut else value
+            elif value.dim() == 2:
+                value = value[:, :width]
+            rows[f.name] = value
+        return type(self)(**rows)
 
     @classmethod
     def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None) -> "RLBatch":
@@ -71,7 +82,7 @@ def minibatch_indices(n: int, num_minibatches: int, micro_batch_size: Optional[i
     """Split ``n`` rows into ``num_minibatches`` (one optimizer step each), each into micro-batches of at
     most ``micro_batch_size`` rows (``None``: one micro-batch). Returns ``[[indices, ...], ...]``."""
     if not 1 <= num_minibatches <= n:
-        raise ValueError(f"num_minibatches must be in [1, {n}] (rows per rollout), got {num_minibatches}")
+        raise ValueError(f"updates.minibatches must be in [1, {n}] (rows per rollout), got {num_minibatches}")
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
     out = []
     for mb in torch.tensor_split(order, num_minibatches):
@@ -84,10 +95,13 @@ class RLModule(AlignModule):
     """Base of the on-policy RL modules (manual optimization). Subclasses implement ``training_step`` with
     :meth:`rollout`, :meth:`score_rewards` and :meth:`update`.
 
-    Evaluation: each validation batch is answered once per prompt with ``eval_sampling`` (greedy by
+    Evaluation: each validation batch is answered once per prompt with ``evaluation.sampling`` (greedy by
     default, so before/after numbers are not sampling noise) and logged as ``val/reward_mean`` (the
     weighted total), ``val/reward/<name>``, ``val/accuracy`` (share of completions whose
-    ``accuracy_reward`` is at least ``accuracy_threshold``) and ``val/response_length``.
+    ``evaluation.accuracy_reward`` is at least ``evaluation.accuracy_threshold``) and ``val/response_length``.
+
+    Without a trainer (a notebook, a test), :meth:`use_optimizer` gives :meth:`update` an optimizer, and
+    :meth:`log_metrics` keeps the step's numbers in ``last_metrics``.
     """
 
     headline_metrics = ("val/reward_mean", "val/accuracy")
@@ -95,62 +109,105 @@ class RLModule(AlignModule):
     def __init__(
         self,
         policy: PolicyModel,
-        rewards: list[RewardSpec | str],
+        rewards: list[RewardSpec | str] | None = None,
+        reward_model: RewardModelSpec | str | None = None,
+        eval_rewards: list[RewardSpec | str] | None = None,
+        group_size: int = 1,
         sampling: SamplingConfig | None = None,
-        eval_sampling: SamplingConfig | None = None,
+        evaluation: Evaluation = Evaluation(),
+        updates: Updates = Updates(),
+        kl: KLPenalty = KLPenalty(),
+        log_entropy: bool = True,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
-        ppo_epochs: int = 1,
-        num_minibatches: int = 1,
-        micro_batch_size: int | None = None,
-        max_grad_norm: float | None = 1.0,
-        loss_aggregation: Aggregation = "token_mean",
-        accuracy_reward: str | None = None,
-        accuracy_threshold: float = 1.0,
         disable_dropout: bool = True,
     ):
+        """
+        Args:
+            policy: The model to train.
+            rewards: Training rewards, functions or classes with weights (docs/rewards.md).
+            reward_model: A trained reward model, scored as the training reward named ``rm`` (first in the list):
+                a path, or ``{path, weight, batch_size}``.
+            eval_rewards: Rewards that are only logged (``rollout/reward/<name>``, ``val/reward/<name>``), never
+                trained on, e.g. the task's true verifiable reward next to a reward model's score.
+            group_size: Completions sampled per prompt in each rollout.
+            sampling: How training completions are drawn (temperature, top_p, top_k, max_new_tokens, ...).
+            evaluation: Held-out sampling (greedy by default) and what counts for ``val/accuracy``.
+            updates: Passes over each rollout, optimizer steps per pass, micro-batch size, gradient clipping and
+                loss aggregation.
+            kl: KL penalty to the reference policy: coefficient (0: no reference is loaded), estimator, placement
+                and the adaptive controller's target.
+            log_entropy: Compute ``train/entropy`` (a full-vocabulary softmax per token).
+            optimizer: Optimizer callable (parameters -> optimizer).
+            scheduler: Learning-rate schedule callable, stepped every optimizer step.
+            disable_dropout: Set every dropout (model, LoRA adapter, critic) to 0, so that the training
+                log-probs equal the sampler's and the reference's and a ratio starts at exactly 1; false keeps
+                the model's dropout (noisier ratios and reference).
+        """
         super().__init__(policy, optimizer, scheduler, disable_dropout)
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.automatic_optimization = False
-        self.reward = CombinedReward(rewards)
+        self.reward, self.eval_reward_names = training_rewards(rewards, reward_model, eval_rewards)
+        self.group_size = group_size
         self.engine = RolloutEngine(sampling or SamplingConfig())
-        self.eval_engine = RolloutEngine(eval_sampling or SamplingConfig(
+        self.eval_engine = RolloutEngine(evaluation.sampling or SamplingConfig(
             max_new_tokens=self.engine.sampling.max_new_tokens, temperature=0.0))
-        if ppo_epochs < 1 or num_minibatches < 1 or (micro_batch_size is not None and micro_batch_size < 1):
-            raise ValueError("ppo_epochs, num_minibatches and micro_batch_size must be >= 1")
-        if loss_aggregation not in ("token_mean", "seq_mean", "constant"):
-            raise ValueError(f"loss_aggregation: expected token_mean, seq_mean or constant, got {loss_aggregation!r}")
-        self.ppo_epochs = ppo_epochs
-        self.num_minibatches = num_minibatches
-        self.micro_batch_size = micro_batch_size
-        self.max_grad_norm = max_grad_norm
-        self.loss_aggregation = loss_aggregation
+        self.updates, self.kl, self.log_entropy = updates, kl, log_entropy
+        self.kl_controller: KLController = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+                                            if kl.target is not None else FixedKLController(kl.coef))
         names = self.reward.names
-        if accuracy_reward is not None and accuracy_reward not in names:
-            raise ValueError(f"accuracy_reward: {accuracy_reward!r} is not one of the rewards {names}")
-        self.accuracy_reward = accuracy_reward or names[0]
-        self.accuracy_threshold = accuracy_threshold
+        if evaluation.accuracy_reward is not None and evaluation.accuracy_reward not in names:
+            raise ValueError(f"evaluation.accuracy_reward: {evaluation.accuracy_reward!r} is not one of the rewards {names}")
+        self.accuracy_reward = evaluation.accuracy_reward or (self.eval_reward_names or names)[0]
+        self.accuracy_threshold = evaluation.accuracy_threshold
         self.timings: dict[str, float] = {}
-        # Saved in checkpoints: training rollouts (one per training batch) and optimizer steps taken by ``update``.
+        self.last_metrics: dict[str, float] = {}
+        self._standalone: tuple[torch.optim.Optimizer, object] | None = None
+        # Saved in checkpoints: training rollouts and optimizer steps taken by ``update``.
         self.rl_counters = {"rollouts": 0, "updates": 0}
+
+    def setup(self, stage: str) -> None:
+        for reward in self.reward.rewards:  # a reward model loads onto this process's device, before the first step
+            if isinstance(reward.fn, LazyRewardModel):
+                reward.fn.load(str(self.trainer.strategy.root_device) if self._trainer is not None else None)
+        if self.kl.enabled:
+            self.policy.setup_reference()
 
     # ------------------------------------------------------------------ rollout and rewards
     @property
-    def score_temperature(self) -> float:
+    def logprob_temperature(self) -> float:
         """Temperature of the training log-probs: the sampling temperature (1 for greedy sampling)."""
         return self.engine.sampling.temperature or 1.0
 
     @property
     def on_policy(self) -> bool:
         """One optimizer step per rollout: the policy that sampled is the one being updated."""
-        return self.ppo_epochs == 1 and self.num_minibatches == 1
+        return self.updates.on_policy
 
-    def rollout(self, batch: PromptBatch, group_size: int = 1, engine: RolloutEngine | None = None) -> Rollout:
+    def rollout(self, batch: PromptBatch, group_size: int | None = None, engine: RolloutEngine | None = None) -> Rollout:
+        """``group_size`` (default: the module's) completions per prompt; counted in ``rl_counters["rollouts"]``
+        when the module is training and samples with the training engine."""
         # Sharded parameters (FSDP2, ZeRO-3) need the generation context: see align.strategies.generation_context.
         from align.strategies import generation_context
 
         self.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
+        if self.training and engine is None:
+            self.rl_counters["rollouts"] += 1
         with generation_context(self) as sync_stop:
-            return (engine or self.engine).generate(self.policy, batch.prompt_ids, group_size, sync_stop=sync_stop)
+            return (engine or self.engine).generate(self.policy, batch.prompt_ids, group_size or self.group_size,
+                                                     sync_stop=sync_stop)
+
+    def token_logprobs(self, data: RLBatch | Rollout, reference: bool = False, **kwargs) -> TokenLogprobs:
+        """Per-token log-probs of the responses in ``data`` (and entropy or values on request), at the sampling
+        temperature; ``reference=True``: under the reference policy."""
+        return self.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_mask.shape[1],
+                                          temperature=self.logprob_temperature, reference=reference, **kwargs)
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
+        """``(N, R)`` reference log-probs of the rollout, or None when the KL penalty is off."""
+        return self.token_logprobs(rollout, reference=True).logprobs if self.kl.enabled else None
 
     def score_rewards(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device.
@@ -177,45 +234,70 @@ class RLModule(AlignModule):
             metrics[f"rollout/reward/{name}"] = float(values.mean())
         return metrics
 
+    # ------------------------------------------------------------------ KL to the reference
+    def update_kl_controller(self, kl: torch.Tensor, response_mask: torch.Tensor) -> None:
+        """Feed the mean per-sequence KL ``kl`` (N, R) over all ranks to the controller; ``n_steps`` = sequences
+        on all ranks. A fixed coefficient ignores it."""
+        n = self.all_reduce_sum(torch.tensor(float(kl.shape[0]), device=kl.device))
+        seq_kl = self.all_reduce_sum(masked_sum(kl, response_mask))
+        self.kl_controller.update(float(seq_kl / n.clamp(min=1)), int(n))
+
     # ------------------------------------------------------------------ updates
     def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:
         """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R),
-        summed over every rank, in the unit of ``loss_aggregation``."""
-        if self.loss_aggregation == "token_mean":
+        summed over every rank, in the unit of ``updates.loss_aggregation``."""
+        aggregation = self.updates.loss_aggregation
+        if aggregation == "token_mean":
             local = response_mask.sum()
-        elif self.loss_aggregation == "seq_mean":
+        elif aggregation == "seq_mean":
             local = torch.tensor(response_mask.shape[0], device=response_mask.device)
         else:  # Dr. GRPO's constant: sequences x max_new_tokens, independent of the padded width
             local = torch.tensor(response_mask.shape[0] * self.engine.sampling.max_new_tokens, device=response_mask.device)
         return self.all_reduce_sum(local.float()).clamp(min=1.0)
 
+    def use_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+        """Run :meth:`update` without a trainer: it steps ``optimizer`` (and ``scheduler``) itself."""
+        self._standalone = (optimizer, scheduler)
+
+    def _backward_and_step(self):
+        """``(optimizer, scheduler, backward, clip)``: the trainer's, or plain torch without a trainer."""
+        if self._trainer is None:
+            if self._standalone is None:
+                raise RuntimeError("RLModule.update without a trainer: call use_optimizer(optimizer) first")
+            optimizer, scheduler = self._standalone
+            clip = lambda norm: torch.nn.utils.clip_grad_norm_(self.parameters(), norm)
+            return optimizer, scheduler, lambda loss: loss.backward(), clip
+        optimizer = self.optimizers()
+        clip = lambda norm: self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")
+        return optimizer, self.lr_schedulers(), self.manual_backward, clip
+
     def update(self, data: RLBatch, loss_fn: Callable[[RLBatch, torch.Tensor], tuple[torch.Tensor, dict]],
                ) -> dict[str, float]:
-        """``ppo_epochs`` passes over ``data``, one optimizer step per minibatch, micro-batches accumulated.
+        """``updates.epochs`` passes over ``data``, one optimizer step per minibatch, micro-batches accumulated.
 
         ``loss_fn(micro, normaliser) -> (loss, {metric: value})`` returns the micro-batch's share of the
         step loss and metrics that are means over the micro-batch's valid tokens; they are averaged over
         all micro-batches weighted by valid tokens.
         """
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
+        optimizer, scheduler, backward, clip = self._backward_and_step()
         world = self.trainer.world_size if self._trainer is not None else 1
+        u = self.updates
         sums: dict[str, float] = {}
         weight_total = 0.0
-        for _ in range(self.ppo_epochs):
-            for micro_indices in minibatch_indices(len(data), self.num_minibatches, self.micro_batch_size):
+        for _ in range(u.epochs):
+            for micro_indices in minibatch_indices(len(data), u.minibatches, u.micro_batch_size):
                 normaliser = self.step_normaliser(data.response_mask[torch.cat(micro_indices)])
                 for j, index in enumerate(micro_indices):
                     accumulation_boundary(self, j == len(micro_indices) - 1)  # DeepSpeed: reduce on the last only
                     micro = data.select(index.to(data.input_ids.device))
                     loss, stats = loss_fn(micro, normaliser)
-                    self.manual_backward(loss * world)
+                    backward(loss * world)
                     weight = float(micro.response_mask.sum())
                     weight_total += weight
                     for name, value in stats.items():
                         sums[name] = sums.get(name, 0.0) + float(value) * weight
-                if self.max_grad_norm is not None:
-                    self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+                if u.max_grad_norm is not None:
+                    clip(u.max_grad_norm)
                 optimizer.step()  # a non-finite loss or gradient stops or skips here (align.guards.NonFiniteGuard)
                 optimizer.zero_grad(set_to_none=True)
                 self.rl_counters["updates"] += 1
@@ -227,17 +309,19 @@ class RLModule(AlignModule):
             sums, weight_total = dict(zip(names, packed[:-1].tolist())), float(packed[-1])
         return {name: value / max(weight_total, 1.0) for name, value in sums.items()}
 
-    def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self.rl_counters["rollouts"] += 1
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint.setdefault("align", {})["rl"] = dict(self.rl_counters)
+        checkpoint.setdefault("align", {})["rl"] = {**self.rl_counters, "kl_controller": self.kl_controller.state_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
-        self.rl_counters.update((checkpoint.get("align") or {}).get("rl") or {})
+        saved = checkpoint.get("align") or {}
+        state = dict(saved.get("rl") or {})
+        legacy = saved.get("ppo") or {}  # checkpoints written before the controller moved here
+        controller = state.pop("kl_controller", None) or legacy.get("kl_controller")
+        if controller:
+            self.kl_controller.load_state_dict(controller)
+        self.rl_counters.update(state)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Log the step's metrics, averaged over ranks (one all-reduce; every rank logs the same numbers).
@@ -249,7 +333,9 @@ class RLModule(AlignModule):
             names = sorted(metrics)
             packed = self.all_reduce_sum(torch.tensor([metrics[n] for n in names], device=self.device)) / world
             metrics = dict(zip(names, packed.tolist()))
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.last_metrics = metrics
+        if self._trainer is not None:
+            self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_epoch_start(self) -> None:

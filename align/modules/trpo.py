@@ -19,7 +19,7 @@ fully trained model, or only the LoRA adapter when ``policy.lora`` is set (the v
 adapter's parameter space, see docs/algorithms.md). The value model is never part of it.
 
 The value model trains with its own optimizer (``optimizer``, built by :meth:`configure_optimizers` over the
-value parameters only): ``value_epochs`` x ``value_minibatches`` steps on the squared-error value loss per
+value parameters only): ``updates.epochs`` x ``updates.minibatches`` steps on the squared-error value loss per
 rollout, after the policy step. ``trainer.max_steps`` therefore counts value-optimizer steps. With a separate
 critic (``policy.value_head: separate``, the default) policy and value share nothing. With a shared value
 head, only the head is trained by the value optimizer and the backbone is frozen for it: a value update that
@@ -51,19 +51,19 @@ from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from align.errors import AlignConfigError
 from align.kl import kl_estimate
 from align.logprobs import masked_sum
-from align.losses import aggregate
+from align.losses import aggregate, importance_ratio
 from align.models.policy import PolicyModel
 from align.modules.base import param_groups
-from align.modules.ppo import KLKind, PPOBatch, PPOModule
-from align.modules.rl import Aggregation, minibatch_indices
-from align.rewards import RewardSpec
-from align.rollout import SamplingConfig
+from align.modules.options import ClipRange, KLPenalty, TrustRegion, ValueTraining
+from align.modules.ppo import PPOBatch, PPOModule
+from align.modules.rl import minibatch_indices
+from align.rewards import RewardModelSpec, RewardSpec
 from align.trust_region import fisher_vector_product_fn, flat_grad, trpo_step
 
 
@@ -74,7 +74,7 @@ class TRPOModule(PPOModule):
     ``train/explained_variance``, ``train/value_loss`` and ``time/*``:
 
     * ``trpo/kl``: measured mean KL(pi_old || pi_new) over valid tokens of the accepted step (0 if rejected);
-    * ``trpo/max_kl``: the bound ``max_kl``, so every row of the metrics shows ``trpo/kl <= trpo/max_kl``;
+    * ``trpo/max_kl``: the bound ``trust_region.max_kl``, so every row of the metrics shows ``trpo/kl <= trpo/max_kl``;
     * ``trpo/surrogate_improvement`` and ``trpo/expected_improvement`` (linear model, full step);
     * ``trpo/line_search_steps`` (candidates tried; 1 = full step), ``trpo/step_fraction``,
       ``trpo/accepted`` (1 or 0);
@@ -85,135 +85,40 @@ class TRPOModule(PPOModule):
     def __init__(
         self,
         policy: PolicyModel | None = None,
-        reward_model: str | None = None,
-        reward_model_weight: float = 1.0,
-        reward_model_batch_size: int = 32,
         rewards: list[RewardSpec | str] | None = None,
-        eval_rewards: list[RewardSpec | str] | None = None,
-        samples_per_prompt: int = 1,
-        sampling: SamplingConfig | None = None,
-        eval_sampling: SamplingConfig | None = None,
-        max_kl: float = 0.01,
-        damping: float = 0.1,
-        cg_iters: int = 10,
-        cg_tol: float = 1e-10,
-        backtrack_ratio: float = 0.5,
-        max_backtracks: int = 10,
-        accept_ratio: float = 0.0,
-        fisher_fraction: float = 1.0,
-        kl_coef: float = 0.0,
-        kl_target: float | None = None,
-        kl_horizon: float = 10000.0,
-        kl_estimator: KLKind = "k1",
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        whiten_advantages: bool = True,
-        missing_eos_penalty: float | None = None,
-        whiten_scores: bool = False,
-        score_scale: float = 1.0,
-        score_clip: float | None = None,
-        value_clip: float | None = None,
-        value_epochs: int = 1,
-        value_minibatches: int = 1,
-        critic_warmup_steps: int = 0,
-        critic_head_from_reward_model: bool = True,
-        micro_batch_size: int | None = None,
-        max_grad_norm: float | None = 1.0,
-        loss_aggregation: Aggregation = "token_mean",
-        log_entropy: bool = True,
-        accuracy_reward: str | None = None,
-        accuracy_threshold: float = 1.0,
-        optimizer: OptimizerCallable = torch.optim.AdamW,
-        scheduler: LRSchedulerCallable | None = None,
-        disable_dropout: bool = True,
+        reward_model: RewardModelSpec | str | None = None,
+        trust_region: TrustRegion = TrustRegion(),
+        kl: KLPenalty = KLPenalty(coef=0.0, placement="reward"),
+        value: ValueTraining = ValueTraining(clip=None),
+        **kwargs,
     ):
         """
         Args:
             policy: The model to train, with ``value_head`` set; null means the shipped SFT-warmed tiny model
                 (``tiny-sort``) with a separate critic started from the same weights.
-            reward_model: A trained reward model (an export directory, a reward-model ``.ckpt``, or
-                ``tiny-sort-rm``), scored as the reward named ``rm`` (see :class:`~align.modules.ppo.PPOModule`).
-            reward_model_weight: Weight of the reward-model score in the training reward.
-            reward_model_batch_size: Sequences per reward-model forward pass.
             rewards: Reward functions with weights (docs/rewards.md), added to the reward-model score; null with no
                 ``reward_model``: exact match on the sort task.
-            eval_rewards: Rewards that are only logged (``rollout/reward/<name>``, ``val/reward/<name>``).
-            samples_per_prompt: Completions sampled per prompt in each rollout.
-            sampling: How training completions are drawn (temperature, top_p, top_k, max_new_tokens, min_new_tokens).
-            eval_sampling: How held-out completions are drawn; null: greedy with the same max_new_tokens.
-            max_kl: Trust-region radius delta: bound on the mean KL(old || new) over valid response tokens.
-            damping: Added to the Fisher's diagonal in the Fisher-vector products (makes CG well posed).
-            cg_iters: Conjugate-gradient iterations (Fisher-vector products) per policy step.
-            cg_tol: Stop CG early when the relative residual falls to this.
-            backtrack_ratio: Factor by which the line search shrinks a rejected step.
-            max_backtracks: Shrinks tried after the full step before the step is rejected.
-            accept_ratio: Required share of the linearly expected improvement (0: any improvement).
-            fisher_fraction: Share of the rollout's rows used for Fisher-vector products (cost vs. accuracy).
-            kl_coef: KL-to-reference penalty shaped into the rewards (PPO's); 0 with no target loads no reference.
-            kl_target: Per-sequence KL the adaptive controller steers to; null keeps ``kl_coef`` fixed.
-            kl_horizon: Horizon of the adaptive controller, in sequences.
-            kl_estimator: Per-token KL-to-reference estimate shaped into the reward: ``k1``, ``k2`` or ``k3``.
-            gamma: Discount of GAE.
-            lam: Lambda of GAE.
-            whiten_advantages: Whiten advantages over the valid tokens of each rollout (returns are not).
-            missing_eos_penalty: Subtract this from the score of responses truncated without EOS; null: none.
-            whiten_scores: Whiten the sequence scores over the rollout (all ranks) before scaling and clipping.
-            score_scale: Multiply the sequence scores by this factor.
-            score_clip: Clip the sequence scores to ``[-score_clip, score_clip]``; null: no clipping.
-            value_clip: Clip new values to ``old -/+ value_clip`` in the value loss; null: no clipping.
-            value_epochs: Passes of the value optimizer over each rollout.
-            value_minibatches: Value-optimizer steps per pass; the rollout's rows are split evenly between them.
-            critic_warmup_steps: Rollouts at the start of training that update only the value model.
-            critic_head_from_reward_model: Start a separate critic's head from the reward head when its
-                backbone (``critic_model``) is a reward-model export.
-            micro_batch_size: Rows per forward/backward pass, for the policy step and the value updates; null:
-                all rows at once.
-            max_grad_norm: Clip the gradient norm of every value-optimizer step; null: no clipping.
-            loss_aggregation: Surrogate and value loss: ``token_mean`` over the step, ``seq_mean`` or ``constant``.
-                The trust region's KL is always a mean over valid tokens.
-            log_entropy: Compute ``train/entropy`` (a full-vocabulary softmax per token).
-            accuracy_reward: Reward whose value counts for ``val/accuracy``; null: the first eval reward, else the
-                first reward.
-            accuracy_threshold: A held-out completion is accurate when that reward is at least this.
-            optimizer: Optimizer callable of the value model (the policy step needs none).
-            scheduler: Learning-rate schedule of the value optimizer, stepped every value step.
-            disable_dropout: Set every dropout (model, LoRA adapter, critic) to 0, so that the training
-                log-probs equal the sampler's and the reference's and a ratio starts at exactly 1; false keeps
-                the model's dropout (noisier ratios and reference).
+            reward_model: A trained reward model, scored as the reward named ``rm`` (see
+                :class:`~align.modules.ppo.PPOModule`).
+            trust_region: The KL bound ``max_kl``, conjugate gradient and line-search settings of the policy step.
+            kl: KL-to-reference penalty shaped into the rewards (PPO's); 0 with no target loads no reference.
+            value: Value-loss clipping and critic warm-up. The value model has its own optimizer (``optimizer``,
+                ``scheduler``), stepped ``updates.epochs`` x ``updates.minibatches`` times per rollout with
+                ``updates.micro_batch_size``, ``updates.max_grad_norm`` and ``updates.loss_aggregation`` (which also
+                reduces the surrogate; the trust region's KL is always a mean over valid tokens).
         """
-        for name, value in (("max_kl", max_kl), ("backtrack_ratio", backtrack_ratio)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if not backtrack_ratio < 1:
-            raise ValueError(f"backtrack_ratio must be < 1, got {backtrack_ratio}")
-        if damping < 0 or cg_tol < 0 or accept_ratio < 0 or max_backtracks < 0:
-            raise ValueError("damping, cg_tol, accept_ratio and max_backtracks must be >= 0")
-        if cg_iters < 1:
-            raise ValueError(f"cg_iters must be >= 1, got {cg_iters}")
-        if not 0 < fisher_fraction <= 1:
-            raise ValueError(f"fisher_fraction must be in (0, 1], got {fisher_fraction}")
+        defaults = ValueTraining()
+        for key in ("coef", "lr_scale"):
+            if getattr(value, key) != getattr(defaults, key):
+                raise AlignConfigError(f"model.value.{key}: TRPO trains the value model with its own optimizer "
+                                       "(set its learning rate in model.optimizer); leave this unset")
         if rewards is None and reward_model is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         if policy is None:
             policy = PolicyModel("tiny-sort", value_head="separate")
-        super().__init__(
-            policy=policy, reward_model=reward_model, reward_model_weight=reward_model_weight,
-            reward_model_batch_size=reward_model_batch_size, rewards=rewards, eval_rewards=eval_rewards,
-            samples_per_prompt=samples_per_prompt, sampling=sampling, eval_sampling=eval_sampling,
-            kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon, kl_estimator=kl_estimator, gamma=gamma,
-            lam=lam,
-            whiten_advantages=whiten_advantages, missing_eos_penalty=missing_eos_penalty,
-            whiten_scores=whiten_scores, score_scale=score_scale, score_clip=score_clip, value_clip=value_clip,
-            critic_warmup_steps=critic_warmup_steps, critic_head_from_reward_model=critic_head_from_reward_model,
-            ppo_epochs=value_epochs, num_minibatches=value_minibatches, micro_batch_size=micro_batch_size,
-            max_grad_norm=max_grad_norm, loss_aggregation=loss_aggregation, log_entropy=log_entropy,
-            accuracy_reward=accuracy_reward, accuracy_threshold=accuracy_threshold, optimizer=optimizer,
-            scheduler=scheduler, disable_dropout=disable_dropout,
-        )
-        self.max_kl, self.damping = max_kl, damping
-        self.cg_iters, self.cg_tol = cg_iters, cg_tol
-        self.backtrack_ratio, self.max_backtracks, self.accept_ratio = backtrack_ratio, max_backtracks, accept_ratio
-        self.fisher_fraction = fisher_fraction
+        super().__init__(policy=policy, rewards=rewards, reward_model=reward_model, 
+                         kl=kl, value=value, clip=ClipRange(), entropy_coef=0.0, **kwargs)
+        self.trust_region = trust_region
 
     # ------------------------------------------------------------------ parameter scopes
     def policy_parameters(self) -> list[nn.Parameter]:
@@ -252,20 +157,16 @@ class TRPOModule(PPOModule):
             self.policy.model.train(was_training)
 
     # ------------------------------------------------------------------ the policy step
-    def _logprobs(self, micro: PPOBatch, **kwargs):
-        return self.policy.score(micro.input_ids, micro.attention_mask, response_length=micro.response_length,
-                                 temperature=self.score_temperature, **kwargs)
-
     def _micro_batches(self, data: PPOBatch, rows: torch.Tensor | None = None) -> list[PPOBatch]:
         n = len(data) if rows is None else len(rows)
-        [chunks] = minibatch_indices(n, 1, self.micro_batch_size, shuffle=False)
+        [chunks] = minibatch_indices(n, 1, self.updates.micro_batch_size, shuffle=False)
         device = data.input_ids.device
         return [data.select((chunk if rows is None else rows[chunk]).to(device)) for chunk in chunks]
 
     def _fisher_rows(self, data: PPOBatch) -> torch.Tensor | None:
-        if self.fisher_fraction >= 1.0:
+        if self.trust_region.fisher_fraction >= 1.0:
             return None
-        n = max(1, round(self.fisher_fraction * len(data)))
+        n = max(1, round(self.trust_region.fisher_fraction * len(data)))
         return torch.randperm(len(data))[:n].sort().values
 
     def _fvp(self, micros: list[PPOBatch], params: list[nn.Parameter]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -274,11 +175,11 @@ class TRPOModule(PPOModule):
 
         def local_kl(micro: PPOBatch) -> torch.Tensor:
             with sdpa_kernel([SDPBackend.MATH]):
-                logprobs = self._logprobs(micro).logprobs
+                logprobs = self.token_logprobs(micro).logprobs
             return masked_sum(kl_estimate(micro.old_logprobs, logprobs, "k3"), micro.response_mask) / count
 
         def reduce_and_damp(local: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-            return self.all_reduce_sum(local) + self.damping * vector
+            return self.all_reduce_sum(local) + self.trust_region.damping * vector
 
         if len(micros) == 1:  # keep the first-order graph for every CG iteration
             cached = fisher_vector_product_fn(local_kl(micros[0]), params)
@@ -298,7 +199,7 @@ class TRPOModule(PPOModule):
         surrogate = torch.zeros((), device=normaliser.device)
         kl_sum = torch.zeros((), device=normaliser.device)
         for micro in micros:
-            logprobs = self._logprobs(micro).logprobs
+            logprobs = self.token_logprobs(micro).logprobs
             surrogate += self._surrogate(micro, logprobs, micro.old_logprobs, normaliser)
             kl_sum += masked_sum(kl_estimate(micro.old_logprobs, logprobs, "k3"), micro.response_mask)
         totals = self.all_reduce_sum(torch.stack([surrogate, kl_sum]))
@@ -307,12 +208,12 @@ class TRPOModule(PPOModule):
     def _surrogate(self, micro: PPOBatch, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                    normaliser: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the importance-weighted surrogate (to be maximised)."""
-        ratio = torch.exp(kl_estimate(logprobs, old_logprobs, "k1"))  # pi / pi_old, log-ratio clamped
-        return aggregate(ratio * micro.advantages, micro.response_mask, self.loss_aggregation, normaliser)
+        ratio = importance_ratio(logprobs, old_logprobs)  # (n, r) pi / pi_old
+        return aggregate(ratio * micro.advantages, micro.response_mask, self.updates.loss_aggregation, normaliser)
 
     def trust_region_step(self, data: PPOBatch) -> dict[str, float]:
         """One TRPO policy step on ``data``, in place; returns the ``trpo/*`` metrics."""
-        params = self.policy_parameters()
+        params, tr = self.policy_parameters(), self.trust_region
         if not params:
             raise RuntimeError("TRPO: the policy has no trainable parameters")
         normaliser = self.step_normaliser(data.response_mask)
@@ -324,26 +225,26 @@ class TRPOModule(PPOModule):
             entropy_sum = torch.zeros((), device=old.device)
             offset = 0
             for micro in self._micro_batches(data):
-                scores = self._logprobs(micro, return_entropy=self.log_entropy)
-                old_logprobs = scores.logprobs.detach()
+                out = self.token_logprobs(micro, return_entropy=self.log_entropy)
+                old_logprobs = out.logprobs.detach()
                 old[offset : offset + len(micro), : micro.response_length] = old_logprobs
                 offset += len(micro)
-                g = flat_grad(self._surrogate(micro, scores.logprobs, old_logprobs, normaliser), params)
+                g = flat_grad(self._surrogate(micro, out.logprobs, old_logprobs, normaliser), params)
                 grad = g if grad is None else grad + g
-                if scores.entropy is not None:
-                    entropy_sum += masked_sum(scores.entropy.detach(), micro.response_mask)
+                if out.entropy is not None:
+                    entropy_sum += masked_sum(out.entropy.detach(), micro.response_mask)
             grad = self.all_reduce_sum(grad)
             data = replace(data, old_logprobs=old)
             micros = self._micro_batches(data)
             surrogate_before = float(self.all_reduce_sum(
-                aggregate(data.advantages, data.response_mask, self.loss_aggregation, normaliser)))
+                aggregate(data.advantages, data.response_mask, self.updates.loss_aggregation, normaliser)))
             fvp = self._fvp(self._micro_batches(data, self._fisher_rows(data)), params)
             result = trpo_step(params, grad, fvp, lambda: self._evaluate(micros, normaliser, count),
-                               surrogate_before, self.max_kl, self.cg_iters, self.cg_tol, self.backtrack_ratio,
-                               self.max_backtracks, self.accept_ratio)
+                               surrogate_before, tr.max_kl, tr.cg_iters, tr.cg_tol, tr.backtrack_ratio,
+                               tr.max_backtracks, tr.accept_ratio)
         metrics = {
             "trpo/kl": result.kl,
-            "trpo/max_kl": self.max_kl,
+            "trpo/max_kl": tr.max_kl,
             "trpo/surrogate_improvement": result.improvement,
             "trpo/expected_improvement": result.expected_improvement,
             "trpo/line_search_steps": float(result.line_search_steps),
@@ -359,7 +260,7 @@ class TRPOModule(PPOModule):
 
     # ------------------------------------------------------------------ updates
     def update_value(self, data: PPOBatch) -> dict[str, float]:
-        """``value_epochs`` x ``value_minibatches`` value-optimizer steps; the language model gets no gradient."""
+        """``updates.epochs`` x ``updates.minibatches`` value-optimizer steps; the language model gets no gradient."""
         with self._frozen_policy():
             return super().update_value(data)
 

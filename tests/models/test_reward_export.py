@@ -12,7 +12,6 @@ from align.models import LoraSettings, PolicyModel
 from align.models.reward import (
     LEGACY_HEAD_FILE,
     RewardModelScorer,
-    init_critic_head_from_reward_model,
     init_reward_head,
     last_scored_index,
     save_reward_model,
@@ -141,8 +140,8 @@ def test_the_version_1_format_still_loads(tmp_path):
 def test_a_separate_critic_starts_from_the_reward_model(tmp_path):
     """Critic backbone and head from an export: its value of a sequence's end state is the reward model's score."""
     export = save_reward_model(reward_policy(seed=4), tmp_path / "rm")
-    policy = PolicyModel(value_head="separate", critic_model=str(export)).eval()
-    assert init_critic_head_from_reward_model(policy)
+    policy = PolicyModel(value_head="separate", critic_model=str(export)).eval()  # the head is loaded at build
+    assert policy.critic_head.proj.weight.any() and policy.init_critic_head_from_reward_model()
     scorer = RewardModelScorer(str(export))
     prompt_ids, response_ids = scorer.encode("sort: b a", "a b")
     ids = torch.tensor([prompt_ids + response_ids + [EOS]])  # the value at the last token sees everything before it
@@ -151,4 +150,4 @@ def test_a_separate_critic_starts_from_the_reward_model(tmp_path):
     assert value.item() == pytest.approx(scorer(["sort: b a"], ["a b"])[0], abs=1e-5)
     # A plain causal LM as the critic backbone has no reward head: the critic head stays at zero.
     plain = PolicyModel(value_head="separate")
-    assert not init_critic_head_from_reward_model(plain) and not plain.critic_head.proj.weight.any()
+    assert not plain.init_critic_head_from_reward_model() and not plain.critic_head.proj.weight.any()

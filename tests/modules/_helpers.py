@@ -24,3 +24,49 @@ def write_varied_pairs(path) -> str:
                      "rejected": " ".join(prompt[::-1] + prompt[: 1 + i % 3]), "margin": 0.25 * i})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+PROMPTS = ["sort: d a c b", "sort: b a", "sort: c c a", "sort: j e f g"]
+
+
+def length_reward(prompts, completions, **kw):
+    return [float(len(c) % 3) for c in completions]
+
+
+def prompt_batch(policy, prompts=PROMPTS):
+    """A training batch of ``prompts`` as single user turns, encoded with the policy's chat template."""
+    from align.data.chat import ChatEncoder
+    from align.data.prompts import PromptBatch
+
+    enc = ChatEncoder(policy.tokenizer)
+    ids = [enc.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
+    return PromptBatch(ids, list(prompts), {})
+
+
+class CaptureOptimizer:
+    """A plain SGD optimizer (``lr`` 0 by default: parameters stay put) that records the gradients of each step."""
+
+    def __init__(self, module, lr=0.0):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.lr, self.steps, self.grads = lr, 0, []
+
+    def step(self):
+        import torch
+
+        self.steps += 1
+        self.grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params])
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p -= self.lr * p.grad
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def standalone(module, optimizer=None, lr=0.0):
+    """Run an RL module's update without a trainer (``RLModule.use_optimizer``); returns the optimizer."""
+    optimizer = optimizer if optimizer is not None else CaptureOptimizer(module, lr)
+    module.use_optimizer(optimizer)
+    return optimizer

@@ -67,7 +67,7 @@ def test_concatenated_forward_equals_separate_forwards(varied_pairs):
         for b, ex in enumerate(dm.train_set.examples):
             for row, response in ((b, ex.chosen_ids), (B + b, ex.rejected_ids)):
                 ids = torch.tensor([ex.prompt_ids + response])
-                alone = policy.score(ids, torch.ones_like(ids), response_length=len(response)).logprobs.sum()
+                alone = policy.token_logprobs(ids, torch.ones_like(ids), response_length=len(response)).logprobs.sum()
                 torch.testing.assert_close(together[row], alone, atol=1e-4, rtol=1e-5)
 
 

@@ -11,72 +11,37 @@ from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.rl import RLBatch, minibatch_indices
 from align.rewards import RewardSpec
+from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, Updates
 from align.rollout import SamplingConfig
 
-PROMPTS = ["sort: d a c b", "sort: b a", "sort: c c a", "sort: j e f g"]
-
+from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
 def constant_reward(prompts, completions, **kw):
     return [1.0] * len(completions)
 
 
-def length_reward(prompts, completions, **kw):
-    return [float(len(c) % 3) for c in completions]
-
-
-def make_module(**kw):
+def make_module(updates=None, **kw):
     defaults = dict(policy=PolicyModel("tiny", seed=2), rewards=[length_reward], group_size=4,
-                    sampling=SamplingConfig(max_new_tokens=6), max_grad_norm=None, log_entropy=False)
-    return GRPOModule(**{**defaults, **kw})
-
-
-class CaptureOptimizer:
-    """Stands in for Lightning's optimizer: records the gradients at each step."""
-
-    def __init__(self, module):
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.grads = []
-
-    def step(self):
-        self.grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.params])
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-
-
-def detach_from_trainer(module):
-    opt = CaptureOptimizer(module)
-    module.optimizers = lambda: opt
-    module.lr_schedulers = lambda: None
-    module.manual_backward = lambda loss: loss.backward()
-    module.logged = {}
-    module.log_metrics = module.logged.update
-    return opt
-
-
-def prompt_batch(policy, prompts=PROMPTS):
-    enc = ChatEncoder(policy.tokenizer)
-    ids = [enc.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
-    return PromptBatch(ids, list(prompts), {})
+                    sampling=SamplingConfig(max_new_tokens=6), log_entropy=False)
+    return GRPOModule(updates=Updates(**{"max_grad_norm": None, **(updates or {})}), **{**defaults, **kw})
 
 
 def fixed_batch(module, n_prompts=2):
     torch.manual_seed(0)
-    rollout = module.rollout(prompt_batch(module.policy, PROMPTS[:n_prompts]), module.group_size)
+    rollout = module.rollout(prompt_batch(module.policy, PROMPTS[:n_prompts]))
     advantages = torch.linspace(-1.0, 1.0, len(rollout))
     return RLBatch.from_rollout(rollout, advantages)
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "constant"])
 def test_one_minibatch_of_8_equals_8_accumulated_micro_steps_of_1(agg):
-    module = make_module(loss_aggregation=agg)
+    module = make_module(updates=dict(loss_aggregation=agg))
     data = fixed_batch(module)  # 2 prompts x 4 = 8 rows
     assert len(data) == 8
     grads = {}
     for micro in (None, 1):
-        module.micro_batch_size = micro
-        opt = detach_from_trainer(module)
+        module.updates = Updates(micro_batch_size=micro, loss_aggregation=agg, max_grad_norm=None)
+        opt = standalone(module)
         module.update(data, module._loss)
         assert len(opt.grads) == 1
         grads[micro] = opt.grads[0]
@@ -89,40 +54,41 @@ def test_minibatches_and_epochs_give_one_step_each():
     idx = minibatch_indices(8, num_minibatches=2, micro_batch_size=3)
     assert [[len(m) for m in mb] for mb in idx] == [[3, 1], [3, 1]]
     assert sorted(torch.cat([m for mb in idx for m in mb]).tolist()) == list(range(8))
-    module = make_module(ppo_epochs=2, num_minibatches=2)
-    opt = detach_from_trainer(module)
+    module = make_module(updates=dict(epochs=2, minibatches=2))
+    opt = standalone(module)
     module.update(fixed_batch(module), module._loss)
     assert len(opt.grads) == 4
 
 
-def test_beta_zero_needs_no_reference_and_trains():
-    module = make_module(beta=0.0)
+def test_kl_coef_zero_needs_no_reference_and_trains():
+    module = make_module()
     module.setup("fit")
     assert module.policy.ref_model is None
-    opt = detach_from_trainer(module)
+    opt = standalone(module)
     torch.manual_seed(0)
     module.training_step(prompt_batch(module.policy), 0)
     assert len(opt.grads) == 1
-    assert "train/kl" not in module.logged and module.logged["rollout/reward_std"] >= 0
+    assert "train/kl" not in module.last_metrics and module.last_metrics["rollout/reward_std"] >= 0
 
 
 def test_zero_variance_groups_give_zero_gradient():
-    module = make_module(rewards=[constant_reward], beta=0.0)
-    opt = detach_from_trainer(module)
+    module = make_module(rewards=[constant_reward])
+    opt = standalone(module)
     torch.manual_seed(0)
     module.training_step(prompt_batch(module.policy), 0)
     assert all((g == 0).all() for g in opt.grads[0])
-    assert module.logged["rollout/zero_std_frac"] == 1.0
+    assert module.last_metrics["rollout/zero_std_frac"] == 1.0
 
 
 def test_kl_in_reward_and_off_policy_iterations_run():
-    module = make_module(beta=0.1, kl_placement="reward", ppo_epochs=2, clip_high=0.28, std_scale="batch")
+    module = make_module(kl=KLPenalty(coef=0.1, placement="reward"), updates=dict(epochs=2),
+                         clip=ClipRange(high=0.28), advantages=GroupAdvantages(std_scale="batch"))
     module.setup("fit")
-    assert module.kl_estimator == "k1" and module.policy.ref_model is not None
-    opt = detach_from_trainer(module)
+    assert module.kl.kind == "k1" and module.policy.ref_model is not None
+    opt = standalone(module)
     torch.manual_seed(0)
     module.training_step(prompt_batch(module.policy), 0)
-    assert len(opt.grads) == 2 and "train/kl" in module.logged
+    assert len(opt.grads) == 2 and "train/kl" in module.last_metrics
 
 
 METRICS = ["train/loss", "train/policy_loss", "train/kl", "train/clipfrac", "train/approx_kl", "train/entropy",
@@ -132,8 +98,8 @@ METRICS = ["train/loss", "train/policy_loss", "train/kl", "train/clipfrac", "tra
 
 def test_trains_a_few_steps_with_lightning_and_logs_the_metrics(tmp_path):
     module = GRPOModule(policy=PolicyModel("tiny", seed=2), rewards=[RewardSpec("align.rewards.sort_format")],
-                        group_size=4, sampling=SamplingConfig(max_new_tokens=6), beta=0.05, num_minibatches=2,
-                        micro_batch_size=2)
+                        group_size=4, sampling=SamplingConfig(max_new_tokens=6), kl=KLPenalty(coef=0.05),
+                        updates=Updates(minibatches=2, micro_batch_size=2))
     data = PromptDataModule(batch_size=2, val_batch_size=4)
     trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name=""),
                         log_every_n_steps=1, limit_val_batches=1, enable_checkpointing=False,
@@ -157,17 +123,17 @@ def test_dropout_is_off_in_the_update_passes_by_default(disable):
     for module in policy.modules():
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = 0.2
-    module = make_module(policy=policy, ppo_epochs=2, disable_dropout=disable)
+    module = make_module(policy=policy, updates=dict(epochs=2), disable_dropout=disable)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)  # a trained adapter, so that its dropout matters
     torch.manual_seed(0)
-    rollout = module.rollout(prompt_batch(policy, PROMPTS[:2]), module.group_size)
+    rollout = module.rollout(prompt_batch(policy, PROMPTS[:2]))
     data = RLBatch.from_rollout(rollout, torch.zeros(len(rollout)))
     policy.train()
     with torch.no_grad():
-        first, second = module._scores(data).logprobs, module._scores(data).logprobs
+        first, second = module.token_logprobs(data).logprobs, module.token_logprobs(data).logprobs
     mask = data.response_mask
     ratio = torch.exp(first - data.old_logprobs)[mask]
     if disable:
@@ -192,7 +158,7 @@ def test_rewards_receive_the_conversation_the_sampled_ids_and_truncation():
     enc = ChatEncoder(tok)
     batch = PromptBatch([enc.prompt_ids(c) for c in chats], list(PROMPTS[:2]), {"answer": ["x", "y"]}, chats)
     torch.manual_seed(0)
-    rollout = module.rollout(batch, module.group_size)
+    rollout = module.rollout(batch)
     module.score_rewards(batch, rollout)
     assert seen["prompt_messages"] == [c for c in chats for _ in range(module.group_size)]
     assert seen["answer"] == ["x"] * 4 + ["y"] * 4

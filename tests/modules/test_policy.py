@@ -24,10 +24,10 @@ def naive_logprobs(model, ids, mask, R):
 def test_logprobs_equal_naive_log_softmax_gather():
     policy = PolicyModel()
     ids, mask = batch(policy)
-    out = policy.score(ids, mask, response_length=3, return_entropy=True)
+    out = policy.token_logprobs(ids, mask, response_length=3, return_entropy=True)
     torch.testing.assert_close(out.logprobs, naive_logprobs(policy.model, ids, mask, 3))
     assert out.entropy.shape == (2, 3) and (out.entropy >= 0).all()
-    hot = policy.score(ids, mask, response_length=3, temperature=0.5).logprobs
+    hot = policy.token_logprobs(ids, mask, response_length=3, temperature=0.5).logprobs
     assert not torch.allclose(hot, out.logprobs)
 
 
@@ -37,7 +37,7 @@ def test_bf16_logprobs_and_entropy_at_a_temperature_match_the_samplers_formula()
     policy = PolicyModel(dtype="bfloat16").eval()
     ids, mask = batch(policy)
     with torch.no_grad():
-        out = policy.score(ids, mask, response_length=4, temperature=0.7, return_entropy=True)
+        out = policy.token_logprobs(ids, mask, response_length=4, temperature=0.7, return_entropy=True)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = policy.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -5:-1]
     assert logits.dtype == torch.bfloat16
@@ -50,8 +50,8 @@ def test_left_padding_does_not_change_logprobs():
     policy = PolicyModel()
     ids, mask = batch(policy)
     alone = policy.tokenizer(["sort: b a"], return_tensors="pt")["input_ids"]
-    padded = policy.score(ids[:1], mask[:1], response_length=2).logprobs
-    torch.testing.assert_close(padded, policy.score(alone, torch.ones_like(alone), response_length=2).logprobs,
+    padded = policy.token_logprobs(ids[:1], mask[:1], response_length=2).logprobs
+    torch.testing.assert_close(padded, policy.token_logprobs(alone, torch.ones_like(alone), response_length=2).logprobs,
                                atol=1e-5, rtol=1e-4)
 
 
@@ -65,8 +65,8 @@ def test_lora_reference_is_the_adapter_disabled_base():
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
                 p.add_(0.5)  # move the adapter away from its zero init
-        ref = policy.score(ids, mask, response_length=3, reference=True).logprobs
-        pol = policy.score(ids, mask, response_length=3).logprobs
+        ref = policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs
+        pol = policy.token_logprobs(ids, mask, response_length=3).logprobs
     torch.testing.assert_close(ref, naive_logprobs(base, ids, mask, 3))
     assert not torch.allclose(ref, pol)
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
@@ -90,11 +90,11 @@ def test_lora_reference_equals_the_base_model_for_every_option(settings):
     with torch.no_grad():
         for p in trained:
             p.add_(0.3 * torch.randn_like(p))
-        ref = policy.score(ids, mask, response_length=3, reference=True).logprobs
-        pol = policy.score(ids, mask, response_length=3).logprobs
+        ref = policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs
+        pol = policy.token_logprobs(ids, mask, response_length=3).logprobs
     torch.testing.assert_close(ref, naive_logprobs(build_tiny_model(seed=0), ids, mask, 3))
     assert not torch.allclose(ref, pol, atol=1e-3)
-    torch.testing.assert_close(policy.score(ids, mask, response_length=3).logprobs, pol)  # switched back on
+    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3).logprobs, pol)  # switched back on
 
 
 @pytest.mark.parametrize("bias", ["all", "lora_only"])
@@ -111,11 +111,11 @@ def test_frozen_copy_reference_stays_at_initial_weights():
     policy = PolicyModel()
     policy.setup_reference()
     ids, mask = batch(policy)
-    before = policy.score(ids, mask, response_length=3, reference=True).logprobs
+    before = policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs
     with torch.no_grad():
         for p in policy.model.parameters():
             p.mul_(1.1)
-    torch.testing.assert_close(policy.score(ids, mask, response_length=3, reference=True).logprobs, before)
+    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs, before)
     assert all(not p.requires_grad for p in policy.ref_model.parameters())
     policy.train()
     assert not policy.ref_model.training
@@ -125,7 +125,7 @@ def test_frozen_copy_reference_stays_at_initial_weights():
 def test_value_head_shapes_and_gradients(kind):
     policy = PolicyModel(value_head=kind)
     ids, mask = batch(policy)
-    out = policy.score(ids, mask, response_length=3, return_values=True)
+    out = policy.token_logprobs(ids, mask, response_length=3, return_values=True)
     assert out.values.shape == (2, 3)
     out.values.sum().backward()
     head = policy.value_head if kind == "shared" else policy.critic_head
@@ -136,7 +136,7 @@ def test_local_directory_and_bad_paths(tiny_model_dir, tmp_path):
     policy = PolicyModel(model=tiny_model_dir)
     ref = build_tiny_model(seed=3)
     ids, mask = batch(policy)
-    torch.testing.assert_close(policy.score(ids, mask, response_length=2).logprobs, naive_logprobs(ref, ids, mask, 2))
+    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=2).logprobs, naive_logprobs(ref, ids, mask, 2))
     with pytest.raises(AlignConfigError, match="does not exist"):
         PolicyModel(model=str(tmp_path / "nope"))
     with pytest.raises(AlignConfigError, match="without config.json"):
@@ -149,7 +149,7 @@ def test_qlora_forward_and_backward_on_cpu(tiny_model_dir):
     pytest.importorskip("bitsandbytes")
     policy = PolicyModel(model=tiny_model_dir, quantization="4bit", lora=LoraSettings(r=4, alpha=8))
     ids, mask = batch(policy)
-    out = policy.score(ids, mask, response_length=3)
+    out = policy.token_logprobs(ids, mask, response_length=3)
     assert torch.isfinite(out.logprobs).all()
     out.logprobs.sum().backward()
     grads = [p.grad for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad]
@@ -170,7 +170,7 @@ def test_export_loads_with_plain_transformers_and_generates(tmp_path, use_lora):
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     ids, mask = batch(policy)
-    torch.testing.assert_close(naive_logprobs(model, ids, mask, 3), policy.score(ids, mask, response_length=3).logprobs,
+    torch.testing.assert_close(naive_logprobs(model, ids, mask, 3), policy.token_logprobs(ids, mask, response_length=3).logprobs,
                                atol=1e-5, rtol=1e-4)
     prompt = tok.apply_chat_template([{"role": "user", "content": "sort: b a"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)

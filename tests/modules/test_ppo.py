@@ -13,14 +13,10 @@ from align.logprobs import masked_mean, response_mask, truncated
 from align.models.policy import PolicyModel
 from align.modules.ppo import PPOBatch, PPOModule
 from align.rewards import RewardSpec
+from align.modules.options import GAE, KLPenalty, ScoreShaping, Updates, ValueTraining
 from align.rollout import Rollout, SamplingConfig
 
-PROMPTS = ["sort: d a c b", "sort: b a", "sort: c c a", "sort: j e f g"]
-
-
-def length_reward(prompts, completions, **kw):
-    return [float(len(c) % 3) for c in completions]
-
+from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
 def row_reward(prompts, completions, **kw):
     """Scores 3, 5, 7, ... by row: each row's terminal reward is recognisable."""
@@ -29,45 +25,9 @@ def row_reward(prompts, completions, **kw):
 
 def make_module(policy=None, **kw):
     defaults = {"policy": policy or PolicyModel("tiny", seed=2, value_head="shared"), "rewards": [length_reward],
-                "sampling": SamplingConfig(max_new_tokens=6), "samples_per_prompt": 2, "max_grad_norm": None,
-                "log_entropy": False, "ppo_epochs": 1}
+                "sampling": SamplingConfig(max_new_tokens=6), "group_size": 2,
+                "updates": Updates(max_grad_norm=None), "log_entropy": False}
     return PPOModule(**{**defaults, **kw})
-
-
-class CaptureOptimizer:
-    """Stands in for Lightning's optimizer: applies plain SGD steps and counts them."""
-
-    def __init__(self, module, lr=0.0):
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.lr, self.steps, self.grads = lr, 0, []
-
-    def step(self):
-        self.steps += 1
-        self.grads.append([None if p.grad is None else p.grad.clone() for p in self.params])
-        with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    p -= self.lr * p.grad
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-
-
-def detach_from_trainer(module, lr=0.0):
-    opt = CaptureOptimizer(module, lr)
-    module.optimizers = lambda: opt
-    module.lr_schedulers = lambda: None
-    module.manual_backward = lambda loss: loss.backward()
-    module.logged = []
-    module.log_metrics = module.logged.append
-    return opt
-
-
-def prompt_batch(policy, prompts=PROMPTS):
-    enc = ChatEncoder(policy.tokenizer)
-    ids = [enc.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
-    return PromptBatch(ids, list(prompts), {})
 
 
 def hand_rollout(policy, responses, max_new_tokens):
@@ -81,7 +41,7 @@ def hand_rollout(policy, responses, max_new_tokens):
     response_ids = torch.tensor(responses)
     mask = response_mask(response_ids, tok.eos_token_id)
     is_truncated = truncated(response_ids, tok.eos_token_id) & (response_ids.shape[1] >= max_new_tokens)
-    logprobs = policy.score(torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, mask.long()], 1),
+    logprobs = policy.token_logprobs(torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, mask.long()], 1),
                             response_length=response_ids.shape[1]).logprobs.detach()
     logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
     texts = tok.batch_decode(torch.where(mask, response_ids, tok.pad_token_id).tolist(), skip_special_tokens=True)
@@ -95,9 +55,9 @@ def test_terminal_reward_on_eos_when_pad_equals_eos_and_on_last_token_when_trunc
     assert policy.tokenizer.pad_token_id == eos
     # Row 0 stops at its EOS (index 2), then padding that is also EOS; row 1 never stops (truncated at 5).
     responses = [[40, 41, eos, eos, eos], [40, 41, 42, 43, 44]]
-    module = make_module(policy, rewards=[row_reward], kl_coef=0.0, samples_per_prompt=1,
+    module = make_module(policy, rewards=[row_reward], kl=KLPenalty(placement="reward"), group_size=1,
                          sampling=SamplingConfig(max_new_tokens=5))
-    module.rollout = lambda batch, group_size=1, engine=None: hand_rollout(policy, responses, 5)
+    module.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     data = module.make_batch(prompt_batch(policy, PROMPTS[:2]))
     assert data.response_mask.tolist() == [[True, True, True, False, False], [True] * 5]
     expected = torch.tensor([[0.0, 0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 5.0]])
@@ -107,7 +67,7 @@ def test_terminal_reward_on_eos_when_pad_equals_eos_and_on_last_token_when_trunc
 
 
 def test_make_batch_shapes_returns_and_whitened_advantages():
-    module = make_module(kl_coef=0.1)
+    module = make_module(kl=KLPenalty(coef=0.1, placement="reward"))
     module.setup("fit")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -120,7 +80,7 @@ def test_make_batch_shapes_returns_and_whitened_advantages():
         assert getattr(data, name).shape == (n, r), name
         assert (getattr(data, name)[~data.response_mask] == 0).all(), name
     # returns are the unwhitened GAE advantages plus the values; only the advantages are whitened
-    raw, returns = gae(data.rewards, data.values, data.response_mask, module.gamma, module.lam)
+    raw, returns = gae(data.rewards, data.values, data.response_mask, module.gae.gamma, module.gae.lam)
     torch.testing.assert_close(data.returns, returns)
     torch.testing.assert_close(data.returns - data.values, torch.where(data.response_mask, raw, 0.0))
     assert abs(float(masked_mean(data.advantages, data.response_mask))) < 1e-5
@@ -133,54 +93,53 @@ def test_make_batch_shapes_returns_and_whitened_advantages():
 
 def test_explained_variance_rises_during_critic_warmup_on_a_fixed_rollout():
     policy = PolicyModel("tiny", seed=2, value_head="separate")
-    module = make_module(policy, rewards=[row_reward], kl_coef=0.0, critic_warmup_steps=25, ppo_epochs=2, value_clip=None,
-                         samples_per_prompt=1)
+    module = make_module(policy, rewards=[row_reward], kl=KLPenalty(placement="reward"),
+                         value=ValueTraining(warmup_rollouts=25, clip=None), updates=Updates(epochs=2, max_grad_norm=None),
+                         group_size=1)
     torch.manual_seed(0)
-    fixed = module.rollout(prompt_batch(policy), 1)
-    module.rollout = lambda batch, group_size=1, engine=None: fixed
-    detach_from_trainer(module)
-    adam = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=3e-3)
-    module.optimizers = lambda: adam
+    fixed = module.engine.generate(policy, prompt_batch(policy).prompt_ids, 1)
+    module.engine.generate = lambda *a, **k: fixed
+    standalone(module, torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=3e-3))
     lm_before = [p.detach().clone() for p in policy.model.parameters()]
     batch = prompt_batch(policy)
+    logged = []
     for step in range(25):
         module.training_step(batch, step)
-    ev = [m["train/explained_variance"] for m in module.logged]
-    assert all(m["train/critic_warmup"] == 1.0 for m in module.logged)
-    assert "train/policy_loss" not in module.logged[-1] and "train/value_loss" in module.logged[-1]
+        logged.append(module.last_metrics)
+    ev = [m["train/explained_variance"] for m in logged]
+    assert all(m["train/critic_warmup"] == 1.0 for m in logged)
+    assert "train/policy_loss" not in logged[-1] and "train/value_loss" in logged[-1]
     assert ev[0] < 0.1 and ev[-1] > 0.5 and ev[-1] > ev[0] + 0.4, ev
     assert all(torch.equal(a, b) for a, b in zip(lm_before, policy.model.parameters()))  # the policy stays put
-    assert module.rollouts_done == 25 and not module.warming_up  # the next rollout trains the policy
+    assert module.rl_counters["rollouts"] == 25 and module.warming_up  # the 25th rollout was the last warm-up
 
 
 def test_critic_warmup_with_a_shared_head_trains_the_head_alone():
-    module = make_module(critic_warmup_steps=1, kl_coef=0.0)
-    detach_from_trainer(module)
-    adam = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-    module.optimizers = lambda: adam
+    module = make_module(value=ValueTraining(warmup_rollouts=1), kl=KLPenalty(placement="reward"))
+    standalone(module, torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-2))
     backbone = [p.detach().clone() for p in module.policy.model.parameters()]
     head = [p.detach().clone() for p in module.policy.value_head.parameters()]
     torch.manual_seed(0)
     module.training_step(prompt_batch(module.policy), 0)
     assert all(torch.equal(a, b) for a, b in zip(backbone, module.policy.model.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(head, module.policy.value_head.parameters()))
-    assert not module.warming_up
+    assert module.warming_up and module.rl_counters["rollouts"] == 1  # the next rollout trains the policy
 
 
 def test_joint_update_steps_and_accumulation_matches_one_micro_batch():
-    module = make_module(num_minibatches=2, ppo_epochs=2, kl_coef=0.05)
+    module = make_module(updates=Updates(minibatches=2, epochs=2, max_grad_norm=None))
     module.setup("fit")
     torch.manual_seed(0)
     data = module.make_batch(prompt_batch(module.policy))
-    opt = detach_from_trainer(module)
+    opt = standalone(module)
     stats = module.update_policy(data)
     assert opt.steps == 4
     for name in ("train/loss", "train/policy_loss", "train/value_loss", "train/clipfrac", "train/approx_kl"):
         assert name in stats, name
     grads = {}
     for micro in (None, 1):
-        module.micro_batch_size, module.num_minibatches, module.ppo_epochs = micro, 1, 1
-        opt = detach_from_trainer(module)
+        module.updates = Updates(micro_batch_size=micro, max_grad_norm=None)
+        opt = standalone(module)
         module.update_policy(data)
         grads[micro] = [g for g in opt.grads[0] if g is not None]
     assert any(g.abs().sum() > 0 for g in grads[None])
@@ -189,7 +148,7 @@ def test_joint_update_steps_and_accumulation_matches_one_micro_batch():
 
 
 def test_score_options_penalty_whitening_scaling_clipping():
-    module = make_module(missing_eos_penalty=1.0, whiten_scores=True, score_scale=2.0, score_clip=1.5)
+    module = make_module(scores=ScoreShaping(missing_eos_penalty=1.0, whiten=True, scale=2.0, clip=1.5))
     rollout = type("R", (), {"truncated": torch.tensor([True, False, False, False])})()
     out = module.transform_scores(torch.tensor([1.0, 0.0, 2.0, 4.0]), rollout)
     x = torch.tensor([0.0, 0.0, 2.0, 4.0])
@@ -206,8 +165,8 @@ def test_no_value_model_is_an_error_naming_the_setting():
 def test_an_adaptive_kl_controller_must_start_above_zero():
     from align.errors import AlignConfigError
 
-    with pytest.raises(AlignConfigError, match=r"^model.kl_coef: the adaptive controller .* must start > 0"):
-        make_module(kl_coef=0.0, kl_target=0.5)
+    with pytest.raises(AlignConfigError, match=r"^model.kl.coef: the adaptive controller .* must start > 0"):
+        make_module(kl=KLPenalty(coef=0.0, target=0.5, placement="reward"))
 
 
 METRICS = ["train/loss", "train/policy_loss", "train/value_loss", "train/entropy", "train/kl", "train/kl_coef",
@@ -221,8 +180,9 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
     module = PPOModule(policy=PolicyModel("tiny", seed=2, value_head="shared"),
                        rewards=[RewardSpec("align.rewards.sort_format")],
                        eval_rewards=[length_reward],
-                       samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=6), kl_coef=0.1, kl_target=0.5,
-                       kl_horizon=100, num_minibatches=2, micro_batch_size=2, ppo_epochs=1, critic_warmup_steps=1)
+                       group_size=2, sampling=SamplingConfig(max_new_tokens=6),
+                       kl=KLPenalty(coef=0.1, target=0.5, horizon=100, placement="reward"),
+                       updates=Updates(minibatches=2, micro_batch_size=2), value=ValueTraining(warmup_rollouts=1))
     assert module.accuracy_reward == "length_reward"
     data = PromptDataModule(batch_size=2, val_batch_size=4)
     trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name=""),
@@ -231,7 +191,7 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
     before = [p.detach().clone() for p in module.policy.model.parameters()]
     trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data)
-    assert trainer.global_step == 6 and module.rollouts_done == 3  # 1 warm-up + 2 PPO rollouts, 2 steps each
+    assert trainer.global_step == 6 and module.rl_counters["rollouts"] == 3  # 1 warm-up + 2 PPO rollouts, 2 steps each
     assert any((a != b).any() for a, b in zip(before, module.policy.model.parameters()))
     assert isinstance(module.kl_controller, AdaptiveKLController) and module.kl_controller.value != 0.1
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
@@ -246,16 +206,17 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
     ckpt = tmp_path / "ppo.ckpt"
     trainer.save_checkpoint(ckpt)
     fresh = PPOModule(policy=PolicyModel("tiny", seed=2, value_head="shared"),
-                      rewards=[RewardSpec("align.rewards.sort_format")], kl_coef=0.1, kl_target=0.5)
+                      rewards=[RewardSpec("align.rewards.sort_format")],
+                      kl=KLPenalty(coef=0.1, target=0.5, placement="reward"))
     fresh.on_load_checkpoint(torch.load(ckpt, weights_only=False))
     assert fresh.kl_controller.value == pytest.approx(module.kl_controller.value)
-    assert fresh.rollouts_done == 3
+    assert fresh.rl_counters["rollouts"] == 3
 
 
 def test_value_lr_scale_gives_the_value_parameters_their_own_learning_rate():
     from functools import partial
 
-    module = make_module(PolicyModel("tiny", seed=2, value_head="separate"), value_lr_scale=10.0,
+    module = make_module(PolicyModel("tiny", seed=2, value_head="separate"), value=ValueTraining(lr_scale=10.0),
                          optimizer=partial(torch.optim.AdamW, lr=1e-3))
     optimizer = module.configure_optimizers()
     value_ids = {id(p) for p in [*module.policy.critic.parameters(), *module.policy.critic_head.parameters()]}
@@ -271,13 +232,14 @@ def test_value_lr_scale_gives_the_value_parameters_their_own_learning_rate():
 @pytest.mark.parametrize("from_rm", [True, False])
 def test_critic_head_starts_from_the_shipped_reward_models_head(from_rm):
     """The default critic's backbone is ``tiny-sort-rm`` (a sequence-classification export): its head starts as the
-    reward model's ``score`` (bias 0), or at zero when ``critic_head_from_reward_model`` is off."""
+    reward model's ``score`` (bias 0), or at zero when ``policy.critic_head_from_reward_model`` is off."""
     from safetensors.torch import load_file
 
     from align.models.tiny import TINY_SORT_RM_DIR
 
-    module = PPOModule(critic_head_from_reward_model=from_rm)
-    head = module.policy.critic_head.proj
+    policy = PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm",
+                         critic_head_from_reward_model=from_rm)
+    head = PPOModule(policy=policy).policy.critic_head.proj
     score = load_file(str(TINY_SORT_RM_DIR / "model.safetensors"))["score.weight"]
     if from_rm:
         torch.testing.assert_close(head.weight.detach(), score)

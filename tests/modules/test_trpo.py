@@ -12,38 +12,17 @@ from align.logprobs import masked_mean
 from align.models.loading import LoraSettings
 from align.models.policy import PolicyModel
 from align.modules.trpo import TRPOModule
+from align.errors import AlignConfigError
+from align.modules.options import TrustRegion, Updates, ValueTraining
 from align.rollout import SamplingConfig
 
-PROMPTS = ["sort: d a c b", "sort: b a", "sort: c c a", "sort: j e f g"]
+from _helpers import length_reward, prompt_batch, standalone
 
-
-def length_reward(prompts, completions, **kw):
-    return [float(len(c) % 3) for c in completions]
-
-
-def make_module(policy=None, **kw):
+def make_module(policy=None, trust_region=None, **kw):
     defaults = dict(policy=policy or PolicyModel("tiny", seed=2, value_head="separate"), rewards=[length_reward],
-                    sampling=SamplingConfig(max_new_tokens=6), samples_per_prompt=2, log_entropy=False,
-                    max_kl=0.01, cg_iters=4)
-    return TRPOModule(**{**defaults, **kw})
-
-
-def detach_from_trainer(module):
-    """Run outside a Trainer: the module's own value optimizer, plain backward, metrics kept in a list."""
-    optimizer = module.configure_optimizers()
-    module.optimizers = lambda: optimizer
-    module.lr_schedulers = lambda: None
-    module.manual_backward = lambda loss: loss.backward()
-    module.clip_gradients = lambda *a, **k: None
-    module.logged = []
-    module.log_metrics = module.logged.append
-    return optimizer
-
-
-def prompt_batch(policy, prompts=PROMPTS):
-    enc = ChatEncoder(policy.tokenizer)
-    ids = [enc.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
-    return PromptBatch(ids, list(prompts), {})
+                    sampling=SamplingConfig(max_new_tokens=6), group_size=2, log_entropy=False)
+    region = TrustRegion(**{"max_kl": 0.01, "cg_iters": 4, **(trust_region or {})})
+    return TRPOModule(trust_region=region, **{**defaults, **kw})
 
 
 def fixed_batch(module):
@@ -58,15 +37,15 @@ def snapshot(params):
 def measured_kl(module, data, old):
     """Mean k3 KL(old || current) over valid tokens, computed independently of the module's step."""
     with torch.no_grad():
-        new = module.policy.score(data.input_ids, data.attention_mask, response_length=data.response_length,
-                                  temperature=module.score_temperature).logprobs
+        new = module.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_length,
+                                  temperature=module.logprob_temperature).logprobs
     return float(masked_mean(kl_estimate(old, new, "k3"), data.response_mask))
 
 
 def current_logprobs(module, data):
     with torch.no_grad():
-        return module.policy.score(data.input_ids, data.attention_mask, response_length=data.response_length,
-                                   temperature=module.score_temperature).logprobs
+        return module.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_length,
+                                   temperature=module.logprob_temperature).logprobs
 
 
 def test_accepted_step_stays_inside_the_trust_region_and_improves_the_surrogate():
@@ -76,7 +55,7 @@ def test_accepted_step_stays_inside_the_trust_region_and_improves_the_surrogate(
     metrics = module.trust_region_step(data)
     assert metrics["trpo/accepted"] == 1.0
     kl = measured_kl(module, data, old)
-    assert 0 < kl <= module.max_kl
+    assert 0 < kl <= module.trust_region.max_kl
     assert metrics["trpo/kl"] == pytest.approx(kl, rel=1e-4)
     assert metrics["trpo/surrogate_improvement"] > 0
     assert metrics["trpo/cg_iterations"] == 4 and metrics["trpo/cg_residual"] >= 0
@@ -86,7 +65,7 @@ def test_accepted_step_stays_inside_the_trust_region_and_improves_the_surrogate(
 def test_rejected_step_leaves_the_policy_bit_identical():
     # accept_ratio 100: the measured improvement would have to be 100 times the linear model's, so every
     # candidate is rejected and the line search restores theta_old.
-    module = make_module(accept_ratio=100.0, max_backtracks=3)
+    module = make_module(trust_region=dict(accept_ratio=100.0, max_backtracks=3))
     data = fixed_batch(module)
     before = snapshot(module.policy.parameters())
     metrics = module.trust_region_step(data)
@@ -97,26 +76,26 @@ def test_rejected_step_leaves_the_policy_bit_identical():
 
 
 def test_micro_batches_and_the_fisher_subsample_give_the_step_they_should():
-    full = make_module(cg_iters=2)
+    full = make_module(trust_region=dict(cg_iters=2))
     data = fixed_batch(full)
     start = snapshot(full.policy_parameters())
     full.trust_region_step(data)
     step_full = [p.detach() - s for p, s in zip(full.policy_parameters(), start)]
-    micro = make_module(micro_batch_size=3, cg_iters=2)
+    micro = make_module(updates=Updates(micro_batch_size=3), trust_region=dict(cg_iters=2))
     micro.trust_region_step(data)
     for p, s, d in zip(micro.policy_parameters(), start, step_full):
         torch.testing.assert_close(p.detach() - s, d, rtol=1e-3, atol=1e-6)
     # Fewer rows for the Fisher: a different step, still inside the trust region.
-    sub = make_module(fisher_fraction=0.5, cg_iters=2)
+    sub = make_module(trust_region=dict(fisher_fraction=0.5, cg_iters=2))
     old = current_logprobs(sub, data)
     metrics = sub.trust_region_step(data)
-    assert metrics["trpo/accepted"] == 0.0 or measured_kl(sub, data, old) <= sub.max_kl
+    assert metrics["trpo/accepted"] == 0.0 or measured_kl(sub, data, old) <= sub.trust_region.max_kl
 
 
 @pytest.mark.parametrize("value_head", ["separate", "shared"])
 def test_value_optimizer_owns_the_value_model_and_never_moves_the_policy(value_head):
-    module = make_module(policy=PolicyModel("tiny", seed=2, value_head=value_head), value_minibatches=2)
-    optimizer = detach_from_trainer(module)
+    module = make_module(policy=PolicyModel("tiny", seed=2, value_head=value_head), updates=Updates(minibatches=2))
+    optimizer = standalone(module, module.configure_optimizers())
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized and not optimized & {id(p) for p in module.policy_parameters()}
     value_ids = {id(p) for p in module.value_modules().parameters()}
@@ -134,7 +113,7 @@ def test_value_optimizer_owns_the_value_model_and_never_moves_the_policy(value_h
 
 def test_lora_trust_region_is_the_adapter():
     policy = PolicyModel("tiny", seed=2, value_head="separate", lora=LoraSettings(r=2, alpha=4))
-    module = make_module(policy=policy, cg_iters=2, samples_per_prompt=1)
+    module = make_module(policy=policy, trust_region=dict(cg_iters=2), group_size=1)
     params = module.policy_parameters()
     assert params and all("lora_" in name for name, p in policy.model.named_parameters() if p.requires_grad)
     assert sum(p.numel() for p in params) < sum(p.numel() for p in policy.model.parameters()) / 10
@@ -144,15 +123,17 @@ def test_lora_trust_region_is_the_adapter():
     metrics = module.trust_region_step(data)
     assert all(torch.equal(frozen[n], p) for n, p in policy.model.named_parameters() if n in frozen)
     if metrics["trpo/accepted"]:
-        assert measured_kl(module, data, old) <= module.max_kl
+        assert measured_kl(module, data, old) <= module.trust_region.max_kl
 
 
 def test_bad_settings_are_rejected():
     policy = PolicyModel("tiny", seed=2, value_head="separate")
     for kwargs, match in (({"max_kl": 0.0}, "max_kl"), ({"backtrack_ratio": 1.0}, "backtrack_ratio"),
                           ({"cg_iters": 0}, "cg_iters"), ({"fisher_fraction": 0.0}, "fisher_fraction")):
-        with pytest.raises(ValueError, match=match):
-            TRPOModule(policy=policy, rewards=[length_reward], **kwargs)
+        with pytest.raises(AlignConfigError, match=rf"^model\.trust_region\.{match}: expected"):
+            TRPOModule(policy=policy, rewards=[length_reward], trust_region=TrustRegion(**kwargs))
+    with pytest.raises(AlignConfigError, match=r"^model\.value\.coef: TRPO trains the value model with its own optimizer"):
+        TRPOModule(policy=policy, rewards=[length_reward], value=ValueTraining(coef=0.5))
 
 
 METRICS = ["trpo/kl", "trpo/max_kl", "trpo/surrogate_improvement", "trpo/line_search_steps", "trpo/accepted",
@@ -163,8 +144,8 @@ METRICS = ["trpo/kl", "trpo/max_kl", "trpo/surrogate_improvement", "trpo/line_se
 def test_trains_a_few_steps_with_lightning_and_every_accepted_step_respects_the_bound(tmp_path):
     module = TRPOModule(policy=PolicyModel("tiny", seed=2, value_head="separate"),
                         rewards=[length_reward],
-                        sampling=SamplingConfig(max_new_tokens=6), samples_per_prompt=2, max_kl=0.005, cg_iters=4,
-                        value_epochs=2)
+                        sampling=SamplingConfig(max_new_tokens=6), group_size=2,
+                        trust_region=TrustRegion(max_kl=0.005, cg_iters=4), updates=Updates(epochs=2))
     data = PromptDataModule(batch_size=4, val_batch_size=4)
     trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name=""),
                         log_every_n_steps=1, limit_val_batches=1, enable_checkpointing=False,

@@ -84,9 +84,9 @@ def test_the_lora_reference_equals_the_base_model(smollm2_policy):
                 p.normal_(std=0.02)
     ids, mask = left_padded(policy.tokenizer)
     with torch.no_grad():
-        ref = policy.score(ids, mask, response_length=6, reference=True).logprobs
-        base = smollm2_policy.score(ids, mask, response_length=6).logprobs
-        moved = policy.score(ids, mask, response_length=6).logprobs
+        ref = policy.token_logprobs(ids, mask, response_length=6, reference=True).logprobs
+        base = smollm2_policy.token_logprobs(ids, mask, response_length=6).logprobs
+        moved = policy.token_logprobs(ids, mask, response_length=6).logprobs
     torch.testing.assert_close(ref, base, atol=1e-5, rtol=1e-5)
     assert (moved - base).abs().max() > 1e-3, "the adapter changes the policy, not the reference"
 
@@ -138,5 +138,5 @@ def test_export_round_trips_through_transformers(tmp_path):
     with torch.no_grad():
         exported = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1], -1)
         exported = exported.gather(-1, ids[:, 1:, None]).squeeze(-1)[:, -6:]
-        trained = policy.eval().score(ids, mask, response_length=6).logprobs
+        trained = policy.eval().token_logprobs(ids, mask, response_length=6).logprobs
     torch.testing.assert_close(exported, trained, atol=1e-4, rtol=1e-4)

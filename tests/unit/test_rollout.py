@@ -137,7 +137,7 @@ def test_rollout_logprobs_match_policy_score(policy, temperature):
     assert rollout.truncated.tolist() == (~(rollout.response_ids == policy.tokenizer.eos_token_id).any(1)).tolist()
     assert set(rollout.metrics) == {"rollout/tokens_per_s", "rollout/response_length", "rollout/truncated_frac"}
     with torch.no_grad():
-        scores = policy.score(rollout.input_ids, rollout.attention_mask, response_length=r, temperature=temperature)
+        scores = policy.token_logprobs(rollout.input_ids, rollout.attention_mask, response_length=r, temperature=temperature)
     m = rollout.response_mask
     torch.testing.assert_close(rollout.old_logprobs[m], scores.logprobs[m], atol=1e-4, rtol=1e-4)
     assert policy.training  # restored after sampling in eval mode

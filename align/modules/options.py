@@ -1,0 +1,213 @@
+"""Typed option groups of the RL modules, shared by GRPO, PPO and TRPO.
+
+Each group is one nested YAML block under ``model:`` (``kl:``, ``updates:``, ``clip:``, ...), with its fields
+documented below and checked when it is built, so ``--help`` lists them and a bad value fails on one line
+that names its key. A module whose default differs (PPO's KL coefficient, its four epochs) declares its own
+default instance of the group; every other field keeps the group's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from align.errors import AlignConfigError
+from align.kl import KLKind
+from align.rollout import SamplingConfig
+
+Aggregation = Literal["token_mean", "seq_mean", "constant"]
+
+
+def _check(ok: bool, key: str, expected: str, got) -> None:
+    if not ok:
+        raise AlignConfigError(f"model.{key}: expected {expected}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class KLPenalty:
+    """The KL penalty to the reference policy (the initial policy, or ``policy.reference_model``)."""
+
+    coef: float = 0.0
+    """Weight of the KL term (the initial weight when ``target`` is set); 0 with no target loads no reference."""
+    estimator: KLKind | None = None
+    """Per-token estimate ``k1``, ``k2`` or ``k3`` (align.kl); null: ``k3`` in the loss, ``k1`` in the reward."""
+    placement: Literal["loss", "reward"] = "loss"
+    """``loss``: ``coef`` times the per-token estimate is added to the loss (GRPO). ``reward``: it is subtracted
+    from the rewards (GRPO: each completion's summed estimate; PPO and TRPO: per token, before GAE)."""
+    target: float | None = None
+    """Per-sequence KL that an adaptive controller steers to (Ziegler et al. 2019); null keeps ``coef`` fixed."""
+    horizon: float = 10000.0
+    """Horizon of the adaptive controller, in sequences."""
+
+    def __post_init__(self) -> None:
+        _check(self.coef >= 0, "kl.coef", ">= 0", self.coef)
+        _check(self.estimator in (None, "k1", "k2", "k3"), "kl.estimator", "k1, k2, k3 or null", self.estimator)
+        _check(self.placement in ("loss", "reward"), "kl.placement", "'loss' or 'reward'", self.placement)
+        _check(self.horizon > 0, "kl.horizon", "> 0", self.horizon)
+        _check(self.target is None or self.target > 0, "kl.target", "> 0 or null", self.target)
+        if self.target is not None and self.coef <= 0:
+            raise AlignConfigError(f"model.kl.coef: the adaptive controller (kl.target {self.target}) multiplies the "
+                                   f"coefficient, so it must start > 0 (e.g. 0.05), got {self.coef}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a reference is needed."""
+        return self.coef > 0 or self.target is not None
+
+    @property
+    def kind(self) -> KLKind:
+        return self.estimator or ("k3" if self.placement == "loss" else "k1")
+
+
+@dataclass(frozen=True)
+class ClipRange:
+    """Clipping of the importance ratio in the surrogate loss to ``[1 - low, 1 + high]``."""
+
+    low: float = 0.2
+    """Lower clip range (``1 - low``)."""
+    high: float | None = None
+    """Upper clip range (``1 + high``); null: equal to ``low``. DAPO uses 0.28 (clip-higher)."""
+
+    def __post_init__(self) -> None:
+        _check(self.low >= 0, "clip.low", ">= 0", self.low)
+        _check(self.high is None or self.high >= 0, "clip.high", ">= 0 or null", self.high)
+
+
+@dataclass(frozen=True)
+class Updates:
+    """How a rollout is consumed: passes, optimizer steps per pass, micro-batches, clipping, loss reduction."""
+
+    epochs: int = 1
+    """Passes over each rollout (GRPO's mu, PPO's epochs)."""
+    minibatches: int = 1
+    """Optimizer steps per pass; the rollout's rows are split evenly between them."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward pass (gradient accumulation); null: a whole minibatch."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient norm of every optimizer step; null: no clipping."""
+    loss_aggregation: Aggregation = "token_mean"
+    """``token_mean`` over the step (DAPO), ``seq_mean`` (per-sequence means, the GRPO paper) or Dr. GRPO's
+    ``constant`` (sequences x max_new_tokens)."""
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "updates.epochs", ">= 1", self.epochs)
+        _check(self.minibatches >= 1, "updates.minibatches", ">= 1", self.minibatches)
+        _check(self.micro_batch_size is None or self.micro_batch_size >= 1, "updates.micro_batch_size",
+               ">= 1 or null", self.micro_batch_size)
+        _check(self.max_grad_norm is None or self.max_grad_norm > 0, "updates.max_grad_norm", "> 0 or null",
+               self.max_grad_norm)
+        _check(self.loss_aggregation in ("token_mean", "seq_mean", "constant"), "updates.loss_aggregation",
+               "token_mean, seq_mean or constant", self.loss_aggregation)
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout: the policy that sampled is the one being updated."""
+        return self.epochs == 1 and self.minibatches == 1
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """Advantages relative to the other completions of the same prompt (GRPO)."""
+
+    std_scale: Literal["group", "batch", "none"] = "group"
+    """Divide by the reward std of the ``group`` (the paper), of the whole ``batch``, or ``none`` (Dr. GRPO)."""
+
+    def __post_init__(self) -> None:
+        _check(self.std_scale in ("group", "batch", "none"), "advantages.std_scale", "group, batch or none",
+               self.std_scale)
+
+
+@dataclass(frozen=True)
+class GAE:
+    """Generalised advantage estimation over per-token rewards (Schulman et al. 2016)."""
+
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 0.95
+    """Lambda: 0 is the one-step TD error, 1 the Monte-Carlo return minus the value."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the valid tokens of each rollout, on every rank (returns are not)."""
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.gamma <= 1.0, "gae.gamma", "a value in [0, 1]", self.gamma)
+        _check(0.0 <= self.lam <= 1.0, "gae.lam", "a value in [0, 1]", self.lam)
+
+
+@dataclass(frozen=True)
+class ScoreShaping:
+    """What happens to each completion's total reward before it enters the per-token rewards, in this order."""
+
+    missing_eos_penalty: float | None = None
+    """Subtract this from the score of responses truncated without EOS; null: none."""
+    whiten: bool = False
+    """Whiten the scores over the rollout (mean and std over every rank)."""
+    scale: float = 1.0
+    """Multiply the scores by this factor."""
+    clip: float | None = None
+    """Clip the scores to ``[-clip, clip]``; null: no clipping."""
+
+    def __post_init__(self) -> None:
+        _check(self.clip is None or self.clip > 0, "scores.clip", "> 0 or null", self.clip)
+
+
+@dataclass(frozen=True)
+class ValueTraining:
+    """How the value model (``policy.value_head``) is trained."""
+
+    coef: float = 0.1
+    """Weight of the value loss in PPO's joint loss."""
+    clip: float | None = 0.2
+    """Clip new values to ``old -/+ clip`` in the value loss; null: no clipping."""
+    lr_scale: float = 1.0
+    """Learning rate of the value head and critic relative to the policy's (PPO's single optimizer); a
+    zero-initialised head needs many more steps than the policy to reach the scale of the returns."""
+    warmup_rollouts: int = 0
+    """Rollouts at the start of training that update only the value model."""
+
+    def __post_init__(self) -> None:
+        _check(self.coef >= 0, "value.coef", ">= 0", self.coef)
+        _check(self.clip is None or self.clip > 0, "value.clip", "> 0 or null", self.clip)
+        _check(self.lr_scale > 0, "value.lr_scale", "> 0", self.lr_scale)
+        _check(self.warmup_rollouts >= 0, "value.warmup_rollouts", ">= 0", self.warmup_rollouts)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out evaluation of the RL modules (each validation prompt answered once)."""
+
+    sampling: SamplingConfig | None = None
+    """How held-out completions are drawn; null: greedy with the training ``sampling.max_new_tokens``."""
+    accuracy_reward: str | None = None
+    """Reward whose value counts for ``val/accuracy``; null: the first eval reward, else the first reward."""
+    accuracy_threshold: float = 1.0
+    """A held-out completion is accurate when that reward is at least this."""
+
+
+@dataclass(frozen=True)
+class TrustRegion:
+    """TRPO's policy step: the natural gradient by conjugate gradient, then a backtracking line search."""
+
+    max_kl: float = 0.01
+    """Trust-region radius delta: bound on the mean KL(old || new) over valid response tokens."""
+    damping: float = 0.1
+    """Added to the Fisher's diagonal in the Fisher-vector products (makes CG well posed)."""
+    cg_iters: int = 10
+    """Conjugate-gradient iterations (Fisher-vector products) per policy step."""
+    cg_tol: float = 1e-10
+    """Stop CG early when the relative residual falls to this."""
+    backtrack_ratio: float = 0.5
+    """Factor by which the line search shrinks a rejected step."""
+    max_backtracks: int = 10
+    """Shrinks tried after the full step before the step is rejected."""
+    accept_ratio: float = 0.0
+    """Required share of the linearly expected improvement (0: any improvement)."""
+    fisher_fraction: float = 1.0
+    """Share of the rollout's rows used for Fisher-vector products (cost vs. accuracy)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_kl > 0, "trust_region.max_kl", "> 0", self.max_kl)
+        _check(0 < self.backtrack_ratio < 1, "trust_region.backtrack_ratio", "a value in (0, 1)", self.backtrack_ratio)
+        for key in ("damping", "cg_tol", "accept_ratio", "max_backtracks"):
+            _check(getattr(self, key) >= 0, f"trust_region.{key}", ">= 0", getattr(self, key))
+        _check(self.cg_iters >= 1, "trust_region.cg_iters", ">= 1", self.cg_iters)
+        _check(0 < self.fisher_fraction <= 1, "trust_region.fisher_fraction", "a value in (0, 1]", self.fisher_fraction)
