@@ -260,9 +260,9 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
         super()._format_batch_size_and_grad_accum_config()
         # Lightning's clip_gradients is a no-op under DeepSpeed (the engine clips), and the engine reads the clip
         # value from ``trainer.gradient_clip_val`` only. Manual-optimization modules (GRPO, PPO) set theirs as
-        # ``max_grad_norm``: hand it to the engine.
+        # ``updates.max_grad_norm``: hand it to the engine.
         module = self.lightning_module
-        clip = getattr(module, "max_grad_norm", None)
+        clip = getattr(getattr(module, "updates", None), "max_grad_norm", None)
         if module is not None and not module.automatic_optimization and clip and not self.config.get("gradient_clipping"):
             self.config["gradient_clipping"] = float(clip)
 

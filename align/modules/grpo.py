@@ -84,8 +84,7 @@ class GRPOModule(RLModule):
         policy_loss, stats = ppo_policy_loss(out.logprobs, old, micro.advantages, mask, self.clip.low,
                                              self.clip.high, agg=agg, normaliser=normaliser)
         loss = policy_loss
-        share = lambda value: value.detach() * normaliser / max(float(mask.sum()), 1.0)  # as a mean over its tokens
-        metrics = {"train/policy_loss": share(policy_loss), "train/clipfrac": stats.clipfrac,
+        metrics = {"train/policy_loss": self.as_token_mean(policy_loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
                    "train/approx_kl": stats.approx_kl}
         if self.kl.enabled:
             kl = kl_estimate(out.logprobs, micro.ref_logprobs, self.kl.kind)  # (n, r)
@@ -94,7 +93,7 @@ class GRPOModule(RLModule):
             metrics["train/kl"] = masked_mean(kl.detach(), mask)
         if out.entropy is not None:
             metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask)
-        metrics["train/loss"] = share(loss)
+        metrics["train/loss"] = self.as_token_mean(loss, normaliser, mask)
         return loss, metrics
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:

@@ -228,10 +228,6 @@ class PPOModule(RLModule):
                         values=values, returns=returns, rewards=rewards, kl=kl, scores=scores, metrics=metrics)
 
     # ------------------------------------------------------------------ losses
-    def _token_mean(self, value: torch.Tensor, normaliser: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # A micro-batch's share of a step loss, expressed as a mean over its own valid tokens (for metrics).
-        return value.detach() * normaliser / max(float(mask.sum()), 1.0)
-
     def policy_loss(self, micro: PPOBatch, normaliser: torch.Tensor, out: TokenLogprobs
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped surrogate minus ``entropy_coef`` times the entropy: ``(loss share, metrics)``."""
@@ -239,7 +235,7 @@ class PPOModule(RLModule):
         old = out.logprobs.detach() if self.on_policy else micro.old_logprobs
         loss, surrogate = ppo_policy_loss(out.logprobs, old, micro.advantages, mask, self.clip.low, self.clip.high,
                                           agg=agg, normaliser=normaliser)
-        metrics = {"train/policy_loss": self._token_mean(loss, normaliser, mask), "train/clipfrac": surrogate.clipfrac,
+        metrics = {"train/policy_loss": self.as_token_mean(loss, normaliser, mask), "train/clipfrac": surrogate.clipfrac,
                    "train/approx_kl": surrogate.approx_kl}
         if out.entropy is not None:
             if self.entropy_coef > 0:
@@ -253,14 +249,14 @@ class PPOModule(RLModule):
         mask = micro.response_mask
         loss, clipfrac = value_loss(values, micro.values, micro.returns, mask, self.value.clip,
                                     agg=self.updates.loss_aggregation, normaliser=normaliser)
-        return loss, {"train/value_loss": self._token_mean(loss, normaliser, mask), "train/value_clipfrac": clipfrac}
+        return loss, {"train/value_loss": self.as_token_mean(loss, normaliser, mask), "train/value_clipfrac": clipfrac}
 
     def _joint_loss(self, micro: PPOBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.token_logprobs(micro, return_entropy=self.log_entropy, return_values=True)
         p_loss, p_metrics = self.policy_loss(micro, normaliser, out)
         v_loss, v_metrics = self.value_loss(micro, normaliser, out.values)
         loss = p_loss + self.value.coef * v_loss
-        return loss, {**p_metrics, **v_metrics, "train/loss": self._token_mean(loss, normaliser, micro.response_mask)}
+        return loss, {**p_metrics, **v_metrics, "train/loss": self.as_token_mean(loss, normaliser, micro.response_mask)}
 
     def _value_only_loss(self, micro: PPOBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         # During warm-up a shared head trains alone: the policy backbone must not move before its first update.

@@ -255,6 +255,12 @@ class RLModule(AlignModule):
             local = torch.tensor(response_mask.shape[0] * self.engine.sampling.max_new_tokens, device=response_mask.device)
         return self.all_reduce_sum(local.float()).clamp(min=1.0)
 
+    @staticmethod
+    def as_token_mean(value: torch.Tensor, normaliser: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of a step loss (``value``, divided by the step's ``normaliser``), expressed as a
+        mean over the micro-batch's own valid tokens ``mask``: the unit of the logged ``train/*`` losses."""
+        return value.detach() * normaliser / max(float(mask.sum()), 1.0)
+
     def use_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
         """Run :meth:`update` without a trainer: it steps ``optimizer`` (and ``scheduler``) itself."""
         self._standalone = (optimizer, scheduler)

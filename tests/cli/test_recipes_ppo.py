@@ -19,7 +19,7 @@ DESIGN_METRICS = ["train/loss", "train/policy_loss", "train/value_loss", "train/
                   "train/returns_mean", "rollout/reward_mean", "rollout/reward_std", "rollout/response_length",
                   "rollout/tokens_per_s", "val/reward_mean", "val/reward/rm", "val/reward/sort_exact_match", "val/kl"]
 QUICK = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--data.init_args.val_batch_size", "4",
-         "--data.init_args.batch_size", "4", "--model.init_args.critic_warmup_steps", "1"]
+         "--data.init_args.batch_size", "4", "--model.init_args.value.warmup_rollouts", "1"]
 
 
 def read_metrics(root: Path) -> list[dict]:
@@ -37,7 +37,7 @@ def before_after(out: str, name: str) -> tuple[float, float]:
 def test_default_config_runs_a_few_steps_and_checkpoints_the_kl_controller(tmp_path, capsys):
     root = tmp_path / "run"
     run_recipe("ppo", PPOModule, PromptDataModule,
-               args=[*QUICK, "--trainer.default_root_dir", str(root), "--model.init_args.kl_target", "3.0",
+               args=[*QUICK, "--trainer.default_root_dir", str(root), "--model.init_args.kl.target", "3.0",
                      "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                      "--trainer.callbacks.every_n_train_steps=2"])
     out = capsys.readouterr().out
@@ -46,8 +46,8 @@ def test_default_config_runs_a_few_steps_and_checkpoints_the_kl_controller(tmp_p
     rows = read_metrics(root)
     assert any(r.get("train/critic_warmup") == "1.0" for r in rows)
     ckpt = max(root.rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)["align"]["ppo"]
-    assert state["rollouts_done"] >= 1 and state["kl_controller"]["value"] > 0
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["align"]["rl"]
+    assert state["rollouts"] >= 1 and state["kl_controller"]["value"] > 0
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from align.modules import SFTModule
 from align.modules.dpo import DPOModule
 from align.modules.grpo import GRPOModule
 from align.modules.ppo import PPOModule
+from align.modules.options import KLPenalty, Updates, ValueTraining
 from align.modules.rl import RLBatch
 from align.rewards import RewardSpec
 from align.rollout import SamplingConfig
@@ -47,7 +48,7 @@ def dpo_setup():
 
 def grpo_setup():
     module = GRPOModule(PolicyModel("tiny-sort"), rewards=[RewardSpec("align.rewards.sort_exact_match")], group_size=4,
-                        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), beta=0.02, log_entropy=False,
+                        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), kl=KLPenalty(coef=0.02), log_entropy=False,
                         optimizer=partial(torch.optim.AdamW, lr=1e-4))
     return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
 
@@ -56,9 +57,9 @@ def ppo_setup():
     # A separate critic (the shipped reward model's backbone) and a live reference, all sharded under ZeRO-3. The
     # first rollout trains the critic alone: a backward in which no policy parameter takes part.
     module = PPOModule(PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm"),
-                       rewards=[RewardSpec("align.rewards.sort_exact_match")], samples_per_prompt=2,
-                       sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), kl_coef=0.05, critic_warmup_steps=1,
-                       ppo_epochs=1, num_minibatches=1, log_entropy=False, optimizer=partial(torch.optim.AdamW, lr=1e-4))
+                       rewards=[RewardSpec("align.rewards.sort_exact_match")], group_size=2,
+                       sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), value=ValueTraining(warmup_rollouts=1),
+                       updates=Updates(epochs=1), log_entropy=False, optimizer=partial(torch.optim.AdamW, lr=1e-4))
     return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
 
 
@@ -120,15 +121,15 @@ class FixedRowsGRPO(GRPOModule):
 
     def __init__(self, loss_aggregation: str = "token_mean", micro_batch_size: int | None = None):
         super().__init__(PolicyModel("tiny", seed=1), rewards=[RewardSpec(_zero_reward)], group_size=2,
-                         loss_aggregation=loss_aggregation, micro_batch_size=micro_batch_size, max_grad_norm=None,
+                         updates=Updates(loss_aggregation=loss_aggregation, micro_batch_size=micro_batch_size,
+                                         max_grad_norm=None),
                          log_entropy=False, optimizer=partial(torch.optim.SGD, lr=0.5))
         self.kl_controller = AdaptiveKLController(init_kl_coef=0.1, target=0.05, horizon=100)
         self.kl_seen: list[float] = []
-        # PPO's own controller update, fed the same per-token KL (its input is the per-sequence KL over all ranks).
-        from align.modules.ppo import PPOModule
-
+        # The RL modules' own controller update, fed the same per-token KL (its input is the per-sequence KL over
+        # all ranks).
         self.ppo = [PPOModule(PolicyModel("tiny", value_head="shared", seed=1), rewards=[RewardSpec(_zero_reward)],
-                              kl_coef=0.1, kl_target=0.5, kl_horizon=100.0)]  # a list: not a submodule
+                              kl=KLPenalty(coef=0.1, target=0.5, horizon=100.0, placement="reward"))]  # not a submodule
 
     def training_step(self, batch, batch_idx: int) -> None:
         rows = fixed_rollout_rows(self.policy.config.vocab_size)
@@ -144,7 +145,7 @@ class FixedRowsGRPO(GRPOModule):
         self.kl_controller.update(global_kl, n_steps=ROWS)
         ppo = self.ppo[0]
         ppo.trainer = self.trainer
-        ppo.update_kl_controller(_KLRows(kl * data.response_mask, data.response_mask))
+        ppo.update_kl_controller(kl * data.response_mask, data.response_mask)
         self.kl_seen = [global_kl, self.kl_controller.value, ppo.kl_controller.value]
         # Whitening over every rank's valid tokens (PPO advantages): this rank's rows of the global result.
         self.whitened = stats.whiten(kl * 3.0 - 0.2, data.response_mask, all_reduce=self.all_reduce_sum).tolist()
@@ -153,16 +154,6 @@ class FixedRowsGRPO(GRPOModule):
 
 def _zero_reward(prompts, completions, **columns):
     return [0.0] * len(completions)
-
-
-class _KLRows:
-    """What ``PPOModule.update_kl_controller`` reads of a ``PPOBatch``."""
-
-    def __init__(self, kl: torch.Tensor, response_mask: torch.Tensor):
-        self.kl, self.response_mask = kl, response_mask
-
-    def __len__(self) -> int:
-        return self.kl.shape[0]
 
 
 def pooled_whitened() -> torch.Tensor:

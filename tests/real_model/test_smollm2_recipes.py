@@ -100,8 +100,8 @@ def test_grpo(tmp_path, capsys):
 
 def test_ppo_on_the_trained_reward_model(reward_model_export, tmp_path, capsys):
     rows = run("ppo", PPOModule, PromptDataModule, "ppo/smollm2.yaml", tmp_path, *ROLLOUTS,
-               "--model.init_args.reward_model", str(reward_model_export), "--model.init_args.samples_per_prompt", "2",
-               "--model.init_args.critic_warmup_steps", "1")
+               "--model.init_args.reward_model", str(reward_model_export), "--model.init_args.group_size", "2",
+               "--model.init_args.value.warmup_rollouts", "1")
     finite(rows, "rollout/reward_mean")
     out = capsys.readouterr().out
     held_out(out, "val/reward/math_answer")
