@@ -46,8 +46,7 @@ from align.errors import AlignConfigError
 from align.logprobs import masked_sum
 from align.losses import dpo_loss, simpo_loss
 from align.models.policy import PolicyModel
-from align.modules.base import AlignModule
-from align.modules.reward import PairMetrics, step_scale
+from align.modules.base import AlignModule, PairMetrics
 
 log = logging.getLogger(__name__)
 
@@ -361,8 +360,8 @@ class DPOModule(AlignModule):
 
     def training_step(self, batch: PreferenceBatch, batch_idx: int) -> torch.Tensor:
         loss_sum, stats = self._loss_and_stats(batch, "train")
-        self._window.add(batch.num_pairs, batch.num_tokens, **stats)
-        return loss_sum * step_scale(self, batch.window_pairs.to(loss_sum.device))
+        self._window.add(batch.num_pairs, **stats)
+        return self.window_loss(loss_sum, batch.window_pairs)[0]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.accumulating():  # DeepSpeed: called after every micro-batch; wait for the window's end

@@ -19,7 +19,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
 from align.models.policy import PolicyModel
-from align.modules.base import AlignModule
+from align.modules.base import AlignModule, loss_count
 from align.rewards import CombinedReward, RewardSpec
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
 from align.strategies import accumulation_boundary
@@ -181,13 +181,8 @@ class RLModule(AlignModule):
     def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:
         """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R),
         summed over every rank, in the unit of ``loss_aggregation``."""
-        if self.loss_aggregation == "token_mean":
-            local = response_mask.sum()
-        elif self.loss_aggregation == "seq_mean":
-            local = torch.tensor(response_mask.shape[0], device=response_mask.device)
-        else:  # Dr. GRPO's constant: sequences x max_new_tokens, independent of the padded width
-            local = torch.tensor(response_mask.shape[0] * self.engine.sampling.max_new_tokens, device=response_mask.device)
-        return self.all_reduce_sum(local.float()).clamp(min=1.0)
+        count = loss_count(response_mask, self.loss_aggregation, self.engine.sampling.max_new_tokens)
+        return self.window_normaliser(count)
 
     def update(self, data: RLBatch, loss_fn: Callable[[RLBatch, torch.Tensor], tuple[torch.Tensor, dict]],
                ) -> dict[str, float]:
@@ -209,7 +204,7 @@ class RLModule(AlignModule):
                     accumulation_boundary(self, j == len(micro_indices) - 1)  # DeepSpeed: reduce on the last only
                     micro = data.select(index.to(data.input_ids.device))
                     loss, stats = loss_fn(micro, normaliser)
-                    self.manual_backward(loss * world)
+                    self.manual_backward(loss * self.gradient_scale())
                     weight = float(micro.response_mask.sum())
                     weight_total += weight
                     for name, value in stats.items():
