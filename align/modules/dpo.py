@@ -10,7 +10,8 @@ Loss variants (``loss_type``), chosen in one place (:data:`PREFERENCE_LOSSES`), 
 * ``ipo``: IPO (Azar et al. 2023, arXiv 2310.12036), on per-token *mean* log-probs so the target margin
   ``1 / (2 beta)`` is on the scale of ``h``.
 * ``hinge``: SLiC-HF (Zhao et al. 2023, arXiv 2305.10425).
-* ``simpo``: SimPO (Meng et al. 2024, arXiv 2405.14734): length-normalised and reference-free (``beta``, ``gamma``).
+* ``simpo``: SimPO (Meng et al. 2024, arXiv 2405.14734): length-normalised and reference-free (``beta``,
+  ``simpo_gamma``).
 
 ``rpo_alpha`` > 0 adds ``alpha`` times the chosen response's per-token NLL to each pair's loss (RPO, Pang et al.
 2024, arXiv 2404.19733). Departure: the NLL is a per-pair mean over the chosen tokens, so the whole loss stays a
@@ -77,7 +78,7 @@ def _hinge(x: PairLogps, m: "DPOModule"):
 
 
 def _simpo(x: PairLogps, m: "DPOModule"):
-    return simpo_loss(x.chosen, x.rejected, x.chosen_tokens, x.rejected_tokens, m.beta, m.gamma)
+    return simpo_loss(x.chosen, x.rejected, x.chosen_tokens, x.rejected_tokens, m.beta, m.simpo_gamma)
 
 
 PREFERENCE_LOSSES: dict[str, Callable[[PairLogps, "DPOModule"], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
@@ -101,7 +102,7 @@ class DPOModule(AlignModule):
         loss_type: LossType = "sigmoid",
         beta: float = 0.1,
         label_smoothing: float = 0.0,
-        gamma: float = 1.0,
+        simpo_gamma: float = 1.0,
         rpo_alpha: float = 0.0,
         precompute_reference: bool = False,
         reference_cache_dir: str | None = None,
@@ -116,7 +117,11 @@ class DPOModule(AlignModule):
             loss_type: ``sigmoid`` (DPO), ``conservative`` (cDPO), ``ipo``, ``hinge`` (SLiC) or ``simpo``.
             beta: Inverse temperature of the implicit reward (IPO's tau; SimPO's reward scale).
             label_smoothing: Assumed label-flip probability for ``conservative``, in (0, 0.5).
-            gamma: SimPO's target reward margin.
+            simpo_gamma: SimPO's target reward margin (the paper's gamma, in reward units: the loss is
+                ``-log sigmoid(beta * (mean logp chosen - mean logp rejected) - simpo_gamma)``); ``simpo`` only.
+                Named as in TRL's ``CPOConfig``, which SimPO users know, and so that it is not read as the GAE
+                discount ``gamma`` of the RL modules. A ``gamma_beta_ratio`` r (the SimPO repository's setting) is
+                ``simpo_gamma = r * beta``.
             rpo_alpha: Weight of the NLL of the chosen responses added to the loss (RPO); 0 turns it off.
             precompute_reference: Compute reference log-probs once before training and cache them (no reference
                 forward while training, no frozen copy of the model).
@@ -136,7 +141,8 @@ class DPOModule(AlignModule):
             raise AlignConfigError(f"model.label_smoothing applies to loss_type 'conservative' only, not {loss_type!r}")
         if rpo_alpha < 0:
             raise AlignConfigError(f"model.rpo_alpha: expected >= 0, got {rpo_alpha}")
-        self.loss_type, self.beta, self.label_smoothing, self.gamma = loss_type, beta, label_smoothing, gamma
+        self.loss_type, self.beta, self.label_smoothing = loss_type, beta, label_smoothing
+        self.simpo_gamma = simpo_gamma
         self.rpo_alpha = rpo_alpha
         self.needs_reference = loss_type not in REFERENCE_FREE
         self.precompute_reference = precompute_reference and self.needs_reference

@@ -8,7 +8,7 @@ from _helpers import cpu_trainer, write_varied_pairs
 from align.data.preference import PreferenceDataModule
 from align.models import LoraSettings, PolicyModel
 from align.models.reference_cache import sequence_logps
-from align.modules.dpo import PREFERENCE_LOSSES, DPOModule
+from align.modules.dpo import PREFERENCE_LOSSES, DPOModule, PairLogps
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,14 @@ def test_bad_settings_fail_early():
         DPOModule(policy, loss_type="conservative")
     with pytest.raises(AlignConfigError, match="label_smoothing"):
         DPOModule(policy, label_smoothing=0.1)
+
+
+def test_simpo_gamma_is_the_simpo_target_margin():
+    module = DPOModule(PolicyModel(), loss_type="simpo", beta=2.0, simpo_gamma=0.5)
+    x = PairLogps(torch.tensor([-2.0]), torch.tensor([-6.0]), torch.tensor([2.0]), torch.tensor([3.0]), None, None)
+    losses, _, _ = PREFERENCE_LOSSES["simpo"](x, module)
+    # 2 * (-2 / 2 - -6 / 3) - 0.5 = 1.5 (the default margin 1 would give 1)
+    torch.testing.assert_close(losses, torch.nn.functional.softplus(torch.tensor([-1.5])))
 
 
 def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(varied_pairs, tmp_path):
