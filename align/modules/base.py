@@ -1,7 +1,9 @@
-"""Shared LightningModule plumbing: the policy, optimizer and scheduler callables, checkpoint metadata."""
+"""Shared LightningModule plumbing: the policy, optimizer and scheduler callables, checkpoint metadata, and the
+accumulation window (each micro-batch's exact share of an optimizer step's loss and logged means)."""
 
 from __future__ import annotations
 
+import time
 
 import lightning as L
 import torch
@@ -24,6 +26,51 @@ def param_groups(module: torch.nn.Module) -> list[dict]:
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
+
+
+def loss_count(mask: torch.Tensor, aggregation: str = "token_mean", max_length: int | None = None) -> torch.Tensor:
+    """This rank's count of loss terms under ``mask`` (N, R), in the unit of ``aggregation``: valid tokens
+    (``token_mean``), rows (``seq_mean``), or rows x ``max_length`` (``constant``: Dr. GRPO's normaliser, arXiv
+    2503.20783, which does not depend on how long the sampled responses happen to be). A float ``()`` tensor."""
+    if aggregation == "token_mean":
+        count = mask.sum()
+    elif aggregation == "seq_mean":
+        count = torch.tensor(mask.shape[0], device=mask.device)
+    elif aggregation == "constant":
+        if max_length is None:
+            raise ValueError("loss_count: aggregation 'constant' needs max_length")
+        count = torch.tensor(mask.shape[0] * max_length, device=mask.device)
+    else:
+        raise ValueError(f"loss_count: expected token_mean, seq_mean or constant, got {aggregation!r}")
+    return count.float()
+
+
+class PairMetrics:
+    """Sums of per-pair statistics over an accumulation window (or a validation epoch), reduced across ranks."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.pairs = 0
+        self.started = time.perf_counter()
+
+    def add(self, pairs: int, **sums: torch.Tensor) -> None:
+        for name, value in sums.items():
+            value = value.detach().float()
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.pairs += pairs
+
+    def means(self, module: "AlignModule") -> dict[str, float]:
+        """Window means over all ranks (one all-reduce); ``pairs_per_s`` from this rank's clock."""
+        if not self.sums:
+            return {}
+        names = list(self.sums)
+        device = self.sums[names[0]].device
+        packed = torch.stack([self.sums[n] for n in names] + [torch.tensor(float(self.pairs), device=device)])
+        packed = module.all_reduce_sum(packed)
+        pairs = float(packed[-1].clamp(min=1))
+        out = {n: float(packed[i]) / pairs for i, n in enumerate(names)}
+        out["pairs_per_s"] = float(packed[-1]) / max(time.perf_counter() - self.started, 1e-9)
+        return out
 
 
 class AlignModule(L.LightningModule):
@@ -55,18 +102,43 @@ class AlignModule(L.LightningModule):
             return value
         return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
 
+    # ------------------------------------------------------------------ accumulation window
+    # One optimizer step consumes a window: every micro-batch accumulated into it, on every data-parallel rank.
+    # Its loss is a sum over the window's tokens (or sequences, pairs) divided by their count over the whole
+    # window, so accumulating 8 x 1 equals 1 x 8 and two ranks equal one. Each micro-batch returns its own sum
+    # divided by that global count (``window_normaliser``), times the factor that undoes what the framework
+    # does to a returned loss (``gradient_scale``); ``window_loss`` does both.
+
     def gradient_scale(self) -> float:
         """The factor that undoes the framework's own loss scaling, so a loss divided by a global count is exact.
 
         Lightning divides each micro-batch loss by ``accumulate_grad_batches``; DeepSpeed's engine divides by it
-        once more; data-parallel gradient averaging divides by the world size. A module that divides its summed
-        loss by the count over the whole optimizer step multiplies by this factor.
+        once more; data-parallel gradient averaging divides by the world size. Under manual optimization only the
+        average over ranks applies (the module accumulates itself, and Lightning refuses
+        ``accumulate_grad_batches`` there). 1 without a trainer (one process, nothing scaled).
         """
-        trainer = self.trainer
-        scale = trainer.accumulate_grad_batches * trainer.world_size
-        if trainer.strategy.handles_gradient_accumulation:
+        trainer = self._trainer
+        if trainer is None:
+            return 1.0
+        scale = trainer.world_size
+        if self.automatic_optimization:
             scale *= trainer.accumulate_grad_batches
+            if trainer.strategy.handles_gradient_accumulation:
+                scale *= trainer.accumulate_grad_batches
         return float(scale)
+
+    def window_normaliser(self, count: torch.Tensor) -> torch.Tensor:
+        """The loss normaliser of one optimizer step: ``count`` (this rank's tokens, sequences or pairs in the
+        window, see :func:`loss_count`) summed over every rank, at least 1. A float ``()`` tensor."""
+        return self.all_reduce_sum(count.float()).clamp(min=1.0)
+
+    def window_loss(self, loss_sum: torch.Tensor, window_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, normaliser)``: the micro-batch's summed loss as the value to return from ``training_step``
+        (its share of the step's mean, the framework's scaling undone), and the window's count on all ranks
+        (for logged means). ``window_count`` is this rank's count over its whole window, carried by each
+        micro-batch (``SFTBatch.window_tokens``, ``PreferenceBatch.window_pairs``)."""
+        normaliser = self.window_normaliser(window_count.to(loss_sum.device))
+        return loss_sum * (self.gradient_scale() / normaliser), normaliser
 
     def accumulating(self) -> bool:
         """Whether the current micro-batch does not end an optimizer step although the optimizer hooks run.

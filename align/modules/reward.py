@@ -12,8 +12,9 @@ as a standard ``*ForSequenceClassification`` checkpoint. Reasons:
 * Only the decoder runs; no vocabulary-sized logits are computed.
 
 Loss normalisation: the loss of an optimizer step is the mean over every pair of its accumulation window and of all
-data-parallel ranks (each micro-batch carries its window's pair count, as SFT does with tokens), so 8 x 1 equals
-1 x 8. The Llama 2 margin (arXiv 2307.09288) is taken from the data's ``margin`` column when ``use_margin`` is on.
+data-parallel ranks (each micro-batch carries its window's pair count, as SFT does with tokens; see
+:meth:`AlignModule.window_loss`), so 8 x 1 equals 1 x 8. The Llama 2 margin (arXiv 2307.09288) is taken from the
+data's ``margin`` column when ``use_margin`` is on.
 
 Departures: the head starts from small random weights instead of zeros, so the untrained model ranks pairs at about
 chance instead of tying every pair (a tie counts as wrong in ``rm/accuracy``). Its bias is frozen: the loss does not
@@ -28,7 +29,6 @@ Logged: ``train/loss``, ``rm/accuracy``, ``rm/margin`` (mean chosen - rejected s
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -38,47 +38,7 @@ from align.data.preference import PreferenceBatch
 from align.losses import bradley_terry_loss
 from align.models.policy import PolicyModel, ValueHead
 from align.models.reward import init_reward_head, save_reward_model, sequence_scores
-from align.modules.base import AlignModule
-
-
-class PairMetrics:
-    """Sums of per-pair statistics over an accumulation window (or a validation epoch), reduced across ranks."""
-
-    def __init__(self):
-        self.sums: dict[str, torch.Tensor] = {}
-        self.pairs = 0
-        self.tokens = 0
-        self.started = time.perf_counter()
-
-    def add(self, pairs: int, tokens: int = 0, **sums: torch.Tensor) -> None:
-        for name, value in sums.items():
-            value = value.detach().float()
-            self.sums[name] = self.sums[name] + value if name in self.sums else value
-        self.pairs += pairs
-        self.tokens += tokens
-
-    def means(self, module: AlignModule) -> dict[str, float]:
-        """Window means over all ranks (one all-reduce); ``pairs_per_s`` from this rank's clock."""
-        if not self.sums:
-            return {}
-        names = list(self.sums)
-        device = self.sums[names[0]].device
-        packed = torch.stack([self.sums[n] for n in names] + [torch.tensor(float(self.pairs), device=device)])
-        packed = module.all_reduce_sum(packed)
-        pairs = float(packed[-1].clamp(min=1))
-        out = {n: float(packed[i]) / pairs for i, n in enumerate(names)}
-        out["pairs_per_s"] = float(packed[-1]) / max(time.perf_counter() - self.started, 1e-9)
-        return out
-
-
-def step_scale(module: AlignModule, window_pairs: torch.Tensor) -> torch.Tensor:
-    """Factor turning a micro-batch's *sum* of per-pair losses into its share of the step's per-pair mean.
-
-    Lightning divides each micro-batch loss by ``accumulate_grad_batches``, DeepSpeed once more, and data
-    parallelism averages gradients over ranks; all are undone here (:meth:`AlignModule.gradient_scale`), and the
-    sum is divided by the pair count of the whole window on all ranks.
-    """
-    return module.gradient_scale() / module.all_reduce_sum(window_pairs).clamp(min=1.0)
+from align.modules.base import AlignModule, PairMetrics
 
 
 class RewardModule(AlignModule):
@@ -139,8 +99,8 @@ class RewardModule(AlignModule):
     # ------------------------------------------------------------------ training
     def training_step(self, batch: PreferenceBatch, batch_idx: int) -> torch.Tensor:
         loss_sum, stats = self._loss_and_stats(batch)
-        self._window.add(batch.num_pairs, batch.num_tokens, **stats)
-        return loss_sum * step_scale(self, batch.window_pairs.to(loss_sum.device))
+        self._window.add(batch.num_pairs, **stats)
+        return self.window_loss(loss_sum, batch.window_pairs)[0]
 
     def on_train_start(self) -> None:
         self._window = PairMetrics()

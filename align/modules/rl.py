@@ -21,7 +21,7 @@ from align.data.prompts import PromptBatch
 from align.kl import AdaptiveKLController, FixedKLController, KLController
 from align.logprobs import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
-from align.modules.base import AlignModule
+from align.modules.base import AlignModule, loss_count
 from align.modules.options import Aggregation, Evaluation, KLPenalty, Updates
 from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, training_rewards
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
@@ -246,14 +246,8 @@ class RLModule(AlignModule):
     def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:
         """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R),
         summed over every rank, in the unit of ``updates.loss_aggregation``."""
-        aggregation = self.updates.loss_aggregation
-        if aggregation == "token_mean":
-            local = response_mask.sum()
-        elif aggregation == "seq_mean":
-            local = torch.tensor(response_mask.shape[0], device=response_mask.device)
-        else:  # Dr. GRPO's constant: sequences x max_new_tokens, independent of the padded width
-            local = torch.tensor(response_mask.shape[0] * self.engine.sampling.max_new_tokens, device=response_mask.device)
-        return self.all_reduce_sum(local.float()).clamp(min=1.0)
+        count = loss_count(response_mask, self.updates.loss_aggregation, self.engine.sampling.max_new_tokens)
+        return self.window_normaliser(count)
 
     @staticmethod
     def as_token_mean(value: torch.Tensor, normaliser: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -297,7 +291,7 @@ class RLModule(AlignModule):
                     accumulation_boundary(self, j == len(micro_indices) - 1)  # DeepSpeed: reduce on the last only
                     micro = data.select(index.to(data.input_ids.device))
                     loss, stats = loss_fn(micro, normaliser)
-                    backward(loss * world)
+                    backward(loss * self.gradient_scale())
                     weight = float(micro.response_mask.sum())
                     weight_total += weight
                     for name, value in stats.items():

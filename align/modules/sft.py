@@ -34,8 +34,8 @@ class SFTModule(AlignModule):
 
     The loss of an optimizer step is the sum of token NLLs over every micro-batch of the accumulation window
     and every data-parallel rank, divided by their total token count. Each micro-batch carries its window's
-    token count (``SFTBatch.window_tokens``); the module all-reduces it and rescales for Lightning's division
-    by ``accumulate_grad_batches`` and the data-parallel gradient average, so accumulating 8 x 1 equals 1 x 8.
+    token count (``SFTBatch.window_tokens``), from which :meth:`AlignModule.window_loss` makes the micro-batch's
+    exact share of the step loss, so accumulating 8 x 1 equals 1 x 8.
 
     Logged: ``train/loss``, ``train/tokens_per_s``, ``val/loss``, ``val/ppl``.
     """
@@ -82,11 +82,8 @@ class SFTModule(AlignModule):
         return _nll_sum_of_selected(out.logits, targets[keep])
 
     def training_step(self, batch: SFTBatch, batch_idx: int) -> torch.Tensor:
-        scale = self.gradient_scale()
-        window_tokens = self.all_reduce_sum(batch.window_tokens).clamp(min=1.0)
         nll = self._nll_sum(batch)
-        # Undo the framework's own scaling (see gradient_scale), then divide by the step's total token count.
-        loss = nll * (scale / window_tokens)
+        loss, window_tokens = self.window_loss(nll, batch.window_tokens)  # nll / the step's tokens on all ranks
         self._step_loss = self._step_loss.to(nll.device) + nll.detach() / window_tokens
         self._step_tokens += batch.num_tokens
         return loss

@@ -16,7 +16,7 @@ TRPO_METRICS = ["trpo/kl", "trpo/max_kl", "trpo/surrogate_improvement", "trpo/li
                 "rollout/response_length", "rollout/tokens_per_s", "val/reward_mean", "val/accuracy"]
 QUICK = ["--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", "--data.init_args.val_batch_size", "4",
          "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
-         "--model.init_args.cg_iters", "2", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "null"]
+         "--model.init_args.trust_region.cg_iters", "2", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "null"]
 
 
 def read_metrics(root: Path) -> list[dict]:

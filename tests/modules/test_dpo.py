@@ -1,4 +1,3 @@
-import json
 from functools import partial
 
 import lightning as L
@@ -8,13 +7,8 @@ from _helpers import cpu_trainer, write_varied_pairs
 
 from align.data.preference import PreferenceDataModule
 from align.models import LoraSettings, PolicyModel
-from align.modules.dpo import (
-    PREFERENCE_LOSSES,
-    DPOModule,
-    ReferenceCache,
-    batch_to,
-    sequence_logps,
-)
+from align.models.reference_cache import sequence_logps
+from align.modules.dpo import PREFERENCE_LOSSES, DPOModule, PairLogps
 
 
 @pytest.fixture(scope="module")
@@ -51,24 +45,6 @@ def test_accumulating_8x1_equals_one_batch_of_8(varied_pairs, settings):
         accumulated = one_step_params(varied_pairs, batch_size, accumulate, **dict(settings))
         for name, value in full.items():
             torch.testing.assert_close(accumulated[name], value, atol=2e-6, rtol=1e-5, msg=name)
-
-
-def test_concatenated_forward_equals_separate_forwards(varied_pairs):
-    L.seed_everything(0)
-    policy = PolicyModel().eval()
-    dm = data(varied_pairs, batch_size=8)
-    dm.set_tokenizer(policy.tokenizer)
-    dm.setup("fit")
-    batch = next(iter(dm.eval_dataloader(dm.train_set)))
-    B = batch.num_pairs
-    assert B == 8
-    with torch.no_grad():
-        together = sequence_logps(policy, batch)  # (2B,)
-        for b, ex in enumerate(dm.train_set.examples):
-            for row, response in ((b, ex.chosen_ids), (B + b, ex.rejected_ids)):
-                ids = torch.tensor([ex.prompt_ids + response])
-                alone = policy.token_logprobs(ids, torch.ones_like(ids), response_length=len(response)).logprobs.sum()
-                torch.testing.assert_close(together[row], alone, atol=1e-4, rtol=1e-5)
 
 
 def test_a_few_steps_raise_held_out_accuracy():
@@ -126,7 +102,7 @@ def test_cached_reference_logps_equal_live_ones(varied_pairs, tmp_path, lora):
     t.fit(cached, dm)
     # Train and val are the same file here, so they share one cache entry.
     assert cached.policy.ref_model is None and len(list(tmp_path.glob("*.safetensors"))) == 1
-    assert set(cached._caches) == {"train", "val"}
+    assert set(cached.cached_reference.splits) == {"train", "val"}
     live = DPOModule(PolicyModel(lora=settings))
     live.policy.setup_reference()
     live.eval()
@@ -135,45 +111,6 @@ def test_cached_reference_logps_equal_live_ones(varied_pairs, tmp_path, lora):
             c, r = cached._reference_logps(batch, "train")
             torch.testing.assert_close(torch.cat([c, r]), sequence_logps(live.policy, batch, reference=True),
                                        atol=1e-5, rtol=1e-5)
-
-
-def test_cache_is_reused_and_invalidated_when_data_or_reference_change(varied_pairs, tmp_path):
-    def run(path, seed=0, reference_model=None):
-        module = DPOModule(PolicyModel(seed=seed, reference_model=reference_model), precompute_reference=True,
-                           reference_cache_dir=str(tmp_path / "cache"))
-        t = cpu_trainer(max_steps=1, limit_val_batches=0)
-        t.fit(module, data(path, val_files=None, batch_size=4))
-        return module
-
-    first = run(varied_pairs)
-    files = sorted((tmp_path / "cache").glob("*.safetensors"))
-    assert len(files) == 1
-    # Same data and reference: the file is loaded, not recomputed.
-    stamp = files[0].stat().st_mtime_ns
-    second = run(varied_pairs)
-    assert files[0].stat().st_mtime_ns == stamp
-    torch.testing.assert_close(second._caches["train"].chosen, first._caches["train"].chosen)
-    # Different reference weights: a new key.
-    run(varied_pairs, seed=1)
-    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
-    # Different data: a new key.
-    rows = [json.loads(line) for line in open(varied_pairs)]
-    rows[0]["chosen"] += " a"
-    other = tmp_path / "other.jsonl"
-    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run(str(other))
-    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 3
-
-
-def test_cache_validation_rejects_a_mismatched_file(tmp_path):
-    cache = ReferenceCache(torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0]))
-    path = tmp_path / "c.safetensors"
-    cache.save(path, "k1")
-    assert ReferenceCache.load(path, "k1", 2) is not None
-    assert ReferenceCache.load(path, "k2", 2) is None  # other data/reference
-    assert ReferenceCache.load(path, "k1", 3) is None  # other number of pairs
-    path.write_bytes(b"not a safetensors file")
-    assert ReferenceCache.load(path, "k1", 2) is None
 
 
 def test_bad_settings_fail_early():
@@ -188,12 +125,12 @@ def test_bad_settings_fail_early():
         DPOModule(policy, label_smoothing=0.1)
 
 
-def test_batch_to_moves_every_tensor(varied_pairs):
-    dm = data(varied_pairs, batch_size=2)
-    dm.set_tokenizer(PolicyModel().tokenizer)
-    dm.setup("fit")
-    batch = batch_to(next(iter(dm.eval_dataloader(dm.train_set))), torch.device("cpu"))
-    assert batch.input_ids.device.type == "cpu" and batch.num_pairs == 2
+def test_simpo_gamma_is_the_simpo_target_margin():
+    module = DPOModule(PolicyModel(), loss_type="simpo", beta=2.0, simpo_gamma=0.5)
+    x = PairLogps(torch.tensor([-2.0]), torch.tensor([-6.0]), torch.tensor([2.0]), torch.tensor([3.0]), None, None)
+    losses, _, _ = PREFERENCE_LOSSES["simpo"](x, module)
+    # 2 * (-2 / 2 - -6 / 3) - 0.5 = 1.5 (the default margin 1 would give 1)
+    torch.testing.assert_close(losses, torch.nn.functional.softplus(torch.tensor([-1.5])))
 
 
 def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(varied_pairs, tmp_path):
@@ -205,7 +142,7 @@ def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(va
     t.fit(module, data(varied_pairs, val_files=None, batch_size=4))
     ckpt = tmp_path / "step1.ckpt"
     t.save_checkpoint(ckpt)
-    assert module._ref_fingerprint is not None
+    assert module.cached_reference.fingerprint is not None
     resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "b"))
     with pytest.raises(AlignConfigError, match="no longer the reference"):
         cpu_trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
@@ -214,4 +151,5 @@ def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(va
     resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "a"))
     cpu_trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
                                                   ckpt_path=str(ckpt))
-    torch.testing.assert_close(resumed._caches["train"].chosen, module._caches["train"].chosen)
+    torch.testing.assert_close(resumed.cached_reference.splits["train"].chosen,
+                               module.cached_reference.splits["train"].chosen)
