@@ -66,11 +66,12 @@ class PrivateAPI:
         return value
 
     def called_by(self, caller, name: str, *, used_by: str) -> None:
-        """Fail when ``caller``'s source no longer mentions ``name``: an override of a hook nobody calls is dead."""
+        """Fail when ``caller``'s source no longer mentions ``name``: an override of a hook nobody calls, or a state
+        nobody fills, is dead."""
         import inspect
 
         assert name in inspect.getsource(caller), (
-            f"{self.name_of(caller)} no longer calls private API {name}; {used_by} overrides it")
+            f"{self.name_of(caller)} no longer uses private API {name}; {used_by} relies on it")
 
 
 @pytest.fixture(scope="session")

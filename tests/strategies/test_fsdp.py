@@ -15,8 +15,9 @@ from align.models.tiny import build_tiny_model
 from align.strategies import FSDP2Strategy, apply_fsdp2, decoder_layers
 
 
-def test_decoder_layers_are_the_repeated_blocks():
+def test_decoder_layers_are_the_repeated_blocks(private_api):
     model = build_tiny_model(seed=0)
+    private_api.require(model, "_no_split_modules", used_by="align.strategies.fsdp.decoder_layers (transformers)")
     layers = decoder_layers(model)
     assert layers and layers == list(model.model.layers)
 
