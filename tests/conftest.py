@@ -31,7 +31,7 @@ def load_script():
 def tiny_model_dir(tmp_path_factory) -> str:
     """The tiny model (seed 3) and tokenizer saved as an ordinary Hugging Face directory: a stand-in for a real
     checkpoint wherever a local path or hub id is expected."""
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+    from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-hf")
     build_tiny_model(seed=3).save_pretrained(path)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from align.models.tiny import build_tiny_model
+from align.hub.tiny import build_tiny_model
 from align.strategies import FSDP2Strategy, apply_fsdp2, decoder_layers
 
 
