@@ -10,6 +10,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORWARD_METHODS = ("token_logprobs", "values", "generate")
+"""``PolicyModel`` methods other than ``forward`` that run the model (tests/strategies pins that they exist)."""
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -82,7 +84,7 @@ def apply_fsdp2(module: nn.Module, strategy: FSDP2Strategy | ModelParallelStrate
     # output head, value heads) around them as it does around ``forward``.
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    for name in ("score", "values", "generate"):
+    for name in FORWARD_METHODS:
         if hasattr(module, name):
             register_fsdp_forward_method(module, name)
     # Fix ``module`` as the root now: FSDP otherwise makes the first unit to run forward the root, and a first

@@ -12,7 +12,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from align.hub.tiny import build_tiny_model
+from align.models.policy import PolicyModel
 from align.strategies import FSDP2Strategy, apply_fsdp2, decoder_layers
+from align.strategies.fsdp import FORWARD_METHODS
 
 
 def test_decoder_layers_are_the_repeated_blocks(private_api):
@@ -36,6 +38,12 @@ def one_process_mesh():
         dist.destroy_process_group()
 
 
+def test_the_policys_other_forward_methods_exist():
+    # apply_fsdp2 registers whichever of them the module has: a renamed method would silently lose its gather.
+    missing = [name for name in FORWARD_METHODS if not callable(getattr(PolicyModel, name, None))]
+    assert not missing, f"align.strategies.fsdp.FORWARD_METHODS names methods PolicyModel lacks: {missing}"
+
+
 class Block(nn.Module):
     def forward(self, x):
         return x + 1
@@ -55,7 +63,7 @@ class Root(nn.Module):
             x = layer(x)
         return x
 
-    def score(self, x):
+    def token_logprobs(self, x):
         return 2 * self(x)
 
 
@@ -73,7 +81,7 @@ def test_fsdp_root_is_fixed_before_the_first_forward(private_api, one_process_me
     assert [layer._get_fsdp_state()._is_root for layer in root.layers] == [False, False]
     # A first call that enters through an inner layer (as a rollout or a reward pass may) leaves the root intact.
     x = torch.zeros(1)
-    assert root.layers[0](x).item() == 1 and root(x).item() == 2 and root.score(x).item() == 4
+    assert root.layers[0](x).item() == 1 and root(x).item() == 2 and root.token_logprobs(x).item() == 4
 
 
 def test_fsdp2_strategy_sizes_its_mesh_from_the_processes(private_api, monkeypatch):

@@ -25,7 +25,7 @@ def test_one_process_needs_no_generation_hook():
 
 def test_generation_context_finds_the_trainer_of_a_module(private_api):
     # Read through the private attribute: the public ``trainer`` property raises on a detached module.
-    used_by = "align.strategies.generation_context and accumulation_boundary (a module's trainer, if any)"
+    used_by = "align.strategies (generation_context, accumulation_boundary) and align.modules (the trainer, if any)"
     module = L.LightningModule()
     assert private_api.require(module, "_trainer", used_by=used_by) is None
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
