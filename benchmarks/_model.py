@@ -16,9 +16,9 @@ MODEL_HELP = ("a real model instead of the synthetic tiny Llama: a local Hugging
 
 
 def resolve_model_dir(name: str) -> str:
-    """The local Hugging Face folder ``--model name`` names (:func:`align.models.loading.check_model_source`)."""
+    """The local Hugging Face folder ``--model name`` names (:func:`align.hub.check_model_source`)."""
     from align.errors import AlignConfigError
-    from align.models.loading import check_model_source
+    from align.hub import check_model_source
 
     try:
         folder = Path(check_model_source(name, what="--model"))

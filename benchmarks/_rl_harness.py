@@ -73,7 +73,7 @@ def prepare_model(ns, tmp: str) -> tuple[str, str, int]:
     if ns.model:
         model_dir = resolve_model_dir(ns.model)
         return model_dir, ns.model, model_config_and_parameters(model_dir)[1]
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+    from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
     model_dir = Path(tmp) / "model"
     model = build_tiny_model(seed=0, hidden_size=ns.hidden_size, num_hidden_layers=ns.layers,

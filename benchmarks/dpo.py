@@ -10,7 +10,7 @@ Usage::
 
 What happens:
 
-1. A tiny Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are saved to a
+1. A tiny Llama (``align.hub.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are saved to a
    temporary Hugging Face directory; both frameworks load it in float32. With ``--model`` (a local Hugging Face
    folder, a ``.gguf`` file or a packaged id such as ``smollm2-135m-instruct``) the size flags are ignored and both
    load that model and its tokenizer, in float32, from the one folder it resolves to.
@@ -198,7 +198,7 @@ def write_data(path: Path, limit: int | None) -> int:
 
 
 def save_model(model_dir: Path, seed: int, overrides: dict) -> int:
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+    from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
     model = build_tiny_model(seed=seed, **overrides)
     model.save_pretrained(model_dir, safe_serialization=True)
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     g.add_argument("--lora-r", type=int, default=8)
     g.add_argument("--lora-alpha", type=int, default=16)
     g = p.add_argument_group("tiny Llama size (the default model; ignored with --model; unset fields keep "
-                             "align.models.tiny defaults)")
+                             "align.hub.tiny defaults)")
     g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument("--layers", type=int, default=None)
     g.add_argument("--intermediate", type=int, default=None)
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
         else:
             model_dir = str(tmp / "model")
             n_params = save_model(tmp / "model", args.seed, overrides)
-            model_name = f"tiny Llama {overrides or '(align.models.tiny defaults)'}"
+            model_name = f"tiny Llama {overrides or '(align.hub.tiny defaults)'}"
         n_rows = write_data(tmp / "pairs.jsonl", args.rows)
         spec = dict(model_dir=model_dir, train_file=str(tmp / "pairs.jsonl"), threads=args.threads,
                     seed=args.seed, full=args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,

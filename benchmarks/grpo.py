@@ -9,7 +9,7 @@ Usage::
 
 What happens:
 
-1. A tiny random Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are
+1. A tiny random Llama (``align.hub.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are
    saved to a temporary Hugging Face directory; both frameworks load it from there in float32. With ``--model`` (a
    local Hugging Face folder, a ``.gguf`` file or a packaged id such as ``smollm2-135m-instruct``) the size flags are
    ignored and both load that model and its tokenizer, in float32, from the one folder it resolves to.

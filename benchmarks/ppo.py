@@ -14,7 +14,7 @@ and accelerate included, is shared), so TRL's last PPO trainer runs side by side
 
 What happens:
 
-1. A tiny random Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are
+1. A tiny random Llama (``align.hub.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are
    saved to a temporary Hugging Face directory. With ``--model`` (a local Hugging Face folder, a ``.gguf`` file or a
    packaged id such as ``smollm2-135m-instruct``) the size flags are ignored and both frameworks load that model and
    its tokenizer from the one folder it resolves to. The reward model is the same backbone with a random scalar

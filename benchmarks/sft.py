@@ -10,7 +10,7 @@ Usage::
 
 What happens:
 
-1. A tiny Llama (``align.models.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are saved to a
+1. A tiny Llama (``align.hub.tiny.build_tiny_model`` with the size flags) and the shipped tokenizer are saved to a
    temporary Hugging Face directory. Both frameworks load the model from there, in float32. With ``--model`` (a local
    Hugging Face folder, a ``.gguf`` file or a packaged id such as ``smollm2-135m-instruct``) the size flags are
    ignored and both load that model and its tokenizer, in float32, from the one folder it resolves to.
@@ -103,7 +103,7 @@ def _load_examples(spec: dict):
     from align.data.chat import ChatEncoder
     from align.data.io import read_rows
     from align.data.sft import tokenize_rows
-    from align.models.loading import load_tokenizer
+    from align.hub import load_tokenizer
 
     tokenizer = load_tokenizer(spec["model_dir"])
     examples, _ = tokenize_rows(read_rows(spec["train_file"]), spec["train_file"], ChatEncoder(tokenizer),
@@ -305,7 +305,7 @@ def model_overrides(args) -> dict:
 
 
 def save_model(model_dir: Path, seed: int, overrides: dict):
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+    from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
     model = build_tiny_model(seed=seed, **overrides)
     model.save_pretrained(model_dir, safe_serialization=True)
@@ -447,7 +447,7 @@ def main(argv=None) -> int:
     g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of training")
     g = p.add_argument_group("tiny Llama size (the default model; ignored with --model; unset fields keep "
-                             "align.models.tiny defaults)")
+                             "align.hub.tiny defaults)")
     g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument("--layers", type=int, default=None)
     g.add_argument("--intermediate", type=int, default=None)

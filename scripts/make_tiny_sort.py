@@ -7,7 +7,7 @@ The weights are reproduced exactly (same machine kind, same library versions) by
     python scripts/make_tiny_sort.py
 
 which runs ``recipes/sft.py`` with the fixed settings below, exports the final checkpoint with ``align
-export`` semantics into ``align/models/assets/tiny-sort/`` and prints the greedy held-out exact match.
+export`` semantics into ``align/hub/assets/tiny-sort/`` and prints the greedy held-out exact match.
 ``--steps`` and ``--output`` exist for tests and experiments.
 """
 
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUTPUT = ROOT / "align" / "models" / "assets" / "tiny-sort"
+DEFAULT_OUTPUT = ROOT / "align" / "hub" / "assets" / "tiny-sort"
 STEPS = 50
 """SFT optimizer steps of the shipped weights (batch 32, lr 1e-3)."""
 

@@ -8,7 +8,7 @@ versions) by:
     python scripts/make_tiny_sort_rm.py
 
 which runs the recipe, copies its export (``<run dir>/export``, see :mod:`align.models.reward`) into
-``align/models/assets/tiny-sort-rm/`` and records the settings and the held-out pair accuracy in
+``align/hub/assets/tiny-sort-rm/`` and records the settings and the held-out pair accuracy in
 ``training_args.json``. ``--max_steps`` and ``--output`` exist for tests and experiments.
 """
 
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUTPUT = ROOT / "align" / "models" / "assets" / "tiny-sort-rm"
+DEFAULT_OUTPUT = ROOT / "align" / "hub" / "assets" / "tiny-sort-rm"
 
 
 def rm_args(work_dir: Path, max_steps: int | None = None) -> list[str]:

@@ -1,4 +1,4 @@
-"""Train the embedded default's tokenizer into ``align/models/assets/tokenizer/``.
+"""Train the embedded default's tokenizer into ``align/hub/assets/tokenizer/``.
 
     python scripts/train_tokenizer.py [--out-dir DIR]
 
@@ -44,7 +44,7 @@ PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, BOS, EOS, *ROLE_TOKENS]  # order fixes ids: pad 0, bos 1, eos 2
 MODEL_MAX_LENGTH = 512
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "align" / "models" / "assets" / "tokenizer"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "align" / "hub" / "assets" / "tokenizer"
 
 # Written with explicit '\n' expressions: transformers renders templates with
 # trim_blocks/lstrip_blocks, which would eat literal newlines after block tags.

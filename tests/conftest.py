@@ -31,9 +31,49 @@ def load_script():
 def tiny_model_dir(tmp_path_factory) -> str:
     """The tiny model (seed 3) and tokenizer saved as an ordinary Hugging Face directory: a stand-in for a real
     checkpoint wherever a local path or hub id is expected."""
-    from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+    from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-hf")
     build_tiny_model(seed=3).save_pretrained(path)
     load_tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+class PrivateAPI:
+    """Checks on the private Lightning and torch names that ``align`` relies on (underscore attributes, internal
+    modules, overridden private hooks). An upgrade may remove or change them without notice; these checks fail
+    naming the API and its user, instead of a distant symptom (or, where the code tolerates its absence, none)."""
+
+    @staticmethod
+    def name_of(owner) -> str:
+        if isinstance(owner, type) or callable(owner) and hasattr(owner, "__qualname__"):
+            return f"{owner.__module__}.{owner.__qualname__}"
+        if hasattr(owner, "__name__"):  # a module
+            return owner.__name__
+        return f"{type(owner).__module__}.{type(owner).__qualname__} instance"
+
+    def require(self, owner, name: str, params: tuple[str, ...] | None = None, *, used_by: str):
+        """``owner.name``, failing when it is gone, or (``params`` given) when its parameters are not ``params``."""
+        import inspect
+
+        api = f"{self.name_of(owner)}.{name}"
+        missing = object()
+        value = getattr(owner, name, missing)
+        assert value is not missing, f"private API {api} is gone; {used_by} relies on it"
+        if params is not None:
+            actual = tuple(inspect.signature(value).parameters)
+            assert actual == params, f"private API {api} now takes {actual}, expected {params}; {used_by} relies on it"
+        return value
+
+    def called_by(self, caller, name: str, *, used_by: str) -> None:
+        """Fail when ``caller``'s source no longer mentions ``name``: an override of a hook nobody calls, or a state
+        nobody fills, is dead."""
+        import inspect
+
+        assert name in inspect.getsource(caller), (
+            f"{self.name_of(caller)} no longer uses private API {name}; {used_by} relies on it")
+
+
+@pytest.fixture(scope="session")
+def private_api() -> PrivateAPI:
+    return PrivateAPI()

@@ -138,7 +138,7 @@ class TokenizerDataModule(L.LightningDataModule):
     def _resolve_tokenizer(self):
         if self.tokenizer is None:
             if self.hparams.get("tokenizer") is not None:
-                from align.models.loading import load_tokenizer
+                from align.hub import load_tokenizer
 
                 self.tokenizer = load_tokenizer(self.hparams.tokenizer)
             elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):

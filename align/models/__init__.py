@@ -1,6 +1,7 @@
-"""Model wrapper, the embedded tiny default, loading, LoRA/QLoRA and export."""
+"""Model wrapper, loading, LoRA/QLoRA and export (model names and tokenizers: :mod:`align.hub`)."""
 
-from align.models.loading import LoraSettings, load_causal_lm, load_tokenizer
+from align.hub import load_tokenizer
+from align.models.loading import LoraSettings, load_causal_lm
 from align.models.policy import PolicyModel, TokenLogprobs
 
 __all__ = ["LoraSettings", "PolicyModel", "TokenLogprobs", "load_causal_lm", "load_tokenizer"]

@@ -21,15 +21,14 @@ import torch
 from torch import nn
 
 from align.errors import AlignConfigError
+from align.hub import check_model_source, load_tokenizer
 from align.logprobs import entropy_from_logits, selective_log_softmax
 from align.models.loading import (
     DType,
     LoraSettings,
     Quantization,
-    check_model_source,
     load_causal_lm,
     load_decoder,
-    load_tokenizer,
     reward_head_state,
     torch_dtype,
 )

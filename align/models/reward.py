@@ -45,9 +45,10 @@ import torch
 from torch import nn
 
 from align.errors import AlignConfigError
+from align.hub import check_model_source
+from align.hub.tiny import is_tiny_sort_rm
 from align.logprobs import last_valid_index
-from align.models.loading import LEGACY_HEAD_FILE, DType, check_model_source, is_sequence_classifier, torch_dtype
-from align.models.tiny import is_tiny_sort_rm
+from align.models.loading import LEGACY_HEAD_FILE, DType, is_sequence_classifier, torch_dtype
 from align.models.policy import PolicyModel, position_ids_from_mask
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ def _encoding(path: Path) -> dict:
 def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
     from transformers import AutoModelForSequenceClassification
 
-    from align.models.loading import load_tokenizer
+    from align.hub import load_tokenizer
 
     encoding = _encoding(path)
     try:

@@ -10,7 +10,7 @@ import yaml
 
 from align.cli import AlignCLI, main, run_recipe
 from align.data import SFTDataModule
-from align.models.gguf import is_packaged
+from align.hub.gguf import is_packaged
 from align.modules import SFTModule
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -118,7 +118,7 @@ def test_grpo_recipe_end_to_end_improves_held_out_reward(tmp_path):
 
 def test_tiny_sort_loads_by_id_and_the_script_reproduces_it(tmp_path):
     from align.models.policy import PolicyModel
-    from align.models.tiny import TINY_SORT_DIR
+    from align.hub.tiny import TINY_SORT_DIR
 
     shipped = PolicyModel("tiny-sort")
     assert sum(f.stat().st_size for f in TINY_SORT_DIR.iterdir()) <= 10 * 2**20

@@ -10,7 +10,7 @@ import torch
 
 from align.cli import run_recipe
 from align.data.prompts import PromptDataModule
-from align.models.tiny import TINY_SORT_RM_DIR
+from align.hub.tiny import TINY_SORT_RM_DIR
 from align.modules.ppo import PPOModule
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from align.data.preference import (
     tokenize_preference_rows,
 )
 from align.errors import AlignDataError
-from align.models.tiny import load_tiny_tokenizer
+from align.hub.tiny import load_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

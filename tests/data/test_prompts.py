@@ -5,7 +5,7 @@ import pytest
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptDataModule, collate_prompts, encode_prompt_rows
 from align.errors import AlignDataError
-from align.models.tiny import load_tiny_tokenizer
+from align.hub.tiny import load_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

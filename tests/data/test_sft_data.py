@@ -8,7 +8,7 @@ from align.data.io import read_rows
 from align.data.sampling import WindowBatchSampler
 from align.data.sft import SFTCollator, SFTDataModule, pack, tokenize_rows
 from align.errors import AlignDataError
-from align.models.tiny import build_tiny_model, load_tiny_tokenizer
+from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

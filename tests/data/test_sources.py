@@ -14,7 +14,7 @@ from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
 from align.errors import AlignDataError
-from align.models.tiny import load_tiny_tokenizer
+from align.hub.tiny import load_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from align.errors import AlignConfigError
-from align.models import gguf as gguf_mod
-from align.models.loading import check_model_source
+from align.hub import check_model_source
+from align.hub import gguf as gguf_mod
 
 
 @pytest.fixture(autouse=True)

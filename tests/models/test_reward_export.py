@@ -17,7 +17,7 @@ from align.models.reward import (
     save_reward_model,
     sequence_scores,
 )
-from align.models.tiny import load_tiny_tokenizer, tiny_config
+from align.hub.tiny import load_tiny_tokenizer, tiny_config
 
 EOS = 2
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from align.errors import AlignConfigError
+from align.hub.tiny import build_tiny_model
 from align.models import LoraSettings, PolicyModel
-from align.models.tiny import build_tiny_model
 
 
 def batch(policy, texts=("sort: b a", "sort: d c b a")):

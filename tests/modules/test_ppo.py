@@ -235,7 +235,7 @@ def test_critic_head_starts_from_the_shipped_reward_models_head(from_rm):
     reward model's ``score`` (bias 0), or at zero when ``policy.critic_head_from_reward_model`` is off."""
     from safetensors.torch import load_file
 
-    from align.models.tiny import TINY_SORT_RM_DIR
+    from align.hub.tiny import TINY_SORT_RM_DIR
 
     policy = PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm",
                          critic_head_from_reward_model=from_rm)

@@ -6,12 +6,12 @@ Every test here is slow-marked and runs in CI. The first one on a fresh machine 
 
 import pytest
 
-from align.models.gguf import SMOLLM2
+from align.hub.gguf import SMOLLM2
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
-    from align.models.loading import check_model_source
+    from align.hub import check_model_source
 
     return check_model_source(SMOLLM2)
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from align.data.chat import IGNORE_INDEX, ChatEncoder
+from align.hub.gguf import COMPLETE, SMOLLM2
 from align.logprobs import response_mask
 from align.models import LoraSettings, PolicyModel
 from align.models.decoding import FastDecoder, fast_decoder_unsupported
-from align.models.gguf import COMPLETE, SMOLLM2
 from align.rollout import RolloutEngine, SamplingConfig
 
 pytestmark = pytest.mark.slow

@@ -226,8 +226,8 @@ def test_reward_values_that_are_not_finite_numbers_one_per_completion_are_refuse
 
 def test_tokenizer_without_eos_is_refused_and_one_without_pad_uses_eos(tmp_path):
     from align.errors import AlignConfigError
-    from align.models.loading import load_tokenizer
-    from align.models.tiny import load_tiny_tokenizer
+    from align.hub import load_tokenizer
+    from align.hub.tiny import load_tiny_tokenizer
 
     tok = load_tiny_tokenizer()
     tok.pad_token = None
@@ -246,7 +246,8 @@ def test_tokenizer_without_eos_is_refused_and_one_without_pad_uses_eos(tmp_path)
 def test_remote_code_is_off_unless_asked_for():
     import inspect
 
-    from align.models.loading import load_causal_lm, load_tokenizer
+    from align.hub import load_tokenizer
+    from align.models.loading import load_causal_lm
     from align.models.policy import PolicyModel
 
     for fn in (load_causal_lm, load_tokenizer, PolicyModel.__init__):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from align.hub.tiny import build_tiny_model
 from align.models.decoding import FastDecoder, decoder_for, fast_decoder_unsupported
-from align.models.tiny import build_tiny_model
 from align.rollout import sample
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from align.data.sort_task import LETTERS, data_file
-from align.models.tiny import (
+from align.hub.tiny import (
     TINY,
     TOKENIZER_DIR,
     build_tiny_model,
@@ -53,7 +53,7 @@ def test_pad_equals_eos_variant_is_a_fresh_copy():
 def test_loads_offline_with_auto_tokenizer():
     from transformers import AutoTokenizer
 
-    root = importlib.resources.files("align.models") / "assets" / "tokenizer"
+    root = importlib.resources.files("align.hub") / "assets" / "tokenizer"
     assert (root / "tokenizer.json").is_file() and (root / "tokenizer_config.json").is_file()
     auto = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     assert auto.eos_token_id == EOS and auto.chat_template

@@ -1,39 +1,15 @@
-"""Single-process checks of ``align.strategies``: names, DeepSpeed config, the generation hooks."""
+"""``align.strategies.gather`` (and the collective it uses): whole parameters around sampling from sharded
+weights, and the rank-synchronised stop that ZeRO-3 needs."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import lightning as L
 import torch
-from lightning.pytorch.strategies import StrategyRegistry
 
-from align.models.tiny import build_tiny_model
 from align.rollout import sample
-from align.strategies import (
-    DeepSpeedZeROStrategy,
-    FSDP2Strategy,
-    decoder_layers,
-    generation_context,
-    global_all,
-    parameters_sharded,
-)
-
-
-def test_short_names_select_the_cpu_capable_strategies():
-    zero3 = StrategyRegistry.get("zero3_offload")
-    assert isinstance(zero3, DeepSpeedZeROStrategy) and zero3.zero_stage_3
-    assert zero3.config["zero_optimization"]["offload_param"]["device"] == "cpu"
-    assert zero3.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    # A torch optimizer (the modules' AdamW) may run on offloaded state.
-    assert zero3.config["zero_force_ds_cpu_optimizer"] is False
-    assert StrategyRegistry.get("zero1").config["zero_optimization"]["stage"] == 1
-    fsdp = StrategyRegistry.get("fsdp2_offload")
-    assert isinstance(fsdp, FSDP2Strategy) and fsdp.cpu_offload
-
-
-def test_deepspeed_needs_no_training_dataloader_for_its_batch_size():
-    # The automatic choice builds the training dataloader, which does not exist while validating before fit.
-    assert DeepSpeedZeROStrategy(stage=2).config["train_micro_batch_size_per_gpu"] == 1
+from align.strategies import DeepSpeedZeROStrategy, FSDP2Strategy, generation_context, global_all, parameters_sharded
 
 
 def test_parameters_sharded():
@@ -41,15 +17,22 @@ def test_parameters_sharded():
     assert not parameters_sharded(DeepSpeedZeROStrategy(stage=2))
 
 
-def test_decoder_layers_are_the_repeated_blocks():
-    model = build_tiny_model(seed=0)
-    layers = decoder_layers(model)
-    assert layers and layers == list(model.model.layers)
-
-
 def test_one_process_needs_no_generation_hook():
     assert global_all(True) is True and global_all(False) is False
     with generation_context(SimpleNamespace(_trainer=None)) as sync_stop:
+        assert sync_stop is None
+
+
+def test_generation_context_finds_the_trainer_of_a_module(private_api):
+    # Read through the private attribute: the public ``trainer`` property raises on a detached module.
+    used_by = "align.strategies (generation_context, accumulation_boundary) and align.modules (the trainer, if any)"
+    module = L.LightningModule()
+    assert private_api.require(module, "_trainer", used_by=used_by) is None
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    module.trainer = trainer
+    assert module._trainer is trainer, f"LightningModule._trainer: {used_by}"
+    with generation_context(module) as sync_stop:
         assert sync_stop is None
 
 

@@ -1,0 +1,50 @@
+"""The private Lightning and torch names that exact resume (``align.checkpointing``) and the non-finite guard
+(``align.guards``) rely on, each checked on a tiny case. Both read them defensively, so without these checks an
+upgrade that renamed them would silently turn mid-epoch resume or the fast gradient check off."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+
+def test_fit_loop_keeps_the_loader_states_it_has_not_applied(private_api):
+    used_by = "align.checkpointing.ExactResume._restore_loader_position"
+    loop = L.Trainer(accelerator="cpu", devices=1, logger=False).fit_loop
+    assert private_api.require(loop, "_combined_loader_states_to_load", used_by=used_by) == []
+    assert private_api.require(loop, "_combined_loader", used_by=used_by) is None
+    assert private_api.require(loop, "_data_fetcher", used_by=used_by) is None
+    # A checkpoint's loader states wait there until the loader exists.
+    loop.on_load_checkpoint({"combined_loader": [{"at": 3}]})
+    assert loop._combined_loader_states_to_load == [{"at": 3}], f"_FitLoop._combined_loader_states_to_load: {used_by}"
+
+
+class Position:
+    """A stateful iterable, as the resumable data loaders are."""
+
+    def __init__(self):
+        self.at = 0
+
+    def __iter__(self):
+        return iter(range(self.at, 4))
+
+    def state_dict(self):
+        return {"at": self.at}
+
+    def load_state_dict(self, state):
+        self.at = state["at"]
+
+
+def test_combined_loader_loads_its_iterables_states(private_api):
+    used_by = "align.checkpointing.ExactResume._restore_loader_position"
+    private_api.require(CombinedLoader, "_load_state_dicts", ("self", "states"), used_by=used_by)
+    inner = Position()
+    CombinedLoader(inner)._load_state_dicts([{"at": 3}])
+    assert inner.at == 3
+
+
+def test_foreach_norm_gives_every_tensors_norm(private_api):
+    norm = private_api.require(torch, "_foreach_norm", used_by="align.guards.NonFiniteGuard (one kernel for all grads)")
+    norms = norm([torch.tensor([3.0, 4.0]), torch.tensor([float("inf")])])
+    assert norms[0].item() == 5.0 and not torch.isfinite(norms[1])
