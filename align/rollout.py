@@ -13,7 +13,7 @@ Two layers:
   mask with :func:`align.logprobs.response_mask` and decodes the texts with the policy's tokenizer. The
   prompt of a group is encoded once and its KV cache repeated for the group's rows (``shared_prefix``).
 
-Log-probs are computed as :meth:`align.models.policy.PolicyModel.score` computes them in training: the
+Log-probs are computed as :meth:`align.models.policy.PolicyModel.token_logprobs` computes them in training: the
 log-softmax of ``logits / temperature`` over the *full* vocabulary, in float32. Top-k, top-p and
 the minimum length only restrict which token is drawn; they do not renormalise the recorded log-probs, so
 the old and new policy of a PPO/GRPO ratio are the same distribution. With ``temperature=0`` (greedy) the
