@@ -244,7 +244,7 @@ class PolicyModel(nn.Module):
 
     # ------------------------------------------------------------------ reference
     def setup_reference(self) -> None:
-        """Make a reference model available to :meth:`score` with ``reference=True``. Idempotent.
+        """Make a reference model available to :meth:`token_logprobs` with ``reference=True``. Idempotent.
 
         With LoRA the reference is the adapter-disabled policy and nothing is copied: every LoRA layer and every
         module trained in full beside it (``lora.modules_to_save``) is switched to the base weights. Trained
