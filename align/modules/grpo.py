@@ -45,7 +45,7 @@ class GRPOModule(RLModule):
     ``train/approx_kl``, ``train/entropy``, ``rollout/reward_mean``, ``rollout/reward_std``,
     ``rollout/reward/<name>``, ``rollout/response_length``, ``rollout/tokens_per_s``,
     ``rollout/truncated_frac``, ``rollout/zero_std_frac`` (groups with no learning signal), and
-    ``time/generation_s`` / ``time/update_s``. Validation: see :class:`~align.modules.rl.RLModule`.
+    ``time/generation_s`` / ``time/scoring_s`` / ``time/update_s``. Validation: see :class:`~align.modules.rl.RLModule`.
     """
 
     def __init__(
@@ -100,7 +100,8 @@ class GRPOModule(RLModule):
         self.timings = {}
         with Timer(self.timings, "time/generation_s"):
             rollout = self.rollout(batch)
-        rewards, parts = self.score_rewards(batch, rollout)  # (N,)
+        with Timer(self.timings, "time/scoring_s"):
+            rewards, parts = self.score_rewards(batch, rollout)  # (N,)
         with Timer(self.timings, "time/update_s"):
             ref_logprobs = self.reference_logprobs(rollout)
             shaped = rewards

@@ -10,7 +10,6 @@ gradient of the full minibatch loss, whatever the micro-batch size or the number
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
@@ -23,6 +22,7 @@ from align.logprobs import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule, loss_count
 from align.modules.options import Aggregation, Evaluation, KLPenalty, Updates
+from align.observability.timing import Timer  # noqa: F401 (re-exported for the RL modules)
 from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, training_rewards
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
 from align.strategies import accumulation_boundary
@@ -361,16 +361,3 @@ class RLModule(AlignModule):
         count = totals.pop("count").clamp(min=1.0)
         self.log_dict({f"val/{k}": float(v / count) for k, v in totals.items()}, batch_size=1)
 
-
-class Timer:
-    """Wall-clock seconds of a block, added to ``store[name]``."""
-
-    def __init__(self, store: dict[str, float], name: str):
-        self.store, self.name = store, name
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.store[self.name] = self.store.get(self.name, 0.0) + time.perf_counter() - self.start

@@ -2,15 +2,15 @@
 
 - ``OTLPLogger``: a Lightning logger exporting every logged metric over OTLP (gRPC or HTTP/protobuf).
 - ``OTelTracingCallback``: a Lightning callback exporting fit -> epoch -> step spans.
-- ``span``, ``annotate``, ``record_distribution``: what modules call; cheap no-ops when nothing is enabled.
+- ``Timer``: times a module's section into a metrics dict, and makes it a span while the callback is active.
 
-Importing this package (or ``align.observability.spans``) does not import opentelemetry: the logger and the
+Importing this package (or ``align.observability.timing``) does not import opentelemetry: the logger and the
 callback are loaded on first access. See docs/observability.md.
 """
 
-from align.observability.spans import annotate, record_distribution, span, tracing_enabled
+from align.observability.timing import Timer
 
-__all__ = ["OTLPLogger", "OTelTracingCallback", "annotate", "record_distribution", "span", "tracing_enabled"]
+__all__ = ["OTLPLogger", "OTelTracingCallback", "Timer"]
 
 
 def __getattr__(name: str):

@@ -1,22 +1,29 @@
-"""OTLP exporter settings (constructor arguments first, then the standard ``OTEL_*`` environment variables), the
-resource that identifies a run's rank, and the bookkeeping that keeps a failing collector from hurting training:
-drop counting, a single warning, and shutdowns bounded by the configured timeout.
+"""The OTLP export pipeline shared by ``OTLPLogger`` (metrics) and ``OTelTracingCallback`` (traces).
+
+Settings: align passes the SDK exporter only what the user set on the logger or callback; everything left unset is
+read by the exporter itself from the standard ``OTEL_EXPORTER_OTLP_*`` variables. align reads only what it needs
+itself: the protocol (which exporter class to build) and the timeout (which also bounds the final flush).
+
+Failure isolation: every export goes through a counting wrapper that never raises, counts what was delivered and
+dropped, and warns once per run and collector. The final flush of a stage runs on a daemon thread and the training
+thread waits at most ``timeout`` seconds for it, and at most one second once the collector is known to fail.
 """
 
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
-from urllib.parse import unquote, urlparse
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
+from urllib.parse import urlparse
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
-from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -27,51 +34,42 @@ log = logging.getLogger("align.observability")
 Protocol_ = Literal["grpc", "http/protobuf"]
 Signal = Literal["metrics", "traces"]
 DEFAULT_PORTS = {"grpc": 4317, "http/protobuf": 4318}
+DEFAULT_TIMEOUT = 10.0
 RUN_ID_ENV = "ALIGN_RUN_ID"
+FAILING_WAIT = 1.0  # the most a final flush waits once the collector is known to fail (docs/observability.md)
+_COMPRESSION = {"none": "NoCompression", "gzip": "Gzip", "deflate": "Deflate"}  # member names of both SDK enums
+_EXPORTERS = {  # (protocol, signal) -> (module, class) of the SDK exporter
+    ("grpc", "metrics"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
+    ("grpc", "traces"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
+    ("http/protobuf", "metrics"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
+    ("http/protobuf", "traces"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+}
 
 
 class ObservabilityConfigError(AlignError, ValueError):
-    """A bad OTLP setting (protocol, compression, headers, timeout)."""
+    """A bad OTLP setting (protocol, endpoint, compression, timeout)."""
 
 
-def _env(signal: Signal, name: str) -> str | None:
-    """``OTEL_EXPORTER_OTLP_<SIGNAL>_<NAME>``, then ``OTEL_EXPORTER_OTLP_<NAME>``."""
-    value = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_{name}")
-    return value if value not in (None, "") else (os.environ.get(f"OTEL_EXPORTER_OTLP_{name}") or None)
-
-
-def parse_headers(headers: Mapping[str, str] | str | None) -> dict[str, str]:
-    """``{"k": "v"}`` or the W3C-baggage-style ``k1=v1,k2=v2`` (URL-encoded values) used by ``OTEL_*_HEADERS``."""
-    if headers is None:
-        return {}
-    if isinstance(headers, Mapping):
-        return {str(k).strip().lower(): str(v) for k, v in headers.items()}
-    out = {}
-    for item in str(headers).split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ObservabilityConfigError(
-                f"OTLP headers: expected 'key=value' pairs separated by commas, got {item!r}")
-        out[unquote(key.strip()).lower()] = unquote(value.strip())
-    return out
+def _env(signal: Signal, name: str) -> tuple[str, str] | None:
+    """``(variable, value)`` of ``OTEL_EXPORTER_OTLP_<SIGNAL>_<NAME>``, else of ``OTEL_EXPORTER_OTLP_<NAME>``."""
+    for key in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
+        if os.environ.get(key):
+            return key, os.environ[key]
+    return None
 
 
 @dataclass(frozen=True)
 class ExportSettings:
-    """Where and how one signal is exported; build with ``ExportSettings.resolve``."""
+    """What the user set for one signal; ``None`` leaves the setting to the SDK exporter (environment, default)."""
 
     signal: Signal
     protocol: Protocol_
-    endpoint: str  # grpc: "host:port"; http: the full URL of the signal's path
-    insecure: bool
-    headers: dict[str, str] = field(default_factory=dict)
-    compression: Literal["none", "gzip", "deflate"] = "none"
-    timeout: float = 10.0  # seconds, per export and for shutdown
+    timeout: float  # seconds, per export and for the final flush
+    endpoint: str | None = None  # grpc: "host:port"; http: the full URL of the signal's path
+    insecure: bool | None = None
+    headers: dict[str, str] | None = None
+    compression: Literal["none", "gzip", "deflate"] | None = None
     certificate_file: str | None = None
-    client_key_file: str | None = None
-    client_certificate_file: str | None = None
 
     @staticmethod
     def resolve(
@@ -79,129 +77,99 @@ class ExportSettings:
         *,
         endpoint: str | None = None,
         protocol: str | None = None,
-        headers: Mapping[str, str] | str | None = None,
+        headers: Mapping[str, str] | None = None,
         insecure: bool | None = None,
         compression: str | None = None,
         timeout: float | None = None,
         certificate_file: str | None = None,
-        client_key_file: str | None = None,
-        client_certificate_file: str | None = None,
     ) -> "ExportSettings":
-        proto = (protocol or _env(signal, "PROTOCOL") or "grpc").strip().lower()
+        """Check and normalise the arguments. The protocol picks the exporter class, so it is read here (argument,
+        then ``OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL``); so is the timeout, in milliseconds as the specification
+        says (the SDK reads that variable in seconds), because it also bounds the final flush."""
+        env_proto = _env(signal, "PROTOCOL")
+        proto = (protocol or (env_proto[1] if env_proto else "grpc")).strip().lower()
         proto = {"http": "http/protobuf", "http/proto": "http/protobuf"}.get(proto, proto)
         if proto not in DEFAULT_PORTS:
-            raise ObservabilityConfigError(f"OTLP protocol: expected 'grpc' or 'http/protobuf', got {protocol!r}")
-
-        # A signal-specific env endpoint is the full URL; the generic one (and the argument) is a base URL.
-        signal_env = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") if endpoint is None else None
-        raw = endpoint or signal_env or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") \
-            or f"localhost:{DEFAULT_PORTS[proto]}"
-        env_insecure = _env(signal, "INSECURE")
-        if insecure is None and env_insecure is not None:
-            insecure = env_insecure.strip().lower() == "true"
-        bare = "://" not in raw
-        if bare:
-            raw = ("https://" if insecure is False else "http://") + raw
-        url = urlparse(raw)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ObservabilityConfigError(f"OTLP endpoint: expected 'host:port' or 'http(s)://host:port', got {raw!r}")
-        if insecure is None:
-            insecure = url.scheme == "http"
-        # ``host`` alone means the OTLP port; a URL without a port means its scheme's (``https://api.vendor.io``: 443).
-        port = url.port or (DEFAULT_PORTS[proto] if bare else 443 if url.scheme == "https" else 80)
-        host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
-        if proto == "grpc":
-            target = f"{host}:{port}"
-        else:
-            path = url.path.rstrip("/")
-            if not signal_env and not path.endswith(f"/v1/{signal}"):
-                path = f"{path}/v1/{signal}"
-            scheme = "http" if insecure else "https"
-            default = url.port is None and not bare and scheme == url.scheme
-            target = f"{scheme}://{host}{'' if default else f':{port}'}{path}"
-
-        comp = (compression or _env(signal, "COMPRESSION") or "none").strip().lower()
-        if comp not in ("none", "gzip", "deflate"):
+            source = "protocol" if protocol else env_proto[0]
+            raise ObservabilityConfigError(f"OTLP {source}: expected 'grpc' or 'http/protobuf', got {proto!r}")
+        if compression is not None and compression.strip().lower() not in _COMPRESSION:
             raise ObservabilityConfigError(f"OTLP compression: expected none, gzip or deflate, got {compression!r}")
         if timeout is None:
-            env_timeout = _env(signal, "TIMEOUT")  # milliseconds, as the OTel specification defines it
+            env_timeout = _env(signal, "TIMEOUT")
             try:
-                timeout = float(env_timeout) / 1000.0 if env_timeout else 10.0
+                timeout = float(env_timeout[1]) / 1000.0 if env_timeout else DEFAULT_TIMEOUT
             except ValueError:
                 raise ObservabilityConfigError(
-                    f"OTEL_EXPORTER_OTLP_TIMEOUT: expected milliseconds, got {env_timeout!r}") from None
+                    f"{env_timeout[0]}: expected milliseconds, got {env_timeout[1]!r}") from None
         if not timeout > 0:
             raise ObservabilityConfigError(f"OTLP timeout: expected a positive number of seconds, got {timeout!r}")
+        if endpoint is not None:
+            endpoint, insecure = _normalise_endpoint(endpoint, proto, signal, insecure)
         return ExportSettings(
-            signal=signal, protocol=proto, endpoint=target, insecure=bool(insecure),
-            headers=parse_headers(headers if headers is not None else _env(signal, "HEADERS")),
-            compression=comp, timeout=float(timeout),
-            certificate_file=certificate_file or _env(signal, "CERTIFICATE"),
-            client_key_file=client_key_file or _env(signal, "CLIENT_KEY"),
-            client_certificate_file=client_certificate_file or _env(signal, "CLIENT_CERTIFICATE"),
-        )
-
-    def describe(self) -> str:
-        """For messages: protocol and endpoint, never header values."""
-        return f"{self.protocol} {self.endpoint}"
+            signal=signal, protocol=proto, timeout=float(timeout), endpoint=endpoint, insecure=insecure,
+            headers={str(k).strip().lower(): str(v) for k, v in headers.items()} if headers is not None else None,
+            compression=compression.strip().lower() if compression is not None else None,
+            certificate_file=certificate_file)
 
     @property
     def address(self) -> str:
-        """``host:port`` of the collector (the same for both signals)."""
-        return self.endpoint if self.protocol == "grpc" else urlparse(self.endpoint).netloc
+        """``host:port`` (or URL) of the collector, for messages; never header values."""
+        endpoint = self.endpoint
+        if endpoint is None:  # as the SDK exporter will find it
+            found = _env(self.signal, "ENDPOINT")
+            endpoint = found[1] if found else f"localhost:{DEFAULT_PORTS[self.protocol]}"
+        return urlparse(endpoint).netloc or endpoint
+
+    def describe(self) -> str:
+        return f"{self.protocol} {self.address}"
+
+    def exporter(self) -> MetricExporter | SpanExporter:
+        """The SDK exporter of this signal and protocol, given only the settings the user made."""
+        module, name = _EXPORTERS[(self.protocol, self.signal)]
+        grpc = self.protocol == "grpc"
+        compression = None
+        if self.compression is not None:
+            enum = importlib.import_module("grpc" if grpc else "opentelemetry.exporter.otlp.proto.http").Compression
+            compression = getattr(enum, _COMPRESSION[self.compression])
+        kwargs = dict(endpoint=self.endpoint, headers=self.headers, timeout=self.timeout, compression=compression)
+        if grpc:
+            kwargs.update(insecure=self.insecure, credentials=_grpc_credentials(self.certificate_file))
+        else:
+            kwargs.update(certificate_file=self.certificate_file)
+        try:
+            return getattr(importlib.import_module(module), name)(
+                **{k: v for k, v in kwargs.items() if v is not None})
+        except Exception as err:  # e.g. an OTEL_EXPORTER_OTLP_COMPRESSION value the SDK refuses
+            raise ObservabilityConfigError(f"OTLP {self.signal} exporter: {err}") from None
 
 
-def _grpc_credentials(s: ExportSettings):
-    if s.insecure or not (s.certificate_file or s.client_certificate_file):
+def _normalise_endpoint(raw: str, proto: str, signal: Signal, insecure: bool | None) -> tuple[str, bool | None]:
+    """An endpoint argument: ``host[:port]`` is plain text on the OTLP port, ``https://host`` is TLS on 443; for
+    HTTP ``/v1/<signal>`` is appended to the base URL. Returns the SDK's form and the ``insecure`` flag."""
+    bare = "://" not in raw
+    url = urlparse((("https://" if insecure is False else "http://") + raw) if bare else raw)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ObservabilityConfigError(f"OTLP endpoint: expected 'host:port' or 'http(s)://host:port', got {raw!r}")
+    insecure = url.scheme == "http" if insecure is None else insecure
+    port = url.port or (DEFAULT_PORTS[proto] if bare else 443 if url.scheme == "https" else 80)
+    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+    if proto == "grpc":
+        return f"{host}:{port}", insecure
+    path = url.path.rstrip("/")
+    if not path.endswith(f"/v1/{signal}"):
+        path = f"{path}/v1/{signal}"
+    scheme = "http" if insecure else "https"
+    default_port = url.port is None and not bare and scheme == url.scheme
+    return f"{scheme}://{host}{'' if default_port else f':{port}'}{path}", None
+
+
+def _grpc_credentials(certificate_file: str | None):
+    if certificate_file is None:
         return None
     import grpc
 
-    def read(path):
-        with open(path, "rb") as f:
-            return f.read()
-
-    return grpc.ssl_channel_credentials(
-        root_certificates=read(s.certificate_file) if s.certificate_file else None,
-        private_key=read(s.client_key_file) if s.client_key_file else None,
-        certificate_chain=read(s.client_certificate_file) if s.client_certificate_file else None,
-    )
-
-
-def make_metric_exporter(s: ExportSettings, **kwargs) -> MetricExporter:
-    if s.protocol == "grpc":
-        import grpc
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-        comp = {"none": grpc.Compression.NoCompression, "gzip": grpc.Compression.Gzip,
-                "deflate": grpc.Compression.Deflate}[s.compression]
-        return OTLPMetricExporter(endpoint=s.endpoint, insecure=s.insecure, credentials=_grpc_credentials(s),
-                                  headers=dict(s.headers), timeout=s.timeout, compression=comp, **kwargs)
-    from opentelemetry.exporter.otlp.proto.http import Compression
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-    comp = {"none": Compression.NoCompression, "gzip": Compression.Gzip, "deflate": Compression.Deflate}[s.compression]
-    return OTLPMetricExporter(endpoint=s.endpoint, certificate_file=s.certificate_file,
-                              client_key_file=s.client_key_file, client_certificate_file=s.client_certificate_file,
-                              headers=dict(s.headers),
-                              timeout=s.timeout, compression=comp, **kwargs)
-
-
-def make_span_exporter(s: ExportSettings) -> SpanExporter:
-    if s.protocol == "grpc":
-        import grpc
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        comp = {"none": grpc.Compression.NoCompression, "gzip": grpc.Compression.Gzip,
-                "deflate": grpc.Compression.Deflate}[s.compression]
-        return OTLPSpanExporter(endpoint=s.endpoint, insecure=s.insecure, credentials=_grpc_credentials(s),
-                                headers=dict(s.headers), timeout=s.timeout, compression=comp)
-    from opentelemetry.exporter.otlp.proto.http import Compression
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    comp = {"none": Compression.NoCompression, "gzip": Compression.Gzip, "deflate": Compression.Deflate}[s.compression]
-    return OTLPSpanExporter(endpoint=s.endpoint, certificate_file=s.certificate_file, client_key_file=s.client_key_file,
-                            client_certificate_file=s.client_certificate_file, headers=dict(s.headers),
-                            timeout=s.timeout, compression=comp)
+    with open(certificate_file, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,14 +178,11 @@ def make_span_exporter(s: ExportSettings) -> SpanExporter:
 
 def current_rank() -> int:
     """The global rank: Lightning's once the strategy set it, else the launcher's environment, else 0."""
-    try:
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-        rank = getattr(rank_zero_only, "rank", None)
-        if rank is not None:
-            return int(rank)
-    except Exception:  # pragma: no cover - lightning is a dependency; be defensive anyway
-        pass
+    rank = getattr(rank_zero_only, "rank", None)
+    if rank is not None:
+        return int(rank)
     for key in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "LOCAL_RANK"):
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
@@ -245,61 +210,64 @@ def build_resource(
     *, run_id: str, rank: int, service_name: str | None, resource_attributes: Mapping[str, Any] | None,
     algorithm: str | None, model_name: str | None,
 ) -> Resource:
-    """Defaults < ``OTEL_RESOURCE_ATTRIBUTES``/``OTEL_SERVICE_NAME`` < arguments < the run's identity."""
+    """``service.name`` ``align`` < ``OTEL_RESOURCE_ATTRIBUTES``/``OTEL_SERVICE_NAME`` (read by the SDK) < arguments
+    < the run's identity."""
     from align.observability.attributes import attribute_value
 
-    env = OTELResourceDetector().detect().attributes
-    attrs: dict[str, Any] = {"service.name": "align", **env}
-    if os.environ.get("OTEL_SERVICE_NAME"):
-        attrs["service.name"] = os.environ["OTEL_SERVICE_NAME"]
+    attrs: dict[str, Any] = {k: attribute_value(v) for k, v in (resource_attributes or {}).items()}
     if service_name:
         attrs["service.name"] = service_name
-    attrs.update({k: attribute_value(v) for k, v in (resource_attributes or {}).items()})
-    attrs["service.instance.id"] = f"{run_id}-rank{rank}"
-    attrs["align.run_id"] = run_id
-    attrs["align.rank"] = rank
+    attrs.update({"service.instance.id": f"{run_id}-rank{rank}", "align.run_id": run_id, "align.rank": rank})
     if algorithm:
         attrs["align.algorithm"] = algorithm
     if model_name:
         attrs["align.model"] = model_name
-    return Resource.create(attrs)
+    resource = Resource.create(attrs)
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "align"}))
+    return resource
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # failure handling
 
+_failing: set[str] = set()  # collector addresses whose latest export (of any signal) failed or is retrying
+
 
 class _SdkLogCapture(logging.Filter):
     """While align exporters are active, the SDK's per-attempt export errors are not printed (one warning from
-    ``DropCounter`` replaces them); the last one is kept as the reason."""
+    ``DropCounter`` replaces them); the latest is kept as the reason. A message naming a collector marks it failing
+    at once, so that a final flush stops waiting at the SDK's first retry instead of through its backoff."""
 
     def __init__(self):
         super().__init__()
         self.users = 0
         self.recent: collections.deque[str] = collections.deque(maxlen=32)
+        self.addresses: set[str] = set()
         self.lock = threading.Lock()
         self.loggers: list[logging.Logger] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            try:
-                self.recent.append(record.getMessage())
-            except Exception:
-                pass
+        if record.levelno < logging.WARNING:
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:
             return False
-        return True
+        self.recent.append(message)
+        for address in list(self.addresses):
+            if _names(message, address):
+                _failing.add(address)
+        return False
 
     def reason_for(self, address: str) -> str | None:
-        """The latest suppressed SDK message that names this collector address, else the latest one."""
-        port = address.rpartition(":")[2]
-        for message in reversed(list(self.recent)):
-            if address in message or f"port={port})" in message:
-                return message
-        return None
+        """The latest suppressed SDK message that names this collector address."""
+        return next((m for m in reversed(list(self.recent)) if _names(m, address)), None)
 
-    def acquire(self) -> None:
+    def acquire(self, address: str) -> None:
         with self.lock:
             self.users += 1
+            self.addresses.add(address)
             # Rescanned each time: exporter modules imported since (e.g. HTTP after gRPC) have their own loggers.
             names = [n for n in list(logging.root.manager.loggerDict)
                      if n.startswith(("opentelemetry.exporter", "opentelemetry.sdk"))]
@@ -324,7 +292,12 @@ class _SdkLogCapture(logging.Filter):
             if self.users == 0:
                 for lg in self.loggers:
                     lg.removeFilter(self)
-                self.loggers = []
+                self.loggers, self.addresses = [], set()
+
+
+def _names(message: str, address: str) -> bool:
+    """Whether an SDK message is about this collector (gRPC names ``host:port``, requests ``port=N)``)."""
+    return address in message or f"port={address.rpartition(':')[2]})" in message
 
 
 SDK_LOGS = _SdkLogCapture()
@@ -333,10 +306,11 @@ _warned_lock = threading.Lock()
 
 
 class DropCounter:
-    """Counts what an exporter could not deliver and warns once per (run, endpoint) for the whole process."""
+    """Counts what one logger's or callback's exports delivered and dropped over its whole life, and warns once
+    per (run, collector) for the whole process."""
 
-    def __init__(self, what: str, settings: ExportSettings, run_id: str):
-        self.what, self.settings, self.run_id = what, settings, run_id
+    def __init__(self, what: str, settings: ExportSettings):
+        self.what, self.settings, self.run_id = what, settings, ""
         self.exported = 0
         self.failed = 0
         self.dropped_in_queue = 0
@@ -349,10 +323,12 @@ class DropCounter:
     def ok(self, n: int) -> None:
         with self.lock:
             self.exported += n
+        _failing.discard(self.settings.address)
 
     def fail(self, n: int, reason: str | None = None) -> None:
         with self.lock:
             self.failed += n
+        _failing.add(self.settings.address)
         self.warn_once(reason or SDK_LOGS.reason_for(self.settings.address) or "no answer from the collector")
 
     def queue_overflow(self, n: int = 1) -> None:
@@ -371,95 +347,65 @@ class DropCounter:
                     "`dropped` attribute.", self.what, self.settings.describe(), reason or "no reason given")
 
 
-class CountingMetricExporter(MetricExporter):
-    """Wraps an OTLP metric exporter: counts data points delivered and dropped, never raises."""
+def _count(data: Any) -> int:
+    """Spans in a span batch, data points in ``MetricsData``."""
+    if isinstance(data, (list, tuple)):
+        return len(data)
+    return sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
+               for m in sm.metrics)
 
-    def __init__(self, inner: MetricExporter, counter: DropCounter):
-        super().__init__(preferred_temporality=inner._preferred_temporality,
-                         preferred_aggregation=inner._preferred_aggregation)
+
+class CountingExporter(MetricExporter, SpanExporter):
+    """Wraps an SDK metric or span exporter: counts what was delivered and dropped, never raises, and lets the
+    bounded shutdown abandon a request still in flight."""
+
+    def __init__(self, inner: MetricExporter | SpanExporter, counter: DropCounter):
+        MetricExporter.__init__(self, preferred_temporality=getattr(inner, "_preferred_temporality", None),
+                                preferred_aggregation=getattr(inner, "_preferred_aggregation", None))
         self.inner, self.counter = inner, counter
+        self.failure = MetricExportResult.FAILURE if isinstance(inner, MetricExporter) else SpanExportResult.FAILURE
+        self.seen = 0  # items handed to ``export``, delivered or not
+        self.in_flight = 0
+        self.abandoned = False
 
-    @staticmethod
-    def _points(data: MetricsData) -> int:
-        return sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
-                   for m in sm.metrics)
-
-    in_flight = 0
-    abandoned = False
-
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
+    def export(self, data, **kwargs):
+        n = _count(data)
+        self.seen += n
+        failure = self.failure
         if self.abandoned:
-            return MetricExportResult.FAILURE
-        n = self.in_flight = self._points(metrics_data)
+            self.counter.fail(n, "the collector did not answer before the shutdown timeout")
+            return failure
+        self.in_flight = n
         try:
-            result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        except Exception as err:  # an exporter bug must not reach the reader thread
-            result, reason = MetricExportResult.FAILURE, repr(err)
-        else:
-            reason = None
+            result, reason = self.inner.export(data, **kwargs), None
+        except Exception as err:  # an exporter bug must not reach the SDK's worker thread
+            result, reason = failure, repr(err)
         self.in_flight = 0
         if not self.abandoned:  # once abandoned, ``abandon`` has counted this batch
-            (self.counter.ok(n) if result == MetricExportResult.SUCCESS else self.counter.fail(n, reason))
+            (self.counter.ok(n) if result.name == "SUCCESS" else self.counter.fail(n, reason))
         return result
 
     def abandon(self) -> None:
-        """Shutdown ran out of time: count the batch still in flight as dropped and stop the exporter."""
+        """Shutdown ran out of time: count the batch still in flight as dropped and stop the exporter (which also
+        ends the SDK's retry backoff)."""
         self.abandoned = True
         if self.in_flight:
             self.counter.fail(self.in_flight, "the collector did not answer before the shutdown timeout")
         self.inner.shutdown()
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return self.inner.force_flush(timeout_millis=timeout_millis)
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-        self.inner.shutdown(timeout_millis=timeout_millis)
-
-
-class CountingSpanExporter(SpanExporter):
-    def __init__(self, inner: SpanExporter, counter: DropCounter):
-        self.inner, self.counter = inner, counter
-        self.seen = 0
-        self.in_flight = 0
-        self.abandoned = False
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.seen += len(spans)
-        if self.abandoned:
-            self.counter.fail(len(spans), "the collector did not answer before the shutdown timeout")
-            return SpanExportResult.FAILURE
-        self.in_flight = len(spans)
-        try:
-            result = self.inner.export(spans)
-        except Exception as err:
-            result, reason = SpanExportResult.FAILURE, repr(err)
-        else:
-            reason = None
-        self.in_flight = 0
-        if not self.abandoned:
-            (self.counter.ok(len(spans)) if result == SpanExportResult.SUCCESS
-             else self.counter.fail(len(spans), reason))
-        return result
-
-    def abandon(self) -> None:
-        self.abandoned = True
-        if self.in_flight:
-            self.counter.fail(self.in_flight, "the collector did not answer before the shutdown timeout")
-        self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return self.inner.force_flush(timeout_millis)
 
-    def shutdown(self) -> None:
-        self.inner.shutdown()
+    def shutdown(self, **kwargs) -> None:
+        self.inner.shutdown(**kwargs)
 
 
 class CountingSpanProcessor(SpanProcessor):
     """In front of a ``BatchSpanProcessor``: spans ended minus spans handed to the exporter, beyond the queue's
     capacity, were dropped by the bounded queue; that is detected on the training thread in O(1)."""
 
-    def __init__(self, inner: SpanProcessor, exporter: CountingSpanExporter, counter: DropCounter, max_queue_size: int):
-        self.inner, self.exporter, self.counter, self.max_queue_size = inner, exporter, counter, max_queue_size
+    def __init__(self, inner: SpanProcessor, exporter: CountingExporter, max_queue_size: int):
+        self.inner, self.exporter, self.max_queue_size = inner, exporter, max_queue_size
         self.ended = 0
 
     def on_start(self, span, parent_context=None) -> None:
@@ -467,9 +413,10 @@ class CountingSpanProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         self.ended += 1
-        backlog = self.ended - self.exporter.seen - self.counter.dropped_in_queue
+        counter = self.exporter.counter
+        backlog = self.ended - self.exporter.seen - counter.dropped_in_queue
         if backlog > self.max_queue_size:
-            self.counter.queue_overflow(backlog - self.max_queue_size)
+            counter.queue_overflow(backlog - self.max_queue_size)
         self.inner.on_end(span)
 
     def shutdown(self) -> None:
@@ -479,25 +426,62 @@ class CountingSpanProcessor(SpanProcessor):
         return self.inner.force_flush(timeout_millis)
 
 
-def bounded(fn: Callable[[], Any], timeout: float, on_timeout: Callable[[], Any] | None = None) -> bool:
-    """Run ``fn`` on a daemon thread and wait at most ``timeout`` seconds. On timeout, call ``on_timeout`` (which
-    should make ``fn`` give up, e.g. shut the exporter down) and return False: the caller never waits longer."""
-    done = threading.Event()
+class ExportPipeline:
+    """One signal's export for a logger or a callback: a ``CountingExporter`` per stage around the SDK exporter,
+    one ``DropCounter`` for the owner's whole life, and the bounded final flush.
 
-    def run():
-        try:
-            fn()
-        except Exception as err:  # a failing flush must not fail training
-            log.debug("OTLP flush/shutdown raised %r", err)
-        finally:
-            done.set()
+    ``start`` returns the exporter for the SDK's reader or span processor; ``close`` runs the provider's shutdown
+    (which flushes) on a daemon thread and returns after it, after ``timeout`` seconds, or ``FAILING_WAIT`` seconds
+    after the collector is known to fail (a failed export, or the SDK's retry message), whichever is first.
+    """
 
-    threading.Thread(target=run, name="align-otlp-shutdown", daemon=True).start()
-    if done.wait(timeout):
-        return True
-    if on_timeout is not None:
-        try:
-            on_timeout()
-        except Exception:
-            pass
-    return False
+    def __init__(self, settings: ExportSettings):
+        self.settings = settings
+        self.counter = DropCounter(settings.signal, settings)
+        self.exporter: CountingExporter | None = None
+
+    @property
+    def dropped(self) -> int:
+        return self.counter.dropped
+
+    def start(self, run_id: str) -> CountingExporter:
+        self.counter.run_id = run_id
+        self.exporter = CountingExporter(self.settings.exporter(), self.counter)
+        SDK_LOGS.acquire(self.settings.address)
+        return self.exporter
+
+    def close(self, shutdown: Callable[[], Any]) -> bool:
+        """Run ``shutdown`` (the provider's) with the bounded wait; True when it finished in time."""
+        exporter, self.exporter = self.exporter, None
+        if exporter is None:
+            return True
+        done = threading.Event()
+
+        def run():
+            try:
+                shutdown()
+            except Exception as err:  # a failing flush must not fail training
+                log.debug("OTLP shutdown raised %r", err)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="align-otlp-shutdown", daemon=True).start()
+        finished = _wait(done, self.settings.timeout, lambda: self.settings.address in _failing)
+        if not finished or (exporter.in_flight and not exporter.abandoned):  # the SDK returned with a request pending
+            try:
+                exporter.abandon()
+            except Exception as err:
+                log.debug("OTLP exporter shutdown raised %r", err)
+        SDK_LOGS.release(grace=self.settings.timeout + 1.0)
+        return finished
+
+
+def _wait(done: threading.Event, timeout: float, failing: Callable[[], bool]) -> bool:
+    """Wait for ``done`` at most ``timeout`` seconds: at most ``FAILING_WAIT`` when the collector was failing
+    already, and no longer once it starts failing during the wait (the SDK then only backs off and retries)."""
+    failed_before = failing()
+    deadline = time.monotonic() + (min(timeout, FAILING_WAIT) if failed_before else timeout)
+    while not done.wait(0.05):
+        if time.monotonic() >= deadline or (not failed_before and failing()):
+            return done.is_set()
+    return True

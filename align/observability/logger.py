@@ -2,14 +2,13 @@
 
 Naming scheme: ``<prefix>.<name with "/" replaced by ".">``; ``train/kl`` -> ``align.train.kl``,
 ``rollout/reward_mean`` -> ``align.rollout.reward_mean``, Lightning's ``epoch`` -> ``align.epoch``; the trainer's step
-is ``align.step``. Scalars are gauges (the last logged value at each export). Distributions recorded with
-``record_distribution`` (or scalars whose name matches ``histogram_metrics``) are histograms, base-2 exponential by
-default. Every data point carries ``align.run_id``, ``align.algorithm``, ``align.model`` and ``align.rank``;
-hyperparameters are flattened, redacted and exported as the attributes of ``align.run.info`` (value 1).
+is ``align.step``. Scalars are gauges (the last logged value at each export); scalars whose name matches
+``histogram_metrics`` are histograms, base-2 exponential by default. Every data point carries ``align.run_id``,
+``align.algorithm``, ``align.model`` and ``align.rank``; hyperparameters are flattened, redacted and exported as the
+attributes of ``align.run.info`` (value 1).
 
-The training thread does almost nothing: ``log_metrics`` stores floats, ``record_distribution`` appends to a bounded
-buffer. The SDK reads both on the exporter's thread at each collection (observable gauges; the buffered values are
-recorded into the histograms by the first callback of the collection).
+The training thread does almost nothing: ``log_metrics`` stores floats, which the SDK reads on the exporter's thread
+at each collection (observable gauges).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 from argparse import Namespace
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 from lightning.pytorch.loggers.logger import Logger
 from opentelemetry.sdk.metrics import Histogram, MeterProvider
@@ -36,31 +35,25 @@ from align.observability.attributes import (
     model_name_of,
 )
 from align.observability.export import (
-    SDK_LOGS,
-    CountingMetricExporter,
-    DropCounter,
+    ExportPipeline,
     ExportSettings,
     ObservabilityConfigError,
-    bounded,
     build_resource,
     current_rank,
     default_run_id,
-    make_metric_exporter,
     publish_run_id,
 )
 
 SCOPE = "align.observability"
-MAX_PENDING_VALUES = 1_000_000  # distribution values buffered between two exports; beyond, dropped and counted
 
 
 class OTLPLogger(Logger):
     """Exports the run's metrics over OTLP to a collector (Grafana Alloy, the OTel Collector, Jaeger, Honeycomb,
     Datadog, ...). Export runs on a background thread; a down or slow collector never slows or fails training.
 
-    Every argument left unset falls back to the standard environment variable (``OTEL_EXPORTER_OTLP_ENDPOINT``,
-    ``..._PROTOCOL``, ``..._HEADERS``, ``..._INSECURE``, ``..._COMPRESSION``, ``..._TIMEOUT`` (ms),
-    ``..._CERTIFICATE``, the ``..._METRICS_*`` variants, ``OTEL_METRIC_EXPORT_INTERVAL`` (ms),
-    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``), then to a local collector on ``localhost``.
+    Every argument left unset is left to the OpenTelemetry SDK, which reads the standard environment variables
+    (``OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT``, ``..._HEADERS``, ``..._COMPRESSION``, ...); align reads
+    ``..._PROTOCOL``, ``..._TIMEOUT`` (ms) and ``OTEL_METRIC_EXPORT_INTERVAL`` (ms). The default is a local collector.
     """
 
     def __init__(
@@ -129,18 +122,13 @@ class OTLPLogger(Logger):
         self._rank_zero_only = rank_zero_only
 
         self._lock = threading.Lock()
+        self._pipeline = ExportPipeline(self._settings)
         self._provider: MeterProvider | None = None
-        self._exporter: CountingMetricExporter | None = None
-        self._counter: DropCounter | None = None
         self._meter = None
         self._attrs: dict[str, Any] = {}
         self._last: dict[str, float | None] = {}  # Lightning name (and "step") -> last logged value
-        self._pending: list[tuple[str, list[float]]] = []  # distribution values not yet in a histogram
-        self._pending_n = 0
-        self._pending_lock = threading.Lock()
         self._histograms: dict[str, Any] = {}
         self._hparams: dict[str, Any] = {}
-        self._past_counters: list[DropCounter] = []
         self._metrics_sink = None
         self.skipped_non_finite = 0
 
@@ -165,8 +153,7 @@ class OTLPLogger(Logger):
     @property
     def dropped(self) -> int:
         """Metric data points that could not be delivered so far (collector down, slow or refusing)."""
-        counters = [*self._past_counters, *([self._counter] if self._counter else [])]
-        return sum(c.dropped for c in counters)
+        return self._pipeline.dropped
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None, *args: Any, **kwargs: Any) -> None:
         if isinstance(params, Namespace):
@@ -195,7 +182,7 @@ class OTLPLogger(Logger):
                 self.skipped_non_finite += 1
                 continue
             if self._histogram_patterns and matches_any(key, self._histogram_patterns):
-                self._buffer(key, [value])
+                self._histogram(key).record(value, self._attrs)
             else:
                 if key not in last:
                     self._observe(key)
@@ -205,48 +192,27 @@ class OTLPLogger(Logger):
         if self._metrics_sink is not None:  # the tracing callback puts them on the step span
             self._metrics_sink(metrics)
 
-    def record_distribution(self, name: str, values: Iterable[float] | Any) -> None:
-        """Record every value of a distribution (e.g. ``"rollout/reward"``, per-sample rewards) in a histogram
-        named by the same scheme (``align.rollout.reward``). ``values``: numbers or a tensor of any shape."""
-        if not self._enabled():
-            return
-        self._ensure_started()
-        floats = _flat_floats(values)
-        finite = [v for v in floats if math.isfinite(v)]
-        self.skipped_non_finite += len(floats) - len(finite)
-        self._buffer(name, finite)
-
     def save(self) -> None:
         pass
 
     def finalize(self, status: str) -> None:
-        """Flush and shut the exporter down, waiting at most ``timeout`` seconds. Lightning calls this at the end
-        of every stage; logging again afterwards (the CLI validates after fit) starts a new exporter."""
+        """Flush and shut the exporter down, waiting at most ``timeout`` seconds (see ``ExportPipeline``). Lightning
+        calls this at the end of every stage; logging again afterwards (the CLI validates after fit) starts anew."""
         with self._lock:
-            provider, exporter, counter = self._provider, self._exporter, self._counter
-            self._provider = self._exporter = self._counter = None
-        if provider is None:
-            return
-        # After a failure, or with an export still retrying, the collector is down or slow: a short last try.
-        wait = self._settings.timeout if counter.failed == 0 and not exporter.in_flight \
-            else min(self._settings.timeout, 1.0)
-        bounded(lambda: provider.shutdown(timeout_millis=wait * 1000), wait, on_timeout=exporter.abandon)
-        if exporter.in_flight and not exporter.abandoned:  # the SDK returned with a request still pending
-            exporter.abandon()
-        self._past_counters.append(counter)
-        SDK_LOGS.release(grace=self._settings.timeout + 1.0)
+            provider, self._provider = self._provider, None
+        if provider is not None:
+            self._pipeline.close(lambda: provider.shutdown(timeout_millis=self._settings.timeout * 1000))
 
     def __getstate__(self) -> dict:
         # Picklable for spawn-based launchers: exporters and locks are rebuilt in the new process.
         state = self.__dict__.copy()
-        state.update(_lock=None, _pending_lock=None, _metrics_sink=None, _provider=None, _exporter=None,
-                     _counter=None, _meter=None, _attrs={}, _past_counters=[], _last={}, _pending=[], _pending_n=0,
-                     _histograms={})
+        state.update(_lock=None, _pipeline=None, _metrics_sink=None, _provider=None, _meter=None, _attrs={},
+                     _last={}, _histograms={})
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock, self._pending_lock = threading.Lock(), threading.Lock()
+        self._lock, self._pipeline = threading.Lock(), ExportPipeline(self._settings)
 
     # ------------------------------------------------------------------ internals
 
@@ -263,23 +229,18 @@ class OTLPLogger(Logger):
             resource = build_resource(run_id=self._run_id, rank=rank, service_name=self._service_name,
                                       resource_attributes=self._resource_attributes, algorithm=self._algorithm,
                                       model_name=self._model_name)
-            counter = DropCounter("metrics", self._settings, self._run_id)
-            exporter = CountingMetricExporter(make_metric_exporter(self._settings), counter)
-            SDK_LOGS.acquire()
-            reader = PeriodicExportingMetricReader(exporter, export_interval_millis=self._export_interval * 1000,
+            reader = PeriodicExportingMetricReader(self._pipeline.start(self._run_id),
+                                                   export_interval_millis=self._export_interval * 1000,
                                                    export_timeout_millis=self._settings.timeout * 1000)
             aggregation = (ExplicitBucketHistogramAggregation(self._histogram_boundaries)
                            if self._histogram_boundaries else ExponentialBucketHistogramAggregation())
             provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False,
                                      views=[View(instrument_type=Histogram, aggregation=aggregation)])
-            self._exporter, self._counter = exporter, counter
             self._meter = provider.get_meter(SCOPE)
             self._attrs = {"align.run_id": self._run_id, "align.rank": rank,
                            "align.algorithm": self._algorithm or "unknown",
                            "align.model": self._model_name or "unknown"}
-            self._last, self._pending, self._pending_n, self._histograms = {}, [], 0, {}
-            # Created first, so its callback runs first at each collection: it moves buffered distributions into
-            # the histograms before they are collected.
+            self._last, self._histograms = {}, {}
             self._meter.create_observable_gauge(metric_name("step", self._prefix), callbacks=[self._collect_step])
             self._meter.create_observable_gauge(metric_name("run/info", self._prefix), callbacks=[self._collect_info])
             self._provider = provider
@@ -295,29 +256,17 @@ class OTLPLogger(Logger):
         self._last.setdefault(key, None)
         self._meter.create_observable_gauge(metric_name(key, self._prefix), callbacks=[callback])
 
-    def _buffer(self, key: str, values: list[float]) -> None:
-        with self._pending_lock:
-            if self._pending_n + len(values) > MAX_PENDING_VALUES:
-                if self._counter is not None:
-                    self._counter.queue_overflow(len(values))
-                return
-            self._pending.append((key, values))
-            self._pending_n += len(values)
+    def _histogram(self, key: str):
+        histogram = self._histograms.get(key)
+        if histogram is None:
+            histogram = self._histograms[key] = self._meter.create_histogram(metric_name(key, self._prefix))
+        return histogram
 
     def _collect_step(self, options):
         from opentelemetry.metrics import Observation
 
-        with self._pending_lock:
-            pending, self._pending, self._pending_n = self._pending, [], 0
-        attrs = self._attrs
-        for key, values in pending:
-            histogram = self._histograms.get(key)
-            if histogram is None:
-                histogram = self._histograms[key] = self._meter.create_histogram(metric_name(key, self._prefix))
-            for value in values:
-                histogram.record(value, attrs)
         step = self._last.get("step")
-        return [] if step is None else [Observation(step, attrs)]
+        return [] if step is None else [Observation(step, self._attrs)]
 
     def _collect_info(self, options):
         from opentelemetry.metrics import Observation
@@ -337,10 +286,3 @@ def _as_float(value: Any) -> float | None:
             return None
     return None
 
-
-def _flat_floats(values: Any) -> list[float]:
-    if hasattr(values, "detach"):  # torch tensor: one device-to-host copy
-        return values.detach().float().reshape(-1).cpu().tolist()
-    if hasattr(values, "tolist") and hasattr(values, "shape"):
-        return [float(v) for v in values.reshape(-1).tolist()]
-    return [float(v) for v in values]

@@ -5,8 +5,8 @@ Span tree of one ``trainer.fit`` (one trace per fit; a standalone validate is it
     fit                                 run id, algorithm, model, world size, hyperparameters
     ├── epoch                           align.epoch
     │   ├── step                        align.step, align.batch.size, align.batch.tokens, logged step metrics
-    │   │   ├── generation / scoring / reference_forward / value_forward / update_epoch ...
-    │   │   │                           opened by the module with ``align.observability.span(...)``
+    │   │   ├── generation / scoring / update
+    │   │   │                           the RL modules' ``Timer`` sections (``align.observability.timing``)
     │   ├── checkpoint_save             from ``on_save_checkpoint`` to the end of the file write
     │   └── validation
     └── ...
@@ -26,25 +26,16 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
-from align.observability import spans as _spans
-from align.observability.attributes import (
-    algorithm_of,
-    attribute_value,
-    hparam_attributes,
-    metric_name,
-    model_name_of,
-)
+from align.observability import timing
+from align.observability.attributes import algorithm_of, hparam_attributes, metric_name, model_name_of
 from align.observability.export import (
-    SDK_LOGS,
-    CountingSpanExporter,
     CountingSpanProcessor,
-    DropCounter,
+    ExportPipeline,
     ExportSettings,
-    bounded,
+    ObservabilityConfigError,
     build_resource,
     current_rank,
     default_run_id,
-    make_span_exporter,
 )
 
 SCOPE = "align.observability"
@@ -56,12 +47,13 @@ DEFAULT_STEP_METRICS = (
 
 
 class OTelTracingCallback(Callback):
-    """Traces fit -> epoch -> step (and the module's own ``span(...)`` sections, checkpoint saves and validation)
+    """Traces fit -> epoch -> step (and the modules' ``Timer`` sections, checkpoint saves and validation)
     and exports them over OTLP. Under DDP every rank exports its own spans as its own service instance
     (``service.instance.id = <run id>-rank<N>``, attribute ``align.rank``).
 
-    Unset arguments fall back to the standard ``OTEL_EXPORTER_OTLP_*`` / ``..._TRACES_*`` variables,
-    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``. With an ``OTLPLogger`` on the trainer both share its run id.
+    Unset arguments are left to the OpenTelemetry SDK, which reads the standard ``OTEL_EXPORTER_OTLP_*`` /
+    ``..._TRACES_*`` variables, ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``. With an ``OTLPLogger`` on
+    the trainer both share its run id.
     """
 
     def __init__(
@@ -97,15 +89,13 @@ class OTelTracingCallback(Callback):
             service_name: OTel ``service.name`` (default ``align``).
             resource_attributes: Extra resource attributes (after ``OTEL_RESOURCE_ATTRIBUTES``).
             run_id: Run id; default: the trainer's ``OTLPLogger`` run id, else ``ALIGN_RUN_ID``, else a new one.
-            step_every_n: Trace every n-th training batch (1: every batch); the module's spans in untraced steps
+            step_every_n: Trace every n-th training batch (1: every batch); the modules' sections in untraced steps
                 nest under the epoch span.
             step_metrics: Logged metrics copied onto step spans when present; default: loss, KL, entropy, reward
                 mean, response length and throughput names of docs/observability.md. An empty list reads none.
         """
         super().__init__()
         if max_queue_size < 1 or max_export_batch_size < 1 or step_every_n < 1:
-            from align.observability.export import ObservabilityConfigError
-
             raise ObservabilityConfigError("max_queue_size, max_export_batch_size and step_every_n must be >= 1")
         self._settings = ExportSettings.resolve(
             "traces", endpoint=endpoint, protocol=protocol, headers=headers, insecure=insecure,
@@ -120,11 +110,9 @@ class OTelTracingCallback(Callback):
         self._step_every_n = int(step_every_n)
         self._step_metrics = tuple(DEFAULT_STEP_METRICS if step_metrics is None else step_metrics)
 
+        self._pipeline = ExportPipeline(self._settings)
         self._provider: TracerProvider | None = None
         self._tracer = None
-        self._exporter: CountingSpanExporter | None = None
-        self._counter: DropCounter | None = None
-        self._past_counters: list[DropCounter] = []
         self._root = None  # fit / validate / test / predict span
         self._epoch = None
         self._step = None
@@ -144,8 +132,7 @@ class OTelTracingCallback(Callback):
     @property
     def dropped(self) -> int:
         """Spans that could not be delivered so far (collector down, slow or refusing, or a full queue)."""
-        counters = [*self._past_counters, *([self._counter] if self._counter else [])]
-        return sum(c.dropped for c in counters)
+        return self._pipeline.dropped
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,7 +141,7 @@ class OTelTracingCallback(Callback):
         self._resolve_run_id(trainer)
         if self._provider is None:
             self._start(pl_module)
-        _spans._install(self)
+        timing._install(self)
         self._wrap_checkpoint_write(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -163,8 +150,8 @@ class OTelTracingCallback(Callback):
             if getattr(lg, "_metrics_sink", None) == self.receive_logged_metrics:
                 lg._metrics_sink = None
         self._unwrap_checkpoint_write(trainer)
-        if _spans._current() is self:
-            _spans._install(None)
+        if timing._active is self:
+            timing._install(None)
         self._shutdown()
         self._trainer = None
 
@@ -189,31 +176,20 @@ class OTelTracingCallback(Callback):
         resource = build_resource(run_id=self.run_id, rank=rank, service_name=self._service_name,
                                   resource_attributes=self._resource_attributes, algorithm=self._algorithm,
                                   model_name=self._model_name)
-        self._counter = DropCounter("traces", self._settings, self.run_id)
-        self._exporter = CountingSpanExporter(make_span_exporter(self._settings), self._counter)
-        SDK_LOGS.acquire()
-        batch = BatchSpanProcessor(self._exporter, max_queue_size=self._max_queue_size,
+        exporter = self._pipeline.start(self.run_id)
+        batch = BatchSpanProcessor(exporter, max_queue_size=self._max_queue_size,
                                    schedule_delay_millis=self._export_interval * 1000,
                                    max_export_batch_size=self._max_export_batch_size,
                                    export_timeout_millis=self._settings.timeout * 1000)
         self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self._provider.add_span_processor(
-            CountingSpanProcessor(batch, self._exporter, self._counter, self._max_queue_size))
+            CountingSpanProcessor(batch, exporter, self._max_queue_size))
         self._tracer = self._provider.get_tracer(SCOPE)
 
     def _shutdown(self) -> None:
-        provider, exporter, counter = self._provider, self._exporter, self._counter
-        self._provider = self._tracer = self._exporter = self._counter = None
-        if provider is None:
-            return
-        # After a failure, or with an export still retrying, the collector is down or slow: a short last try.
-        wait = self._settings.timeout if counter.failed == 0 and not exporter.in_flight \
-            else min(self._settings.timeout, 1.0)
-        bounded(provider.shutdown, wait, on_timeout=exporter.abandon)
-        if exporter.in_flight and not exporter.abandoned:  # the SDK returned with a request still pending
-            exporter.abandon()
-        self._past_counters.append(counter)
-        SDK_LOGS.release(grace=self._settings.timeout + 1.0)
+        provider, self._provider, self._tracer = self._provider, None, None
+        if provider is not None:
+            self._pipeline.close(provider.shutdown)
 
     # ------------------------------------------------------------------ span helpers
 
@@ -277,23 +253,21 @@ class OTelTracingCallback(Callback):
             self._end(span)
             setattr(self, attr, None)
 
-    # ------------------------------------------------------------------ backend of align.observability.span
+    # ------------------------------------------------------------------ Timer sections
 
-    def child_span(self, name: str, attributes: dict[str, Any]):
+    def open_span(self, name: str):
+        """The span of a ``Timer`` block (``align.observability.timing``), entered: a child of the span open in this
+        thread, else of the trainer's innermost open span (step, validation, epoch, fit)."""
         tracer = self._tracer
         if tracer is None:
-            return _spans.NOOP_SPAN
-        current = trace.get_current_span()
-        parent_ctx = None if current.get_span_context().is_valid and current.is_recording() \
-            else trace.set_span_in_context(self._parent()) if self._parent() is not None else None
-        attrs = {k: attribute_value(v) for k, v in attributes.items()} if attributes else None
-        return tracer.start_as_current_span(name, context=parent_ctx, attributes=attrs)
-
-    def annotate(self, attributes: dict[str, Any]) -> None:
-        current = trace.get_current_span()
-        target = current if current.get_span_context().is_valid and current.is_recording() else self._parent()
-        if target is not None:
-            target.set_attributes({k: attribute_value(v) for k, v in attributes.items()})
+            return None
+        context = None
+        if not trace.get_current_span().is_recording():
+            parent = self._parent()
+            context = trace.set_span_in_context(parent) if parent is not None else None
+        span = tracer.start_as_current_span(name, context=context)
+        span.__enter__()
+        return span
 
     # ------------------------------------------------------------------ Lightning hooks
 

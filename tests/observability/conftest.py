@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 
-from align.observability import annotate, record_distribution, span
+from align.observability import Timer
 from otlp_receiver import Receiver
 
 
@@ -23,30 +23,25 @@ def _clean_otel_env(monkeypatch):
 
 
 class ToyRLModule(L.LightningModule):
-    """A stand-in for an RL module: the spans and distributions a GRPO/PPO step records, on a linear model."""
+    """A stand-in for an RL module: a GRPO/PPO step's timed sections and metrics, on a linear model."""
 
     def __init__(self, fail_at_step: int | None = None, hf_token: str = "hf_0123456789abcdefghij", beta: float = 0.04):
         super().__init__()
         self.save_hyperparameters()
         self.layer = torch.nn.Linear(4, 1)
         self.fail_at_step = fail_at_step
+        self.timings: dict[str, float] = {}
 
     def training_step(self, batch, batch_idx):
-        if self.fail_at_step is not None and self.global_step == self.fail_at_step:
-            raise RuntimeError("reward function exploded")
+        self.timings = {}
         x = batch[0]
-        with span("generation", prompts=int(x.shape[0])) as s:
-            s.set_attribute("completion_tokens", 7)
-        with span("scoring"):
+        with Timer(self.timings, "time/generation_s"):
+            if self.fail_at_step is not None and self.global_step == self.fail_at_step:
+                raise RuntimeError("reward function exploded")
+        with Timer(self.timings, "time/scoring_s"):
             rewards = torch.arange(x.shape[0], dtype=torch.float32) / 2  # 0, 0.5, 1.0, ...
-        with span("reference_forward"):
-            pass
-        loss = self.layer(x).pow(2).mean()
-        for epoch in range(2):
-            with span("update_epoch", epoch=epoch):
-                pass
-        annotate(reward_mean=float(rewards.mean()))
-        record_distribution(self, "rollout/reward", rewards)
+        with Timer(self.timings, "time/update_s"):
+            loss = self.layer(x).pow(2).mean()
         self.log("train/loss", loss, on_step=True)
         self.log("train/kl", 0.25, on_step=True)
         self.log("rollout/reward_mean", rewards.mean(), on_step=True)

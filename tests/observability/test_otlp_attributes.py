@@ -13,7 +13,7 @@ from align.observability.attributes import (
     is_secret_key,
     metric_name,
 )
-from align.observability.export import ExportSettings, ObservabilityConfigError, parse_headers
+from align.observability.export import ExportSettings, ObservabilityConfigError
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -80,46 +80,51 @@ def test_settings_from_arguments():
     assert (s.endpoint, s.insecure, s.headers, s.compression, s.timeout) == \
         ("127.0.0.1:9999", True, {"x-key": "v"}, "gzip", 2.5)
     h = ExportSettings.resolve("traces", endpoint="https://otel.example.com", protocol="http/protobuf")
-    assert h.endpoint == "https://otel.example.com/v1/traces" and not h.insecure  # a URL's own default port
+    assert h.endpoint == "https://otel.example.com/v1/traces"  # TLS on the URL's own default port
     assert ExportSettings.resolve("traces", endpoint="https://otel.example.com").endpoint == "otel.example.com:443"
     assert ExportSettings.resolve("traces", endpoint="collector").endpoint == "collector:4317"
     assert ExportSettings.resolve("traces", endpoint="collector", protocol="http").endpoint == \
         "http://collector:4318/v1/traces"
     h = ExportSettings.resolve("metrics", endpoint="http://host:1234/otlp/", protocol="http")
-    assert h.endpoint == "http://host:1234/otlp/v1/metrics" and h.insecure
+    assert h.endpoint == "http://host:1234/otlp/v1/metrics"  # plain text: the scheme says so
 
 
-def test_settings_fall_back_to_the_standard_environment(monkeypatch):
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+def test_unset_settings_are_left_to_the_sdk_exporter(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "api-key=s%20ecret,x-team=rl")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2500")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://tempo:4318/custom/traces")
-    m = ExportSettings.resolve("metrics")
-    assert m.endpoint == "http://collector:4318/v1/metrics"
-    assert m.headers == {"api-key": "s ecret", "x-team": "rl"} and m.timeout == 2.5 and m.compression == "gzip"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "2500")  # milliseconds, as the specification says
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
     t = ExportSettings.resolve("traces")
-    assert t.endpoint == "http://tempo:4318/custom/traces"  # a signal-specific URL is used as given
+    assert (t.protocol, t.timeout, t.endpoint, t.headers, t.compression, t.insecure) == \
+        ("http/protobuf", 2.5, None, None, None, None)
+    assert t.address == "collector:4318"  # for messages: where the SDK exporter will send
+    assert ExportSettings.resolve("metrics").timeout == 10.0
     # arguments win over the environment
-    assert ExportSettings.resolve("metrics", endpoint="localhost:1", protocol="grpc").endpoint == "localhost:1"
+    m = ExportSettings.resolve("metrics", endpoint="localhost:1", protocol="grpc", timeout=3)
+    assert (m.protocol, m.endpoint, m.timeout) == ("grpc", "localhost:1", 3)
 
 
-def test_bad_settings_fail_with_a_clear_message():
+def test_bad_settings_fail_with_a_clear_message(monkeypatch):
     with pytest.raises(ObservabilityConfigError, match="protocol"):
         ExportSettings.resolve("metrics", protocol="thrift")
     with pytest.raises(ObservabilityConfigError, match="compression"):
         ExportSettings.resolve("metrics", compression="zstd")
-    with pytest.raises(ObservabilityConfigError, match="key=value"):
-        parse_headers("novalue")
     with pytest.raises(ObservabilityConfigError, match="timeout"):
         ExportSettings.resolve("metrics", timeout=0)
+    with pytest.raises(ObservabilityConfigError, match="endpoint"):
+        ExportSettings.resolve("metrics", endpoint="ftp://collector")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "thrift")
+    with pytest.raises(ObservabilityConfigError, match="OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"):
+        ExportSettings.resolve("metrics")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd")  # refused by the SDK's gRPC exporter
+    with pytest.raises(ObservabilityConfigError, match="OTEL_EXPORTER_OTLP_COMPRESSION"):
+        ExportSettings.resolve("metrics").exporter()
 
 
-def test_the_span_api_does_not_import_opentelemetry():
+def test_the_timer_does_not_import_opentelemetry():
     code = ("import sys, align.observability as o\n"
-            "with o.span('generation', n=1) as s: s.set_attribute('x', 1)\n"
-            "o.annotate(a=1); o.record_distribution(None, 'rollout/reward', [1.0])\n"
-            "assert not o.tracing_enabled()\n"
+            "timings = {}\n"
+            "with o.Timer(timings, 'time/generation_s'): pass\n"
+            "assert timings['time/generation_s'] >= 0\n"
             "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'opentelemetry imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

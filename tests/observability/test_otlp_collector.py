@@ -2,7 +2,8 @@
 
 A recipe runs a few steps through the CLI with ``--trainer.logger+=align.observability.OTLPLogger`` and
 ``--trainer.callbacks+=align.observability.OTelTracingCallback``; the collector's debug output must show the metric
-names and values (equal to the CSV's) and the fit -> epoch -> step span tree, over gRPC and over HTTP/protobuf.
+names and values (equal to the CSV's) and the fit -> epoch -> step span tree (with GRPO's generation, scoring and
+update sections under each step), over gRPC and over HTTP/protobuf.
 
 ``RUNS`` holds what is algorithm-specific (recipe classes, tiny overrides, the metrics to expect); ``CASES`` picks
 the (algorithm, protocol) pairs: SFT over both transports, GRPO (rollouts, rewards, KL) over gRPC.
@@ -33,6 +34,7 @@ class Run:
     metrics: list[str]  # Lightning metric names the run must export
     step_metric: str  # a metric copied onto step spans
     steps: int = 3
+    sections: tuple[str, ...] = ()  # the module's Timer spans under each step span
 
 
 RUNS = {
@@ -42,7 +44,8 @@ RUNS = {
     "grpo": Run("align.modules.grpo.GRPOModule", "align.data.prompts.PromptDataModule",
                 ["--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
                  "--model.init_args.sampling.max_new_tokens", "8", "--trainer.max_steps", "2"],
-                metrics=["train/loss", "train/kl", "rollout/reward_mean"], step_metric="rollout/reward_mean", steps=2),
+                metrics=["train/loss", "train/kl", "rollout/reward_mean"], step_metric="rollout/reward_mean", steps=2,
+                sections=("generation", "scoring", "update")),
 }
 CASES = [("sft", "grpc"), ("sft", "http/protobuf"), ("grpo", "grpc")]
 
@@ -233,6 +236,7 @@ def test_recipe_exports_metrics_and_traces_to_a_real_collector(collector, tmp_pa
         assert epoch["name"] == "epoch" and by_id[epoch["parent_id"]]["name"] == "fit"
         assert metric_attr(spec.step_metric) in step["attributes"]
         assert "align.batch.size" in step["attributes"]
+        assert sorted(s["name"] for s in spans if s.get("parent_id") == step["id"]) == sorted(spec.sections)
     if list(root.rglob("*.ckpt")):  # ModelCheckpoint saved (SFT's config does; GRPO's saves after validation only)
         assert "checkpoint_save" in names
 
