@@ -95,9 +95,9 @@ def run_trial(spec: dict) -> dict:
 
         logger = OTLPLogger(endpoint=spec["endpoint"], protocol=spec["protocol"])
         tracer = OTelTracingCallback(endpoint=spec["endpoint"], protocol=spec["protocol"])
-        for obj, names in ((logger, ("log_metrics", "log_hyperparams", "record_distribution")),
+        for obj, names in ((logger, ("log_metrics", "log_hyperparams")),
                            (tracer, ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start",
-                                     "on_train_epoch_end", "child_span", "annotate"))):
+                                     "on_train_epoch_end", "open_span"))):
             for name in names:
                 setattr(obj, name, _timed(getattr(obj, name), hook_time))
         loggers.append(logger)

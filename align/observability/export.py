@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 from urllib.parse import urlparse
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from align.errors import AlignError
 
-log = logging.getLogger("align.observability")
+SCOPE = "align.observability"  # the logger and the instrumentation scope of align's own telemetry
+log = logging.getLogger(SCOPE)
 
 Protocol_ = Literal["grpc", "http/protobuf"]
 Signal = Literal["metrics", "traces"]
@@ -306,12 +307,11 @@ _warned_lock = threading.Lock()
 
 
 class DropCounter:
-    """Counts what one logger's or callback's exports delivered and dropped over its whole life, and warns once
-    per (run, collector) for the whole process."""
+    """Counts what one logger's or callback's exports dropped over its whole life, keeps whether its collector is
+    failing (``_failing``), and warns once per (run, collector) for the whole process."""
 
-    def __init__(self, what: str, settings: ExportSettings):
-        self.what, self.settings, self.run_id = what, settings, ""
-        self.exported = 0
+    def __init__(self, settings: ExportSettings):
+        self.settings, self.run_id = settings, ""
         self.failed = 0
         self.dropped_in_queue = 0
         self.lock = threading.Lock()
@@ -320,9 +320,7 @@ class DropCounter:
     def dropped(self) -> int:
         return self.failed + self.dropped_in_queue
 
-    def ok(self, n: int) -> None:
-        with self.lock:
-            self.exported += n
+    def ok(self) -> None:
         _failing.discard(self.settings.address)
 
     def fail(self, n: int, reason: str | None = None) -> None:
@@ -344,20 +342,20 @@ class DropCounter:
             _warned.add(key)
         log.warning("OTLP export of %s to %s is failing (%s); training continues and telemetry of this run is dropped "
                     "while it fails. This is reported once; the dropped counts are on the logger's and callback's "
-                    "`dropped` attribute.", self.what, self.settings.describe(), reason or "no reason given")
+                    "`dropped` attribute.", self.settings.signal, self.settings.describe(), reason or "no reason given")
 
 
 def _count(data: Any) -> int:
-    """Spans in a span batch, data points in ``MetricsData``."""
-    if isinstance(data, (list, tuple)):
+    """Data points in ``MetricsData``, spans in a span batch."""
+    if not isinstance(data, MetricsData):
         return len(data)
     return sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
                for m in sm.metrics)
 
 
 class CountingExporter(MetricExporter, SpanExporter):
-    """Wraps an SDK metric or span exporter: counts what was delivered and dropped, never raises, and lets the
-    bounded shutdown abandon a request still in flight."""
+    """Wraps an SDK metric or span exporter: counts what was dropped, never raises, and lets the bounded shutdown
+    abandon a request still in flight."""
 
     def __init__(self, inner: MetricExporter | SpanExporter, counter: DropCounter):
         MetricExporter.__init__(self, preferred_temporality=getattr(inner, "_preferred_temporality", None),
@@ -382,7 +380,7 @@ class CountingExporter(MetricExporter, SpanExporter):
             result, reason = failure, repr(err)
         self.in_flight = 0
         if not self.abandoned:  # once abandoned, ``abandon`` has counted this batch
-            (self.counter.ok(n) if result.name == "SUCCESS" else self.counter.fail(n, reason))
+            (self.counter.ok() if result.name == "SUCCESS" else self.counter.fail(n, reason))
         return result
 
     def abandon(self) -> None:
@@ -437,7 +435,7 @@ class ExportPipeline:
 
     def __init__(self, settings: ExportSettings):
         self.settings = settings
-        self.counter = DropCounter(settings.signal, settings)
+        self.counter = DropCounter(settings)
         self.exporter: CountingExporter | None = None
 
     @property

@@ -35,6 +35,7 @@ from align.observability.attributes import (
     model_name_of,
 )
 from align.observability.export import (
+    SCOPE,
     ExportPipeline,
     ExportSettings,
     ObservabilityConfigError,
@@ -44,7 +45,6 @@ from align.observability.export import (
     publish_run_id,
 )
 
-SCOPE = "align.observability"
 
 
 class OTLPLogger(Logger):
@@ -145,10 +145,6 @@ class OTLPLogger(Logger):
     @property
     def run_id(self) -> str:
         return self._run_id
-
-    @property
-    def settings(self) -> ExportSettings:
-        return self._settings
 
     @property
     def dropped(self) -> int:

@@ -30,6 +30,7 @@ from align.observability import timing
 from align.observability.attributes import algorithm_of, hparam_attributes, metric_name, model_name_of
 from align.observability.export import (
     CountingSpanProcessor,
+    SCOPE,
     ExportPipeline,
     ExportSettings,
     ObservabilityConfigError,
@@ -38,7 +39,6 @@ from align.observability.export import (
     default_run_id,
 )
 
-SCOPE = "align.observability"
 # Logged metrics copied onto each step span when present (names in docs/observability.md, "Metrics").
 DEFAULT_STEP_METRICS = (
     "train/loss", "train/kl", "train/entropy", "train/policy_loss", "train/value_loss", "train/clipfrac",
@@ -124,10 +124,6 @@ class OTelTracingCallback(Callback):
         self._saved_save_checkpoint = None
         self._logged: dict[str, float] | None = None
         self._has_otlp_logger = False
-
-    @property
-    def settings(self) -> ExportSettings:
-        return self._settings
 
     @property
     def dropped(self) -> int:
