@@ -232,7 +232,8 @@ def build_resource(
 # ---------------------------------------------------------------------------------------------------------------
 # failure handling
 
-_failing: set[str] = set()  # collector addresses whose latest export (of any signal) failed or is retrying
+# Collector address -> failures (of any signal: failed exports, SDK retry messages) since its last successful export.
+_failures: collections.Counter[str] = collections.Counter()
 
 
 class _SdkLogCapture(logging.Filter):
@@ -258,7 +259,7 @@ class _SdkLogCapture(logging.Filter):
         self.recent.append(message)
         for address in list(self.addresses):
             if _names(message, address):
-                _failing.add(address)
+                _failures[address] += 1
         return False
 
     def reason_for(self, address: str) -> str | None:
@@ -308,7 +309,7 @@ _warned_lock = threading.Lock()
 
 class DropCounter:
     """Counts what one logger's or callback's exports dropped over its whole life, keeps whether its collector is
-    failing (``_failing``), and warns once per (run, collector) for the whole process."""
+    failing (``_failures``), and warns once per (run, collector) for the whole process."""
 
     def __init__(self, settings: ExportSettings):
         self.settings, self.run_id = settings, ""
@@ -321,12 +322,12 @@ class DropCounter:
         return self.failed + self.dropped_in_queue
 
     def ok(self) -> None:
-        _failing.discard(self.settings.address)
+        _failures.pop(self.settings.address, None)
 
     def fail(self, n: int, reason: str | None = None) -> None:
         with self.lock:
             self.failed += n
-        _failing.add(self.settings.address)
+        _failures[self.settings.address] += 1
         self.warn_once(reason or SDK_LOGS.reason_for(self.settings.address) or "no answer from the collector")
 
     def queue_overflow(self, n: int = 1) -> None:
@@ -429,8 +430,9 @@ class ExportPipeline:
     one ``DropCounter`` for the owner's whole life, and the bounded final flush.
 
     ``start`` returns the exporter for the SDK's reader or span processor; ``close`` runs the provider's shutdown
-    (which flushes) on a daemon thread and returns after it, after ``timeout`` seconds, or ``FAILING_WAIT`` seconds
-    after the collector is known to fail (a failed export, or the SDK's retry message), whichever is first.
+    (which flushes) on a daemon thread and returns when it is done, at a new failure of the collector (a failed
+    export, or the SDK's retry message), after ``FAILING_WAIT`` seconds if the collector was failing already, or
+    after ``timeout`` seconds, whichever comes first.
     """
 
     def __init__(self, settings: ExportSettings):
@@ -464,7 +466,7 @@ class ExportPipeline:
                 done.set()
 
         threading.Thread(target=run, name="align-otlp-shutdown", daemon=True).start()
-        finished = _wait(done, self.settings.timeout, lambda: self.settings.address in _failing)
+        finished = _wait(done, self.settings.timeout, lambda: _failures[self.settings.address])
         if not finished or (exporter.in_flight and not exporter.abandoned):  # the SDK returned with a request pending
             try:
                 exporter.abandon()
@@ -474,12 +476,12 @@ class ExportPipeline:
         return finished
 
 
-def _wait(done: threading.Event, timeout: float, failing: Callable[[], bool]) -> bool:
-    """Wait for ``done`` at most ``timeout`` seconds: at most ``FAILING_WAIT`` when the collector was failing
-    already, and no longer once it starts failing during the wait (the SDK then only backs off and retries)."""
-    failed_before = failing()
-    deadline = time.monotonic() + (min(timeout, FAILING_WAIT) if failed_before else timeout)
+def _wait(done: threading.Event, timeout: float, failures: Callable[[], int]) -> bool:
+    """Wait for ``done`` at most ``timeout`` seconds, at most ``FAILING_WAIT`` when the collector was failing
+    already, and no longer once a new failure shows (the SDK then only backs off and retries)."""
+    before = failures()
+    deadline = time.monotonic() + (min(timeout, FAILING_WAIT) if before else timeout)
     while not done.wait(0.05):
-        if time.monotonic() >= deadline or (not failed_before and failing()):
+        if time.monotonic() >= deadline or failures() > before:
             return done.is_set()
     return True

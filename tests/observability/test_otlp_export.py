@@ -7,7 +7,7 @@ import pytest
 
 from align.observability import OTelTracingCallback, OTLPLogger, Timer, timing
 from align.observability.attributes import REDACTED
-from align.observability.export import SDK_LOGS, _failing
+from align.observability.export import SDK_LOGS, _failures
 from conftest import ToyRLModule, toy_trainer
 
 PROTOCOLS = ["grpc", "http/protobuf"]
@@ -137,6 +137,33 @@ def test_training_exports_the_span_tree_and_metrics(receiver, protocol, tmp_path
     points = by_name(receiver.points())
     assert points["align.train.kl"][-1].value == 0.25
     assert points["align.train.kl"][-1].attributes["align.algorithm"] == "toyrl"
+
+
+def test_a_grpo_step_has_the_documented_section_spans(receiver, tmp_path):
+    """A real GRPO step on the tiny model: its Timer sections are spans named as docs/observability.md says, children
+    of the step span, and the same blocks still give the time/* metrics."""
+    from torch.utils.data import DataLoader
+
+    from align.data.chat import ChatEncoder
+    from align.data.prompts import PromptBatch
+    from align.models.policy import PolicyModel
+    from align.modules.grpo import GRPOModule
+    from align.rollout import SamplingConfig
+
+    policy = PolicyModel("tiny", seed=2)
+    prompt = "sort: b a"
+    batch = PromptBatch([ChatEncoder(policy.tokenizer).prompt_ids([{"role": "user", "content": prompt}])], [prompt],
+                        {})
+    module = GRPOModule(policy=policy, rewards=[lambda prompts, completions, **kw: [1.0] * len(completions)],
+                        group_size=2, sampling=SamplingConfig(max_new_tokens=4))
+    callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
+    toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=1).fit(
+        module, train_dataloaders=DataLoader([batch], batch_size=None))
+    spans = receiver.spans()
+    step = next(s for s in spans if s.name == "step")
+    children = sorted((s for s in spans if s.parent_span_id == step.span_id), key=lambda s: s.start)
+    assert [c.name for c in children] == ["generation", "scoring", "update"]
+    assert set(module.timings) == {"time/generation_s", "time/scoring_s", "time/update_s"}
 
 
 def test_checkpoint_saves_and_validation_are_spans(receiver, tmp_path):
@@ -296,7 +323,7 @@ def test_final_flush_to_a_refusing_collector_stops_at_the_first_retry(protocol):
     endpoint = f"127.0.0.1:{port}" if protocol == "grpc" else f"http://127.0.0.1:{port}"
     logger = OTLPLogger(endpoint=endpoint, protocol=protocol, timeout=10, export_interval=60)
     logger.log_metrics({"train/loss": 1.0}, step=0)  # no export before the final flush: the collector is untried
-    assert f"127.0.0.1:{port}" not in _failing
+    assert not _failures[f"127.0.0.1:{port}"]
     exporter = logger._pipeline.exporter
     SDK_LOGS.recent.clear()
     logger.finalize("success")
@@ -304,4 +331,4 @@ def test_final_flush_to_a_refusing_collector_stops_at_the_first_retry(protocol):
     assert exporter.abandoned and logger.dropped > 0
     retries = [m for m in SDK_LOGS.recent if "retrying" in m]
     assert len(retries) == 1, retries  # no second retry was scheduled
-    assert f"127.0.0.1:{port}" in _failing  # the next stage's flush waits at most one second
+    assert _failures[f"127.0.0.1:{port}"]  # the next stage's flush waits at most one second
