@@ -22,7 +22,7 @@ from align.logprobs import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule, loss_count
 from align.modules.options import Aggregation, Evaluation, KLPenalty, Updates
-from align.observability.timing import Timer  # noqa: F401 (re-exported for the RL modules)
+from align.observability.timing import Timer
 from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, training_rewards
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
 from align.strategies import accumulation_boundary
