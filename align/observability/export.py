@@ -275,7 +275,8 @@ class _SdkLogCapture(logging.Filter):
                      if n.startswith(("opentelemetry.exporter", "opentelemetry.sdk"))]
             for lg in (logging.getLogger(n) for n in names):
                 if lg not in self.loggers:
-                    lg.addFilter(self)
+                    # First, before the SDK's own DuplicateFilter, which would hide repeated retry messages from it.
+                    lg.filters.insert(0, self)
                     self.loggers.append(lg)
 
     def release(self, grace: float = 0.0) -> None:
