@@ -133,14 +133,14 @@ class ExportSettings:
             enum = importlib.import_module("grpc" if grpc else "opentelemetry.exporter.otlp.proto.http").Compression
             compression = getattr(enum, _COMPRESSION[self.compression])
         kwargs = dict(endpoint=self.endpoint, headers=self.headers, timeout=self.timeout, compression=compression)
-        if grpc:
-            kwargs.update(insecure=self.insecure, credentials=_grpc_credentials(self.certificate_file))
-        else:
-            kwargs.update(certificate_file=self.certificate_file)
         try:
+            if grpc:
+                kwargs.update(insecure=self.insecure, credentials=_grpc_credentials(self.certificate_file))
+            else:
+                kwargs.update(certificate_file=self.certificate_file)
             return getattr(importlib.import_module(module), name)(
                 **{k: v for k, v in kwargs.items() if v is not None})
-        except Exception as err:  # e.g. an OTEL_EXPORTER_OTLP_COMPRESSION value the SDK refuses
+        except Exception as err:  # an unreadable certificate, an OTEL_EXPORTER_OTLP_COMPRESSION the SDK refuses, ...
             raise ObservabilityConfigError(f"OTLP {self.signal} exporter: {err}") from None
 
 
