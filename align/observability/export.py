@@ -406,17 +406,17 @@ class CountingSpanProcessor(SpanProcessor):
 
     def __init__(self, inner: SpanProcessor, exporter: CountingExporter, max_queue_size: int):
         self.inner, self.exporter, self.max_queue_size = inner, exporter, max_queue_size
-        self.ended = 0
+        self.ended = self.dropped = 0  # this stage's; the exporter's counter keeps the whole life's
 
     def on_start(self, span, parent_context=None) -> None:
         self.inner.on_start(span, parent_context=parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
         self.ended += 1
-        counter = self.exporter.counter
-        backlog = self.ended - self.exporter.seen - counter.dropped_in_queue
+        backlog = self.ended - self.exporter.seen - self.dropped
         if backlog > self.max_queue_size:
-            counter.queue_overflow(backlog - self.max_queue_size)
+            self.dropped += backlog - self.max_queue_size
+            self.exporter.counter.queue_overflow(backlog - self.max_queue_size)
         self.inner.on_end(span)
 
     def shutdown(self) -> None:
