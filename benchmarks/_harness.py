@@ -452,11 +452,23 @@ def rl_model(ns, tmp: str) -> tuple[str, str, int]:
                        f"heads {ns.heads}/{ns.kv_heads})"), n_params
 
 
-def rl_align_meter(meter: StepMeter, phases: tuple[str, ...]):
-    """The align side's step meter: each training step from start to end, with the completion tokens and the
-    phase seconds (``time/<phase>_s``) the module logged for it."""
+def rl_align_trial(spec: dict, module, phases: tuple[str, ...], max_steps: int) -> dict:
+    """Train ``module`` on the benchmark's prompts (one batch of ``spec["prompts"]`` per rollout) for
+    ``max_steps`` optimizer steps and summarise its rollouts (:func:`rl_step_summary`): each training step timed
+    from its start to its end, with the completion tokens and phase seconds (``time/<phase>_s``) it logged."""
+    import lightning as L
+
+    from align.data.prompts import PromptDataModule
+
+    data = PromptDataModule(train_files=write_prompts(spec), val_files=None, batch_size=spec["prompts"],
+                            shuffle=False)
+    meter = StepMeter(spec["warmup"])
     names = {"tokens": "rollout/completion_tokens", **{f"{p}_s": f"time/{p}_s" for p in phases}}
-    return lightning_meter(meter, lambda trainer, module, batch: logged(trainer, **names), interval="step")
+    callback = lightning_meter(meter, lambda trainer, pl_module, batch: logged(trainer, **names), interval="step")
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], max_epochs=-1)
+    trainer.fit(module, datamodule=data)
+    return rl_step_summary(meter, phases)
 
 
 def rl_step_summary(meter: StepMeter, phases: tuple[str, ...]) -> dict:
@@ -479,8 +491,11 @@ def print_rl_trial(trial: int, kind: str, res: dict, phases: tuple[str, ...]) ->
           f"({split}), peak RSS {res['peak_rss_mb']:.0f} MB, load {res['load']:.1f}", flush=True)
 
 
-def print_rl_table(title: str, med: dict[str, dict], phases: tuple[str, ...]) -> dict[str, float]:
-    """The medians per framework and, when TRL ran, the align/TRL ratios (returned)."""
+def rl_report(ns, title: str, results: dict[str, list[dict]], model_dir: str, n_params: int,
+              phases: tuple[str, ...], **extra) -> None:
+    """Print the medians per framework and, when TRL ran, the align/TRL ratios; write them, the trials and
+    ``extra`` to ``--json``."""
+    med = medians(results)
     columns = {"generation": ("gen %", 8), "scoring": ("score %", 9)}
     print(title)
     print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}" + "".join(f"{columns[p][0]:>{columns[p][1]}s}" for p in phases)
@@ -489,10 +504,12 @@ def print_rl_table(title: str, med: dict[str, dict], phases: tuple[str, ...]) ->
         print(f"{fw:8s}{m['tokens_per_s']:10.1f}{m['step_s']:9.2f}"
               + "".join(f"{m[f'{p}_share']:{columns[p][1]}.0%}" for p in phases)
               + f"{m['update_share']:10.0%}{m['peak_rss_mb']:13.0f}")
-    if "trl" not in med:
-        return {}
-    result = {f"{name}_align_over_trl": value for name, value in
-              zip(("throughput", "peak_rss"), ratios(med, ("tokens_per_s", "peak_rss_mb")).values())}
-    print(f"throughput ratio align/TRL: {result['throughput_align_over_trl']:.2f}x; "
-          f"peak memory ratio align/TRL: {result['peak_rss_align_over_trl']:.2f}")
-    return result
+    result = {}
+    if "trl" in med:
+        result = {f"{name}_align_over_trl": value for name, value in
+                  zip(("throughput", "peak_rss"), ratios(med, ("tokens_per_s", "peak_rss_mb")).values())}
+        print(f"throughput ratio align/TRL: {result['throughput_align_over_trl']:.2f}x; "
+              f"peak memory ratio align/TRL: {result['peak_rss_align_over_trl']:.2f}")
+    write_json(ns.json, {"model": ns.model or "tiny", "model_dir": model_dir if ns.model else None,
+                         "parameters": n_params, "settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
+                         "medians": med, "ratios": result, **extra})

@@ -74,20 +74,8 @@ def build_module(spec: dict):
 
 
 def run_align(spec: dict) -> dict:
-    import lightning as L
-
-    from align.data.prompts import PromptDataModule
-
     h.set_threads(spec["threads"])
-    module = build_module(spec)
-    data = PromptDataModule(train_files=h.write_prompts(spec), val_files=None, batch_size=spec["prompts"],
-                            shuffle=False)
-    meter = h.StepMeter(spec["warmup"])
-    trainer = L.Trainer(max_steps=spec["steps"], accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[h.rl_align_meter(meter, PHASES)], max_epochs=-1)
-    trainer.fit(module, datamodule=data)
-    return h.rl_step_summary(meter, PHASES)
+    return h.rl_align_trial(spec, build_module(spec), PHASES, max_steps=spec["steps"])
 
 
 def run_trl(spec: dict) -> dict:
@@ -164,15 +152,10 @@ def main(argv: list[str] | None = None) -> None:
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
             ("align", "trl"), ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
-    med = h.medians(results)
-    ratios = h.print_rl_table(
-        f"\nGRPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x {ns.group} "
-        f"completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, {ns.threads} threads, "
-        f"align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of {ns.trials} trials:", med, PHASES)
-    h.write_json(ns.json, {"model": ns.model or "tiny", "model_dir": str(model_dir) if ns.model else None,
-                           "parameters": n_params, "settings": vars(ns) | {"json": str(ns.json)},
-                           "trials": results, "medians": med, "ratios": ratios})
-
+    h.rl_report(ns, f"\nGRPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
+                    f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
+                    f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of "
+                    f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
 
 if __name__ == "__main__":
     main()

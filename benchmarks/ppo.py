@@ -79,20 +79,10 @@ def build_module(spec: dict):
 
 
 def run_align(spec: dict) -> dict:
-    import lightning as L
-
-    from align.data.prompts import PromptDataModule
-
     h.set_threads(spec["threads"])
-    module = build_module(spec)
-    data = PromptDataModule(train_files=h.write_prompts(spec), val_files=None, batch_size=spec["prompts"],
-                            shuffle=False)
-    meter = h.StepMeter(spec["warmup"])
-    trainer = L.Trainer(max_steps=spec["steps"] * spec["ppo_epochs"] * spec["minibatches"], accelerator="cpu",
-                        devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[h.rl_align_meter(meter, PHASES)], max_epochs=-1)
-    trainer.fit(module, datamodule=data)
-    return h.rl_step_summary(meter, PHASES)
+    # A rollout takes ppo_epochs x minibatches optimizer steps.
+    return h.rl_align_trial(spec, build_module(spec), PHASES,
+                            max_steps=spec["steps"] * spec["ppo_epochs"] * spec["minibatches"])
 
 
 def run_trl(spec: dict) -> dict:
@@ -231,15 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
             frameworks, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
-    med = h.medians(results)
-    ratios = h.print_rl_table(
-        f"\nPPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 1 completion, "
-        f"{ns.max_new_tokens} new tokens, {ns.ppo_epochs} epochs x {ns.minibatches} minibatches, {ns.threads} "
-        f"threads, medians of {ns.trials} trials:", med, PHASES)
-    h.write_json(ns.json, {"model": ns.model or "tiny", "model_dir": str(model_dir) if ns.model else None,
-                           "parameters": n_params, "settings": vars(ns) | {"json": str(ns.json)},
-                           "trials": results, "medians": med, "ratios": ratios, "trl_not_run": trl_missing})
-
+    h.rl_report(ns, f"\nPPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 1 "
+                    f"completion, {ns.max_new_tokens} new tokens, {ns.ppo_epochs} epochs x {ns.minibatches} "
+                    f"minibatches, {ns.threads} threads, medians of {ns.trials} trials:", results, model_dir,
+                n_params, PHASES, trl_not_run=trl_missing)
 
 if __name__ == "__main__":
     main()
