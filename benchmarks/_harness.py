@@ -200,8 +200,8 @@ class Trials:
 
     def __init__(self, script: str, spec: dict, workdir: Path, threads: int | None = None, verbose: bool = False,
                  cwd: Path = REPO):
-        self.script, self.workdir, self.threads, self.verbose, self.cwd = str(Path(script).resolve()), workdir, \
-            threads, verbose, cwd
+        self.script = str(Path(script).resolve())
+        self.workdir, self.threads, self.verbose, self.cwd = workdir, threads, verbose, cwd
         self.spec_path = workdir / "spec.json"
         self.spec_path.write_text(json.dumps(spec))
         self.count = 0
@@ -280,7 +280,7 @@ class StepMeter:
 
     def add(self, **counts: float) -> None:
         for name, value in counts.items():
-            self._pending[name] = self._pending.get(name, 0.0) + value
+            self._pending[name] = self._pending.get(name, 0) + value
 
     def end(self, **counts: float) -> None:
         now = self._now()
@@ -299,7 +299,7 @@ class StepMeter:
         return sum(self.step_seconds)
 
     def per_step(self, name: str) -> list[float]:
-        return [counts.get(name, 0.0) for counts in self.step_counts]
+        return [counts.get(name, 0) for counts in self.step_counts]
 
     def total(self, name: str) -> float:
         return sum(self.per_step(name))

@@ -19,7 +19,8 @@ What happens:
 3. Trials run in fresh subprocesses, alternating ``align, trl, align, trl, ...``. Each trial runs ``--steps`` full
    GRPO steps (generation, reward scoring, one policy update); the first ``--warmup`` are excluded.
 4. Reported per framework: completion tokens per second of full steps (completion tokens generated / wall time of
-   the step), the share of the step spent generating (align: ``RolloutEngine``; TRL: ``_generate_and_score_completions``,
+   the step; align: the logged ``rollout/completion_tokens``), the share of the step spent generating (align: the
+   logged ``time/generation_s``; TRL: ``_generate_and_score_completions``,
    which also scores rewards) and updating, and the process's peak RSS (``ru_maxrss``: imports, model and
    activations; the benchmark has no GPU). Then the align/TRL ratios.
 

@@ -29,8 +29,8 @@ What happens:
    step), the shares of the step spent generating, scoring and updating, and the process's peak RSS (``ru_maxrss``;
    no GPU). Then the align/TRL ratios. TRL's split comes from wrapping its module-level ``batch_generation`` (the
    generation) and ``get_reward`` (reward model and critic); its reference and policy log-prob passes over the
-   rollout fall in "update". align's split: ``time/generation_s``, ``time/scoring_s`` (reward model, reference
-   and values) and ``time/update_s``.
+   rollout fall in "update". align's split: the logged ``time/generation_s``, ``time/scoring_s`` (reward model,
+   reference and values) and the rest; its completion tokens: the logged ``rollout/completion_tokens``.
 
 Settings that are the same on both sides: model and weights, prompts, one completion per prompt, new-token limit
 (``response_length``), temperature 1, no top-k/top-p, stop at EOS, k1 KL shaped into the rewards with coefficient
