@@ -282,9 +282,11 @@ class StepMeter:
         for name, value in counts.items():
             self._pending[name] = self._pending.get(name, 0) + value
 
-    def end(self, **counts: float) -> None:
+    def end(self, read: Callable[[], dict] | None = None, **counts: float) -> None:
+        """A step ends: its seconds and ``counts``, and what ``read()`` returns, called after the clock stopped
+        (reading metrics is the benchmark's cost, not the step's)."""
         now = self._now()
-        self.add(**counts)
+        self.add(**counts, **(read() if read else {}))
         if self.timing:
             self.step_seconds.append(now[0] - self._mark[0])
             self.step_cpu_seconds.append(now[1] - self._mark[1])
@@ -344,7 +346,7 @@ def lightning_meter(meter: StepMeter, counts: Callable | None = None, interval: 
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if interval != "start_to_start":
-                meter.end(**(counts(trainer, pl_module, batch) if counts else {}))
+                meter.end(read=(lambda: counts(trainer, pl_module, batch)) if counts else None)
 
         def on_train_end(self, trainer, pl_module):
             if interval == "start_to_start":
@@ -358,10 +360,10 @@ def logged(trainer, **names: str) -> dict[str, float]:
     return {count: float(trainer.callback_metrics[metric]) for count, metric in names.items()}
 
 
-def trl_meter(meter: StepMeter, counts: Callable[[], dict] | None = None, interval: str = "end_to_end"):
+def trl_meter(meter: StepMeter, interval: str = "end_to_end"):
     """A transformers ``TrainerCallback`` that feeds ``meter``, with ``interval`` as in :func:`lightning_meter`
     (``"step"``: from ``on_step_begin``, which TRL's GRPO trainer calls; ``"end_to_end"``: from the previous step's
-    end); ``counts() -> {name: value}`` at each step's end."""
+    end). The counts come from the trial's own wrappers, through :meth:`StepMeter.add`."""
     from transformers import TrainerCallback
 
     class MeterCallback(TrainerCallback):
@@ -373,7 +375,7 @@ def trl_meter(meter: StepMeter, counts: Callable[[], dict] | None = None, interv
                 meter.begin()
 
         def on_step_end(self, args, state, control, **kwargs):
-            meter.end(**(counts() if counts else {}))
+            meter.end()
 
     return MeterCallback()
 
