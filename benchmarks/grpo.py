@@ -62,15 +62,16 @@ def build_module(spec: dict):
     from align.models.loading import LoraSettings
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
+    from align.modules.options import ClipRange, KLPenalty, Updates
     from align.rollout import SamplingConfig
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     return GRPOModule(
         policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=spec["group"],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
-                                fast_decoder=spec["fast_decoder"]), beta=0.0,
-        max_grad_norm=1.0, log_entropy=False,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
+                                fast_decoder=spec["fast_decoder"]),
+        kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2), updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0),
+        log_entropy=False, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
     )
 
 

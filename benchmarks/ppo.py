@@ -65,16 +65,19 @@ def build_module(spec: dict):
     import torch
 
     from align.models.policy import PolicyModel
+    from align.modules.options import GAE, ClipRange, KLPenalty, Updates, ValueTraining
     from align.modules.ppo import PPOModule
+    from align.rewards import RewardModelSpec
     from align.rollout import SamplingConfig
 
     return PPOModule(
         policy=PolicyModel(spec["model_dir"], value_head="separate", critic_model=spec["rm_dir"]),
-        reward_model=spec["rm_dir"], reward_model_batch_size=spec["prompts"], eval_rewards=[],
+        reward_model=RewardModelSpec(spec["rm_dir"], batch_size=spec["prompts"]), eval_rewards=[],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0),
-        kl_coef=KL_COEF, kl_estimator="k1", gamma=1.0, lam=0.95, clip_range=0.2, value_clip=0.2, vf_coef=0.1,
-        ppo_epochs=spec["ppo_epochs"], num_minibatches=spec["minibatches"], max_grad_norm=1.0, log_entropy=True,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+        kl=KLPenalty(coef=KL_COEF, estimator="k1", placement="reward"), gae=GAE(gamma=1.0, lam=0.95),
+        clip=ClipRange(low=0.2), value=ValueTraining(coef=0.1, clip=0.2),
+        updates=Updates(epochs=spec["ppo_epochs"], minibatches=spec["minibatches"], max_grad_norm=1.0),
+        log_entropy=True, optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
     )
 
 
