@@ -308,6 +308,8 @@ class RolloutEngine:
                                  skip_special_tokens=True)
         lengths = resp_mask.sum(dim=1).float()
         metrics = {
+            # The tokens sampled in this rollout, so throughput can be summed over steps and ranks.
+            "rollout/completion_tokens": float(lengths.sum()),
             "rollout/tokens_per_s": float(lengths.sum()) / seconds,
             "rollout/response_length": float(lengths.mean()),
             "rollout/truncated_frac": float(is_truncated.float().mean()),

@@ -38,122 +38,78 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _model import MODEL_HELP, model_config_and_parameters, resolve_model_dir
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-
-
-def _setup_threads(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(1)
-
-
-class _Meter:
-    """Pairs and tokens of the timed (post-warmup) steps, and the wall time between step ends."""
-
-    def __init__(self, warmup: int):
-        self.warmup = warmup
-        self.pairs = self.tokens = self.steps = 0
-        self.t0 = self.t1 = None
-        self.step_times: list[float] = []
-
-    def step_done(self, step: int, pairs: int, tokens: int) -> None:
-        now = time.perf_counter()
-        if step == self.warmup:
-            self.t0 = now
-        elif step > self.warmup:
-            self.step_times.append(now - (self.t1 or self.t0))
-            self.pairs += pairs
-            self.tokens += tokens
-            self.steps += 1
-            self.t1 = now
-
-    def result(self, **extra) -> dict:
-        elapsed = (self.t1 - self.t0) if self.t0 is not None and self.t1 is not None else float("nan")
-        per_step = statistics.median(self.step_times) if self.step_times else float("nan")
-        return dict(pairs=self.pairs, tokens=self.tokens, timed_steps=self.steps, seconds=elapsed,
-                    pairs_per_s=self.pairs / elapsed if elapsed > 0 else float("nan"),
-                    step_median_pairs_per_s=(self.pairs / max(self.steps, 1)) / per_step,
-                    peak_rss_mb=_peak_rss_mb(), load_avg=list(os.getloadavg()), **extra)
-
+import _harness as h
 
 # ---------------------------------------------------------------------------------------------------------------
 # children
 
 
-def child_align(spec: dict) -> dict:
-    _setup_threads(spec["threads"])
+def dpo_result(meter: h.StepMeter, **extra) -> dict:
+    """Pairs and tokens of the timed steps and their rates."""
+    return dict(meter.result(), pairs=meter.total("pairs"), tokens=meter.total("tokens"),
+                pairs_per_s=meter.rate("pairs"), step_median_pairs_per_s=meter.median_step_rate("pairs"), **extra)
+
+
+def build_module(spec: dict):
+    """``(policy, DPO module)`` of an align trial: every setting the comparison fixes, in one place."""
     from functools import partial
 
+    import torch
+
+    from align.models import LoraSettings, PolicyModel
+    from align.modules.dpo import DPOModule
+
+    lora = None if spec["full"] else LoraSettings(r=spec["lora_r"], alpha=spec["lora_alpha"], dropout=0.0,
+                                                  target_modules="all-linear")
+    policy = PolicyModel(model=spec["model_dir"], dtype="float32", lora=lora)
+    optimizer = partial(torch.optim.AdamW, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    return policy, DPOModule(policy, optimizer=optimizer, loss_type="sigmoid", beta=spec["beta"])
+
+
+def child_align(spec: dict) -> dict:
+    h.set_threads(spec["threads"])
     import lightning as L
     import torch
     from lightning.pytorch.loggers import CSVLogger
 
     from align.data.preference import PreferenceDataModule
-    from align.models import LoraSettings, PolicyModel
-    from align.modules.dpo import DPOModule
 
-    meter = _Meter(spec["warmup"])
-
-    class Timer(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            meter.step_done(trainer.global_step, batch.num_pairs, batch.num_tokens)
-
+    meter = h.StepMeter(spec["warmup"])
     L.seed_everything(spec["seed"], verbose=False)
-    lora = None if spec["full"] else LoraSettings(r=spec["lora_r"], alpha=spec["lora_alpha"], dropout=0.0,
-                                                  target_modules="all-linear")
-    policy = PolicyModel(model=spec["model_dir"], dtype="float32", lora=lora)
-    optimizer = partial(torch.optim.AdamW, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    module = DPOModule(policy, optimizer=optimizer, loss_type="sigmoid", beta=spec["beta"])
+    policy, module = build_module(spec)
     data = PreferenceDataModule(train_files=spec["train_file"], val_files=None, max_length=spec["max_length"],
                                 batch_size=spec["batch_size"], shuffle=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, precision="32-true", max_steps=spec["steps"], gradient_clip_val=1.0,
         logger=CSVLogger(spec["workdir"], name="align_logs"), log_every_n_steps=spec["log_every"],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()], default_root_dir=spec["workdir"],
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=spec["workdir"],
+        callbacks=[h.lightning_meter(meter, lambda trainer, module, batch: {"pairs": batch.num_pairs,
+                                                                            "tokens": batch.num_tokens})],
     )
     trainer.fit(module, data)
-    return meter.result(reference_copy=policy.ref_model is not None, threads=torch.get_num_threads())
+    return dpo_result(meter, reference_copy=policy.ref_model is not None, threads=torch.get_num_threads())
 
 
 def child_trl(spec: dict) -> dict:
-    _setup_threads(spec["threads"])
+    h.set_threads(spec["threads"])
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    meter = _Meter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"])
     rows = [json.loads(line) for line in open(spec["train_file"])]
     dataset = Dataset.from_list(rows)
-    counts = {"pairs": 0, "tokens": 0}
 
     class CountingDPOTrainer(DPOTrainer):
         # Counting only: the batch is measured before TRL's own training step runs unchanged.
         def training_step(self, model, inputs, num_items_in_batch=None):
-            counts["pairs"] += inputs["input_ids"].shape[0] // 2
-            counts["tokens"] += int(inputs["attention_mask"].sum())
+            meter.add(pairs=inputs["input_ids"].shape[0] // 2, tokens=int(inputs["attention_mask"].sum()))
             return super().training_step(model, inputs, num_items_in_batch)
-
-    class Timer(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            meter.step_done(state.global_step, counts["pairs"], counts["tokens"])
-            counts["pairs"] = counts["tokens"] = 0
 
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
@@ -174,9 +130,9 @@ def child_trl(spec: dict) -> dict:
         save_strategy="no", eval_strategy="no", dataloader_num_workers=0, seed=spec["seed"],
     )
     trainer = CountingDPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                 peft_config=peft_config, callbacks=[Timer()])
+                                 peft_config=peft_config, callbacks=[h.trl_meter(meter)])
     trainer.train()
-    return meter.result(reference_copy=trainer.ref_model is not None, threads=torch.get_num_threads())
+    return dpo_result(meter, reference_copy=trainer.ref_model is not None, threads=torch.get_num_threads())
 
 
 CHILDREN = {"align": child_align, "trl": child_trl}
@@ -197,82 +153,44 @@ def write_data(path: Path, limit: int | None) -> int:
     return len(lines)
 
 
-def save_model(model_dir: Path, seed: int, overrides: dict) -> int:
-    from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
-
-    model = build_tiny_model(seed=seed, **overrides)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    load_tiny_tokenizer().save_pretrained(model_dir)
-    return sum(p.numel() for p in model.parameters())
-
-
-def run_child(kind: str, spec_path: Path, out_path: Path, threads: int, verbose: bool) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path),
-           "--out", str(out_path)]
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=not verbose, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{kind} trial failed (exit {proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
-    result = json.loads(out_path.read_text())
-    result["process_seconds"] = time.perf_counter() - started
-    return result
-
-
 def summarise(results: dict[str, list[dict]]) -> dict:
     summary = {}
     for kind, trials in results.items():
         summary[kind] = {
-            "pairs_per_s": statistics.median(r["pairs_per_s"] for r in trials),
-            "step_median_pairs_per_s": statistics.median(r["step_median_pairs_per_s"] for r in trials),
+            "pairs_per_s": h.median(r["pairs_per_s"] for r in trials),
+            "step_median_pairs_per_s": h.median(r["step_median_pairs_per_s"] for r in trials),
             "best_pairs_per_s": max(r["pairs_per_s"] for r in trials),
             "tokens_per_pair": trials[0]["tokens"] / max(trials[0]["pairs"], 1),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in trials),
         }
     if "trl" in summary:
-        summary["ratio_align_over_trl"] = {k: summary["align"][k] / summary["trl"][k]
-                                           for k in ("pairs_per_s", "step_median_pairs_per_s", "best_pairs_per_s",
-                                                     "peak_rss_mb")}
+        summary["ratio_align_over_trl"] = h.ratios(summary, ("pairs_per_s", "step_median_pairs_per_s",
+                                                             "best_pairs_per_s", "peak_rss_mb"))
     return summary
 
 
 def print_table(summary: dict, results: dict, args) -> None:
-    kinds = [k for k in ("align", "trl") if k in summary]
-    print()
-    print(f"{'':32s}" + "".join(f"{k:>12s}" for k in kinds) + (f"{'align/trl':>12s}" if len(kinds) == 2 else ""))
-    for name, key, fmt in (("pairs/s, median of trials", "pairs_per_s", "{:.1f}"),
-                           ("pairs/s, median step", "step_median_pairs_per_s", "{:.1f}"),
-                           ("pairs/s, best trial", "best_pairs_per_s", "{:.1f}"),
-                           ("tokens fed per pair", "tokens_per_pair", "{:.1f}"),
-                           ("peak RSS, MB", "peak_rss_mb", "{:.0f}")):
-        line = f"{name:32s}" + "".join(f"{fmt.format(summary[k][key]):>12s}" for k in kinds)
-        if len(kinds) == 2:
-            line += f"{summary['align'][key] / summary['trl'][key]:>11.2f}x"
-        print(line)
-    loads = [x for v in results.values() for r in v for x in r["load_avg"][:1]]
-    print(f"\n1-minute load average at the end of trials: {min(loads):.1f} to {max(loads):.1f} ({args.threads} threads "
+    h.print_ratio_table(summary, [("pairs/s, median of trials", "pairs_per_s", "{:.1f}"),
+                                  ("pairs/s, median step", "step_median_pairs_per_s", "{:.1f}"),
+                                  ("pairs/s, best trial", "best_pairs_per_s", "{:.1f}"),
+                                  ("tokens fed per pair", "tokens_per_pair", "{:.1f}"),
+                                  ("peak RSS, MB", "peak_rss_mb", "{:.0f}")], width=32)
+    low, high = h.load_range(results)
+    print(f"\n1-minute load average during trials: {low:.1f} to {high:.1f} ({args.threads} threads "
           "used; a higher load means other work shared the cores)")
-    for kind in kinds:
+    for kind in (k for k in ("align", "trl") if k in summary):
         print(f"{kind}: reference copy kept: {results[kind][0]['reference_copy']}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help=MODEL_HELP)
-    g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of training")
-    g.add_argument("--full", action="store_true", help="train every weight (no LoRA); both keep a reference copy")
-    g.add_argument("--lora-r", type=int, default=8)
-    g.add_argument("--lora-alpha", type=int, default=16)
-    g = p.add_argument_group("tiny Llama size (the default model; ignored with --model; unset fields keep "
-                             "align.hub.tiny defaults)")
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--layers", type=int, default=None)
-    g.add_argument("--intermediate", type=int, default=None)
-    g.add_argument("--heads", type=int, default=None)
-    g.add_argument("--kv-heads", type=int, default=None)
+    def model_options(g) -> None:
+        g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of training")
+        g.add_argument("--full", action="store_true", help="train every weight (no LoRA); both keep a reference copy")
+        g.add_argument("--lora-r", type=int, default=8)
+        g.add_argument("--lora-alpha", type=int, default=16)
+
+    h.add_model_args(p, group=p.add_argument_group("model"), model_options=model_options)
     g = p.add_argument_group("data and training")
     g.add_argument("--batch-size", type=int, default=8, help="pairs per optimizer step")
     g.add_argument("--max-length", type=int, default=64)
@@ -288,53 +206,37 @@ def main(argv=None) -> int:
     g.add_argument("--no-trl", dest="trl", action="store_false", help="skip the TRL trials")
     g.add_argument("--json", type=Path, default=None, help="write the results here")
     g.add_argument("--verbose", action="store_true", help="show the trials' own output")
-    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
-    p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    h.add_child_args(p, CHILDREN)
     args = p.parse_args(argv)
-
-    if args.child:
-        result = CHILDREN[args.child](json.loads(args.spec.read_text()))
-        args.out.write_text(json.dumps(result))
+    if h.run_if_child(args, CHILDREN):
         return 0
 
-    overrides = {field: getattr(args, flag) for flag, field in (
-        ("hidden_size", "hidden_size"), ("layers", "num_hidden_layers"), ("intermediate", "intermediate_size"),
-        ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads")) if getattr(args, flag) is not None}
     with tempfile.TemporaryDirectory(prefix="dpo-bench-") as tmp:
         tmp = Path(tmp)
-        if args.model:
-            model_dir = resolve_model_dir(args.model)
-            n_params = model_config_and_parameters(model_dir)[1]
-            model_name = f"{args.model} ({model_dir})"
-        else:
-            model_dir = str(tmp / "model")
-            n_params = save_model(tmp / "model", args.seed, overrides)
-            model_name = f"tiny Llama {overrides or '(align.hub.tiny defaults)'}"
+        model_dir, _, n_params = h.prepare_model(args, tmp / "model", seed=args.seed)
+        overrides = h.tiny_overrides(args)
+        model_name = (f"{args.model} ({model_dir})" if args.model
+                      else f"tiny Llama {overrides or '(align.hub.tiny defaults)'}")
         n_rows = write_data(tmp / "pairs.jsonl", args.rows)
         spec = dict(model_dir=model_dir, train_file=str(tmp / "pairs.jsonl"), threads=args.threads,
                     seed=args.seed, full=args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                     batch_size=args.batch_size, max_length=args.max_length, steps=args.steps, warmup=args.warmup,
                     lr=args.lr, beta=args.beta, log_every=args.log_every, workdir=str(tmp / "work"))
-        spec_path = tmp / "spec.json"
-        spec_path.write_text(json.dumps(spec))
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters; "
               f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} pairs; "
               f"batch {args.batch_size} pairs; {args.steps} steps ({args.warmup} warmup); {args.threads} threads")
-        kinds = ["align", "trl"] if args.trl else ["align"]
-        results: dict[str, list[dict]] = {k: [] for k in kinds}
-        for trial in range(args.trials):
-            for kind in kinds:
-                r = run_child(kind, spec_path, tmp / f"{kind}-{trial}.json", args.threads, args.verbose)
-                results[kind].append(r)
-                print(f"trial {trial + 1} {kind:5s}: {r['pairs_per_s']:7.1f} pairs/s, peak RSS "
-                      f"{r['peak_rss_mb']:.0f} MB, process {r['process_seconds']:.0f} s", flush=True)
+
+        def report(trial: int, kind: str, r: dict) -> None:
+            print(f"trial {trial} {kind:5s}: {r['pairs_per_s']:7.1f} pairs/s, peak RSS "
+                  f"{r['peak_rss_mb']:.0f} MB, process {r['process_seconds']:.0f} s", flush=True)
+
+        results = h.Trials(__file__, spec, tmp, threads=args.threads, verbose=args.verbose).alternate(
+            ["align", "trl"] if args.trl else ["align"], args.trials, report)
     summary = summarise(results)
     print_table(summary, results, args)
-    if args.json:
-        args.json.write_text(json.dumps({"model": args.model or "tiny", "parameters": n_params,
-                                         "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                         "trials": results}, indent=2))
+    h.write_json(args.json, {"model": args.model or "tiny", "parameters": n_params,
+                             "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                             "trials": results})
     return 0
 
 

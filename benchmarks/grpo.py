@@ -19,7 +19,8 @@ What happens:
 3. Trials run in fresh subprocesses, alternating ``align, trl, align, trl, ...``. Each trial runs ``--steps`` full
    GRPO steps (generation, reward scoring, one policy update); the first ``--warmup`` are excluded.
 4. Reported per framework: completion tokens per second of full steps (completion tokens generated / wall time of
-   the step), the share of the step spent generating (align: ``RolloutEngine``; TRL: ``_generate_and_score_completions``,
+   the step; align: the logged ``rollout/completion_tokens``), the share of the step spent generating (align: the
+   logged ``time/generation_s``; TRL: ``_generate_and_score_completions``,
    which also scores rewards) and updating, and the process's peak RSS (``ru_maxrss``: imports, model and
    activations; the benchmark has no GPU). Then the align/TRL ratios.
 
@@ -36,14 +37,13 @@ model's own forward, to see what the decoder contributes); TRL ``transformers.ge
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from _rl_harness import add_model_args, prepare_model, run_child, sort_prompts, step_summary
+import _harness as h
+
+PHASES = ("generation",)
 
 
 def length_reward(prompts, completions, **kwargs):
@@ -55,64 +55,40 @@ def length_reward(prompts, completions, **kwargs):
 # children
 
 
-def run_align(spec: dict) -> dict:
-    import lightning as L
+def build_module(spec: dict):
+    """The GRPO module of an align trial: every setting the comparison fixes, in one place."""
     import torch
 
-    from align.data.prompts import PromptDataModule
     from align.models.loading import LoraSettings
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
+    from align.modules.options import ClipRange, KLPenalty, Updates
     from align.rollout import SamplingConfig
 
-    torch.set_num_threads(spec["threads"])
-    workdir = Path(spec["workdir"])
-    data_file = workdir / "prompts.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sort_prompts(spec["prompts"])))
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
-    module = GRPOModule(
+    return GRPOModule(
         policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=spec["group"],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
-                                fast_decoder=spec["fast_decoder"]), beta=0.0,
-        max_grad_norm=1.0, log_entropy=False,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
+                                fast_decoder=spec["fast_decoder"]),
+        kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2), updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0),
+        log_entropy=False, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
     )
-    data = PromptDataModule(train_files=str(data_file), val_files=None, batch_size=spec["prompts"], shuffle=False)
-    steps, gens, tokens = [], [], []
 
-    class Meter(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.t = time.perf_counter()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            steps.append(time.perf_counter() - self.t)
-            gens.append(pl_module.timings["time/generation_s"])
-            tokens.append(pl_module._last_tokens)
-
-    original = module.rollout
-
-    def counting_rollout(batch, group_size=1, engine=None):
-        rollout = original(batch, group_size, engine)
-        module._last_tokens = int(rollout.response_mask.sum())
-        return rollout
-
-    module.rollout = counting_rollout
-    trainer = L.Trainer(max_steps=spec["steps"], accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Meter()], max_epochs=-1)
-    trainer.fit(module, datamodule=data)
-    return step_summary(steps, tokens, spec["warmup"], generation=gens)
+def run_align(spec: dict) -> dict:
+    h.set_threads(spec["threads"])
+    return h.rl_align_trial(spec, build_module(spec), PHASES, max_steps=spec["steps"])
 
 
 def run_trl(spec: dict) -> dict:
-    import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(spec["threads"])
+    h.set_threads(spec["threads"])
     n = spec["prompts"] * spec["group"]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in sort_prompts(spec["prompts"])] * spec["steps"])
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]}
+                                 for p in h.sort_prompts(spec["prompts"])] * spec["steps"])
     config = GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n, num_generations=spec["group"],
         max_completion_length=spec["max_new_tokens"], max_steps=spec["steps"], learning_rate=1e-5,
@@ -129,29 +105,22 @@ def run_trl(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=length_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config)
-    steps, gens, tokens = [], [], []
+    meter = h.StepMeter(spec["warmup"])
     original = trainer._generate_and_score_completions
 
     def timed(inputs):
         start = time.perf_counter()
         out = original(inputs)
-        gens.append(time.perf_counter() - start)
-        tokens.append(int(out["completion_mask"].sum()))
+        meter.add(generation_s=time.perf_counter() - start, tokens=int(out["completion_mask"].sum()))
         return out
 
     trainer._generate_and_score_completions = timed
-
-    class Meter(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            steps.append(time.perf_counter() - self.t)
-
-    trainer.add_callback(Meter())
+    trainer.add_callback(h.trl_meter(meter, interval="step"))
     trainer.train()
-    return step_summary(steps, tokens, spec["warmup"], generation=gens)
+    return h.rl_step_summary(meter, PHASES)
 
+
+CHILDREN = {"align": run_align, "trl": run_trl}
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
@@ -169,54 +138,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fast-decoder", dest="fast_decoder", action="store_false",
                         help="align samples through the model's own forward instead of its FastDecoder")
     parser.add_argument("--threads", type=int, default=2)
-    add_model_args(parser)
+    h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--child", choices=["align", "trl"], default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    h.add_child_args(parser, CHILDREN)
     ns = parser.parse_args(argv)
-
-    if ns.child:
-        spec = json.loads(ns.spec)
-        result = run_align(spec) if ns.child == "align" else run_trl(spec)
-        print(json.dumps(result))
+    if h.run_if_child(ns, CHILDREN):
         return
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, model_name, n_params = prepare_model(ns, tmp)
+        model_dir, model_name, n_params = h.rl_model(ns, tmp)
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
-        spec = {"model_dir": str(model_dir), "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
+        spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
                 "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder}
-        results: dict[str, list[dict]] = {"align": [], "trl": []}
-        for trial in range(ns.trials):
-            for framework in ("align", "trl"):
-                res = run_child(__file__, framework, spec)
-                res["load"] = os.getloadavg()[0]
-                results[framework].append(res)
-                print(f"trial {trial + 1} {framework:5s}: {res['tokens_per_s']:8.1f} completion tok/s, step "
-                      f"{res['step_s']:.2f} s (generation {res['generation_share']:.0%}), peak RSS "
-                      f"{res['peak_rss_mb']:.0f} MB, load {res['load']:.1f}", flush=True)
+        results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
+            ("align", "trl"), ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
-    med = {fw: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for fw, rs in results.items()}
-    print(f"\nGRPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x {ns.group} "
-          f"completions, {ns.max_new_tokens} new tokens, "
-          f"LoRA {'on' if ns.lora else 'off'}, {ns.threads} threads, "
-          f"align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of {ns.trials} trials:")
-    print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}{'gen %':>8s}{'update %':>10s}{'peak RSS MB':>13s}")
-    for fw in ("align", "trl"):
-        m = med[fw]
-        print(f"{fw:8s}{m['tokens_per_s']:10.1f}{m['step_s']:9.2f}{m['generation_share']:8.0%}"
-              f"{m['update_share']:10.0%}{m['peak_rss_mb']:13.0f}")
-    ratios = {"throughput_align_over_trl": med["align"]["tokens_per_s"] / med["trl"]["tokens_per_s"],
-              "peak_rss_align_over_trl": med["align"]["peak_rss_mb"] / med["trl"]["peak_rss_mb"]}
-    print(f"throughput ratio align/TRL: {ratios['throughput_align_over_trl']:.2f}x; "
-          f"peak memory ratio align/TRL: {ratios['peak_rss_align_over_trl']:.2f}")
-    if ns.json:
-        ns.json.write_text(json.dumps({"model": ns.model or "tiny", "model_dir": str(model_dir) if ns.model else None,
-                                       "parameters": n_params,
-                                       "settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
-                                       "medians": med, "ratios": ratios}, indent=2, default=str))
-
+    h.rl_report(ns, f"\nGRPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
+                    f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
+                    f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of "
+                    f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
 
 if __name__ == "__main__":
     main()

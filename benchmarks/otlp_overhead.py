@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import _harness as h
 
 
 def _load(path: str):
@@ -59,38 +59,19 @@ def _load(path: str):
 # one trial (child process)
 
 
-def run_trial(spec: dict) -> dict:
+def run_trial(spec: dict, arm: str) -> dict:
+    h.set_threads(spec["threads"])
     import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.loggers import CSVLogger
 
-    torch.set_num_threads(spec["threads"])
     L.seed_everything(0, verbose=False)
-
-    # seconds the training thread spent inside the OTLP logger's and callback's methods in timed steps; counting?
-    hook_time = [0.0, False]
-
-    class StepTimer(Callback):
-        """Wall time, CPU time of the whole process (training and export threads) and of the training thread."""
-
-        def __init__(self):
-            self.marks: list[tuple[float, float, float]] = []
-
-        def _mark(self):
-            self.marks.append((time.perf_counter(), time.process_time(), time.thread_time()))
-            hook_time[1] = len(self.marks) > spec["warmup"]  # count hook time in timed steps only
-
-        def on_train_batch_start(self, *args):
-            self._mark()
-
-        def on_train_end(self, *args):
-            self._mark()
-
-    timer = StepTimer()
-    loggers = [CSVLogger(save_dir=spec["root"], name="")]
-    callbacks = [timer]
-    if spec["arm"] == "otlp":
+    root = tempfile.mkdtemp(prefix=f"{arm}-", dir=spec["workdir"])
+    # Wall time, CPU time of the whole process (training and export threads) and of the training thread.
+    meter = h.StepMeter(spec["warmup"])
+    hook_time = [0.0]  # seconds the training thread spent inside the OTLP logger's and callback's methods
+    loggers = [CSVLogger(save_dir=root, name="")]
+    callbacks = [h.lightning_meter(meter, interval="start_to_start")]
+    if arm == "otlp":
         from align.observability import OTelTracingCallback, OTLPLogger
 
         logger = OTLPLogger(endpoint=spec["endpoint"], protocol=spec["protocol"])
@@ -99,7 +80,8 @@ def run_trial(spec: dict) -> dict:
                            (tracer, ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start",
                                      "on_train_epoch_end", "open_span"))):
             for name in names:
-                setattr(obj, name, _timed(getattr(obj, name), hook_time))
+                if hasattr(obj, name):
+                    setattr(obj, name, _timed(getattr(obj, name), hook_time, meter))
         loggers.append(logger)
         callbacks.append(tracer)
     if spec["config"]:  # a recipe YAML (e.g. configs/grpo/tiny.yaml) and dotted overrides, as the CLI reads them
@@ -113,23 +95,21 @@ def run_trial(spec: dict) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["warmup"] + spec["steps"], logger=loggers,
                         callbacks=callbacks, log_every_n_steps=spec["log_every"], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, default_root_dir=spec["root"])
+                        limit_val_batches=0, default_root_dir=root)
     trainer.fit(module, data)
-    deltas = [tuple(b[i] - a[i] for i in range(3)) for a, b in zip(timer.marks, timer.marks[1:])][spec["warmup"]:]
-    step_times = [d[0] for d in deltas]
-    out = {"arm": spec["arm"], "step_times": step_times, "median": statistics.median(step_times),
-           "median_process_cpu": statistics.median(d[1] for d in deltas),
-           "median_thread_cpu": statistics.median(d[2] for d in deltas)}
-    timed_steps = len(deltas)
-    out["hook_s_per_step"] = hook_time[0] / max(timed_steps, 1)
-    if spec["arm"] == "otlp":
+    out = {"arm": arm, "step_times": meter.step_seconds, "median": statistics.median(meter.step_seconds),
+           "median_process_cpu": statistics.median(meter.step_cpu_seconds),
+           "median_thread_cpu": statistics.median(meter.step_thread_cpu_seconds),
+           "hook_s_per_step": hook_time[0] / max(len(meter.step_seconds), 1)}
+    if arm == "otlp":
         out["dropped"] = {"metrics": loggers[1].dropped, "spans": callbacks[1].dropped}
     return out
 
 
-def _timed(fn, acc: list):
+def _timed(fn, acc: list, meter: h.StepMeter):
+    """``fn``, adding its seconds to ``acc[0]`` in timed steps."""
     def wrapper(*args, **kwargs):
-        if not acc[1]:
+        if not meter.timing:
             return fn(*args, **kwargs)
         start = time.perf_counter()
         try:
@@ -139,6 +119,8 @@ def _timed(fn, acc: list):
 
     return wrapper
 
+
+CHILDREN = {"csv": lambda spec: run_trial(spec, "csv"), "otlp": lambda spec: run_trial(spec, "otlp")}
 
 # ---------------------------------------------------------------------------------------------------------------
 # the parent: collector, alternating trials, report
@@ -192,11 +174,9 @@ def main() -> None:
     parser.add_argument("--protocol", default="grpc", choices=["grpc", "http/protobuf"])
     parser.add_argument("--collector", default="rotel", choices=["rotel", "down"])
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--_trial", default=None, help=argparse.SUPPRESS)
+    h.add_child_args(parser, CHILDREN)
     args = parser.parse_args()
-
-    if args._trial:
-        print("RESULT " + json.dumps(run_trial(json.loads(args._trial))))
+    if h.run_if_child(args, CHILDREN):
         return
 
     if args.config:
@@ -210,28 +190,22 @@ def main() -> None:
     else:
         endpoint = f"127.0.0.1:{free_port()}" if args.protocol == "grpc" else f"http://127.0.0.1:{free_port()}"
     load_before = os.getloadavg()
-    results = {"csv": [], "otlp": []}
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    spec = {"config": args.config, "overrides": args.override, "module": args.module,
+            "module_args": json.loads(args.module_args), "datamodule": args.datamodule,
+            "data_args": json.loads(args.data_args), "steps": args.steps, "warmup": args.warmup,
+            "log_every": args.log_every, "threads": args.threads, "endpoint": endpoint, "protocol": args.protocol,
+            "workdir": str(tmp)}
+
+    def report(trial: int, arm: str, result: dict) -> None:
+        extra = (f"  in OTLP code {result['hook_s_per_step'] * 1e6:6.0f} us/step  dropped {result['dropped']}"
+                 if "dropped" in result else "")
+        print(f"trial {trial - 1} {arm:4s}: median step {result['median'] * 1e3:8.2f} ms  process CPU "
+              f"{result['median_process_cpu'] * 1e3:8.2f} ms  training-thread CPU "
+              f"{result['median_thread_cpu'] * 1e3:8.2f} ms{extra}", flush=True)
+
     try:
-        for trial in range(args.trials):
-            for arm in ("csv", "otlp"):
-                spec = {"arm": arm, "config": args.config, "overrides": args.override, "module": args.module, "module_args": json.loads(args.module_args),
-                        "datamodule": args.datamodule, "data_args": json.loads(args.data_args),
-                        "steps": args.steps, "warmup": args.warmup, "log_every": args.log_every,
-                        "threads": args.threads, "endpoint": endpoint, "protocol": args.protocol,
-                        "root": str(tmp / f"{arm}-{trial}")}
-                out = subprocess.run([sys.executable, __file__, "--_trial", json.dumps(spec)], capture_output=True,
-                                     text=True, env=env, cwd=tmp)
-                line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                if out.returncode != 0 or line is None:
-                    sys.exit(f"trial {arm}/{trial} failed:\n{out.stderr[-3000:]}")
-                result = json.loads(line[len("RESULT "):])
-                results[arm].append(result)
-                extra = (f"  in OTLP code {result['hook_s_per_step'] * 1e6:6.0f} us/step  dropped {result['dropped']}"
-                         if "dropped" in result else "")
-                print(f"trial {trial} {arm:4s}: median step {result['median'] * 1e3:8.2f} ms  process CPU "
-                      f"{result['median_process_cpu'] * 1e3:8.2f} ms  training-thread CPU "
-                      f"{result['median_thread_cpu'] * 1e3:8.2f} ms{extra}", flush=True)
+        results = h.Trials(__file__, spec, tmp, threads=args.threads, cwd=tmp).alternate(("csv", "otlp"),
+                                                                                         args.trials, report)
     finally:
         if proc is not None:
             proc.terminate()

@@ -29,8 +29,8 @@ What happens:
    step), the shares of the step spent generating, scoring and updating, and the process's peak RSS (``ru_maxrss``;
    no GPU). Then the align/TRL ratios. TRL's split comes from wrapping its module-level ``batch_generation`` (the
    generation) and ``get_reward`` (reward model and critic); its reference and policy log-prob passes over the
-   rollout fall in "update". align's split: ``time/generation_s``, ``time/scoring_s`` (reward model, reference
-   and values) and ``time/update_s``.
+   rollout fall in "update". align's split: the logged ``time/generation_s``, ``time/scoring_s`` (reward model,
+   reference and values) and the rest; its completion tokens: the logged ``rollout/completion_tokens``.
 
 Settings that are the same on both sides: model and weights, prompts, one completion per prompt, new-token limit
 (``response_length``), temperature 1, no top-k/top-p, stop at EOS, k1 KL shaped into the rewards with coefficient
@@ -43,71 +43,49 @@ no checkpoints, no evaluation. TRL keeps ``transformers.generate``; align its ow
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _rl_harness import add_model_args, prepare_model, run_child, sort_prompts, step_summary
+import _harness as h
 
 KL_COEF, LR = 0.05, 1e-5
+PHASES = ("generation", "scoring")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # children
 
 
-def run_align(spec: dict) -> dict:
-    import lightning as L
+def build_module(spec: dict):
+    """The PPO module of an align trial: every setting the comparison fixes, in one place."""
     import torch
 
-    from align.data.prompts import PromptDataModule
     from align.models.policy import PolicyModel
+    from align.modules.options import GAE, ClipRange, KLPenalty, Updates, ValueTraining
     from align.modules.ppo import PPOModule
+    from align.rewards import RewardModelSpec
     from align.rollout import SamplingConfig
 
-    torch.set_num_threads(spec["threads"])
-    workdir = Path(spec["workdir"])
-    data_file = workdir / "prompts.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sort_prompts(spec["prompts"])))
-    module = PPOModule(
+    return PPOModule(
         policy=PolicyModel(spec["model_dir"], value_head="separate", critic_model=spec["rm_dir"]),
-        reward_model=spec["rm_dir"], reward_model_batch_size=spec["prompts"], eval_rewards=[],
+        reward_model=RewardModelSpec(spec["rm_dir"], batch_size=spec["prompts"]), eval_rewards=[],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0),
-        kl_coef=KL_COEF, kl_estimator="k1", gamma=1.0, lam=0.95, clip_range=0.2, value_clip=0.2, vf_coef=0.1,
-        ppo_epochs=spec["ppo_epochs"], num_minibatches=spec["minibatches"], max_grad_norm=1.0, log_entropy=True,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+        kl=KLPenalty(coef=KL_COEF, estimator="k1", placement="reward"), gae=GAE(gamma=1.0, lam=0.95),
+        clip=ClipRange(low=0.2), value=ValueTraining(coef=0.1, clip=0.2),
+        updates=Updates(epochs=spec["ppo_epochs"], minibatches=spec["minibatches"], max_grad_norm=1.0),
+        log_entropy=True, optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
     )
-    data = PromptDataModule(train_files=str(data_file), val_files=None, batch_size=spec["prompts"], shuffle=False)
-    steps, gens, scores, tokens = [], [], [], []
 
-    class Meter(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.t = time.perf_counter()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            steps.append(time.perf_counter() - self.t)
-            gens.append(pl_module.timings["time/generation_s"])
-            scores.append(pl_module.timings["time/scoring_s"])
-            tokens.append(pl_module._last_tokens)
-
-    original = module.rollout
-
-    def counting_rollout(batch, group_size=1, engine=None):
-        rollout = original(batch, group_size, engine)
-        module._last_tokens = int(rollout.response_mask.sum())
-        return rollout
-
-    module.rollout = counting_rollout
-    trainer = L.Trainer(max_steps=spec["steps"] * spec["ppo_epochs"] * spec["minibatches"], accelerator="cpu",
-                        devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Meter()], max_epochs=-1)
-    trainer.fit(module, datamodule=data)
-    return step_summary(steps, tokens, spec["warmup"], generation=gens, scoring=scores)
+def run_align(spec: dict) -> dict:
+    h.set_threads(spec["threads"])
+    # A rollout takes ppo_epochs x minibatches optimizer steps.
+    return h.rl_align_trial(spec, build_module(spec), PHASES,
+                            max_steps=spec["steps"] * spec["ppo_epochs"] * spec["minibatches"])
 
 
 def run_trl(spec: dict) -> dict:
@@ -116,12 +94,7 @@ def run_trl(spec: dict) -> dict:
     import torch
     import trl
     from datasets import Dataset
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        TrainerCallback,
-    )
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     try:
         import trl.experimental.ppo.ppo_trainer as ppo_module
@@ -129,14 +102,13 @@ def run_trl(spec: dict) -> dict:
     except ImportError as err:
         raise SystemExit(f"TRL {trl.__version__} ({trl.__file__}) has no PPO trainer ({err}); TRL removed "
                          "trl.experimental.ppo in 1.13.0. Pass --trl-path with TRL 1.12.0 installed there.")
-    torch.set_num_threads(spec["threads"])
+    h.set_threads(spec["threads"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    from align.data.chat import (
-        ChatEncoder,  # the same prompt ids as align's prompt data
-    )
+    from align.data.chat import ChatEncoder  # the same prompt ids as align's prompt data
 
     encoder = ChatEncoder(tokenizer)
-    rows = [{"input_ids": encoder.prompt_ids([{"role": "user", "content": p}])} for p in sort_prompts(spec["prompts"])]
+    rows = [{"input_ids": encoder.prompt_ids([{"role": "user", "content": p}])}
+            for p in h.sort_prompts(spec["prompts"])]
     dataset = Dataset.from_list(rows * (spec["steps"] + 1))
     n = spec["prompts"]
     config = PPOConfig(
@@ -155,42 +127,29 @@ def run_trl(spec: dict) -> dict:
     value = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1, dtype=torch.float32)
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=dataset)
-    steps, gens, scores, tokens = [], [], [], []
-    clock = {"gen": 0.0, "score": 0.0}
+    meter = h.StepMeter(spec["warmup"])
 
-    def timed(fn, key):
+    def timed(fn, phase):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
-            clock[key] += time.perf_counter() - start
-            if key == "gen":  # (query_responses, logits): count valid completion tokens up to the first EOS
+            meter.add(**{f"{phase}_s": time.perf_counter() - start})
+            if phase == "generation":  # (query_responses, logits): count valid completion tokens up to the first EOS
                 responses = out[0][:, args[1].shape[1]:]
                 is_eos = responses == tokenizer.eos_token_id
                 valid = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
-                clock["tokens"] = clock.get("tokens", 0) + int(valid.sum())
+                meter.add(tokens=int(valid.sum()))
             return out
         return wrapper
 
-    ppo_module.batch_generation = timed(ppo_module.batch_generation, "gen")
-    ppo_module.get_reward = timed(ppo_module.get_reward, "score")
-
-    class Meter(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            now = time.perf_counter()
-            steps.append(now - self.t)
-            gens.append(clock["gen"])
-            scores.append(clock["score"])
-            tokens.append(clock.get("tokens", 0))
-            clock.update(gen=0.0, score=0.0, tokens=0)
-            self.t = now
-
-    trainer.add_callback(Meter())
+    ppo_module.batch_generation = timed(ppo_module.batch_generation, "generation")
+    ppo_module.get_reward = timed(ppo_module.get_reward, "scoring")
+    trainer.add_callback(h.trl_meter(meter))
     trainer.train()
-    return step_summary(steps, tokens, spec["warmup"], generation=gens, scoring=scores)
+    return h.rl_step_summary(meter, PHASES)
 
+
+CHILDREN = {"align": run_align, "trl": run_trl}
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
@@ -210,6 +169,25 @@ def _trl_has_ppo(trl_path: str | None) -> str | None:
             "in 1.13.0. Install 1.12.0 with `pip install --no-deps --target DIR trl==1.12.0` and pass --trl-path DIR.")
 
 
+def save_reward_models(model_dir: str, rm_dir: Path, trl_rm_dir: Path) -> None:
+    """One random value head on the policy's backbone, saved as align's reward-model checkpoint and as the same
+    weights in TRL's sequence-classifier form (which also serves as TRL's critic)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from align.models.policy import PolicyModel
+    from align.models.reward import save_reward_model
+
+    rm = PolicyModel(model_dir, value_head="shared")
+    torch.nn.init.normal_(rm.value_head.proj.weight, std=0.05)
+    save_reward_model(rm, rm_dir)
+    trl_rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    with torch.no_grad():
+        trl_rm.score.weight.copy_(rm.value_head.proj.weight)
+    trl_rm.config.pad_token_id = rm.tokenizer.pad_token_id
+    trl_rm.save_pretrained(trl_rm_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16, help="Prompts (= completions) per rollout.")
@@ -220,26 +198,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    add_model_args(parser)
+    h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
     parser.add_argument("--trl-path", default=None, help="A directory holding a TRL release with a PPO trainer.")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--child", choices=["align", "trl"], default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    h.add_child_args(parser, CHILDREN)
     ns = parser.parse_args(argv)
-
-    if ns.child:
-        spec = json.loads(ns.spec)
-        result = run_align(spec) if ns.child == "align" else run_trl(spec)
-        print(json.dumps(result))
+    if h.run_if_child(ns, CHILDREN):
         return
     if ns.prompts % ns.minibatches:
         parser.error("--prompts must be a multiple of --minibatches")
-
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    from align.models.policy import PolicyModel
-    from align.models.reward import save_reward_model
 
     trl_missing = _trl_has_ppo(ns.trl_path)
     if trl_missing:
@@ -247,53 +214,20 @@ def main(argv: list[str] | None = None) -> None:
     frameworks = ("align",) if trl_missing else ("align", "trl")
     with tempfile.TemporaryDirectory() as tmp:
         rm_dir, trl_rm_dir = Path(tmp) / "rm", Path(tmp) / "trl-rm"
-        model_dir, model_name, n_params = prepare_model(ns, tmp)
+        model_dir, model_name, n_params = h.rl_model(ns, tmp)
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
-        rm = PolicyModel(str(model_dir), value_head="shared")
-        torch.nn.init.normal_(rm.value_head.proj.weight, std=0.05)
-        save_reward_model(rm, rm_dir)
-        trl_rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
-        with torch.no_grad():
-            trl_rm.score.weight.copy_(rm.value_head.proj.weight)
-        trl_rm.config.pad_token_id = rm.tokenizer.pad_token_id
-        trl_rm.save_pretrained(trl_rm_dir)
-        spec = {"model_dir": str(model_dir), "rm_dir": str(rm_dir), "trl_rm_dir": str(trl_rm_dir), "workdir": tmp,
+        save_reward_models(model_dir, rm_dir, trl_rm_dir)
+        spec = {"model_dir": model_dir, "rm_dir": str(rm_dir), "trl_rm_dir": str(trl_rm_dir), "workdir": tmp,
                 "prompts": ns.prompts, "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup,
                 "warmup": ns.warmup, "threads": ns.threads, "ppo_epochs": ns.ppo_epochs,
                 "minibatches": ns.minibatches, "trl_path": ns.trl_path}
-        results: dict[str, list[dict]] = {fw: [] for fw in frameworks}
-        for trial in range(ns.trials):
-            for framework in frameworks:
-                res = run_child(__file__, framework, spec)
-                res["load"] = os.getloadavg()[0]
-                results[framework].append(res)
-                print(f"trial {trial + 1} {framework:5s}: {res['tokens_per_s']:8.1f} completion tok/s, step "
-                      f"{res['step_s']:.2f} s (generation {res['generation_share']:.0%}, scoring "
-                      f"{res['scoring_share']:.0%}, update {res['update_share']:.0%}), peak RSS "
-                      f"{res['peak_rss_mb']:.0f} MB, load {res['load']:.1f}", flush=True)
+        results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
+            frameworks, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
-    med = {fw: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for fw, rs in results.items()}
-    print(f"\nPPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 1 completion, "
-          f"{ns.max_new_tokens} new tokens, {ns.ppo_epochs} epochs x {ns.minibatches} minibatches, {ns.threads} "
-          f"threads, medians of {ns.trials} trials:")
-    print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}{'gen %':>8s}{'score %':>9s}{'update %':>10s}{'peak RSS MB':>13s}")
-    for fw in frameworks:
-        m = med[fw]
-        print(f"{fw:8s}{m['tokens_per_s']:10.1f}{m['step_s']:9.2f}{m['generation_share']:8.0%}"
-              f"{m['scoring_share']:9.0%}{m['update_share']:10.0%}{m['peak_rss_mb']:13.0f}")
-    ratios = {}
-    if "trl" in med:
-        ratios = {"throughput_align_over_trl": med["align"]["tokens_per_s"] / med["trl"]["tokens_per_s"],
-                  "peak_rss_align_over_trl": med["align"]["peak_rss_mb"] / med["trl"]["peak_rss_mb"]}
-        print(f"throughput ratio align/TRL: {ratios['throughput_align_over_trl']:.2f}x; "
-              f"peak memory ratio align/TRL: {ratios['peak_rss_align_over_trl']:.2f}")
-    if ns.json:
-        ns.json.write_text(json.dumps({"model": ns.model or "tiny", "model_dir": str(model_dir) if ns.model else None,
-                                       "parameters": n_params,
-                                       "settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
-                                       "medians": med, "ratios": ratios, "trl_not_run": trl_missing},
-                                      indent=2, default=str))
-
+    h.rl_report(ns, f"\nPPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 1 "
+                    f"completion, {ns.max_new_tokens} new tokens, {ns.ppo_epochs} epochs x {ns.minibatches} "
+                    f"minibatches, {ns.threads} threads, medians of {ns.trials} trials:", results, model_dir,
+                n_params, PHASES, trl_not_run=trl_missing)
 
 if __name__ == "__main__":
     main()

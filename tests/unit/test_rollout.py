@@ -135,7 +135,9 @@ def test_rollout_logprobs_match_policy_score(policy, temperature):
     assert n == 6 and rollout.prompt_index.tolist() == [0, 0, 0, 1, 1, 1] and rollout.group_size == 3
     assert rollout.prompt_ids.shape[0] == 6 and len(rollout.texts) == 6
     assert rollout.truncated.tolist() == (~(rollout.response_ids == policy.tokenizer.eos_token_id).any(1)).tolist()
-    assert set(rollout.metrics) == {"rollout/tokens_per_s", "rollout/response_length", "rollout/truncated_frac"}
+    assert set(rollout.metrics) == {"rollout/tokens_per_s", "rollout/response_length", "rollout/truncated_frac",
+                                    "rollout/completion_tokens"}
+    assert rollout.metrics["rollout/completion_tokens"] == int(rollout.response_mask.sum())
     with torch.no_grad():
         scores = policy.token_logprobs(rollout.input_ids, rollout.attention_mask, response_length=r, temperature=temperature)
     m = rollout.response_mask
