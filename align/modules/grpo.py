@@ -43,7 +43,7 @@ class GRPOModule(RLModule):
 
     Logged per rollout: ``train/loss``, ``train/policy_loss``, ``train/kl``, ``train/kl_coef``, ``train/clipfrac``,
     ``train/approx_kl``, ``train/entropy``, ``rollout/reward_mean``, ``rollout/reward_std``,
-    ``rollout/reward/<name>``, ``rollout/response_length``, ``rollout/tokens_per_s``,
+    ``rollout/reward/<name>``, ``rollout/response_length``, ``rollout/tokens_per_s``, ``rollout/completion_tokens``,
     ``rollout/truncated_frac``, ``rollout/zero_std_frac`` (groups with no learning signal), and
     ``time/generation_s`` / ``time/scoring_s`` / ``time/update_s``. Validation: see :class:`~align.modules.rl.RLModule`.
     """

@@ -93,7 +93,8 @@ class PPOModule(RLModule):
     ``train/returns_mean``, ``train/values_mean``, ``train/advantages_mean`` (before whitening),
     ``train/score_mean`` (after the score options), ``train/critic_warmup`` (1 while warming up),
     ``rollout/reward_mean``, ``rollout/reward_std``, ``rollout/reward/<name>`` (every reward, eval rewards
-    included), ``rollout/response_length``, ``rollout/tokens_per_s``, ``rollout/truncated_frac`` and
+    included), ``rollout/response_length``, ``rollout/tokens_per_s``, ``rollout/completion_tokens``,
+    ``rollout/truncated_frac`` and
     ``time/generation_s``, ``time/scoring_s``, ``time/update_s``.
 
     Held out (greedy by default, see :class:`~align.modules.rl.RLModule`): ``val/reward_mean`` (the training

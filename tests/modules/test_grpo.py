@@ -93,7 +93,8 @@ def test_kl_in_reward_and_off_policy_iterations_run():
 
 METRICS = ["train/loss", "train/policy_loss", "train/kl", "train/clipfrac", "train/approx_kl", "train/entropy",
            "rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/tokens_per_s",
-           "rollout/truncated_frac", "rollout/reward/sort_format"]
+           "rollout/truncated_frac", "rollout/reward/sort_format", "rollout/completion_tokens", "train/kl_coef",
+           "time/generation_s", "time/scoring_s", "time/update_s"]
 
 
 def test_trains_a_few_steps_with_lightning_and_logs_the_metrics(tmp_path):
