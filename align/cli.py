@@ -11,6 +11,8 @@ installed ``align`` runs them without a checkout.
 
 from __future__ import annotations
 
+import json
+
 import logging
 import os
 import re
@@ -263,7 +265,9 @@ def _checkpoint_defaults(config: dict, callbacks: list) -> None:
 
 
 def resolve_config_args(args: list[str]) -> list[str]:
-    """``--config align:<algorithm>/<name>.yaml`` -> the shipped file's path (jsonargparse reads plain paths)."""
+    """``--config align:<algorithm>/<name>.yaml`` -> the shipped file's path (jsonargparse reads plain paths), and
+    a nested setting set to null from the command line in the block form that jsonargparse reads (see
+    :func:`_nested_null`)."""
     out = []
     for i, arg in enumerate(args):
         key, eq, value = arg.partition("=")
@@ -271,8 +275,30 @@ def resolve_config_args(args: list[str]) -> list[str]:
             arg = f"--config={shipped_config(value)}"
         elif i > 0 and args[i - 1] == "--config" and arg.startswith(SHIPPED):
             arg = str(shipped_config(arg))
+        elif eq and value == "null" and _nested_null(key):
+            out.extend(_nested_null(key))
+            continue
+        elif arg == "null" and i > 0 and out and out[-1] == args[i - 1] and _nested_null(args[i - 1]):
+            out[-1:] = _nested_null(args[i - 1])
+            continue
         out.append(arg)
     return out
+
+
+def _nested_null(key: str) -> list[str] | None:
+    """``--model.kl.estimator null`` -> ``["--model.kl", '{"estimator": null}']``, or None for other keys.
+
+    jsonargparse 4 reads ``null`` for a field of a nested block (an option group, the policy's settings) as the
+    text ``'None'`` or refuses it; the same value given as a one-field block is read as null, and the block
+    changes only that field."""
+    if not key.startswith(("--model.", "--data.")):
+        return None
+    *parent, field = key[2:].split(".")
+    if parent and parent[-1] == "init_args":
+        parent = parent[:-1]
+    if len(parent) < 2 or not field.isidentifier():
+        return None
+    return ["--" + ".".join(parent), json.dumps({field: None})]
 
 
 def shipped_config(name: str) -> Path:

@@ -27,6 +27,7 @@ import torch
 
 from align.advantages import group_advantages
 from align.data.prompts import PromptBatch
+from align.errors import AlignConfigError
 from align.kl import kl_estimate
 from align.logprobs import masked_mean, masked_sum
 from align.losses import aggregate, ppo_policy_loss
@@ -70,7 +71,7 @@ class GRPOModule(RLModule):
             advantages: How rewards become advantages within a group (``std_scale``).
         """
         if group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
+            raise AlignConfigError(f"model.group_size: expected >= 2 for group-relative advantages, got {group_size}")
         if rewards is None and reward_model is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,

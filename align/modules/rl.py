@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
+from align.errors import AlignConfigError
 from align.kl import AdaptiveKLController, FixedKLController, KLController
 from align.logprobs import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
@@ -146,7 +147,7 @@ class RLModule(AlignModule):
         """
         super().__init__(policy, optimizer, scheduler, disable_dropout)
         if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+            raise AlignConfigError(f"model.group_size: expected >= 1, got {group_size}")
         self.automatic_optimization = False
         self.reward, self.eval_reward_names = training_rewards(rewards, reward_model, eval_rewards)
         self.group_size = group_size
@@ -158,7 +159,8 @@ class RLModule(AlignModule):
                                             if kl.target is not None else FixedKLController(kl.coef))
         names = self.reward.names
         if evaluation.accuracy_reward is not None and evaluation.accuracy_reward not in names:
-            raise ValueError(f"evaluation.accuracy_reward: {evaluation.accuracy_reward!r} is not one of the rewards {names}")
+            raise AlignConfigError(f"model.evaluation.accuracy_reward: {evaluation.accuracy_reward!r} is not one of the "
+                                   f"rewards {names}; name one of them, or null for the first")
         self.accuracy_reward = evaluation.accuracy_reward or (self.eval_reward_names or names)[0]
         self.accuracy_threshold = evaluation.accuracy_threshold
         self.timings: dict[str, float] = {}

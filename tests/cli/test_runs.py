@@ -212,3 +212,26 @@ def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path):
         main(["fit", "--model", "SFTModule", "--data", "SFTDataModule", "--data.train_files", str(bad),
               "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1"])
     assert not root.exists() or list(root.iterdir()) == []
+
+
+def test_a_nested_setting_set_to_null_on_the_command_line_becomes_a_one_field_block():
+    assert resolve_config_args(["fit", "--model.kl.estimator", "null", "--model.init_args.scores.clip=null",
+                                "--model.policy.init_args.lora", "null", "--model.group_size", "null",
+                                "--trainer.max_steps", "null", "--model.kl.coef", "0"]) == \
+        ["fit", "--model.kl", '{"estimator": null}', "--model.init_args.scores", '{"clip": null}',
+         "--model.policy", '{"lora": null}', "--model.group_size", "null", "--trainer.max_steps", "null",
+         "--model.kl.coef", "0"]
+
+
+def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
+    from align.cli import run_recipe
+    from align.data.prompts import PromptDataModule
+    from align.modules.ppo import PPOModule
+
+    with pytest.raises(SystemExit):
+        run_recipe("ppo", PPOModule, PromptDataModule,
+                   args=["fit", "--model.evaluation.accuracy_reward", "null", "--model.scores.missing_eos_penalty",
+                         "null", "--print_config"])
+    printed = capsys.readouterr().out
+    assert "accuracy_reward: null" in printed and "missing_eos_penalty: null" in printed
+    assert "accuracy_threshold: 1.0" in printed and "whiten: true" in printed  # the shipped config's neighbours
