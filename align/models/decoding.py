@@ -13,7 +13,7 @@ arithmetic: module calls, a key/value cache that grows by concatenation, a 4D ma
 * only the last position goes through the final norm and the output head.
 
 It is an exact re-expression, not an approximation: logits agree with the model's own forward to float
-rounding (``tests/unit/test_decoding.py`` checks prefill and every decoding step). Models it does not cover
+rounding (``tests/models/test_decoding.py`` checks prefill and every decoding step). Models it does not cover
 (other architectures, quantized or sharded weights, DoRA, sliding-window attention) are reported by
 :func:`fast_decoder_unsupported` and sampled through the model's ``forward`` instead.
 

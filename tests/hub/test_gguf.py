@@ -2,7 +2,7 @@
 
 These run without the real model: small GGUF files are written with the ``gguf`` package, and the expensive
 conversion is replaced where only the cache's bookkeeping is under test. The real conversion of
-SmolLM2-135M-Instruct is covered in ``tests/real_model``.
+SmolLM2-135M-Instruct is covered in ``tests/e2e/test_smollm2_*.py``.
 """
 
 import subprocess

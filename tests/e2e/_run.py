@@ -3,7 +3,7 @@ optionally a SIGKILL of the process itself right after optimizer step ``--kill-a
 checkpoint, so the run must go back to the previous one) or in the middle of writing checkpoint file number
 ``--kill-in-write``.
 
-    python tests/reliability/_run.py sft [--kill-at K] [--kill-in-write N] -- <recipe arguments>
+    python tests/e2e/_run.py sft [--kill-at K] [--kill-in-write N] -- <recipe arguments>
 """
 
 import argparse
