@@ -144,7 +144,8 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
     ckpt = AtomicCheckpointIO().load_checkpoint(ckpt_dir / "last.ckpt")
     assert ckpt["global_step"] == steps
     if algorithm == "grpo":
-        assert ckpt["align"]["rl"] == {"rollouts": steps, "updates": steps}
+        # Rollouts counted once each across the kill, and the KL controller's state (fixed at kl.coef 0.02).
+        assert ckpt["align"]["rl"] == {"rollouts": steps, "updates": steps, "kl_controller": {"value": 0.02}}
 
 
 def test_resume_auto_starts_fresh_then_continues_from_last(tmp_path):
