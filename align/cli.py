@@ -275,11 +275,11 @@ def resolve_config_args(args: list[str]) -> list[str]:
             arg = f"--config={shipped_config(value)}"
         elif i > 0 and args[i - 1] == "--config" and arg.startswith(SHIPPED):
             arg = str(shipped_config(arg))
-        elif eq and value == "null" and _nested_null(key):
-            out.extend(_nested_null(key))
+        elif eq and value == "null" and (block := _nested_null(key)):
+            out.extend(block)
             continue
-        elif arg == "null" and i > 0 and out and out[-1] == args[i - 1] and _nested_null(args[i - 1]):
-            out[-1:] = _nested_null(args[i - 1])
+        elif arg == "null" and i > 0 and out and out[-1] == args[i - 1] and (block := _nested_null(args[i - 1])):
+            out[-1:] = block
             continue
         out.append(arg)
     return out
