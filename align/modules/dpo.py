@@ -12,15 +12,16 @@ Loss variants (``loss_type``), chosen in one place (:data:`PREFERENCE_LOSSES`), 
 * ``hinge``: SLiC-HF (Zhao et al. 2023, arXiv 2305.10425).
 * ``simpo``: SimPO (Meng et al. 2024, arXiv 2405.14734): length-normalised and reference-free (``beta``,
   ``simpo_gamma``).
+* ``orpo``: ORPO (Hong et al. 2024, arXiv 2403.07691): the chosen response's per-token NLL plus ``beta`` (the
+  paper's lambda, TRL's name) times ``-log sigmoid`` of the log odds ratio of the length-normalised likelihoods.
+  Reference-free; ``rpo_alpha`` is refused with it (it would add the NLL a second time).
 
 ``rpo_alpha`` > 0 adds ``alpha`` times the chosen response's per-token NLL to each pair's loss (RPO, Pang et al.
 2024, arXiv 2404.19733). Departure: the NLL is a per-pair mean over the chosen tokens, so the whole loss stays a
 per-pair mean and is exactly invariant to how a step is split into micro-batches.
 
-Reference log-probs: live from ``PolicyModel.setup_reference()`` (with LoRA the adapter-disabled policy, no copy;
-otherwise a frozen copy or ``reference_model``), or with ``precompute_reference`` computed once before the first
-update and cached (:mod:`align.models.reference_cache`): no reference forward during training, and no frozen copy is
-kept.
+Reference log-probs (not needed by ``simpo`` and ``orpo``): live or cached, see
+:class:`~align.modules.preference.PreferenceModule`.
 
 Normalisation: the loss of an optimizer step is the mean over every pair of the accumulation window on all ranks,
 so accumulating 8 x 1 equals 1 x 8. Accuracy counts a tie (implicit rewards equal, as for the untrained policy,
@@ -28,25 +29,26 @@ which *is* its reference) as half right, so the untrained model scores exactly c
 
 Logged per optimizer step: ``train/loss``, ``dpo/accuracy``, ``dpo/margin`` (mean chosen - rejected implicit
 reward), ``dpo/rewards_chosen``, ``dpo/rewards_rejected``, ``dpo/logps_chosen``, ``dpo/logps_rejected``,
-``dpo/nll_chosen`` (with ``rpo_alpha``), ``train/pairs_per_s``. Held out: ``val/loss`` and ``val/dpo_<same>``.
+``dpo/nll_chosen`` (with ``rpo_alpha`` or ``orpo``), ``dpo/log_odds_ratio`` (``orpo``), ``train/pairs_per_s``.
+With ``orpo`` the rewards are ``beta`` times the mean log-probs (as TRL logs them). Held out: ``val/loss`` and
+``val/dpo_<same>``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from align.data.preference import PreferenceBatch, PreferenceDataset
+from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
-from align.losses import dpo_loss, simpo_loss
+from align.losses import dpo_loss, orpo_loss, simpo_loss
 from align.models.policy import PolicyModel
-from align.models.reference_cache import CachedReference, sequence_logps
-from align.modules.base import AlignModule, PairMetrics
+from align.models.reference_cache import sequence_logps
+from align.modules.preference import PreferenceModule
 
-LossType = Literal["sigmoid", "conservative", "ipo", "hinge", "simpo"]
+LossType = Literal["sigmoid", "conservative", "ipo", "hinge", "simpo", "orpo"]
 
 
 class PairLogps(NamedTuple):
@@ -81,17 +83,26 @@ def _simpo(x: PairLogps, m: "DPOModule"):
     return simpo_loss(x.chosen, x.rejected, x.chosen_tokens, x.rejected_tokens, m.beta, m.simpo_gamma)
 
 
+def _orpo(x: PairLogps, m: "DPOModule"):
+    losses, chosen, rejected, nll, log_odds = orpo_loss(x.chosen, x.rejected, x.chosen_tokens, x.rejected_tokens,
+                                                        m.beta)
+    return losses, chosen, rejected, {"nll_chosen": nll, "log_odds_ratio": log_odds}
+
+
 PREFERENCE_LOSSES: dict[str, Callable[[PairLogps, "DPOModule"], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
     "sigmoid": _sigmoid,
     "conservative": _conservative,
     "ipo": _ipo,
     "hinge": _hinge,
     "simpo": _simpo,
+    "orpo": _orpo,
 }
-REFERENCE_FREE = frozenset({"simpo"})
+"""Each returns ``(losses, rewards_chosen, rewards_rejected)``, each ``(B,)``, and optionally a dict of further
+detached ``(B,)`` statistics to log."""
+REFERENCE_FREE = frozenset({"simpo", "orpo"})
 
 
-class DPOModule(AlignModule):
+class DPOModule(PreferenceModule):
     headline_metrics = ("val/dpo_accuracy", "val/dpo_margin", "val/loss")
 
     def __init__(
@@ -114,22 +125,23 @@ class DPOModule(AlignModule):
                 the embedded tiny model.
             optimizer: Optimizer callable (parameters -> optimizer); matrices get weight decay, vectors do not.
             scheduler: Learning-rate schedule callable (optimizer -> scheduler), stepped every optimizer step.
-            loss_type: ``sigmoid`` (DPO), ``conservative`` (cDPO), ``ipo``, ``hinge`` (SLiC) or ``simpo``.
-            beta: Inverse temperature of the implicit reward (IPO's tau; SimPO's reward scale).
+            loss_type: ``sigmoid`` (DPO), ``conservative`` (cDPO), ``ipo``, ``hinge`` (SLiC), ``simpo`` or ``orpo``.
+            beta: Inverse temperature of the implicit reward (IPO's tau; SimPO's reward scale; ORPO's lambda, the
+                weight of its odds-ratio term, as in TRL's ``ORPOConfig``).
             label_smoothing: Assumed label-flip probability for ``conservative``, in (0, 0.5).
             simpo_gamma: SimPO's target reward margin (the paper's gamma, in reward units: the loss is
                 ``-log sigmoid(beta * (mean logp chosen - mean logp rejected) - simpo_gamma)``); ``simpo`` only.
                 Named as in TRL's ``CPOConfig``, which SimPO users know, and so that it is not read as the GAE
                 discount ``gamma`` of the RL modules. A ``gamma_beta_ratio`` r (the SimPO repository's setting) is
                 ``simpo_gamma = r * beta``.
-            rpo_alpha: Weight of the NLL of the chosen responses added to the loss (RPO); 0 turns it off.
+            rpo_alpha: Weight of the NLL of the chosen responses added to the loss (RPO); 0 turns it off. Refused
+                with ``orpo``, whose loss already holds that NLL.
             precompute_reference: Compute reference log-probs once before training and cache them (no reference
                 forward while training, no frozen copy of the model).
             reference_cache_dir: Where cached reference log-probs are kept; null: ``<default_root_dir>/ref_cache``.
             disable_dropout: Set every dropout (model, LoRA adapter) to 0, so that the policy and reference
                 passes over a pair are deterministic; false keeps the model's dropout.
         """
-        super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler, disable_dropout)
         if loss_type not in PREFERENCE_LOSSES:
             raise AlignConfigError(f"model.loss_type: expected one of {sorted(PREFERENCE_LOSSES)}, got {loss_type!r}")
         if beta <= 0:
@@ -141,57 +153,14 @@ class DPOModule(AlignModule):
             raise AlignConfigError(f"model.label_smoothing applies to loss_type 'conservative' only, not {loss_type!r}")
         if rpo_alpha < 0:
             raise AlignConfigError(f"model.rpo_alpha: expected >= 0, got {rpo_alpha}")
+        if rpo_alpha and loss_type == "orpo":
+            raise AlignConfigError(f"model.rpo_alpha: expected 0 with loss_type 'orpo', whose loss already holds the "
+                                   f"chosen NLL, got {rpo_alpha}")
+        super().__init__(policy, optimizer, scheduler, disable_dropout, loss_type not in REFERENCE_FREE,
+                         precompute_reference, reference_cache_dir)
         self.loss_type, self.beta, self.label_smoothing = loss_type, beta, label_smoothing
         self.simpo_gamma = simpo_gamma
         self.rpo_alpha = rpo_alpha
-        self.needs_reference = loss_type not in REFERENCE_FREE
-        self.precompute_reference = precompute_reference and self.needs_reference
-        self.reference_cache_dir = reference_cache_dir
-        self.cached_reference = CachedReference() if self.precompute_reference else None
-        self._window = PairMetrics()
-        self._val = PairMetrics()
-
-    def setup(self, stage: str) -> None:
-        if self.needs_reference and not self.precompute_reference:
-            self.policy.setup_reference()  # before any checkpoint is restored, so a frozen copy is the initial model
-
-    # ------------------------------------------------------------------ reference log-probs
-    def _datasets(self) -> dict[str, PreferenceDataset]:
-        dm = self.trainer.datamodule
-        return {name: ds for name, ds in (("train", getattr(dm, "train_set", None)), ("val", getattr(dm, "val_set", None)))
-                if ds is not None}
-
-    def prepare_reference(self, needed: tuple[str, ...] = ("train", "val")) -> None:
-        """Load or compute the cached reference log-probs (:class:`CachedReference`) once a ``needed`` split lacks
-        them."""
-        self.cached_reference.prepare(
-            self.policy, self._datasets(), self.trainer.datamodule.eval_dataloader,
-            self.reference_cache_dir or Path(self.trainer.default_root_dir) / "ref_cache",
-            needed=needed, updated=self.global_step > 0, device=self.device, write=self.trainer.is_global_zero)
-
-    def on_validation_start(self) -> None:
-        if self.precompute_reference:
-            self.prepare_reference(("val",))
-
-    def on_train_start(self) -> None:
-        if self.precompute_reference:
-            self.prepare_reference(("train", "val"))
-        self._window = PairMetrics()
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        super().on_save_checkpoint(checkpoint)
-        cached = self.cached_reference
-        checkpoint["align"]["reference_fingerprint"] = cached.fingerprint if cached is not None else None
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if self.cached_reference is not None:
-            self.cached_reference.fingerprint = (checkpoint.get("align") or {}).get("reference_fingerprint")
-
-    def _reference_logps(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cached_reference is not None:
-            return self.cached_reference.logps(batch, split, self.device)
-        with torch.no_grad():
-            return sequence_logps(self.policy, batch, reference=True).chunk(2)
 
     # ------------------------------------------------------------------ loss
     def pair_logps(self, batch: PreferenceBatch, split: str = "train") -> PairLogps:
@@ -204,8 +173,8 @@ class DPOModule(AlignModule):
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:
         """Sum over the micro-batch's pairs of the per-pair loss, and sums of the per-pair statistics."""
         x = self.pair_logps(batch, split)
-        losses, rewards_chosen, rewards_rejected = PREFERENCE_LOSSES[self.loss_type](x, self)  # (B,) each
-        stats = {}
+        losses, rewards_chosen, rewards_rejected, *extra = PREFERENCE_LOSSES[self.loss_type](x, self)  # (B,) each
+        stats = {name: value.sum() for name, value in (extra[0] if extra else {}).items()}
         if self.rpo_alpha:
             nll = -x.chosen / x.chosen_tokens.clamp(min=1)  # (B,) per-token NLL of each chosen response
             losses = losses + self.rpo_alpha * nll
@@ -216,35 +185,3 @@ class DPOModule(AlignModule):
                      rewards_rejected=rewards_rejected.sum(), logps_chosen=x.chosen.detach().sum(),
                      logps_rejected=x.rejected.detach().sum())
         return losses.sum(), stats
-
-    def training_step(self, batch: PreferenceBatch, batch_idx: int) -> torch.Tensor:
-        loss_sum, stats = self._loss_and_stats(batch, "train")
-        self._window.add(batch.num_pairs, **stats)
-        return self.window_loss(loss_sum, batch.window_pairs)[0]
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        if self.accumulating():  # DeepSpeed: called after every micro-batch; wait for the window's end
-            return
-        m = self._window.means(self)
-        if m:
-            self.log("train/loss", m.pop("loss"), on_step=True, prog_bar=True, batch_size=1)
-            self.log("train/pairs_per_s", m.pop("pairs_per_s"), on_step=True, batch_size=1)
-            for name, value in m.items():
-                self.log(f"dpo/{name}", value, on_step=True, prog_bar=name == "accuracy", batch_size=1)
-        self._window = PairMetrics()
-
-    # ------------------------------------------------------------------ validation
-    def on_validation_epoch_start(self) -> None:
-        self._val = PairMetrics()
-
-    def validation_step(self, batch: PreferenceBatch, batch_idx: int) -> None:
-        _, stats = self._loss_and_stats(batch, "val")
-        self._val.add(batch.num_pairs, **stats)
-
-    def on_validation_epoch_end(self) -> None:
-        m = self._val.means(self)
-        if m:
-            m.pop("pairs_per_s")
-            self.log("val/loss", m.pop("loss"), batch_size=1)
-            for name, value in m.items():
-                self.log(f"val/dpo_{name}", value, batch_size=1)

@@ -8,7 +8,7 @@ from _helpers import cpu_trainer, write_varied_pairs
 from align.data.preference import PreferenceDataModule
 from align.models import LoraSettings, PolicyModel
 from align.models.reference_cache import sequence_logps
-from align.modules.dpo import PREFERENCE_LOSSES, DPOModule, PairLogps
+from align.modules.dpo import PREFERENCE_LOSSES, REFERENCE_FREE, DPOModule, PairLogps
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_each_loss_type_trains(varied_pairs, loss_type):
     t = cpu_trainer(max_steps=3, limit_val_batches=1)
     t.fit(module, data(varied_pairs, batch_size=4))
     assert torch.isfinite(t.callback_metrics["train/loss"])
-    assert (module.policy.ref_model is None) == (loss_type == "simpo")  # SimPO is reference-free
+    assert (module.policy.ref_model is None) == (loss_type in REFERENCE_FREE)  # SimPO, ORPO
 
 
 def test_lora_reference_is_the_adapter_disabled_policy(varied_pairs):
@@ -123,6 +123,8 @@ def test_bad_settings_fail_early():
         DPOModule(policy, loss_type="conservative")
     with pytest.raises(AlignConfigError, match="label_smoothing"):
         DPOModule(policy, label_smoothing=0.1)
+    with pytest.raises(AlignConfigError, match="model.rpo_alpha: expected 0 with loss_type 'orpo'"):
+        DPOModule(policy, loss_type="orpo", rpo_alpha=1.0)
 
 
 def test_simpo_gamma_is_the_simpo_target_margin():
@@ -153,3 +155,27 @@ def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(va
                                                   ckpt_path=str(ckpt))
     torch.testing.assert_close(resumed.cached_reference.splits["train"].chosen,
                                module.cached_reference.splits["train"].chosen)
+
+
+def test_orpo_is_sft_plus_the_odds_ratio_term_without_a_reference(varied_pairs):
+    from align.losses import orpo_loss
+
+    module = DPOModule(PolicyModel(), loss_type="orpo", beta=0.25, precompute_reference=True)
+    assert not module.needs_reference and module.cached_reference is None
+    dm = data(varied_pairs, batch_size=8)
+    dm.set_tokenizer(module.tokenizer)
+    dm.setup("fit")
+    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    loss_sum, stats = module._loss_and_stats(batch, "train")
+    assert module.policy.ref_model is None  # no reference pass was needed
+    logps = sequence_logps(module.policy, batch).detach()
+    tokens = batch.response_mask.sum(-1).float()
+    losses, *_, nll, log_odds = orpo_loss(*logps.chunk(2), *tokens.chunk(2), lam=0.25)
+    torch.testing.assert_close(loss_sum.detach(), losses.sum())
+    torch.testing.assert_close(stats["nll_chosen"], nll.sum())
+    torch.testing.assert_close(stats["log_odds_ratio"], log_odds.sum())
+    # its SFT half: the NLL is the per-token mean over each chosen response
+    chosen_tokens = tokens.chunk(2)[0]
+    torch.testing.assert_close(nll, -logps.chunk(2)[0] / chosen_tokens)
+    loss_sum.backward()
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
