@@ -11,8 +11,9 @@ responses (one assistant message each):
   with ``\n\nHuman:``/``\n\nAssistant:`` turns) identical up to their final assistant message. That shared
   prefix is the prompt, and each final assistant message a response.
 
-Unpaired rows ``{"prompt", "completion", "label"}`` (KTO) are refused with a line saying that no algorithm here
-takes them yet. An optional ``margin`` column (a number, the Llama 2 preference strength, arXiv 2307.09288) is used
+Unpaired rows ``{"prompt", "completion", "label"}`` (KTO; ``label`` true for a desirable completion, false for an
+undesirable one) are read by :class:`UnpairedDataModule` only, which also reads the paired shapes above and turns
+each pair into a desirable and an undesirable example. An optional ``margin`` column (a number, the Llama 2 preference strength, arXiv 2307.09288) is used
 by the reward model's Bradley-Terry loss.
 
 Tokenization applies the chat template once to the prompt plus each response (:class:`~align.data.chat.ChatEncoder`):
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -63,11 +65,12 @@ class PreferenceRecord:
     """A validated preference row: the prompt as messages and the two responses as text."""
 
     prompt: list[dict]
-    chosen: str
-    rejected: str
+    chosen: str  # an unpaired row's completion
+    rejected: str | None  # None for an unpaired row
     margin: float | None
     row: int
     source: str
+    label: bool | None = None  # an unpaired row's label; None for a pair
 
 
 @dataclass
@@ -80,6 +83,8 @@ class PreferenceExample:
     margin: float = 0.0
     row: int = 0  # row number in its source file (from 1), for messages
     truncated: bool = False
+    label: bool | None = None  # unpaired (KTO): whether ``chosen_ids`` is desirable; ``rejected_ids`` is then the
+    # completion of another example, the mismatched pair of the KL estimate (:func:`mismatch_completions`)
 
 
 @dataclass
@@ -111,6 +116,7 @@ class PreferenceBatch:
     index: torch.Tensor  # (B,) long: position of each pair in its dataset (keys the reference cache)
     window_pairs: torch.Tensor  # () pairs in this rank's whole accumulation window
     num_tokens: int  # real (non-pad) tokens, for throughput
+    label: torch.Tensor | None = None  # (B,) bool, unpaired examples only: whether rows 0..B-1 are desirable
 
     @property
     def num_pairs(self) -> int:
@@ -125,22 +131,32 @@ class PreferenceBatch:
 
 
 def preference_record(row: dict, source: str, index: int, ignore: frozenset = frozenset(),
-                      system_prompt: str | None = None, unused: UnusedColumns | None = None) -> PreferenceRecord:
-    """Validate one row of any accepted shape; errors name the file, the row and the field."""
+                      system_prompt: str | None = None, unused: UnusedColumns | None = None,
+                      unpaired: bool = False) -> PreferenceRecord:
+    """Validate one row of any accepted shape; errors name the file, the row and the field. Unpaired rows are
+    accepted only when ``unpaired`` (KTO's data)."""
     for name, other in (("chosen", "rejected"), ("rejected", "chosen")):
         if other in row and name not in row:
             raise AlignDataError(source, index, name, f"a '{name}' field beside '{other}' in every preference row "
                                  "({prompt, chosen, rejected} or {chosen, rejected})", f"fields {sorted(row)}")
     fmt, extra = detect_format(row, PREFERENCE_FORMATS, source, index, ignore)
-    if fmt == "unpaired preference":
+    if fmt == "unpaired preference" and not unpaired:
         raise AlignDataError(source, index, "label", "paired rows {prompt, chosen, rejected} or {chosen, rejected}: "
-                             "unpaired {prompt, completion, label} rows (KTO) are not taken by any align algorithm yet")
+                             "unpaired {prompt, completion, label} rows are KTO's data (align.modules.kto.KTOModule "
+                             "with align.data.preference.UnpairedDataModule)")
     if unused is not None:
         unused.check(index, fmt, extra, PREFERENCE_FORMATS[fmt][0] | PREFERENCE_FORMATS[fmt][1])
     system = row_system(row, source, index, system_prompt)
     margin = row.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin):
         raise AlignDataError(source, index, "margin", "a number", margin)
+    if fmt == "unpaired preference":
+        if not isinstance(row["label"], bool):
+            raise AlignDataError(source, index, "label", "true (a desirable completion) or false (an undesirable one)",
+                                 row["label"])
+        prompt = prompt_messages(row["prompt"], source, index, "prompt")
+        completion = response_after(prompt, row["completion"], source, index, "completion")
+        return PreferenceRecord(with_system(prompt, system), completion, None, None, index, source, row["label"])
     if fmt == "explicit-prompt preference":
         prompt = prompt_messages(row["prompt"], source, index, "prompt")
         chosen = response_after(prompt, row["chosen"], source, index, "chosen")
@@ -240,12 +256,18 @@ def tokenize_preference_rows(
     ignore_columns: frozenset = frozenset(),
     system_prompt: str | None = None,
     strict: bool = False,
+    unpaired: bool = False,
 ) -> PreparedSplit:
-    """Validate and tokenize every row of one file (unused columns: one notice, or an error when ``strict``)."""
+    """Validate and tokenize every row of one file (unused columns: one notice, or an error when ``strict``).
+
+    ``unpaired`` (KTO): unpaired rows give one example each, and each pair a desirable example (its chosen
+    response) and an undesirable one (its rejected response), sharing the pair's prompt ids; every example's
+    ``rejected_ids`` is left empty for :func:`mismatch_completions`.
+    """
     out = PreparedSplit(rows=len(rows))
     unused = UnusedColumns(source, strict)
     for index, row in numbered(rows):
-        record = preference_record(row, source, index, ignore_columns, system_prompt, unused)
+        record = preference_record(row, source, index, ignore_columns, system_prompt, unused, unpaired)
         if record.chosen == record.rejected:
             out.identical += 1
             if identical_pairs == "error":
@@ -255,10 +277,11 @@ def tokenize_preference_rows(
                 out.dropped_identical += 1
                 continue
         prompt_ids, prompt_text = encode_prompt(encoder, record.prompt)
-        chosen = encode_response(encoder, prompt_ids, record.prompt, record.chosen, source, index, "chosen", prompt_text)
-        rejected = encode_response(encoder, prompt_ids, record.prompt, record.rejected, source, index, "rejected",
-                                   prompt_text)
-        longest = max(len(chosen), len(rejected))
+        responses = ([("completion", record.chosen, record.label)] if record.label is not None else
+                     [("chosen", record.chosen, True), ("rejected", record.rejected, False)])
+        ids = [encode_response(encoder, prompt_ids, record.prompt, text, source, index, name, prompt_text)
+               for name, text, _ in responses]
+        longest = max(map(len, ids))
         keep = fit_prompt(prompt_ids, longest, max_length, max_prompt_length)
         truncated = keep < len(prompt_ids)
         if truncated:
@@ -272,9 +295,28 @@ def tokenize_preference_rows(
                                      f"{max_prompt_length})", f"prompt {len(prompt_ids)} + response {longest} tokens")
             prompt_ids = prompt_ids[len(prompt_ids) - keep:]
             out.truncated += 1
-        out.examples.append(PreferenceExample(prompt_ids, chosen, rejected, record.margin or 0.0, index, truncated))
+        if unpaired:
+            out.examples += [PreferenceExample(prompt_ids, r, [], 0.0, index, truncated, label)
+                             for r, (_, _, label) in zip(ids, responses)]
+        else:
+            out.examples.append(PreferenceExample(prompt_ids, ids[0], ids[1], record.margin or 0.0, index, truncated))
     unused.report()
     return out
+
+
+def mismatch_completions(examples: list[PreferenceExample], seed: int, max_length: int) -> None:
+    """Set each unpaired example's ``rejected_ids`` to another example's completion: the mismatched
+    (prompt, completion) pairs from which KTO estimates its reference point z0 (arXiv 2402.01306, section 4.1).
+
+    In a seeded shuffle each example takes the next one's completion, cut to fit ``max_length`` after its prompt
+    (it only enters the KL estimate). The pairing is fixed once, so the reference log-probs of the KL rows can be
+    cached like the rest (``precompute_reference``).
+    """
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    for k, i in enumerate(order):
+        ex = examples[i]
+        ex.rejected_ids = examples[order[(k + 1) % len(order)]].chosen_ids[: max_length - len(ex.prompt_ids)]
 
 
 def fingerprint_examples(examples: Sequence[PreferenceExample]) -> str:
@@ -344,10 +386,13 @@ class PreferenceCollator:
             index=torch.tensor([i for i, _, _ in items], dtype=torch.long),
             window_pairs=torch.tensor(float(window)),
             num_tokens=int(attention_mask.sum()),
+            label=None if examples[0].label is None else torch.tensor([ex.label for ex in examples]),
         )
 
 
 class PreferenceDataModule(TokenizerDataModule):
+    unpaired = False  # whether examples are KTO's unpaired ones (:class:`UnpairedDataModule`)
+
     def __init__(
         self,
         train_files: str | list[str] = "align:sort/preference/train.jsonl",
@@ -424,6 +469,7 @@ class PreferenceDataModule(TokenizerDataModule):
                 read_rows(source, split, split_key), source, encoder, max_length=hp.max_length,
                 max_prompt_length=hp.max_prompt_length, truncation=hp.truncation, identical_pairs=hp.identical_pairs,
                 ignore_columns=frozenset(hp.ignore_columns or ()), system_prompt=hp.system_prompt, strict=hp.strict,
+                unpaired=self.unpaired,
             )
             if found.identical:
                 log.warning("%s: %d of %d rows have chosen == rejected (%s)", source, found.identical, found.rows,
@@ -461,3 +507,25 @@ class PreferenceDataModule(TokenizerDataModule):
         if self.val_set is None:
             return self.no_validation()
         return self.eval_dataloader(self.val_set)
+
+
+class UnpairedDataModule(PreferenceDataModule):
+    """KTO's data: unpaired ``{prompt, completion, label}`` rows, and preference pairs each read as one desirable
+    and one undesirable example (docs/data.md, "Unpaired preference"). The settings are
+    :class:`PreferenceDataModule`'s (``identical_pairs`` applies to pairs; ``batch_size`` counts examples).
+
+    Each example is laid out as a pair (:class:`PreferenceBatch`): rows ``0..B-1`` hold prompt + completion, rows
+    ``B..2B-1`` the same prompt with another example's completion (:func:`mismatch_completions`), and
+    ``PreferenceBatch.label`` says which completions are desirable. The training data must hold both labels.
+    """
+
+    unpaired = True
+
+    def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list[PreferenceExample]:
+        examples = super().load_examples(files, split, name, split_key)
+        labels = {ex.label for ex in examples}
+        if name == "train" and len(labels) < 2:
+            raise AlignDataError(", ".join(files), None, "label", "both desirable (true) and undesirable (false) "
+                                 "examples: KTO's loss needs each kind", f"only label {labels.pop()}")
+        mismatch_completions(examples, self.hparams.seed, self.hparams.max_length)
+        return examples

@@ -87,12 +87,33 @@ def test_system_prompt_goes_before_an_implicit_prompt_without_one():
     ({"chosen": "a b", "rejected": "b a"}, "prompt", "a 'prompt' field"),
     ({"prompt": "sort: b a", "chosen": [U("sort: c a"), A("a c")], "rejected": "b a"}, "chosen",
      "the prompt's messages followed by one assistant message"),
-    ({"prompt": "sort: b a", "completion": "a b", "label": True}, "label", "(KTO) are not taken by any align"),
+    ({"prompt": "sort: b a", "completion": "a b", "label": True}, "label", "rows are KTO's data"),
 ])
 def test_preference_shape_errors_name_file_row_and_field(row, field, expected):
     with pytest.raises(AlignDataError) as info:
         preference_record(row, "p.jsonl", 7)
     assert str(info.value).startswith(f"p.jsonl: row 7: field '{field}': expected") and expected in str(info.value)
+
+
+@pytest.mark.parametrize("row, field, expected", [
+    ({"prompt": "sort: b a", "completion": "a b", "label": "yes"}, "label", "true (a desirable completion) or false"),
+    ({"prompt": "sort: b a", "completion": "a b", "label": 1}, "label", "true (a desirable completion) or false"),
+    ({"prompt": "sort: b a", "completion": "", "label": True}, "completion", "a non-empty string"),
+    ({"prompt": "sort: b a", "label": True}, None, "{completion, label, prompt}"),
+])
+def test_unpaired_shape_errors_name_file_row_and_field(row, field, expected):
+    with pytest.raises(AlignDataError) as info:
+        preference_record(row, "u.jsonl", 3, unpaired=True)
+    where = "u.jsonl: row 3: " + (f"field '{field}': " if field else "")
+    assert str(info.value).startswith(where + "expected") and expected in str(info.value)
+
+
+def test_unpaired_rows_take_text_or_messages():
+    plain = preference_record({"prompt": "hi", "completion": "yo", "label": False}, "u.jsonl", 1, unpaired=True)
+    chat = preference_record({"prompt": [U("hi")], "completion": [A("yo")], "label": False}, "u.jsonl", 1,
+                             unpaired=True)
+    for record in (plain, chat):
+        assert (record.prompt, record.chosen, record.rejected, record.label) == ([U("hi")], "yo", None, False)
 
 
 def test_unused_columns_one_notice_per_file_or_an_error_when_strict(caplog):

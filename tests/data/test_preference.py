@@ -8,6 +8,7 @@ from align.data.chat import ChatEncoder
 from align.data.preference import (
     PreferenceCollator,
     PreferenceDataModule,
+    UnpairedDataModule,
     fingerprint_examples,
     tokenize_preference_rows,
 )
@@ -196,3 +197,53 @@ def test_every_preference_shape_of_one_pair_tokenizes_to_the_same_ids(encoder, t
     dm.set_tokenizer(encoder.tokenizer)
     dm.setup("fit")
     assert [(e.prompt_ids, e.chosen_ids) for e in dm.train_set.examples] == [(first.prompt_ids, first.chosen_ids)] * 3
+
+
+# ---------------------------------------------------------------- unpaired (KTO)
+
+def test_pairs_become_a_desirable_and_an_undesirable_example_sharing_the_prompt(encoder):
+    pair = {"prompt": "sort: c a b", "chosen": "a b c", "rejected": "c a b"}
+    unpaired = [{"prompt": "sort: c a b", "completion": "a b c", "label": True},
+                {"prompt": "sort: c a b", "completion": "c a b", "label": False}]
+    (ex,) = tokenize(encoder, [pair]).examples
+    desirable, undesirable = tokenize(encoder, [pair], unpaired=True).examples
+    assert (desirable.label, undesirable.label) == (True, False)
+    assert desirable.prompt_ids == undesirable.prompt_ids == ex.prompt_ids
+    assert (desirable.chosen_ids, undesirable.chosen_ids) == (ex.chosen_ids, ex.rejected_ids)
+    from_rows = tokenize(encoder, unpaired, unpaired=True).examples
+    assert [(e.prompt_ids, e.chosen_ids, e.label) for e in from_rows] == [
+        (e.prompt_ids, e.chosen_ids, e.label) for e in (desirable, undesirable)]
+    with pytest.raises(AlignDataError, match="KTO's data"):
+        tokenize(encoder, unpaired)
+
+
+def test_unpaired_module_pairs_each_example_with_another_completion(tmp_path, tokenizer):
+    rows = [{"prompt": f"sort: {a} {b}", "completion": f"{b} {a}" if i % 3 else f"{a} {b}", "label": i % 3 > 0}
+            for i, (a, b) in enumerate(zip("abcdefgh", "ijklmnop"))]
+    dm = UnpairedDataModule(train_files=write(tmp_path, rows), val_files=None, max_length=64, batch_size=8,
+                            shuffle=False)
+    dm.set_tokenizer(tokenizer)
+    dm.setup("fit")
+    examples = dm.train_set.examples
+    completions = [ex.chosen_ids for ex in examples]
+    # each example's KL completion is another example's completion, each used once
+    assert sorted(map(tuple, (ex.rejected_ids for ex in examples))) == sorted(map(tuple, completions))
+    assert all(ex.rejected_ids != ex.chosen_ids for ex in examples)
+    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    assert batch.label.tolist() == [r["label"] for r in rows] and batch.num_pairs == 8
+    for b, ex in enumerate(examples):
+        n, kl = len(ex.chosen_ids), len(ex.rejected_ids)
+        R = batch.response_length
+        assert batch.input_ids[b, -R:][:n].tolist() == ex.chosen_ids
+        assert batch.input_ids[8 + b, -R:][:kl].tolist() == ex.rejected_ids
+        assert batch.response_mask[8 + b].sum() == kl
+
+
+def test_unpaired_data_with_one_label_fails_naming_the_file(tmp_path, tokenizer):
+    rows = [{"prompt": "sort: b a", "completion": "a b", "label": True}] * 3
+    dm = UnpairedDataModule(train_files=write(tmp_path, rows, "good.jsonl"), val_files=None)
+    dm.set_tokenizer(tokenizer)
+    with pytest.raises(AlignDataError) as info:
+        dm.setup("fit")
+    assert str(info.value) == (f"{tmp_path}/good.jsonl: field 'label': expected both desirable (true) and "
+                               "undesirable (false) examples: KTO's loss needs each kind, got 'only label True'")
