@@ -42,11 +42,12 @@ def batch_to(batch: "PreferenceBatch", device: torch.device) -> "PreferenceBatch
                                          if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
-def sequence_logps(policy: PolicyModel, batch: "PreferenceBatch", reference: bool = False) -> torch.Tensor:
-    """Summed response log-probs of all ``2B`` rows from one forward pass. ``(2B,)``"""
-    scores = policy.token_logprobs(batch.input_ids, batch.attention_mask, response_length=batch.response_length,
-                          reference=reference)
-    return masked_sum(scores.logprobs, batch.response_mask, dim=-1)
+def sequence_logps(policy: PolicyModel, batch: "PreferenceBatch", reference: bool = False,
+                   rows: slice = slice(None)) -> torch.Tensor:
+    """Summed response log-probs of the batch's ``rows`` (all ``2B`` by default) from one forward pass. ``(rows,)``"""
+    scores = policy.token_logprobs(batch.input_ids[rows], batch.attention_mask[rows],
+                                   response_length=batch.response_length, reference=reference)
+    return masked_sum(scores.logprobs, batch.response_mask[rows], dim=-1)
 
 
 def live_reference(policy: PolicyModel) -> bool:

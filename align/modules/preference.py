@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.preference import PreferenceBatch, PreferenceDataset
+from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.models.reference_cache import CachedReference, sequence_logps
 from align.modules.base import AlignModule, PairMetrics
@@ -27,6 +28,7 @@ from align.modules.base import AlignModule, PairMetrics
 
 class PreferenceModule(AlignModule):
     metric_prefix = "dpo"
+    unpaired = False  # whether the module takes unpaired examples (UnpairedDataModule) rather than pairs
     throughput_metric = "train/pairs_per_s"
 
     def __init__(
@@ -48,6 +50,11 @@ class PreferenceModule(AlignModule):
         self._val = PairMetrics()
 
     def setup(self, stage: str) -> None:
+        dm = self.trainer.datamodule
+        if dm is not None and getattr(dm, "unpaired", False) != self.unpaired:
+            want = "UnpairedDataModule (unpaired examples)" if self.unpaired else "PreferenceDataModule (pairs)"
+            raise AlignConfigError(f"data: expected align.data.preference.{want} for {type(self).__name__}, got "
+                                   f"{type(dm).__name__}")
         if self.needs_reference and not self.precompute_reference:
             self.policy.setup_reference()  # before any checkpoint is restored, so a frozen copy is the initial model
 
