@@ -18,19 +18,21 @@ from pathlib import Path
 import pytest
 
 from align.cli import run_recipe
-from align.data.preference import PreferenceDataModule
+from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
 from align.modules.dpo import DPOModule
 from align.modules.grpo import GRPOModule
+from align.modules.kto import KTOModule
 from align.modules.sft import SFTModule
 from align.rewards import CombinedReward, RewardError, RewardSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
-           "grpo": (GRPOModule, PromptDataModule)}
+           "grpo": (GRPOModule, PromptDataModule), "kto": (KTOModule, UnpairedDataModule)}
 QUICK = {"sft": ["--data.init_args.val_files", "null"],
          "dpo": ["--data.init_args.val_files", "null"],
+         "kto": ["--data.init_args.val_files", "null"],
          "grpo": ["--data.init_args.val_files", "null", "--data.init_args.batch_size", "2",
                   "--model.init_args.group_size", "2", "--model.init_args.sampling.max_new_tokens", "4"]}
 
@@ -97,6 +99,10 @@ CASES = [
      ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 2", "field 'chosen'", "the prompt's messages"]),
     ("unpaired-kto-row", "dpo", {"d.jsonl": jsonl({"prompt": "sort: b a", "completion": "a b", "label": True})},
      ["--data.init_args.train_files", "{tmp}/d.jsonl"], ["d.jsonl", "row 1", "field 'label'", "KTO"]),
+    ("kto-label-not-boolean", "kto", {"u.jsonl": jsonl({"prompt": "sort: b a", "completion": "a b", "label": "yes"})},
+     ["--data.init_args.train_files", "{tmp}/u.jsonl"], ["u.jsonl", "row 1", "field 'label'", "true (a desirable"]),
+    ("kto-one-label-only", "kto", {"u.jsonl": jsonl(*[{"prompt": "sort: b a", "completion": "a b", "label": False}] * 2)},
+     ["--data.init_args.train_files", "{tmp}/u.jsonl"], ["u.jsonl", "field 'label'", "both desirable (true) and"]),
     ("unused-column-strict", "sft", {"d.jsonl": jsonl(SFT, {**SFT, "score": 1})},
      ["--data.init_args.train_files", "{tmp}/d.jsonl", "--data.init_args.strict", "true"],
      ["d.jsonl", "row 2", "field 'score'", "data.strict"]),
