@@ -1,4 +1,6 @@
 """DPO throughput and memory: ``align`` against TRL's ``DPOTrainer``, same model, data, batch and LoRA, one run.
+With ``--loss orpo`` against TRL's ``ORPOTrainer`` (``trl.experimental.orpo``), with ``--loss kto`` against
+``KTOTrainer``.
 
 Usage::
 
@@ -6,6 +8,8 @@ Usage::
     python benchmarks/dpo.py --hidden-size 512 --layers 4 --intermediate 1536 --heads 8 --kv-heads 4
     python benchmarks/dpo.py --trials 3 --steps 40 --json dpo-bench.json
     python benchmarks/dpo.py --full                             # no LoRA: both sides keep a frozen reference copy
+    python benchmarks/dpo.py --loss orpo                        # ORPO: reference-free on both sides
+    python benchmarks/dpo.py --loss kto                         # KTO: each pair read as two unpaired examples
     python benchmarks/dpo.py --model smollm2-135m-instruct --batch-size 4 --steps 10 --warmup 2 --threads 2
 
 What happens:
@@ -21,12 +25,15 @@ What happens:
    process's peak memory belongs to one framework. Each trial trains ``--steps`` optimizer steps of ``--batch-size``
    pairs; the first ``--warmup`` are excluded. Timing runs from the end of the last warmup step to the end of the
    last step (data loading, both forward passes, backward, clipping and the optimizer included).
+   With ``--loss kto`` each pair is written as two unpaired rows (chosen: desirable, rejected: undesirable) that
+   both sides read, and a "pair" in the report is one example: ``--batch-size`` examples per step, each scored with
+   its completion and with its mismatched KL completion on both sides.
 4. Reported per framework: median pairs/s over trials and peak RSS of the trial process (``ru_maxrss``: imports,
    model and training); then align/TRL ratios.
 
 Same on both sides: model and weights, data, batch size, max_length, LoRA (rank, alpha, dropout 0, every linear layer
 of the decoder), the reference (with LoRA: the adapter-disabled policy, no copy, on both sides), sigmoid loss with
-beta 0.1, live reference log-probs (no precomputation), AdamW (lr, betas, eps, no weight decay), constant learning
+beta 0.1 (ORPO: lambda = beta; KTO: beta, both weights 1), live reference log-probs (no precomputation), AdamW (lr, betas, eps, no weight decay), constant learning
 rate, gradient clipping at 1.0, fp32, no gradient checkpointing, no evaluation, no checkpoints, metrics logged every
 ``--log-every`` steps, ``--threads`` torch threads. Each framework's own choices are printed, not changed: align scores
 only the response positions through the LM head (``logits_to_keep``) and runs chosen+rejected as one batch; TRL runs
@@ -61,12 +68,15 @@ def build_module(spec: dict):
 
     from align.models import LoraSettings, PolicyModel
     from align.modules.dpo import DPOModule
+    from align.modules.kto import KTOModule
 
     lora = None if spec["full"] else LoraSettings(r=spec["lora_r"], alpha=spec["lora_alpha"], dropout=0.0,
                                                   target_modules="all-linear")
     policy = PolicyModel(model=spec["model_dir"], dtype="float32", lora=lora)
     optimizer = partial(torch.optim.AdamW, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    return policy, DPOModule(policy, optimizer=optimizer, loss_type="sigmoid", beta=spec["beta"])
+    if spec["loss"] == "kto":
+        return policy, KTOModule(policy, optimizer=optimizer, beta=spec["beta"])
+    return policy, DPOModule(policy, optimizer=optimizer, loss_type=spec["loss"], beta=spec["beta"])
 
 
 def child_align(spec: dict) -> dict:
@@ -75,12 +85,12 @@ def child_align(spec: dict) -> dict:
     import torch
     from lightning.pytorch.loggers import CSVLogger
 
-    from align.data.preference import PreferenceDataModule
+    from align.data.preference import PreferenceDataModule, UnpairedDataModule
 
     meter = h.StepMeter(spec["warmup"])
     L.seed_everything(spec["seed"], verbose=False)
     policy, module = build_module(spec)
-    data = PreferenceDataModule(train_files=spec["train_file"], val_files=None, max_length=spec["max_length"],
+    data = (UnpairedDataModule if spec["loss"] == "kto" else PreferenceDataModule)(train_files=spec["train_file"], val_files=None, max_length=spec["max_length"],
                                 batch_size=spec["batch_size"], shuffle=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, precision="32-true", max_steps=spec["steps"], gradient_clip_val=1.0,
@@ -99,16 +109,28 @@ def child_trl(spec: dict) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     meter = h.StepMeter(spec["warmup"])
     rows = [json.loads(line) for line in open(spec["train_file"])]
     dataset = Dataset.from_list(rows)
+    Trainer, Config = {"sigmoid": (DPOTrainer, DPOConfig), "orpo": (ORPOTrainer, ORPOConfig),
+                       "kto": (KTOTrainer, KTOConfig)}[spec["loss"]]
 
-    class CountingDPOTrainer(DPOTrainer):
+    def counts(inputs) -> dict:
+        if spec["loss"] == "sigmoid":
+            return dict(pairs=inputs["input_ids"].shape[0] // 2, tokens=int(inputs["attention_mask"].sum()))
+        if spec["loss"] == "orpo":
+            return dict(pairs=inputs["chosen_input_ids"].shape[0],
+                        tokens=int(inputs["chosen_attention_mask"].sum() + inputs["rejected_attention_mask"].sum()))
+        return dict(pairs=inputs["input_ids"].shape[0],
+                    tokens=int(inputs["attention_mask"].sum() + inputs["KL_attention_mask"].sum()))
+
+    class CountingTrainer(Trainer):
         # Counting only: the batch is measured before TRL's own training step runs unchanged.
         def training_step(self, model, inputs, num_items_in_batch=None):
-            meter.add(pairs=inputs["input_ids"].shape[0] // 2, tokens=int(inputs["attention_mask"].sum()))
+            meter.add(**counts(inputs))
             return super().training_step(model, inputs, num_items_in_batch)
 
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
@@ -119,20 +141,23 @@ def child_trl(spec: dict) -> dict:
 
         peft_config = LoraConfig(r=spec["lora_r"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
                                  target_modules="all-linear", task_type="CAUSAL_LM")
-    config = DPOConfig(
+    per_loss = {"sigmoid": dict(loss_type=["sigmoid"], precompute_ref_log_probs=False),
+                "orpo": dict(),
+                "kto": dict(precompute_ref_log_probs=False)}[spec["loss"]]
+    config = Config(
         output_dir=str(Path(spec["workdir"]) / "trl_out"), max_steps=spec["steps"],
         per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=1.0,
         bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, beta=spec["beta"],
-        loss_type=["sigmoid"], max_length=spec["max_length"], precompute_ref_log_probs=False,
-        logging_steps=spec["log_every"], report_to="none", disable_tqdm=True,
+        max_length=spec["max_length"], **per_loss, logging_steps=spec["log_every"], report_to="none", disable_tqdm=True,
         save_strategy="no", eval_strategy="no", dataloader_num_workers=0, seed=spec["seed"],
     )
-    trainer = CountingDPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+    trainer = CountingTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                  peft_config=peft_config, callbacks=[h.trl_meter(meter)])
     trainer.train()
-    return dpo_result(meter, reference_copy=trainer.ref_model is not None, threads=torch.get_num_threads())
+    return dpo_result(meter, reference_copy=getattr(trainer, "ref_model", None) is not None,
+                      threads=torch.get_num_threads())
 
 
 CHILDREN = {"align": child_align, "trl": child_trl}
@@ -141,11 +166,17 @@ CHILDREN = {"align": child_align, "trl": child_trl}
 # parent
 
 
-def write_data(path: Path, limit: int | None) -> int:
+def write_data(path: Path, limit: int | None, unpaired: bool = False) -> int:
     from align.data.io import read_rows
 
     rows = [r for r in read_rows("align:sort/preference/train.jsonl") if r["chosen"] != r["rejected"]]
     rows = rows[:limit] if limit else rows
+    if unpaired:  # each pair as two unpaired rows, as both frameworks convert pairs for KTO
+        lines = [json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
+                             "completion": [{"role": "assistant", "content": r[key]}], "label": key == "chosen"})
+                 for r in rows for key in ("chosen", "rejected")]
+        path.write_text("\n".join(lines) + "\n")
+        return len(lines)
     lines = [json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
                          "chosen": [{"role": "assistant", "content": r["chosen"]}],
                          "rejected": [{"role": "assistant", "content": r["rejected"]}]}) for r in rows]
@@ -198,6 +229,8 @@ def main(argv=None) -> int:
     g.add_argument("--warmup", type=int, default=5, help="steps excluded from timing")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--beta", type=float, default=0.1)
+    g.add_argument("--loss", choices=("sigmoid", "orpo", "kto"), default="sigmoid",
+                   help="DPO (DPOTrainer), ORPO (ORPOTrainer) or KTO (KTOTrainer, each pair read as two examples)")
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--rows", type=int, default=None, help="use only the first N pairs")
     g = p.add_argument_group("run")
@@ -217,14 +250,14 @@ def main(argv=None) -> int:
         overrides = h.tiny_overrides(args)
         model_name = (f"{args.model} ({model_dir})" if args.model
                       else f"tiny Llama {overrides or '(align.hub.tiny defaults)'}")
-        n_rows = write_data(tmp / "pairs.jsonl", args.rows)
+        n_rows = write_data(tmp / "pairs.jsonl", args.rows, unpaired=args.loss == "kto")
         spec = dict(model_dir=model_dir, train_file=str(tmp / "pairs.jsonl"), threads=args.threads,
                     seed=args.seed, full=args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                     batch_size=args.batch_size, max_length=args.max_length, steps=args.steps, warmup=args.warmup,
-                    lr=args.lr, beta=args.beta, log_every=args.log_every, workdir=str(tmp / "work"))
+                    lr=args.lr, beta=args.beta, loss=args.loss, log_every=args.log_every, workdir=str(tmp / "work"))
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters; "
-              f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} pairs; "
-              f"batch {args.batch_size} pairs; {args.steps} steps ({args.warmup} warmup); {args.threads} threads")
+              f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} "
+              f"{'examples' if args.loss == 'kto' else 'pairs'}; loss {args.loss}; batch {args.batch_size}; {args.steps} steps ({args.warmup} warmup); {args.threads} threads")
 
         def report(trial: int, kind: str, r: dict) -> None:
             print(f"trial {trial} {kind:5s}: {r['pairs_per_s']:7.1f} pairs/s, peak RSS "

@@ -1,6 +1,7 @@
-"""End-to-end runs of ``recipes/rm.py`` and ``recipes/dpo.py`` on the embedded default (slow)."""
+"""End-to-end runs of ``recipes/rm.py``, ``recipes/dpo.py`` and ``recipes/kto.py`` on the embedded default (slow)."""
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -65,3 +66,26 @@ def test_rm_recipe_reaches_90_percent_and_its_export_is_a_reward(tmp_path):
     rejected = scorer(prompts, [r["rejected"] for r in pairs])
     accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(pairs)
     assert accuracy >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kto_recipe_runs_a_few_steps_on_its_embedded_default(tmp_path):
+    """``python recipes/kto.py``: its default config (the bundled pairs read as unpaired examples) for two steps."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "kto.py"), "--trainer.default_root_dir",
+                           str(tmp_path), "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1",
+                           "--trainer.limit_val_batches", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = before_after(proc.stdout, "val/kto_accuracy")
+    assert before == 0.5  # the untrained policy is its reference: every r = z0 = 0, a tie each
+    rows = metrics(tmp_path)
+    steps = [r for r in rows if r.get("train/loss")]
+    assert [int(r["step"]) for r in steps] == [0, 1]
+    for r in steps:
+        values = {name: float(r[name]) for name in ("train/loss", "kto/kl", "kto/accuracy", "kto/rewards_desirable",
+                                                    "kto/rewards_undesirable", "kto/margin", "train/examples_per_s")}
+        assert all(math.isfinite(v) for v in values.values()), values
+        assert 0 <= values["train/loss"] <= 1 and values["kto/kl"] >= 0  # weights 1: each loss in [0, 1]; z0 >= 0
+    # the first step is from the reference itself: r = z0 = 0, so every loss is 1 - sigmoid(0) = 0.5
+    assert float(steps[0]["train/loss"]) == pytest.approx(0.5) and float(steps[0]["kto/kl"]) == 0.0
