@@ -16,6 +16,8 @@ Departures from the paper and from TRL's ``OnlineDPOTrainer``:
   passes.
 * ``group_size`` may exceed the paper's 2: the pair is then the best against the worst of the group, a wider
   reward gap at the cost of sampling more.
+* Log-probs are the policy's own (temperature 1, as TRL computes them), whatever ``sampling.temperature`` draws
+  the pairs with: the temperature only steers exploration, the DPO objective is about the policy.
 * ``ipo`` uses per-token mean log-probs, as :class:`~align.modules.dpo.DPOModule` does (TRL sums them), so that the
   target margin ``1 / (2 beta)`` is on the scale of the log-ratio.
 * The KL regulariser is DPO's ``beta``; the RL base's ``kl`` block must stay off, yet the reference is loaded.
@@ -75,6 +77,8 @@ class OnlineDPOModule(RLModule):
     """
 
     needs_reference = True  # the DPO loss is relative to the reference, whatever kl.coef says
+    # The loss is on the policy itself, not on its tempered sampling distribution (no ratio to the sampler here).
+    logprob_temperature = 1.0
 
     def __init__(
         self,
