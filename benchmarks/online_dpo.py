@@ -123,31 +123,22 @@ CHILDREN = {"align": run_align, "trl": run_trl}
 # parent
 
 
+def report(trial: int, kind: str, res: dict) -> None:
+    h.print_rl_trial(trial, kind, res, PHASES)
+    print(f"  {res['pairs_per_s']:.1f} pairs/s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--trials", type=int, default=2)
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--threads", type=int, default=2)
-    h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
-    parser.add_argument("--json", type=Path, default=None)
-    h.add_child_args(parser, CHILDREN)
+    h.add_rl_step_args(parser, CHILDREN)
     ns = parser.parse_args(argv)
     if h.run_if_child(ns, CHILDREN):
         return
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, model_name, n_params = h.rl_model(ns, tmp)
-        print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
-        spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "group": 2,
-                "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
-                "lora": ns.lora, "threads": ns.threads}
-        results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
-            ("align", "trl"), ns.trials, lambda trial, kind, res: (
-                h.print_rl_trial(trial, kind, res, PHASES), print(f"  {res['pairs_per_s']:.1f} pairs/s")))
+        spec, model_name, n_params = h.rl_step_spec(ns, tmp, group=2)
+        results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(("align", "trl"), ns.trials, report)
+        model_dir = spec["model_dir"]
 
     med = h.medians(results)
     pair_ratio = h.ratios(med, ("pairs_per_s",)) if "trl" in med else {}

@@ -167,11 +167,7 @@ class OnlineDPOModule(RLModule):
         return data, metrics
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        self.timings = {}
-        with Timer(self.timings, "time/generation_s"):
-            rollout = self.rollout(batch)
-        with Timer(self.timings, "time/scoring_s"):
-            rewards, parts = self.score_rewards(batch, rollout)  # (N,)
+        rollout, rewards, parts = self.sample_and_score(batch)  # rewards (N,)
         stats = {}
         with Timer(self.timings, "time/update_s"):
             data, pair_metrics = self.pair_batch(rollout, rewards)

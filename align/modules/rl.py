@@ -234,6 +234,15 @@ class RLModule(AlignModule):
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=rollout.response_ids.device)
         return to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
 
+    def sample_and_score(self, batch: PromptBatch) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor]]:
+        """A training rollout and its rewards (:meth:`score_rewards`), timed into a fresh ``self.timings``
+        (``time/generation_s``, ``time/scoring_s``)."""
+        self.timings = {}
+        with Timer(self.timings, "time/generation_s"):
+            rollout = self.rollout(batch)
+        with Timer(self.timings, "time/scoring_s"):
+            return (rollout, *self.score_rewards(batch, rollout))
+
     def rollout_metrics(self, rollout: Rollout, rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> dict[str, float]:
         metrics = dict(rollout.metrics)
         metrics["rollout/reward_mean"] = float(rewards.mean())
