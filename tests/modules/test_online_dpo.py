@@ -142,3 +142,18 @@ def test_all_ties_take_no_step():
 def test_config_errors_fail_before_any_compute(kw, message):
     with pytest.raises(AlignConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         OnlineDPOModule(**{"policy": PolicyModel("tiny", seed=2), "rewards": [length_reward], **kw})
+
+
+def test_one_step_of_four_pairs_equals_four_accumulated_micro_steps_of_one():
+    module = make_module()
+    data, _ = module.pair_batch(sampled(module), torch.tensor([0.0, 1.0, 2.0, 0.5, 0.3, 0.9, 1.0, 4.0]))
+    assert len(data) == 4
+    grads = {}
+    for micro in (None, 1):
+        module.updates = Updates(micro_batch_size=micro, max_grad_norm=None)
+        opt = standalone(module)
+        module.update(data, module._loss)
+        grads[micro] = opt.grads[0]
+    assert any(g.abs().sum() > 0 for g in grads[None])
+    for full, accumulated in zip(grads[None], grads[1]):
+        torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
