@@ -10,6 +10,8 @@
   (arXiv 2503.20783).
 * :func:`rloo_advantages`: REINFORCE leave-one-out, Ahmadian et al. 2024
   (arXiv 2402.14740).
+* :func:`preference_pairs`: online DPO's ranking of sampled completions into
+  chosen/rejected pairs, Guo et al. 2024 (arXiv 2402.04792).
 
 Departures and choices:
 
@@ -32,14 +34,15 @@ Departures and choices:
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import NamedTuple, Tuple, Union
 
 import torch
 
 from align.kl import kl_estimate
 from align.logprobs import last_valid_index
 
-__all__ = ["shape_rewards", "gae", "group_advantages", "rloo_advantages", "GROUP_SCALES"]
+__all__ = ["shape_rewards", "gae", "group_advantages", "rloo_advantages", "preference_pairs", "PreferencePairs",
+           "GROUP_SCALES"]
 
 
 @torch.no_grad()
@@ -235,3 +238,33 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     grouped = _shift(_group_view(rewards, group_size, "rloo_advantages"))  # (B, G); constant -> 0
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (B, G)
     return (grouped - others_mean).reshape(-1)
+
+
+class PreferencePairs(NamedTuple):
+    """One pair per prompt: row indices into the ``(B*G,)`` rollout and whether the pair carries a preference."""
+
+    chosen: torch.Tensor  # (B,) long, the row with the highest reward of each group
+    rejected: torch.Tensor  # (B,) long, the row with the lowest reward
+    decisive: torch.Tensor  # (B,) bool, False where every reward of the group is equal (a tie)
+
+
+@torch.no_grad()
+def preference_pairs(rewards: torch.Tensor, group_size: int) -> PreferencePairs:
+    """Online DPO's pairs (arXiv 2402.04792): in each group of ``group_size`` consecutive rewards the best
+    completion is chosen and the worst rejected (for G = 2, the paper's two samples). Among equal best (or worst)
+    rewards the first row wins. A group whose best and worst rewards are equal is a tie: it states no
+    preference and is marked not ``decisive``, so the caller can leave it out of the loss.
+
+    Args:
+        rewards: ``(B*G,)``.
+        group_size: G >= 2.
+
+    Returns:
+        :class:`PreferencePairs` of ``(B,)`` tensors.
+    """
+    if group_size < 2:
+        raise ValueError(f"preference_pairs: group_size must be >= 2 to form a pair, got {group_size}")
+    grouped = _group_view(rewards, group_size, "preference_pairs")  # (B, G)
+    offset = torch.arange(grouped.shape[0], device=grouped.device) * group_size  # (B,)
+    best, worst = grouped.max(dim=1), grouped.min(dim=1)
+    return PreferencePairs(offset + best.indices, offset + worst.indices, best.values > worst.values)

@@ -24,7 +24,8 @@ raised inside a reward function stops the run with a one-line :class:`RewardErro
 and for an exception also the file and line in the user's code and the first failing sample. An import path
 that does not resolve fails when the module is built, before training.
 
-Built-in rewards: :func:`sort_exact_match` and :func:`sort_format` for the bundled sort task
+Built-in rewards: :func:`sort_exact_match`, :func:`sort_format` and the graded :func:`sort_position_match` for the
+bundled sort task
 (:mod:`align.data.sort_task`), and :func:`math_answer` for GSM8K-style math answers. A trained reward model
 is a reward too: :class:`RewardModelScorer` (defined in :mod:`align.models.reward`).
 """
@@ -511,6 +512,23 @@ def sort_exact_match(prompts: list[str], completions: list[str], answer: Sequenc
 def sort_format(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     """1.0 when the completion is as many single letters as the prompt, separated by spaces, right or wrong."""
     return [1.0 if sort_task.is_well_formed(c, p) else 0.0 for p, c in zip(prompts, completions)]
+
+
+def sort_position_match(prompts: list[str], completions: list[str], answer: Sequence[str] | None = None,
+                        **_: Any) -> list[float]:
+    """Share of the sorted answer's positions that the completion gets right, over the longer of the two; 0.0 when
+    the completion is not single letters separated by spaces. Graded, so two wrong completions can still be ranked
+    (online DPO, where the binary exact match leaves most pairs tied). 1.0 exactly when ``sort_exact_match`` is 1.
+
+    Uses the ``answer`` column when the data has one, else solves the prompt.
+    """
+    answers = list(answer) if answer is not None else [sort_task.solve(p) for p in prompts]
+    out = []
+    for completion, reference in zip(completions, answers):
+        got, expected = sort_task.parse_answer(completion), reference.split()
+        hits = sum(a == b for a, b in zip(got or [], expected))
+        out.append(hits / max(len(got), len(expected)) if got else 0.0)
+    return out
 
 
 _NUMBER = r"-?[\d,]*\.?\d+(?:/\d+)?"

@@ -454,6 +454,31 @@ def rl_model(ns, tmp: str) -> tuple[str, str, int]:
                        f"heads {ns.heads}/{ns.kv_heads})"), n_params
 
 
+def add_rl_step_args(parser: argparse.ArgumentParser, children, prompts: int = 8, max_new_tokens: int = 32) -> None:
+    """The flags of an RL step benchmark: batch, new tokens, steps, warm-up, trials, LoRA, threads, the model,
+    ``--json`` and the child flags."""
+    parser.add_argument("--prompts", type=int, default=prompts)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    add_model_args(parser, tiny_defaults=RL_TINY_DEFAULTS)
+    parser.add_argument("--json", type=Path, default=None)
+    add_child_args(parser, children)
+
+
+def rl_step_spec(ns, tmp: str, **extra) -> tuple[dict, str, int]:
+    """``(spec, model name, parameters)``: the model prepared (:func:`rl_model`) and announced, and the trial spec
+    of the flags of :func:`add_rl_step_args` plus ``extra``."""
+    model_dir, model_name, n_params = rl_model(ns, tmp)
+    print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
+    spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "max_new_tokens": ns.max_new_tokens,
+            "steps": ns.steps + ns.warmup, "warmup": ns.warmup, "lora": ns.lora, "threads": ns.threads, **extra}
+    return spec, model_name, n_params
+
+
 def rl_align_trial(spec: dict, module, phases: tuple[str, ...], max_steps: int) -> dict:
     """Train ``module`` on the benchmark's prompts (one batch of ``spec["prompts"]`` per rollout) for
     ``max_steps`` optimizer steps and summarise its rollouts (:func:`rl_step_summary`): each training step timed

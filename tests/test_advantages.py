@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.advantages import gae, group_advantages, rloo_advantages, shape_rewards
+from align.advantages import gae, group_advantages, preference_pairs, rloo_advantages, shape_rewards
 from align.logprobs import response_mask
 
 FAST = settings(max_examples=50, deadline=None)
@@ -271,3 +271,21 @@ def test_rloo_is_scaled_centred_reward(case):
     grouped = rewards.view(-1, g)
     expected = g / (g - 1) * (grouped - grouped.mean(1, keepdim=True))
     torch.testing.assert_close(adv.view(-1, g), expected, atol=1e-9, rtol=1e-9)
+
+
+def test_preference_pairs_pinned():
+    # G = 2: prompt 0 prefers its second sample, prompt 1 its first, prompt 2 is a tie.
+    pairs = preference_pairs(torch.tensor([0.2, 0.9, 1.0, -1.0, 0.5, 0.5]), 2)
+    assert pairs.chosen.tolist() == [1, 2, 4] and pairs.rejected.tolist() == [0, 3, 4]
+    assert pairs.decisive.tolist() == [True, True, False]
+    # G = 3: best against worst; equal best (or worst) rewards pick the first row.
+    pairs = preference_pairs(torch.tensor([1.0, 3.0, 3.0, 0.0, 0.0, 2.0]), 3)
+    assert pairs.chosen.tolist() == [1, 5] and pairs.rejected.tolist() == [0, 3]
+    assert pairs.decisive.tolist() == [True, True]
+
+
+def test_preference_pairs_needs_two_samples_per_prompt():
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        preference_pairs(torch.tensor([1.0, 2.0]), 1)
+    with pytest.raises(ValueError, match="cannot be split into groups"):
+        preference_pairs(torch.tensor([1.0, 2.0, 3.0]), 2)

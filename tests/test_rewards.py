@@ -15,6 +15,7 @@ from align.rewards import (
     resolve_reward,
     sort_exact_match,
     sort_format,
+    sort_position_match,
 )
 
 
@@ -24,6 +25,9 @@ def test_sort_rewards():
     assert sort_exact_match(prompts, completions) == [1.0, 0.0, 1.0, 0.0]
     assert sort_exact_match(prompts, completions, answer=["a b c", "a c b", "x", "a b c"]) == [1.0, 1.0, 0.0, 1.0]
     assert sort_format(prompts, completions) == [1.0, 1.0, 1.0, 0.0]
+    # a b c: 3 of 3; a c b: a right of 3; a b: 2 of 2; a b c for "a b": 2 hits over the longer length 3
+    assert sort_position_match(prompts, completions) == [1.0, 1 / 3, 1.0, 2 / 3]
+    assert sort_position_match(["sort: b a"] * 3, ["ab", "", "b a"], answer=["a b"] * 3) == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize(

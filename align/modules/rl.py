@@ -173,7 +173,7 @@ class RLModule(AlignModule):
         for reward in self.reward.rewards:  # a reward model loads onto this process's device, before the first step
             if isinstance(reward.fn, LazyRewardModel):
                 reward.fn.load(str(self.trainer.strategy.root_device) if self._trainer is not None else None)
-        if self.kl.enabled:
+        if self.needs_reference:
             self.policy.setup_reference()
 
     # ------------------------------------------------------------------ rollout and rewards
@@ -206,10 +206,16 @@ class RLModule(AlignModule):
         return self.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_mask.shape[1],
                                           temperature=self.logprob_temperature, reference=reference, **kwargs)
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the reference is loaded and :meth:`reference_logprobs` computed: when the KL penalty is on
+        (online DPO: always, its loss is relative to the reference)."""
+        return self.kl.enabled
+
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
-        """``(N, R)`` reference log-probs of the rollout, or None when the KL penalty is off."""
-        return self.token_logprobs(rollout, reference=True).logprobs if self.kl.enabled else None
+    def reference_logprobs(self, rollout: RLBatch | Rollout) -> torch.Tensor | None:
+        """``(N, R)`` reference log-probs of the rows, or None when no reference is needed."""
+        return self.token_logprobs(rollout, reference=True).logprobs if self.needs_reference else None
 
     def score_rewards(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device.
@@ -227,6 +233,15 @@ class RLModule(AlignModule):
         total, parts = self.reward(prompts=prompts, completions=rollout.texts, **columns, **inputs)
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=rollout.response_ids.device)
         return to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
+
+    def sample_and_score(self, batch: PromptBatch) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor]]:
+        """A training rollout and its rewards (:meth:`score_rewards`), timed into a fresh ``self.timings``
+        (``time/generation_s``, ``time/scoring_s``)."""
+        self.timings = {}
+        with Timer(self.timings, "time/generation_s"):
+            rollout = self.rollout(batch)
+        with Timer(self.timings, "time/scoring_s"):
+            return (rollout, *self.score_rewards(batch, rollout))
 
     def rollout_metrics(self, rollout: Rollout, rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> dict[str, float]:
         metrics = dict(rollout.metrics)
