@@ -137,8 +137,8 @@ class GRPOModule(RLModule):
         with Timer(self.timings, "time/scoring_s"):
             rewards, parts = self.score_rewards(batch, rollout)  # (N,)
             filled = self.fill(batch, rollout, rewards, parts)
-        if filled is None:
-            return  # dynamic sampling: the next batch adds to this update's groups
+        if filled is None:  # dynamic sampling: the next batch adds to this update's groups
+            return self.log_nothing()
         rollout, rewards, parts = filled
         with Timer(self.timings, "time/update_s"):
             ref_logprobs = self.reference_logprobs(rollout)

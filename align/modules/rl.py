@@ -355,6 +355,12 @@ class RLModule(AlignModule):
         if self._trainer is not None:
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
+    def log_nothing(self) -> None:
+        """End a training step that took no update without a metrics row: Lightning would otherwise log the
+        previous step's on-step values again (its result collection keeps them until they are logged anew)."""
+        if self._trainer is not None and self.trainer._results is not None:
+            self.trainer._results.reset(metrics=False, fx="training_step")
+
     # ------------------------------------------------------------------ evaluation
     def on_validation_epoch_start(self) -> None:
         self._val: dict[str, torch.Tensor] = {}
