@@ -19,8 +19,8 @@ being updated: the buffered log-probs stay the old policy's.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -167,3 +167,21 @@ class GroupFilter:
     def clear(self) -> None:
         self.buffer, self.batches, self.sampled_groups = [], 0, 0
         self.sampled_tokens = self.generation_seconds = 0.0
+
+    _COUNTERS = ("batches", "sampled_groups", "sampled_tokens", "generation_seconds", "target")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fill in progress (counters and buffered groups) as plain containers and CPU tensors, so a
+        checkpoint written between updates resumes it."""
+        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t
+        rollout_state = lambda r: {f.name: cpu(getattr(r, f.name)) for f in fields(r)}
+        return {**{k: getattr(self, k) for k in self._COUNTERS},
+                "buffer": [{"rollout": rollout_state(f.rollout), "rewards": cpu(f.rewards),
+                            "parts": {k: cpu(v) for k, v in f.parts.items()}} for f in self.buffer]}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
+        for k in self._COUNTERS:
+            setattr(self, k, state[k])
+        self.buffer = [Filled(Rollout(**{k: move(v) for k, v in f["rollout"].items()}), move(f["rewards"]),
+                              {k: move(v) for k, v in f["parts"].items()}) for f in state["buffer"]]

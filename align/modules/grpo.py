@@ -27,9 +27,12 @@ Departures and options (nested YAML blocks, :mod:`align.modules.options`):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from align.advantages import group_advantages
+from align.checkpointing import _gather
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.kl import kl_estimate
@@ -40,6 +43,8 @@ from align.modules.options import ClipRange, DynamicSampling, GroupAdvantages
 from align.modules.rl import RLBatch, RLModule, Timer
 from align.rewards import RewardModelSpec, RewardSpec
 from align.rollout_filter import GroupFilter
+
+log = logging.getLogger(__name__)
 
 
 class GRPOModule(RLModule):
@@ -109,6 +114,25 @@ class GRPOModule(RLModule):
         filled = self.group_filter.add(rollout, rewards, parts, len(batch), self.tokenizer.pad_token_id,
                                        self.all_reduce_sum, rank, world)
         return None if filled is None else (filled.rollout, filled.rewards, filled.parts)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.group_filter is not None:  # every rank's fill in progress (empty when saved at an update)
+            checkpoint["align"]["dynamic_sampling"] = _gather(self.group_filter.state_dict())
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._saved_fill = (checkpoint.get("align") or {}).get("dynamic_sampling")
+
+    def on_train_start(self) -> None:
+        saved, self._saved_fill = getattr(self, "_saved_fill", None), None
+        if self.group_filter is None or not saved:
+            return
+        if len(saved) != self.trainer.world_size:  # resharded data: a fill of other ranks' prompts cannot continue
+            log.warning("dynamic sampling: the checkpoint holds the fills of %d ranks, this run has %d; the "
+                        "buffered groups are dropped", len(saved), self.trainer.world_size)
+            return
+        self.group_filter.load_state_dict(saved[self.trainer.global_rank], self.device)
 
     def _loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.token_logprobs(micro, return_entropy=self.log_entropy)

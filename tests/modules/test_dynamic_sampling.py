@@ -66,6 +66,29 @@ def test_fills_across_batches_then_returns_exactly_the_target_and_clears():
     assert m["rollout/response_length"] == pytest.approx(20 / 6) and m["rollout/truncated_frac"] == pytest.approx(1 / 6)
 
 
+def test_a_fill_in_progress_survives_a_checkpoint_round_trip():
+    import io
+
+    first, second = fake_rollout([1, 2, 3, 4]), fake_rollout([2, 1, 1, 1], prompt_width=3, width=6)
+    runs = []
+    for resume in (False, True):
+        f = GroupFilter(group_size=2, max_batches=3)
+        assert f.add(first, torch.tensor([0.0, 1.0, 1.0, 1.0]), {"x": torch.arange(4.0)}, 2, PAD) is None
+        if resume:  # as a checkpoint stores it: weights-only torch.save / torch.load
+            buffer = io.BytesIO()
+            torch.save({"fill": f.state_dict()}, buffer)
+            buffer.seek(0)
+            f = GroupFilter(group_size=2, max_batches=3)
+            f.load_state_dict(torch.load(buffer, weights_only=True)["fill"])
+            assert f.filling and f.buffered_groups == 1
+        runs.append(f.add(second, torch.tensor([1.0, 0.0, 5.0, 5.0]), {"x": torch.arange(4.0)}, 2, PAD))
+    plain, resumed = runs
+    assert plain.rollout.metrics == resumed.rollout.metrics and plain.rollout.texts == resumed.rollout.texts
+    for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "prompt_index"):
+        assert torch.equal(getattr(plain.rollout, name), getattr(resumed.rollout, name)), name
+    assert torch.equal(plain.rewards, resumed.rewards) and torch.equal(plain.parts["x"], resumed.parts["x"])
+
+
 def test_filters_on_a_named_reward_part():
     f = GroupFilter(group_size=2, max_batches=1, reward="acc")
     totals = torch.tensor([0.0, 1.0, 0.5, 0.5])  # the totals differ in group 0 only
