@@ -146,11 +146,11 @@ class GroupFilter:
                    "rollout/kept_frac": float(counts[:world].sum() / counts[world].clamp(min=1)),
                    "rollout/completion_tokens": self.sampled_tokens,
                    "rollout/tokens_per_s": self.sampled_tokens / max(self.generation_seconds, 1e-9)}
-        buffer = self.buffer
+        buffer, batches = self.buffer, self.batches
         self.clear()
         if take == 0:
-            log.warning("dynamic sampling: no group with differing rewards in %d sampled batches; no update",
-                        metrics["rollout/sampling_batches"])
+            log.warning("dynamic sampling: after %d sampled batches a rank has no group whose rewards differ; "
+                        "no update (max_batches reached)", batches)
             return None
         out = Filled(concat_rollouts([f.rollout for f in buffer], pad_token_id), torch.cat([f.rewards for f in buffer]),
                      {k: torch.cat([f.parts[k] for f in buffer]) for k in buffer[0].parts})
