@@ -48,3 +48,16 @@ def test_foreach_norm_gives_every_tensors_norm(private_api):
     norm = private_api.require(torch, "_foreach_norm", used_by="align.guards.NonFiniteGuard (one kernel for all grads)")
     norms = norm([torch.tensor([3.0, 4.0]), torch.tensor([float("inf")])])
     assert norms[0].item() == 5.0 and not torch.isfinite(norms[1])
+
+
+def test_result_collection_forgets_a_steps_values_on_reset(private_api):
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    used_by = "align.modules.rl.RLModule.log_nothing (no stale metrics row after a step without an update)"
+    private_api.require(L.Trainer, "_results", used_by=used_by)
+    private_api.require(_ResultCollection, "reset", ("self", "metrics", "fx"), used_by=used_by)
+    results = _ResultCollection(training=True)
+    results.log("training_step", "rollout/reward_mean", torch.tensor(1.0), on_step=True, on_epoch=False)
+    assert "rollout/reward_mean" in results.metrics(on_step=True)["log"]
+    results.reset(metrics=False, fx="training_step")
+    assert results.metrics(on_step=True)["log"] == {}, f"_ResultCollection.reset: {used_by}"

@@ -16,6 +16,10 @@ Departures and options (nested YAML blocks, :mod:`align.modules.options`):
   ``reward`` subtracts ``kl.coef`` times the summed per-token estimate (``k1`` by default there) from each
   completion's reward before the group baseline. ``kl.coef: 0`` loads no reference at all; ``kl.target``
   makes the coefficient adaptive.
+* ``dynamic_sampling``: DAPO's dynamic sampling. Groups whose rewards all match are dropped and prompt batches
+  are sampled on the following training steps until a full batch of informative groups is buffered
+  (:mod:`align.rollout_filter`); a training step that only samples takes no optimizer step.
+* ``overlong`` (every RL module): DAPO's soft overlong punishment in the reward.
 * With one epoch and one minibatch the update is exactly on-policy: the importance ratio is taken against
   the current log-probs (detached), so it is 1 and no separate old-policy pass is needed. Otherwise the
   log-probs recorded while sampling serve as the old policy; they are computed exactly as in training.
@@ -23,30 +27,41 @@ Departures and options (nested YAML blocks, :mod:`align.modules.options`):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from align.advantages import group_advantages
+from align.checkpointing import _gather
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.kl import kl_estimate
 from align.logprobs import masked_mean, masked_sum
 from align.losses import aggregate, ppo_policy_loss
 from align.models.policy import PolicyModel
-from align.modules.options import ClipRange, GroupAdvantages
+from align.modules.options import ClipRange, DynamicSampling, GroupAdvantages
 from align.modules.rl import RLBatch, RLModule, Timer
 from align.rewards import RewardModelSpec, RewardSpec
+from align.rollout_filter import GroupFilter
+
+log = logging.getLogger(__name__)
 
 
 class GRPOModule(RLModule):
     """GRPO on prompt data (:class:`align.data.prompts.PromptDataModule`), manual optimization.
 
-    ``trainer.max_steps`` counts optimizer steps: ``updates.epochs * updates.minibatches`` per rollout.
+    ``trainer.max_steps`` counts optimizer steps: ``updates.epochs * updates.minibatches`` per rollout. With
+    ``dynamic_sampling.enabled`` an update may consume several data-loader batches, so an epoch yields fewer.
 
     Logged per rollout: ``train/loss``, ``train/policy_loss``, ``train/kl``, ``train/kl_coef``, ``train/clipfrac``,
     ``train/approx_kl``, ``train/entropy``, ``rollout/reward_mean``, ``rollout/reward_std``,
     ``rollout/reward/<name>``, ``rollout/response_length``, ``rollout/tokens_per_s``, ``rollout/completion_tokens``,
     ``rollout/truncated_frac``, ``rollout/zero_std_frac`` (groups with no learning signal), and
-    ``time/generation_s`` / ``time/scoring_s`` / ``time/update_s``. Validation: see :class:`~align.modules.rl.RLModule`.
+    ``time/generation_s`` / ``time/scoring_s`` / ``time/update_s``. With ``overlong.buffer``:
+    ``rollout/reward/overlong``. With ``dynamic_sampling.enabled``, logged once per update:
+    ``rollout/sampling_batches``, ``rollout/kept_groups``, ``rollout/kept_frac``
+    (:class:`align.rollout_filter.GroupFilter`); the reward metrics and ``rollout/zero_std_frac`` are then over
+    the groups trained on, the timings summed over the batches sampled for the update. Validation: see :class:`~align.modules.rl.RLModule`.
     """
 
     def __init__(
@@ -57,6 +72,7 @@ class GRPOModule(RLModule):
         group_size: int = 8,
         clip: ClipRange = ClipRange(),
         advantages: GroupAdvantages = GroupAdvantages(),
+        dynamic_sampling: DynamicSampling = DynamicSampling(),
         **kwargs,
     ):
         """
@@ -69,6 +85,8 @@ class GRPOModule(RLModule):
             group_size: Completions sampled per prompt (G); advantages are relative to the group.
             clip: Clip range of the importance ratio (``low``, and DAPO's ``high``).
             advantages: How rewards become advantages within a group (``std_scale``).
+            dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards all match and sample further
+                prompt batches (at most ``max_batches`` per update) until the update has a full batch.
         """
         if group_size < 2:
             raise AlignConfigError(f"model.group_size: expected >= 2 for group-relative advantages, got {group_size}")
@@ -77,6 +95,44 @@ class GRPOModule(RLModule):
         super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
                          reward_model=reward_model, group_size=group_size, **kwargs)
         self.clip, self.advantages = clip, advantages
+        self.group_filter = self._group_filter(dynamic_sampling)
+
+    def _group_filter(self, options: DynamicSampling) -> GroupFilter | None:
+        if not options.enabled:
+            return None
+        names = self.reward.names + (["overlong"] if self.overlong.enabled else [])
+        if options.reward is not None and options.reward not in names:
+            raise AlignConfigError(f"model.dynamic_sampling.reward: expected one of the rewards {names} or null, "
+                                   f"got {options.reward!r}")
+        return GroupFilter(self.group_size, options.max_batches, options.reward)
+
+    def fill(self, batch: PromptBatch, rollout, rewards: torch.Tensor, parts: dict):
+        """Dynamic sampling: ``(rollout, rewards, parts)`` to update on, or None while the batch fills."""
+        if self.group_filter is None:
+            return rollout, rewards, parts
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self._trainer is not None else (1, 0)
+        filled = self.group_filter.add(rollout, rewards, parts, len(batch), self.tokenizer.pad_token_id,
+                                       self.all_reduce_sum, rank, world)
+        return None if filled is None else (filled.rollout, filled.rewards, filled.parts)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.group_filter is not None:  # every rank's fill in progress (empty when saved at an update)
+            checkpoint["align"]["dynamic_sampling"] = _gather(self.group_filter.state_dict())
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._saved_fill = (checkpoint.get("align") or {}).get("dynamic_sampling")
+
+    def on_train_start(self) -> None:
+        saved, self._saved_fill = getattr(self, "_saved_fill", None), None
+        if self.group_filter is None or not saved:
+            return
+        if len(saved) != self.trainer.world_size:  # resharded data: a fill of other ranks' prompts cannot continue
+            log.warning("dynamic sampling: the checkpoint holds the fills of %d ranks, this run has %d; the "
+                        "buffered groups are dropped", len(saved), self.trainer.world_size)
+            return
+        self.group_filter.load_state_dict(saved[self.trainer.global_rank], self.device)
 
     def _loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.token_logprobs(micro, return_entropy=self.log_entropy)
@@ -98,11 +154,16 @@ class GRPOModule(RLModule):
         return loss, metrics
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        self.timings = {}
+        if self.group_filter is None or not self.group_filter.filling:
+            self.timings = {}
         with Timer(self.timings, "time/generation_s"):
             rollout = self.rollout(batch)
         with Timer(self.timings, "time/scoring_s"):
             rewards, parts = self.score_rewards(batch, rollout)  # (N,)
+            filled = self.fill(batch, rollout, rewards, parts)
+        if filled is None:  # dynamic sampling: the next batch adds to this update's groups
+            return self.log_nothing()
+        rollout, rewards, parts = filled
         with Timer(self.timings, "time/update_s"):
             ref_logprobs = self.reference_logprobs(rollout)
             shaped = rewards

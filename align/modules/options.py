@@ -211,3 +211,55 @@ class TrustRegion:
             _check(getattr(self, key) >= 0, f"trust_region.{key}", ">= 0", getattr(self, key))
         _check(self.cg_iters >= 1, "trust_region.cg_iters", ">= 1", self.cg_iters)
         _check(0 < self.fisher_fraction <= 1, "trust_region.fisher_fraction", "a value in (0, 1]", self.fisher_fraction)
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to every completion's
+    reward (:func:`align.advantages.overlong_penalty`) and logged as the reward part ``overlong``."""
+
+    buffer: int | None = None
+    """``L_cache``: the penalty falls linearly from 0 to -1 over the last ``buffer`` tokens up to ``max_length``;
+    0 or null: off."""
+    max_length: int | None = None
+    """``L_max``: responses longer than this get -1; null: ``sampling.max_new_tokens``."""
+    coef: float = 1.0
+    """Weight of the penalty in the training reward."""
+
+    def __post_init__(self) -> None:
+        _check(self.buffer is None or self.buffer >= 0, "overlong.buffer", ">= 0 or null", self.buffer)
+        _check(self.max_length is None or self.max_length >= 1, "overlong.max_length", ">= 1 or null", self.max_length)
+        _check(self.coef >= 0, "overlong.coef", ">= 0", self.coef)
+        if self.enabled and self.max_length is not None:
+            _check(self.buffer <= self.max_length, "overlong.buffer", f"<= overlong.max_length ({self.max_length})",
+                   self.buffer)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.buffer)
+
+    def resolve(self, max_new_tokens: int) -> int:
+        """``L_max`` for a run that samples at most ``max_new_tokens``; checks the buffer against it."""
+        max_length = self.max_length or max_new_tokens
+        _check(not self.enabled or self.buffer <= max_length, "overlong.buffer",
+               f"<= sampling.max_new_tokens ({max_length}) when overlong.max_length is null", self.buffer)
+        return max_length
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476): groups whose rewards all match are dropped
+    and prompt batches are sampled until the update has a full batch of informative groups
+    (:class:`align.rollout_filter.GroupFilter`)."""
+
+    enabled: bool = False
+    """Filter groups and fill the batch across training steps; false: every group is trained on."""
+    max_batches: int = 4
+    """Cap on the prompt batches sampled for one update; at the cap the update uses the groups it has, and is
+    skipped when it has none."""
+    reward: str | None = None
+    """Reward whose values must differ within a group (e.g. the accuracy reward, as in the paper); null: the
+    training total."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_batches >= 1, "dynamic_sampling.max_batches", ">= 1", self.max_batches)

@@ -19,10 +19,11 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.kl import AdaptiveKLController, FixedKLController, KLController
+from align.advantages import overlong_penalty
 from align.logprobs import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule, loss_count
-from align.modules.options import Aggregation, Evaluation, KLPenalty, Updates
+from align.modules.options import Aggregation, Evaluation, KLPenalty, OverlongPenalty, Updates
 from align.observability.timing import Timer
 from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, training_rewards
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
@@ -118,6 +119,7 @@ class RLModule(AlignModule):
         evaluation: Evaluation = Evaluation(),
         updates: Updates = Updates(),
         kl: KLPenalty = KLPenalty(),
+        overlong: OverlongPenalty = OverlongPenalty(),
         log_entropy: bool = True,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
@@ -138,6 +140,8 @@ class RLModule(AlignModule):
                 loss aggregation.
             kl: KL penalty to the reference policy: coefficient (0: no reference is loaded), estimator, placement
                 and the adaptive controller's target.
+            overlong: DAPO's soft overlong punishment, added to the training reward as the part ``overlong``
+                (``buffer``: the ramp's length; 0 or null: off).
             log_entropy: Compute ``train/entropy`` (a full-vocabulary softmax per token).
             optimizer: Optimizer callable (parameters -> optimizer).
             scheduler: Learning-rate schedule callable, stepped every optimizer step.
@@ -155,6 +159,9 @@ class RLModule(AlignModule):
         self.eval_engine = RolloutEngine(evaluation.sampling or SamplingConfig(
             max_new_tokens=self.engine.sampling.max_new_tokens, temperature=0.0))
         self.updates, self.kl, self.log_entropy = updates, kl, log_entropy
+        self.overlong, self.overlong_max_length = overlong, overlong.resolve(self.engine.sampling.max_new_tokens)
+        if overlong.enabled and "overlong" in self.reward.names:
+            raise AlignConfigError("model.rewards: the name 'overlong' is the overlong penalty's; rename that reward")
         self.kl_controller: KLController = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
                                             if kl.target is not None else FixedKLController(kl.coef))
         names = self.reward.names
@@ -224,6 +231,10 @@ class RLModule(AlignModule):
         besides the prompt texts, the completions and the data's columns, the whole
         prompt conversation (``prompt_messages``), the sampled token ids through the first stop token
         (``completion_ids``) and whether a completion was cut off at ``max_new_tokens`` (``completion_truncated``).
+
+        With ``overlong.buffer`` set, the part ``overlong`` holds each completion's penalty in ``[-1, 0]``
+        (:func:`align.advantages.overlong_penalty` of its length, stop token included), and the total adds
+        ``overlong.coef`` times it.
         """
         prompts, columns = batch.repeat(rollout.group_size)
         lengths = rollout.response_lengths.tolist()
@@ -232,7 +243,12 @@ class RLModule(AlignModule):
                   "completion_truncated": [bool(t) for t in rollout.truncated.tolist()]}
         total, parts = self.reward(prompts=prompts, completions=rollout.texts, **columns, **inputs)
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=rollout.response_ids.device)
-        return to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
+        total, parts = to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
+        if self.overlong.enabled:
+            parts["overlong"] = overlong_penalty(rollout.response_lengths, self.overlong_max_length,
+                                                 self.overlong.buffer)  # (N,)
+            total = total + self.overlong.coef * parts["overlong"]
+        return total, parts
 
     def sample_and_score(self, batch: PromptBatch) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor]]:
         """A training rollout and its rewards (:meth:`score_rewards`), timed into a fresh ``self.timings``
@@ -353,6 +369,12 @@ class RLModule(AlignModule):
         self.last_metrics = metrics
         if self._trainer is not None:
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def log_nothing(self) -> None:
+        """End a training step that took no update without a metrics row: Lightning would otherwise log the
+        previous step's on-step values again (its result collection keeps them until they are logged anew)."""
+        if self._trainer is not None and self.trainer._results is not None:
+            self.trainer._results.reset(metrics=False, fx="training_step")
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_epoch_start(self) -> None:

@@ -9,8 +9,10 @@ from align.modules.grpo import GRPOModule
 from align.modules.options import (
     GAE,
     ClipRange,
+    DynamicSampling,
     GroupAdvantages,
     KLPenalty,
+    OverlongPenalty,
     ScoreShaping,
     TrustRegion,
     Updates,
@@ -46,6 +48,12 @@ from align.modules.trpo import TRPOModule
     (lambda: TrustRegion(cg_iters=0), "trust_region.cg_iters"),
     (lambda: TrustRegion(damping=-1.0), "trust_region.damping"),
     (lambda: TrustRegion(fisher_fraction=1.5), "trust_region.fisher_fraction"),
+    (lambda: OverlongPenalty(buffer=-1), "overlong.buffer"),
+    (lambda: OverlongPenalty(buffer=8, max_length=4), "overlong.buffer"),
+    (lambda: OverlongPenalty(max_length=0), "overlong.max_length"),
+    (lambda: OverlongPenalty(coef=-1.0), "overlong.coef"),
+    (lambda: OverlongPenalty(buffer=20).resolve(16), "overlong.buffer"),
+    (lambda: DynamicSampling(max_batches=0), "dynamic_sampling.max_batches"),
 ])
 def test_a_bad_value_fails_on_one_line_naming_its_key(build, key):
     with pytest.raises(AlignConfigError) as err:
@@ -85,9 +93,9 @@ def test_a_nested_block_changes_only_the_fields_it_names_on_the_modules_own_defa
 
 def test_every_rl_module_takes_the_shared_blocks_and_only_its_own_extras():
     shared = {"policy", "rewards", "reward_model", "eval_rewards", "group_size", "sampling", "evaluation", "updates",
-              "kl", "log_entropy", "optimizer", "scheduler", "disable_dropout"}
+              "kl", "overlong", "log_entropy", "optimizer", "scheduler", "disable_dropout"}
     keys = {cls: set(vars(parse(cls))) for cls in (GRPOModule, PPOModule, TRPOModule)}
-    assert keys[GRPOModule] == shared | {"clip", "advantages"}
+    assert keys[GRPOModule] == shared | {"clip", "advantages", "dynamic_sampling"}
     assert keys[PPOModule] == shared | {"clip", "gae", "scores", "value", "entropy_coef"}
     assert keys[TRPOModule] == shared | {"gae", "scores", "value", "trust_region"}  # no clip, no entropy bonus
     evaluation = parse(GRPOModule, "--model.evaluation.accuracy_threshold", "0.5").evaluation
