@@ -153,6 +153,9 @@ class PPOModule(RLModule):
             raise AlignConfigError("model.kl.placement: PPO shapes the KL into the per-token rewards; expected 'reward'")
         if entropy_coef < 0:
             raise AlignConfigError(f"model.entropy_coef: expected >= 0, got {entropy_coef}")
+        if clip.level != "token":
+            raise AlignConfigError("model.clip.level: PPO's GAE advantages differ per token, so its ratio is per "
+                                   f"token; expected 'token', got {clip.level!r}")
         super().__init__(policy, rewards=rewards, reward_model=reward_model, eval_rewards=eval_rewards,
                          updates=updates, kl=kl, **kwargs)
         self.clip, self.gae, self.scores, self.value = clip, gae, scores, value
