@@ -139,6 +139,9 @@ class PPOModule(RLModule):
             value: Value loss weight and clipping, the value learning-rate scale and critic warm-up.
             entropy_coef: Weight of the entropy bonus (subtracted from the loss); 0: none.
         """
+        if clip.level != "token":
+            raise AlignConfigError(f"model.clip.level: expected 'token' (GAE gives each token its own advantage), "
+                                   f"got {clip.level!r}")
         default_rm = reward_model is None and rewards is None
         if default_rm:
             reward_model = "tiny-sort-rm"
@@ -153,9 +156,6 @@ class PPOModule(RLModule):
             raise AlignConfigError("model.kl.placement: PPO shapes the KL into the per-token rewards; expected 'reward'")
         if entropy_coef < 0:
             raise AlignConfigError(f"model.entropy_coef: expected >= 0, got {entropy_coef}")
-        if clip.level != "token":
-            raise AlignConfigError("model.clip.level: PPO's GAE advantages differ per token, so its ratio is per "
-                                   f"token; expected 'token', got {clip.level!r}")
         super().__init__(policy, rewards=rewards, reward_model=reward_model, eval_rewards=eval_rewards,
                          updates=updates, kl=kl, **kwargs)
         self.clip, self.gae, self.scores, self.value = clip, gae, scores, value
