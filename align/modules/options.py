@@ -33,7 +33,8 @@ class KLPenalty:
     """Per-token estimate ``k1``, ``k2`` or ``k3`` (align.kl); null: ``k3`` in the loss, ``k1`` in the reward."""
     placement: Literal["loss", "reward"] = "loss"
     """``loss``: ``coef`` times the per-token estimate is added to the loss (GRPO). ``reward``: it is subtracted
-    from the rewards (GRPO: each completion's summed estimate; PPO and TRPO: per token, before GAE)."""
+    from the rewards (GRPO, RLOO: each completion's summed estimate; PPO and TRPO: per token, before GAE;
+    REINFORCE++: per token, before the returns-to-go)."""
     target: float | None = None
     """Per-sequence KL that an adaptive controller steers to (Ziegler et al. 2019); null keeps ``coef`` fixed."""
     horizon: float = 10000.0
