@@ -86,7 +86,8 @@ def shape_rewards(
 def _add_terminal(rewards: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     # (B, T) rewards plus each row's (B,) score at its last valid token; a row with no valid token gets none.
     last = last_valid_index(valid)  # (B,), -1 for an empty row
-    bonus = torch.where(last >= 0, scores.to(rewards.dtype), torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    bonus = torch.where(last >= 0, scores.to(rewards.dtype), zero)  # (B,)
     return rewards.scatter_add(1, last.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
 
 

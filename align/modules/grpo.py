@@ -21,8 +21,8 @@ Departures and options (nested YAML blocks, :mod:`align.modules.options`):
   ``updates.loss_aggregation: seq_mean``.
 * KL to the reference: ``kl.placement: loss`` adds ``kl.coef * k3`` per token to the loss (the paper);
   ``reward`` subtracts ``kl.coef`` times the summed per-token estimate (``k1`` by default there) from each
-  completion's reward before the group baseline (REINFORCE++: per token, before the returns-to-go). ``kl.coef: 0`` loads no reference at all; ``kl.target``
-  makes the coefficient adaptive.
+  completion's reward before the group baseline (REINFORCE++: per token, before the returns-to-go).
+  ``kl.coef: 0`` loads no reference at all; ``kl.target`` makes the coefficient adaptive.
 * With one epoch and one minibatch the update is exactly on-policy: the importance ratio is taken against
   the current log-probs (detached), so it is 1 and no separate old-policy pass is needed. Otherwise the
   log-probs recorded while sampling serve as the old policy; they are computed exactly as in training.
@@ -128,7 +128,8 @@ class GRPOModule(RLModule):
             rewards, parts = self.score_rewards(batch, rollout)  # (N,)
         with Timer(self.timings, "time/update_s"):
             ref_logprobs = self.reference_logprobs(rollout)
-            kl = None if ref_logprobs is None else kl_estimate(rollout.old_logprobs, ref_logprobs, self.kl.kind)  # (N, R)
+            kl = None if ref_logprobs is None else kl_estimate(rollout.old_logprobs, ref_logprobs,
+                                                               self.kl.kind)  # (N, R)
             advantages = self.estimate_advantages(rewards, kl, rollout.response_mask)  # (N,) or (N, R)
             stats = self.update(RLBatch.from_rollout(rollout, advantages, ref_logprobs), self._loss)
         grouped = rewards.view(-1, self.group_size)
