@@ -14,6 +14,8 @@
   chosen/rejected pairs, Guo et al. 2024 (arXiv 2402.04792).
 * :func:`overlong_penalty`: DAPO's soft overlong punishment, Yu et al. 2025
   (arXiv 2503.14476, eq. 13), a reward term in ``[-1, 0]`` by response length.
+* :func:`reinforce_pp_advantages`: REINFORCE++, Hu 2025 (arXiv 2501.03262),
+  and its variant with a group baseline (REINFORCE++-baseline).
 
 Departures and choices:
 
@@ -42,9 +44,10 @@ import torch
 
 from align.kl import kl_estimate
 from align.logprobs import last_valid_index
+from align.stats import AllReduce, identity, whiten
 
-__all__ = ["shape_rewards", "overlong_penalty", "gae", "group_advantages", "rloo_advantages", "preference_pairs",
-           "PreferencePairs", "GROUP_SCALES"]
+__all__ = ["shape_rewards", "overlong_penalty", "gae", "group_advantages", "rloo_advantages", "reinforce_pp_advantages",
+           "returns_to_go", "preference_pairs", "PreferencePairs", "GROUP_SCALES"]
 
 
 @torch.no_grad()
@@ -81,12 +84,15 @@ def shape_rewards(
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, kind=kind, clamp=clamp), zero)  # (B, T)
-    rewards = -kl_coef * kl  # (B, T)
+    return _add_terminal(-kl_coef * kl, scores, valid), kl
+
+
+def _add_terminal(rewards: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    # (B, T) rewards plus each row's (B,) score at its last valid token; a row with no valid token gets none.
     last = last_valid_index(valid)  # (B,), -1 for an empty row
-    has_valid = last >= 0
-    bonus = torch.where(has_valid, scores.to(rewards.dtype), zero)  # (B,)
-    rewards = rewards.scatter_add(1, last.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
-    return rewards, kl
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    bonus = torch.where(last >= 0, scores.to(rewards.dtype), zero)  # (B,)
+    return rewards.scatter_add(1, last.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
 
 
 @torch.no_grad()
@@ -300,3 +306,67 @@ def preference_pairs(rewards: torch.Tensor, group_size: int) -> PreferencePairs:
     offset = torch.arange(grouped.shape[0], device=grouped.device) * group_size  # (B,)
     best, worst = grouped.max(dim=1), grouped.min(dim=1)
     return PreferencePairs(offset + best.indices, offset + worst.indices, best.values > worst.values)
+@torch.no_grad()
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Undiscounted returns ``G_t = sum_{s >= t} r_s`` over the valid tokens of each row, ``(B, T) -> (B, T)``.
+
+    Masked rewards count as 0 and masked outputs are 0. (GAE with ``gamma = lam = 1`` and zero values gives
+    the same numbers, one token at a time.)
+    """
+    if rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(f"returns_to_go: rewards and mask must share one (B, T) shape, got "
+                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    kept = torch.where(valid, rewards, zero)
+    return torch.where(valid, kept.flip(1).cumsum(1).flip(1), zero)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: Union[float, torch.Tensor] = 0.0,
+    group_size: int | None = None,
+    all_reduce: AllReduce = identity,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025, arXiv 2501.03262), per token.
+
+    The per-token reward is ``r_t = -kl_coef * kl_t``, plus the sequence reward at the last valid token
+    (:func:`shape_rewards`); the advantage is the return-to-go with gamma 1,
+    ``A_t = r - kl_coef * sum_{s >= t} kl_s`` (:func:`returns_to_go`), whitened with the mean and unbiased std
+    of every valid token of the global batch (:func:`align.stats.whiten` with ``all_reduce``).
+
+    With ``group_size`` (REINFORCE++-baseline), each reward first has its group's mean subtracted
+    (:func:`group_advantages` with ``scale="none"``: a group of equal rewards becomes exactly 0 before the KL
+    term). The batch whitening then re-centres: a token of such a group gets ``-mean / std`` of the batch,
+    as in the paper, not 0.
+
+    Args:
+        rewards: ``(N,)`` sequence rewards; with ``group_size``, each prompt's G completions consecutive.
+        mask: ``(N, R)`` response mask.
+        kl: ``(N, R)`` per-token KL estimate of the sampled tokens, or None for no KL term in the reward.
+        kl_coef: Weight of the KL penalty.
+        group_size: G for the group-mean baseline; None: no baseline (plain REINFORCE++).
+        all_reduce: Sums over the data-parallel ranks, for the whitening statistics.
+        eps: Added to the variance in the whitening.
+
+    Returns:
+        ``(N, R)`` advantages, 0 at masked positions.
+    """
+    if mask.dim() != 2 or rewards.shape != mask.shape[:1]:
+        raise ValueError(f"reinforce_pp_advantages: rewards must be (N,) and mask (N, R), got "
+                         f"{tuple(rewards.shape)} and {tuple(mask.shape)}")
+    if kl is not None and kl.shape != mask.shape:
+        raise ValueError(f"reinforce_pp_advantages: kl must be (N, R) = {tuple(mask.shape)}, got {tuple(kl.shape)}")
+    rewards = rewards.float() if not rewards.is_floating_point() else rewards
+    if group_size is not None:
+        rewards = group_advantages(rewards, group_size, scale="none")  # (N,) r - mean of its group
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    per_token = (torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device) if kl is None
+                 else torch.where(valid, -kl_coef * kl.to(rewards.dtype), zero))  # (N, R)
+    returns = returns_to_go(_add_terminal(per_token, rewards, valid), valid)  # (N, R)
+    return whiten(returns, valid, eps=eps, all_reduce=all_reduce)

@@ -195,7 +195,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _gather(obj: Any) -> list[Any]:
+def gather_objects(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (``[obj]`` on one process)."""
     import torch.distributed as dist
 
@@ -223,7 +223,7 @@ class ExactResume(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank while a checkpoint is assembled; rank 0 writes the file.
-        return {"rng": _gather(rng_state())}
+        return {"rng": gather_objects(rng_state())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng")

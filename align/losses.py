@@ -4,6 +4,7 @@ Papers, one per variant:
 
 * PPO clipped surrogate: Schulman et al. 2017 (arXiv 1707.06347). Decoupled
   clip range ``clip_low``/``clip_high``: DAPO, Yu et al. 2025 (arXiv 2503.14476).
+  Sequence-level ratio: GSPO, Zheng et al. 2025 (arXiv 2507.18071).
   Dual clip: Ye et al. 2020 (arXiv 1912.09729).
 * Clipped value loss: the OpenAI baselines PPO2 implementation, studied by
   Engstrom et al. 2020 (arXiv 2005.12729).
@@ -48,6 +49,7 @@ __all__ = [
     "DPO_LOSSES",
     "PolicyLossStats",
     "aggregate",
+    "IMPORTANCE_LEVELS",
     "importance_ratio",
     "ppo_policy_loss",
     "value_loss",
@@ -68,11 +70,30 @@ Normaliser = Optional[Union[int, float, torch.Tensor]]
 _LOG_RATIO_CLAMP = 20.0
 
 
-def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                     level: str = "token") -> torch.Tensor:
     """``pi_theta / pi_old`` per token, from log-probs of any shape. The log-ratio is clamped to ``[-20, 20]``
     before ``exp`` (zero gradient outside), so one token whose probability collapsed cannot overflow.
-    ``old_logprobs`` is used as given: detach it for a ratio whose gradient flows through ``logprobs`` only."""
-    return torch.exp((logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    ``old_logprobs`` is used as given: detach it for a ratio whose gradient flows through ``logprobs`` only.
+
+    ``level="sequence"`` (GSPO, Zheng et al. 2025, arXiv 2507.18071) takes ``(B, T)`` log-probs and the
+    ``mask``: every valid token of row ``i`` carries the value of the sequence ratio
+    ``s_i = exp(mean_t (logprobs - old_logprobs))`` over the row's valid tokens, with the gradient of the paper's
+    GSPO-token form: ``s_t = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, so ``grad s_t = s_i * grad log pi(y_t)``.
+    Averaged over a sequence's tokens, this is exactly the gradient of ``s_i``.
+    """
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance_ratio: unknown level {level!r}; expected one of {list(IMPORTANCE_LEVELS)}")
+    log_ratio = logprobs - old_logprobs
+    if level == "sequence":
+        if mask is None or log_ratio.dim() != 2:
+            raise ValueError("importance_ratio: level='sequence' needs (B, T) log-probs and their (B, T) mask")
+        seq = masked_mean(log_ratio.detach(), mask, dim=-1)  # (B,) mean log-ratio; 0 for a row with no valid token
+        log_ratio = seq[:, None] + logprobs - logprobs.detach()  # (B, T) value: seq; gradient: d logprobs
+    return torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
 
 
 def _fill_masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -182,6 +203,7 @@ def ppo_policy_loss(
     dual_clip: Optional[float] = None,
     agg: str = "token_mean",
     normaliser: Normaliser = None,
+    level: str = "token",
 ) -> Tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate policy loss (arXiv 1707.06347), to be minimised.
 
@@ -201,6 +223,10 @@ def ppo_policy_loss(
             means ``clip_low`` (symmetric). DAPO's "clip higher" sets it larger.
         dual_clip: ``c > 1`` or ``None``.
         agg, normaliser: see :func:`aggregate`.
+        level: ``"token"`` ratios, or GSPO's ``"sequence"`` ratio (arXiv 2507.18071), see
+            :func:`importance_ratio`: the whole sequence is clipped or not, and with per-sequence advantages
+            and ``agg="seq_mean"`` the loss and its gradient are GSPO's. With one valid token per row both
+            levels give the same loss.
 
     Returns:
         ``(loss, PolicyLossStats)``; the loss is a scalar.
@@ -223,7 +249,7 @@ def ppo_policy_loss(
     old_logprobs = _fill_masked(old_logprobs.detach(), valid)
     logprobs = _fill_masked(logprobs, valid)
     advantages = _fill_masked(advantages.detach().expand_as(logprobs), valid)
-    ratio = importance_ratio(logprobs, old_logprobs)  # (B, T)
+    ratio = importance_ratio(logprobs, old_logprobs, valid, level)  # (B, T)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)  # (B, T)

@@ -6,6 +6,8 @@ Usage::
     python benchmarks/grpo.py --lora --trials 3 --json grpo-bench.json
     python benchmarks/grpo.py --hidden-size 256 --layers 4 --prompts 16 --group 8
     python benchmarks/grpo.py --model smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 32 --threads 2
+    python benchmarks/grpo.py --estimator rloo          # align's advantages.estimator: rloo vs TRL's RLOOTrainer
+    python benchmarks/grpo.py --level sequence          # GSPO: clip.level sequence vs importance_sampling_level
 
 What happens:
 
@@ -32,6 +34,15 @@ clipping at 1.0, fp32, LoRA on or off (r 16, alpha 32, all linear layers), ``--t
 checkpoints, no evaluation. Each framework keeps its own generation loop: align its KV-cache sampler that stops
 when all rows are done, through :class:`align.models.decoding.FastDecoder` (``--no-fast-decoder``: through the
 model's own forward, to see what the decoder contributes); TRL ``transformers.generate``.
+
+Variants (the rest as above):
+
+* ``--estimator rloo``: align's ``advantages.estimator: rloo`` against TRL's ``RLOOTrainer`` (``RLOOConfig``, no
+  advantage normalisation). TRL's RLOO clips one ratio per sequence (of summed log-probs) and averages per
+  sequence; on policy the ratio is 1 either way, so both take the same REINFORCE step up to the loss weighting.
+* ``--level sequence`` (GSPO): align's ``clip.level: sequence`` with ``loss_aggregation: seq_mean`` against
+  ``GRPOConfig(importance_sampling_level="sequence", loss_type="grpo")``, the per-sequence mean that GSPO's paper
+  and TRL's documentation pair it with.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ def build_module(spec: dict):
     from align.models.loading import LoraSettings
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
-    from align.modules.options import ClipRange, KLPenalty, Updates
+    from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, Updates
     from align.rollout import SamplingConfig
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
@@ -70,7 +81,10 @@ def build_module(spec: dict):
         policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=spec["group"],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
                                 fast_decoder=spec["fast_decoder"]),
-        kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2), updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0),
+        kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2, level=spec["level"]),
+        advantages=GroupAdvantages(estimator=spec["estimator"]),
+        updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0,
+                        loss_aggregation="seq_mean" if spec["level"] == "sequence" else "token_mean"),
         log_entropy=False, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
     )
 
@@ -83,27 +97,33 @@ def run_align(spec: dict) -> dict:
 def run_trl(spec: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     h.set_threads(spec["threads"])
     n = spec["prompts"] * spec["group"]
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]}
                                  for p in h.sort_prompts(spec["prompts"])] * spec["steps"])
-    config = GRPOConfig(
+    common = dict(
         output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n, num_generations=spec["group"],
         max_completion_length=spec["max_new_tokens"], max_steps=spec["steps"], learning_rate=1e-5,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, beta=0.0, num_iterations=1,
-        epsilon=0.2, loss_type="dapo", gradient_accumulation_steps=1, temperature=1.0, top_p=1.0,
+        epsilon=0.2, gradient_accumulation_steps=1, temperature=1.0, top_p=1.0,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
         dataloader_num_workers=0, shuffle_dataset=False, disable_tqdm=True,
     )
+    if spec["estimator"] == "rloo":
+        trainer_class, config = RLOOTrainer, RLOOConfig(**common, normalize_advantages=False)
+    else:
+        sequence = spec["level"] == "sequence"
+        trainer_class, config = GRPOTrainer, GRPOConfig(**common, loss_type="grpo" if sequence else "dapo",
+                                                        importance_sampling_level=spec["level"])
     peft_config = None
     if spec["lora"]:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=length_reward, args=config, train_dataset=dataset,
+    trainer = trainer_class(model=spec["model_dir"], reward_funcs=length_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config)
     meter = h.StepMeter(spec["warmup"])
     original = trainer._generate_and_score_completions
@@ -138,23 +158,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fast-decoder", dest="fast_decoder", action="store_false",
                         help="align samples through the model's own forward instead of its FastDecoder")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--estimator", choices=("grpo", "rloo"), default="grpo",
+                        help="rloo: align's advantages.estimator rloo against TRL's RLOOTrainer")
+    parser.add_argument("--level", choices=("token", "sequence"), default="token",
+                        help="sequence: GSPO's ratio (clip.level / importance_sampling_level), per-sequence mean")
     h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
     parser.add_argument("--json", type=Path, default=None)
     h.add_child_args(parser, CHILDREN)
     ns = parser.parse_args(argv)
     if h.run_if_child(ns, CHILDREN):
         return
+    if ns.estimator == "rloo" and ns.level == "sequence":
+        parser.error("--estimator rloo compares with TRL's RLOOTrainer, whose ratio is its own: use --level token")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, model_name, n_params = h.rl_model(ns, tmp)
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
         spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
-                "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder}
+                "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder,
+                "estimator": ns.estimator, "level": ns.level}
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
             ("align", "trl"), ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
-    h.rl_report(ns, f"\nGRPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
+    name = {"rloo": "RLOO"}.get(ns.estimator, "GSPO" if ns.level == "sequence" else "GRPO")
+    h.rl_report(ns, f"\n{name} full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
                     f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
                     f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of "
                     f"{ns.trials} trials:", results, model_dir, n_params, PHASES)

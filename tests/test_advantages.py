@@ -5,7 +5,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.advantages import gae, group_advantages, overlong_penalty, preference_pairs, rloo_advantages, shape_rewards
+from align.advantages import (
+    gae,
+    group_advantages,
+    overlong_penalty,
+    preference_pairs,
+    reinforce_pp_advantages,
+    returns_to_go,
+    rloo_advantages,
+    shape_rewards,
+)
 from align.logprobs import response_mask
 
 FAST = settings(max_examples=50, deadline=None)
@@ -313,3 +322,86 @@ def test_preference_pairs_needs_two_samples_per_prompt():
         preference_pairs(torch.tensor([1.0, 2.0]), 1)
     with pytest.raises(ValueError, match="cannot be split into groups"):
         preference_pairs(torch.tensor([1.0, 2.0, 3.0]), 2)
+# ---------------------------------------------------------------- REINFORCE++ (arXiv 2501.03262)
+
+NAN = float("nan")
+
+
+def test_returns_to_go_pinned_and_masked():
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, NAN]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    torch.testing.assert_close(returns_to_go(rewards, mask), torch.tensor([[6.0, 5.0, 3.0], [9.0, 5.0, 0.0]]))
+
+
+def test_returns_to_go_is_gae_with_gamma_and_lambda_one_and_no_values():
+    torch.manual_seed(0)
+    rewards, mask = torch.randn(3, 5), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 1, 1, 0]])
+    expected, _ = gae(rewards, torch.zeros(3, 5), mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(returns_to_go(rewards, mask), expected)
+
+
+def test_reinforce_pp_pinned_per_token_kl_returns_then_batch_whitening():
+    # kl_coef 0.5; row 0: r = 1, kl 0.1 0.2 0.3 -> per-token rewards -0.05 -0.1 (-0.15 + 1) -> returns 0.7 0.75 0.85.
+    # Row 1: r = 0, kl 0.5 0.5 and a NaN in the padding -> rewards -0.25 -0.25 -> returns -0.5 -0.25.
+    # Valid returns: sum 1.55, n 5, mean 0.31; squared deviations 0.1521 + 0.1936 + 0.2916 + 0.6561 + 0.3136
+    # = 1.607, unbiased variance 1.607 / 4 = 0.40175.
+    rewards = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.5, NAN]])
+    adv = reinforce_pp_advantages(rewards, mask, kl, kl_coef=0.5)
+    returns = torch.tensor([[0.7, 0.75, 0.85], [-0.5, -0.25, 0.31]])  # the last is padding: 0 after whitening
+    expected = (returns - 0.31) / math.sqrt(0.40175 + 1e-8) * mask
+    torch.testing.assert_close(adv, expected)
+    assert adv.shape == (2, 3) and adv[1, 2] == 0.0
+
+
+def test_reinforce_pp_without_kl_whitens_the_outcome_reward_over_tokens():
+    # r = 1 on 2 tokens, r = 0 on 1 token: values 1 1 0, mean 2/3, unbiased var 1/3.
+    adv = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([[1, 1], [1, 0]]))
+    s = math.sqrt(1 / 3 + 1e-8)
+    torch.testing.assert_close(adv, torch.tensor([[1 / 3 / s, 1 / 3 / s], [-2 / 3 / s, 0.0]]))
+
+
+def test_reinforce_pp_constant_batch_is_zero():
+    adv = reinforce_pp_advantages(torch.tensor([2.0, 2.0, 2.0]), torch.tensor([[1, 1], [1, 0], [1, 1]]))
+    assert torch.equal(adv, torch.zeros(3, 2))
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_first():
+    # Groups of 2: rewards 1 0 | 3 3 -> 0.5 -0.5 | 0 0, every row 2 tokens: values 0.5 0.5 -0.5 -0.5 0 0 0 0,
+    # mean 0, unbiased var 1 / 7: advantages 0.5 * sqrt(7), and exactly 0 for the constant group.
+    mask = torch.ones(4, 2)
+    adv = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), mask, group_size=2)
+    a = 0.5 / math.sqrt(1 / 7 + 1e-8)
+    torch.testing.assert_close(adv, torch.tensor([[a, a], [-a, -a], [0.0, 0.0], [0.0, 0.0]]))
+    # Without the baseline the second group dominates the batch statistics instead.
+    plain = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), mask)
+    assert plain[2, 0] > 0 > plain[0, 0]
+
+
+def test_reinforce_pp_baseline_recentres_over_tokens_so_a_constant_group_moves_with_lengths():
+    # Rows of 2 and 1 tokens in the first group: values 0.5 0.5 -0.5 | 0 0 0 0, mean 0.5 / 7 > 0, so the
+    # constant group's tokens get -mean / std < 0 (the paper's batch normalisation, documented).
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    adv = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), mask, group_size=2)
+    values = torch.tensor([0.5, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])
+    mean, std = values.mean(), values.std()
+    torch.testing.assert_close(adv[2:], torch.full((2, 2), float(-mean / std)))
+
+
+def test_reinforce_pp_on_two_ranks_equals_the_whole_batch_on_one_process():
+    from test_stats import on_two_ranks
+
+    rewards, mask = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    kl = torch.rand(4, 3)
+    whole = reinforce_pp_advantages(rewards, mask, kl, 0.1, group_size=2)
+    fn = lambda r, m, k, all_reduce: reinforce_pp_advantages(r, m, k, 0.1, group_size=2, all_reduce=all_reduce)
+    ranks = on_two_ranks(fn, (rewards[:2], mask[:2], kl[:2]), (rewards[2:], mask[2:], kl[2:]))
+    torch.testing.assert_close(torch.cat(ranks), whole)
+
+
+def test_reinforce_pp_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="reinforce_pp_advantages"):
+        reinforce_pp_advantages(torch.zeros(3), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="kl must be"):
+        reinforce_pp_advantages(torch.zeros(2), torch.ones(2, 4), torch.zeros(2, 3), 0.1)

@@ -13,6 +13,7 @@ from align.losses import (
     kto_loss,
     log1mexp,
     orpo_loss,
+    importance_ratio,
     ppo_policy_loss,
     sft_loss,
     simpo_loss,
@@ -484,3 +485,74 @@ def test_sft_loss_without_valid_tokens_is_zero_with_grad(dtype):
 def test_sft_loss_rejects_bad_shapes():
     with pytest.raises(ValueError, match="labels"):
         sft_loss(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- GSPO: sequence-level ratio (arXiv 2507.18071)
+
+
+def test_sequence_ratio_is_the_geometric_mean_of_the_valid_token_ratios():
+    logp = torch.tensor([[0.5, -0.3, 0.0], [0.3, float("nan"), float("nan")]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    ratio = importance_ratio(torch.where(mask.bool(), logp, 0.0), torch.zeros(2, 3), mask, "sequence")
+    # row 0: exp((0.5 - 0.3) / 2) = e**0.1 on every token; row 1: e**0.3
+    torch.testing.assert_close(ratio[mask.bool()], torch.tensor([math.exp(0.1)] * 2 + [math.exp(0.3)]))
+    with pytest.raises(ValueError, match="level"):
+        importance_ratio(logp, logp, mask, "sentence")
+
+
+def test_gspo_loss_pinned_against_the_token_level_loss():
+    logp, old, adv, mask = torch.tensor([[0.5, -0.3]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2)
+    # sequence: s = e**0.1 = 1.105 inside [0.8, 1.2], loss -s on both tokens, nothing clipped
+    loss, stats = ppo_policy_loss(logp, old, adv, mask, level="sequence")
+    assert loss.item() == pytest.approx(-math.exp(0.1))
+    assert stats.clipfrac.item() == 0.0 and stats.ratio_mean.item() == pytest.approx(math.exp(0.1))
+    # token: e**0.5 clips to 1.2, e**-0.3 = 0.741 stays: (-1.2 - 0.741) / 2
+    token, stats = ppo_policy_loss(logp, old, adv, mask)
+    assert token.item() == pytest.approx((-1.2 - math.exp(-0.3)) / 2) and stats.clipfrac.item() == 0.5
+
+
+def test_gspo_clips_the_whole_sequence():
+    logp, old, mask = torch.tensor([[0.2, 0.4]], requires_grad=True), torch.zeros(1, 2), torch.ones(1, 2)
+    # s = e**0.3 = 1.35 > 1.2 with A = 1: clipped at -1.2, no gradient on any token
+    loss, stats = ppo_policy_loss(logp, old, torch.ones(1, 2), mask, level="sequence")
+    assert loss.item() == pytest.approx(-1.2) and stats.clipfrac.item() == 1.0
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 2))
+    # A = -1: the pessimistic term is the unclipped one, s = e**0.3
+    loss, stats = ppo_policy_loss(logp, old, -torch.ones(1, 2), mask, level="sequence")
+    assert loss.item() == pytest.approx(math.exp(0.3)) and stats.clipfrac.item() == 0.0
+
+
+@pytest.mark.parametrize("agg, weights", [("seq_mean", [1 / 2, 1 / 2, 1 / 1]), ("token_mean", [1 / 3] * 3)])
+def test_gspo_gradient_is_the_sequence_ratio_times_the_token_score(agg, weights):
+    # Row 0: 2 tokens, mean log-ratio 0.1, A = 1; row 1: 1 token, log-ratio 0.05, A = -2. Unclipped, so
+    # d loss / d logp_t = -A_i * s_i * w_t, with w_t = 1 / |y_i| / 2 rows under seq_mean (GSPO) and
+    # 1 / 3 valid tokens under token_mean. The padding's log-prob 9.0 changes nothing.
+    logp = torch.tensor([[0.5, -0.3], [0.05, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    loss, _ = ppo_policy_loss(logp, torch.zeros(2, 2), adv, mask, agg=agg, level="sequence")
+    loss.backward()
+    s0, s1 = math.exp(0.1), math.exp(0.05)
+    scale = 0.5 if agg == "seq_mean" else 1.0  # seq_mean divides the sum of row means by 2 rows
+    expected = torch.tensor([[-s0 * weights[0] * scale, -s0 * weights[1] * scale], [2 * s1 * weights[2] * scale, 0.0]])
+    torch.testing.assert_close(logp.grad, expected)
+    # GSPO's objective, -(1/B) sum_i A_i s_i, differentiated directly, is the seq_mean result
+    if agg == "seq_mean":
+        direct = logp.detach().clone().requires_grad_(True)
+        seq = torch.stack([direct[0].mean(), direct[1, 0]])
+        (-(torch.tensor([1.0, -2.0]) * seq.exp()).mean()).backward()
+        torch.testing.assert_close(logp.grad, direct.grad)
+
+
+def test_gspo_equals_the_token_level_loss_for_one_token_responses():
+    torch.manual_seed(0)
+    logp, old, adv = torch.randn(5, 1) * 0.3, torch.randn(5, 1) * 0.3, torch.randn(5, 1)
+    out = {}
+    for level in ("token", "sequence"):
+        x = logp.clone().requires_grad_(True)
+        loss, stats = ppo_policy_loss(x, old, adv, torch.ones(5, 1), level=level)
+        loss.backward()
+        out[level] = (loss.detach(), x.grad, stats.clipfrac)
+    for a, b in zip(out["token"], out["sequence"]):
+        torch.testing.assert_close(a, b)

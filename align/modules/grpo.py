@@ -8,14 +8,21 @@ minibatches, using the sampling log-probs as the old policy.
 
 Departures and options (nested YAML blocks, :mod:`align.modules.options`):
 
-* ``advantages.std_scale``: ``group`` (the paper), ``batch`` or ``none`` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783).
+* ``advantages.estimator`` (docs/algorithms.md): ``grpo`` (the paper); ``rloo``, the leave-one-out baseline (RLOO,
+  Ahmadian et al. 2024, arXiv 2402.14740); ``reinforce_pp`` (REINFORCE++, Hu 2025, arXiv 2501.03262): per-token
+  returns with the per-token KL in the reward, whitened over every valid token of the global batch;
+  ``reinforce_pp_baseline``: the group mean subtracted first. The REINFORCE++ estimators give per-token advantages.
+* ``advantages.std_scale`` (``grpo`` only): ``group`` (the paper, and null), ``batch`` or ``none`` (Dr. GRPO, Liu et al.
+  2025, arXiv 2503.20783).
 * ``updates.loss_aggregation``: ``token_mean`` over the whole step (default, as in DAPO, Yu et al. 2025,
   arXiv 2503.14476) instead of the paper's per-sequence mean (``seq_mean``); ``constant`` is Dr. GRPO's.
-* ``clip.high``: DAPO's decoupled upper clip range.
+* ``clip.high``: DAPO's decoupled upper clip range. ``clip.level: sequence``: GSPO's sequence-level importance ratio
+  (Zheng et al. 2025, arXiv 2507.18071; :func:`align.losses.importance_ratio`); the paper's aggregation is
+  ``updates.loss_aggregation: seq_mean``.
 * KL to the reference: ``kl.placement: loss`` adds ``kl.coef * k3`` per token to the loss (the paper);
   ``reward`` subtracts ``kl.coef`` times the summed per-token estimate (``k1`` by default there) from each
-  completion's reward before the group baseline. ``kl.coef: 0`` loads no reference at all; ``kl.target``
-  makes the coefficient adaptive.
+  completion's reward before the group baseline (REINFORCE++: per token, before the returns-to-go).
+  ``kl.coef: 0`` loads no reference at all; ``kl.target`` makes the coefficient adaptive.
 * ``dynamic_sampling``: DAPO's dynamic sampling. Groups whose rewards all match are dropped and prompt batches
   are sampled on the following training steps until a full batch of informative groups is buffered
   (:mod:`align.rollout_filter`); a training step that only samples takes no optimizer step.
@@ -31,8 +38,8 @@ import logging
 
 import torch
 
-from align.advantages import group_advantages
-from align.checkpointing import _gather
+from align.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
+from align.checkpointing import gather_objects
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.kl import kl_estimate
@@ -83,13 +90,14 @@ class GRPOModule(RLModule):
             reward_model: A trained reward model, scored as the training reward named ``rm``: a path, or
                 ``{path, weight, batch_size}``.
             group_size: Completions sampled per prompt (G); advantages are relative to the group.
-            clip: Clip range of the importance ratio (``low``, and DAPO's ``high``).
-            advantages: How rewards become advantages within a group (``std_scale``).
+            clip: Clip range of the importance ratio (``low``, and DAPO's ``high``) and its ``level`` (GSPO).
+            advantages: How rewards become advantages (``estimator``, and ``std_scale`` for ``grpo``).
             dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards all match and sample further
                 prompt batches (at most ``max_batches`` per update) until the update has a full batch.
         """
-        if group_size < 2:
-            raise AlignConfigError(f"model.group_size: expected >= 2 for group-relative advantages, got {group_size}")
+        if group_size < advantages.min_group_size:
+            raise AlignConfigError(f"model.group_size: expected >= 2 for the group baseline of advantages.estimator "
+                                   f"{advantages.estimator}, got {group_size}")
         if rewards is None and reward_model is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
@@ -118,7 +126,7 @@ class GRPOModule(RLModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         if self.group_filter is not None:  # every rank's fill in progress (empty when saved at an update)
-            checkpoint["align"]["dynamic_sampling"] = _gather(self.group_filter.state_dict())
+            checkpoint["align"]["dynamic_sampling"] = gather_objects(self.group_filter.state_dict())
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -139,7 +147,7 @@ class GRPOModule(RLModule):
         mask, agg = micro.response_mask, self.updates.loss_aggregation
         old = out.logprobs.detach() if self.on_policy else micro.old_logprobs
         policy_loss, stats = ppo_policy_loss(out.logprobs, old, micro.advantages, mask, self.clip.low,
-                                             self.clip.high, agg=agg, normaliser=normaliser)
+                                             self.clip.high, agg=agg, normaliser=normaliser, level=self.clip.level)
         loss = policy_loss
         metrics = {"train/policy_loss": self.as_token_mean(policy_loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
                    "train/approx_kl": stats.approx_kl}
@@ -152,6 +160,21 @@ class GRPOModule(RLModule):
             metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask)
         metrics["train/loss"] = self.as_token_mean(loss, normaliser, mask)
         return loss, metrics
+
+    def estimate_advantages(self, rewards: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """``advantages.estimator`` applied to the rewards ``(N,)``, the KL estimate of the sampled tokens ``(N, R)``
+        (None without a reference) and the response mask ``(N, R)``: ``(N,)`` for ``grpo`` and ``rloo``, ``(N, R)``
+        for the REINFORCE++ estimators. ``kl.placement: reward`` puts ``kl_coef * kl`` into the rewards."""
+        estimator, coef = self.advantages.estimator, self.kl_controller.value
+        kl = kl if self.kl.placement == "reward" else None
+        if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+            group = self.group_size if estimator == "reinforce_pp_baseline" else None
+            return reinforce_pp_advantages(rewards, mask, kl, coef, group, all_reduce=self.all_reduce_sum)
+        if kl is not None:
+            rewards = rewards - coef * masked_sum(kl, mask, dim=1)
+        if estimator == "rloo":
+            return rloo_advantages(rewards, self.group_size)
+        return group_advantages(rewards, self.group_size, self.advantages.scale)
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         if self.group_filter is None or not self.group_filter.filling:
@@ -166,12 +189,9 @@ class GRPOModule(RLModule):
         rollout, rewards, parts = filled
         with Timer(self.timings, "time/update_s"):
             ref_logprobs = self.reference_logprobs(rollout)
-            shaped = rewards
-            if ref_logprobs is not None:
-                kl = kl_estimate(rollout.old_logprobs, ref_logprobs, self.kl.kind)  # (N, R)
-                if self.kl.placement == "reward":
-                    shaped = rewards - self.kl_controller.value * masked_sum(kl, rollout.response_mask, dim=1)
-            advantages = group_advantages(shaped, self.group_size, self.advantages.std_scale)  # (N,)
+            kl = None if ref_logprobs is None else kl_estimate(rollout.old_logprobs, ref_logprobs,
+                                                               self.kl.kind)  # (N, R)
+            advantages = self.estimate_advantages(rewards, kl, rollout.response_mask)  # (N,) or (N, R)
             stats = self.update(RLBatch.from_rollout(rollout, advantages, ref_logprobs), self._loss)
         grouped = rewards.view(-1, self.group_size)
         metrics = self.rollout_metrics(rollout, rewards, parts)

@@ -33,7 +33,8 @@ class KLPenalty:
     """Per-token estimate ``k1``, ``k2`` or ``k3`` (align.kl); null: ``k3`` in the loss, ``k1`` in the reward."""
     placement: Literal["loss", "reward"] = "loss"
     """``loss``: ``coef`` times the per-token estimate is added to the loss (GRPO). ``reward``: it is subtracted
-    from the rewards (GRPO: each completion's summed estimate; PPO and TRPO: per token, before GAE)."""
+    from the rewards (GRPO, RLOO: each completion's summed estimate; PPO and TRPO: per token, before GAE;
+    REINFORCE++: per token, before the returns-to-go)."""
     target: float | None = None
     """Per-sequence KL that an adaptive controller steers to (Ziegler et al. 2019); null keeps ``coef`` fixed."""
     horizon: float = 10000.0
@@ -67,10 +68,15 @@ class ClipRange:
     """Lower clip range (``1 - low``)."""
     high: float | None = None
     """Upper clip range (``1 + high``); null: equal to ``low``. DAPO uses 0.28 (clip-higher)."""
+    level: Literal["token", "sequence"] = "token"
+    """Importance ratio per ``token``, or per ``sequence`` (GSPO: the geometric mean of the token ratios, clipped
+    per sequence; TRL's ``importance_sampling_level``). GRPO only; GSPO's paper pairs it with
+    ``updates.loss_aggregation: seq_mean`` and ranges of about 3e-4 / 4e-4."""
 
     def __post_init__(self) -> None:
         _check(self.low >= 0, "clip.low", ">= 0", self.low)
         _check(self.high is None or self.high >= 0, "clip.high", ">= 0 or null", self.high)
+        _check(self.level in ("token", "sequence"), "clip.level", "token or sequence", self.level)
 
 
 @dataclass(frozen=True)
@@ -105,16 +111,38 @@ class Updates:
         return self.epochs == 1 and self.minibatches == 1
 
 
+Estimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+
+
 @dataclass(frozen=True)
 class GroupAdvantages:
-    """Advantages relative to the other completions of the same prompt (GRPO)."""
+    """How GRPO's rollout rewards become advantages: relative to the group, leave-one-out, or REINFORCE++."""
 
-    std_scale: Literal["group", "batch", "none"] = "group"
-    """Divide by the reward std of the ``group`` (the paper), of the whole ``batch``, or ``none`` (Dr. GRPO)."""
+    estimator: Estimator = "grpo"
+    """``grpo``: the group baseline, scaled by ``std_scale``; ``rloo``: the leave-one-out mean of the group
+    (RLOO); ``reinforce_pp``: per-token returns whitened over the batch (REINFORCE++); ``reinforce_pp_baseline``:
+    the group mean subtracted first, then as ``reinforce_pp``."""
+    std_scale: Literal["group", "batch", "none"] | None = None
+    """``grpo``: divide by the reward std of the ``group`` (the paper, and null), of the whole ``batch``, or
+    ``none`` (Dr. GRPO). The other estimators take null only (RLOO is unscaled, REINFORCE++ whitens)."""
 
     def __post_init__(self) -> None:
-        _check(self.std_scale in ("group", "batch", "none"), "advantages.std_scale", "group, batch or none",
-               self.std_scale)
+        _check(self.estimator in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"), "advantages.estimator",
+               "grpo, rloo, reinforce_pp or reinforce_pp_baseline", self.estimator)
+        _check(self.std_scale in (None, "group", "batch", "none"), "advantages.std_scale",
+               "group, batch, none or null", self.std_scale)
+        _check(self.std_scale is None or self.estimator == "grpo", "advantages.std_scale",
+               f"null with estimator {self.estimator} (it applies to grpo only)", self.std_scale)
+
+    @property
+    def scale(self) -> str:
+        """The std scale of the ``grpo`` estimator (null: ``group``)."""
+        return self.std_scale or "group"
+
+    @property
+    def min_group_size(self) -> int:
+        """The smallest ``group_size`` with a baseline: 2, except for plain REINFORCE++ (1)."""
+        return 1 if self.estimator == "reinforce_pp" else 2
 
 
 @dataclass(frozen=True)

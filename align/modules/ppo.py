@@ -139,6 +139,9 @@ class PPOModule(RLModule):
             value: Value loss weight and clipping, the value learning-rate scale and critic warm-up.
             entropy_coef: Weight of the entropy bonus (subtracted from the loss); 0: none.
         """
+        if clip.level != "token":
+            raise AlignConfigError(f"model.clip.level: expected 'token' (GAE gives each token its own advantage), "
+                                   f"got {clip.level!r}")
         default_rm = reward_model is None and rewards is None
         if default_rm:
             reward_model = "tiny-sort-rm"

@@ -168,3 +168,19 @@ def test_rewards_given_as_bare_import_paths(tmp_path):
     assert cli.model.reward.names == ["sort_format", "sort_exact_match"]
     total, parts = cli.model.reward(prompts=["sort: b a"], completions=["a b"], answer=["a b"])
     assert parts == {"sort_format": [1.0], "sort_exact_match": [1.0]} and total == [1.5]
+
+
+def test_gspo_config_with_the_reinforce_pp_baseline_trains_through_the_recipe(tmp_path):
+    """configs/gspo/tiny.yaml (sequence-level ratio, seq_mean, 2 minibatches) with REINFORCE++-baseline advantages:
+    one rollout is two optimizer steps, and the loss and clip statistics of the off-policy step are finite."""
+    root = tmp_path / "run"
+    cli = run_recipe("grpo", GRPOModule, PromptDataModule,
+                     args=["--config", str(ROOT / "configs" / "gspo" / "tiny.yaml"), *QUICK,
+                           "--trainer.default_root_dir", str(root),
+                           "--model.init_args.advantages.estimator", "reinforce_pp_baseline",
+                           "--model.init_args.kl.placement", "reward", "--eval_before_after", "false"])
+    rows = [r for r in read_metrics(root) if r.get("train/loss")]
+    assert len(rows) == 1 and cli.trainer.global_step == 2  # 2 max_steps = 1 rollout x 2 minibatches
+    for name in ("train/loss", "train/policy_loss", "train/clipfrac", "train/approx_kl", "train/kl"):
+        assert torch.isfinite(torch.tensor(float(rows[0][name]))), name
+    assert 0.0 <= float(rows[0]["train/clipfrac"]) <= 1.0

@@ -7,6 +7,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch, PromptDataModule
+from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.rl import RLBatch, minibatch_indices
@@ -167,3 +168,64 @@ def test_rewards_receive_the_conversation_the_sampled_ids_and_truncation():
     assert seen["completion_truncated"] == rollout.truncated.tolist()
     for ids, cut in zip(seen["completion_ids"], seen["completion_truncated"]):
         assert (ids[-1] != tok.eos_token_id) == cut and tok.eos_token_id not in ids[:-1]
+
+
+# ---------------------------------------------------------------- advantages.estimator and clip.level
+
+# A hand-built rollout of 2 prompts x 2 completions: rewards 1 0 | 2 2, responses of 2, 1, 2, 2 tokens, a k1
+# KL of 0.2 0.2 | 0.4 | 0 0 | 0 0 (NaN in the padding), kl.coef 0.5 in the reward.
+REWARDS = torch.tensor([1.0, 0.0, 2.0, 2.0])
+MASK = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]]).bool()
+KL = torch.tensor([[0.2, 0.2], [0.4, float("nan")], [0.0, 0.0], [0.0, 0.0]])
+
+
+def _whitened(values):  # the valid returns in row order, whitened with the unbiased std
+    values = torch.tensor(values)
+    out = torch.zeros(4, 2)
+    out[MASK] = (values - values.mean()) / (values.var() + 1e-8).sqrt()
+    return out
+
+
+# Summed KL 0.4 | 0.4 | 0 | 0 -> shaped rewards 0.8 -0.2 | 2 2. grpo: +-0.5 / std 0.7071; rloo: 0.8 - (-0.2) = 1.
+# REINFORCE++: per-token rewards -0.1 (-0.1 + 1) | (-0.2 + 0) | 2 at the end -> returns 0.8 0.9 | -0.2 | 2 2 | 2 2.
+# Baseline: rewards centred in the group first (0.5 -0.5 | 0 0) -> returns 0.3 0.4 | -0.7 | 0 0 | 0 0.
+EXPECTED = {
+    "grpo": torch.tensor([0.5 ** 0.5, -(0.5 ** 0.5), 0.0, 0.0]),
+    "rloo": torch.tensor([1.0, -1.0, 0.0, 0.0]),
+    "reinforce_pp": _whitened([0.8, 0.9, -0.2, 2.0, 2.0, 2.0, 2.0]),
+    "reinforce_pp_baseline": _whitened([0.3, 0.4, -0.7, 0.0, 0.0, 0.0, 0.0]),
+}
+
+
+@pytest.mark.parametrize("estimator", list(EXPECTED))
+def test_each_estimator_gives_its_advantages_on_a_hand_built_rollout(estimator):
+    module = make_module(group_size=2, kl=KLPenalty(coef=0.5, placement="reward"),
+                         advantages=GroupAdvantages(estimator=estimator))
+    torch.testing.assert_close(module.estimate_advantages(REWARDS, KL, MASK), EXPECTED[estimator])
+
+
+def test_kl_in_the_loss_leaves_the_rewards_alone():
+    module = make_module(group_size=2, kl=KLPenalty(coef=0.5), advantages=GroupAdvantages(estimator="rloo"))
+    torch.testing.assert_close(module.estimate_advantages(REWARDS, KL, MASK), torch.tensor([1.0, -1.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("estimator, level", [("rloo", "token"), ("reinforce_pp", "sequence"),
+                                              ("reinforce_pp_baseline", "token"), ("grpo", "sequence")])
+def test_each_estimator_and_level_runs_one_update(estimator, level):
+    module = make_module(kl=KLPenalty(coef=0.1, placement="reward"), updates=dict(minibatches=2),
+                         advantages=GroupAdvantages(estimator=estimator), clip=ClipRange(level=level))
+    module.setup("fit")
+    opt = standalone(module, lr=1e-2)
+    torch.manual_seed(0)
+    module.training_step(prompt_batch(module.policy, PROMPTS[:2]), 0)
+    assert len(opt.grads) == 2 and any(g.abs().sum() > 0 for g in opt.grads[1])
+    metrics = module.last_metrics
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert 0.0 <= metrics["train/clipfrac"] <= 1.0 and "train/kl" in metrics
+
+
+def test_one_sample_per_prompt_is_refused_where_the_estimator_needs_a_group():
+    for estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
+        with pytest.raises(AlignConfigError, match=rf"^model\.group_size: expected >= 2 .*{estimator}, got 1$"):
+            make_module(group_size=1, advantages=GroupAdvantages(estimator=estimator))
+    assert make_module(group_size=1, advantages=GroupAdvantages(estimator="reinforce_pp")).group_size == 1

@@ -36,6 +36,11 @@ from align.modules.trpo import TRPOModule
     (lambda: Updates(max_grad_norm=0.0), "updates.max_grad_norm"),
     (lambda: Updates(loss_aggregation="sum"), "updates.loss_aggregation"),
     (lambda: GroupAdvantages(std_scale="rank"), "advantages.std_scale"),
+    (lambda: GroupAdvantages(estimator="ppo"), "advantages.estimator"),
+    (lambda: GroupAdvantages(estimator="rloo", std_scale="group"), "advantages.std_scale"),
+    (lambda: GroupAdvantages(estimator="reinforce_pp", std_scale="batch"), "advantages.std_scale"),
+    (lambda: ClipRange(level="sentence"), "clip.level"),
+    (lambda: PPOModule(clip=ClipRange(level="sequence")), "clip.level"),
     (lambda: GAE(gamma=1.5), "gae.gamma"),
     (lambda: GAE(lam=-0.1), "gae.lam"),
     (lambda: ScoreShaping(clip=0.0), "scores.clip"),
@@ -100,3 +105,11 @@ def test_every_rl_module_takes_the_shared_blocks_and_only_its_own_extras():
     assert keys[TRPOModule] == shared | {"gae", "scores", "value", "trust_region"}  # no clip, no entropy bonus
     evaluation = parse(GRPOModule, "--model.evaluation.accuracy_threshold", "0.5").evaluation
     assert (evaluation.sampling, evaluation.accuracy_reward, evaluation.accuracy_threshold) == (None, None, 0.5)
+
+
+def test_advantage_estimators_keep_grpo_as_the_default_and_parse_from_the_command_line():
+    assert (GroupAdvantages().estimator, GroupAdvantages().scale) == ("grpo", "group")
+    assert GroupAdvantages(std_scale="none").scale == "none"
+    grpo = parse(GRPOModule, "--model.advantages.estimator", "rloo", "--model.clip.level", "sequence")
+    assert (grpo.advantages.estimator, grpo.advantages.std_scale, grpo.clip.level, grpo.clip.low) == (
+        "rloo", None, "sequence", 0.2)
