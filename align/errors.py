@@ -11,6 +11,11 @@ class AlignError(Exception):
     """An error in the user's input: data, config, model path or reward."""
 
 
+class NoLearningSignalError(AlignError, RuntimeError):
+    """Training sampled batch after batch without taking an update (every reward tied), so ``trainer.max_steps``,
+    which counts updates, would never be reached."""
+
+
 class AlignConfigError(AlignError, ValueError):
     """A setting is missing, unknown, of the wrong type or points at something that does not exist."""
 

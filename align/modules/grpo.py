@@ -104,6 +104,8 @@ class GRPOModule(RLModule):
                          reward_model=reward_model, group_size=group_size, **kwargs)
         self.clip, self.advantages = clip, advantages
         self.group_filter = self._group_filter(dynamic_sampling)
+        if self.group_filter is not None:  # a fill takes up to max_batches batches without an update by design
+            self.max_batches_without_update = max(self.max_batches_without_update, 2 * dynamic_sampling.max_batches)
 
     def _group_filter(self, options: DynamicSampling) -> GroupFilter | None:
         if not options.enabled:
@@ -185,6 +187,7 @@ class GRPOModule(RLModule):
             rewards, parts = self.score_rewards(batch, rollout)  # (N,)
             filled = self.fill(batch, rollout, rewards, parts)
         if filled is None:  # dynamic sampling: the next batch adds to this update's groups
+            self.no_update("dynamic sampling: no update could be filled with groups whose rewards differ")
             return self.log_nothing()
         rollout, rewards, parts = filled
         with Timer(self.timings, "time/update_s"):

@@ -173,4 +173,6 @@ class OnlineDPOModule(RLModule):
             data, pair_metrics = self.pair_batch(rollout, rewards)
             if data is not None:
                 stats = self.update(data, self._loss)
+            else:
+                self.no_update("online DPO: the rewards tied for every prompt (rollout/tie_frac 1.0)")
         self.log_metrics({**self.rollout_metrics(rollout, rewards, parts), **pair_metrics, **stats, **self.timings})

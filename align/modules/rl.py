@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
-from align.errors import AlignConfigError
+from align.errors import AlignConfigError, NoLearningSignalError
 from align.kl import AdaptiveKLController, FixedKLController, KLController
 from align.advantages import overlong_penalty
 from align.logprobs import masked_sum
@@ -29,7 +29,10 @@ from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, training
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
 from align.strategies import accumulation_boundary
 
-__all__ = ["Aggregation", "RLBatch", "RLModule", "Timer", "minibatch_indices"]
+__all__ = ["Aggregation", "NO_UPDATE_LIMIT", "RLBatch", "RLModule", "Timer", "minibatch_indices"]
+
+NO_UPDATE_LIMIT = 50
+"""Training batches in a row without an update (all rewards tied) after which an RL run stops with an error."""
 
 
 @dataclass
@@ -175,6 +178,8 @@ class RLModule(AlignModule):
         self._standalone: tuple[torch.optim.Optimizer, object] | None = None
         # Saved in checkpoints: training rollouts and optimizer steps taken by ``update``.
         self.rl_counters = {"rollouts": 0, "updates": 0}
+        self.batches_without_update = 0
+        self.max_batches_without_update = NO_UPDATE_LIMIT
 
     def setup(self, stage: str) -> None:
         for reward in self.reward.rewards:  # a reward model loads onto this process's device, before the first step
@@ -334,6 +339,7 @@ class RLModule(AlignModule):
                 optimizer.step()  # a non-finite loss or gradient stops or skips here (align.guards.NonFiniteGuard)
                 optimizer.zero_grad(set_to_none=True)
                 self.rl_counters["updates"] += 1
+                self.batches_without_update = 0
                 if scheduler is not None:
                     scheduler.step()
         if world > 1 and sums:  # token-weighted means over every rank's micro-batches (one all-reduce)
@@ -369,6 +375,18 @@ class RLModule(AlignModule):
         self.last_metrics = metrics
         if self._trainer is not None:
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def no_update(self, why: str) -> None:
+        """Count a training step that sampled and scored but took no optimizer step (``why``: what was missing).
+        ``trainer.max_steps`` counts updates, so a reward that never tells this policy's completions apart would
+        otherwise keep the run sampling forever: after ``max_batches_without_update`` such steps in a row the run
+        stops with :class:`~align.errors.NoLearningSignalError` (checkpoints already written are kept)."""
+        self.batches_without_update += 1
+        if self.batches_without_update >= self.max_batches_without_update:
+            raise NoLearningSignalError(
+                f"{why} in {self.batches_without_update} training batches in a row, so no update was taken and "
+                "trainer.max_steps (which counts updates) cannot be reached: check that the rewards can tell this "
+                "policy's completions apart (a graded reward, a larger group_size or sampling.temperature)")
 
     def log_nothing(self) -> None:
         """End a training step that took no update without a metrics row: Lightning would otherwise log the

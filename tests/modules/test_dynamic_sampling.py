@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from align.advantages import overlong_penalty
-from align.errors import AlignConfigError
+from align.errors import AlignConfigError, NoLearningSignalError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import DynamicSampling, OverlongPenalty, Updates
@@ -163,6 +163,26 @@ def test_grpo_fills_the_batch_before_one_optimizer_step():
     assert m["rollout/kept_groups"] == 4 and m["rollout/sampling_batches"] == 2 and m["rollout/zero_std_frac"] == 0
     assert m["rollout/kept_frac"] <= 6 / 8 and module.rl_counters == {"rollouts": 3, "updates": steps[2]}
     assert m["time/generation_s"] > 0 and "train/loss" in m
+
+
+def constant_reward(prompts, completions, **kw):
+    return [0.0] * len(completions)
+
+
+def test_a_run_with_no_informative_group_stops_after_twice_the_cap():
+    # Every fill ends at the cap with nothing to train on; trainer.max_steps, which counts updates, is never
+    # reached, so after 2 * max_batches such batches the run stops on one line.
+    module = make_module(rewards=[constant_reward], dynamic_sampling=DynamicSampling(enabled=True, max_batches=2))
+    standalone(module)
+    assert module.max_batches_without_update == 50  # the floor; 2 * max_batches is lower here
+    module.max_batches_without_update = 4
+    batch = prompt_batch(module.policy, PROMPTS[:2])
+    for step in range(3):
+        module.training_step(batch, step)
+    with pytest.raises(NoLearningSignalError, match="dynamic sampling: no update could be filled with groups whose "
+                       "rewards differ in 4 training batches in a row"):
+        module.training_step(batch, 3)
+    assert module.rl_counters["updates"] == 0
 
 
 def test_bad_dynamic_sampling_and_overlong_settings_fail_on_one_line():

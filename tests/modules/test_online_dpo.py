@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from align.errors import AlignConfigError
+from align.errors import AlignConfigError, NoLearningSignalError
 from align.losses import dpo_loss
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.online_dpo import OnlineDPOModule, PairBatch
@@ -129,6 +129,19 @@ def test_all_ties_take_no_step():
     module.training_step(prompt_batch(module.policy), 0)
     assert module.rl_counters["updates"] == 0 and module.last_metrics["rollout/tie_frac"] == 1.0
     assert "train/loss" not in module.last_metrics
+
+
+def test_a_run_whose_rewards_always_tie_stops_with_one_actionable_line():
+    # trainer.max_steps counts updates: without the stop, a reward that never ranks would sample forever.
+    module = make_module(rewards=[constant_reward])
+    module.use_optimizer(torch.optim.SGD(module.policy.parameters(), lr=1.0))
+    module.max_batches_without_update = 3
+    batch = prompt_batch(module.policy, PROMPTS[:2])
+    for step in range(2):
+        module.training_step(batch, step)
+    with pytest.raises(NoLearningSignalError, match=r"online DPO: the rewards tied for every prompt .* in 3 training "
+                       r"batches in a row, so no update was taken and trainer.max_steps"):
+        module.training_step(batch, 2)
 
 
 @pytest.mark.parametrize("kw, message", [
