@@ -179,13 +179,9 @@ class GRPOModule(RLModule):
         return group_advantages(rewards, self.group_size, self.advantages.scale)
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        if self.group_filter is None or not self.group_filter.filling:
-            self.timings = {}
-        with Timer(self.timings, "time/generation_s"):
-            rollout = self.rollout(batch)
-        with Timer(self.timings, "time/scoring_s"):
-            rewards, parts = self.score_rewards(batch, rollout)  # (N,)
-            filled = self.fill(batch, rollout, rewards, parts)
+        filling = self.group_filter is not None and self.group_filter.filling
+        rollout, rewards, parts = self.sample_and_score(batch, fresh_timings=not filling)  # rewards (N,)
+        filled = self.fill(batch, rollout, rewards, parts)
         if filled is None:  # dynamic sampling: the next batch adds to this update's groups
             self.no_update("dynamic sampling: no update could be filled with groups whose rewards differ")
             return self.log_nothing()

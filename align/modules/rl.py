@@ -255,10 +255,13 @@ class RLModule(AlignModule):
             total = total + self.overlong.coef * parts["overlong"]
         return total, parts
 
-    def sample_and_score(self, batch: PromptBatch) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor]]:
-        """A training rollout and its rewards (:meth:`score_rewards`), timed into a fresh ``self.timings``
-        (``time/generation_s``, ``time/scoring_s``)."""
-        self.timings = {}
+    def sample_and_score(self, batch: PromptBatch, fresh_timings: bool = True,
+                         ) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor]]:
+        """A training rollout and its rewards (:meth:`score_rewards`), timed into ``self.timings``
+        (``time/generation_s``, ``time/scoring_s``): a fresh dict, or with ``fresh_timings=False`` added to the
+        current one (GRPO's dynamic sampling sums the batches of one update)."""
+        if fresh_timings:
+            self.timings = {}
         with Timer(self.timings, "time/generation_s"):
             rollout = self.rollout(batch)
         with Timer(self.timings, "time/scoring_s"):
