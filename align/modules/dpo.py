@@ -46,7 +46,7 @@ from align.errors import AlignConfigError
 from align.losses import dpo_loss, orpo_loss, simpo_loss
 from align.models.policy import PolicyModel
 from align.models.reference_cache import sequence_logps
-from align.modules.preference import PreferenceModule
+from align.modules.preference import PreferenceModule, pair_correct
 
 LossType = Literal["sigmoid", "conservative", "ipo", "hinge", "simpo", "orpo"]
 
@@ -179,7 +179,7 @@ class DPOModule(PreferenceModule):
             nll = -x.chosen / x.chosen_tokens.clamp(min=1)  # (B,) per-token NLL of each chosen response
             losses = losses + self.rpo_alpha * nll
             stats["nll_chosen"] = nll.detach().sum()
-        correct = (rewards_chosen > rewards_rejected).float() + 0.5 * (rewards_chosen == rewards_rejected).float()
+        correct = pair_correct(rewards_chosen, rewards_rejected)
         stats.update(loss=losses.detach().sum(), accuracy=correct.sum(),
                      margin=(rewards_chosen - rewards_rejected).sum(), rewards_chosen=rewards_chosen.sum(),
                      rewards_rejected=rewards_rejected.sum(), logps_chosen=x.chosen.detach().sum(),

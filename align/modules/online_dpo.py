@@ -49,6 +49,7 @@ from align.kl import kl_estimate
 from align.logprobs import masked_mean, masked_sum
 from align.models.policy import PolicyModel
 from align.modules.dpo import PREFERENCE_LOSSES, PairLogps
+from align.modules.preference import pair_correct
 from align.modules.rl import RLBatch, RLModule, Timer
 from align.rewards import RewardModelSpec, RewardSpec
 
@@ -136,7 +137,7 @@ class OnlineDPOModule(RLModule):
         loss = (losses * valid).sum() / normaliser
         n = valid.sum().clamp(min=1)
         pair_mean = lambda v: (v.detach() * valid).sum() / n
-        correct = (rewards_chosen > rewards_rejected).float() + 0.5 * (rewards_chosen == rewards_rejected).float()
+        correct = pair_correct(rewards_chosen, rewards_rejected)
         metrics = {"train/loss": pair_mean(losses), "online_dpo/accuracy": pair_mean(correct),
                    "online_dpo/margin": pair_mean(rewards_chosen - rewards_rejected),
                    "online_dpo/rewards_chosen": pair_mean(rewards_chosen),

@@ -26,6 +26,12 @@ from align.models.reference_cache import CachedReference, sequence_logps
 from align.modules.base import AlignModule, PairMetrics
 
 
+def pair_correct(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor) -> torch.Tensor:
+    """Per pair, 1 when the chosen response's implicit reward is above the rejected one's, 0 below, and 0.5 for a
+    tie, so that an untrained policy (which is its own reference) scores exactly chance."""
+    return (rewards_chosen > rewards_rejected).float() + 0.5 * (rewards_chosen == rewards_rejected).float()
+
+
 class PreferenceModule(AlignModule):
     metric_prefix = "dpo"
     unpaired = False  # whether the module takes unpaired examples (UnpairedDataModule) rather than pairs
