@@ -61,3 +61,14 @@ def test_result_collection_forgets_a_steps_values_on_reset(private_api):
     assert "rollout/reward_mean" in results.metrics(on_step=True)["log"]
     results.reset(metrics=False, fx="training_step")
     assert results.metrics(on_step=True)["log"] == {}, f"_ResultCollection.reset: {used_by}"
+
+
+def test_logger_connector_says_which_steps_the_loggers_write(private_api):
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+
+    used_by = "align.modules.base.AlignModule.logs_this_step (without it, every step is logged)"
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, log_every_n_steps=3)
+    connector = private_api.require(trainer, "_logger_connector", used_by=used_by)
+    assert isinstance(connector, _LoggerConnector)
+    private_api.require(_LoggerConnector, "should_update_logs", used_by=used_by)
+    assert connector.should_update_logs is True  # no active loop: every value is written

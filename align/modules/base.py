@@ -73,6 +73,15 @@ class PairMetrics:
         return out
 
 
+def _last_step(trainer: L.Trainer) -> bool:
+    """Whether the optimizer step in progress (or just taken, under manual optimization) is the run's last."""
+    if trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
+        return True
+    loop = trainer.fit_loop
+    return bool(loop.max_epochs and loop.max_epochs > 0 and trainer.current_epoch + 1 >= loop.max_epochs
+                and loop.epoch_loop.batch_progress.is_last_batch)
+
+
 class AlignModule(L.LightningModule):
     """Base of every algorithm module. Subclasses set ``headline_metrics``: what the CLI prints before and after."""
 
@@ -150,6 +159,32 @@ class AlignModule(L.LightningModule):
         trainer = self._trainer
         return bool(trainer is not None and trainer.strategy.handles_gradient_accumulation
                     and trainer.fit_loop._should_accumulate())
+
+    # ------------------------------------------------------------------ per-step metrics
+    def logs_this_step(self) -> bool:
+        """Whether anything reads this optimizer step's on-step metrics: the loggers write them only every
+        ``trainer.log_every_n_steps`` steps, while a progress bar or a callback that monitors a metric (a
+        ``ModelCheckpoint`` or ``EarlyStopping`` with ``monitor``) reads them on every step.
+
+        ``self.log`` costs about a millisecond per value on CPU, a sizeable share of a small model's step, and
+        the window means behind the values take a collective and a device sync. Steps that nothing reads skip
+        both; every row the loggers write is the same as when every step is logged. Decided from the step
+        count, so every data-parallel rank decides alike. The run's last step is always logged, so that
+        ``trainer.callback_metrics`` ends with the final values."""
+        trainer = self._trainer
+        if trainer is None:
+            return False
+        if trainer.progress_bar_callback is not None or trainer.fast_dev_run:
+            return True
+        if any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
+            return True
+        connector = getattr(trainer, "_logger_connector", None)
+        return connector is None or bool(connector.should_update_logs) or _last_step(trainer)
+
+    def log_step(self, metrics: dict[str, float | torch.Tensor], prog_bar: tuple[str, ...] = ()) -> None:
+        """Log one optimizer step's metrics; callers compute them only when :meth:`logs_this_step`."""
+        for name, value in metrics.items():
+            self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in prog_bar, batch_size=1)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         from align.strategies import unshard_root

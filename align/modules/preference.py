@@ -120,13 +120,11 @@ class PreferenceModule(AlignModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.accumulating():  # DeepSpeed: called after every micro-batch; wait for the window's end
             return
-        m = self._window.means(self)
+        m = self._window.means(self) if self.logs_this_step() else {}
         if m:
-            self.log("train/loss", m.pop("loss"), on_step=True, prog_bar=True, batch_size=1)
-            self.log(self.throughput_metric, m.pop("pairs_per_s"), on_step=True, batch_size=1)
-            for name, value in self.summarise(m).items():
-                self.log(f"{self.metric_prefix}/{name}", value, on_step=True, prog_bar=name == "accuracy",
-                         batch_size=1)
+            step = {"train/loss": m.pop("loss"), self.throughput_metric: m.pop("pairs_per_s")}
+            step.update({f"{self.metric_prefix}/{name}": value for name, value in self.summarise(m).items()})
+            self.log_step(step, prog_bar=("train/loss", f"{self.metric_prefix}/accuracy"))
         self._window = PairMetrics()
 
     def on_validation_epoch_start(self) -> None:

@@ -108,13 +108,11 @@ class RewardModule(AlignModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.accumulating():  # DeepSpeed: called after every micro-batch; wait for the window's end
             return
-        m = self._window.means(self)
+        m = self._window.means(self) if self.logs_this_step() else {}
         if m:
-            self.log("train/loss", m["loss"], on_step=True, prog_bar=True, batch_size=1)
-            self.log("rm/accuracy", m["accuracy"], on_step=True, prog_bar=True, batch_size=1)
-            for name in ("margin", "score_chosen", "score_rejected"):
-                self.log(f"rm/{name}", m[name], on_step=True, batch_size=1)
-            self.log("train/pairs_per_s", m["pairs_per_s"], on_step=True, batch_size=1)
+            self.log_step({"train/loss": m["loss"], "rm/accuracy": m["accuracy"],
+                           **{f"rm/{name}": m[name] for name in ("margin", "score_chosen", "score_rejected")},
+                           "train/pairs_per_s": m["pairs_per_s"]}, prog_bar=("train/loss", "rm/accuracy"))
         self._window = PairMetrics()
 
     # ------------------------------------------------------------------ validation

@@ -376,8 +376,8 @@ class RLModule(AlignModule):
             packed = self.all_reduce_sum(torch.tensor([metrics[n] for n in names], device=self.device)) / world
             metrics = dict(zip(names, packed.tolist()))
         self.last_metrics = metrics
-        if self._trainer is not None:
-            self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        if self.logs_this_step():
+            self.log_step(metrics)
 
     def no_update(self, why: str) -> None:
         """Count a training step that sampled and scored but took no optimizer step (``why``: what was missing).

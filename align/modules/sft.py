@@ -95,11 +95,11 @@ class SFTModule(AlignModule):
         if self.accumulating():  # DeepSpeed: called after every micro-batch; the window is not complete yet
             return
         # Once per optimizer step: the window is complete, so its mean loss is exact.
-        elapsed = max(time.perf_counter() - self._step_started, 1e-9)
-        loss = self.all_reduce_sum(self._step_loss)
-        tokens = float(self.all_reduce_sum(torch.tensor(float(self._step_tokens), device=self._step_loss.device)))
-        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=1)
-        self.log("train/tokens_per_s", tokens / elapsed, on_step=True, batch_size=1)
+        if self.logs_this_step():
+            elapsed = max(time.perf_counter() - self._step_started, 1e-9)
+            loss = self.all_reduce_sum(self._step_loss)
+            tokens = float(self.all_reduce_sum(torch.tensor(float(self._step_tokens), device=self._step_loss.device)))
+            self.log_step({"train/loss": loss, "train/tokens_per_s": tokens / elapsed}, prog_bar=("train/loss",))
         self._reset_step_stats()
 
     def on_validation_epoch_start(self) -> None:

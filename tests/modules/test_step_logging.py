@@ -1,0 +1,72 @@
+"""Per-step metrics are computed and logged only on the steps something reads them
+(``AlignModule.logs_this_step``): the rows the loggers write are the same as when every step is logged."""
+
+import csv
+import os
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from _helpers import cpu_trainer, write_varied_pairs
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from align.data.preference import PreferenceDataModule
+from align.models import PolicyModel
+from align.modules.base import AlignModule
+from align.modules.dpo import DPOModule
+
+TIMING = {"train/pairs_per_s"}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return write_varied_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl")
+
+
+def run(pairs, root, *, every_step=False, log_every=2, max_steps=5, **trainer_kwargs):
+    """Fit DPO for ``max_steps`` with a CSV logger; returns (train rows without timing columns, steps logged)."""
+    L.seed_everything(0)
+    module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    logged_steps = []
+    original = module.log_step
+
+    def counting(metrics, prog_bar=()):
+        logged_steps.append(module.trainer.global_step)
+        original(metrics, prog_bar)
+
+    module.log_step = counting
+    if every_step:
+        module.logs_this_step = lambda: True
+    trainer = cpu_trainer(max_steps=max_steps, logger=CSVLogger(root, name="csv"), log_every_n_steps=log_every,
+                          limit_val_batches=0, **trainer_kwargs)
+    trainer.fit(module, PreferenceDataModule(train_files=pairs, val_files=None, batch_size=2, max_length=64))
+    path = Path(trainer.logger.log_dir) / "metrics.csv"
+    with open(path) if path.exists() else open(os.devnull) as f:  # nothing written when no step is a logging step
+        rows = [{k: v for k, v in r.items() if v != "" and k not in TIMING} for r in csv.DictReader(f)]
+    return [r for r in rows if "train/loss" in r], logged_steps, trainer
+
+
+def test_written_rows_are_those_of_logging_every_step(pairs, tmp_path):
+    every, every_steps, _ = run(pairs, tmp_path / "a", every_step=True)
+    gated, gated_steps, trainer = run(pairs, tmp_path / "b")
+    assert every_steps == [0, 1, 2, 3, 4]
+    assert gated_steps == [1, 3, 4]  # the loggers' steps (every 2nd), and the run's last step
+    assert [r["step"] for r in gated] == ["1", "3"] and gated == every
+    # The final values reach callback_metrics although step 4 is not a logging step.
+    assert {"train/loss", "dpo/accuracy", "train/pairs_per_s"} <= set(trainer.callback_metrics)
+
+
+@pytest.mark.parametrize("reader", ["progress_bar", "monitor"])
+def test_a_progress_bar_or_a_monitor_reads_every_step(pairs, tmp_path, reader):
+    extra = (dict(enable_progress_bar=True) if reader == "progress_bar" else
+             dict(enable_checkpointing=True, callbacks=[ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss",
+                                                                        every_n_train_steps=1)]))
+    _, steps, _ = run(pairs, tmp_path, max_steps=3, log_every=50, **extra)
+    assert steps == [0, 1, 2]
+
+
+def test_without_a_trainer_nothing_is_logged():
+    assert AlignModule(torch.nn.Linear(1, 1)).logs_this_step() is False
