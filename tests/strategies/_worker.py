@@ -51,7 +51,8 @@ class Record(L.Callback):
 def trainer(name: str, out: Path, **kwargs) -> L.Trainer:
     defaults = dict(accelerator="cpu", devices=2, strategy=make_strategy(name), logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    num_sanity_val_steps=0, limit_val_batches=1, default_root_dir=str(out))
+                    num_sanity_val_steps=0, limit_val_batches=1, default_root_dir=str(out),
+                    log_every_n_steps=1)  # Record reads every step's loss (AlignModule.logs_this_step)
     return L.Trainer(**{**defaults, **kwargs})
 
 
