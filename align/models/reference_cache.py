@@ -17,12 +17,13 @@ longer be computed, and a resume finds the files by that stored fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 import torch
 
@@ -172,12 +173,14 @@ class CachedReference:
 
     def prepare(self, policy: PolicyModel, datasets: dict[str, "PreferenceDataset"],
                 batches: Callable[["PreferenceDataset"], Iterable["PreferenceBatch"]], directory: str | Path, *,
-                needed: tuple[str, ...], updated: bool, device: torch.device, write: bool) -> None:
+                needed: tuple[str, ...], updated: bool, device: torch.device, write: bool,
+                announce: Callable[[str], ContextManager[Any]] = contextlib.nullcontext) -> None:
         """Load or compute the caches of ``datasets`` (split name -> dataset) once one of the ``needed`` splits has
         none: every missing split then, since later the policy may no longer be the reference.
 
         ``batches(dataset)`` iterates a dataset's pairs; ``updated``: whether the policy has taken an optimizer step;
-        ``write``: whether this process writes computed caches to ``directory`` (one process of a run).
+        ``write``: whether this process writes computed caches to ``directory`` (one process of a run);
+        ``announce(what)``: a context around each computation, to tell the user (the CLI's phase lines).
         """
         missing = {n: ds for n, ds in datasets.items() if n not in self.splits}
         if not any(n in missing for n in needed):
@@ -191,7 +194,8 @@ class CachedReference:
                 if updated and not live_reference(policy):
                     raise AlignConfigError(f"model.precompute_reference: no valid cache at {path} and "
                                            + _NO_LONGER_THE_REFERENCE)
-                cache = ReferenceCache.compute(policy, batches(dataset), len(dataset), device)
+                with announce(f"reference log-probs of {len(dataset)} {name} pairs"):
+                    cache = ReferenceCache.compute(policy, batches(dataset), len(dataset), device)
                 if write:
                     cache.save(path, key)
                 log.info("reference log-probs of %d %s pairs cached at %s", len(dataset), name, path)

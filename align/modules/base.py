@@ -83,9 +83,11 @@ def _last_step(trainer: L.Trainer) -> bool:
 
 
 class AlignModule(L.LightningModule):
-    """Base of every algorithm module. Subclasses set ``headline_metrics``: what the CLI prints before and after."""
+    """Base of every algorithm module. Subclasses set ``headline_metrics`` (what the CLI prints before and after)
+    and ``progress_metrics`` (the per-step values the progress bar shows)."""
 
     headline_metrics: tuple[str, ...] = ()
+    progress_metrics: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -174,15 +176,18 @@ class AlignModule(L.LightningModule):
         trainer = self._trainer
         if trainer is None:
             return False
-        if trainer.progress_bar_callback is not None or trainer.fast_dev_run:
+        bar = trainer.progress_bar_callback
+        if (bar is not None and bar.is_enabled) or trainer.fast_dev_run:
             return True
         if any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
             return True
         connector = getattr(trainer, "_logger_connector", None)
         return connector is None or bool(connector.should_update_logs) or _last_step(trainer)
 
-    def log_step(self, metrics: dict[str, float | torch.Tensor], prog_bar: tuple[str, ...] = ()) -> None:
-        """Log one optimizer step's metrics; callers compute them only when :meth:`logs_this_step`."""
+    def log_step(self, metrics: dict[str, float | torch.Tensor], prog_bar: tuple[str, ...] | None = None) -> None:
+        """Log one optimizer step's metrics; callers compute them only when :meth:`logs_this_step`. The
+        ``prog_bar`` ones (by default :attr:`progress_metrics`) are shown on the progress bar."""
+        prog_bar = self.progress_metrics if prog_bar is None else prog_bar
         for name, value in metrics.items():
             self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in prog_bar, batch_size=1)
 

@@ -24,6 +24,7 @@ from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.models.reference_cache import CachedReference, sequence_logps
 from align.modules.base import AlignModule, PairMetrics
+from align.observability.progress import phase
 
 
 def pair_correct(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,8 @@ class PreferenceModule(AlignModule):
         self.cached_reference.prepare(
             self.policy, self._datasets(), self.trainer.datamodule.eval_dataloader,
             self.reference_cache_dir or Path(self.trainer.default_root_dir) / "ref_cache",
-            needed=needed, updated=self.global_step > 0, device=self.device, write=self.trainer.is_global_zero)
+            needed=needed, updated=self.global_step > 0, device=self.device, write=self.trainer.is_global_zero,
+            announce=phase)
 
     def on_validation_start(self) -> None:
         if self.precompute_reference:

@@ -43,6 +43,7 @@ from align.modules.base import AlignModule, PairMetrics
 
 class RewardModule(AlignModule):
     headline_metrics = ("val/rm_accuracy", "val/rm_margin", "val/loss")
+    progress_metrics = ("train/loss", "rm/accuracy")
 
     def __init__(
         self,
@@ -112,7 +113,7 @@ class RewardModule(AlignModule):
         if m:
             self.log_step({"train/loss": m["loss"], "rm/accuracy": m["accuracy"],
                            **{f"rm/{name}": m[name] for name in ("margin", "score_chosen", "score_rejected")},
-                           "train/pairs_per_s": m["pairs_per_s"]}, prog_bar=("train/loss", "rm/accuracy"))
+                           "train/pairs_per_s": m["pairs_per_s"]})
         self._window = PairMetrics()
 
     # ------------------------------------------------------------------ validation

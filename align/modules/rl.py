@@ -110,6 +110,7 @@ class RLModule(AlignModule):
     """
 
     headline_metrics = ("val/reward_mean", "val/accuracy")
+    progress_metrics = ("rollout/reward_mean", "train/kl", "train/loss", "rollout/tokens_per_s")
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ class SFTModule(AlignModule):
     """
 
     headline_metrics = ("val/loss", "val/ppl")
+    progress_metrics = ("train/loss", "train/tokens_per_s")
 
     def __init__(
         self,
@@ -99,7 +100,7 @@ class SFTModule(AlignModule):
             elapsed = max(time.perf_counter() - self._step_started, 1e-9)
             loss = self.all_reduce_sum(self._step_loss)
             tokens = float(self.all_reduce_sum(torch.tensor(float(self._step_tokens), device=self._step_loss.device)))
-            self.log_step({"train/loss": loss, "train/tokens_per_s": tokens / elapsed}, prog_bar=("train/loss",))
+            self.log_step({"train/loss": loss, "train/tokens_per_s": tokens / elapsed})
         self._reset_step_stats()
 
     def on_validation_epoch_start(self) -> None:
