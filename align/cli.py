@@ -28,7 +28,10 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import align.strategies  # noqa: F401  (registers the short names: --trainer.strategy fsdp2 / zero1..3 / zero3_offload)
+from align.config_errors import AlignArgumentParser
 from align.errors import AlignConfigError, AlignError
+from align.observability.progress import phase, say
+from align.quiet import quiet_known_noise
 from align.runs import RunLogger, RunRecord, latest_run, next_version, run_of_checkpoint
 
 log = logging.getLogger(__name__)
@@ -81,14 +84,14 @@ class AlignCLI(LightningCLI):
     def __init__(self, model_class=None, datamodule_class=None, **kwargs):
         from align.modules.base import AlignModule
 
-        # Frozen reference, reward and critic-initialising copies are kept in eval mode on purpose.
-        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+        quiet_known_noise()
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("save_config_callback", RedactingSaveConfigCallback)
         kwargs.setdefault("trainer_defaults", dict(TRAINER_DEFAULTS))
+        kwargs.setdefault("parser_class", AlignArgumentParser)
         super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -106,6 +109,7 @@ class AlignCLI(LightningCLI):
         self.record = RunRecord()
         callbacks = [self.record, *callbacks]
         _checkpoint_defaults(config, callbacks)
+        _progress_bar_default(config, callbacks)
         logger = config.get("logger")
         if logger is not False:
             loggers: list[Logger] = [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
@@ -172,13 +176,19 @@ class AlignCLI(LightningCLI):
         return bool(self.config[self.subcommand].get("eval_before_after", True)) and self.datamodule is not None \
             and is_overridden("val_dataloader", self.datamodule) and is_overridden("validation_step", self.model)
 
-    def _validate(self) -> dict[str, float]:
-        return self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False) or [])
+    def _validate(self, when: str) -> dict[str, float]:
+        with phase(f"held-out pass {when}"):
+            return self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False) or [])
 
     def before_fit(self) -> None:
+        log_dir = self.trainer.log_dir  # a broadcast under several processes: every rank asks
+        if log_dir is not None:
+            say(f"run directory: {log_dir}")
         # A continued run takes its "before" from the checkpoint (RunRecord): its starting weights are trained.
         if self._wants_eval() and self._ckpt_path is None:
-            self.record.before = self._validate()
+            self.record.before = self._validate("before training")
+            if self.record.before:
+                say("held-out before training: " + ", ".join(f"{k} {v:.4f}" for k, v in self.record.before.items()))
 
     def after_fit(self) -> None:
         if self.trainer.interrupted:
@@ -210,7 +220,7 @@ class AlignCLI(LightningCLI):
             reused = {k: done[1][k] for k in names if k in done[1]}
             if reused:
                 return reused
-        return self._validate()
+        return self._validate("after training")
 
 
 def _remove_if_empty(directory: str | None) -> None:
@@ -262,6 +272,20 @@ def _checkpoint_defaults(config: dict, callbacks: list) -> None:
     if not checkpoints and config.get("enable_checkpointing") is not False:
         configured.append(AlignCheckpoint())
         config["callbacks"] = configured
+
+
+def _progress_bar_default(config: dict, callbacks: list) -> None:
+    """Unless ``enable_progress_bar`` is false or a progress bar is configured, the run shows an
+    :class:`~align.observability.progress.AlignProgressBar` (drawn only in a terminal outside CI)."""
+    from lightning.pytorch.callbacks.progress import ProgressBar
+
+    from align.observability.progress import AlignProgressBar
+
+    configured = config.get("callbacks")
+    configured = [] if configured is None else list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    if config.get("enable_progress_bar") is False or any(isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]):
+        return
+    callbacks.append(AlignProgressBar())
 
 
 def resolve_config_args(args: list[str]) -> list[str]:
@@ -319,15 +343,67 @@ def _with_subcommand(args: list[str]) -> list[str]:
 
 def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None) -> AlignCLI:
     """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/tiny.yaml`` is the default config."""
-    args = _guarded(lambda: resolve_config_args(_with_subcommand(list(sys.argv[1:] if args is None else args))))
+    raw = list(sys.argv[1:] if args is None else args)
     default = CONFIG_DIR / algorithm / "tiny.yaml"
     parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
     trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
+    if raw in (["-h"], ["--help"], ["fit", "-h"], ["fit", "--help"]):
+        make = lambda: AlignCLI(model_class, datamodule_class, args=None, parser_kwargs=parser_kwargs,
+                                trainer_defaults=trainer_defaults)
+        return print(recipe_help(algorithm, model_class, datamodule_class, make))
+    args = _guarded(lambda: resolve_config_args(_with_subcommand(raw)))
     # The arguments travel in ``sys.argv``, not ``args``: with ``--trainer.devices N`` Lightning starts the other
     # ranks by re-running this script with ``sys.argv``, and they must see the same subcommand and overrides.
     sys.argv = [sys.argv[0], *args]
     return _guarded(lambda: AlignCLI(model_class, datamodule_class, args=None, parser_kwargs=parser_kwargs,
                                      trainer_defaults=trainer_defaults))
+
+
+COMMON_TRAINER_SETTINGS = ("max_steps", "log_every_n_steps", "val_check_interval", "default_root_dir", "devices",
+                           "strategy", "precision", "accumulate_grad_batches", "enable_progress_bar")
+
+
+def recipe_help(algorithm: str, model_class, datamodule_class, make_cli) -> str:
+    """``recipes/<algorithm>.py --help``: how to run it, then every setting of its model and data classes with
+    defaults and descriptions (jsonargparse's ``--model.help``/``--data.help``), and the common trainer settings."""
+    import contextlib
+    import io
+
+    def class_help(group: str, cls) -> str:
+        out = io.StringIO()
+        argv, sys.argv = sys.argv, [sys.argv[0], "fit", f"--{group}.help", f"{cls.__module__}.{cls.__qualname__}"]
+        try:
+            with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+                make_cli()
+        finally:
+            sys.argv = argv
+        text = out.getvalue()
+        body = text.split("\n\n", 2)[-1] if "Help for" in text else text  # drop the usage block
+        return body.split(":\n", 1)[-1] if body.startswith("<class") else body
+
+    script = Path(sys.argv[0]).name or f"{algorithm}.py"
+    model, data = f"{model_class.__module__}.{model_class.__qualname__}", \
+        f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
+    trainer = ", ".join(COMMON_TRAINER_SETTINGS)
+    return "\n".join([
+        f"usage: {script} [--config FILE] [--print_config] [--model.<setting> VALUE] [--data.<setting> VALUE] "
+        "[--trainer.<setting> VALUE]",
+        "",
+        f"Runs {model_class.__name__} (fit). With no arguments it trains on the shipped config "
+        f"{SHIPPED}{algorithm}/tiny.yaml; --config takes a YAML file (or {SHIPPED}<algorithm>/<name>.yaml), and "
+        "settings on the command line override it. --print_config prints the resolved config.",
+        "Nested settings take their short form: --model.optimizer.lr 1e-4 sets model.init_args.optimizer."
+        "init_args.lr, --model.policy.model NAME the model to load.",
+        "",
+        f"model settings ({model}), as --model.<setting> or under model.init_args in YAML:",
+        class_help("model", model_class).rstrip(),
+        "",
+        f"data settings ({data}), as --data.<setting> or under data.init_args in YAML:",
+        class_help("data", datamodule_class).rstrip(),
+        "",
+        f"trainer settings (Lightning's Trainer), as --trainer.<setting>; the common ones: {trainer}. "
+        f"All of them: {script} fit --help",
+    ])
 
 
 def _guarded(fn):
@@ -362,11 +438,32 @@ def export_main(args: list[str]) -> None:
     print(f"exported to {out}")
 
 
+# The ``align`` commands and what each does, for ``align --help``.
+COMMANDS = {
+    "fit": "train: align fit --config align:grpo/tiny.yaml [--model.<setting> VALUE ...]",
+    "validate": "evaluate a config's held-out set: align validate --config FILE [--ckpt_path CKPT]",
+    "export": "write a merged Hugging Face model folder from a checkpoint: align export --ckpt_path CKPT --output_dir DIR",
+}
+
+
+def top_level_help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: align <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    lines += ["", "align <command> --help lists a command's options; for fit and validate, --model.help CLASS and "
+              "--data.help CLASS list a class's settings. Shipped configs: align:<algorithm>/<name>.yaml "
+              f"({', '.join(sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir()))})."]
+    return "\n".join(lines)
+
+
 def main(args: list[str] | None = None) -> None:
     """The ``align`` console script."""
     from_argv = args is None
     args = list(sys.argv[1:] if args is None else args)
     logging.basicConfig(level=os.environ.get("ALIGN_LOG_LEVEL", "WARNING"))
+    quiet_known_noise()
+    if args in ([], ["-h"], ["--help"]):
+        return print(top_level_help())
     if args[:1] == ["export"]:
         return export_main(args[1:])
     args = _guarded(lambda: resolve_config_args(args))

@@ -53,7 +53,7 @@ LAYERS: dict[str, Layer] = {
     "modules": Layer(("align.modules",),
                      ("errors", MATH, "hub", "data", "models", "rollout", "trainer", "observability"),
                      "one LightningModule per algorithm: wires the layers below together"),
-    "cli": Layer(("align.cli", "align.runs"),
+    "cli": Layer(("align.cli", "align.runs", "align.quiet", "align.config_errors"),
                  ("errors", MATH, "hub", "data", "models", "rollout", "trainer", "observability", "modules"),
                  "entry points and run folders: may import everything"),
 }

@@ -1,0 +1,178 @@
+"""Config and command-line errors on one line.
+
+jsonargparse reports a bad value or an unknown key with the whole usage (about fifty lines) and, for a setting of
+the model or data class, a nest of union-subtype attempts. :func:`one_line` turns its message into one line that
+names the setting, says what was expected, and for an unknown key lists the nearest accepted keys.
+:class:`AlignArgumentParser` prints that line (``error: ...`` on stderr, exit status 2) instead of the usage.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+from typing import Iterable, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+_CLASS_PATH = re.compile(r"class_path '([\w.]+)'|class_path='([\w.]+)'")
+_EXPECTED = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
+_SUBCOMMAND_OPTION = re.compile(r"Subcommand '\w+' does not accept option '([^']+)'")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)", re.IGNORECASE)
+_NESTED_CLASS = "Problem with given class_path"
+_SUBTYPES = re.compile(r"Subtypes: \[(.*)\]\s*$", re.MULTILINE)
+_GIVEN = re.compile(r"Given value: (.*?)(?:\. Got value:.*)?$", re.MULTILINE)
+
+
+def nearest(key: str, accepted: Iterable[str], n: int = 3) -> list[str]:
+    """The accepted keys closest to ``key`` (by spelling), best first; compared on the last part when both are
+    dotted under the same parent."""
+    accepted = sorted(set(accepted))
+    parent, _, leaf = key.rpartition(".")
+    siblings = [a for a in accepted if a.rpartition(".")[0] == parent] if parent else []
+    if siblings:
+        leaves = {a.rpartition(".")[2]: a for a in siblings}
+        return [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=n, cutoff=0.6)]
+    return difflib.get_close_matches(key, accepted, n=n, cutoff=0.6)
+
+
+def _suggest(key: str, accepted: Iterable[str]) -> str:
+    close = nearest(key, accepted)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def _class_settings(path: str) -> list[str]:
+    """The constructor arguments of the class at dotted ``path`` (through ``**kwargs`` to its bases), or []."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    names: list[str] = []
+    for klass in inspect.getmro(cls) if inspect.isclass(cls) else [cls]:
+        init = klass.__init__ if inspect.isclass(cls) else klass
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
+
+
+def _value_error(key: str, message: str) -> str | None:
+    found = _EXPECTED.search(message)
+    if found is None:
+        return None
+    expected, got = found.group(1), found.group(2).strip()
+    return f"--{key}: expected {expected.rsplit('.', 1)[-1]}, got {got!r}"
+
+
+def _class_error(message: str) -> str:
+    """A model/data setting refused inside a class_path: the first subtype's innermost complaint."""
+    body = message.split("- Expected a <class 'NoneType'>")[0]
+    keys = _PARSER_KEY.findall(body)
+    key = ".".join(k.removeprefix("init_args.") for k in keys)
+    unknown = _NOT_ACCEPTED.search(body)
+    if unknown:
+        option = unknown.group(1)
+        classes = [a or b for a, b in _CLASS_PATH.findall(body)]
+        owner = classes[-1] if classes else ""
+        full = f"{key}.{option}" if key else option
+        settings = _class_settings(owner) if owner else []
+        hint = _suggest(option, settings)
+        if not hint and settings:
+            hint = f"; accepted: {', '.join(settings[:20])}" + (", ..." if len(settings) > 20 else "")
+        return f"--{full}: {owner.rsplit('.', 1)[-1] or 'this class'} has no setting '{option}'{hint}"
+    matches = list(_PARSER_KEY.finditer(body))
+    return _bad_value(key, body[matches[-1].end():] if matches else body)
+
+
+def _top_level(text: str) -> list[str]:
+    """``a, b[c, d], e`` -> ``["a", "b[c, d]", "e"]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "[(" and 1 or ch in "])" and -1 or 0
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
+
+
+def _type_name(text: str) -> str:
+    """``<class 'float'>`` -> ``float``; ``typing.Literal['a', 'b']`` -> ``'a', 'b'``; ``NoneType`` -> ``None``."""
+    found = re.fullmatch(r"<class '([\w.]+)'>", text)
+    if found:
+        name = found.group(1).rsplit(".", 1)[-1]
+        return "None" if name == "NoneType" else name
+    found = re.fullmatch(r"(?:typing\.)?Literal\[(.*)\]", text)
+    if found:
+        return found.group(1)
+    return text.replace("typing.", "")
+
+
+def _bad_value(key: str, detail: str) -> str:
+    """``--key: expected T, got 'v'`` from the text jsonargparse gives after ``Parser key "key":``."""
+    value = _value_error(key, detail)
+    if value:
+        return value
+    subtypes = _SUBTYPES.search(detail)
+    given = _GIVEN.findall(detail)
+    if subtypes:
+        names = [n for n in map(_type_name, _top_level(subtypes.group(1))) if n != "None"]
+        got = f", got {given[-1].strip()!r}" if given else ""
+        return f"--{key}: expected {' or '.join(names)}{got}"
+    return f"--{key}: " + " ".join(detail.strip(" :\n").split())
+
+
+def one_line(message: str, accepted: Iterable[str] = ()) -> str:
+    """jsonargparse's error ``message`` as one line; ``accepted``: the parser's keys, for unknown-key hints."""
+    accepted = list(accepted)
+    if _NESTED_CLASS in message:
+        return _class_error(message)
+    found = _SUBCOMMAND_OPTION.search(message)
+    if found:
+        key = found.group(1)
+        return f"--{key}: no such setting{_suggest(key, accepted)}"
+    found = _UNRECOGNIZED.search(message)
+    if found:
+        args = found.group(1).split()
+        keys = [a[2:].split("=", 1)[0] for a in args if a.startswith("--")]
+        if keys:
+            return "; ".join(f"--{k}: no such setting{_suggest(k, accepted)}" for k in keys)
+        return f"unexpected arguments: {found.group(1)}"
+    matches = list(_PARSER_KEY.finditer(message))
+    if matches:
+        return _bad_value(matches[-1].group(1), message[matches[-1].end():])
+    return " ".join(message.split())
+
+
+def parser_keys(parser) -> list[str]:
+    """Every setting's dotted key in ``parser`` and its subcommand parsers."""
+    keys = []
+    for action in getattr(parser, "_actions", []):
+        choices = getattr(action, "choices", None)
+        if isinstance(choices, dict) and all(hasattr(p, "_actions") for p in choices.values()):
+            for sub in choices.values():
+                keys += parser_keys(sub)
+        elif action.dest and action.dest not in ("help", "config"):
+            keys.append(action.dest)
+    return keys
+
+
+class AlignArgumentParser(LightningArgumentParser):
+    """Lightning's parser, with errors on one line (see :func:`one_line`)."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        from jsonargparse._common import debug_mode_active
+
+        if not self.exit_on_error or debug_mode_active():
+            super().error(message, ex)
+        sys.stderr.write(f"error: {one_line(str(message), parser_keys(self))}\n")
+        self.exit(2)
