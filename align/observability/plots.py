@@ -30,6 +30,7 @@ VERSION_DIR = re.compile(r"^version_(\d+)$")
 NOT_METRICS = ("step", "epoch")
 SMOOTH_FROM = 8  # points; shorter series are drawn raw only
 SMOOTH_SHARE = 30  # the moving average spans 1/30 of a series' points (at least 3)
+PANEL_WIDTH, PANEL_HEIGHT, TOP = 6.0, 3.4, 0.75  # inches; TOP holds the run's name or the runs' legend
 
 
 class PlotError(AlignError):
@@ -191,23 +192,36 @@ def _draw(runs: Sequence[Run], panels: Sequence[Panel], output: Path) -> tuple[t
 
     columns = 1 if len(panels) == 1 else 2
     rows = math.ceil(len(panels) / columns)
-    figure = Figure(figsize=(6.0 * columns, 0.6 + 3.4 * rows), dpi=100, layout="constrained")
+    figure = Figure(figsize=(PANEL_WIDTH * columns, TOP + PANEL_HEIGHT * rows), dpi=100)
     FigureCanvasAgg(figure)
+    _fixed_margins(figure, columns, rows)
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     drawn = tuple((panel.title, _draw_panel(ax, runs, panel)) for ax, panel in zip(axes, panels))
     for ax in axes[len(panels):]:
         ax.set_visible(False)
+    top = 1.0 - 0.1 / figure.get_figheight()
     if len(runs) == 1:
-        figure.suptitle(runs[0].label, fontsize="large")
+        figure.suptitle(runs[0].label, fontsize="large", y=top, va="top")
     else:
         handles = [Line2D([], [], color=_colour(i), lw=2) for i in range(len(runs))]
-        figure.legend(handles, [r.label for r in runs], loc="outside upper center", ncols=min(len(runs), 4),
-                      frameon=False)
+        figure.legend(handles, [r.label for r in runs], loc="upper center", bbox_to_anchor=(0.5, top),
+                      ncols=min(len(runs), 4), frameon=False)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
     figure.savefig(partial, format="png")
     os.replace(partial, output)
     return drawn
+
+
+def _fixed_margins(figure, columns: int, rows: int) -> None:
+    """Margins in inches, so a figure of any number of panels keeps room for tick labels, titles and the header.
+    Fixed margins rather than a layout engine: those draw the figure again to measure it, doubling the cost."""
+    width, height = figure.get_figwidth(), figure.get_figheight()
+    left, right, bottom, gap_x, gap_y = 0.8, 0.25, 0.5, 0.85, 0.85
+    panel_w = (width - left - right - gap_x * (columns - 1)) / columns
+    panel_h = (height - TOP - bottom - gap_y * (rows - 1)) / rows
+    figure.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height,
+                           top=1 - TOP / height, wspace=gap_x / panel_w, hspace=gap_y / panel_h)
 
 
 def _draw_panel(ax, runs: Sequence[Run], panel: Panel) -> tuple[str, ...]:
