@@ -45,6 +45,9 @@ TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sa
 SECRET_KEY = re.compile(r"^(headers|(hf_|auth_|access_|api_|bearer_)?token|(\w+_)?secret|password|passwd|(\w+_)?api_?key|"
                         r"authorization|credentials?)$", re.IGNORECASE)
 REDACTED = "<redacted>"
+# The commands beside LightningCLI's, listed under ``align --help``.
+OTHER_COMMANDS = ("other commands: 'align export --ckpt_path CKPT --output_dir DIR' writes a merged Hugging Face "
+                  "model; 'align plot RUN_DIR [RUN_DIR ...]' draws runs' curves into a PNG (each takes --help)")
 # ``save_dir`` of a TensorBoardLogger meaning "the run's own folder"; filled in when the command line gives none.
 RUN_FOLDER = "align:run"
 TENSORBOARD_EXTRA = "pip install 'align[tensorboard]'"
@@ -94,6 +97,7 @@ class AlignCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("save_config_callback", RedactingSaveConfigCallback)
         kwargs.setdefault("trainer_defaults", dict(TRAINER_DEFAULTS))
+        kwargs["parser_kwargs"] = {"epilog": OTHER_COMMANDS, **(kwargs.get("parser_kwargs") or {})}
         super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:

@@ -209,3 +209,11 @@ def test_a_failure_to_draw_the_curves_is_one_warning_not_a_failed_run(tmp_path, 
     assert cli._write_curves() is None
     (record,) = [r for r in caplog.records if "curves" in r.getMessage()]
     assert record.levelname == "WARNING" and record.getMessage() == "curves: not written: RuntimeError: no font"
+
+
+def test_align_help_lists_export_and_plot(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "'align export --ckpt_path CKPT --output_dir DIR'" in out and "'align plot RUN_DIR [RUN_DIR ...]'" in out
