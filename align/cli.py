@@ -225,14 +225,16 @@ class AlignCLI(LightningCLI):
     def _write_curves(self) -> str | None:
         """Draw the run's ``metrics.csv`` into ``<run dir>/curves.png`` (call on rank 0 only) and return its path.
         ``None`` without a run CSV logger or metrics; a failure to draw is one warning, never the run's failure."""
-        from align.observability.plots import CURVES, METRICS, plot_runs
-
         loggers = getattr(self.trainer, "loggers", None) or []
         if not loggers or not isinstance(loggers[0], CSVLogger):
             return None
         try:
-            loggers[0].save()  # rows still buffered since the last flush
+            from align.observability.plots import CURVES, METRICS, plot_runs
+
             directory = Path(loggers[0].log_dir)
+            if not directory.is_dir():  # a run that failed before writing, its folder removed: keep it so
+                return None
+            loggers[0].save()  # rows still buffered since the last flush
             if not (directory / METRICS).is_file():
                 return None
             return str(plot_runs([directory], directory / CURVES).path)
