@@ -2,10 +2,11 @@
 ``align plot``.
 
 Every run is one folder, ``<default_root_dir>/version_N/``, holding its ``config.yaml``, ``metrics.csv``,
-``checkpoints/`` and, once ``fit`` ends, ``curves.png`` (``align.observability.plots``); other loggers (for example
-``align.observability.OTLPLogger``) are added alongside, and a TensorBoardLogger given no ``save_dir`` writes its
-event files into the run folder too. ``--resume auto`` continues the newest run of the root in its own folder. Before and after ``fit``
-the held-out set is evaluated and the module's headline metrics are printed, so a run shows what it learned.
+``checkpoints/`` and, once ``fit`` ends, ``curves.png`` (``align.observability.plots``); other loggers (for
+example ``align.observability.OTLPLogger``) are added alongside, and a TensorBoardLogger given no ``save_dir``
+writes its event files into the run folder too. ``--resume auto`` continues the newest run of the root in its own
+folder. Before and after ``fit`` the held-out set is evaluated and the module's headline metrics are printed, so a
+run shows what it learned.
 
 ``--config align:<algorithm>/<name>.yaml`` names a config shipped inside the package (``align/configs``), so an
 installed ``align`` runs them without a checkout.
@@ -232,7 +233,7 @@ class AlignCLI(LightningCLI):
             from align.observability.plots import CURVES, METRICS, plot_runs
 
             directory = Path(loggers[0].log_dir)
-            if not directory.is_dir():  # a run that failed before writing, its folder removed: keep it so
+            if not directory.is_dir():  # a run that failed before writing: its empty folder was removed
                 return None
             loggers[0].save()  # rows still buffered since the last flush
             if not (directory / METRICS).is_file():
