@@ -68,6 +68,12 @@ def test_validation_only_csv_draws_its_held_out_columns(tmp_path):
     assert plot_runs([run], tmp_path / "out.png").panels == (("loss", ("val/loss",)),)
 
 
+def test_columns_no_panel_knows_get_a_panel_each_up_to_six(tmp_path):
+    names = tuple(f"trpo/m{i}" for i in range(8))
+    run = write_run(tmp_path / "v", names, ())
+    assert plot_runs([run], tmp_path / "out.png").panels == tuple((n, (n,)) for n in names[:6])
+
+
 def test_gaps_repeated_steps_and_non_finite_cells(tmp_path):
     (tmp_path / "metrics.csv").write_text(
         "epoch,step,train/loss,val/loss\n"
