@@ -256,7 +256,7 @@ def _draw_panel(ax, runs: Sequence[Run], panel: Panel) -> tuple[str, ...]:
         handles = [Line2D([], [], color="0.3", **(dict(ls="--", marker="o", ms=4) if c.startswith(HELD_OUT) else
                                                   dict(lw=1.8))) for c in drawn]
         ax.legend(handles, drawn, fontsize="small")
-    else:
+    elif drawn != (panel.title,):  # a panel of one column is titled by it already
         ax.legend(fontsize="small")
     return drawn
 
