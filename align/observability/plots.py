@@ -110,15 +110,18 @@ def read_run(directory: Path, label: str | None = None) -> Run:
     repeats the steps after its last checkpoint) keeps its last value."""
     path = directory / METRICS
     by_column: dict[str, dict[float, float]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = _number(row.get("step"))
-            if step is None:
-                continue
-            for column, cell in row.items():
-                value = _number(cell)
-                if column not in NOT_METRICS and column is not None and value is not None:
-                    by_column.setdefault(column, {})[step] = value
+    try:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                step = _number(row.get("step"))
+                if step is None:
+                    continue
+                for column, cell in row.items():
+                    value = _number(cell)
+                    if column not in NOT_METRICS and column is not None and value is not None:
+                        by_column.setdefault(column, {})[step] = value
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise PlotError(f"{path}: cannot be read as a CSV file ({type(err).__name__}: {err})") from None
     if not by_column:
         raise PlotError(f"{path}: no metrics logged (the file is empty or holds a header only)")
     series = {c: (sorted(v), [v[s] for s in sorted(v)]) for c, v in sorted(by_column.items())}

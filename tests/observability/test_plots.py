@@ -143,6 +143,13 @@ def test_align_plot_folder_without_metrics_is_one_line(tmp_path, capsys):
     assert str(tmp_path / "nothing") in line and "expected a run folder" in line and "metrics.csv" in line
 
 
+def test_align_plot_unreadable_csv_is_one_line(tmp_path, capsys):
+    (tmp_path / "metrics.csv").write_bytes(b"step,train/loss\n\xff\xfe\x00\n")
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path)])
+    assert "cannot be read as a CSV file" in one_error_line(capsys)
+
+
 @pytest.mark.parametrize("content", ["", "epoch,step,train/loss\n"])
 def test_align_plot_empty_csv_is_one_line(tmp_path, capsys, content):
     (tmp_path / "metrics.csv").write_text(content)
