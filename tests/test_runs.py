@@ -201,6 +201,7 @@ def test_ddp_ranks_agree_on_one_run_folder_and_resume_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
     assert global_step(tmp_path / "version_1" / "checkpoints" / "last.ckpt") == 2
     assert f"run directory: {tmp_path / 'version_1'}" in out  # the resumed run reports the folder it continued
+    assert out.count("curves: ") == 1 and (tmp_path / "version_1" / "curves.png").is_file()  # rank 0 draws it
 
 
 def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path):
