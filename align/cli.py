@@ -1,9 +1,12 @@
-"""Command line: ``align fit|validate|test|predict --config ...`` (LightningCLI) and ``align export``.
+"""Command line: ``align fit|validate|test|predict --config ...`` (LightningCLI), ``align export`` and
+``align plot``.
 
-Every run is one folder, ``<default_root_dir>/version_N/``, holding its ``config.yaml``, ``metrics.csv`` and
-``checkpoints/`` (``align.runs``); other loggers (for example ``align.observability.OTLPLogger``) are added
-alongside. ``--resume auto`` continues the newest run of the root in its own folder. Before and after ``fit``
-the held-out set is evaluated and the module's headline metrics are printed, so a run shows what it learned.
+Every run is one folder, ``<default_root_dir>/version_N/``, holding its ``config.yaml``, ``metrics.csv``,
+``checkpoints/`` and, once ``fit`` ends, ``curves.png`` (``align.observability.plots``); other loggers (for
+example ``align.observability.OTLPLogger``) are added alongside, and a TensorBoardLogger given no ``save_dir``
+writes its event files into the run folder too. ``--resume auto`` continues the newest run of the root in its own
+folder. Before and after ``fit`` the held-out set is evaluated and the module's headline metrics are printed, so a
+run shows what it learned.
 
 ``--config align:<algorithm>/<name>.yaml`` names a config shipped inside the package (``align/configs``), so an
 installed ``align`` runs them without a checkout.
@@ -23,7 +26,7 @@ from typing import Literal
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -46,6 +49,9 @@ TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sa
 SECRET_KEY = re.compile(r"^(headers|(hf_|auth_|access_|api_|bearer_)?token|(\w+_)?secret|password|passwd|(\w+_)?api_?key|"
                         r"authorization|credentials?)$", re.IGNORECASE)
 REDACTED = "<redacted>"
+# ``save_dir`` of a TensorBoardLogger meaning "the run's own folder"; filled in when the command line gives none.
+RUN_FOLDER = "align:run"
+TENSORBOARD_EXTRA = "pip install 'align[tensorboard]'"
 
 
 def redact_secrets(value):
@@ -117,8 +123,13 @@ class AlignCLI(LightningCLI):
             if not csv_loggers:
                 csv_loggers = [RunLogger(root, version=version, append=version is not None)]
             # Lightning names the checkpoint folder after the first logger's version: the run's CSV logger.
-            config["logger"] = [csv_loggers[0], *(lg for lg in loggers if lg is not csv_loggers[0])]
+            others = [_into_run_folder(lg, csv_loggers[0]) for lg in loggers if lg is not csv_loggers[0]]
+            config["logger"] = [csv_loggers[0], *others]
         return super()._instantiate_trainer(config, callbacks)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        _require_tensorboard(config.get("trainer", {}).get("logger"))
 
     def _choose_run(self, root: str) -> int | None:
         """The ``version_N`` a ``fit`` continues (``None``: a new run) and the checkpoint it starts from.
@@ -156,6 +167,8 @@ class AlignCLI(LightningCLI):
             # The logger's own folder, not ``trainer.log_dir``: that one is a collective, and other ranks may be gone.
             loggers = getattr(self.trainer, "loggers", None) or []
             _remove_if_empty(loggers[0].log_dir if loggers and isinstance(loggers[0], CSVLogger) else None)
+            if subcommand == "fit" and self.trainer.is_global_zero:
+                self._write_curves()  # the curves up to the failure; Lightning has flushed the CSV
             raise
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
@@ -192,6 +205,8 @@ class AlignCLI(LightningCLI):
 
     def after_fit(self) -> None:
         if self.trainer.interrupted:
+            if self.trainer.is_global_zero:
+                self._write_curves()
             return
         after = self._final_metrics() if self._wants_eval() else {}
         log_dir = self.trainer.log_dir  # a broadcast under several processes: every rank asks
@@ -207,9 +222,33 @@ class AlignCLI(LightningCLI):
                 print(f"held-out {name}: {value:.4f}")
         if log_dir is not None:
             print(f"run directory: {log_dir}")
+        curves = self._write_curves()
+        if curves is not None:
+            print(f"curves: {curves}")
         last = _last_checkpoint_path(self.trainer)
         if last:
             print(f"last checkpoint: {last}")
+
+    def _write_curves(self) -> str | None:
+        """Draw the run's ``metrics.csv`` into ``<run dir>/curves.png`` (call on rank 0 only) and return its path.
+        ``None`` without a run CSV logger or metrics; a failure to draw is one warning, never the run's failure."""
+        loggers = getattr(self.trainer, "loggers", None) or []
+        if not loggers or not isinstance(loggers[0], CSVLogger):
+            return None
+        try:
+            from align.observability.plots import CURVES, METRICS, plot_runs
+
+            directory = Path(loggers[0].log_dir)
+            if not directory.is_dir():  # a run that failed before writing: its empty folder was removed
+                return None
+            loggers[0].save()  # rows still buffered since the last flush
+            if not (directory / METRICS).is_file():
+                return None
+            return str(plot_runs([directory], directory / CURVES).path)
+        except Exception as err:  # noqa: BLE001  (a picture is never worth a failed run)
+            reason = (str(err).strip().splitlines() or [""])[0]
+            log.warning("curves: not written: %s: %s", type(err).__name__, reason)
+            return None
 
     def _final_metrics(self) -> dict[str, float]:
         """The held-out metrics of the final weights: those of the last in-training validation when it ran after
@@ -221,6 +260,31 @@ class AlignCLI(LightningCLI):
             if reused:
                 return reused
         return self._validate("after training")
+
+
+def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:
+    """A TensorBoardLogger whose ``save_dir`` is ``align:run`` writes into the run's own folder,
+    ``<root>/version_N/``, next to ``metrics.csv`` (``tensorboard --logdir <root>`` then lists the runs by
+    folder). Other loggers, and a TensorBoardLogger given a real ``save_dir``, are left as they are."""
+    if isinstance(logger, TensorBoardLogger) and logger.save_dir == RUN_FOLDER:
+        # TensorBoardLogger has no setter for its folder; these are the attributes its constructor fills.
+        logger._root_dir, logger._name, logger._version = run_logger.save_dir, "", run_logger.version
+    return logger
+
+
+def _require_tensorboard(loggers) -> None:
+    """One line naming the extra when a TensorBoardLogger is configured without tensorboard installed, instead
+    of Lightning's multi-line error from inside the config's instantiation."""
+    import importlib.util
+
+    from jsonargparse import Namespace
+
+    entries = loggers if isinstance(loggers, (list, tuple)) else [loggers]
+    wanted = any(isinstance(e, (Namespace, dict)) and str(e.get("class_path", "")).endswith("TensorBoardLogger")
+                 for e in entries)
+    if wanted and not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+        raise AlignConfigError(f"trainer.logger: TensorBoardLogger needs the tensorboard package, which is not "
+                               f"installed; install it with {TENSORBOARD_EXTRA}")
 
 
 def _remove_if_empty(directory: str | None) -> None:
@@ -289,11 +353,15 @@ def _progress_bar_default(config: dict, callbacks: list) -> None:
 
 
 def resolve_config_args(args: list[str]) -> list[str]:
-    """``--config align:<algorithm>/<name>.yaml`` -> the shipped file's path (jsonargparse reads plain paths), and
-    a nested setting set to null from the command line in the block form that jsonargparse reads (see
-    :func:`_nested_null`)."""
+    """``--config align:<algorithm>/<name>.yaml`` -> the shipped file's path (jsonargparse reads plain paths), a
+    nested setting set to null from the command line in the block form that jsonargparse reads (see
+    :func:`_nested_null`), and a TensorBoardLogger added on the command line gets ``save_dir`` ``align:run`` (the
+    run's folder) unless a later ``--trainer.logger.save_dir`` sets it."""
     out = []
     for i, arg in enumerate(args):
+        if _names_tensorboard(args, i):
+            out.extend([arg, f"--trainer.logger.save_dir={RUN_FOLDER}"])
+            continue
         key, eq, value = arg.partition("=")
         if eq and key == "--config" and value.startswith(SHIPPED):
             arg = f"--config={shipped_config(value)}"
@@ -307,6 +375,17 @@ def resolve_config_args(args: list[str]) -> list[str]:
             continue
         out.append(arg)
     return out
+
+
+def _names_tensorboard(args: list[str], i: int) -> bool:
+    """Whether ``args[i]`` is the class path of a TensorBoardLogger given to ``--trainer.logger`` (``+=`` or
+    ``=``, in one word or two)."""
+    key, eq, value = args[i].partition("=")
+    if not eq or key not in ("--trainer.logger", "--trainer.logger+"):
+        key, value = (args[i - 1] if i > 0 else ""), args[i]
+        if key not in ("--trainer.logger", "--trainer.logger+"):
+            return False
+    return value.rsplit(".", 1)[-1] == "TensorBoardLogger"
 
 
 def _nested_null(key: str) -> list[str] | None:
@@ -438,11 +517,20 @@ def export_main(args: list[str]) -> None:
     print(f"exported to {out}")
 
 
+def plot_main(args: list[str]) -> None:
+    """``align plot RUN_DIR [RUN_DIR ...] [--output PATH] [--metrics NAME ...]`` (see
+    :func:`align.observability.plots.main`)."""
+    from align.observability.plots import main as plot
+
+    _guarded(lambda: plot(args))
+
+
 # The ``align`` commands and what each does, for ``align --help``.
 COMMANDS = {
     "fit": "train: align fit --config align:grpo/tiny.yaml [--model.<setting> VALUE ...]",
     "validate": "evaluate a config's held-out set: align validate --config FILE [--ckpt_path CKPT]",
     "export": "write a merged Hugging Face model folder from a checkpoint: align export --ckpt_path CKPT --output_dir DIR",
+    "plot": "draw runs' curves into a PNG: align plot RUN_DIR [RUN_DIR ...] [--output PNG] [--metrics NAME ...]",
 }
 
 
@@ -466,6 +554,8 @@ def main(args: list[str] | None = None) -> None:
         return print(top_level_help())
     if args[:1] == ["export"]:
         return export_main(args[1:])
+    if args[:1] == ["plot"]:
+        return plot_main(args[1:])
     args = _guarded(lambda: resolve_config_args(args))
     if from_argv:  # other ranks re-run ``sys.argv``; LightningCLI reads it when given no ``args``
         sys.argv = [sys.argv[0], *args]

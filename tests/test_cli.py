@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from align.cli import AlignCLI, main, run_recipe
+from align.cli import COMMANDS, AlignCLI, main, run_recipe
 from align.data import SFTDataModule
 from align.hub.gguf import is_packaged
 from align.modules import SFTModule
@@ -100,16 +100,24 @@ def test_unknown_yaml_key_is_rejected(tmp_path, capsys):
     assert "no_such_option" in capsys.readouterr().err
 
 
-def test_align_fit_writes_csv_checkpoint_and_export_loads(tmp_path, capsys):
+def test_align_fit_writes_csv_curves_tensorboard_checkpoint_and_export_loads(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = tmp_path / "run"
     main(["fit", "--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.max_steps", "6",
-          "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(root)])
+          "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(root),
+          "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger"])
     out = capsys.readouterr().out
     assert "held-out val/loss:" in out
     rows = read_metrics(root)
     assert any(r["train/loss"] for r in rows) and any(r["val/loss"] for r in rows)
+    # The picture of the run, drawn from the complete CSV (the final validation included), in the run folder.
+    curves = root / "version_0" / "curves.png"
+    assert f"curves: {curves}" in out.splitlines()
+    assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard's event files sit in the run folder too, next to metrics.csv.
+    assert list((root / "version_0").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in root.iterdir()) == ["version_0"]
     ckpt = next(root.rglob("*.ckpt"))
     main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "hf")])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -140,3 +148,72 @@ def test_recipe_subcommand_is_the_first_argument_only():
     assert _with_subcommand(["--trainer.max_steps", "3", "validate"])[0] == "fit"
     assert _with_subcommand(["validate", "--ckpt_path", "x.ckpt"]) == ["validate", "--ckpt_path", "x.ckpt"]
     assert _with_subcommand(["--help"]) == ["--help"]
+
+
+def tensorboard_loggers(cli):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return [lg for lg in cli.trainer.loggers if isinstance(lg, TensorBoardLogger)]
+
+
+def test_tensorboard_logger_without_save_dir_writes_into_the_run_folder(tmp_path):
+    from align.cli import resolve_config_args
+
+    (tmp_path / "version_0").mkdir()  # an earlier run: this one is version_1
+    args = ["--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path)]
+    for form in (["--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger"],
+                 ["--trainer.logger+", "TensorBoardLogger", "--trainer.logger.name", "ignored"]):
+        cli = AlignCLI(args=resolve_config_args([*args, *form]), run=False)
+        (tb,) = tensorboard_loggers(cli)
+        assert cli.trainer.loggers[0].log_dir == tb.log_dir == str(tmp_path / "version_1")
+
+
+def test_tensorboard_logger_in_yaml_with_or_without_a_save_dir_of_its_own(tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / "sft" / "tiny.yaml").read_text())
+    tb = "lightning.pytorch.loggers.TensorBoardLogger"
+    config["trainer"]["logger"] = [{"class_path": tb, "init_args": {"save_dir": "align:run"}},
+                                   {"class_path": tb, "init_args": {"save_dir": str(tmp_path / "tb")}}]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    cli = AlignCLI(args=["--config", str(tmp_path / "c.yaml"), "--trainer.default_root_dir", str(tmp_path / "r")],
+                   run=False)
+    in_run, own = tensorboard_loggers(cli)
+    assert in_run.log_dir == str(tmp_path / "r" / "version_0")
+    assert own.log_dir == str(tmp_path / "tb" / "lightning_logs" / "version_0")  # Lightning's own layout
+
+
+def test_missing_tensorboard_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    for name in ("tensorboard", "tensorboardX"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.default_root_dir",
+              str(tmp_path), "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "pip install 'align[tensorboard]'" in err[0], err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failure_to_draw_the_curves_is_one_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    import align.observability.plots as plots
+
+    logger = CSVLogger(tmp_path, name="", version=0)
+    logger.log_metrics({"train/loss": 1.0}, step=0)  # buffered, not yet on disk
+    cli = object.__new__(AlignCLI)
+    cli.trainer = SimpleNamespace(loggers=[logger])
+    assert cli._write_curves() == str(tmp_path / "version_0" / "curves.png")  # the buffered row was flushed
+    monkeypatch.setattr(plots, "plot_runs", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no font\nmore")))
+    assert cli._write_curves() is None
+    (record,) = [r for r in caplog.records if "curves" in r.getMessage()]
+    assert record.levelname == "WARNING" and record.getMessage() == "curves: not written: RuntimeError: no font"
+
+
+def test_align_help_lists_every_command(capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    commands = [line.split()[0] for line in out.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()]
+    assert commands == list(COMMANDS) and {"fit", "validate", "export", "plot"} <= set(commands)
+    assert "align plot RUN_DIR [RUN_DIR ...]" in out and "align export --ckpt_path CKPT --output_dir DIR" in out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 USED_BY = "align.cli.AlignCLI"
 
@@ -23,3 +23,12 @@ def test_a_csv_loggers_version_can_be_pinned(private_api, tmp_path):
     assert private_api.require(logger, "_version", used_by="align.runs.RunRecord.setup") is None
     logger._version = 7
     assert logger.version == 7 and logger.log_dir.endswith("version_7")
+
+
+def test_a_tensorboard_loggers_folder_can_be_set(private_api, tmp_path):
+    # A TensorBoardLogger with save_dir "align:run" is moved into the run folder by align.cli._into_run_folder.
+    logger = TensorBoardLogger(save_dir="align:run")
+    for name in ("_root_dir", "_name", "_version"):
+        private_api.require(logger, name, used_by="align.cli._into_run_folder")
+    logger._root_dir, logger._name, logger._version = str(tmp_path), "", 3
+    assert logger.log_dir == str(tmp_path / "version_3") and logger.save_dir == str(tmp_path)

@@ -48,8 +48,9 @@ LAYERS: dict[str, Layer] = {
                      "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, schedules): "
                      "they work on any LightningModule through Lightning's hooks, so they know no model or data"),
     "observability": Layer(("align.observability",), ("errors",),
-                           "OTLP export, to the side and the only code importing opentelemetry: the modules and the "
-                           "CLI may import it, math, data, models and rollout never do, so training never needs it"),
+                           "OTLP export and the curves picture, to the side and the only code importing "
+                           "opentelemetry or matplotlib: the modules and the CLI may import it, math, data, models "
+                           "and rollout never do, so training never needs it"),
     "modules": Layer(("align.modules",),
                      ("errors", MATH, "hub", "data", "models", "rollout", "trainer", "observability"),
                      "one LightningModule per algorithm: wires the layers below together"),
@@ -59,7 +60,7 @@ LAYERS: dict[str, Layer] = {
 }
 
 # Third-party packages only some layers may import: {package: layers}.
-THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}}
+THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}, "matplotlib": {"observability"}}
 # The math imports nothing but these, the standard library and itself.
 MATH_THIRD_PARTY = {"torch"}
 

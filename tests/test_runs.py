@@ -50,11 +50,12 @@ def test_two_runs_in_one_root_each_keep_their_own_folder_and_last_checkpoint(tmp
     assert sorted(p.name for p in root.iterdir()) == ["version_0", "version_1"]  # no shared <root>/checkpoints
     for version, steps in ((0, 1), (1, 2)):
         run = root / f"version_{version}"
-        assert {"config.yaml", "metrics.csv", "checkpoints"} <= {p.name for p in run.iterdir()}
+        assert {"config.yaml", "metrics.csv", "checkpoints", "curves.png"} <= {p.name for p in run.iterdir()}
         assert global_step(run / "checkpoints" / "last.ckpt") == steps
         assert not list((run / "checkpoints").glob("last-v*.ckpt"))
     # The end of fit names the folder and the checkpoint to export.
     assert f"run directory: {root / 'version_1'}" in out
+    assert f"curves: {root / 'version_1' / 'curves.png'}" in out
     assert f"last checkpoint: {root / 'version_1' / 'checkpoints' / 'last.ckpt'}" in out
 
 
@@ -200,6 +201,7 @@ def test_ddp_ranks_agree_on_one_run_folder_and_resume_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
     assert global_step(tmp_path / "version_1" / "checkpoints" / "last.ckpt") == 2
     assert f"run directory: {tmp_path / 'version_1'}" in out  # the resumed run reports the folder it continued
+    assert out.count("curves: ") == 1 and (tmp_path / "version_1" / "curves.png").is_file()  # rank 0 draws it
 
 
 def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path):
@@ -212,6 +214,21 @@ def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path):
         main(["fit", "--model", "SFTModule", "--data", "SFTDataModule", "--data.train_files", str(bad),
               "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1"])
     assert not root.exists() or list(root.iterdir()) == []
+
+
+def test_a_run_that_fails_midway_still_draws_its_curves(tmp_path, monkeypatch):
+    """The picture of a failed run shows what it logged up to the failure (Lightning flushes the CSV first)."""
+    original = SFTModule.training_step
+
+    def failing(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            raise RuntimeError("boom")
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(SFTModule, "training_step", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        sft(tmp_path, "--trainer.max_steps", "4", "--eval_before_after", "false")
+    assert (tmp_path / "version_0" / "curves.png").is_file()
 
 
 def test_a_nested_setting_set_to_null_on_the_command_line_becomes_a_one_field_block():
