@@ -1,4 +1,5 @@
-"""Command line: ``align fit|validate|test|predict --config ...`` (LightningCLI) and ``align export``.
+"""Command line: ``align fit|validate --config ...`` (LightningCLI), ``align export``, and ``align generate``,
+``align evaluate`` and ``align chat`` (argparse; :mod:`align.generation`, docs/generation.md).
 
 Every run is one folder, ``<default_root_dir>/version_N/``, holding its ``config.yaml``, ``metrics.csv`` and
 ``checkpoints/`` (``align.runs``); other loggers (for example ``align.observability.OTLPLogger``) are added
@@ -35,7 +36,10 @@ log = logging.getLogger(__name__)
 # The shipped configs live in the package, so a wheel has them; a checkout's ``configs`` links here.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 SHIPPED = "align:"
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = ("fit", "validate")
+REMOVED_SUBCOMMANDS = ("test", "predict")
+"""LightningCLI subcommands ``align`` does not offer: the modules have no ``test_step``/``predict_step``;
+``align evaluate`` and ``align generate`` do that work."""
 TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
 
 
@@ -90,6 +94,18 @@ class AlignCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", RedactingSaveConfigCallback)
         kwargs.setdefault("trainer_defaults", dict(TRAINER_DEFAULTS))
         super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
+
+    def init_parser(self, **kwargs):
+        kwargs.setdefault("description", "Train with a config (fit), or evaluate its held-out set (validate). Other "
+                          "commands: align export (a Hugging Face model from a checkpoint), align generate "
+                          "(completions of a prompt file), align evaluate (rewards, accuracy, pass@k, win rate) and "
+                          "align chat; each takes --help.")
+        return super().init_parser(**kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` only (:data:`REMOVED_SUBCOMMANDS`)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--eval_before_after", type=bool, default=True,
@@ -319,7 +335,10 @@ def _with_subcommand(args: list[str]) -> list[str]:
 
 def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None) -> AlignCLI:
     """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/tiny.yaml`` is the default config."""
-    args = _guarded(lambda: resolve_config_args(_with_subcommand(list(sys.argv[1:] if args is None else args))))
+    args = list(sys.argv[1:] if args is None else args)
+    if args[:1] and args[0] in REMOVED_SUBCOMMANDS:
+        _not_a_subcommand(args[0])
+    args = _guarded(lambda: resolve_config_args(_with_subcommand(args)))
     default = CONFIG_DIR / algorithm / "tiny.yaml"
     parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
     trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
@@ -362,13 +381,243 @@ def export_main(args: list[str]) -> None:
     print(f"exported to {out}")
 
 
+def _model_arguments(parser) -> None:
+    parser.add_argument("--model", "--ckpt_path", dest="model", required=True, metavar="MODEL",
+                        help="What to load: an align checkpoint (.ckpt from any run), an exported Hugging Face folder "
+                             "(align export), or a model id (tiny-sort, smollm2-135m-instruct, a .gguf file, a hub "
+                             "id). --ckpt_path is the same setting.")
+    parser.add_argument("--device", default=None, help="Device to run on (cuda, cuda:1, mps); default cpu.")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="Weight dtype; default: the run's for a checkpoint, float32 otherwise.")
+
+
+def _sampling_arguments(parser, max_new_tokens: int, several: bool = True) -> None:
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens, help="Longest completion in tokens.")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 is greedy. Default: greedy for one sample per prompt" +
+                             (", 1.0 for several (--n > 1)." if several else "."))
+    parser.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1: off).")
+    parser.add_argument("--top_k", type=int, default=0, help="Sample from the k most likely tokens only (0: off).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampler: the same seed gives the same output.")
+    if several:
+        parser.add_argument("--n", type=int, default=1, help="Completions sampled per prompt.")
+
+
+def _prompt_arguments(parser) -> None:
+    parser.add_argument("--prompts", required=True, help="Prompt data as training reads it ({\"prompt\", ...} or "
+                        "{\"messages\", ...} rows in jsonl/json/parquet/csv, align:..., a hub dataset); the "
+                        "tokenizer's chat template is applied as in training.")
+    parser.add_argument("--prompt_field", default=None,
+                        help="The prompt column; default 'prompt', or 'messages' for rows without 'prompt'.")
+    parser.add_argument("--system_prompt", default=None, help="A system message added to prompts that have none.")
+    parser.add_argument("--split", default=None, help="Split to read; default 'train' for a file (its only one), "
+                                                      "'validation' for a hub dataset. Slices work: 'train[:20]'.")
+    parser.add_argument("--batch_size", type=int, default=8, help="Prompts per generation batch.")
+
+
+def generate_main(args: list[str]) -> None:
+    """``align generate``: completions of a prompt file, one JSON line per completion."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="align generate", description="Sample completions of a prompt file with a "
+                                     "trained policy (the training rollout engine) and write them as JSON lines: "
+                                     "each input row with every column kept and its completion added.")
+    _model_arguments(parser)
+    _prompt_arguments(parser)
+    parser.add_argument("--output", required=True, help="JSON lines file to write (one line per completion).")
+    parser.add_argument("--completion_field", default="completion", help="Output column of the completion.")
+    _sampling_arguments(parser, max_new_tokens=64)
+    ns = parser.parse_args(args)
+    _guarded(lambda: _generate(ns))
+
+
+def _generate(ns) -> None:
+    from align.generation import (check_completion_field, completion_rows, generate_batches, load_policy,
+                                  read_prompts, sampling_config)
+
+    sampling = sampling_config(ns.max_new_tokens, ns.temperature, ns.top_p, ns.top_k, ns.n)
+    policy = load_policy(ns.model, ns.device, ns.dtype)
+    prompts = read_prompts(ns.prompts, policy.tokenizer, ns.prompt_field, ns.system_prompt, ns.split)
+    check_completion_field(prompts, ns.completion_field)
+    output = Path(ns.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    rows, tokens, seconds, start = 0, 0.0, 0.0, 0
+    with open(partial, "w", encoding="utf-8") as fh:
+        for batch, rollout in generate_batches(policy, prompts.examples, sampling, ns.n, ns.batch_size, ns.seed):
+            for row in completion_rows(prompts, start, rollout, ns.completion_field):
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            start, rows = start + len(batch), rows + len(rollout)
+            tokens += rollout.metrics["rollout/completion_tokens"]
+            seconds += rollout.generation_seconds
+            _progress(start, len(prompts.examples))
+    os.replace(partial, output)  # a file named --output is complete
+    print(f"generated {rows} completions of {len(prompts.examples)} prompts: {int(tokens)} tokens, "
+          f"{tokens / max(seconds, 1e-9):.0f} tokens/s ({_sampling_words(sampling)}) -> {output}")
+
+
+def _progress(done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        print(f"\r{done}/{total} prompts", end="\n" if done >= total else "", file=sys.stderr, flush=True)
+
+
+def _sampling_words(sampling) -> str:
+    how = "greedy" if sampling.temperature == 0 else f"temperature {sampling.temperature:g}"
+    if sampling.temperature and sampling.top_p < 1:
+        how += f", top_p {sampling.top_p:g}"
+    if sampling.temperature and sampling.top_k:
+        how += f", top_k {sampling.top_k}"
+    return f"{how}, at most {sampling.max_new_tokens} new tokens"
+
+
+def evaluate_main(args: list[str]) -> None:
+    """``align evaluate``: mean rewards, accuracy and pass@k of a policy on a prompt file."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="align evaluate", description="Score a policy's completions of a prompt "
+                                     "file with reward functions: each reward's mean, the accuracy (as val/accuracy "
+                                     "in training) and pass@k; against a --baseline, the win rate and the KL.")
+    _model_arguments(parser)
+    _prompt_arguments(parser)
+    parser.add_argument("--rewards", nargs="+", required=True, metavar="PATH[=WEIGHT]",
+                        help="Rewards named as in a config: align.rewards.math_answer, my_rewards.py:fn, with an "
+                             "optional weight (align.rewards.sort_format=0.5). reward_mean is the weighted total.")
+    parser.add_argument("--accuracy_reward", default=None,
+                        help="The reward that decides accuracy and pass@k (its function name); default the first.")
+    parser.add_argument("--accuracy_threshold", type=float, default=1.0,
+                        help="A completion is correct when the accuracy reward is at least this.")
+    parser.add_argument("--k", type=int, nargs="+", default=None,
+                        help="pass@k for each k (each <= --n); default 1 and n when --n > 1.")
+    parser.add_argument("--baseline", default=None, help="Compare with another model (a checkpoint, folder or id), "
+                        "or 'reference': the model the checkpoint's run started from. Adds the win rate and the KL.")
+    parser.add_argument("--reward_model", default=None, help="Judge the win rate with this reward model (an export "
+                        "folder, a reward-model .ckpt or tiny-sort-rm) instead of the rewards.")
+    parser.add_argument("--output", default=None, help="Also write the report to this JSON file.")
+    _sampling_arguments(parser, max_new_tokens=64)
+    ns = parser.parse_args(args)
+    _guarded(lambda: _evaluate(ns))
+
+
+def _evaluate(ns) -> None:
+    from align.generation import (REFERENCE, evaluate, load_policy, parse_reward, read_prompts, reference_policy,
+                                  sampling_config)
+
+    sampling = sampling_config(ns.max_new_tokens, ns.temperature, ns.top_p, ns.top_k, ns.n)
+    ks = ns.k if ns.k is not None else sorted({1, ns.n}) if ns.n > 1 else []
+    rewards = [parse_reward(r) for r in ns.rewards]
+    if ns.reward_model and not ns.baseline:
+        raise AlignConfigError("--reward_model judges the win rate against a --baseline; give --baseline too")
+    policy = load_policy(ns.model, ns.device, ns.dtype)
+    prompts = read_prompts(ns.prompts, policy.tokenizer, ns.prompt_field, ns.system_prompt, ns.split)
+    baseline = None
+    if ns.baseline == REFERENCE:
+        baseline = reference_policy(ns.model, ns.device, ns.dtype)
+    elif ns.baseline:
+        baseline = load_policy(ns.baseline, ns.device, ns.dtype, what="--baseline")
+    report = evaluate(policy, prompts, rewards, sampling, n=ns.n, ks=ks, batch_size=ns.batch_size, seed=ns.seed,
+                      accuracy_reward=ns.accuracy_reward, accuracy_threshold=ns.accuracy_threshold,
+                      baseline=baseline, reward_model=ns.reward_model, model_name=ns.model, on_batch=_progress)
+    print(_report_table(report, ns.baseline, sampling))
+    if ns.output:
+        Path(ns.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.output).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        print(f"report: {ns.output}")
+
+
+def _report_table(report, baseline_name: str | None, sampling) -> str:
+    """The report as two aligned columns."""
+    samples = f"{report.samples_per_prompt} sample" + ("s" if report.samples_per_prompt > 1 else "")
+    lines = [("model", report.model),
+             ("prompts", f"{report.prompts} ({report.num_prompts} prompts x {samples}, {_sampling_words(sampling)})"),
+             ("reward_mean", f"{report.reward_mean:.4f}")]
+    lines += [(f"reward/{name}", f"{value:.4f}") for name, value in report.rewards.items()]
+    lines.append(("accuracy", f"{report.accuracy:.4f} ({report.accuracy_reward} >= {report.accuracy_threshold:g})"))
+    lines += [(f"pass@{k}", f"{value:.4f}") for k, value in report.pass_at_k.items()]
+    lines.append(("response_length", f"{report.response_length:.2f} tokens ({report.truncated_frac:.1%} truncated)"))
+    if report.baseline is not None:
+        b = report.baseline
+        lines.append((f"vs {baseline_name}", f"win rate {b['win_rate']:.4f} (wins {b['wins']:.1%}, ties {b['ties']:.1%}, "
+                      f"losses {b['losses']:.1%}; judged by {'the reward model' if b['judge'] == 'reward_model' else 'reward_mean'})"))
+        lines.append(("baseline reward_mean", f"{b['reward_mean']:.4f}"))
+        if "rm_score" in b:
+            lines.append(("reward model score", f"{b['rm_score']:.4f} (baseline {b['baseline_rm_score']:.4f})"))
+        kl = "n/a (different tokenizers)" if b["kl"] is None else f"{b['kl']:.4f} nats per completion (k1, sequence-level)"
+        lines.append(("kl to baseline", kl))
+    width = max(len(name) for name, _ in lines)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in lines)
+
+
+def chat_main(args: list[str], stdin=None) -> None:
+    """``align chat``: talk to a policy in the terminal, with the model's chat template and the whole history."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="align chat", description="Chat with a trained policy in the terminal. "
+                                     "/reset clears the history; /exit or end of input (Ctrl-D) quits.")
+    _model_arguments(parser)
+    parser.add_argument("--system_prompt", default=None, help="A system message at the start of the conversation.")
+    _sampling_arguments(parser, max_new_tokens=256, several=False)
+    ns = parser.parse_args(args)
+    _guarded(lambda: _chat(ns, stdin or sys.stdin))
+
+
+def _chat(ns, stdin) -> None:
+    from align.data.chat import ChatEncoder
+    from align.generation import chat_reply, load_policy, sampling_config, seeded_generator
+    from align.rollout import RolloutEngine
+
+    engine = RolloutEngine(sampling_config(ns.max_new_tokens, ns.temperature, ns.top_p, ns.top_k))
+    policy = load_policy(ns.model, ns.device, ns.dtype)
+    if not getattr(policy.tokenizer, "chat_template", None):
+        raise AlignConfigError(f"--model: the tokenizer of '{ns.model}' has no chat template; chat needs one")
+    encoder = ChatEncoder(policy.tokenizer, use_chat_template=True)
+    generator = seeded_generator(ns.seed, policy)
+    start = [{"role": "system", "content": ns.system_prompt}] if ns.system_prompt else []
+    history = list(start)
+    interactive = stdin.isatty()
+    print(f"chatting with {ns.model}; /reset clears the history, /exit or Ctrl-D quits",
+          file=sys.stdout if interactive else sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = stdin.readline()
+        if not line:  # end of input
+            if interactive:
+                print()
+            return
+        text = line.strip()
+        if text == "/exit":
+            return
+        if text == "/reset":
+            history = list(start)
+            print("(history cleared)")
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        reply, _ = chat_reply(policy, encoder, history, engine, generator)
+        history.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+
+
+def _not_a_subcommand(name: str) -> None:
+    print(f"error: 'align {name}' is not a command; use 'align evaluate' for held-out rewards and accuracy, or "
+          "'align generate' for completions of a prompt file (docs/generation.md)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+COMMANDS = {"export": export_main, "generate": generate_main, "evaluate": evaluate_main, "chat": chat_main}
+"""The ``align`` commands besides LightningCLI's ``fit`` and ``validate``."""
+
+
 def main(args: list[str] | None = None) -> None:
     """The ``align`` console script."""
     from_argv = args is None
     args = list(sys.argv[1:] if args is None else args)
     logging.basicConfig(level=os.environ.get("ALIGN_LOG_LEVEL", "WARNING"))
-    if args[:1] == ["export"]:
-        return export_main(args[1:])
+    if args[:1] and args[0] in COMMANDS:
+        return COMMANDS[args[0]](args[1:])
+    if args[:1] and args[0] in REMOVED_SUBCOMMANDS:
+        return _not_a_subcommand(args[0])
     args = _guarded(lambda: resolve_config_args(args))
     if from_argv:  # other ranks re-run ``sys.argv``; LightningCLI reads it when given no ``args``
         sys.argv = [sys.argv[0], *args]
