@@ -89,9 +89,9 @@ def trained(tmp_path_factory):
     return {"ckpt": str(ckpt), "before": before, "after": after}
 
 
-def evaluate_report(capsys, tmp_path, model, *extra) -> tuple[dict, str]:
+def evaluate_report(capsys, tmp_path, model, *extra, prompts=VALIDATION) -> tuple[dict, str]:
     report = tmp_path / "report.json"
-    out, _ = run(capsys, "evaluate", "--model", model, "--prompts", VALIDATION, "--rewards",
+    out, _ = run(capsys, "evaluate", "--model", model, "--prompts", prompts, "--rewards",
                  "align.rewards.sort_exact_match", "--max_new_tokens", "16", "--batch_size", "100",
                  "--output", str(report), *extra)
     return json.loads(report.read_text()), out
@@ -130,14 +130,14 @@ def test_evaluate_prints_a_table_and_writes_the_report(capsys, tmp_path, prompts
 
 def test_sampled_evaluation_reports_unbiased_pass_at_k(capsys, tmp_path, prompts):
     report, out = evaluate_report(capsys, tmp_path, "tiny-sort", "--n", "6", "--k", "1", "3", "6",
-                                  "--temperature", "0.5")
+                                  "--temperature", "0.5", prompts=prompts)
     assert report["samples_per_prompt"] == 6 and report["sampling"]["temperature"] == 0.5
     pass_k = report["pass_at_k"]
     assert set(pass_k) == {"1", "3", "6"}
     assert pass_k["1"] == pytest.approx(report["accuracy"])  # equally many samples per prompt
     assert pass_k["1"] <= pass_k["3"] <= pass_k["6"] <= 1
     assert "pass@3" in out
-    default, _ = evaluate_report(capsys, tmp_path, "tiny-sort", "--n", "2")
+    default, _ = evaluate_report(capsys, tmp_path, "tiny-sort", "--n", "2", prompts=prompts)
     assert set(default["pass_at_k"]) == {"1", "2"} and default["sampling"]["temperature"] == 1.0
 
 
@@ -157,7 +157,7 @@ def test_baseline_win_rate_and_kl(trained, capsys, tmp_path):
 
 def test_win_rate_judged_by_a_reward_model(capsys, tmp_path, prompts):
     report, _ = evaluate_report(capsys, tmp_path, "tiny-sort", "--baseline", "tiny", "--reward_model", "tiny-sort-rm",
-                                "--batch_size", "50")
+                                prompts=prompts)
     b = report["baseline"]
     assert b["judge"] == "reward_model" and 0 <= b["win_rate"] <= 1
     assert b["rm_score"] != b["baseline_rm_score"]
