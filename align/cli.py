@@ -392,15 +392,15 @@ def _model_arguments(parser) -> None:
 
 
 def _sampling_arguments(parser, max_new_tokens: int, several: bool = True) -> None:
-    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens, help="Longest completion in tokens.")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens, help=f"Longest completion in tokens (default {max_new_tokens}).")
     parser.add_argument("--temperature", type=float, default=None,
-                        help="0 is greedy. Default: greedy for one sample per prompt" +
-                             (", 1.0 for several (--n > 1)." if several else "."))
+                        help="0 is greedy. Default: greedy for one sample per prompt, 1.0 for several (--n > 1)."
+                        if several else "0 is greedy (the default).")
     parser.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1: off).")
     parser.add_argument("--top_k", type=int, default=0, help="Sample from the k most likely tokens only (0: off).")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampler: the same seed gives the same output.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampler (default 0): the same seed gives the same output.")
     if several:
-        parser.add_argument("--n", type=int, default=1, help="Completions sampled per prompt.")
+        parser.add_argument("--n", type=int, default=1, help="Completions sampled per prompt (default 1).")
 
 
 def _prompt_arguments(parser) -> None:
@@ -412,7 +412,7 @@ def _prompt_arguments(parser) -> None:
     parser.add_argument("--system_prompt", default=None, help="A system message added to prompts that have none.")
     parser.add_argument("--split", default=None, help="Split to read; default 'train' for a file (its only one), "
                                                       "'validation' for a hub dataset. Slices work: 'train[:20]'.")
-    parser.add_argument("--batch_size", type=int, default=8, help="Prompts per generation batch.")
+    parser.add_argument("--batch_size", type=int, default=8, help="Prompts per generation batch (default 8); each is sampled --n times.")
 
 
 def generate_main(args: list[str]) -> None:
@@ -425,7 +425,7 @@ def generate_main(args: list[str]) -> None:
     _model_arguments(parser)
     _prompt_arguments(parser)
     parser.add_argument("--output", required=True, help="JSON lines file to write (one line per completion).")
-    parser.add_argument("--completion_field", default="completion", help="Output column of the completion.")
+    parser.add_argument("--completion_field", default="completion", help="Output column of the completion (default completion).")
     _sampling_arguments(parser, max_new_tokens=64)
     ns = parser.parse_args(args)
     _guarded(lambda: _generate(ns))
@@ -533,7 +533,8 @@ def _report_table(report, baseline_name: str | None, sampling) -> str:
     lines += [(f"reward/{name}", f"{value:.4f}") for name, value in report.rewards.items()]
     lines.append(("accuracy", f"{report.accuracy:.4f} ({report.accuracy_reward} >= {report.accuracy_threshold:g})"))
     lines += [(f"pass@{k}", f"{value:.4f}") for k, value in report.pass_at_k.items()]
-    lines.append(("response_length", f"{report.response_length:.2f} tokens ({report.truncated_frac:.1%} truncated)"))
+    lines.append(("response_length", f"{report.response_length:.2f} tokens ({report.truncated_frac:.1%} truncated, "
+                                     f"{report.tokens_per_s:.0f} tokens/s)"))
     if report.baseline is not None:
         b = report.baseline
         lines.append((f"vs {baseline_name}", f"win rate {b['win_rate']:.4f} (wins {b['wins']:.1%}, ties {b['ties']:.1%}, "
