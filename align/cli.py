@@ -542,8 +542,13 @@ def _report_table(report, baseline_name: str | None, sampling) -> str:
         lines.append(("baseline reward_mean", f"{b['reward_mean']:.4f}"))
         if "rm_score" in b:
             lines.append(("reward model score", f"{b['rm_score']:.4f} (baseline {b['baseline_rm_score']:.4f})"))
-        kl = "n/a (different tokenizers)" if b["kl"] is None else f"{b['kl']:.4f} nats per completion (k1, sequence-level)"
-        lines.append(("kl to baseline", kl))
+        if b["kl"] is None:
+            lines.append(("kl to baseline", "n/a (different tokenizers)"))
+        elif b["kl_estimator"].startswith("k1"):
+            lines.append(("kl to baseline", f"{b['kl']:.4f} nats per completion (k1, sequence-level)"))
+        else:  # greedy or tempered completions: their log-ratio is no estimate of the KL
+            lines.append(("log-ratio to baseline", f"{b['kl']:.4f} nats per completion (not a KL: sample with "
+                                                   "--temperature 1 for one)"))
     width = max(len(name) for name, _ in lines)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in lines)
 

@@ -348,6 +348,14 @@ def _compare_with_baseline(sums: _Sums, reward: CombinedReward, judge: CombinedR
     sums.add("baseline/ties", outcome == 0.5)
 
 
+def _kl_estimator(sampling: SamplingConfig) -> str:
+    """What the ``kl`` of a report estimates: KL(policy || baseline) only for completions drawn from the policy
+    itself (temperature 1, no top-k or top-p); otherwise the mean log-ratio of the completions drawn."""
+    if sampling.temperature == 1 and sampling.top_k == 0 and sampling.top_p == 1:
+        return "k1, sequence-level"
+    return "log-ratio only: the completions are not samples of the policy at temperature 1"
+
+
 def _report(sums: _Sums, reward: CombinedReward, prompts: PromptFile, n: int, ks: Sequence[int],
             sampling: SamplingConfig, acc_name: str, threshold: float, model_name: str, has_baseline: bool,
             kl_ok: bool, judged: bool, tokens_per_s: float) -> EvalReport:
@@ -359,7 +367,7 @@ def _report(sums: _Sums, reward: CombinedReward, prompts: PromptFile, n: int, ks
                     "ties": sums.mean("baseline/ties"),
                     "losses": 1.0 - sums.mean("baseline/wins") - sums.mean("baseline/ties"),
                     "reward_mean": sums.mean("baseline/reward_mean"),
-                    "kl": sums.mean("kl") if kl_ok else None, "kl_estimator": "k1, sequence-level"}
+                    "kl": sums.mean("kl") if kl_ok else None, "kl_estimator": _kl_estimator(sampling)}
         if judged:
             baseline["rm_score"] = sums.mean("baseline/rm_score")
             baseline["baseline_rm_score"] = sums.mean("baseline/baseline_rm_score")

@@ -148,11 +148,14 @@ def test_baseline_win_rate_and_kl(trained, capsys, tmp_path):
     assert same["baseline"]["kl"] == 0.0 and same["baseline"]["reward_mean"] == same["reward_mean"]
     report, out = evaluate_report(capsys, tmp_path, trained["ckpt"], "--baseline", "reference")
     b = report["baseline"]
-    assert b["judge"] == "rewards" and b["kl_estimator"] == "k1, sequence-level"
+    assert b["judge"] == "rewards" and b["kl_estimator"].startswith("log-ratio only")  # greedy completions
     assert b["reward_mean"] == pytest.approx(trained["before"]["val/reward_mean"], abs=1e-6)  # tiny-sort, greedy
     assert b["wins"] + b["ties"] + b["losses"] == pytest.approx(1.0)
     assert b["win_rate"] == pytest.approx(b["wins"] + 0.5 * b["ties"])
-    assert b["kl"] != 0.0 and "kl to baseline" in out and "vs reference" in out
+    assert b["kl"] != 0.0 and "log-ratio to baseline" in out and "vs reference" in out
+    sampled, out = evaluate_report(capsys, tmp_path, trained["ckpt"], "--baseline", "reference", "--n", "2",
+                                   "--batch_size", "50")
+    assert sampled["baseline"]["kl_estimator"] == "k1, sequence-level" and "kl to baseline" in out
 
 
 def test_win_rate_judged_by_a_reward_model(capsys, tmp_path, prompts):
