@@ -514,9 +514,13 @@ def _evaluate(ns) -> None:
         baseline = reference_policy(ns.model, ns.device, ns.dtype)
     elif ns.baseline:
         baseline = load_policy(ns.baseline, ns.device, ns.dtype, what="--baseline")
+    # The baseline reads the prompts through its own tokenizer and chat template.
+    baseline_prompts = (read_prompts(ns.prompts, baseline.tokenizer, ns.prompt_field, ns.system_prompt, ns.split)
+                        if baseline is not None else None)
     report = evaluate(policy, prompts, rewards, sampling, n=ns.n, ks=ks, batch_size=ns.batch_size, seed=ns.seed,
                       accuracy_reward=ns.accuracy_reward, accuracy_threshold=ns.accuracy_threshold,
-                      baseline=baseline, reward_model=ns.reward_model, model_name=ns.model, on_batch=_progress)
+                      baseline=baseline, reward_model=ns.reward_model, baseline_prompts=baseline_prompts,
+                      model_name=ns.model, on_batch=_progress)
     print(_report_table(report, ns.baseline, sampling))
     if ns.output:
         Path(ns.output).parent.mkdir(parents=True, exist_ok=True)

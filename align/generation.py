@@ -281,7 +281,8 @@ def _compare(ours: Sequence[float], theirs: Sequence[float]) -> torch.Tensor:
 def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardSpec | str], sampling: SamplingConfig,
              *, n: int = 1, ks: Sequence[int] = (), batch_size: int = 8, seed: int = 0,
              accuracy_reward: str | None = None, accuracy_threshold: float = 1.0, baseline: PolicyModel | None = None,
-             reward_model: str | None = None, model_name: str = "", on_batch=None) -> EvalReport:
+             reward_model: str | None = None, baseline_prompts: PromptFile | None = None, model_name: str = "",
+             on_batch=None) -> EvalReport:
     """Score ``n`` completions of each prompt with ``rewards`` (resolved as in a training config).
 
     Reports the mean of each reward and of their weighted total, the accuracy (share of completions whose
@@ -293,7 +294,8 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
     ``reward_model``) and otherwise by the weighted total reward, and the KL of the policy to the baseline on the
     policy's completions (the sequence-level k1 estimator: the mean over completions of the summed token
     log-ratio at temperature 1; an unbiased estimate of KL(policy || baseline) when the completions are sampled
-    at temperature 1 without top-k/top-p, and a plain log-ratio on greedy ones). ``on_batch(done, total)``
+    at temperature 1 without top-k/top-p, and a plain log-ratio on greedy ones). ``baseline_prompts``: the same
+    rows encoded with the baseline's tokenizer and chat template (default: ``prompts``). ``on_batch(done, total)``
     reports progress.
     """
     reward, _ = training_rewards(list(rewards), None, None)
@@ -303,7 +305,7 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
     judge = training_rewards(None, RewardModelSpec(reward_model), None)[0] if reward_model else None
     kl_ok = baseline is not None and _same_tokenizer(policy.tokenizer, baseline.tokenizer)
     sums, seconds, tokens = _Sums(), 0.0, 0.0
-    base_batches = (generate_batches(baseline, prompts.examples, sampling, n, batch_size, seed)
+    base_batches = (generate_batches(baseline, (baseline_prompts or prompts).examples, sampling, n, batch_size, seed)
                     if baseline is not None else None)
     for batch, rollout in generate_batches(policy, prompts.examples, sampling, n, batch_size, seed):
         total, parts = reward(**reward_inputs(batch, rollout))
