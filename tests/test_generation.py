@@ -285,6 +285,9 @@ def test_one_line_errors(capsys, tmp_path, prompts):
     assert "only an align checkpoint records the model its run started from" in fails(
         capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards", "align.rewards.sort_format",
         "--baseline", "reference")
+    assert fails(capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards",
+                 "align.rewards.sort_format", "--reward_model", "tiny-sort-rm") == (
+        "error: --reward_model judges the win rate against a --baseline; give --baseline too")
     done = write_rows(tmp_path / "done.jsonl", [{"prompt": "sort: b a", "completion": "a b"}])
     assert "field 'completion': expected no column with the name of the output's completion field" in fails(
         capsys, "generate", "--model", "tiny-sort", "--prompts", done, "--output", out)
