@@ -567,7 +567,10 @@ def chat_main(args: list[str], stdin=None) -> None:
     parser.add_argument("--system_prompt", default=None, help="A system message at the start of the conversation.")
     _sampling_arguments(parser, max_new_tokens=256, several=False)
     ns = parser.parse_args(args)
-    _guarded(lambda: _chat(ns, stdin or sys.stdin))
+    try:
+        _guarded(lambda: _chat(ns, stdin or sys.stdin))
+    except KeyboardInterrupt:  # Ctrl-C ends a chat as /exit does
+        print()
 
 
 def _chat(ns, stdin) -> None:
