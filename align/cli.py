@@ -1,5 +1,6 @@
-"""Command line: ``align fit|validate|test|predict --config ...`` (LightningCLI), ``align export`` and
-``align plot``.
+"""Command line: ``align fit|validate --config ...`` (LightningCLI), and ``align export``, ``align plot``,
+``align generate``, ``align evaluate`` and ``align chat`` (argparse; :mod:`align.generation_cli`); ``align --help``
+lists them (:data:`COMMANDS`).
 
 Every run is one folder, ``<default_root_dir>/version_N/``, holding its ``config.yaml``, ``metrics.csv``,
 ``checkpoints/`` and, once ``fit`` ends, ``curves.png`` (``align.observability.plots``); other loggers (for
@@ -14,6 +15,7 @@ installed ``align`` runs them without a checkout.
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import logging
@@ -41,7 +43,10 @@ log = logging.getLogger(__name__)
 # The shipped configs live in the package, so a wheel has them; a checkout's ``configs`` links here.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 SHIPPED = "align:"
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = ("fit", "validate")
+REMOVED_SUBCOMMANDS = ("test", "predict")
+"""LightningCLI subcommands ``align`` does not offer: the modules have no ``test_step``/``predict_step``;
+``align evaluate`` and ``align generate`` do that work."""
 TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
 
 
@@ -99,6 +104,18 @@ class AlignCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", dict(TRAINER_DEFAULTS))
         kwargs.setdefault("parser_class", AlignArgumentParser)
         super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
+
+    def init_parser(self, **kwargs):
+        kwargs.setdefault("description", "Train with a config (fit), or evaluate its held-out set (validate). Other "
+                          "commands: align export (a Hugging Face model from a checkpoint), align generate "
+                          "(completions of a prompt file), align evaluate (rewards, accuracy, pass@k, win rate) and "
+                          "align chat; each takes --help.")
+        return super().init_parser(**kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` only (:data:`REMOVED_SUBCOMMANDS`)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--eval_before_after", type=bool, default=True,
@@ -423,10 +440,12 @@ def _with_subcommand(args: list[str]) -> list[str]:
 def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None) -> AlignCLI:
     """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/tiny.yaml`` is the default config."""
     raw = list(sys.argv[1:] if args is None else args)
+    if raw[:1] and raw[0] in REMOVED_SUBCOMMANDS:
+        _not_a_subcommand(raw[0])
     default = CONFIG_DIR / algorithm / "tiny.yaml"
     parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
     trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
-    if raw in (["-h"], ["--help"], ["fit", "-h"], ["fit", "--help"]):
+    if raw in (["-h"], ["--help"]):  # "fit --help" stays the full list, trainer settings included
         make = lambda: AlignCLI(model_class, datamodule_class, args=None, parser_kwargs=parser_kwargs,
                                 trainer_defaults=trainer_defaults)
         return print(recipe_help(algorithm, model_class, datamodule_class, make))
@@ -525,23 +544,37 @@ def plot_main(args: list[str]) -> None:
     _guarded(lambda: plot(args))
 
 
-# The ``align`` commands and what each does, for ``align --help``.
+# The ``align`` commands: what each does (for ``align --help``) and, beside LightningCLI's ``fit`` and
+# ``validate``, the ``module:function`` of its entry point (imported when the command runs).
 COMMANDS = {
-    "fit": "train: align fit --config align:grpo/tiny.yaml [--model.<setting> VALUE ...]",
-    "validate": "evaluate a config's held-out set: align validate --config FILE [--ckpt_path CKPT]",
-    "export": "write a merged Hugging Face model folder from a checkpoint: align export --ckpt_path CKPT --output_dir DIR",
-    "plot": "draw runs' curves into a PNG: align plot RUN_DIR [RUN_DIR ...] [--output PNG] [--metrics NAME ...]",
+    "fit": ("train: align fit --config align:grpo/tiny.yaml [--model.<setting> VALUE ...]", None),
+    "validate": ("evaluate a config's held-out set: align validate --config FILE [--ckpt_path CKPT]", None),
+    "export": ("write a merged Hugging Face model folder from a checkpoint: align export --ckpt_path CKPT "
+               "--output_dir DIR", "align.cli:export_main"),
+    "plot": ("draw runs' curves into a PNG: align plot RUN_DIR [RUN_DIR ...] [--output PNG] [--metrics NAME ...]",
+             "align.cli:plot_main"),
+    "generate": ("sample completions of a prompt file: align generate --model CKPT|DIR|ID --prompts FILE "
+                 "--output OUT.jsonl", "align.generation_cli:generate_main"),
+    "evaluate": ("rewards, accuracy, pass@k and win rate on a prompt file: align evaluate --model CKPT --prompts "
+                 "FILE --rewards FN", "align.generation_cli:evaluate_main"),
+    "chat": ("talk to a model in the terminal: align chat --model CKPT|DIR|ID", "align.generation_cli:chat_main"),
 }
 
 
 def top_level_help() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: align <command> [options]", "", "commands:"]
-    lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    lines += [f"  {name:<{width}}  {what}" for name, (what, _) in COMMANDS.items()]
     lines += ["", "align <command> --help lists a command's options; for fit and validate, --model.help CLASS and "
               "--data.help CLASS list a class's settings. Shipped configs: align:<algorithm>/<name>.yaml "
               f"({', '.join(sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir()))})."]
     return "\n".join(lines)
+
+
+def _not_a_subcommand(name: str) -> None:
+    print(f"error: 'align {name}' is not a command; use 'align evaluate' for held-out rewards and accuracy, or "
+          "'align generate' for completions of a prompt file (docs/generation.md)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -552,10 +585,12 @@ def main(args: list[str] | None = None) -> None:
     quiet_known_noise()
     if args in ([], ["-h"], ["--help"]):
         return print(top_level_help())
-    if args[:1] == ["export"]:
-        return export_main(args[1:])
-    if args[:1] == ["plot"]:
-        return plot_main(args[1:])
+    entry = COMMANDS.get(args[0], (None, None))[1]
+    if entry is not None:
+        module, _, function = entry.partition(":")
+        return getattr(importlib.import_module(module), function)(args[1:])
+    if args[0] in REMOVED_SUBCOMMANDS:
+        return _not_a_subcommand(args[0])
     args = _guarded(lambda: resolve_config_args(args))
     if from_argv:  # other ranks re-run ``sys.argv``; LightningCLI reads it when given no ``args``
         sys.argv = [sys.argv[0], *args]

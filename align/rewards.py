@@ -60,6 +60,7 @@ __all__ = [
     "RewardModelSpec",
     "LazyRewardModel",
     "training_rewards",
+    "reward_inputs",
     "resolve_reward",
     "sort_exact_match",
     "sort_format",
@@ -434,6 +435,19 @@ class CombinedReward:
         parts = {r.name: r(prompts, completions, **columns) for r in self.rewards}
         total = [sum(r.weight * parts[r.name][i] for r in self.rewards) for i in range(len(completions))]
         return total, parts
+
+
+def reward_inputs(batch, rollout) -> dict[str, Any]:
+    """The keyword arguments of every reward for ``rollout``, sampled from the prompts of ``batch`` (a
+    :class:`~align.data.prompts.PromptBatch`): ``prompts``, ``completions``, the data's columns and the rollout's
+    inputs (:data:`~align.data.prompts.REWARD_INPUTS`), one value per completion (a prompt's ``group_size``
+    completions are consecutive)."""
+    prompts, columns = batch.repeat(rollout.group_size)
+    lengths = rollout.response_lengths.tolist()
+    return {"prompts": prompts, "completions": rollout.texts, **columns,
+            "prompt_messages": batch.repeat_messages(rollout.group_size),
+            "completion_ids": [ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)],
+            "completion_truncated": [bool(t) for t in rollout.truncated.tolist()]}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Statistics over the valid elements of every data-parallel rank: mean and variance, whitening, explained
-variance, and PPO's score options.
+variance, and PPO's score options; and the unbiased pass@k of sampled evaluation (:func:`pass_at_k`).
 
 Each function takes the cross-rank reduction as an argument, ``all_reduce``: a callable that sums a tensor
 over the ranks and returns the sum (``LightningModule``-side: :meth:`align.modules.base.AlignModule.
@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
+import math
+
 import torch
 
 from align.logprobs import masked_sum
 
-__all__ = ["AllReduce", "identity", "mean_var", "whiten", "explained_variance", "transform_scores"]
+__all__ = ["AllReduce", "identity", "mean_var", "whiten", "explained_variance", "transform_scores", "pass_at_k"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the data-parallel ranks and returns the sum (every rank gets the same value)."""
@@ -121,3 +123,17 @@ def transform_scores(
     if clip is not None:
         scores = scores.clamp(-clip, clip)
     return scores
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from ``n`` samples of which ``c`` are correct: ``1 - C(n - c, k) / C(n, k)``.
+
+    The probability that at least one of ``k`` samples drawn without replacement from the ``n`` is correct
+    (Chen et al. 2021, arXiv 2107.03374, eq. 1). Computed with exact integers, so large ``n`` loses nothing.
+    ``k = 1`` gives ``c / n``; ``k = n`` gives 1 when any sample is correct, else 0.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: k must be in [1, n={n}], got {k}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: c must be in [0, n={n}], got {c}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

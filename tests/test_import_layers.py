@@ -42,8 +42,10 @@ LAYERS: dict[str, Layer] = {
     "models": Layer(("align.models",), ("errors", MATH, "hub", "data"),
                     "the policy wrapper, reward model, loading and export; the reward-model scorer encodes its text "
                     "as the data layer does"),
-    "rollout": Layer(("align.rollout", "align.rewards", "align.rollout_filter"), ("errors", MATH, "hub", "data", "models"),
-                     "sampling completions and scoring them (reward functions, reward models): no optimizer"),
+    "rollout": Layer(("align.rollout", "align.rewards", "align.rollout_filter", "align.generation"),
+                     ("errors", MATH, "hub", "data", "models"),
+                     "sampling completions and scoring them (reward functions, reward models; generation and "
+                     "evaluation of a trained policy): no optimizer"),
     "trainer": Layer(("align.strategies", "align.checkpointing", "align.guards", "align.optim"), ("errors",),
                      "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, schedules): "
                      "they work on any LightningModule through Lightning's hooks, so they know no model or data"),
@@ -54,7 +56,7 @@ LAYERS: dict[str, Layer] = {
     "modules": Layer(("align.modules",),
                      ("errors", MATH, "hub", "data", "models", "rollout", "trainer", "observability"),
                      "one LightningModule per algorithm: wires the layers below together"),
-    "cli": Layer(("align.cli", "align.runs", "align.quiet", "align.config_errors"),
+    "cli": Layer(("align.cli", "align.runs", "align.quiet", "align.config_errors", "align.generation_cli"),
                  ("errors", MATH, "hub", "data", "models", "rollout", "trainer", "observability", "modules"),
                  "entry points and run folders: may import everything"),
 }

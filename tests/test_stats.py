@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from align.logprobs import masked_whiten
-from align.stats import explained_variance, identity, mean_var, transform_scores, whiten
+from align.stats import explained_variance, identity, mean_var, pass_at_k, transform_scores, whiten
 
 NAN = float("nan")
 
@@ -193,3 +193,25 @@ def test_transform_scores_options_one_at_a_time():
     # whitening [7, -9]: mean -1, variance (64 + 64) / 1 = 128, so +-8 / sqrt(128) = +-0.7071
     torch.testing.assert_close(transform_scores(scores, truncated, whiten_scores=True),
                                torch.tensor([1 / math.sqrt(2), -1 / math.sqrt(2)]))
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (10, 3, 1, 0.3),            # k = 1 is the share correct
+    (5, 2, 2, 0.7),             # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    (10, 1, 5, 0.5),            # 1 - C(9,5)/C(10,5) = 1 - 126/252
+    (4, 3, 2, 1.0),             # fewer wrong samples than k: every draw of 2 holds a correct one
+    (4, 0, 2, 0.0),
+    (8, 1, 8, 1.0),             # k = n: any correct sample passes
+    (200, 10, 1, 0.05),
+])
+def test_pass_at_k_pinned(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_grows_with_k_and_refuses_k_above_n():
+    values = [pass_at_k(16, 3, k) for k in range(1, 17)]
+    assert values == sorted(values) and values[-1] == 1.0
+    with pytest.raises(ValueError, match="k must be in"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="c must be in"):
+        pass_at_k(4, 5, 1)

@@ -25,7 +25,7 @@ from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule, loss_count
 from align.modules.options import Aggregation, Evaluation, KLPenalty, OverlongPenalty, Updates
 from align.observability.timing import Timer
-from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, training_rewards
+from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, reward_inputs, training_rewards
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
 from align.strategies import accumulation_boundary
 
@@ -242,12 +242,7 @@ class RLModule(AlignModule):
         (:func:`align.advantages.overlong_penalty` of its length, stop token included), and the total adds
         ``overlong.coef`` times it.
         """
-        prompts, columns = batch.repeat(rollout.group_size)
-        lengths = rollout.response_lengths.tolist()
-        inputs = {"prompt_messages": batch.repeat_messages(rollout.group_size),
-                  "completion_ids": [ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)],
-                  "completion_truncated": [bool(t) for t in rollout.truncated.tolist()]}
-        total, parts = self.reward(prompts=prompts, completions=rollout.texts, **columns, **inputs)
+        total, parts = self.reward(**reward_inputs(batch, rollout))
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=rollout.response_ids.device)
         total, parts = to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
         if self.overlong.enabled:
