@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -35,7 +36,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 import align.strategies  # noqa: F401  (registers the short names: --trainer.strategy fsdp2 / zero1..3 / zero3_offload)
 from align.config_errors import AlignArgumentParser
 from align.errors import AlignConfigError, AlignError
-from align.observability.progress import phase, say
+from align.observability.progress import say
 from align.quiet import quiet_known_noise
 from align.runs import RunLogger, RunRecord, latest_run, next_version, run_of_checkpoint
 
@@ -207,8 +208,16 @@ class AlignCLI(LightningCLI):
             and is_overridden("val_dataloader", self.datamodule) and is_overridden("validation_step", self.model)
 
     def _validate(self, when: str) -> dict[str, float]:
-        with phase(f"held-out pass {when}"):
-            return self._headline(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False) or [])
+        """The held-out headline metrics, announced (``held-out pass <when> ...``) once there is data to run on."""
+        self.record.announce, self.record.announced = f"held-out pass {when}", False
+        start = time.perf_counter()
+        try:
+            results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False) or []
+        finally:
+            self.record.announce = None
+        if self.record.announced:
+            say(f"held-out pass {when}: done in {time.perf_counter() - start:.1f} s")
+        return self._headline(results)
 
     def before_fit(self) -> None:
         log_dir = self.trainer.log_dir  # a broadcast under several processes: every rank asks

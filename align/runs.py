@@ -122,6 +122,9 @@ class RunRecord(Callback):
     def __init__(self) -> None:
         self.before: Optional[dict[str, float]] = None
         self.last_validation: Optional[tuple[int, dict[str, float]]] = None  # (global step, metrics)
+        # Set by the command line around its own validations: the line to print once one has data to run on.
+        self.announce: Optional[str] = None
+        self.announced = False
 
     @property
     def state_key(self) -> str:
@@ -138,6 +141,11 @@ class RunRecord(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("before") is not None:
             self.before = dict(state_dict["before"])
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.announce and trainer.state.fn == "validate" and trainer.is_global_zero:
+            print(f"{self.announce} ...", flush=True)
+            self.announced = True
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":

@@ -68,5 +68,22 @@ def test_a_progress_bar_or_a_monitor_reads_every_step(pairs, tmp_path, reader):
     assert steps == [0, 1, 2]
 
 
+@pytest.mark.parametrize("drawn", [True, False])
+def test_align_progress_bar_reads_every_step_only_when_drawn(pairs, tmp_path, drawn, monkeypatch):
+    """Outside a terminal (or in CI) the bar switches itself off and costs no per-step logging; drawn, it shows
+    the step's values under short names (DPO: loss and acc) and counts optimizer steps against max_steps."""
+    from align.observability.progress import AlignProgressBar
+
+    monkeypatch.setenv("CI", "true")
+    bar = AlignProgressBar(force=drawn)
+    assert bar.is_enabled is drawn
+    _, steps, trainer = run(pairs, tmp_path, max_steps=3, log_every=50, callbacks=[bar], enable_progress_bar=True)
+    assert trainer.progress_bar_callback is bar
+    assert steps == ([0, 1, 2] if drawn else [2])  # switched off: the run's last step only
+    if drawn:
+        assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)
+        assert set(bar.get_metrics(trainer, trainer.lightning_module)) == {"loss", "acc"}
+
+
 def test_without_a_trainer_nothing_is_logged():
     assert AlignModule(torch.nn.Linear(1, 1)).logs_this_step() is False

@@ -1,0 +1,94 @@
+"""What the command line prints: one-line config errors with the nearest accepted keys, the recipes' --help,
+the progress bar's names and numbers, and known library noise filtered at its source."""
+
+import logging
+import warnings
+
+import pytest
+
+from align.cli import run_recipe
+from align.config_errors import nearest, one_line
+from align.data import SFTDataModule
+from align.modules import SFTModule
+from align.observability.progress import AlignProgressBar, format_value, interactive, short_name
+from align.quiet import quiet_known_noise
+
+
+def recipe_error(capsys, *args) -> list[str]:
+    with pytest.raises(SystemExit) as info:
+        run_recipe("sft", SFTModule, SFTDataModule, args=[*args, "--trainer.max_steps", "0"])
+    assert info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--trainer.max_steps", "ten"], "error: --trainer.max_steps: expected int, got 'ten'"),
+    (["--trainer.max_stepz", "4"], "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps"),
+    (["--model.optimizer.lrr", "1"], "error: --model.optimizer.lrr: AdamW has no setting 'lrr'; did you mean lr?"),
+    (["--model.optimizer.lr", "abc"], "error: --model.optimizer.lr: expected float or Tensor, got 'abc'"),
+    (["--model.max_lenght", "5"], "error: --model.max_lenght: SFTModule has no setting 'max_lenght'; accepted: "
+                                  "policy, optimizer, scheduler"),
+    (["--data.batch_size", "x"], "error: --data.batch_size: expected int, got 'x'"),
+])
+def test_a_bad_setting_is_one_line(capsys, args, expected):
+    lines = recipe_error(capsys, *args)
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
+def test_an_unknown_key_in_a_yaml_file_is_one_line_with_the_nearest_keys(capsys, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("trainer:\n  max_stepz: 3\nmodel:\n  init_args:\n    optimizer:\n      init_args:\n        lr: 1\n")
+    assert recipe_error(capsys, "--config", str(config)) == [
+        "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps or trainer.max_time or "
+        "trainer.min_steps?"]
+
+
+def test_one_line_of_messages_it_does_not_know_keeps_their_words():
+    assert one_line("something\n   went   wrong") == "something went wrong"
+    assert nearest("trainer.max_stepz", ["trainer.max_steps", "model.lr", "trainer.devices"]) == ["trainer.max_steps"]
+    assert nearest("zzz", ["trainer.max_steps"]) == []
+
+
+def test_recipe_help_lists_the_model_and_data_settings_with_defaults(capsys):
+    run_recipe("sft", SFTModule, SFTDataModule, args=["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ")
+    for setting in ("--model.policy", "--model.optimizer", "--data.train_files", "--data.max_length",
+                    "--data.batch_size"):
+        assert setting in out, setting
+    assert "default:" in out and "--model.optimizer.lr 1e-4" in out and "fit --help" in out
+
+
+def test_progress_names_and_numbers():
+    assert [short_name(m) for m in ("rollout/reward_mean", "train/kl", "rollout/tokens_per_s", "dpo/accuracy",
+                                    "val/dpo_accuracy", "val/reward_mean")] == \
+        ["reward", "kl", "tok/s", "acc", "val_acc", "val_reward"]
+    assert [format_value(v) for v in (0.123456, 1234.5, 0.0001234, 0.0, 12.3456, float("nan"))] == \
+        ["0.1235", "1234", "0.000123", "0", "12.35", "nan"]
+
+
+def test_the_bar_is_drawn_only_in_a_terminal_outside_ci(monkeypatch):
+    class Tty:
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("CI", raising=False)
+    assert interactive(Tty()) and not interactive(object())
+    monkeypatch.setenv("CI", "true")
+    assert not interactive(Tty())
+    assert AlignProgressBar().is_disabled and AlignProgressBar(force=True).is_enabled
+
+
+def test_known_noise_is_filtered_and_other_messages_pass(caplog):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_noise(progress_bars=True)
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use something else")
+        warnings.warn("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no ...")
+        warnings.warn("a warning a user can act on")
+    assert [str(w.message) for w in caught] == ["a warning a user can act on"]
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        rank_zero.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing litlogger")
+        rank_zero.info("GPU available: False, used: False")
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
