@@ -6,7 +6,8 @@ itself: the protocol (which exporter class to build) and the timeout (which also
 
 Failure isolation: every export goes through a counting wrapper that never raises, counts what was delivered and
 dropped, and warns once per run and collector. The final flush of a stage runs on a daemon thread and the training
-thread waits at most ``timeout`` seconds for it, and at most one second once the collector is known to fail.
+thread waits at most ``timeout`` seconds for it, at most ``FAILING_WAIT`` (one second) once the collector is known to
+fail, and no longer once the flush's own export is refused. A flush that runs out of time marks the collector failing.
 """
 
 from __future__ import annotations
@@ -248,6 +249,7 @@ class _SdkLogCapture(logging.Filter):
         self.addresses: set[str] = set()
         self.lock = threading.Lock()
         self.loggers: list[logging.Logger] = []
+        self.levels: dict[logging.Logger, int] = {}  # levels this filter lowered to WARNING, to restore
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
@@ -278,6 +280,14 @@ class _SdkLogCapture(logging.Filter):
                     # First, before the SDK's own DuplicateFilter, which would hide repeated retry messages from it.
                     lg.filters.insert(0, self)
                     self.loggers.append(lg)
+            for lg in self.loggers:
+                if lg.getEffectiveLevel() > logging.WARNING:
+                    # A filter only sees records the logger creates: with warnings switched off (a root level of
+                    # ERROR, ALIGN_LOG_LEVEL=ERROR) the SDK's retry message would never mark the collector failing,
+                    # and a flush to a refusing collector would sit through the whole backoff. This filter drops
+                    # every WARNING+ record, so nothing more is printed.
+                    self.levels.setdefault(lg, lg.level)
+                    lg.setLevel(logging.WARNING)
 
     def release(self, grace: float = 0.0) -> None:
         """Drop one user; the filter stays ``grace`` seconds longer for exports abandoned at shutdown."""
@@ -295,7 +305,9 @@ class _SdkLogCapture(logging.Filter):
             if self.users == 0:
                 for lg in self.loggers:
                     lg.removeFilter(self)
-                self.loggers, self.addresses = [], set()
+                for lg, level in self.levels.items():
+                    lg.setLevel(level)
+                self.loggers, self.addresses, self.levels = [], set(), {}
 
 
 def _names(message: str, address: str) -> bool:
@@ -466,8 +478,14 @@ class ExportPipeline:
             finally:
                 done.set()
 
+        def failures() -> int:
+            return _failures[self.settings.address]
+
+        before = failures()  # read before the flush starts: a refusal can come before the thread below returns
         threading.Thread(target=run, name="align-otlp-shutdown", daemon=True).start()
-        finished = _wait(done, self.settings.timeout, lambda: _failures[self.settings.address])
+        finished = _wait(done, self.settings.timeout, failures, before)
+        if not finished:  # no answer in time, whatever the flush was doing: later flushes wait FAILING_WAIT at most
+            _failures[self.settings.address] += 1
         if not finished or (exporter.in_flight and not exporter.abandoned):  # the SDK returned with a request pending
             try:
                 exporter.abandon()
@@ -477,10 +495,10 @@ class ExportPipeline:
         return finished
 
 
-def _wait(done: threading.Event, timeout: float, failures: Callable[[], int]) -> bool:
+def _wait(done: threading.Event, timeout: float, failures: Callable[[], int], before: int) -> bool:
     """Wait for ``done`` at most ``timeout`` seconds, at most ``FAILING_WAIT`` when the collector was failing
-    already, and no longer once a new failure shows (the SDK then only backs off and retries)."""
-    before = failures()
+    already (``before`` failures), and no longer once a new failure shows (the SDK then only backs off and
+    retries)."""
     deadline = time.monotonic() + (min(timeout, FAILING_WAIT) if before else timeout)
     while not done.wait(0.05):
         if time.monotonic() >= deadline or failures() > before:
