@@ -47,15 +47,21 @@ def _prompt_arguments(parser) -> None:
     parser.add_argument("--batch_size", type=int, default=8, help="Prompts per generation batch (default 8); each is sampled --n times.")
 
 
-def generate_main(args: list[str]) -> None:
-    """``align generate``: completions of a prompt file, one JSON line per completion."""
+def _prompts_command(prog: str, description: str):
+    """The argparse parser of a command that runs a model over a prompt file (generate, evaluate)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="align generate", description="Sample completions of a prompt file with a "
-                                     "trained policy (the training rollout engine) and write them as JSON lines: "
-                                     "each input row with every column kept and its completion added.")
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     _model_arguments(parser)
     _prompt_arguments(parser)
+    return parser
+
+
+def generate_main(args: list[str]) -> None:
+    """``align generate``: completions of a prompt file, one JSON line per completion."""
+    parser = _prompts_command("align generate", "Sample completions of a prompt file with a trained policy (the "
+                              "training rollout engine) and write them as JSON lines: each input row with every "
+                              "column kept and its completion added.")
     parser.add_argument("--output", required=True, help="JSON lines file to write (one line per completion).")
     parser.add_argument("--completion_field", default="completion", help="Output column of the completion (default completion).")
     _sampling_arguments(parser, max_new_tokens=64)
@@ -104,13 +110,9 @@ def _sampling_words(sampling) -> str:
 
 def evaluate_main(args: list[str]) -> None:
     """``align evaluate``: mean rewards, accuracy and pass@k of a policy on a prompt file."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="align evaluate", description="Score a policy's completions of a prompt "
-                                     "file with reward functions: each reward's mean, the accuracy (as val/accuracy "
-                                     "in training) and pass@k; against a --baseline, the win rate and the KL.")
-    _model_arguments(parser)
-    _prompt_arguments(parser)
+    parser = _prompts_command("align evaluate", "Score a policy's completions of a prompt file with reward "
+                              "functions: each reward's mean, the accuracy (as val/accuracy in training) and pass@k; "
+                              "against a --baseline, the win rate and the KL.")
     parser.add_argument("--rewards", nargs="+", required=True, metavar="PATH[=WEIGHT]",
                         help="Rewards named as in a config: align.rewards.math_answer, my_rewards.py:fn, with an "
                              "optional weight (align.rewards.sort_format=0.5). reward_mean is the weighted total.")
