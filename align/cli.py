@@ -107,10 +107,9 @@ class AlignCLI(LightningCLI):
         super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
 
     def init_parser(self, **kwargs):
+        others = ", ".join(f"align {name}" for name, (_, entry) in COMMANDS.items() if entry is not None)
         kwargs.setdefault("description", "Train with a config (fit), or evaluate its held-out set (validate). Other "
-                          "commands: align export (a Hugging Face model from a checkpoint), align generate "
-                          "(completions of a prompt file), align evaluate (rewards, accuracy, pass@k, win rate) and "
-                          "align chat; each takes --help.")
+                          f"commands: {others}; each takes --help, and align --help says what each does.")
         return super().init_parser(**kwargs)
 
     @staticmethod
@@ -344,6 +343,12 @@ def _last_checkpoint_path(trainer) -> str | None:
     return None
 
 
+def _configured_callbacks(config: dict) -> list:
+    """The trainer config's ``callbacks`` as a new list (the setting may be null, one callback or a list)."""
+    configured = config.get("callbacks")
+    return [] if configured is None else list(configured) if isinstance(configured, (list, tuple)) else [configured]
+
+
 def _checkpoint_defaults(config: dict, callbacks: list) -> None:
     """Without a configured checkpoint callback, an :class:`~align.checkpointing.AlignCheckpoint` saves
     ``last.ckpt`` at the end of every epoch. Checkpoint callbacks without a ``dirpath`` write to the run's own
@@ -352,8 +357,7 @@ def _checkpoint_defaults(config: dict, callbacks: list) -> None:
 
     from align.checkpointing import AlignCheckpoint
 
-    configured = config.get("callbacks")
-    configured = [] if configured is None else list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    configured = _configured_callbacks(config)
     checkpoints = [cb for cb in [*configured, *callbacks] if isinstance(cb, ModelCheckpoint)]
     if checkpoints and config.get("enable_checkpointing") is False:
         names = ", ".join(sorted({type(cb).__name__ for cb in checkpoints}))
@@ -371,8 +375,7 @@ def _progress_bar_default(config: dict, callbacks: list) -> None:
 
     from align.observability.progress import AlignProgressBar
 
-    configured = config.get("callbacks")
-    configured = [] if configured is None else list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    configured = _configured_callbacks(config)
     if config.get("enable_progress_bar") is False or any(isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]):
         return
     callbacks.append(AlignProgressBar())

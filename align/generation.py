@@ -144,7 +144,7 @@ def sampling_config(max_new_tokens: int = 64, temperature: float | None = None, 
 
 def seeded_generator(seed: int, policy: PolicyModel) -> torch.Generator:
     """A sampling generator on the policy's device, seeded with ``seed``."""
-    return torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    return torch.Generator(device=_device(policy)).manual_seed(seed)
 
 
 def generate_batches(policy: PolicyModel, examples: Sequence[PromptExample], sampling: SamplingConfig, n: int = 1,
