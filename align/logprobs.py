@@ -23,7 +23,7 @@ returned unwhitened (a standard deviation of one value is undefined).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 __all__ = [
     "selective_log_softmax",
     "entropy_from_logits",
+    "linear_log_softmax",
     "response_mask",
     "truncated",
     "last_valid_index",
@@ -204,6 +205,133 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperatur
     vocab = logits.shape[-1]
     flat = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size), temperature)
     return flat.view(logits.shape[:-1])
+
+
+class _LinearLogSoftmax(torch.autograd.Function):
+    """log p(index) (and optionally the entropy) under softmax((hidden @ W.T + b) / T), chunked over rows.
+
+    Forward and backward each visit the rows in chunks, and each chunk's logits exist only while it is being
+    processed: the saved state is ``hidden``, the head's weight and bias, and two float32 numbers per row (the
+    log-normaliser and the entropy). The backward recomputes a chunk's logits (one more matmul of the head per
+    chunk) and turns them into the gradients of the hidden states, the weight and the bias:
+
+    with x = logits / T, p = softmax(x) and log p(i) = x_i - lse,
+      d log p(i) / dx = onehot(i) - p,       d H / dx = -p * (log p + H),
+    and every logit gradient is divided by T once more for the temperature.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, temperature, chunk_rows, want_entropy):
+        n = hidden.shape[0]
+        dtype = _compute_dtype(weight.dtype)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
+        picked = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
+        entropy = torch.empty(n, dtype=dtype, device=hidden.device) if want_entropy else None  # (N,)
+        for start in range(0, n, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            x = F.linear(hidden[rows], weight, bias).to(dtype) / temperature  # (n_chunk, V)
+            lse[rows] = torch.logsumexp(x, dim=-1)
+            picked[rows] = x.gather(-1, index[rows].unsqueeze(-1)).squeeze(-1)
+            if want_entropy:
+                p = torch.exp(x - lse[rows].unsqueeze(-1))
+                entropy[rows] = lse[rows] - (p * x).sum(-1)
+        ctx.temperature, ctx.chunk_rows, ctx.has_bias = temperature, chunk_rows, bias is not None
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else hidden.new_empty(0), index, lse,
+                              entropy if want_entropy else lse.new_empty(0))
+        logprobs = picked - lse
+        if want_entropy:
+            return logprobs, entropy
+        return logprobs, lse.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):  # (N,), (N,) or empty
+        hidden, weight, bias, index, lse, entropy = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        t, step = ctx.temperature, ctx.chunk_rows
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        use_entropy = grad_entropy is not None and grad_entropy.numel() > 0 and entropy.numel() > 0
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_bias else None
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
+            h = hidden[rows]
+            x = F.linear(h, weight, bias).to(lse.dtype) / t  # (n_chunk, V)
+            logp = x - lse[rows].unsqueeze(-1)
+            p = logp.exp()
+            g = grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)  # (n_chunk, 1)
+            grad_x = -p * g
+            grad_x.scatter_add_(-1, index[rows].unsqueeze(-1), g)
+            if use_entropy:
+                grad_x -= p * (logp + entropy[rows].unsqueeze(-1)) * grad_entropy[rows].to(lse.dtype).unsqueeze(-1)
+            grad_logits = (grad_x / t).to(weight.dtype)
+            if need_hidden:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
+                grad_weight += (grad_logits.t() @ h.to(weight.dtype)).to(grad_weight.dtype)
+            if need_bias:
+                grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def linear_log_softmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_rows: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Token log-probabilities (and entropies) through an output head, without the full logits.
+
+    Args:
+        hidden: ``(..., H)`` final hidden states.
+        weight: ``(V, H)`` output-head weight; ``bias``: ``(V,)`` or ``None``.
+        index: ``(...)`` token ids whose log-probability is wanted.
+        temperature: ``> 0``; divides the logits after their upcast to float32, as in
+            :func:`selective_log_softmax`.
+        return_entropy: also return the entropy of each row's distribution.
+        chunk_rows: rows whose logits exist at once; by default about 2**24 logits (64 MiB in float32).
+
+    Returns:
+        ``(logprobs, entropy)``: ``(...)`` float32 (float64 for a float64 head) each; ``entropy`` is ``None``
+        unless asked for. Gradients reach ``hidden``, ``weight`` and ``bias``.
+
+    Equals ``selective_log_softmax(hidden @ weight.T + bias, index, temperature)`` and
+    ``entropy_from_logits(...)`` of the same logits to float rounding, forward and backward, while the peak
+    memory of the head is one chunk of logits instead of ``(..., V)`` logits plus their gradient. The price is
+    one more matmul of the head in the backward pass (the chunk's logits are recomputed there).
+    """
+    if hidden.shape[:-1] != index.shape:
+        raise ValueError(
+            f"linear_log_softmax: index shape {tuple(index.shape)} must equal hidden shape without the "
+            f"hidden dim {tuple(hidden.shape[:-1])}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"linear_log_softmax: weight must be (V, {hidden.shape[-1]}), got {tuple(weight.shape)}"
+        )
+    temperature = _check_temperature("linear_log_softmax", temperature)
+    if chunk_rows is None:
+        chunk_rows = _rows_per_chunk(weight.shape[0])
+    if chunk_rows < 1:
+        raise ValueError(f"linear_log_softmax: chunk_rows must be >= 1, got {chunk_rows}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if flat_hidden.dtype != weight.dtype:
+        flat_hidden = flat_hidden.to(weight.dtype)
+    logprobs, entropy = _LinearLogSoftmax.apply(
+        flat_hidden, weight, bias, index.reshape(-1).long(), temperature, int(chunk_rows), bool(return_entropy)
+    )
+    logprobs = logprobs.view(index.shape)
+    return logprobs, (entropy.view(index.shape) if return_entropy else None)
 
 
 # ----------------------------------------------------------------------------

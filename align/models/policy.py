@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Iterator, Literal, NamedTuple
 
 import torch
+import transformers.modeling_utils
 from torch import nn
 
 from align.errors import AlignConfigError
 from align.hub import check_model_source, load_tokenizer
-from align.logprobs import entropy_from_logits, selective_log_softmax
+from align.logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
 from align.models.loading import (
     DType,
     LoraSettings,
@@ -72,6 +73,25 @@ def _contiguous_if_frozen(module: nn.Module, args: tuple):
     if not args or weight is None or weight.requires_grad:
         return None
     return (args[0].contiguous(), *args[1:])
+
+
+# Model families whose causal LM computes ``logits = lm_head(final hidden states)`` and nothing more (no softcapping,
+# no logit scale), so that align may apply the head itself, chunked, to the hidden states of its decoder.
+CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                            "olmo2", "smollm3")
+
+
+def chunked_head_unsupported(model: nn.Module) -> str | None:
+    """Why align cannot apply ``model``'s output head itself, chunked (``None`` when it can)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in CHUNKED_HEAD_MODEL_TYPES:
+        return f"model type {model_type!r}"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return f"an output head of type {type(head).__name__} (an adapter or a replaced layer on the head)"
+    if hasattr(head.weight, "ds_id"):
+        return "an output head partitioned by DeepSpeed ZeRO-3"
+    return None
 
 
 def _adapter_switch_types() -> tuple[type, ...]:
@@ -333,12 +353,25 @@ class PolicyModel(nn.Module):
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
         want_values = return_values and not reference
-        hidden: list[torch.Tensor] = []
+        targets = input_ids[:, T - R:]
         ctx = self._reference_context() if reference else nullcontext(self.model)
         with ctx as lm:
+            head = self._own_head(lm)
+            if head is not None:
+                # Hidden states of the positions that predict a response token (T-R-1+j predicts T-R+j), then the
+                # head and the log-softmax chunk by chunk: the (B, R, V) logits never exist at once.
+                hidden = self._decoder(lm)(input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids, use_cache=False).last_hidden_state
+                logprobs, entropy = linear_log_softmax(
+                    hidden[:, T - R - 1 : T - 1], head.weight, targets, bias=head.bias, temperature=temperature,
+                    return_entropy=return_entropy)
+                values = self._values(hidden, input_ids, attention_mask, position_ids, R) if want_values else None
+                return TokenLogprobs(logprobs, entropy, values)
+            kept: list[torch.Tensor] = []
             hook = None
             if want_values and self.value_head is not None:
-                hook = lm.get_decoder().register_forward_hook(lambda m, a, out: hidden.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+                hook = self._decoder(lm).register_forward_hook(
+                    lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
             try:
                 out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          logits_to_keep=R + 1, use_cache=False)
@@ -346,20 +379,70 @@ class PolicyModel(nn.Module):
                 if hook is not None:
                     hook.remove()
         logits = out.logits[:, :-1]  # (B, R, V): position T-R-1+j predicts token T-R+j
-        targets = input_ids[:, T - R:]
         # The temperature divides after the per-chunk upcast, as in the sampler: dividing bf16 logits first
         # would round them and shift every log-prob (and so every importance ratio) away from the sampler's.
         logprobs = selective_log_softmax(logits, targets, temperature)
         entropy = entropy_from_logits(logits, temperature=temperature) if return_entropy else None
         values = None
         if want_values:
-            values = self._values(hidden, input_ids, attention_mask, position_ids, R)
+            values = self._values(kept[0] if kept else None, input_ids, attention_mask, position_ids, R)
         return TokenLogprobs(logprobs, entropy, values)
+
+    def next_token_logprobs(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        targets: torch.Tensor,  # (B, T) long: the token each position predicts, ``ignore_index`` where none
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """``(N,)`` float32 log-probs of ``targets`` at the positions that have one, in row-major order.
+
+        Only those positions go through the output head (prompts, padding and the last position of a packed
+        segment need no logits): with align's own chunked head on the selected hidden states, otherwise through
+        transformers' ``logits_to_keep`` mask (so a model's softcapping or logit scale still applies).
+        """
+        if position_ids is None and attention_mask is not None:
+            position_ids = position_ids_from_mask(attention_mask)
+        keep = targets != ignore_index  # (B, T)
+        head = self._own_head(self.model)
+        if head is not None:
+            hidden = self._decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask,
+                                               position_ids=position_ids, use_cache=False).last_hidden_state
+            return linear_log_softmax(hidden[keep], head.weight, targets[keep], bias=head.bias)[0]
+        base = self.base_model
+        # Transformers versions with ``slice_logits_to_keep`` take a (B, T) bool mask and return (N, V) logits;
+        # models loaded with their own code (trust_remote_code) may not.
+        by_mask = (hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+                   and type(base).__module__.startswith("transformers.models."))
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, **({"logits_to_keep": keep} if by_mask else {}))
+        logits = out.logits if out.logits.dim() == 2 else out.logits[keep]  # (N, V)
+        return selective_log_softmax(logits, targets[keep])
+
+    @staticmethod
+    def _decoder(lm: nn.Module) -> nn.Module:
+        """The transformers decoder (embeddings, layers, final norm) inside ``lm``, a peft wrapper included."""
+        base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+        return base.get_decoder()
+
+    def _own_head(self, lm: nn.Module) -> nn.Linear | None:
+        """``lm``'s output head when align applies it itself, chunked (see :func:`chunked_head_unsupported`);
+        ``None``: the model's own forward computes the logits. The first fallback is reported once."""
+        base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+        reason = chunked_head_unsupported(base)
+        if reason is None:
+            return base.get_output_embeddings()
+        if not getattr(self, "_head_fallback_reported", False):
+            self._head_fallback_reported = True
+            log.info("policy: full-vocabulary logits for %s (the chunked output head covers plain linear heads "
+                     "of %s models)", reason, ", ".join(CHUNKED_HEAD_MODEL_TYPES))
+        return None
 
     def _values(self, hidden, input_ids, attention_mask, position_ids, R) -> torch.Tensor:
         T = input_ids.shape[1]
         if self.value_head is not None:
-            return self.value_head(hidden[0][:, T - R - 1 : T - 1])
+            return self.value_head(hidden[:, T - R - 1 : T - 1])
         if self.critic is not None:
             h = self.critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False).last_hidden_state
@@ -386,12 +469,11 @@ class PolicyModel(nn.Module):
             raise ValueError(f"response_length must be in [1, {T - 1}], got {response_length}")
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
-        hidden: list[torch.Tensor] = []
+        hidden = None
         if self.value_head is not None:
             with torch.no_grad() if detach_backbone else nullcontext():
-                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                               position_ids=position_ids, use_cache=False)
-            hidden.append(out.last_hidden_state)
+                hidden = self._decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask,
+                                                   position_ids=position_ids, use_cache=False).last_hidden_state
         return self._values(hidden, input_ids, attention_mask, position_ids, response_length)
 
     @torch.no_grad()

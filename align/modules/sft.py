@@ -6,27 +6,12 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
-import transformers.modeling_utils
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.chat import IGNORE_INDEX
 from align.data.sft import SFTBatch
-from align.logprobs import selective_log_softmax
-from align.losses import sft_loss
 from align.models.policy import PolicyModel
 from align.modules.base import AlignModule
-
-# Transformers versions with this helper accept a (B, T) bool ``logits_to_keep`` and return logits for those
-# positions only, flattened to (N, V); older ones would misread the mask.
-_SLICES_BY_MASK = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
-
-
-def _nll_sum_of_selected(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed NLL of ``targets`` (N,) under ``logits`` (N, V), with the dtype handling of ``sft_loss``."""
-    if logits.dtype in (torch.float32, torch.float64):
-        return F.cross_entropy(logits, targets, reduction="sum").float()
-    return -selective_log_softmax(logits, targets).sum()
 
 
 class SFTModule(AlignModule):
@@ -64,23 +49,11 @@ class SFTModule(AlignModule):
         self._step_tokens = 0
         self._step_started = time.perf_counter()
 
-    def _slices_by_mask(self) -> bool:
-        # Models shipped with transformers share its slicing helper; code loaded from a checkpoint may not.
-        return _SLICES_BY_MASK and type(self.policy.base_model).__module__.startswith("transformers.models.")
-
     def _nll_sum(self, batch: SFTBatch) -> torch.Tensor:
-        # The output head only runs where a next token is trained: prompts, padding and the last position of each
-        # packed segment need no logits. With completion-only data that skips most of the head's work (most of a
-        # step for a large vocabulary). Transformers slices the final hidden states with a (B, T) bool
-        # ``logits_to_keep`` before its own head, so softcapping or logit scaling still apply, and returns (N, V).
         targets = torch.cat([batch.labels[:, 1:], torch.full_like(batch.labels[:, :1], IGNORE_INDEX)], dim=1)  # (B, T)
-        keep = targets != IGNORE_INDEX  # (B, T)
-        kwargs = {"logits_to_keep": keep} if self._slices_by_mask() else {}
-        out = self.policy(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                          use_cache=False, **kwargs)
-        if out.logits.dim() == 3:  # a model that returns every position's logits
-            return sft_loss(out.logits, batch.labels, normaliser=1.0)
-        return _nll_sum_of_selected(out.logits, targets[keep])
+        logprobs = self.policy.next_token_logprobs(batch.input_ids, targets, attention_mask=batch.attention_mask,
+                                                   position_ids=batch.position_ids, ignore_index=IGNORE_INDEX)
+        return -logprobs.sum()
 
     def training_step(self, batch: SFTBatch, batch_idx: int) -> torch.Tensor:
         nll = self._nll_sum(batch)

@@ -177,3 +177,95 @@ def test_export_loads_with_plain_transformers_and_generates(tmp_path, use_lora):
     gen = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] > prompt["input_ids"].shape[1]
     assert policy.has_adapter == use_lora  # exporting did not merge the training model in place
+
+
+# ---------------------------------------------------------------- the chunked output head
+
+
+def _paths_agree(policy, run, monkeypatch):
+    """``run(policy)`` -> (outputs, loss) through align's chunked head and through the model's own forward:
+    the outputs and every parameter gradient agree to float rounding."""
+    import align.models.policy as policy_module
+
+    results = []
+    for unsupported in (lambda model: None, lambda model: "forced for the test"):
+        monkeypatch.setattr(policy_module, "chunked_head_unsupported", unsupported)
+        policy.zero_grad(set_to_none=True)
+        outputs, loss = run(policy)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        results.append(([o.detach() for o in outputs], grads))
+    (chunked, chunked_grads), (full, full_grads) = results
+    for a, b in zip(chunked, full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert chunked_grads.keys() == full_grads.keys() and chunked_grads
+    for name in full_grads:
+        torch.testing.assert_close(chunked_grads[name], full_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_chunked_head_equals_the_models_own_logits_forward_and_backward(lora, monkeypatch):
+    # Left padding, a temperature, entropy and a shared value head: every output and every gradient (the tied
+    # embedding and head included) is the one the full (B, R, V) logits give.
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head="shared")
+    ids, mask = batch(policy)
+    weights = torch.linspace(-1, 1, 3 * ids.shape[0]).view(ids.shape[0], 3)
+
+    def run(p):
+        out = p.token_logprobs(ids, mask, response_length=3, temperature=0.8, return_entropy=True, return_values=True)
+        return (out.logprobs, out.entropy, out.values), (out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()
+
+    _paths_agree(policy, run, monkeypatch)
+
+
+def test_chunked_head_equals_the_models_own_logits_for_the_reference_and_for_sft(monkeypatch):
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8))
+    policy.setup_reference()
+    ids, mask = batch(policy)
+    targets = torch.where(mask.bool(), ids, -100).roll(-1, dims=1)
+    targets[:, -1] = -100
+    targets[:, :2] = -100  # a "prompt" without loss
+
+    def run(p):
+        with torch.no_grad():
+            ref = p.token_logprobs(ids, mask, response_length=3, reference=True).logprobs
+        nll = -p.next_token_logprobs(ids, targets, attention_mask=mask)
+        return (ref, nll), nll.sum()
+
+    _paths_agree(policy, run, monkeypatch)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunked_head_keeps_no_vocabulary_sized_tensor(chunked, monkeypatch):
+    # What autograd saves for the backward of a scoring pass: with the chunked head, no activation has a
+    # vocabulary dimension; through the model's own forward, the (B, R + 1, V) logits are among them.
+    import align.models.policy as policy_module
+
+    if not chunked:
+        monkeypatch.setattr(policy_module, "chunked_head_unsupported", lambda model: "forced for the test")
+    policy = PolicyModel()
+    ids, mask = batch(policy)
+    vocab = policy.config.vocab_size
+    weights = {p.data_ptr() for p in policy.parameters()}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = policy.token_logprobs(ids, mask, response_length=3, return_entropy=True)
+    vocabulary_sized = [tuple(t.shape) for t in saved if t.data_ptr() not in weights and t.shape[-1:] == (vocab,)]
+    assert bool(vocabulary_sized) is not chunked, vocabulary_sized
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+
+
+def test_unsupported_heads_fall_back_to_the_models_forward_and_say_so_once(caplog):
+    from align.models.policy import chunked_head_unsupported
+
+    policy = PolicyModel()
+    assert chunked_head_unsupported(policy.model) is None
+    policy.model.config.model_type = "gemma2"  # softcapped logits: only the model's forward computes them
+    ids, mask = batch(policy)
+    with caplog.at_level("INFO", logger="align.models.policy"):
+        full = policy.token_logprobs(ids, mask, response_length=3).logprobs
+        policy.token_logprobs(ids, mask, response_length=3)
+    assert [r.getMessage() for r in caplog.records if "full-vocabulary" in r.getMessage()] == [
+        "policy: full-vocabulary logits for model type 'gemma2' (the chunked output head covers plain linear heads "
+        "of llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, olmo2, smollm3 models)"]
+    torch.testing.assert_close(full, naive_logprobs(policy.model, ids, mask, 3))
