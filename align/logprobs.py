@@ -207,6 +207,13 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperatur
     return flat.view(logits.shape[:-1])
 
 
+def _scaled_logits(hidden, weight, bias, dtype, temperature):
+    """A chunk's logits in the compute dtype, divided by the temperature (in place: the buffer is new)."""
+    x = F.linear(hidden, weight, bias)
+    x = x.to(dtype) if x.dtype != dtype else x
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
 class _LinearLogSoftmax(torch.autograd.Function):
     """log p(index) (and optionally the entropy) under softmax((hidden @ W.T + b) / T), chunked over rows.
 
@@ -229,12 +236,16 @@ class _LinearLogSoftmax(torch.autograd.Function):
         entropy = torch.empty(n, dtype=dtype, device=hidden.device) if want_entropy else None  # (N,)
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
-            x = F.linear(hidden[rows], weight, bias).to(dtype) / temperature  # (n_chunk, V)
-            lse[rows] = torch.logsumexp(x, dim=-1)
+            x = _scaled_logits(hidden[rows], weight, bias, dtype, temperature)  # (n_chunk, V)
             picked[rows] = x.gather(-1, index[rows].unsqueeze(-1)).squeeze(-1)
-            if want_entropy:
-                p = torch.exp(x - lse[rows].unsqueeze(-1))
-                entropy[rows] = lse[rows] - (p * x).sum(-1)
+            # logsumexp in place on the chunk's buffer: x - max, then its exp (x itself is kept for the entropy).
+            top = x.amax(dim=-1, keepdim=True)  # (n_chunk, 1)
+            shifted = x.sub(top) if want_entropy else x.sub_(top)
+            p = shifted.exp_()
+            total = p.sum(-1)
+            lse[rows] = total.log() + top.squeeze(-1)
+            if want_entropy:  # H = lse - sum(p * x) with p = exp(x - lse)
+                entropy[rows] = lse[rows] - p.mul_(x).sum(-1) / total
         ctx.temperature, ctx.chunk_rows, ctx.has_bias = temperature, chunk_rows, bias is not None
         ctx.save_for_backward(hidden, weight, bias if bias is not None else hidden.new_empty(0), index, lse,
                               entropy if want_entropy else lse.new_empty(0))
@@ -258,19 +269,25 @@ class _LinearLogSoftmax(torch.autograd.Function):
         for start in range(0, hidden.shape[0], step):
             rows = slice(start, start + step)
             h = hidden[rows]
-            x = F.linear(h, weight, bias).to(lse.dtype) / t  # (n_chunk, V)
-            logp = x - lse[rows].unsqueeze(-1)
-            p = logp.exp()
+            # In place on the chunk's one (n_chunk, V) buffer: x -> log p -> p -> the logit gradient.
+            logp = _scaled_logits(h, weight, bias, lse.dtype, t).sub_(lse[rows].unsqueeze(-1))
             g = grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)  # (n_chunk, 1)
-            grad_x = -p * g
-            grad_x.scatter_add_(-1, index[rows].unsqueeze(-1), g)
             if use_entropy:
-                grad_x -= p * (logp + entropy[rows].unsqueeze(-1)) * grad_entropy[rows].to(lse.dtype).unsqueeze(-1)
-            grad_logits = (grad_x / t).to(weight.dtype)
+                g_ent = grad_entropy[rows].to(lse.dtype).unsqueeze(-1)
+                # -p * (g + (log p + H) * g_ent), with log p turned into p in place
+                coef = logp.add(entropy[rows].unsqueeze(-1)).mul_(g_ent).add_(g)
+                grad_x = logp.exp_().mul_(coef).neg_()
+                del coef
+            else:
+                grad_x = logp.exp_().mul_(-g)
+            grad_x.scatter_add_(-1, index[rows].unsqueeze(-1), g)
+            if t != 1.0:
+                grad_x.div_(t)
+            grad_logits = grad_x.to(weight.dtype)
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
-                grad_weight += (grad_logits.t() @ h.to(weight.dtype)).to(grad_weight.dtype)
+                grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
             if need_bias:
                 grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
         if grad_weight is not None:

@@ -355,9 +355,10 @@ def lightning_meter(meter: StepMeter, counts: Callable | None = None, interval: 
     return MeterCallback()
 
 
-def logged(trainer, **names: str) -> dict[str, float]:
-    """``{count: value}`` of the metrics the module logged this step, ``names`` mapping count -> metric name."""
-    return {count: float(trainer.callback_metrics[metric]) for count, metric in names.items()}
+def logged(pl_module, **names: str) -> dict[str, float]:
+    """``{count: value}`` of the RL module's metrics of this step (``last_metrics``: every step, whether or not
+    the step writes a log row), ``names`` mapping count -> metric name."""
+    return {count: float(pl_module.last_metrics[metric]) for count, metric in names.items()}
 
 
 def trl_meter(meter: StepMeter, interval: str = "end_to_end"):
@@ -491,7 +492,7 @@ def rl_align_trial(spec: dict, module, phases: tuple[str, ...], max_steps: int) 
                             shuffle=False)
     meter = StepMeter(spec["warmup"])
     names = {"tokens": "rollout/completion_tokens", **{f"{p}_s": f"time/{p}_s" for p in phases}}
-    callback = lightning_meter(meter, lambda trainer, pl_module, batch: logged(trainer, **names), interval="step")
+    callback = lightning_meter(meter, lambda trainer, pl_module, batch: logged(pl_module, **names), interval="step")
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], max_epochs=-1)
     trainer.fit(module, datamodule=data)
