@@ -207,6 +207,39 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperatur
     return flat.view(logits.shape[:-1])
 
 
+def _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs, grad_entropy, temperature, chunk_rows,
+                              needs):
+    """The backward of :class:`_LinearLogSoftmax` out of place, with the log-normaliser recomputed from the
+    logits, so that autograd can differentiate it again (double backpropagation, as TRPO's Fisher-vector products
+    do): every quantity is a differentiable function of ``hidden``, ``weight`` and ``bias``."""
+    need_hidden, need_weight, need_bias = needs
+    dtype = _compute_dtype(weight.dtype)
+    hidden_chunks, grad_weight, grad_bias = [], None, None
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        h = hidden[rows]
+        x = F.linear(h, weight, bias).to(dtype) / temperature
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        g = grad_logprobs[rows].to(dtype).unsqueeze(-1)
+        onehot = torch.zeros_like(x).scatter(-1, index[rows].unsqueeze(-1), 1.0)
+        grad_x = (onehot - p) * g
+        if grad_entropy is not None:
+            entropy = -(p * logp).sum(-1, keepdim=True)
+            grad_x = grad_x - p * (logp + entropy) * grad_entropy[rows].to(dtype).unsqueeze(-1)
+        grad_logits = (grad_x / temperature).to(weight.dtype)
+        if need_hidden:
+            hidden_chunks.append(grad_logits @ weight)
+        if need_weight:
+            part = grad_logits.t() @ h.to(weight.dtype)
+            grad_weight = part if grad_weight is None else grad_weight + part
+        if need_bias:
+            part = grad_logits.sum(0)
+            grad_bias = part if grad_bias is None else grad_bias + part
+    grad_hidden = torch.cat(hidden_chunks) if need_hidden else None
+    return grad_hidden, grad_weight, grad_bias
+
+
 def _scaled_logits(hidden, weight, bias, dtype, temperature):
     """A chunk's logits in the compute dtype, divided by the temperature (in place: the buffer is new)."""
     x = F.linear(hidden, weight, bias)
@@ -261,11 +294,16 @@ class _LinearLogSoftmax(torch.autograd.Function):
         t, step = ctx.temperature, ctx.chunk_rows
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         use_entropy = grad_entropy is not None and grad_entropy.numel() > 0 and entropy.numel() > 0
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        if torch.is_grad_enabled():  # create_graph=True (a Fisher-vector product): a backward autograd can differentiate
+            grads = _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs,
+                                              grad_entropy if use_entropy else None, t, step,
+                                              (need_hidden, need_weight, need_bias))
+            return (*grads, None, None, None, None)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_bias else None
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(lse)
         for start in range(0, hidden.shape[0], step):
             rows = slice(start, start + step)
             h = hidden[rows]

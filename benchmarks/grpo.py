@@ -78,7 +78,8 @@ def build_module(spec: dict):
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     return GRPOModule(
-        policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=spec["group"],
+        policy=PolicyModel(spec["model_dir"], lora=lora, gradient_checkpointing=spec["gradient_checkpointing"]),
+        rewards=[length_reward], group_size=spec["group"],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
                                 fast_decoder=spec["fast_decoder"]),
         kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2, level=spec["level"]),
@@ -110,6 +111,7 @@ def run_trl(spec: dict) -> dict:
         epsilon=0.2, gradient_accumulation_steps=1, temperature=1.0, top_p=1.0,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
         dataloader_num_workers=0, shuffle_dataset=False, disable_tqdm=True,
+        gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's own default is on; align's is off
     )
     if spec["estimator"] == "rloo":
         trainer_class, config = RLOOTrainer, RLOOConfig(**common, normalize_advantages=False)
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fast-decoder", dest="fast_decoder", action="store_false",
                         help="align samples through the model's own forward instead of its FastDecoder")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute activations in the backward pass, on both sides (TRL's default; off by default "
+                             "here, as in align)")
     parser.add_argument("--estimator", choices=("grpo", "rloo"), default="grpo",
                         help="rloo: align's advantages.estimator rloo against TRL's RLOOTrainer")
     parser.add_argument("--level", choices=("token", "sequence"), default="token",
@@ -177,14 +182,15 @@ def main(argv: list[str] | None = None) -> None:
         spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
                 "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder,
-                "estimator": ns.estimator, "level": ns.level}
+                "estimator": ns.estimator, "level": ns.level, "gradient_checkpointing": ns.gradient_checkpointing}
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
             ("align", "trl"), ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
     name = {"rloo": "RLOO"}.get(ns.estimator, "GSPO" if ns.level == "sequence" else "GRPO")
     h.rl_report(ns, f"\n{name} full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
                     f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
-                    f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, medians of "
+                    f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, gradient checkpointing "
+                    f"{'on' if ns.gradient_checkpointing else 'off'}, medians of "
                     f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ def run_trl(spec: dict) -> dict:
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, beta=[0.1], loss_type="sigmoid",
         gradient_accumulation_steps=1, temperature=1.0, top_p=1.0, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=False,  # as align (TRL's own default is on)
     )
     peft_config = None
     if spec["lora"]:

@@ -120,6 +120,7 @@ def run_trl(spec: dict) -> dict:
         learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, num_sample_generations=0,
         dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=False,  # as align (TRL's own default is on)
     )
     policy = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)

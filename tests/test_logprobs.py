@@ -412,6 +412,8 @@ def test_linear_log_softmax_gradcheck_float64():
         return lp_, ent
 
     assert torch.autograd.gradcheck(fn, (h, w, b))
+    # Second order too: TRPO's Fisher-vector products differentiate the gradient of the log-probs again.
+    assert torch.autograd.gradgradcheck(fn, (h, w, b))
 
 
 def test_linear_log_softmax_logprobs_only_and_frozen_head():

@@ -11,6 +11,7 @@ same positions in training as in generation, and log-probs of the old and new po
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -360,12 +361,13 @@ class PolicyModel(nn.Module):
             if head is not None:
                 # Hidden states of the positions that predict a response token (T-R-1+j predicts T-R+j), then the
                 # head and the log-softmax chunk by chunk: the (B, R, V) logits never exist at once.
-                hidden = self._decoder(lm)(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids, use_cache=False).last_hidden_state
-                logprobs, entropy = linear_log_softmax(
-                    hidden[:, T - R - 1 : T - 1], head.weight, targets, bias=head.bias, temperature=temperature,
-                    return_entropy=return_entropy)
-                values = self._values(hidden, input_ids, attention_mask, position_ids, R) if want_values else None
+                hidden = self._scoring_hidden(self._decoder(lm), input_ids, attention_mask, position_ids, R)
+                logprobs, entropy = linear_log_softmax(hidden, head.weight, targets, bias=head.bias,
+                                                       temperature=temperature, return_entropy=return_entropy)
+                values = None
+                if want_values:
+                    values = (self.value_head(hidden) if self.value_head is not None
+                              else self._values(None, input_ids, attention_mask, position_ids, R))
                 return TokenLogprobs(logprobs, entropy, values)
             kept: list[torch.Tensor] = []
             hook = None
@@ -419,6 +421,41 @@ class PolicyModel(nn.Module):
                          use_cache=False, **({"logits_to_keep": keep} if by_mask else {}))
         logits = out.logits if out.logits.dim() == 2 else out.logits[keep]  # (N, V)
         return selective_log_softmax(logits, targets[keep])
+
+    def _scoring_hidden(self, decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
+        """``(B, R, H)`` final hidden states of the positions ``T-R-1 .. T-2``, which predict the last ``R`` tokens.
+
+        Rows that share their first ``T - R`` tokens (a GRPO group's prompt, sampled ``group_size`` times) share
+        one forward pass over them: the prompt runs once per distinct prompt, with gradients, and its keys and
+        values are handed to every row's continuation (autograd sums their gradients back). The numbers are
+        those of one pass over the whole rows, to float rounding; the saving is the prompt's share of the
+        batch's tokens times ``1 - 1 / group_size``. Rows that share nothing, one-token continuations and
+        gradient checkpointing (which recomputes each layer without its cache) take one pass over the rows.
+        """
+        T = input_ids.shape[1]
+        P = T - R
+        rows, inverse = None, None
+        recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
+        if R > 1 and input_ids.shape[0] > 1 and not recomputed:
+            key = input_ids[:, :P] if attention_mask is None else torch.where(attention_mask[:, :P].bool(), input_ids[:, :P], -1)
+            unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+            if unique.shape[0] < input_ids.shape[0]:
+                rows = torch.zeros(unique.shape[0], dtype=torch.long, device=input_ids.device).scatter_(
+                    0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device))  # one row per prompt
+        if rows is None:
+            return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state[:, P - 1 : T - 1]
+        sub = lambda x: None if x is None else x[rows, :P]
+        prefix = decoder(input_ids=input_ids[rows, :P], attention_mask=sub(attention_mask),
+                         position_ids=sub(position_ids), use_cache=True)
+        cache = prefix.cache if getattr(prefix, "cache", None) is not None else prefix.past_key_values
+        cache.reorder_cache(inverse)  # index_select along the batch: differentiable, gradients summed per prompt
+        cache_kwarg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        rest = decoder(input_ids=input_ids[:, P : T - 1],
+                       attention_mask=None if attention_mask is None else attention_mask[:, : T - 1],
+                       position_ids=None if position_ids is None else position_ids[:, P : T - 1],
+                       use_cache=True, **{cache_kwarg: cache}).last_hidden_state  # (B, R - 1, H)
+        return torch.cat([prefix.last_hidden_state[inverse, P - 1 : P], rest], dim=1)
 
     @staticmethod
     def _decoder(lm: nn.Module) -> nn.Module:

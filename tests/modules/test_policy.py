@@ -269,3 +269,46 @@ def test_unsupported_heads_fall_back_to_the_models_forward_and_say_so_once(caplo
         "policy: full-vocabulary logits for model type 'gemma2' (the chunked output head covers plain linear heads "
         "of llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, olmo2, smollm3 models)"]
     torch.testing.assert_close(full, naive_logprobs(policy.model, ids, mask, 3))
+
+
+def _groups(policy, group=3):
+    """Two prompts of different lengths (left-padded), each with ``group`` different right-padded responses."""
+    ids, mask = batch(policy)
+    prompts, prompt_mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(5, policy.config.vocab_size, (prompts.shape[0], 5), generator=g)
+    response_mask = torch.ones_like(responses)
+    response_mask[1, 3:] = 0  # a response that ended early, then padding
+    response_mask[4, 1:] = 0
+    return torch.cat([prompts, responses], 1), torch.cat([prompt_mask, response_mask], 1)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, monkeypatch):
+    # A GRPO batch: rows of a group share their prompt, which the chunked path runs once per prompt; log-probs,
+    # entropies, values and every gradient equal one pass over the whole rows (the model's own forward).
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head="shared")
+    ids, mask = _groups(policy)
+    weights = torch.linspace(-1, 1, ids.shape[0] * 5).view(ids.shape[0], 5)
+    calls = []
+    decoder = policy.model.get_decoder() if not lora else policy.base_model.get_decoder()
+    decoder.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+
+    def run(p):
+        out = p.token_logprobs(ids, mask, response_length=5, temperature=0.9, return_entropy=True, return_values=True)
+        return (out.logprobs, out.entropy, out.values), (out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()
+
+    _paths_agree(policy, run, monkeypatch)
+    prompt_length = ids.shape[1] - 5
+    assert calls[:2] == [torch.Size([2, prompt_length]), torch.Size([6, 4])]  # 2 prompts once, then 6 continuations
+
+
+def test_shared_prompts_reference_pass_and_rows_without_sharing():
+    policy = PolicyModel()
+    policy.setup_reference()
+    ids, mask = _groups(policy)
+    with torch.no_grad():
+        grouped = policy.token_logprobs(ids, mask, response_length=5, reference=True).logprobs
+        alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5, reference=True).logprobs
+                           for i in range(ids.shape[0])])
+    torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)
