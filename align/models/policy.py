@@ -82,6 +82,12 @@ CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe",
                             "olmo2", "smollm3")
 
 
+# Prompt tokens not recomputed x decoder parameters below which a scoring pass does not split into a prompt pass
+# and a continuation pass: about 1 GFLOP of forward work, more than the second call's fixed cost (a few ms on a
+# CPU). The embedded tiny model (0.85M parameters) never reaches it; SmolLM2-135M does with 8 shared tokens.
+_MIN_SHARED_PREFIX_WORK = 5 * 10**8
+
+
 def chunked_head_unsupported(model: nn.Module) -> str | None:
     """Why align cannot apply ``model``'s output head itself, chunked (``None`` when it can)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -429,8 +435,9 @@ class PolicyModel(nn.Module):
         one forward pass over them: the prompt runs once per distinct prompt, with gradients, and its keys and
         values are handed to every row's continuation (autograd sums their gradients back). The numbers are
         those of one pass over the whole rows, to float rounding; the saving is the prompt's share of the
-        batch's tokens times ``1 - 1 / group_size``. Rows that share nothing, one-token continuations and
-        gradient checkpointing (which recomputes each layer without its cache) take one pass over the rows.
+        batch's tokens times ``1 - 1 / group_size``. Rows that share nothing, one-token continuations, gradient
+        checkpointing (which recomputes each layer without its cache) and savings too small to pay for a second
+        decoder call (tiny models: see ``_MIN_SHARED_PREFIX_WORK``) take one pass over the rows.
         """
         T = input_ids.shape[1]
         P = T - R
@@ -439,7 +446,8 @@ class PolicyModel(nn.Module):
         if R > 1 and input_ids.shape[0] > 1 and not recomputed:
             key = input_ids[:, :P] if attention_mask is None else torch.where(attention_mask[:, :P].bool(), input_ids[:, :P], -1)
             unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-            if unique.shape[0] < input_ids.shape[0]:
+            saved_tokens = (input_ids.shape[0] - unique.shape[0]) * P
+            if saved_tokens * self._decoder_size(decoder) >= _MIN_SHARED_PREFIX_WORK:
                 rows = torch.zeros(unique.shape[0], dtype=torch.long, device=input_ids.device).scatter_(
                     0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device))  # one row per prompt
         if rows is None:
@@ -456,6 +464,13 @@ class PolicyModel(nn.Module):
                        position_ids=None if position_ids is None else position_ids[:, P : T - 1],
                        use_cache=True, **{cache_kwarg: cache}).last_hidden_state  # (B, R - 1, H)
         return torch.cat([prefix.last_hidden_state[inverse, P - 1 : P], rest], dim=1)
+
+    def _decoder_size(self, decoder: nn.Module) -> int:
+        """Parameters of ``decoder``, counted once per decoder."""
+        sizes = self.__dict__.setdefault("_decoder_sizes", {})
+        if id(decoder) not in sizes:
+            sizes[id(decoder)] = sum(p.numel() for p in decoder.parameters())
+        return sizes[id(decoder)]
 
     @staticmethod
     def _decoder(lm: nn.Module) -> nn.Module:

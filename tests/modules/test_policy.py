@@ -287,6 +287,9 @@ def _groups(policy, group=3):
 def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, monkeypatch):
     # A GRPO batch: rows of a group share their prompt, which the chunked path runs once per prompt; log-probs,
     # entropies, values and every gradient equal one pass over the whole rows (the model's own forward).
+    import align.models.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)  # the tiny model is below the threshold
     policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head="shared")
     ids, mask = _groups(policy)
     weights = torch.linspace(-1, 1, ids.shape[0] * 5).view(ids.shape[0], 5)
@@ -303,12 +306,23 @@ def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, monk
     assert calls[:2] == [torch.Size([2, prompt_length]), torch.Size([6, 4])]  # 2 prompts once, then 6 continuations
 
 
-def test_shared_prompts_reference_pass_and_rows_without_sharing():
+def test_shared_prompts_reference_pass_and_rows_without_sharing(monkeypatch):
+    import align.models.policy as policy_module
+
     policy = PolicyModel()
     policy.setup_reference()
     ids, mask = _groups(policy)
+    calls = []
+    policy.ref_model.get_decoder().register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),
+                                                             with_kwargs=True)
+    with torch.no_grad():  # too little shared work on the tiny model: one pass
+        policy.token_logprobs(ids, mask, response_length=5, reference=True)
+    assert calls == [ids.shape]
+    monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)
     with torch.no_grad():
         grouped = policy.token_logprobs(ids, mask, response_length=5, reference=True).logprobs
+    assert len(calls) == 3  # the 2 prompts once, then the 6 continuations
+    with torch.no_grad():
         alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5, reference=True).logprobs
                            for i in range(ids.shape[0])])
     torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)
