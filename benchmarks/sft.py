@@ -80,7 +80,7 @@ def _load_examples(spec: dict):
     from align.data.chat import ChatEncoder
     from align.data.io import read_rows
     from align.data.sft import tokenize_rows
-    from align.models.loading import load_tokenizer
+    from align.hub import load_tokenizer
 
     tokenizer = load_tokenizer(spec["model_dir"])
     examples, _ = tokenize_rows(read_rows(spec["train_file"]), spec["train_file"], ChatEncoder(tokenizer),
