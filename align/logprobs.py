@@ -296,7 +296,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
         use_entropy = grad_entropy is not None and grad_entropy.numel() > 0 and entropy.numel() > 0
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(lse)
-        if torch.is_grad_enabled():  # create_graph=True (a Fisher-vector product): a backward autograd can differentiate
+        if torch.is_grad_enabled():  # create_graph=True (Fisher-vector products): a backward autograd can differentiate
             grads = _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs,
                                               grad_entropy if use_entropy else None, t, step,
                                               (need_hidden, need_weight, need_bias))

@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     name = {"rloo": "RLOO"}.get(ns.estimator, "GSPO" if ns.level == "sequence" else "GRPO")
     h.rl_report(ns, f"\n{name} full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
                     f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
-                    f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, gradient checkpointing "
-                    f"{'on' if ns.gradient_checkpointing else 'off'}, medians of "
+                    f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, gradient "
+                    f"checkpointing {'on' if ns.gradient_checkpointing else 'off'}, medians of "
                     f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
 
 if __name__ == "__main__":

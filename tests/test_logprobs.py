@@ -391,12 +391,14 @@ def test_linear_log_softmax_equals_the_full_logits_forward_and_backward(chunk_ro
     # The plain computation: full (..., V) logits, then the existing kernels. Same upstream gradients on both.
     h, w, b, idx = _head_case(torch.float64, bias=bias)
     g = torch.Generator().manual_seed(1)
-    up_lp, up_ent = torch.randn(idx.shape, generator=g, dtype=torch.float64), torch.randn(idx.shape, generator=g, dtype=torch.float64)
+    up_lp = torch.randn(idx.shape, generator=g, dtype=torch.float64)
+    up_ent = torch.randn(idx.shape, generator=g, dtype=torch.float64)
     logits = torch.nn.functional.linear(h, w, b)
     ref_lp = selective_log_softmax(logits, idx, temperature)
     ref_ent = entropy_from_logits(logits, temperature=temperature)
     ref_grads = torch.autograd.grad((ref_lp * up_lp).sum() + (ref_ent * up_ent).sum(), [h, w] + ([b] if bias else []))
-    lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=temperature, return_entropy=True, chunk_rows=chunk_rows)
+    lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=temperature, return_entropy=True,
+                                  chunk_rows=chunk_rows)
     grads = torch.autograd.grad((lp_ * up_lp).sum() + (ent * up_ent).sum(), [h, w] + ([b] if bias else []))
     torch.testing.assert_close(lp_, ref_lp, rtol=0, atol=1e-12)
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)

@@ -122,7 +122,9 @@ def fast_decoder_unsupported(model: nn.Module) -> Optional[str]:
     first = next(lm.parameters(), None)
     if first is not None and _is_dtensor(first):
         return "sharded parameters (FSDP)"
-    if first is not None and first.numel() == 0:
+    # ZeRO-3 marks every parameter it partitions; whether one is gathered at this moment depends on its prefetching,
+    # so the mark, not the current size, decides (the decoder snapshots weights that would be released under it).
+    if first is not None and (hasattr(first, "ds_id") or first.numel() == 0):
         return "partitioned parameters (DeepSpeed ZeRO-3)"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -444,7 +444,9 @@ class PolicyModel(nn.Module):
         rows, inverse = None, None
         recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
         if R > 1 and input_ids.shape[0] > 1 and not recomputed:
-            key = input_ids[:, :P] if attention_mask is None else torch.where(attention_mask[:, :P].bool(), input_ids[:, :P], -1)
+            key = input_ids[:, :P]  # (B, P); padding marked apart, so a pad id equal to a real token cannot match
+            if attention_mask is not None:
+                key = torch.where(attention_mask[:, :P].bool(), key, -1)
             unique, inverse = torch.unique(key, dim=0, return_inverse=True)
             saved_tokens = (input_ids.shape[0] - unique.shape[0]) * P
             if saved_tokens * self._decoder_size(decoder) >= _MIN_SHARED_PREFIX_WORK:

@@ -144,6 +144,11 @@ def test_unsupported_models_are_named_and_fall_back_to_their_own_forward():
     llama = _llama()
     assert isinstance(decoder_for(llama, capacity=8), FastDecoder)
     assert decoder_for(llama, capacity=8, max_copy_bytes=0) is llama  # the weight copy would not fit
+    # ZeRO-3 partitions: its mark decides, even while prefetching has gathered the first weight at full size.
+    partitioned = _llama()
+    for weight in partitioned.parameters():
+        weight.ds_id = 0
+    assert "ZeRO-3" in fast_decoder_unsupported(partitioned)
 
 
 def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():

@@ -213,7 +213,8 @@ def test_chunked_head_equals_the_models_own_logits_forward_and_backward(lora, mo
 
     def run(p):
         out = p.token_logprobs(ids, mask, response_length=3, temperature=0.8, return_entropy=True, return_values=True)
-        return (out.logprobs, out.entropy, out.values), (out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()
+        loss = (out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()
+        return (out.logprobs, out.entropy, out.values), loss
 
     _paths_agree(policy, run, monkeypatch)
 
@@ -299,7 +300,8 @@ def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, monk
 
     def run(p):
         out = p.token_logprobs(ids, mask, response_length=5, temperature=0.9, return_entropy=True, return_values=True)
-        return (out.logprobs, out.entropy, out.values), (out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()
+        loss = (out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()
+        return (out.logprobs, out.entropy, out.values), loss
 
     _paths_agree(policy, run, monkeypatch)
     prompt_length = ids.shape[1] - 5
@@ -323,6 +325,6 @@ def test_shared_prompts_reference_pass_and_rows_without_sharing(monkeypatch):
         grouped = policy.token_logprobs(ids, mask, response_length=5, reference=True).logprobs
     assert len(calls) == 3  # the 2 prompts once, then the 6 continuations
     with torch.no_grad():
-        alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5, reference=True).logprobs
-                           for i in range(ids.shape[0])])
+        alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5,
+                                                 reference=True).logprobs for i in range(ids.shape[0])])
     torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)
