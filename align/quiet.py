@@ -22,6 +22,8 @@ WARNINGS = (
      "frozen reference, reward and critic-initialising copies are kept in eval mode on purpose"),
     (r"The progress bar already tracks a metric with the name",
      "align's progress bar shows no version number, so nothing is overwritten"),
+    (r"`is_gradient_checkpointing` is deprecated",
+     "peft reads transformers' old attribute name when it wraps a model; nothing a user can change"),
 )
 
 # (logger name, message prefix, why it is dropped)
@@ -31,6 +33,9 @@ LOG_LINES = (
      "internal bookkeeping of Lightning"),
     ("DeepSpeed", "Setting accelerator to CPU",
      "DeepSpeed's notice on import on a machine without a GPU; align uses DeepSpeed only with a ZeRO strategy"),
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community",
+     "bitsandbytes' notice on import that the optional `kernels` package is absent; its built-in CPU path runs "
+     "instead, and only QLoRA uses it"),
 )
 
 
