@@ -218,7 +218,7 @@ def _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs, grad_e
     for start in range(0, hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         h = hidden[rows]
-        x = F.linear(h, weight, bias).to(dtype) / temperature
+        x = _scaled_logits(h, weight, bias, dtype, temperature)
         logp = torch.log_softmax(x, dim=-1)
         p = logp.exp()
         g = grad_logprobs[rows].to(dtype).unsqueeze(-1)
@@ -293,9 +293,8 @@ class _LinearLogSoftmax(torch.autograd.Function):
         bias = bias if ctx.has_bias else None
         t, step = ctx.temperature, ctx.chunk_rows
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        use_entropy = grad_entropy is not None and grad_entropy.numel() > 0 and entropy.numel() > 0
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(lse)
+        # Autograd materialises an unused output's gradient as zeros; an entropy that was not asked for is empty.
+        use_entropy = grad_entropy.numel() > 0 and entropy.numel() > 0
         if torch.is_grad_enabled():  # create_graph=True (Fisher-vector products): a backward autograd can differentiate
             grads = _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs,
                                               grad_entropy if use_entropy else None, t, step,

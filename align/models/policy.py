@@ -443,13 +443,16 @@ class PolicyModel(nn.Module):
         P = T - R
         rows, inverse = None, None
         recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
-        if R > 1 and input_ids.shape[0] > 1 and not recomputed:
+        size, cache_kwarg = self._decoder_facts(decoder)
+        # Below the threshold even at the most, the search for shared prompts is skipped.
+        most = (input_ids.shape[0] - 1) * P  # prompt tokens saved if every row shared one prompt
+        if R > 1 and most > 0 and not recomputed and most * size >= _MIN_SHARED_PREFIX_WORK:
             key = input_ids[:, :P]  # (B, P); padding marked apart, so a pad id equal to a real token cannot match
             if attention_mask is not None:
                 key = torch.where(attention_mask[:, :P].bool(), key, -1)
             unique, inverse = torch.unique(key, dim=0, return_inverse=True)
             saved_tokens = (input_ids.shape[0] - unique.shape[0]) * P
-            if saved_tokens * self._decoder_size(decoder) >= _MIN_SHARED_PREFIX_WORK:
+            if saved_tokens > 0 and saved_tokens * size >= _MIN_SHARED_PREFIX_WORK:
                 rows = torch.zeros(unique.shape[0], dtype=torch.long, device=input_ids.device).scatter_(
                     0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device))  # one row per prompt
         if rows is None:
@@ -460,19 +463,20 @@ class PolicyModel(nn.Module):
                          position_ids=sub(position_ids), use_cache=True)
         cache = prefix.cache if getattr(prefix, "cache", None) is not None else prefix.past_key_values
         cache.reorder_cache(inverse)  # index_select along the batch: differentiable, gradients summed per prompt
-        cache_kwarg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
         rest = decoder(input_ids=input_ids[:, P : T - 1],
                        attention_mask=None if attention_mask is None else attention_mask[:, : T - 1],
                        position_ids=None if position_ids is None else position_ids[:, P : T - 1],
                        use_cache=True, **{cache_kwarg: cache}).last_hidden_state  # (B, R - 1, H)
         return torch.cat([prefix.last_hidden_state[inverse, P - 1 : P], rest], dim=1)
 
-    def _decoder_size(self, decoder: nn.Module) -> int:
-        """Parameters of ``decoder``, counted once per decoder."""
-        sizes = self.__dict__.setdefault("_decoder_sizes", {})
-        if id(decoder) not in sizes:
-            sizes[id(decoder)] = sum(p.numel() for p in decoder.parameters())
-        return sizes[id(decoder)]
+    def _decoder_facts(self, decoder: nn.Module) -> tuple[int, str]:
+        """``(parameters, name of the cache argument)`` of ``decoder``, read once per decoder: transformers 5.24
+        renamed ``past_key_values`` to ``cache``."""
+        facts = self.__dict__.setdefault("_decoder_facts_by_id", {})
+        if id(decoder) not in facts:
+            kwarg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+            facts[id(decoder)] = (sum(p.numel() for p in decoder.parameters()), kwarg)
+        return facts[id(decoder)]
 
     @staticmethod
     def _decoder(lm: nn.Module) -> nn.Module:
