@@ -94,7 +94,7 @@ class RedactingSaveConfigCallback(SaveConfigCallback):
 
 class AlignCLI(LightningCLI):
     def __init__(self, model_class=None, datamodule_class=None, **kwargs):
-        from align.modules.base import AlignModule
+        from align.modules.base import TrainingModule
 
         quiet_known_noise()
         kwargs.setdefault("subclass_mode_model", True)
@@ -104,7 +104,7 @@ class AlignCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", RedactingSaveConfigCallback)
         kwargs.setdefault("trainer_defaults", dict(TRAINER_DEFAULTS))
         kwargs.setdefault("parser_class", AlignArgumentParser)
-        super().__init__(model_class or AlignModule, datamodule_class or L.LightningDataModule, **kwargs)
+        super().__init__(model_class or TrainingModule, datamodule_class, **kwargs)
 
     def init_parser(self, **kwargs):
         others = ", ".join(f"align {name}" for name, (_, entry) in COMMANDS.items() if entry is not None)
@@ -203,8 +203,10 @@ class AlignCLI(LightningCLI):
     def _wants_eval(self) -> bool:
         """Evaluate before and after fit unless switched off or there is nothing to evaluate on (no data module,
         or one without validation data: it returns no loader, or an empty one)."""
-        return bool(self.config[self.subcommand].get("eval_before_after", True)) and self.datamodule is not None \
-            and is_overridden("val_dataloader", self.datamodule) and is_overridden("validation_step", self.model)
+        # Classic RL modules evaluate on their own environment, with no data module.
+        source = self.datamodule if self.datamodule is not None else self.model
+        return bool(self.config[self.subcommand].get("eval_before_after", True)) and source is not None \
+            and is_overridden("val_dataloader", source) and is_overridden("validation_step", self.model)
 
     def _validate(self, when: str) -> dict[str, float]:
         """The held-out headline metrics, announced (``held-out pass <when> ...``) once there is data to run on."""
@@ -449,12 +451,14 @@ def _with_subcommand(args: list[str]) -> list[str]:
     return ["fit", *args]
 
 
-def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None) -> AlignCLI:
-    """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/tiny.yaml`` is the default config."""
+def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None,
+               default_config: str = "tiny.yaml") -> AlignCLI:
+    """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/<default_config>`` is the default
+    config."""
     raw = list(sys.argv[1:] if args is None else args)
     if raw[:1] and raw[0] in REMOVED_SUBCOMMANDS:
         _not_a_subcommand(raw[0])
-    default = CONFIG_DIR / algorithm / "tiny.yaml"
+    default = CONFIG_DIR / algorithm / default_config
     parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
     trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
     if raw in (["-h"], ["--help"]):  # "fit --help" stays the full list, trainer settings included

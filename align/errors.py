@@ -20,6 +20,11 @@ class AlignConfigError(AlignError, ValueError):
     """A setting is missing, unknown, of the wrong type or points at something that does not exist."""
 
 
+class AlignEnvError(AlignError, RuntimeError):
+    """An environment broke its contract while running: an observation outside its declared space, a step that
+    raised. The message names the environment and, where it matters, the space."""
+
+
 class AlignDataError(AlignError, ValueError):
     """A dataset row is malformed. The message names the file, the row and the field."""
 

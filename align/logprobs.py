@@ -23,6 +23,7 @@ returned unwhitened (a standard deviation of one value is undefined).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -30,6 +31,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "selective_log_softmax",
+    "gaussian_log_prob",
+    "gaussian_entropy",
     "entropy_from_logits",
     "linear_log_softmax",
     "response_mask",
@@ -391,6 +394,23 @@ def linear_log_softmax(
 # ----------------------------------------------------------------------------
 # response mask
 # ----------------------------------------------------------------------------
+
+
+def gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """Log-density of ``actions`` under a diagonal Gaussian, summed over the last (action) dim: ``(..., A) -> (...)``.
+
+    ``-sum((a - mu)^2 / (2 sigma^2) + log sigma + log(2 pi) / 2)``: a continuous-action policy's log-prob, used in
+    the PPO ratio exactly as a token's log-prob is. ``log_std`` broadcasts against ``mean`` (a state-independent
+    ``(A,)`` parameter, as in arXiv 1707.06347's continuous-control experiments).
+    """
+    log_std = log_std.expand_as(mean)
+    z = (actions - mean) * torch.exp(-log_std)
+    return -(0.5 * z.square() + log_std + 0.5 * math.log(2 * math.pi)).sum(dim=-1)
+
+
+def gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
+    """Entropy of a diagonal Gaussian, summed over the last dim: ``sum(log sigma + (1 + log(2 pi)) / 2)``."""
+    return (log_std + 0.5 * (1.0 + math.log(2 * math.pi))).sum(dim=-1)
 
 
 def _is_eos(response_ids: torch.Tensor, eos_token_id: TokenIds) -> torch.Tensor:

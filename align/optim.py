@@ -1,10 +1,13 @@
-"""Learning-rate schedules: linear warmup followed by cosine, linear or constant decay."""
+"""Schedules and parameter updates around the optimizer: linear warmup followed by cosine, linear or constant
+decay of the learning rate; a linear schedule of any value (DQN's exploration rate); Polyak averaging of a target
+network."""
 
 from __future__ import annotations
 
 import math
 from typing import Literal
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -48,3 +51,27 @@ class WarmupLR(LambdaLR):
 
     def load_state_dict(self, state_dict):
         self.__dict__.update(state_dict)
+
+
+def linear_schedule(step: int | float, start: float, end: float, duration: int | float) -> float:
+    """``start`` moving linearly to ``end`` over ``duration`` steps, then ``end``: DQN's epsilon (arXiv 1312.5602
+    anneals 1.0 to 0.1 over its first million frames). ``duration <= 0`` is ``end`` from the start."""
+    if duration <= 0:
+        return float(end)
+    fraction = min(max(float(step) / float(duration), 0.0), 1.0)
+    return float(start + fraction * (end - start))
+
+
+@torch.no_grad()
+def polyak_update(target: torch.nn.Module, online: torch.nn.Module, tau: float) -> None:
+    """``target <- tau * online + (1 - tau) * target`` for every parameter and floating buffer (Lillicrap et al.
+    2015, arXiv 1509.02971); ``tau = 1`` is the hard copy of DQN's target network (arXiv 1312.5602)."""
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"polyak_update: tau must be in (0, 1], got {tau}")
+    pairs = list(zip(target.parameters(), online.parameters()))
+    pairs += [(t, o) for t, o in zip(target.buffers(), online.buffers()) if t.is_floating_point()]
+    targets, sources = [t for t, _ in pairs], [o for _, o in pairs]
+    if tau == 1.0:
+        torch._foreach_copy_(targets, sources)
+    else:
+        torch._foreach_lerp_(targets, sources, tau)

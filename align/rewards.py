@@ -98,12 +98,12 @@ class RewardSpec:
     arguments and the instance is the reward."""
 
 
-def _load_file(path_text: str, attr: str, spec_text: str) -> Any:
+def _load_file(path_text: str, attr: str, spec_text: str, what: str = "reward") -> Any:
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise AlignConfigError(f"reward '{spec_text}': file '{path}' does not exist (paths are relative to the "
+        raise AlignConfigError(f"{what} '{spec_text}': file '{path}' does not exist (paths are relative to the "
                                f"working directory {Path.cwd()})")
-    module_name = f"_align_reward_{abs(hash(str(path.resolve())))}"
+    module_name = f"_align_{what.replace(' ', '_')}_{abs(hash(str(path.resolve())))}"
     module = sys.modules.get(module_name)
     if module is None:
         spec = importlib.util.spec_from_file_location(module_name, path)
@@ -111,11 +111,11 @@ def _load_file(path_text: str, attr: str, spec_text: str) -> Any:
         try:
             spec.loader.exec_module(module)
         except Exception as err:  # noqa: BLE001 - user code may raise anything on import
-            raise AlignConfigError(f"reward '{spec_text}': importing '{path}' failed: {type(err).__name__}: {err}") from err
+            raise AlignConfigError(f"{what} '{spec_text}': importing '{path}' failed: {type(err).__name__}: {err}") from err
         sys.modules[module_name] = module
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise AlignConfigError(f"reward '{spec_text}': '{path}' has no attribute '{attr}' (callables there: {public})")
+        raise AlignConfigError(f"{what} '{spec_text}': '{path}' has no attribute '{attr}' (callables there: {public})")
     return getattr(module, attr)
 
 
@@ -129,23 +129,41 @@ def _cwd_importable() -> None:
         sys.path.append(cwd)
 
 
-def _load_dotted(path: str) -> Any:
+def _load_dotted(path: str, what: str = "reward") -> Any:
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise AlignConfigError(f"reward '{path}': expected an import path such as 'align.rewards.sort_exact_match' "
+        raise AlignConfigError(f"{what} '{path}': expected an import path such as 'align.rewards.sort_exact_match' "
                                "or 'my_rewards.py:my_fn'")
     _cwd_importable()
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise AlignConfigError(f"reward '{path}': cannot import module '{module_name}' ({err}; searched the "
+        raise AlignConfigError(f"{what} '{path}': cannot import module '{module_name}' ({err}; searched the "
                                f"installed packages and the working directory {os.getcwd()})") from err
     except Exception as err:  # noqa: BLE001 - user code may raise anything on import
-        raise AlignConfigError(f"reward '{path}': importing module '{module_name}' failed: "
+        raise AlignConfigError(f"{what} '{path}': importing module '{module_name}' failed: "
                                f"{type(err).__name__}: {err}{_location(err, None)}") from err
     if not hasattr(module, attr):
-        raise AlignConfigError(f"reward '{path}': module '{module_name}' has no attribute '{attr}'")
+        raise AlignConfigError(f"{what} '{path}': module '{module_name}' has no attribute '{attr}'")
     return getattr(module, attr)
+
+
+def resolve_import(fn: str | Any, what: str = "reward") -> Any:
+    """The object named by an import path (``pkg.mod.name`` or ``file.py:name``); a non-string is returned as is.
+    Errors name the path as ``<what> '<path>'``.
+
+    A dotted path also finds modules in the working directory (``my_rewards.fn`` for ``./my_rewards.py``)."""
+    if not isinstance(fn, str):
+        return fn
+    text = fn.strip()
+    if not text:
+        raise AlignConfigError(f"{what}: expected an import path string, got {fn!r}")
+    if ":" in text:
+        module_part, _, attr = text.rpartition(":")
+        if module_part.endswith(".py"):
+            return _load_file(module_part, attr, text, what)
+        return _load_dotted(f"{module_part}.{attr}", what)
+    return _load_dotted(text, what)
 
 
 def resolve_reward(fn: str | RewardFn) -> RewardFn:
@@ -156,17 +174,9 @@ def resolve_reward(fn: str | RewardFn) -> RewardFn:
         return fn
     if not isinstance(fn, str) or not fn.strip():
         raise AlignConfigError(f"reward: expected an import path string or a callable, got {fn!r}")
-    text = fn.strip()
-    if ":" in text:
-        module_part, _, attr = text.rpartition(":")
-        if module_part.endswith(".py"):
-            target = _load_file(module_part, attr, text)
-        else:
-            target = _load_dotted(f"{module_part}.{attr}")
-    else:
-        target = _load_dotted(text)
+    target = resolve_import(fn)
     if not callable(target):
-        raise AlignConfigError(f"reward '{text}': resolves to a {type(target).__name__}, not a callable")
+        raise AlignConfigError(f"reward '{fn.strip()}': resolves to a {type(target).__name__}, not a callable")
     return target
 
 

@@ -82,12 +82,73 @@ def _last_step(trainer: L.Trainer) -> bool:
                 and loop.epoch_loop.batch_progress.is_last_batch)
 
 
-class AlignModule(L.LightningModule):
-    """Base of every algorithm module. Subclasses set ``headline_metrics`` (what the CLI prints before and after)
+class TrainingModule(L.LightningModule):
+    """Base of every module the command line trains, language-model algorithms and classic RL alike: per-step
+    logging only on the steps that something reads, the optimizer's scheduler, and the callbacks every run needs
+    (exact resume, the non-finite guard). Subclasses set ``headline_metrics`` (what the CLI prints before and after)
     and ``progress_metrics`` (the per-step values the progress bar shows)."""
 
     headline_metrics: tuple[str, ...] = ()
     progress_metrics: tuple[str, ...] = ()
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum across data-parallel ranks (identity on one process)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
+
+    # ------------------------------------------------------------------ per-step metrics
+    def logs_this_step(self) -> bool:
+        """Whether anything reads this optimizer step's on-step metrics: the loggers write them only every
+        ``trainer.log_every_n_steps`` steps, while a progress bar or a callback that monitors a metric (a
+        ``ModelCheckpoint`` or ``EarlyStopping`` with ``monitor``) reads them on every step.
+
+        ``self.log`` costs about a millisecond per value on CPU, a sizeable share of a small model's step, and
+        the window means behind the values take a collective and a device sync. Steps that nothing reads skip
+        both; every row the loggers write is the same as when every step is logged. Decided from the step
+        count, so every data-parallel rank decides alike. The run's last step is always logged, so that
+        ``trainer.callback_metrics`` ends with the final values."""
+        trainer = self._trainer
+        if trainer is None:
+            return False
+        bar = trainer.progress_bar_callback
+        if (bar is not None and bar.is_enabled) or trainer.fast_dev_run:
+            return True
+        if any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
+            return True
+        connector = getattr(trainer, "_logger_connector", None)
+        return connector is None or bool(connector.should_update_logs) or _last_step(trainer)
+
+    def log_step(self, metrics: dict[str, float | torch.Tensor], prog_bar: tuple[str, ...] | None = None) -> None:
+        """Log one optimizer step's metrics; callers compute them only when :meth:`logs_this_step`. The
+        ``prog_bar`` ones (by default :attr:`progress_metrics`) are shown on the progress bar."""
+        prog_bar = self.progress_metrics if prog_bar is None else prog_bar
+        for name, value in metrics.items():
+            self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in prog_bar, batch_size=1)
+
+    def with_scheduler(self, optimizer: torch.optim.Optimizer):
+        """``configure_optimizers``' return value for ``optimizer`` and the module's scheduler, stepped every
+        optimizer step (a :class:`~align.optim.WarmupLR` without total steps gets the trainer's)."""
+        if self.scheduler is None:
+            return optimizer
+        scheduler = self.scheduler(optimizer)
+        if isinstance(scheduler, WarmupLR) and scheduler.total_steps is None:
+            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_callbacks(self):
+        """Exact resume (RNG states, dataloader position, atomic checkpoint writes) and the non-finite guard
+        (policy ``error``), unless the trainer already has callbacks of those types."""
+        from align.checkpointing import ExactResume
+        from align.guards import NonFiniteGuard
+
+        present = tuple(type(cb) for cb in (self.trainer.callbacks if self._trainer is not None else []))
+        return [cb() for cb in (ExactResume, NonFiniteGuard) if not any(issubclass(t, cb) for t in present)]
+
+
+class AlignModule(TrainingModule):
+    """Base of every language-model algorithm module: the policy (a :class:`PolicyModel`), the optimizer over its
+    trainable parameters, FSDP2 sharding, and the accumulation window."""
 
     def __init__(
         self,
@@ -106,12 +167,6 @@ class AlignModule(L.LightningModule):
     @property
     def tokenizer(self):
         return self.policy.tokenizer
-
-    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum across data-parallel ranks (identity on one process)."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return value
-        return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
 
     # ------------------------------------------------------------------ accumulation window
     # One optimizer step consumes a window: every micro-batch accumulated into it, on every data-parallel rank.
@@ -162,35 +217,6 @@ class AlignModule(L.LightningModule):
         return bool(trainer is not None and trainer.strategy.handles_gradient_accumulation
                     and trainer.fit_loop._should_accumulate())
 
-    # ------------------------------------------------------------------ per-step metrics
-    def logs_this_step(self) -> bool:
-        """Whether anything reads this optimizer step's on-step metrics: the loggers write them only every
-        ``trainer.log_every_n_steps`` steps, while a progress bar or a callback that monitors a metric (a
-        ``ModelCheckpoint`` or ``EarlyStopping`` with ``monitor``) reads them on every step.
-
-        ``self.log`` costs about a millisecond per value on CPU, a sizeable share of a small model's step, and
-        the window means behind the values take a collective and a device sync. Steps that nothing reads skip
-        both; every row the loggers write is the same as when every step is logged. Decided from the step
-        count, so every data-parallel rank decides alike. The run's last step is always logged, so that
-        ``trainer.callback_metrics`` ends with the final values."""
-        trainer = self._trainer
-        if trainer is None:
-            return False
-        bar = trainer.progress_bar_callback
-        if (bar is not None and bar.is_enabled) or trainer.fast_dev_run:
-            return True
-        if any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
-            return True
-        connector = getattr(trainer, "_logger_connector", None)
-        return connector is None or bool(connector.should_update_logs) or _last_step(trainer)
-
-    def log_step(self, metrics: dict[str, float | torch.Tensor], prog_bar: tuple[str, ...] | None = None) -> None:
-        """Log one optimizer step's metrics; callers compute them only when :meth:`logs_this_step`. The
-        ``prog_bar`` ones (by default :attr:`progress_metrics`) are shown on the progress bar."""
-        prog_bar = self.progress_metrics if prog_bar is None else prog_bar
-        for name, value in metrics.items():
-            self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in prog_bar, batch_size=1)
-
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         from align.strategies import unshard_root
 
@@ -213,25 +239,6 @@ class AlignModule(L.LightningModule):
 
     def configure_optimizers(self):
         return self.with_scheduler(self.optimizer(param_groups(self)))
-
-    def with_scheduler(self, optimizer: torch.optim.Optimizer):
-        """``configure_optimizers``' return value for ``optimizer`` and the module's scheduler, stepped every
-        optimizer step (a :class:`~align.optim.WarmupLR` without total steps gets the trainer's)."""
-        if self.scheduler is None:
-            return optimizer
-        scheduler = self.scheduler(optimizer)
-        if isinstance(scheduler, WarmupLR) and scheduler.total_steps is None:
-            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def configure_callbacks(self):
-        """Exact resume (RNG states, dataloader position, atomic checkpoint writes) and the non-finite guard
-        (policy ``error``), unless the trainer already has callbacks of those types."""
-        from align.checkpointing import ExactResume
-        from align.guards import NonFiniteGuard
-
-        present = tuple(type(cb) for cb in (self.trainer.callbacks if self._trainer is not None else []))
-        return [cb() for cb in (ExactResume, NonFiniteGuard) if not any(issubclass(t, cb) for t in present)]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Enough to rebuild the policy without the run's config (see ``align export``).

@@ -48,6 +48,8 @@ class Panel:
 # The training columns of each quantity that the modules log, then the held-out ones (drawn as points).
 PANELS = (
     Panel("reward", ("rollout/reward_mean", "val/reward_mean")),
+    Panel("episode return", ("rollout/episode_reward", "val/episode_reward")),
+    Panel("exploration", ("rollout/epsilon",)),
     Panel("KL to the reference", ("train/kl", "val/kl")),
     Panel("loss", ("train/loss", "val/loss")),
     Panel("accuracy", ("dpo/accuracy", "online_dpo/accuracy", "rm/accuracy", "kto/accuracy", "val/accuracy",

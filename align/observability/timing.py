@@ -16,6 +16,8 @@ from typing import Any, Protocol
 class _Tracing(Protocol):
     def open_span(self, name: str) -> Any: ...  # an entered context manager, or None
 
+    def annotate(self, attributes: dict[str, Any]) -> None: ...  # on the span current in this thread
+
 
 _active: _Tracing | None = None  # set by ``OTelTracingCallback.setup``, cleared by its ``teardown``
 
@@ -39,6 +41,11 @@ class Timer:
         self.span = tracing.open_span(span_name(self.name)) if tracing is not None else None
         self.start = time.perf_counter()
         return self
+
+    def annotate(self, attributes: dict[str, Any]) -> None:
+        """Set attributes on the block's span (nothing without tracing)."""
+        if self.span is not None and _active is not None:
+            _active.annotate(attributes)
 
     def __exit__(self, *exc) -> bool:
         self.store[self.name] = self.store.get(self.name, 0.0) + time.perf_counter() - self.start

@@ -27,7 +27,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
 from align.observability import timing
-from align.observability.attributes import algorithm_of, hparam_attributes, metric_name, model_name_of
+from align.observability.attributes import (
+    algorithm_of,
+    attribute_value,
+    hparam_attributes,
+    metric_name,
+    model_name_of,
+)
 from align.observability.export import (
     CountingSpanProcessor,
     SCOPE,
@@ -264,6 +270,13 @@ class OTelTracingCallback(Callback):
         span = tracer.start_as_current_span(name, context=context)
         span.__enter__()
         return span
+
+    @staticmethod
+    def annotate(attributes: dict[str, Any]) -> None:
+        """Attributes on the span current in this thread (a ``Timer`` block's), as OTLP attribute values."""
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({k: attribute_value(v) for k, v in attributes.items()})
 
     # ------------------------------------------------------------------ Lightning hooks
 

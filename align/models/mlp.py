@@ -1,0 +1,193 @@
+"""Small networks for classic RL on Gymnasium spaces: an actor-critic (:class:`ActorCritic`), a Q-network
+(:class:`QNetwork`) and a Q-table (:class:`QTable`), with observation encoding and running normalisation.
+
+Action log-probs and entropies come from the same functions as a language model's tokens:
+:func:`~align.logprobs.selective_log_softmax` and :func:`~align.logprobs.entropy_from_logits` for discrete actions,
+:func:`~align.logprobs.gaussian_log_prob` for continuous ones.
+
+Initialisation follows Stable-Baselines3 and arXiv 2005.12729 ("implementation matters"): orthogonal weights with
+gain sqrt(2) in hidden layers, 0.01 on the policy output and 1 on the value output, zero biases.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple, Sequence
+
+import gymnasium as gym
+import torch
+from torch import nn
+
+from align.errors import AlignConfigError
+from align.logprobs import entropy_from_logits, gaussian_entropy, gaussian_log_prob, selective_log_softmax
+
+Activation = Literal["tanh", "relu"]
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+def _space_name(space: gym.Space) -> str:
+    return f"Box(shape={tuple(space.shape)})" if isinstance(space, gym.spaces.Box) else repr(space)
+
+
+def observation_size(space: gym.Space, env_id: str = "environment") -> int:
+    """Input width of a flat network on ``space``: a ``Box`` flattened, a ``Discrete`` one-hot."""
+    if isinstance(space, gym.spaces.Box):
+        return int(math.prod(space.shape)) if space.shape else 1
+    if isinstance(space, gym.spaces.Discrete):
+        return int(space.n)
+    raise AlignConfigError(f"environment '{env_id}': observation space {_space_name(space)} is not supported; "
+                           "expected Box or Discrete (flatten others with a gymnasium wrapper)")
+
+
+class ObservationEncoder(nn.Module):
+    """``(N, *obs)`` environment observations to ``(N, D)`` float features, normalised by running statistics when
+    ``normalize`` (Stable-Baselines3's ``VecNormalize``: clipped to +-``clip`` standard deviations)."""
+
+    def __init__(self, space: gym.Space, normalize: bool = False, clip: float = 10.0, env_id: str = "environment"):
+        super().__init__()
+        self.size = observation_size(space, env_id)
+        self.discrete = isinstance(space, gym.spaces.Discrete)
+        self.normalize, self.clip = normalize and not self.discrete, clip
+        if self.normalize:
+            self.register_buffer("mean", torch.zeros(self.size, dtype=torch.float64))
+            self.register_buffer("var", torch.ones(self.size, dtype=torch.float64))
+            self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        if self.discrete:
+            return nn.functional.one_hot(obs.long().view(-1), self.size).float()
+        x = obs.reshape(obs.shape[0], -1).float()
+        if self.normalize:
+            x = ((x - self.mean.float()) / torch.sqrt(self.var.float() + 1e-8)).clamp(-self.clip, self.clip)
+        return x
+
+    @torch.no_grad()
+    def update(self, obs: torch.Tensor) -> None:
+        """Fold a batch of raw observations into the running mean and variance (Chan et al.'s parallel update)."""
+        if not self.normalize:
+            return
+        x = obs.reshape(obs.shape[0], -1).double()
+        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
+        self.count.fill_(total)
+
+
+def mlp(sizes: Sequence[int], activation: Activation, out_gain: float) -> nn.Sequential:
+    """Linear layers of ``sizes`` with ``activation`` between them, orthogonally initialised."""
+    if activation not in _ACTIVATIONS:
+        raise AlignConfigError(f"model.network.activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        linear = nn.Linear(a, b)
+        last = i == len(sizes) - 2
+        nn.init.orthogonal_(linear.weight, gain=out_gain if last else math.sqrt(2))
+        nn.init.zeros_(linear.bias)
+        layers.append(linear)
+        if not last:
+            layers.append(_ACTIVATIONS[activation]())
+    return nn.Sequential(*layers)
+
+
+class PolicyOutput(NamedTuple):
+    actions: torch.Tensor  # (N,) discrete or (N, A) continuous, as sampled (before clipping to the bounds)
+    logprobs: torch.Tensor  # (N,)
+    values: torch.Tensor  # (N,)
+
+
+class ActorCritic(nn.Module):
+    """A policy and a state-value function on one observation encoder. ``shared``: one hidden trunk with two heads
+    (A2C's original form); otherwise two separate networks (Stable-Baselines3's default for PPO and A2C).
+    Discrete actions: a categorical over logits. Box actions: a diagonal Gaussian with a learned, state-independent
+    ``log_std``; sampled actions are clipped to the bounds only when sent to the environment."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int] = (64, 64),
+                 activation: Activation = "tanh", shared: bool = False, normalize_observations: bool = False,
+                 log_std_init: float = 0.0, env_id: str = "environment"):
+        super().__init__()
+        self.encoder = ObservationEncoder(observation_space, normalize_observations, env_id=env_id)
+        if isinstance(action_space, gym.spaces.Discrete):
+            self.continuous, out = False, int(action_space.n)
+        elif isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1:
+            self.continuous, out = True, int(action_space.shape[0])
+            self.log_std = nn.Parameter(torch.full((out,), float(log_std_init)))
+            self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
+            self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
+        else:
+            raise AlignConfigError(f"environment '{env_id}': action space {_space_name(action_space)} is not "
+                                   "supported; expected Discrete or a one-dimensional Box")
+        d, hidden = self.encoder.size, list(hidden)
+        self.shared = shared
+        if shared:
+            self.trunk = nn.Sequential(mlp([d, *hidden], activation, math.sqrt(2)), _ACTIVATIONS[activation]())
+            width = hidden[-1] if hidden else d
+            self.pi, self.vf = mlp([width, out], activation, 0.01), mlp([width, 1], activation, 1.0)
+        else:
+            self.pi = mlp([d, *hidden, out], activation, 0.01)
+            self.vf = mlp([d, *hidden, 1], activation, 1.0)
+
+    def _heads(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.encoder(obs)
+        if self.shared:
+            x = self.trunk(x)
+        return self.pi(x), self.vf(x).squeeze(-1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        """``V(s)``, ``(N,)``."""
+        x = self.encoder(obs)
+        return self.vf(self.trunk(x) if self.shared else x).squeeze(-1)
+
+    def act(self, obs: torch.Tensor, deterministic: bool = False) -> PolicyOutput:
+        """Sample (or, ``deterministic``, take the mode of) the policy at ``obs``, with log-probs and values."""
+        out, values = self._heads(obs)
+        if self.continuous:
+            actions = out if deterministic else out + torch.randn_like(out) * self.log_std.exp()
+            return PolicyOutput(actions, gaussian_log_prob(out, self.log_std, actions), values)
+        if deterministic:
+            actions = out.argmax(-1)
+        else:
+            actions = torch.multinomial(torch.softmax(out.float(), -1), 1).squeeze(-1)
+        return PolicyOutput(actions, selective_log_softmax(out, actions), values)
+
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logprobs, entropy, values)`` of taken ``actions``, each ``(N,)``, differentiable."""
+        out, values = self._heads(obs)
+        if self.continuous:
+            entropy = gaussian_entropy(self.log_std).expand(out.shape[0])
+            return gaussian_log_prob(out, self.log_std, actions), entropy, values
+        return selective_log_softmax(out, actions), entropy_from_logits(out), values
+
+    def env_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """Actions as the environment takes them: continuous ones clipped to the action space's bounds."""
+        return torch.maximum(torch.minimum(actions, self.high), self.low) if self.continuous else actions
+
+
+class QNetwork(nn.Module):
+    """``Q(s, .)``: one value per discrete action, ``(N, *obs) -> (N, A)``."""
+
+    def __init__(self, observation_space: gym.Space, num_actions: int, hidden: Sequence[int] = (64, 64),
+                 activation: Activation = "relu", env_id: str = "environment"):
+        super().__init__()
+        self.encoder = ObservationEncoder(observation_space, env_id=env_id)
+        self.net = mlp([self.encoder.size, *hidden, num_actions], activation, 1.0)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(self.encoder(obs))
+
+
+class QTable(nn.Module):
+    """A table of action values for a ``Discrete`` observation space, ``(N,) -> (N, A)``."""
+
+    def __init__(self, observation_space: gym.Space, num_actions: int, init: float = 0.0, env_id: str = "environment"):
+        super().__init__()
+        if not isinstance(observation_space, gym.spaces.Discrete):
+            raise AlignConfigError(f"environment '{env_id}': tabular Q-learning needs a Discrete observation space, "
+                                   f"got {_space_name(observation_space)}; use DQN")
+        self.table = nn.Parameter(torch.full((int(observation_space.n), num_actions), float(init)))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.table[obs.long().view(-1)]
+
+
+__all__ = ["ActorCritic", "ObservationEncoder", "PolicyOutput", "QNetwork", "QTable", "mlp", "observation_size"]

@@ -1,0 +1,263 @@
+"""Shared plumbing of the classic-RL modules (Gymnasium environments, small networks).
+
+One *iteration* is one training step for Lightning: collect a window of environment steps (or episodes), then
+update. Training stops once ``total_steps`` environment steps are taken (``trainer.max_steps``, which counts optimizer
+steps, also stops it). The module brings its own data: an endless train loader (the environment is the data) and
+a one-batch validation loader that plays ``evaluation.episodes`` greedy episodes on held-out seeds, so ``fit``'s
+before/after and ``--trainer.val_check_interval N`` (every N iterations) work as for the language-model recipes.
+
+Logged per iteration (on the steps the loggers write, over the episodes finished since the last written row):
+``rollout/episode_reward``, ``rollout/episode_length``, ``rollout/episodes``, ``rollout/env_steps``,
+``rollout/steps_per_s``, ``train/lr`` and each algorithm's losses (``train/policy_loss``, ``train/value_loss``,
+``train/entropy``, ``train/loss``; DQN's ``rollout/epsilon``). Validation logs ``val/episode_reward``,
+``val/episode_reward_std`` and ``val/episode_length``. Under an ``OTelTracingCallback`` each iteration's collection
+is a ``rollout`` span carrying ``rl.algorithm``, ``rl.episode`` (the last finished episode's number),
+``rl.episodes``, ``rl.total_reward`` and ``rl.episode_length`` (means over the episodes it finished).
+
+Exact resume: the checkpoint holds the networks, the optimizer, the counters and the runner's episodes in progress
+(:mod:`align.envs.runner`); :class:`~align.checkpointing.ExactResume` restores the RNG that samples actions.
+Subclasses add what else they own (DQN: its replay buffer) in :meth:`ClassicRLModule.extra_state`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from torch.utils.data import DataLoader, IterableDataset
+
+from align.envs import EnvRunner, EnvSpec, Episode, Steps
+from align.envs.make import as_spec, make_env
+from align.envs.runner import OnStep, Policy
+from align.errors import AlignConfigError
+from align.modules.base import TrainingModule
+from align.observability.timing import Timer
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out evaluation: greedy episodes on seeds that training never uses."""
+
+    episodes: int = 20
+    """Episodes per evaluation, played at once (one environment each)."""
+    deterministic: bool = True
+    """Take the policy's most likely action (greedy); false samples as in training."""
+
+    def __post_init__(self) -> None:
+        if self.episodes < 1:
+            raise AlignConfigError(f"model.evaluation.episodes: expected >= 1, got {self.episodes}")
+
+
+class _Iterations(IterableDataset):
+    """The training 'data': an endless count of iterations. Each batch starts one collect-and-update iteration."""
+
+    def __iter__(self) -> Iterator[int]:
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+class ClassicRLModule(TrainingModule):
+    """Base of the classic-RL modules (manual optimization). Subclasses build their networks in ``__init__`` (the
+    spaces are known there) and implement :meth:`iteration` and :meth:`act`."""
+
+    algorithm = "rl"
+    headline_metrics = ("val/episode_reward", "val/episode_length")
+    progress_metrics = ("rollout/episode_reward", "rollout/env_steps", "train/loss")
+
+    def __init__(
+        self,
+        env: EnvSpec = EnvSpec(),
+        total_steps: int = 100_000,
+        evaluation: Evaluation = Evaluation(),
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_schedule: Literal["constant", "linear"] = "constant",
+        max_grad_norm: float | None = 0.5,
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self.env = as_spec(env)
+        if total_steps < 1:
+            raise AlignConfigError(f"model.total_steps: expected >= 1 environment steps, got {total_steps}")
+        if lr_schedule not in ("constant", "linear"):
+            raise AlignConfigError(f"model.lr_schedule: expected 'constant' or 'linear', got {lr_schedule!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise AlignConfigError(f"model.max_grad_norm: expected > 0 or null, got {max_grad_norm}")
+        self.total_steps, self.evaluation = int(total_steps), evaluation
+        self.optimizer, self.lr_schedule, self.max_grad_norm = optimizer, lr_schedule, max_grad_norm
+        probe = make_env(self.env)  # the spaces, and a bad id or constructor fails here, on one line
+        self.observation_space, self.action_space = probe.observation_space, probe.action_space
+        probe.close()
+        self._runner: EnvRunner | None = None
+        self._eval_runner: EnvRunner | None = None
+        self._pending_state: dict | None = None
+        self._episodes: list[Episode] = []  # finished since the last written row
+        self._window_steps, self._window_start = 0, time.perf_counter()
+        self.timings: dict[str, float] = {}
+        self.last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ environments
+    @property
+    def runner(self) -> EnvRunner:
+        """The training environments, built on first use (and restored from a checkpoint when resuming)."""
+        if self._runner is None:
+            self._runner = EnvRunner(self.env)
+            if self._pending_state is not None:
+                self._runner.load_state_dict(self._pending_state["runner"])
+        return self._runner
+
+    @property
+    def env_steps(self) -> int:
+        return self._runner.steps if self._runner is not None else int((self._pending_state or {}).get("runner", {})
+                                                                       .get("steps", 0))
+
+    def progress(self) -> float:
+        """Share of ``total_steps`` taken, in [0, 1]."""
+        return min(self.env_steps / self.total_steps, 1.0)
+
+    def act(self, obs: torch.Tensor, deterministic: bool) -> torch.Tensor:
+        """Actions ``(N, *act)`` for observations ``(N, *obs)``, for evaluation (and :meth:`policy` by default)."""
+        raise NotImplementedError
+
+    def collect(self, policy: Policy, num_steps: int | None = None, on_step: OnStep | None = None) -> Steps:
+        """``num_steps`` vector steps (``None``: one complete episode per environment), timed as the ``rollout``
+        section and span, with the episodes it finished as the span's ``rl.*`` attributes."""
+        with Timer(self.timings, "time/rollout_s") as timer:
+            before = len(self.runner.finished)
+            if num_steps is None:
+                steps = self.runner.collect_episodes(policy)
+            else:
+                steps = self.runner.collect(policy, num_steps, on_step)
+            finished = self.runner.finished[before:]
+            if finished:
+                timer.annotate({"rl.algorithm": self.algorithm, "rl.episode": finished[-1].index,
+                                "rl.episodes": len(finished), "rl.total_reward": _mean([e.reward for e in finished]),
+                                "rl.episode_length": _mean([float(e.length) for e in finished])})
+        return steps
+
+    # ------------------------------------------------------------------ optimization
+    def configure_optimizers(self):
+        return self.optimizer([p for p in self.parameters() if p.requires_grad])
+
+    def current_lr(self) -> float:
+        return float(self.optimizers().param_groups[0]["lr"])
+
+    def _anneal_lr(self) -> None:
+        """``lr_schedule: linear``: every group's learning rate falls linearly to 0 at ``total_steps``."""
+        optimizer = self.optimizers()
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+            if self.lr_schedule == "linear":
+                group["lr"] = group["initial_lr"] * (1.0 - self.progress())
+
+    def optimizer_step(self, loss: torch.Tensor) -> float:
+        """Backward, clip to ``max_grad_norm`` and step; returns the gradient norm before clipping (0 unclipped)."""
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        norm = 0.0
+        if self.max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm))
+        optimizer.step()
+        return norm
+
+    def iteration(self) -> dict[str, float]:
+        """Collect and update once; returns this iteration's loss metrics (``train/...``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ Lightning loop
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Iterations(), batch_size=None)
+
+    def on_train_start(self) -> None:
+        self._window_steps, self._window_start = self.env_steps, time.perf_counter()
+
+    def training_step(self, batch: int, batch_idx: int) -> None:
+        self._anneal_lr()
+        self.timings = {}
+        metrics = self.iteration()
+        self._episodes.extend(self.runner.pop_episodes())
+        if self.logs_this_step():
+            self.log_step(self._step_metrics(metrics))
+        if self.env_steps >= self.total_steps:
+            self.trainer.should_stop = True
+
+    def _step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        now = time.perf_counter()
+        out = {"rollout/env_steps": float(self.env_steps), "rollout/episodes": float(self.runner.episodes),
+               "rollout/steps_per_s": (self.env_steps - self._window_steps) / max(now - self._window_start, 1e-9),
+               "train/lr": self.current_lr(), **metrics, **self.timings}
+        if self._episodes:
+            out["rollout/episode_reward"] = _mean([e.reward for e in self._episodes])
+            out["rollout/episode_length"] = _mean([float(e.length) for e in self._episodes])
+        self._episodes, self._window_steps, self._window_start = [], self.env_steps, now
+        self.last_metrics = out
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader([0], batch_size=None)
+
+    @torch.no_grad()
+    def evaluate(self, episodes: int | None = None, deterministic: bool | None = None) -> list[Episode]:
+        """Play ``episodes`` (default ``evaluation.episodes``) complete episodes, one per environment, on the same
+        held-out seeds every time, so two evaluations differ only by the policy."""
+        n = self.evaluation.episodes if episodes is None else episodes
+        greedy = self.evaluation.deterministic if deterministic is None else deterministic
+        if self._eval_runner is None or self._eval_runner.num_envs != n:
+            if self._eval_runner is not None:
+                self._eval_runner.close()
+            self._eval_runner = EnvRunner(EnvSpec(**{**vars(self.env), "num_envs": n, "vectorization": "sync"}),
+                                          stream=1)
+        runner = self._eval_runner
+        runner._episode[:] = 0  # the same seeds every evaluation
+        was_training = self.training
+        self.eval()
+        try:
+            steps = runner.collect_episodes(lambda obs: (self.act(obs, greedy), {}))
+        finally:
+            self.train(was_training)
+        runner.pop_episodes()
+        valid = steps.valid.float()  # (T, N)
+        rewards, lengths = (steps.rewards * valid).sum(0), valid.sum(0)
+        return [Episode(float(r), int(n_), i + 1, False) for i, (r, n_) in enumerate(zip(rewards, lengths))]
+
+    def validation_step(self, batch: int, batch_idx: int) -> None:
+        episodes = self.evaluate()
+        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+        metrics = {"val/episode_reward": rewards.mean(), "val/episode_reward_std": rewards.std(unbiased=False),
+                   "val/episode_length": torch.tensor([float(e.length) for e in episodes]).mean()}
+        for name, value in metrics.items():
+            self.log(name, float(value), on_step=False, on_epoch=True, batch_size=1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        """What a subclass owns beyond its parameters and buffers, for exact resume (tensors and numbers only)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["classic_rl"] = {"runner": self.runner.state_dict(), "extra": self.extra_state(),
+                                    "algorithm": self.algorithm, "env": self.env.id}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("classic_rl")
+        if state is None:
+            raise AlignConfigError("checkpoint: it holds no classic-RL state; it was not written by this module")
+        self._pending_state = state
+        if self._runner is not None:  # already built: rebuild its episodes now
+            self._runner.load_state_dict(state["runner"])
+        self.load_extra_state(state["extra"])
+
+
+__all__ = ["ClassicRLModule", "Evaluation"]

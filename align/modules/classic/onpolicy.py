@@ -1,0 +1,341 @@
+"""On-policy classic RL on Gymnasium: PPO, A2C and REINFORCE with a baseline, on one actor-critic network.
+
+All three take their losses from the functions the language-model algorithms use: the clipped surrogate of
+:func:`~align.losses.ppo_policy_loss` (A2C and REINFORCE call it with the sampling log-probs equal to the current
+ones, detached: the ratio is 1, nothing is clipped, and its gradient is the policy gradient ``-A grad log pi``),
+:func:`~align.losses.value_loss`, and :func:`~align.logprobs.masked_whiten` for advantages. Each action is one
+"token": a ``(B, 1)`` row with a mask of ones. Advantages come from :func:`~align.advantages.step_gae` (PPO, A2C)
+or :func:`~align.advantages.discounted_returns` (REINFORCE).
+
+Departures from Stable-Baselines3 (whose defaults the shipped configs otherwise follow):
+
+* :func:`~align.losses.value_loss` is ``0.5 * (V - R)^2`` and SB3's is ``(V - R)^2``, so ``vf_coef: 1.0`` here is
+  SB3's ``vf_coef: 0.5``.
+* Observation statistics (``normalize_observations``) are updated after each iteration's update, from that
+  iteration's observations, so the log-probs of the update are those the rollout sampled with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+
+from align.advantages import discounted_returns, step_gae
+from align.envs import EnvSpec, Steps
+from align.errors import AlignConfigError
+from align.logprobs import masked_whiten
+from align.losses import ppo_policy_loss, value_loss
+from align.models.mlp import Activation, ActorCritic
+from align.modules.classic.base import ClassicRLModule, Evaluation
+
+
+@dataclass(frozen=True)
+class Network:
+    """The actor-critic network."""
+
+    hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths."""
+    activation: Activation = "tanh"
+    """``tanh`` or ``relu``."""
+    shared: bool = False
+    """One trunk for policy and value (two heads) instead of two separate networks."""
+    log_std_init: float = 0.0
+    """Initial log standard deviation of a continuous-action policy."""
+
+
+class OnPolicyModule(ClassicRLModule):
+    """Actor-critic collection and the shared loss; subclasses choose the advantages and how many updates."""
+
+    def __init__(
+        self,
+        env: EnvSpec = EnvSpec(),
+        total_steps: int = 100_000,
+        n_steps: int = 128,
+        gamma: float = 0.99,
+        gae_lambda: float = 0.95,
+        ent_coef: float = 0.0,
+        vf_coef: float = 1.0,
+        normalize_advantages: bool = True,
+        normalize_observations: bool = False,
+        network: Network = Network(),
+        evaluation: Evaluation = Evaluation(),
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_schedule: Literal["constant", "linear"] = "constant",
+        max_grad_norm: float | None = 0.5,
+    ):
+        """
+        Args:
+            env: The environment (an id, or ``{id, num_envs, vectorization, kwargs, max_episode_steps, seed}``).
+            total_steps: Environment steps to train for, over all environments.
+            n_steps: Vector steps per iteration: each iteration learns from ``n_steps * env.num_envs`` transitions.
+            gamma: Discount factor.
+            gae_lambda: GAE's lambda; 1 gives n-step returns bootstrapped at the window's end.
+            ent_coef: Weight of the entropy bonus.
+            vf_coef: Weight of the value loss ``0.5 * (V - R)^2`` (SB3's ``vf_coef`` times 2).
+            normalize_advantages: Whiten the advantages of each minibatch.
+            normalize_observations: Normalise observations by running mean and standard deviation.
+            network: Hidden sizes, activation, shared trunk.
+            evaluation: Held-out evaluation episodes.
+            optimizer: Optimizer over the network's parameters (learning rate and all).
+            lr_schedule: ``constant``, or ``linear`` decay to 0 at ``total_steps``.
+            max_grad_norm: Clip the gradient's global norm to this; null: no clipping.
+        """
+        super().__init__(env, total_steps, evaluation, optimizer, lr_schedule, max_grad_norm)
+        if n_steps < 1:
+            raise AlignConfigError(f"model.n_steps: expected >= 1, got {n_steps}")
+        if not 0.0 <= gamma <= 1.0 or not 0.0 <= gae_lambda <= 1.0:
+            raise AlignConfigError(f"model.gamma and model.gae_lambda: expected values in [0, 1], got {gamma} and "
+                                   f"{gae_lambda}")
+        self.n_steps, self.gamma, self.gae_lambda = n_steps, gamma, gae_lambda
+        self.ent_coef, self.vf_coef, self.normalize_advantages = ent_coef, vf_coef, normalize_advantages
+        self.network = ActorCritic(self.observation_space, self.action_space, network.hidden, network.activation,
+                                   network.shared, normalize_observations, network.log_std_init, self.env.id)
+
+    # ------------------------------------------------------------------ acting
+    def act(self, obs: torch.Tensor, deterministic: bool) -> torch.Tensor:
+        return self.network.env_actions(self.network.act(obs, deterministic).actions)
+
+    @torch.no_grad()
+    def sample_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = self.network.act(obs)
+        extras = {"logprobs": out.logprobs, "values": out.values}
+        if self.network.continuous:
+            extras["env_actions"] = self.network.env_actions(out.actions)
+        return out.actions, extras
+
+    def rollout(self) -> Steps:
+        steps = self.collect(self.sample_actions, self.n_steps)
+        self._new_observations = steps.observations
+        return steps
+
+    @torch.no_grad()
+    def next_values(self, steps: Steps) -> torch.Tensor:
+        """``V(s_{t+1})`` for every step, ``(T, N)`` (the final observation's value where an episode ended)."""
+        t, n = steps.shape
+        return self.network.value(steps.next_observations.flatten(0, 1)).view(t, n)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        observations = getattr(self, "_new_observations", None)
+        if observations is not None:
+            self.network.encoder.update(observations.flatten(0, 1))
+            self._new_observations = None
+
+    # ------------------------------------------------------------------ loss
+    def loss(self, obs: torch.Tensor, actions: torch.Tensor, old_logprobs: torch.Tensor | None,
+             advantages: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, clip: float = 0.2,
+             clip_value: float | None = None, vf_coef: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The actor-critic loss of ``B`` transitions (every argument ``(B,)`` but ``obs``/``actions``).
+        ``old_logprobs=None``: the plain policy gradient (the current log-probs, detached, as the old ones)."""
+        logprobs, entropy, values = self.network.evaluate(obs, actions)
+        ones = torch.ones_like(logprobs, dtype=torch.bool)[:, None]  # (B, 1)
+        if self.normalize_advantages and advantages.numel() > 1:
+            advantages = masked_whiten(advantages[:, None], ones).squeeze(1)
+        old = logprobs.detach() if old_logprobs is None else old_logprobs
+        policy_loss, stats = ppo_policy_loss(logprobs[:, None], old[:, None], advantages[:, None], ones, clip_low=clip)
+        v_loss, _ = value_loss(values[:, None], old_values[:, None], returns[:, None], ones, clip=clip_value)
+        entropy = entropy.mean()
+        vf_coef = self.vf_coef if vf_coef is None else vf_coef
+        loss = policy_loss + vf_coef * v_loss - self.ent_coef * entropy
+        return loss, {"train/loss": loss.detach(), "train/policy_loss": policy_loss.detach(),
+                      "train/value_loss": v_loss.detach(), "train/entropy": entropy.detach(),
+                      "train/clipfrac": stats.clipfrac, "train/approx_kl": stats.approx_kl}
+
+    @staticmethod
+    def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+        """``1 - Var(R - V) / Var(R)``: 1 is a perfect critic, 0 no better than a constant."""
+        var = returns.var(unbiased=False)
+        return float(1.0 - (returns - values).var(unbiased=False) / var) if var > 0 else 0.0
+
+    @staticmethod
+    def means(history: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        return {k: float(torch.stack([h[k] for h in history]).mean()) for k in history[0]}
+
+
+class PPOGymModule(OnPolicyModule):
+    """PPO (Schulman et al. 2017, arXiv 1707.06347) on a Gymnasium environment: ``n_epochs`` passes over each
+    rollout in ``batch_size`` minibatches, clipped surrogate, GAE, optional value clipping and entropy bonus.
+
+    ``python recipes/gym.py`` trains it on CartPole-v1 with RL Zoo's tuned settings (``configs/gym/ppo-cartpole.yaml``).
+    """
+
+    algorithm = "ppo"
+
+    def __init__(
+        self,
+        env: EnvSpec = EnvSpec(),
+        total_steps: int = 100_000,
+        n_steps: int = 128,
+        batch_size: int = 64,
+        n_epochs: int = 10,
+        clip_range: float = 0.2,
+        clip_range_vf: float | None = None,
+        target_kl: float | None = None,
+        gamma: float = 0.99,
+        gae_lambda: float = 0.95,
+        ent_coef: float = 0.0,
+        vf_coef: float = 1.0,
+        normalize_advantages: bool = True,
+        normalize_observations: bool = False,
+        network: Network = Network(),
+        evaluation: Evaluation = Evaluation(),
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_schedule: Literal["constant", "linear"] = "constant",
+        clip_schedule: Literal["constant", "linear"] = "constant",
+        max_grad_norm: float | None = 0.5,
+    ):
+        """
+        Args:
+            batch_size: Transitions per minibatch (one optimizer step each).
+            n_epochs: Passes over each rollout.
+            clip_range: Clip range of the probability ratio.
+            clip_range_vf: Clip range of the value around its rollout value; null: unclipped.
+            target_kl: Stop an iteration's epochs early once the approximate KL exceeds 1.5 times this; null: never.
+            clip_schedule: ``linear``: ``clip_range`` falls linearly to 0 at ``total_steps``.
+
+        The other arguments are :class:`OnPolicyModule`'s.
+        """
+        super().__init__(env, total_steps, n_steps, gamma, gae_lambda, ent_coef, vf_coef, normalize_advantages,
+                         normalize_observations, network, evaluation, optimizer, lr_schedule, max_grad_norm)
+        if batch_size < 1 or n_epochs < 1 or not clip_range > 0:
+            raise AlignConfigError(f"model.batch_size, model.n_epochs, model.clip_range: expected >= 1, >= 1 and > 0, "
+                                   f"got {batch_size}, {n_epochs}, {clip_range}")
+        self.batch_size, self.n_epochs, self.clip_range = batch_size, n_epochs, clip_range
+        self.clip_range_vf, self.target_kl, self.clip_schedule = clip_range_vf, target_kl, clip_schedule
+
+    def iteration(self) -> dict[str, float]:
+        steps = self.rollout()
+        old_values = steps.extras["values"]
+        advantages, returns = step_gae(steps.rewards, old_values, self.next_values(steps), steps.terminated,
+                                       steps.done, self.gamma, self.gae_lambda)
+        obs, actions = steps.observations.flatten(0, 1), steps.actions.flatten(0, 1)
+        old_logprobs, old_values = steps.extras["logprobs"].flatten(), old_values.flatten()
+        advantages, returns = advantages.flatten(), returns.flatten()
+        clip = self.clip_range * (1.0 - self.progress() if self.clip_schedule == "linear" else 1.0)
+        clip = max(clip, 1e-8)
+        history = []
+        with torch.enable_grad():
+            for _ in range(self.n_epochs):
+                for index in torch.randperm(len(obs)).split(self.batch_size):
+                    loss, metrics = self.loss(obs[index], actions[index], old_logprobs[index], advantages[index],
+                                              returns[index], old_values[index], clip, self.clip_range_vf)
+                    self.optimizer_step(loss)
+                    history.append(metrics)
+                if self.target_kl is not None and float(history[-1]["train/approx_kl"]) > 1.5 * self.target_kl:
+                    break
+        out = self.means(history)
+        out["train/explained_variance"] = self.explained_variance(old_values, returns)
+        out["train/clip_range"] = clip
+        return out
+
+
+class A2CGymModule(OnPolicyModule):
+    """A2C, the synchronous advantage actor-critic (Mnih et al. 2016, arXiv 1602.01783): one update per short
+    rollout of ``n_steps`` vector steps, n-step returns (``gae_lambda: 1``) or GAE, an entropy bonus, a shared
+    trunk or separate networks. SB3's A2C uses RMSprop (``configs/gym/a2c-cartpole.yaml``)."""
+
+    algorithm = "a2c"
+
+    def __init__(
+        self,
+        env: EnvSpec = EnvSpec(),
+        total_steps: int = 100_000,
+        n_steps: int = 5,
+        gamma: float = 0.99,
+        gae_lambda: float = 1.0,
+        ent_coef: float = 0.0,
+        vf_coef: float = 1.0,
+        normalize_advantages: bool = False,
+        normalize_observations: bool = False,
+        network: Network = Network(),
+        evaluation: Evaluation = Evaluation(),
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_schedule: Literal["constant", "linear"] = "constant",
+        max_grad_norm: float | None = 0.5,
+    ):
+        """Arguments as :class:`OnPolicyModule`'s; ``gae_lambda: 1`` is A2C's n-step return."""
+        super().__init__(env, total_steps, n_steps, gamma, gae_lambda, ent_coef, vf_coef, normalize_advantages,
+                         normalize_observations, network, evaluation, optimizer, lr_schedule, max_grad_norm)
+
+    def iteration(self) -> dict[str, float]:
+        steps = self.rollout()
+        values = steps.extras["values"]
+        advantages, returns = step_gae(steps.rewards, values, self.next_values(steps), steps.terminated, steps.done,
+                                       self.gamma, self.gae_lambda)
+        with torch.enable_grad():
+            loss, metrics = self.loss(steps.observations.flatten(0, 1), steps.actions.flatten(0, 1), None,
+                                      advantages.flatten(), returns.flatten(), values.flatten())
+            self.optimizer_step(loss)
+        out = self.means([metrics])
+        del out["train/clipfrac"], out["train/approx_kl"]  # always 0: the ratio is 1
+        out["train/explained_variance"] = self.explained_variance(values.flatten(), returns.flatten())
+        return out
+
+
+class REINFORCEGymModule(OnPolicyModule):
+    """REINFORCE (Williams 1992) with a learned state-value baseline: each iteration plays one complete episode
+    per environment and follows ``(G_t - V(s_t)) grad log pi(a_t | s_t)``, with ``G_t`` the discounted return to
+    the episode's end (:func:`~align.advantages.discounted_returns`). ``baseline: none`` uses ``G_t`` itself.
+
+    Every environment plays exactly one episode per iteration, from a fresh reset (see
+    :meth:`~align.envs.runner.EnvRunner.collect_episodes`): keeping the first episodes to end would favour short
+    ones."""
+
+    algorithm = "reinforce"
+
+    def __init__(
+        self,
+        env: EnvSpec = EnvSpec(),
+        total_steps: int = 100_000,
+        baseline: Literal["value", "none"] = "value",
+        gamma: float = 0.99,
+        ent_coef: float = 0.0,
+        vf_coef: float = 1.0,
+        normalize_advantages: bool = True,
+        normalize_observations: bool = False,
+        network: Network = Network(),
+        evaluation: Evaluation = Evaluation(),
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_schedule: Literal["constant", "linear"] = "constant",
+        max_grad_norm: float | None = 0.5,
+    ):
+        """
+        Args:
+            baseline: ``value``: subtract a learned ``V(s)`` (trained on the returns); ``none``: plain REINFORCE.
+
+        The other arguments are :class:`OnPolicyModule`'s (there is no ``n_steps``: an iteration is one episode
+        per environment).
+        """
+        super().__init__(env, total_steps, 1, gamma, 1.0, ent_coef, vf_coef, normalize_advantages,
+                         normalize_observations, network, evaluation, optimizer, lr_schedule, max_grad_norm)
+        if baseline not in ("value", "none"):
+            raise AlignConfigError(f"model.baseline: expected 'value' or 'none', got {baseline!r}")
+        self.baseline = baseline
+
+    def rollout(self) -> Steps:
+        steps = self.collect(self.sample_actions, None)
+        self._new_observations = steps.observations[steps.valid]
+        return steps
+
+    def iteration(self) -> dict[str, float]:
+        steps = self.rollout()
+        returns = discounted_returns(steps.rewards, steps.done, self.gamma)  # (T, N)
+        valid = steps.valid
+        values = steps.extras["values"]
+        advantages = returns - values if self.baseline == "value" else returns
+        vf_coef = self.vf_coef if self.baseline == "value" else 0.0
+        with torch.enable_grad():
+            loss, metrics = self.loss(steps.observations[valid], steps.actions[valid], None, advantages[valid],
+                                      returns[valid], values[valid], vf_coef=vf_coef)
+            self.optimizer_step(loss)
+        out = self.means([metrics])
+        del out["train/clipfrac"], out["train/approx_kl"]
+        if self.baseline == "value":
+            out["train/explained_variance"] = self.explained_variance(values[valid], returns[valid])
+        return out
+
+
+__all__ = ["A2CGymModule", "Network", "OnPolicyModule", "PPOGymModule", "REINFORCEGymModule"]
