@@ -214,6 +214,12 @@ class EnvRunner:
         steps.valid = torch.stack(valid)
         return steps
 
+    def rewind(self) -> None:
+        """Start every environment's episode count over: the next :meth:`collect_episodes` plays the same seeds
+        as the first one did (held-out evaluation)."""
+        self._episode[:] = 0
+        self._length[:] = 0
+
     def pop_episodes(self) -> list[Episode]:
         """Episodes finished since the last call."""
         out, self.finished = self.finished, []

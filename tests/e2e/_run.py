@@ -28,7 +28,8 @@ class KillAtStep(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # Lightning runs checkpoint callbacks after every other callback: the checkpoint of this step is not written.
-        if trainer.global_step == self.step:
+        # (Classic-RL iterations take several optimizer steps: the kill comes at the first batch that reaches it.)
+        if trainer.global_step >= self.step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -80,6 +81,11 @@ def main() -> None:
     from align.data.prompts import PromptDataModule
     from align.data.sft import SFTDataModule
 
+    from align.modules.classic import ClassicRLModule
+
+    if ns.algorithm == "gym":
+        align.cli.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml")
+        return
     classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
                "grpo": (GRPOModule, PromptDataModule)}
     align.cli.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)

@@ -6,8 +6,10 @@ steps, also stops it). The module brings its own data: an endless train loader (
 a one-batch validation loader that plays ``evaluation.episodes`` greedy episodes on held-out seeds, so ``fit``'s
 before/after and ``--trainer.val_check_interval N`` (every N iterations) work as for the language-model recipes.
 
-Logged per iteration (on the steps the loggers write, over the episodes finished since the last written row):
-``rollout/episode_reward``, ``rollout/episode_length``, ``rollout/episodes``, ``rollout/env_steps``,
+Logged per iteration (on the steps the loggers write): ``rollout/episode_reward`` and ``rollout/episode_length``, means
+over the last ``RECENT_EPISODES`` (100) finished episodes, as Stable-Baselines3's ``ep_rew_mean`` (a metric
+logged only on some rows would repeat its last value on the others in Lightning's CSV), ``rollout/episodes``,
+``rollout/env_steps``,
 ``rollout/steps_per_s``, ``train/lr`` and each algorithm's losses (``train/policy_loss``, ``train/value_loss``,
 ``train/entropy``, ``train/loss``; DQN's ``rollout/epsilon``). Validation logs ``val/episode_reward``,
 ``val/episode_reward_std`` and ``val/episode_length``. Under an ``OTelTracingCallback`` each iteration's collection
@@ -22,6 +24,7 @@ Subclasses add what else they own (DQN: its replay buffer) in :meth:`ClassicRLMo
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
@@ -35,6 +38,10 @@ from align.envs.runner import OnStep, Policy
 from align.errors import AlignConfigError
 from align.modules.base import TrainingModule
 from align.observability.timing import Timer
+
+
+RECENT_EPISODES = 100
+"""Finished training episodes that ``rollout/episode_reward`` and ``rollout/episode_length`` average over."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class ClassicRLModule(TrainingModule):
         self._runner: EnvRunner | None = None
         self._eval_runner: EnvRunner | None = None
         self._pending_state: dict | None = None
-        self._episodes: list[Episode] = []  # finished since the last written row
+        self._recent: deque[Episode] = deque(maxlen=RECENT_EPISODES)  # the latest finished training episodes
         self._window_steps, self._window_start = 0, time.perf_counter()
         self.timings: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
@@ -184,21 +191,21 @@ class ClassicRLModule(TrainingModule):
         self._anneal_lr()
         self.timings = {}
         metrics = self.iteration()
-        self._episodes.extend(self.runner.pop_episodes())
+        self._recent.extend(self.runner.pop_episodes())
+        if self.env_steps >= self.total_steps:
+            self.trainer.should_stop = True  # before logging: the loggers write the row of a stopping step
         if self.logs_this_step():
             self.log_step(self._step_metrics(metrics))
-        if self.env_steps >= self.total_steps:
-            self.trainer.should_stop = True
 
     def _step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         now = time.perf_counter()
         out = {"rollout/env_steps": float(self.env_steps), "rollout/episodes": float(self.runner.episodes),
                "rollout/steps_per_s": (self.env_steps - self._window_steps) / max(now - self._window_start, 1e-9),
                "train/lr": self.current_lr(), **metrics, **self.timings}
-        if self._episodes:
-            out["rollout/episode_reward"] = _mean([e.reward for e in self._episodes])
-            out["rollout/episode_length"] = _mean([float(e.length) for e in self._episodes])
-        self._episodes, self._window_steps, self._window_start = [], self.env_steps, now
+        if self._recent:
+            out["rollout/episode_reward"] = _mean([e.reward for e in self._recent])
+            out["rollout/episode_length"] = _mean([float(e.length) for e in self._recent])
+        self._window_steps, self._window_start = self.env_steps, now
         self.last_metrics = out
         return out
 
@@ -218,7 +225,7 @@ class ClassicRLModule(TrainingModule):
             self._eval_runner = EnvRunner(EnvSpec(**{**vars(self.env), "num_envs": n, "vectorization": "sync"}),
                                           stream=1)
         runner = self._eval_runner
-        runner._episode[:] = 0  # the same seeds every evaluation
+        runner.rewind()  # the same seeds every evaluation
         was_training = self.training
         self.eval()
         try:
@@ -247,7 +254,8 @@ class ClassicRLModule(TrainingModule):
         pass
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["classic_rl"] = {"runner": self.runner.state_dict(), "extra": self.extra_state(),
+        recent = torch.tensor([[e.reward, e.length, e.index, e.truncated] for e in self._recent], dtype=torch.float64)
+        checkpoint["classic_rl"] = {"runner": self.runner.state_dict(), "extra": self.extra_state(), "recent": recent,
                                     "algorithm": self.algorithm, "env": self.env.id}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -255,6 +263,8 @@ class ClassicRLModule(TrainingModule):
         if state is None:
             raise AlignConfigError("checkpoint: it holds no classic-RL state; it was not written by this module")
         self._pending_state = state
+        self._recent.clear()
+        self._recent.extend(Episode(float(r), int(n), int(i), bool(t)) for r, n, i, t in state["recent"].tolist())
         if self._runner is not None:  # already built: rebuild its episodes now
             self._runner.load_state_dict(state["runner"])
         self.load_extra_state(state["extra"])

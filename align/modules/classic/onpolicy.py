@@ -89,6 +89,7 @@ class OnPolicyModule(ClassicRLModule):
         if not 0.0 <= gamma <= 1.0 or not 0.0 <= gae_lambda <= 1.0:
             raise AlignConfigError(f"model.gamma and model.gae_lambda: expected values in [0, 1], got {gamma} and "
                                    f"{gae_lambda}")
+        network = Network(**network) if isinstance(network, dict) else network
         self.n_steps, self.gamma, self.gae_lambda = n_steps, gamma, gae_lambda
         self.ent_coef, self.vf_coef, self.normalize_advantages = ent_coef, vf_coef, normalize_advantages
         self.network = ActorCritic(self.observation_space, self.action_space, network.hidden, network.activation,
@@ -107,9 +108,7 @@ class OnPolicyModule(ClassicRLModule):
         return out.actions, extras
 
     def rollout(self) -> Steps:
-        steps = self.collect(self.sample_actions, self.n_steps)
-        self._new_observations = steps.observations
-        return steps
+        return self.collect(self.sample_actions, self.n_steps)
 
     @torch.no_grad()
     def next_values(self, steps: Steps) -> torch.Tensor:
@@ -117,11 +116,10 @@ class OnPolicyModule(ClassicRLModule):
         t, n = steps.shape
         return self.network.value(steps.next_observations.flatten(0, 1)).view(t, n)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        observations = getattr(self, "_new_observations", None)
-        if observations is not None:
-            self.network.encoder.update(observations.flatten(0, 1))
-            self._new_observations = None
+    def update_statistics(self, observations: torch.Tensor) -> None:
+        """Fold the iteration's observations into the running statistics, after its update (module docstring);
+        inside the training step, so the step's checkpoint holds them."""
+        self.network.encoder.update(observations.flatten(0, -1 - len(self.observation_space.shape or ())))
 
     # ------------------------------------------------------------------ loss
     def loss(self, obs: torch.Tensor, actions: torch.Tensor, old_logprobs: torch.Tensor | None,
@@ -226,6 +224,7 @@ class PPOGymModule(OnPolicyModule):
                     history.append(metrics)
                 if self.target_kl is not None and float(history[-1]["train/approx_kl"]) > 1.5 * self.target_kl:
                     break
+        self.update_statistics(obs)
         out = self.means(history)
         out["train/explained_variance"] = self.explained_variance(old_values, returns)
         out["train/clip_range"] = clip
@@ -269,6 +268,7 @@ class A2CGymModule(OnPolicyModule):
             loss, metrics = self.loss(steps.observations.flatten(0, 1), steps.actions.flatten(0, 1), None,
                                       advantages.flatten(), returns.flatten(), values.flatten())
             self.optimizer_step(loss)
+        self.update_statistics(steps.observations)
         out = self.means([metrics])
         del out["train/clipfrac"], out["train/approx_kl"]  # always 0: the ratio is 1
         out["train/explained_variance"] = self.explained_variance(values.flatten(), returns.flatten())
@@ -316,9 +316,7 @@ class REINFORCEGymModule(OnPolicyModule):
         self.baseline = baseline
 
     def rollout(self) -> Steps:
-        steps = self.collect(self.sample_actions, None)
-        self._new_observations = steps.observations[steps.valid]
-        return steps
+        return self.collect(self.sample_actions, None)
 
     def iteration(self) -> dict[str, float]:
         steps = self.rollout()
@@ -331,6 +329,7 @@ class REINFORCEGymModule(OnPolicyModule):
             loss, metrics = self.loss(steps.observations[valid], steps.actions[valid], None, advantages[valid],
                                       returns[valid], values[valid], vf_coef=vf_coef)
             self.optimizer_step(loss)
+        self.update_statistics(steps.observations[valid])
         out = self.means([metrics])
         del out["train/clipfrac"], out["train/approx_kl"]
         if self.baseline == "value":

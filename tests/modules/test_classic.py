@@ -1,0 +1,157 @@
+"""The classic-RL modules on Gymnasium: each trains a few iterations inside a Trainer and logs its metrics, the
+policy-gradient modules' loss is the policy gradient, continuous actions work, and unsupported spaces fail on one
+line. (Learning to solve CartPole is in tests/e2e/test_gym_learning.py; the math in tests/test_classic_math.py.)"""
+
+from functools import partial
+
+import pytest
+import torch
+
+from align.envs import EnvSpec
+from align.errors import AlignConfigError
+from align.modules.classic import (
+    A2CGymModule,
+    DQNGymModule,
+    Exploration,
+    PPOGymModule,
+    QLearningGymModule,
+    REINFORCEGymModule,
+)
+from _helpers import cpu_trainer
+
+CARTPOLE = EnvSpec(id="CartPole-v1", num_envs=2)
+ADAM = partial(torch.optim.Adam, lr=1e-3)
+
+BUILDERS = {
+    "ppo": lambda: PPOGymModule(env=CARTPOLE, total_steps=128, n_steps=16, batch_size=16, n_epochs=2, optimizer=ADAM,
+                                lr_schedule="linear", clip_schedule="linear", normalize_observations=True),
+    "a2c": lambda: A2CGymModule(env=CARTPOLE, total_steps=100, n_steps=5, optimizer=ADAM),
+    "reinforce": lambda: REINFORCEGymModule(env=CARTPOLE, total_steps=100, optimizer=ADAM),
+    "dqn": lambda: DQNGymModule(env=CARTPOLE, total_steps=200, learning_starts=32, train_freq=8, gradient_steps=4,
+                                batch_size=16, target_update_interval=20, double_dqn=True, optimizer=ADAM),
+    "qlearning": lambda: QLearningGymModule(total_steps=300, steps_per_iteration=50, init_value=1.0),
+}
+LOSSES = {"ppo": {"train/policy_loss", "train/value_loss", "train/entropy", "train/clipfrac", "train/approx_kl",
+                  "train/explained_variance"},
+          "a2c": {"train/policy_loss", "train/value_loss", "train/entropy", "train/explained_variance"},
+          "reinforce": {"train/policy_loss", "train/value_loss", "train/entropy"},
+          "dqn": {"train/loss", "train/q_mean", "rollout/epsilon", "rollout/buffer_size"},
+          "qlearning": {"train/td_error", "rollout/epsilon"}}
+
+
+@pytest.mark.parametrize("algorithm", sorted(BUILDERS))
+def test_each_module_trains_to_its_step_budget_and_logs(algorithm):
+    torch.manual_seed(0)
+    module = BUILDERS[algorithm]()
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    trainer = cpu_trainer(max_epochs=1, log_every_n_steps=1)
+    trainer.fit(module)
+    assert module.total_steps <= module.env_steps < module.total_steps + 64  # stops at the budget
+    metrics = module.last_metrics
+    assert LOSSES[algorithm] <= set(metrics), sorted(metrics)
+    assert {"rollout/env_steps", "rollout/episodes", "rollout/steps_per_s", "train/lr", "time/rollout_s"} <= set(metrics)
+    assert metrics["rollout/env_steps"] == module.env_steps
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
+    changed = [k for k, v in module.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "no parameter or buffer moved"
+    if algorithm == "ppo":  # linear schedules reach about 0 at the end, and observation statistics were gathered
+        assert metrics["train/lr"] < 1e-3 and metrics["train/clip_range"] < 0.2
+        assert float(module.network.encoder.count) > 100
+
+
+def test_episode_metrics_are_means_of_the_latest_finished_episodes():
+    from align.modules.classic.base import RECENT_EPISODES
+
+    torch.manual_seed(0)
+    module = A2CGymModule(env=CARTPOLE, total_steps=3000, n_steps=5, optimizer=ADAM)
+    finished = []
+    original = module.runner.pop_episodes
+
+    def recording():
+        out = original()
+        finished.extend(out)
+        return out
+
+    module.runner.pop_episodes = recording
+    cpu_trainer(max_epochs=1, log_every_n_steps=3).fit(module)
+    assert len(finished) > RECENT_EPISODES and module.runner.episodes == len(finished)
+    recent = finished[-RECENT_EPISODES:]
+    assert module.last_metrics["rollout/episode_reward"] == pytest.approx(sum(e.reward for e in recent) / len(recent))
+    assert module.last_metrics["rollout/episode_length"] == pytest.approx(sum(e.length for e in recent) / len(recent))
+    assert module.last_metrics["rollout/episodes"] == len(finished)
+
+
+def test_policy_gradient_loss_is_minus_advantage_times_log_prob():
+    """A2C and REINFORCE call ppo_policy_loss with the current log-probs (detached) as the old ones: the ratio
+    is 1, so the loss is -mean(A) and its gradient is that of -mean(A * log pi)."""
+    torch.manual_seed(0)
+    module = A2CGymModule(env=CARTPOLE, ent_coef=0.0, vf_coef=0.0)
+    obs, actions = torch.randn(6, 4), torch.tensor([0, 1, 1, 0, 1, 0])
+    advantages = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
+    zeros = torch.zeros(6)
+    loss, metrics = module.loss(obs, actions, None, advantages, zeros, zeros)
+    assert float(metrics["train/policy_loss"]) == pytest.approx(-float(advantages.mean()))
+    grads = torch.autograd.grad(loss, list(module.network.pi.parameters()))
+    logprobs, _, _ = module.network.evaluate(obs, actions)
+    reference = torch.autograd.grad(-(advantages * logprobs).mean(), list(module.network.pi.parameters()))
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want)
+
+
+def test_ppo_on_continuous_actions_clips_what_the_environment_gets():
+    torch.manual_seed(0)
+    module = PPOGymModule(env=EnvSpec(id="Pendulum-v1", num_envs=2), total_steps=64, n_steps=16, batch_size=32,
+                          n_epochs=1, network={"log_std_init": 1.0}, optimizer=ADAM)
+    obs = module.runner.start()
+    actions, extras = module.sample_actions(obs)
+    assert actions.shape == (2, 1) and extras["logprobs"].shape == (2,)
+    assert float(extras["env_actions"].abs().max()) <= 2.0  # Pendulum's torque bound
+    cpu_trainer(max_epochs=1).fit(module)
+    assert module.env_steps >= 64 and "train/entropy" in module.last_metrics
+    assert len(module.evaluate(episodes=2)) == 2
+
+
+def test_evaluation_replays_the_same_held_out_episodes():
+    torch.manual_seed(0)
+    module = BUILDERS["ppo"]()
+    first = module.evaluate(episodes=4)
+    second = module.evaluate(episodes=4)
+    assert [(e.reward, e.length) for e in first] == [(e.reward, e.length) for e in second]
+    assert len({e.length for e in module.evaluate(episodes=6)}) > 1  # different seeds per episode
+
+
+def test_unsupported_spaces_fail_on_one_line_naming_the_environment():
+    with pytest.raises(AlignConfigError) as err:
+        DQNGymModule(env=EnvSpec(id="Pendulum-v1"))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "environment 'Pendulum-v1': DQN needs a Discrete action space, got Box(shape=(1,)" in message
+    with pytest.raises(AlignConfigError, match="environment 'CartPole-v1': tabular Q-learning needs a Discrete "
+                                                r"observation space, got Box\(shape=\(4,\)\)"):
+        QLearningGymModule(env=EnvSpec(id="CartPole-v1"))
+    with pytest.raises(AlignConfigError, match="environment 'CartPol-v1': not a registered Gymnasium id .* CartPole-v1"):
+        PPOGymModule(env=EnvSpec(id="CartPol-v1"))
+
+
+def test_dqn_target_network_follows_the_interval_and_tau():
+    torch.manual_seed(0)
+    module = DQNGymModule(env=CARTPOLE, total_steps=64, learning_starts=10_000, train_freq=4, target_update_interval=16,
+                          tau=0.5, optimizer=ADAM)
+    with torch.no_grad():
+        for p in module.q.parameters():
+            p.add_(1.0)
+    target = [p.clone() for p in module.q_target.parameters()]
+    module.collect(module.sample_actions, 4, on_step=module._store)  # 8 env steps: no update yet
+    assert all(torch.equal(a, b) for a, b in zip(target, module.q_target.parameters()))
+    module.collect(module.sample_actions, 4, on_step=module._store)  # 16 env steps: one Polyak step, tau 0.5
+    for before, online, now in zip(target, module.q.parameters(), module.q_target.parameters()):
+        torch.testing.assert_close(now, 0.5 * before + 0.5 * online)
+
+
+def test_exploration_schedule_is_linear_in_environment_steps():
+    module = DQNGymModule(env=CARTPOLE, total_steps=1000, exploration=Exploration(1.0, 0.1, 0.5))
+    assert module.epsilon() == 1.0
+    module.runner.steps = 250
+    assert module.epsilon() == pytest.approx(0.55)
+    module.runner.steps = 900
+    assert module.epsilon() == pytest.approx(0.1)
