@@ -455,6 +455,8 @@ def discounted_returns(
     n-step returns.
     """
     _check_steps("discounted_returns", rewards=rewards, done=done)
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
     carry = 1.0 - done.to(rewards.dtype)
     out = torch.empty_like(rewards)
     running = torch.zeros_like(rewards[0]) if bootstrap is None else bootstrap.to(rewards.dtype).clone()

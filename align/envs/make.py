@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,6 +66,43 @@ def as_spec(env: EnvSpec | str | dict) -> EnvSpec:
     raise AlignConfigError(f"model.env: expected an id or {{id, num_envs, ...}}, got {env!r}")
 
 
+class ObservationError(ValueError):
+    """An environment returned an observation outside its declared observation space."""
+
+
+class CheckObservations(gym.Wrapper):
+    """Checks every observation against the declared space's shape (a ``Box``) or range (a ``Discrete``), so a
+    wrong one fails where it is made, naming the space, instead of deep in a vector environment's buffer copy or
+    a network's input. Costs a shape comparison per step."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        space = env.observation_space
+        self._shape = tuple(space.shape) if isinstance(space, gym.spaces.Box) else None
+        self._n = int(space.n) if isinstance(space, gym.spaces.Discrete) else None
+        self._start = int(getattr(space, "start", 0)) if self._n is not None else 0
+
+    def _check(self, obs, where: str):
+        if self._shape is not None:
+            shape = tuple(getattr(obs, "shape", ()))
+            if shape != self._shape:
+                raise ObservationError(f"{where} returned an observation of shape {shape}, outside its observation "
+                                       f"space {space_text(self.observation_space)}")
+        elif self._n is not None:
+            if not (isinstance(obs, (int, np.integer)) and self._start <= int(obs) < self._start + self._n):
+                raise ObservationError(f"{where} returned the observation {obs!r}, outside its observation space "
+                                       f"{space_text(self.observation_space)}")
+        return obs
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return self._check(obs, "reset"), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return self._check(obs, "step"), reward, terminated, truncated, info
+
+
 def _registered(env_id: str) -> bool:
     if env_id in gym.registry:
         return True
@@ -82,14 +121,16 @@ def _unknown(env_id: str) -> AlignConfigError:
 def _make_one(env_id: str, kwargs: dict, max_episode_steps: int | None) -> gym.Env:
     """One environment (module-level, so ``async`` workers can unpickle the factory)."""
     if _registered(env_id):
-        return gym.make(env_id, max_episode_steps=max_episode_steps, disable_env_checker=True, **kwargs)
-    target = resolve_import(env_id, what="environment")
-    env = target(**kwargs)
-    if not isinstance(env, gym.Env):
-        raise AlignConfigError(f"environment '{env_id}': calling it gave a {type(env).__name__}, not a gymnasium.Env")
-    if max_episode_steps is not None:
-        env = gym.wrappers.TimeLimit(env, max_episode_steps)
-    return env
+        env = gym.make(env_id, max_episode_steps=max_episode_steps, disable_env_checker=True, **kwargs)
+    else:
+        target = resolve_import(env_id, what="environment")
+        env = target(**kwargs)
+        if not isinstance(env, gym.Env):
+            raise AlignConfigError(f"environment '{env_id}': calling it gave a {type(env).__name__}, not a "
+                                   "gymnasium.Env")
+        if max_episode_steps is not None:
+            env = gym.wrappers.TimeLimit(env, max_episode_steps)
+    return CheckObservations(env)
 
 
 def make_env(spec: EnvSpec) -> gym.Env:
@@ -145,5 +186,5 @@ def describe(env: Any) -> str:
     return getattr(spec, "id", None) or type(getattr(env, "unwrapped", env)).__name__
 
 
-__all__ = ["EnvSpec", "as_spec", "describe", "make_env", "make_vector_env", "require_discrete_actions",
+__all__ = ["CheckObservations", "EnvSpec", "ObservationError", "as_spec", "describe", "make_env", "make_vector_env", "require_discrete_actions",
            "space_text"]

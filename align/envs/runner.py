@@ -23,7 +23,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from align.envs.make import EnvSpec, make_vector_env, space_text
+from align.envs.make import EnvSpec, ObservationError, make_vector_env, space_text
 from align.errors import AlignEnvError
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,8 @@ class EnvRunner:
         options = None if mask is None else {"reset_mask": mask}
         try:
             obs, _ = self.env.reset(seed=seeds, options=options)
-        except AlignEnvError:
-            raise
+        except ObservationError as err:
+            raise AlignEnvError(f"environment '{self.spec.id}': {err}") from err
         except Exception as err:  # noqa: BLE001 - user environments may raise anything
             raise AlignEnvError(f"environment '{self.spec.id}': reset raised {type(err).__name__}: {err}") from err
         self.env_seconds += time.perf_counter() - start
@@ -132,6 +132,8 @@ class EnvRunner:
         start = time.perf_counter()
         try:
             obs, rewards, terminated, truncated, _ = self.env.step(actions)
+        except ObservationError as err:
+            raise AlignEnvError(f"environment '{self.spec.id}': {err}") from err
         except Exception as err:  # noqa: BLE001
             episodes = ", ".join(str(int(e)) for e in self._episode)
             raise AlignEnvError(f"environment '{self.spec.id}': step raised {type(err).__name__}: {err} (episodes "
@@ -183,6 +185,8 @@ class EnvRunner:
     def collect(self, policy: Policy, num_steps: int, on_step: OnStep | None = None) -> Steps:
         """``num_steps`` vector steps (``num_steps * N`` environment steps), continuing the episodes in progress.
         ``on_step`` sees every transition as it happens (tabular Q-learning learns from each one)."""
+        if num_steps < 1:
+            raise ValueError(f"EnvRunner.collect: num_steps must be >= 1, got {num_steps}")
         records: list[tuple[Transition, dict[str, torch.Tensor]]] = []
         for _ in range(num_steps):
             transition, extras = self.step(policy)

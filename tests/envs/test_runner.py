@@ -1,0 +1,543 @@
+"""The environment runner: per-episode seeds, windows of steps, complete episodes, exact resume mid-episode, and
+one-line errors for environments that cannot be built or break their contract.
+
+The small environments below are loaded by the runner through the import path of this very file
+(``/abs/path/tests/envs/test_runner.py:Corridor``), the way a user names their own environment class."""
+
+import io
+import logging
+import re
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from align.envs import EnvRunner, EnvSpec, require_discrete_actions
+from align.errors import AlignConfigError, AlignEnvError
+
+THIS = str(Path(__file__).resolve())
+
+
+class Corridor(gym.Env):
+    """Positions ``0 .. length``; action 1 steps right, 0 stays. The start (0 or 1) and a small part of each reward
+    come from ``np_random``, so observations and rewards depend on the reset seed. Terminates at ``length``."""
+
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, length: int = 4):
+        self.length = length
+        self.observation_space = gym.spaces.Discrete(length + 1)
+        self.position = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.position = int(self.np_random.integers(0, 2))
+        return self.position, {}
+
+    def step(self, action):
+        self.position = min(self.position + int(action), self.length)
+        reward = self.position + int(action) + float(self.np_random.random()) / 10
+        return self.position, reward, self.position == self.length, False, {}
+
+
+class Fixed(Corridor):
+    """A constructor that takes no keyword arguments."""
+
+    def __init__(self):
+        super().__init__(length=3)
+
+
+class WrongShape(Corridor):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+
+    def __init__(self):
+        super().__init__()
+        self.observation_space = WrongShape.observation_space
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, False, False, {}
+
+
+class OutOfRange(Corridor):
+    """Declares ``Discrete(4)`` and steps to observation 9."""
+
+    def __init__(self):
+        super().__init__(length=3)
+
+    def step(self, action):
+        return 9, 0.0, False, False, {}
+
+
+class Explodes(Corridor):
+    def step(self, action):
+        raise RuntimeError("boom")
+
+
+class ResetExplodes(Corridor):
+    def reset(self, *, seed=None, options=None):
+        raise KeyError("no start state")
+
+
+class Unseeded(gym.Env):
+    """Draws its start from NumPy's global generator instead of ``np_random``: a replay cannot reproduce it."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.state = np.array([np.random.random()], np.float32)
+        return self.state, {}
+
+    def step(self, action):
+        return self.state, 1.0, False, False, {}
+
+
+def not_an_env():
+    return 3
+
+
+WALK_SOURCE = '''
+import gymnasium as gym
+
+
+class Walk(gym.Env):
+    """Counts steps; never terminates by itself."""
+
+    observation_space = gym.spaces.Discrete(100)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, reward=1.0):
+        self.reward, self.t = reward, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return 0, {}
+
+    def step(self, action):
+        self.t += 1
+        return self.t, self.reward, False, False, {}
+'''
+
+
+def constant(action: int):
+    return lambda obs: (torch.full((obs.shape[0],), action, dtype=torch.long), {})
+
+
+def random_policy(seed: int, record: list | None = None):
+    rng = np.random.default_rng(seed)
+
+    def policy(obs):
+        actions = torch.as_tensor(rng.integers(0, 2, size=obs.shape[0]))
+        if record is not None:
+            record.append(actions)
+        return actions, {}
+
+    return policy
+
+
+def replaying(actions: list):
+    it = iter(actions)
+    return lambda obs: (next(it), {})
+
+
+def reset_observation(runner: EnvRunner, env_index: int, episode: int) -> np.ndarray:
+    """What a lone environment of the spec shows after its reset with that episode's seed."""
+    env = gym.make(runner.spec.id, **runner.spec.kwargs)
+    obs, _ = env.reset(seed=runner.episode_seed(env_index, episode))
+    env.close()
+    return np.asarray(obs)
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def test_same_spec_and_seed_same_observations():
+    spec = EnvSpec(id="CartPole-v1", num_envs=2, seed=7)
+    a, b = EnvRunner(spec), EnvRunner(spec)
+    actions = [torch.tensor([k % 2, 1]) for k in range(30)]  # env 1 falls over (an episode ends) within 30 steps
+    sa, sb = a.collect(replaying(actions), 30), b.collect(replaying(actions), 30)
+    assert sa.done.any()
+    for name in ("observations", "rewards", "next_observations", "terminated", "done"):
+        assert torch.equal(getattr(sa, name), getattr(sb, name)), name
+    other = EnvRunner(EnvSpec(id="CartPole-v1", num_envs=2, seed=8))
+    assert not torch.equal(other.start(), sa.observations[0])
+
+
+def test_env_indices_episodes_and_streams_get_different_seeds():
+    spec = EnvSpec(id="CartPole-v1", num_envs=2, seed=0)
+    train, evaluation = EnvRunner(spec), EnvRunner(spec, stream=1)
+    seeds = {(s, i, e): r.episode_seed(i, e) for s, r in enumerate((train, evaluation)) for i in range(4)
+             for e in range(4)}
+    assert len(set(seeds.values())) == len(seeds) == 32
+    assert train.episode_seed(1, 2) == EnvRunner(spec).episode_seed(1, 2)  # a pure function of its inputs
+    obs_train, obs_eval = train.start(), evaluation.start()
+    assert not torch.equal(obs_train[0], obs_train[1])
+    assert not torch.equal(obs_train, obs_eval)
+    # Each environment's episode is reset with exactly its own seed.
+    for i in range(2):
+        np.testing.assert_array_equal(obs_train[i].numpy(), reset_observation(train, i, 0))
+        np.testing.assert_array_equal(obs_eval[i].numpy(), reset_observation(evaluation, i, 0))
+
+
+# ---------------------------------------------------------------- collect and episodes
+
+
+def test_collect_shapes_and_episode_boundaries():
+    runner = EnvRunner(EnvSpec(id="CartPole-v1", num_envs=2, seed=1))
+
+    def policy(obs):
+        return torch.ones(obs.shape[0], dtype=torch.long), {"value": obs[:, 0] * 2}
+
+    steps = runner.collect(policy, 30)
+    assert steps.shape == (30, 2) and steps.count == 60
+    assert steps.observations.shape == steps.next_observations.shape == (30, 2, 4)
+    assert steps.actions.shape == (30, 2) and steps.rewards.shape == (30, 2)
+    assert steps.rewards.dtype == torch.float32
+    assert steps.done.dtype == steps.terminated.dtype == torch.bool
+    assert steps.extras["value"].shape == (30, 2)
+    torch.testing.assert_close(steps.extras["value"], steps.observations[..., 0] * 2)
+    assert runner.steps == 60
+    ends = steps.done.nonzero().tolist()
+    assert ends, "always pushing right ends a CartPole episode within 30 steps"
+    episode = [0, 0]
+    for t in range(29):
+        for i in range(2):
+            if steps.done[t, i]:
+                episode[i] += 1
+                final = steps.next_observations[t, i]
+                # the final observation is the fallen pole, not the reset one
+                assert final[0].abs() > 2.4 or final[2].abs() > 12 * 2 * np.pi / 360
+                assert not torch.equal(final, steps.observations[t + 1, i])
+                np.testing.assert_array_equal(steps.observations[t + 1, i].numpy(),
+                                              reset_observation(runner, i, episode[i]))
+            else:
+                assert torch.equal(steps.next_observations[t, i], steps.observations[t + 1, i])
+    assert torch.equal(steps.terminated, steps.done)  # CartPole's time limit (500) is not reached
+    runner.collect(policy, 5)
+    assert runner.steps == 70
+
+
+def expected_episodes(steps) -> list[tuple[float, int, bool]]:
+    """(return, length, truncated) of the episodes that end in ``steps``, in the order they end (time, then env)."""
+    t_len, n = steps.shape
+    running = [[0.0, 0] for _ in range(n)]
+    out = []
+    for t in range(t_len):
+        for i in range(n):
+            running[i][0] += float(steps.rewards[t, i])
+            running[i][1] += 1
+            if steps.done[t, i]:
+                out.append((running[i][0], running[i][1], not bool(steps.terminated[t, i])))
+                running[i] = [0.0, 0]
+    return out
+
+
+def test_pop_episodes_returns_lengths_and_truncation():
+    # max_episode_steps on a custom class: episodes that dawdle are truncated after 5 steps.
+    runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=3, seed=2, max_episode_steps=5))
+    steps = runner.collect(random_policy(0), 40)
+    expected = expected_episodes(steps)
+    episodes = runner.pop_episodes()
+    assert runner.pop_episodes() == []
+    assert len(episodes) == len(expected) == runner.episodes > 3
+    assert {e.truncated for e in episodes} == {True, False}
+    for k, (episode, (ret, length, truncated)) in enumerate(zip(episodes, expected), start=1):
+        assert episode.reward == pytest.approx(ret, rel=1e-6)
+        assert (episode.length, episode.truncated, episode.index) == (length, truncated, k)
+        assert 1 <= episode.length <= 5
+    truncated_at = steps.done & ~steps.terminated
+    assert truncated_at.any()
+
+
+def test_env_actions_go_to_the_environment():
+    runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=2, kwargs={"length": 50}))
+    start = runner.start().clone()
+
+    def policy(obs):
+        zeros = torch.zeros(obs.shape[0], dtype=torch.long)
+        return zeros, {"env_actions": zeros + 1, "logprobs": torch.zeros(obs.shape[0])}
+
+    steps = runner.collect(policy, 3)
+    assert torch.equal(steps.actions, torch.zeros(3, 2, dtype=torch.long))  # as the policy sampled them
+    assert torch.equal(steps.next_observations[-1], start + 3)  # the environment moved right three times
+    assert set(steps.extras) == {"logprobs"}
+    assert runner.state_dict()["actions"][0].tolist() == [1, 1, 1]  # what a resume replays
+
+
+def test_collect_episodes_one_episode_per_env():
+    runner = EnvRunner(EnvSpec(id="CartPole-v1", num_envs=3, seed=4))
+    runner.collect(random_policy(1), 5)  # episodes in progress, dropped by collect_episodes
+    runner.pop_episodes()
+    steps = runner.collect_episodes(random_policy(2))
+    t_len = steps.shape[0]
+    assert steps.valid.shape == (t_len, 3)
+    firsts = []
+    for i in range(3):
+        done = steps.done[:, i].nonzero().flatten().tolist()
+        first = done[0]
+        firsts.append(first)
+        assert steps.valid[: first + 1, i].all() and not steps.valid[first + 1:, i].any()
+        assert int((steps.done[:, i] & steps.valid[:, i]).sum()) == 1  # exactly one episode counted per env
+        # from a fresh reset with the next episode's seed (the interrupted episode 0 is dropped)
+        np.testing.assert_array_equal(steps.observations[0, i].numpy(), reset_observation(runner, i, 1))
+    assert t_len == max(firsts) + 1  # stops when every environment has finished one episode
+    assert steps.count == sum(f + 1 for f in firsts)
+    lengths = sorted(e.length for e in runner.pop_episodes())
+    for f in firsts:
+        assert f + 1 in lengths
+
+
+def test_collect_episodes_that_never_end():
+    runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=1))
+    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:Corridor': an episode ran 6 steps "
+                                                      "without ending; set model.env.max_episode_steps")):
+        runner.collect_episodes(constant(0), max_steps=6)
+
+
+# ---------------------------------------------------------------- exact resume
+
+
+def _save_load(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _staggered(runner: EnvRunner, seed: int, limit: int = 300) -> None:
+    """Step until one environment has just been reset (no action in its episode) and every environment is at a
+    different point of its episode."""
+    policy = random_policy(seed)
+    for _ in range(limit):
+        runner.step(policy)
+        lengths = runner.state_dict()["length"].tolist()
+        if 0 in lengths and len(set(lengths)) == runner.num_envs and runner.episodes >= runner.num_envs:
+            return
+    pytest.fail(f"no staggered state within {limit} steps")
+
+
+@pytest.mark.parametrize("env_id, num_envs, vectorization, max_steps", [
+    ("CartPole-v1", 3, "sync", None),
+    ("CartPole-v1", 2, "async", None),
+    ("FrozenLake-v1", 3, "sync", None),
+    (f"{THIS}:Corridor", 3, "sync", 4),  # time-limit truncations, rewards drawn from np_random
+])
+def test_exact_resume(env_id, num_envs, vectorization, max_steps):
+    spec = EnvSpec(id=env_id, num_envs=num_envs, vectorization=vectorization, seed=5, max_episode_steps=max_steps)
+    killed, resumed = EnvRunner(spec), None
+    try:
+        _staggered(killed, seed=0)
+        saved = killed.state_dict()
+        lengths = saved["length"].tolist()
+        assert 0 in lengths and len(set(lengths)) == num_envs
+        killed.pop_episodes()
+        actions: list = []
+        continued = killed.collect(random_policy(1, actions), 40)
+        assert continued.done.any()
+
+        resumed = EnvRunner(spec)
+        resumed.load_state_dict(_save_load(saved))
+        restored = resumed.state_dict()
+        for key in ("episode", "return", "length", "observations"):
+            assert torch.equal(restored[key], saved[key]), key
+        assert (restored["steps"], restored["episodes"]) == (saved["steps"], saved["episodes"])
+        for mine, theirs in zip(restored["actions"], saved["actions"]):
+            assert mine.tolist() == theirs.tolist()
+
+        replayed = resumed.collect(replaying(actions), 40)
+        for name in ("observations", "actions", "rewards", "next_observations", "terminated", "done"):
+            assert torch.equal(getattr(continued, name), getattr(replayed, name)), name
+        assert resumed.pop_episodes() == killed.pop_episodes()  # returns, lengths and indices continue
+        assert resumed.steps == killed.steps
+    finally:
+        killed.close()
+        if resumed is not None:
+            resumed.close()
+
+
+def test_resume_before_any_step_and_before_start():
+    spec = EnvSpec(id="CartPole-v1", num_envs=2, seed=9)
+    fresh = EnvRunner(spec)
+    unstarted = fresh.state_dict()
+    assert unstarted["observations"] is None
+    fresh.start()
+    started = fresh.state_dict()
+    reference = fresh.collect(constant(1), 12)
+    for state in (unstarted, started):
+        runner = EnvRunner(spec)
+        runner.load_state_dict(_save_load(state))
+        steps = runner.collect(constant(1), 12)
+        assert torch.equal(steps.observations, reference.observations)
+        assert torch.equal(steps.done, reference.done)
+
+
+def test_resume_of_an_unreproducible_env_warns(caplog):
+    runner = EnvRunner(EnvSpec(id=f"{THIS}:Unseeded"))
+    runner.collect(constant(0), 2)
+    state = runner.state_dict()
+    resumed = EnvRunner(EnvSpec(id=f"{THIS}:Unseeded"))
+    with caplog.at_level(logging.WARNING, logger="align.envs.runner"):
+        resumed.load_state_dict(state)
+    assert f"environment '{THIS}:Unseeded' did not reproduce its episodes" in caplog.text
+    assert resumed.state_dict()["length"].tolist() == [2]  # it carries on from the replayed state
+    assert resumed.collect(constant(0), 1).shape == (1, 1)
+
+
+def test_state_dict_round_trips_through_a_file(tmp_path):
+    runner = EnvRunner(EnvSpec(id="FrozenLake-v1", num_envs=2, seed=3))
+    runner.collect(random_policy(3), 7)
+    state = runner.state_dict()
+    torch.save(state, tmp_path / "runner.pt")
+    loaded = torch.load(tmp_path / "runner.pt", weights_only=True)
+    assert loaded.keys() == state.keys()
+    assert (loaded["steps"], loaded["episodes"]) == (14, state["episodes"])
+    for key in ("episode", "return", "length", "observations"):
+        assert torch.equal(loaded[key], state[key])
+    assert [a.tolist() for a in loaded["actions"]] == [a.tolist() for a in state["actions"]]
+
+
+def test_load_state_dict_with_other_num_envs():
+    small = EnvRunner(EnvSpec(id="CartPole-v1", num_envs=2))
+    small.collect(constant(0), 2)
+    with pytest.raises(AlignEnvError, match=r"environment 'CartPole-v1': the checkpoint holds 2 environments, this "
+                                            r"run has 3 \(model.env.num_envs\)"):
+        EnvRunner(EnvSpec(id="CartPole-v1", num_envs=3)).load_state_dict(small.state_dict())
+
+
+# ---------------------------------------------------------------- errors, one line each
+
+
+def test_unknown_id_suggests_close_ones():
+    with pytest.raises(AlignConfigError, match=r"environment 'CartPol-v1': not a registered Gymnasium id and not an "
+                                               r"import path.*close registered ids: CartPole-v1") as info:
+        EnvRunner(EnvSpec(id="CartPol-v1"))
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "missing_envs.py"
+    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{path}:Grid': file '{path}' does not "
+                                                         "exist")):
+        EnvRunner(EnvSpec(id=f"{path}:Grid"))
+
+
+def test_missing_class_in_file():
+    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{THIS}:Nope': '{THIS}' has no attribute "
+                                                         "'Nope'")):
+        EnvRunner(EnvSpec(id=f"{THIS}:Nope"))
+
+
+def test_missing_module(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(AlignConfigError, match=r"environment 'no_such_envs_module.Grid': cannot import module "
+                                               r"'no_such_envs_module'"):
+        EnvRunner(EnvSpec(id="no_such_envs_module.Grid"))
+
+
+def test_constructor_rejects_kwargs():
+    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{THIS}:Fixed': its constructor refused "
+                                                         "model.env.kwargs {'size': 3}")):
+        EnvRunner(EnvSpec(id=f"{THIS}:Fixed", kwargs={"size": 3}))
+    with pytest.raises(AlignConfigError, match=r"environment 'CartPole-v1': its constructor refused "
+                                               r"model.env.kwargs \{'size': 3\}"):
+        EnvRunner(EnvSpec(id="CartPole-v1", kwargs={"size": 3}))
+
+
+def test_factory_that_returns_no_env():
+    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{THIS}:not_an_env': calling it gave a "
+                                                         "int, not a gymnasium.Env")):
+        EnvRunner(EnvSpec(id=f"{THIS}:not_an_env"))
+
+
+def test_observation_of_wrong_shape_names_the_env():
+    expected = f"environment '{THIS}:WrongShape': reset returned an observation of shape (3,), outside its observation space"
+    with pytest.raises(AlignEnvError, match=re.escape(expected)) as info:
+        EnvRunner(EnvSpec(id=f"{THIS}:WrongShape")).start()
+    assert "\n" not in str(info.value)
+
+
+def test_observation_of_wrong_shape_names_the_space():
+    with pytest.raises(AlignEnvError, match=r"Box\(shape=\(4,\), float32\)"):
+        EnvRunner(EnvSpec(id=f"{THIS}:WrongShape")).start()
+
+
+def test_observation_outside_discrete_space():
+    runner = EnvRunner(EnvSpec(id=f"{THIS}:OutOfRange"))
+    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:OutOfRange'") + r".*Discrete\(4\)"):
+        runner.collect(constant(1), 1)
+
+
+def test_step_that_raises():
+    runner = EnvRunner(EnvSpec(id=f"{THIS}:Explodes", num_envs=2))
+    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:Explodes': step raised RuntimeError: "
+                                                      "boom (episodes 0, 0 of its 2 copies)")):
+        runner.collect(constant(1), 1)
+
+
+def test_reset_that_raises():
+    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:ResetExplodes': reset raised "
+                                                      "KeyError")):
+        EnvRunner(EnvSpec(id=f"{THIS}:ResetExplodes")).start()
+
+
+def test_require_discrete_actions():
+    spec = EnvSpec(id="Pendulum-v1")
+    box = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
+    with pytest.raises(AlignConfigError, match=r"environment 'Pendulum-v1': DQN needs a Discrete action space, got "
+                                               r"Box\(shape=\(1,\), float32\)"):
+        require_discrete_actions(spec, box, "DQN")
+    assert require_discrete_actions(spec, gym.spaces.Discrete(3), "DQN") == 3
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"num_envs": 0}, "num_envs"),
+    ({"vectorization": "threads"}, "vectorization"),
+    ({"max_episode_steps": 0}, "max_episode_steps"),
+    ({"id": "  "}, "id"),
+])
+def test_spec_validation(fields, name):
+    with pytest.raises(AlignConfigError, match=rf"model\.env\.{name}: expected"):
+        EnvSpec(**fields)
+
+
+# ---------------------------------------------------------------- custom environments by import path
+
+
+def test_custom_env_from_file_with_time_limit(monkeypatch, tmp_path):
+    (tmp_path / "walk_envs.py").write_text(WALK_SOURCE)
+    monkeypatch.chdir(tmp_path)  # the path is relative to the working directory
+    runner = EnvRunner(EnvSpec(id="walk_envs.py:Walk", kwargs={"reward": 0.5}, max_episode_steps=3, num_envs=2))
+    steps = runner.collect(constant(0), 7)
+    assert steps.done[:, 0].tolist() == [False, False, True, False, False, True, False]
+    assert not steps.terminated.any()  # truncated by the time limit, not terminated
+    assert steps.next_observations[2, 0].item() == 3 and steps.observations[3, 0].item() == 0
+    episodes = runner.pop_episodes()
+    assert [(e.reward, e.length, e.truncated) for e in episodes] == [(1.5, 3, True)] * 4
+
+
+def test_custom_env_by_dotted_path(monkeypatch, tmp_path):
+    module = "align_test_walk_envs_dotted"
+    (tmp_path / f"{module}.py").write_text(WALK_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader appends the working directory
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    try:
+        runner = EnvRunner(EnvSpec(id=f"{module}.Walk", max_episode_steps=2))
+        steps = runner.collect(constant(1), 4)
+        assert steps.done[:, 0].tolist() == [False, True, False, True]
+        assert isinstance(runner.observation_space, gym.spaces.Discrete)
+        # without a time limit the class has none: it never ends
+        steps = EnvRunner(EnvSpec(id=f"{module}.Walk")).collect(constant(1), 4)
+        assert not steps.done.any()
+    finally:
+        sys.modules.pop(module, None)
