@@ -452,14 +452,16 @@ def _with_subcommand(args: list[str]) -> list[str]:
 
 
 def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | None = None,
-               default_config: str = "tiny.yaml") -> AlignCLI:
+               default_config: str = "tiny.yaml", layered: bool = True) -> AlignCLI:
     """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/<default_config>`` is the default
-    config."""
+    config. ``layered``: a ``--config`` is applied on top of it; otherwise a ``--config`` replaces it (a recipe whose
+    configs name different modules: settings of one module's default must not leak into another's)."""
     raw = list(sys.argv[1:] if args is None else args)
     if raw[:1] and raw[0] in REMOVED_SUBCOMMANDS:
         _not_a_subcommand(raw[0])
     default = CONFIG_DIR / algorithm / default_config
-    parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if default.exists() else {}
+    use_default = default.exists() and (layered or not any(a == "--config" or a.startswith("--config=") for a in raw))
+    parser_kwargs = {sub: {"default_config_files": [str(default)]} for sub in SUBCOMMANDS} if use_default else {}
     trainer_defaults = dict(TRAINER_DEFAULTS, default_root_dir=f"runs/{algorithm}")
     if raw in (["-h"], ["--help"]):  # "fit --help" stays the full list, trainer settings included
         make = lambda: AlignCLI(model_class, datamodule_class, args=None, parser_kwargs=parser_kwargs,

@@ -11,4 +11,5 @@ from align.cli import run_recipe
 from align.modules.classic import ClassicRLModule
 
 if __name__ == "__main__":
-    run_recipe("gym", ClassicRLModule, None, default_config="ppo-cartpole.yaml")
+    # A --config replaces the default (each config names its own module), rather than adding to it.
+    run_recipe("gym", ClassicRLModule, None, default_config="ppo-cartpole.yaml", layered=False)

@@ -220,3 +220,16 @@ def test_align_help_lists_every_command(capsys):
     commands = [line.split()[0] for line in out.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()]
     assert commands == list(COMMANDS) and {"fit", "validate", "export", "plot"} <= set(commands)
     assert "align plot RUN_DIR [RUN_DIR ...]" in out and "align export --ckpt_path CKPT --output_dir DIR" in out
+
+
+def test_gym_recipe_config_replaces_its_default(tmp_path):
+    """recipes/gym.py's configs name different modules: a --config replaces the default PPO config instead of
+    being layered on it, so no PPO setting (its linear learning-rate decay) leaks into DQN."""
+    def printed(*args):
+        return subprocess.run([sys.executable, str(ROOT / "recipes" / "gym.py"), *args, "--print_config"],
+                              capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+
+    default = printed()
+    assert "class_path: align.modules.classic.PPOGymModule" in default and "lr_schedule: linear" in default
+    dqn = printed("--config", str(ROOT / "configs" / "gym" / "dqn-cartpole.yaml"))
+    assert "class_path: align.modules.classic.DQNGymModule" in dqn and "lr_schedule: constant" in dqn

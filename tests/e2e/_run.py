@@ -84,7 +84,8 @@ def main() -> None:
     from align.modules.classic import ClassicRLModule
 
     if ns.algorithm == "gym":
-        align.cli.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml")
+        align.cli.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml",
+                             layered=False)
         return
     classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
                "grpo": (GRPOModule, PromptDataModule)}
