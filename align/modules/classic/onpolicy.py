@@ -164,26 +164,13 @@ class PPOGymModule(OnPolicyModule):
 
     def __init__(
         self,
-        env: EnvSpec = EnvSpec(),
-        total_steps: int = 100_000,
-        n_steps: int = 128,
         batch_size: int = 64,
         n_epochs: int = 10,
         clip_range: float = 0.2,
         clip_range_vf: float | None = None,
         target_kl: float | None = None,
-        gamma: float = 0.99,
-        gae_lambda: float = 0.95,
-        ent_coef: float = 0.0,
-        vf_coef: float = 1.0,
-        normalize_advantages: bool = True,
-        normalize_observations: bool = False,
-        network: Network = Network(),
-        evaluation: Evaluation = Evaluation(),
-        optimizer: OptimizerCallable = torch.optim.Adam,
-        lr_schedule: Literal["constant", "linear"] = "constant",
         clip_schedule: Literal["constant", "linear"] = "constant",
-        max_grad_norm: float | None = 0.5,
+        **kwargs,
     ):
         """
         Args:
@@ -193,11 +180,10 @@ class PPOGymModule(OnPolicyModule):
             clip_range_vf: Clip range of the value around its rollout value; null: unclipped.
             target_kl: Stop an iteration's epochs early once the approximate KL exceeds 1.5 times this; null: never.
             clip_schedule: ``linear``: ``clip_range`` falls linearly to 0 at ``total_steps``.
-
-        The other arguments are :class:`OnPolicyModule`'s.
+            **kwargs: :class:`OnPolicyModule`'s arguments (environment, budget, ``n_steps``, discounting, losses,
+                network, optimizer).
         """
-        super().__init__(env, total_steps, n_steps, gamma, gae_lambda, ent_coef, vf_coef, normalize_advantages,
-                         normalize_observations, network, evaluation, optimizer, lr_schedule, max_grad_norm)
+        super().__init__(**kwargs)
         if batch_size < 1 or n_epochs < 1 or not clip_range > 0:
             raise AlignConfigError(f"model.batch_size, model.n_epochs, model.clip_range: expected >= 1, >= 1 and > 0, "
                                    f"got {batch_size}, {n_epochs}, {clip_range}")
@@ -238,26 +224,10 @@ class A2CGymModule(OnPolicyModule):
 
     algorithm = "a2c"
 
-    def __init__(
-        self,
-        env: EnvSpec = EnvSpec(),
-        total_steps: int = 100_000,
-        n_steps: int = 5,
-        gamma: float = 0.99,
-        gae_lambda: float = 1.0,
-        ent_coef: float = 0.0,
-        vf_coef: float = 1.0,
-        normalize_advantages: bool = False,
-        normalize_observations: bool = False,
-        network: Network = Network(),
-        evaluation: Evaluation = Evaluation(),
-        optimizer: OptimizerCallable = torch.optim.Adam,
-        lr_schedule: Literal["constant", "linear"] = "constant",
-        max_grad_norm: float | None = 0.5,
-    ):
-        """Arguments as :class:`OnPolicyModule`'s; ``gae_lambda: 1`` is A2C's n-step return."""
-        super().__init__(env, total_steps, n_steps, gamma, gae_lambda, ent_coef, vf_coef, normalize_advantages,
-                         normalize_observations, network, evaluation, optimizer, lr_schedule, max_grad_norm)
+    def __init__(self, n_steps: int = 5, gae_lambda: float = 1.0, normalize_advantages: bool = False, **kwargs):
+        """Arguments as :class:`OnPolicyModule`'s, with A2C's defaults: 5 steps per update, ``gae_lambda: 1``
+        (the n-step return), advantages not whitened."""
+        super().__init__(n_steps=n_steps, gae_lambda=gae_lambda, normalize_advantages=normalize_advantages, **kwargs)
 
     def iteration(self) -> dict[str, float]:
         steps = self.rollout()
@@ -286,31 +256,14 @@ class REINFORCEGymModule(OnPolicyModule):
 
     algorithm = "reinforce"
 
-    def __init__(
-        self,
-        env: EnvSpec = EnvSpec(),
-        total_steps: int = 100_000,
-        baseline: Literal["value", "none"] = "value",
-        gamma: float = 0.99,
-        ent_coef: float = 0.0,
-        vf_coef: float = 1.0,
-        normalize_advantages: bool = True,
-        normalize_observations: bool = False,
-        network: Network = Network(),
-        evaluation: Evaluation = Evaluation(),
-        optimizer: OptimizerCallable = torch.optim.Adam,
-        lr_schedule: Literal["constant", "linear"] = "constant",
-        max_grad_norm: float | None = 0.5,
-    ):
+    def __init__(self, baseline: Literal["value", "none"] = "value", **kwargs):
         """
         Args:
             baseline: ``value``: subtract a learned ``V(s)`` (trained on the returns); ``none``: plain REINFORCE.
-
-        The other arguments are :class:`OnPolicyModule`'s (there is no ``n_steps``: an iteration is one episode
-        per environment).
+            **kwargs: :class:`OnPolicyModule`'s arguments, but ``n_steps`` and ``gae_lambda``: an iteration is one
+                episode per environment, and its returns are Monte-Carlo.
         """
-        super().__init__(env, total_steps, 1, gamma, 1.0, ent_coef, vf_coef, normalize_advantages,
-                         normalize_observations, network, evaluation, optimizer, lr_schedule, max_grad_norm)
+        super().__init__(n_steps=1, gae_lambda=1.0, **kwargs)
         if baseline not in ("value", "none"):
             raise AlignConfigError(f"model.baseline: expected 'value' or 'none', got {baseline!r}")
         self.baseline = baseline
