@@ -74,6 +74,40 @@ class ObservationEncoder(nn.Module):
         self.count.fill_(total)
 
 
+class RewardScaler(nn.Module):
+    """Rewards divided by the running standard deviation of the discounted return, clipped to +-``clip``
+    (Stable-Baselines3's ``VecNormalize(norm_reward=True)``; Engstrom et al. 2020, arXiv 2005.12729, "reward
+    scaling"). The mean is not subtracted, so the sign of every reward is kept. Each environment's running return is
+    a buffer, so a checkpoint resumes it."""
+
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8):
+        super().__init__()
+        self.gamma, self.clip, self.eps = gamma, clip, eps
+        self.register_buffer("returns", torch.zeros(num_envs, dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("var", torch.ones((), dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
+
+    @torch.no_grad()
+    def forward(self, rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """Scale a window of rewards ``(T, N)`` (``done`` ``(T, N)`` ends each environment's return), updating the
+        statistics with the window's returns first."""
+        seen = torch.empty_like(rewards, dtype=torch.float64)  # (T, N)
+        running = self.returns.clone()
+        for t in range(rewards.shape[0]):
+            running = running * self.gamma + rewards[t].double()
+            seen[t] = running
+            running = torch.where(done[t], torch.zeros_like(running), running)
+        self.returns.copy_(running)
+        flat = seen.flatten()
+        batch_mean, batch_var, n = flat.mean(), flat.var(unbiased=False), flat.numel()
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
+        self.count.fill_(total)
+        return (rewards.double() / torch.sqrt(self.var + self.eps)).clamp(-self.clip, self.clip).to(rewards.dtype)
+
+
 def mlp(sizes: Sequence[int], activation: Activation, out_gain: float) -> nn.Sequential:
     """Linear layers of ``sizes`` with ``activation`` between them, orthogonally initialised."""
     if activation not in _ACTIVATIONS:
@@ -190,4 +224,5 @@ class QTable(nn.Module):
         return self.table[obs.long().view(-1)]
 
 
-__all__ = ["ActorCritic", "ObservationEncoder", "PolicyOutput", "QNetwork", "QTable", "mlp", "observation_size"]
+__all__ = ["ActorCritic", "ObservationEncoder", "PolicyOutput", "QNetwork", "QTable", "RewardScaler", "mlp",
+           "observation_size"]

@@ -23,7 +23,8 @@ SETTINGS = {
     # 2 environments x 8 steps per iteration, 2 epochs of one minibatch: 2 optimizer steps per iteration, 8 iterations.
     "ppo": ["--model.init_args.env.num_envs", "2",
             "--model.init_args.n_steps", "8", "--model.init_args.batch_size", "16", "--model.init_args.n_epochs", "2",
-            "--model.init_args.normalize_observations", "true", "--model.init_args.total_steps", "128"],
+            "--model.init_args.normalize_observations", "true", "--model.init_args.normalize_rewards", "true",
+            "--model.init_args.total_steps", "128"],
     # 2 environments x 4 steps per iteration; updates (2 per iteration) start at 16 environment steps; 12 iterations.
     "dqn": ["--model.init_args.env.num_envs", "2",
             "--model.init_args.train_freq", "4", "--model.init_args.learning_starts", "16",

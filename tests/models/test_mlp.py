@@ -199,3 +199,24 @@ def test_qtable_rejects_box_observations():
     with pytest.raises(AlignConfigError, match=r"environment 'CartPole-v1': tabular Q-learning needs a Discrete "
                                                r"observation space, got Box\(shape=\(4,\)\); use DQN"):
         QTable(BOX4, 2, env_id="CartPole-v1")
+
+
+def test_reward_scaler_divides_by_the_running_std_of_the_discounted_return():
+    from align.models.mlp import RewardScaler
+
+    scaler = RewardScaler(num_envs=1, gamma=0.5, clip=10.0)
+    rewards = torch.tensor([[1.0], [1.0], [1.0]])
+    done = torch.tensor([[False], [True], [False]])
+    out = scaler(rewards, done)
+    # Returns seen: 1, 1 * 0.5 + 1 = 1.5, then (reset after the done) 1. Their mean 7/6 and variance 1/18 are
+    # folded into the prior (mean 0, variance 1, count 1e-4).
+    n, prior = 3, 1e-4
+    mean, var = 7 / 6, 1 / 18
+    total = prior + n
+    expected_var = (1.0 * prior + var * n + mean ** 2 * prior * n / total) / total
+    assert float(scaler.var) == pytest.approx(expected_var, rel=1e-9)
+    torch.testing.assert_close(out, rewards / expected_var ** 0.5)
+    assert float(scaler.returns[0]) == 1.0  # the running return carries into the next window
+    tight = RewardScaler(num_envs=1, gamma=0.5, clip=0.5)
+    assert float(tight(torch.tensor([[1.0]]), torch.tensor([[False]]))) == 0.5  # 1 / std of about 1e2, clipped
+    assert float(scaler(torch.tensor([[-1.0]]), torch.tensor([[True]]))) < 0  # the sign is kept

@@ -24,7 +24,8 @@ ADAM = partial(torch.optim.Adam, lr=1e-3)
 
 BUILDERS = {
     "ppo": lambda: PPOGymModule(env=CARTPOLE, total_steps=128, n_steps=16, batch_size=16, n_epochs=2, optimizer=ADAM,
-                                lr_schedule="linear", clip_schedule="linear", normalize_observations=True),
+                                lr_schedule="linear", clip_schedule="linear", normalize_observations=True,
+                                normalize_rewards=True),
     "a2c": lambda: A2CGymModule(env=CARTPOLE, total_steps=100, n_steps=5, optimizer=ADAM),
     "reinforce": lambda: REINFORCEGymModule(env=CARTPOLE, total_steps=100, optimizer=ADAM),
     "dqn": lambda: DQNGymModule(env=CARTPOLE, total_steps=200, learning_starts=32, train_freq=8, gradient_steps=4,
@@ -57,6 +58,7 @@ def test_each_module_trains_to_its_step_budget_and_logs(algorithm):
     if algorithm == "ppo":  # linear schedules reach about 0 at the end, and observation statistics were gathered
         assert metrics["train/lr"] < 1e-3 and metrics["train/clip_range"] < 0.2
         assert float(module.network.encoder.count) > 100
+        assert float(module.reward_scaler.count) > 100 and "reward_scaler.var" in module.state_dict()
 
 
 def test_episode_metrics_are_means_of_the_latest_finished_episodes():

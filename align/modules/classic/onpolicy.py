@@ -28,7 +28,7 @@ from align.envs import EnvSpec, Steps
 from align.errors import AlignConfigError
 from align.logprobs import masked_whiten
 from align.losses import ppo_policy_loss, value_loss
-from align.models.mlp import Activation, ActorCritic
+from align.models.mlp import Activation, ActorCritic, RewardScaler
 from align.modules.classic.base import ClassicRLModule, Evaluation
 
 
@@ -60,6 +60,7 @@ class OnPolicyModule(ClassicRLModule):
         vf_coef: float = 1.0,
         normalize_advantages: bool = True,
         normalize_observations: bool = False,
+        normalize_rewards: bool = False,
         network: Network = Network(),
         evaluation: Evaluation = Evaluation(),
         optimizer: OptimizerCallable = torch.optim.Adam,
@@ -77,6 +78,8 @@ class OnPolicyModule(ClassicRLModule):
             vf_coef: Weight of the value loss ``0.5 * (V - R)^2`` (SB3's ``vf_coef`` times 2).
             normalize_advantages: Whiten the advantages of each minibatch.
             normalize_observations: Normalise observations by running mean and standard deviation.
+            normalize_rewards: Divide rewards by the running standard deviation of the discounted return (the
+                logged episode returns stay unscaled).
             network: Hidden sizes, activation, shared trunk.
             evaluation: Held-out evaluation episodes.
             optimizer: Optimizer over the network's parameters (learning rate and all).
@@ -94,6 +97,7 @@ class OnPolicyModule(ClassicRLModule):
         self.ent_coef, self.vf_coef, self.normalize_advantages = ent_coef, vf_coef, normalize_advantages
         self.network = ActorCritic(self.observation_space, self.action_space, network.hidden, network.activation,
                                    network.shared, normalize_observations, network.log_std_init, self.env.id)
+        self.reward_scaler = RewardScaler(self.env.num_envs, gamma) if normalize_rewards else None
 
     # ------------------------------------------------------------------ acting
     def act(self, obs: torch.Tensor, deterministic: bool) -> torch.Tensor:
@@ -108,7 +112,13 @@ class OnPolicyModule(ClassicRLModule):
         return out.actions, extras
 
     def rollout(self) -> Steps:
-        return self.collect(self.sample_actions, self.n_steps)
+        return self.scaled(self.collect(self.sample_actions, self.n_steps))
+
+    def scaled(self, steps: Steps) -> Steps:
+        """``steps`` with its rewards scaled when ``normalize_rewards`` (the runner's episode returns are not)."""
+        if self.reward_scaler is not None:
+            steps.rewards = self.reward_scaler(steps.rewards, steps.done)
+        return steps
 
     @torch.no_grad()
     def next_values(self, steps: Steps) -> torch.Tensor:
@@ -269,7 +279,7 @@ class REINFORCEGymModule(OnPolicyModule):
         self.baseline = baseline
 
     def rollout(self) -> Steps:
-        return self.collect(self.sample_actions, None)
+        return self.scaled(self.collect(self.sample_actions, None))
 
     def iteration(self) -> dict[str, float]:
         steps = self.rollout()
