@@ -157,3 +157,12 @@ def test_exploration_schedule_is_linear_in_environment_steps():
     assert module.epsilon() == pytest.approx(0.55)
     module.runner.steps = 900
     assert module.epsilon() == pytest.approx(0.1)
+
+
+def test_several_processes_are_refused_on_one_line():
+    from types import SimpleNamespace
+
+    module = BUILDERS["a2c"]()
+    module._trainer = SimpleNamespace(world_size=2)
+    with pytest.raises(AlignConfigError, match="trainer.devices: classic RL runs in one process .* got 2 processes"):
+        module.setup("fit")

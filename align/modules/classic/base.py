@@ -181,6 +181,12 @@ class ClassicRLModule(TrainingModule):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ Lightning loop
+    def setup(self, stage: str) -> None:
+        if self.trainer.world_size > 1:
+            raise AlignConfigError(f"trainer.devices: classic RL runs in one process (its environments are stepped in "
+                                   f"one place), got {self.trainer.world_size} processes; use model.env.num_envs and "
+                                   "model.env.vectorization: async to step more environments at once")
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_Iterations(), batch_size=None)
 
