@@ -124,6 +124,37 @@ def mlp(sizes: Sequence[int], activation: Activation, out_gain: float) -> nn.Seq
     return nn.Sequential(*layers)
 
 
+class StackedMLP(nn.Module):
+    """``K`` MLPs of the same shape on one input, evaluated together: each layer is one batched matmul
+    (``baddbmm``) over the ``K`` stacked weights, so a policy and a value network cost the kernel launches and
+    autograd nodes of one. ``(N, D) -> (K, N, O)``. Each head is initialised as :func:`mlp` initialises one
+    network, with its own output gain."""
+
+    def __init__(self, sizes: Sequence[int], activation: Activation, out_gains: Sequence[float]):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise AlignConfigError(f"model.network.activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        self.activation = {"tanh": torch.tanh, "relu": torch.relu}[activation]
+        k = len(out_gains)
+        self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            last = i == len(sizes) - 2
+            weight = torch.empty(k, a, b)
+            for head in range(k):
+                nn.init.orthogonal_(weight[head], gain=out_gains[head] if last else math.sqrt(2))
+            self.weights.append(nn.Parameter(weight))
+            self.biases.append(nn.Parameter(torch.zeros(k, 1, b)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.expand(self.weights[0].shape[0], *x.shape)  # (K, N, D)
+        last = len(self.weights) - 1
+        for i, (weight, bias) in enumerate(zip(self.weights, self.biases)):
+            h = torch.baddbmm(bias, h, weight)
+            if i < last:
+                h = self.activation(h)
+        return h
+
+
 class PolicyOutput(NamedTuple):
     actions: torch.Tensor  # (N,) discrete or (N, A) continuous, as sampled (before clipping to the bounds)
     logprobs: torch.Tensor  # (N,)
@@ -152,25 +183,31 @@ class ActorCritic(nn.Module):
             raise AlignConfigError(f"environment '{env_id}': action space {_space_name(action_space)} is not "
                                    "supported; expected Discrete or a one-dimensional Box")
         d, hidden = self.encoder.size, list(hidden)
-        self.shared = shared
+        self.shared, self.out = shared, out
         if shared:
             self.trunk = nn.Sequential(mlp([d, *hidden], activation, math.sqrt(2)), _ACTIVATIONS[activation]())
             width = hidden[-1] if hidden else d
             self.pi, self.vf = mlp([width, out], activation, 0.01), mlp([width, 1], activation, 1.0)
         else:
-            self.pi = mlp([d, *hidden, out], activation, 0.01)
-            self.vf = mlp([d, *hidden, 1], activation, 1.0)
+            # The policy and the value network, stacked: the value head's output is padded to the policy's width
+            # and its first column read.
+            self.nets = StackedMLP([d, *hidden, out], activation, (0.01, 1.0))
 
     def _heads(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.encoder(obs)
         if self.shared:
             x = self.trunk(x)
-        return self.pi(x), self.vf(x).squeeze(-1)
+            return self.pi(x), self.vf(x).squeeze(-1)
+        out = self.nets(x)  # (2, N, out)
+        return out[0], out[1, :, 0]
+
+    def policy_head(self, obs: torch.Tensor) -> torch.Tensor:
+        """The policy's logits (discrete) or mean action (continuous), ``(N, A)``."""
+        return self._heads(obs)[0]
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         """``V(s)``, ``(N,)``."""
-        x = self.encoder(obs)
-        return self.vf(self.trunk(x) if self.shared else x).squeeze(-1)
+        return self._heads(obs)[1]
 
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> PolicyOutput:
         """Sample (or, ``deterministic``, take the mode of) the policy at ``obs``, with log-probs and values."""
@@ -180,17 +217,22 @@ class ActorCritic(nn.Module):
             return PolicyOutput(actions, gaussian_log_prob(out, self.log_std, actions), values)
         if deterministic:
             actions = out.argmax(-1)
-        else:
-            actions = torch.multinomial(torch.softmax(out.float(), -1), 1).squeeze(-1)
+        else:  # Gumbel-max: argmax(logits + Gumbel noise) is an exact categorical sample, cheaper than multinomial
+            actions = (out.float() - torch.empty_like(out, dtype=torch.float32).exponential_().log()).argmax(-1)
         return PolicyOutput(actions, selective_log_softmax(out, actions), values)
 
-    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logprobs, entropy, values)`` of taken ``actions``, each ``(N,)``, differentiable."""
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor, entropy_grad: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logprobs, entropy, values)`` of taken ``actions``, each ``(N,)``, differentiable; the entropy only with
+        ``entropy_grad`` (a loss without an entropy bonus only logs it, and saves its backward)."""
         out, values = self._heads(obs)
-        if self.continuous:
-            entropy = gaussian_entropy(self.log_std).expand(out.shape[0])
-            return gaussian_log_prob(out, self.log_std, actions), entropy, values
-        return selective_log_softmax(out, actions), entropy_from_logits(out), values
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            if self.continuous:
+                entropy = gaussian_entropy(self.log_std).expand(out.shape[0])
+            else:
+                entropy = entropy_from_logits(out)
+        logprobs = gaussian_log_prob(out, self.log_std, actions) if self.continuous else selective_log_softmax(out, actions)
+        return logprobs, entropy, values
 
     def env_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """Actions as the environment takes them: continuous ones clipped to the action space's bounds."""
@@ -224,5 +266,5 @@ class QTable(nn.Module):
         return self.table[obs.long().view(-1)]
 
 
-__all__ = ["ActorCritic", "ObservationEncoder", "PolicyOutput", "QNetwork", "QTable", "RewardScaler", "mlp",
+__all__ = ["ActorCritic", "ObservationEncoder", "PolicyOutput", "QNetwork", "QTable", "RewardScaler", "StackedMLP", "mlp",
            "observation_size"]

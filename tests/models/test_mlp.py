@@ -85,7 +85,7 @@ def test_discrete_act_and_evaluate():
     model = ActorCritic(BOX4, gym.spaces.Discrete(3), hidden=(16,))
     obs = torch.randn(5, 4)
     greedy = model.act(obs, deterministic=True)
-    logits = model.pi(model.encoder(obs))
+    logits = model.policy_head(obs)
     assert torch.equal(greedy.actions, logits.argmax(-1))
     sampled = model.act(obs)
     assert sampled.actions.shape == (5,) and sampled.logprobs.shape == (5,) and sampled.values.shape == (5,)
@@ -97,7 +97,7 @@ def test_discrete_act_and_evaluate():
     probs = torch.softmax(logits, -1)
     torch.testing.assert_close(entropy, -(probs * probs.log()).sum(-1))
     logprobs.sum().backward()  # evaluate is differentiable
-    assert model.pi[0].weight.grad is not None
+    assert model.nets.weights[0].grad is not None
 
 
 def test_continuous_act_evaluate_and_env_actions():
@@ -105,7 +105,7 @@ def test_continuous_act_evaluate_and_env_actions():
     space = gym.spaces.Box(np.array([-1.0, 0.0], np.float32), np.array([1.0, 2.0], np.float32))
     model = ActorCritic(BOX4, space, hidden=(16, 16), log_std_init=-0.5)
     obs = torch.randn(6, 4)
-    mean = model.pi(model.encoder(obs))
+    mean = model.policy_head(obs)
     greedy = model.act(obs, deterministic=True)
     assert torch.equal(greedy.actions, mean)
     # the mode's log-density: -(log sigma + 0.5 log 2 pi) per dim, with sigma = exp(-0.5)
@@ -148,12 +148,31 @@ def test_shared_trunk():
 def test_initial_policy_is_near_uniform():
     torch.manual_seed(0)
     model = ActorCritic(BOX4, gym.spaces.Discrete(4))
-    probs = torch.softmax(model.pi(model.encoder(torch.randn(64, 4))), -1)
+    probs = torch.softmax(model.policy_head(torch.randn(64, 4)), -1)
     assert (probs - 0.25).abs().max() < 0.02
-    # the output layer: orthogonal with gain 0.01 (its rows orthonormal up to that gain), zero bias
-    last = model.pi[-1]
-    torch.testing.assert_close(last.weight @ last.weight.T, 1e-4 * torch.eye(4), atol=1e-7, rtol=0)
-    assert torch.equal(last.bias, torch.zeros(4))
+    # the policy's output layer: orthogonal with gain 0.01 (its columns orthonormal up to that gain), zero bias
+    weight, bias = model.nets.weights[-1][0], model.nets.biases[-1][0]  # (64, 4), (1, 4)
+    torch.testing.assert_close(weight.T @ weight, 1e-4 * torch.eye(4), atol=1e-7, rtol=0)
+    assert torch.equal(bias, torch.zeros(1, 4))
+
+
+def test_stacked_heads_equal_two_separate_networks():
+    """The policy and value networks computed together by batched matmuls give what two plain MLPs with the same
+    weights give, values and gradients."""
+    from align.models.mlp import StackedMLP
+
+    torch.manual_seed(0)
+    stacked = StackedMLP([4, 8, 8, 3], "tanh", (0.01, 1.0))
+    x = torch.randn(5, 4)
+    out = stacked(x)  # (2, 5, 3)
+    for head in range(2):
+        h = x
+        for i, (w, b) in enumerate(zip(stacked.weights, stacked.biases)):
+            h = h @ w[head] + b[head]
+            h = torch.tanh(h) if i < 2 else h
+        torch.testing.assert_close(out[head], h)
+    out[1, :, 0].sum().backward()  # the value head's loss does not reach the policy's weights
+    assert stacked.weights[0].grad[0].abs().sum() == 0 and stacked.weights[0].grad[1].abs().sum() > 0
 
 
 def test_mlp_structure_and_bad_activation():

@@ -110,6 +110,7 @@ class ClassicRLModule(TrainingModule):
         self._window_steps, self._window_start = 0, time.perf_counter()
         self.timings: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
+        self._trainable: list[torch.nn.Parameter] | None = None
 
     # ------------------------------------------------------------------ environments
     @property
@@ -172,7 +173,9 @@ class ClassicRLModule(TrainingModule):
         self.manual_backward(loss)
         norm = 0.0
         if self.max_grad_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm))
+            if self._trainable is None:  # walking the module tree on every step costs more than a small model's step
+                self._trainable = [p for p in self.parameters() if p.requires_grad]
+            norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, self.max_grad_norm))
         optimizer.step()
         return norm
 

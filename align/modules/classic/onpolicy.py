@@ -138,7 +138,7 @@ class OnPolicyModule(ClassicRLModule):
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The actor-critic loss of ``B`` transitions (every argument ``(B,)`` but ``obs``/``actions``).
         ``old_logprobs=None``: the plain policy gradient (the current log-probs, detached, as the old ones)."""
-        logprobs, entropy, values = self.network.evaluate(obs, actions)
+        logprobs, entropy, values = self.network.evaluate(obs, actions, entropy_grad=self.ent_coef != 0)
         ones = torch.ones_like(logprobs, dtype=torch.bool)[:, None]  # (B, 1)
         if self.normalize_advantages and advantages.numel() > 1:
             advantages = masked_whiten(advantages[:, None], ones).squeeze(1)
