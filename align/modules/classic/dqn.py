@@ -56,12 +56,14 @@ class _EpsilonGreedy(ClassicRLModule):
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, deterministic: bool) -> torch.Tensor:
-        greedy = self.q(obs).argmax(dim=1)
         if deterministic:
-            return greedy
-        eps = self.epsilon()
-        explore = torch.rand(greedy.shape[0]) < eps
-        return torch.where(explore, torch.randint(0, self.num_actions, greedy.shape), greedy)
+            return self.q(obs).argmax(dim=1)
+        n = obs.shape[0]
+        explore = torch.rand(n) < self.epsilon()
+        random = torch.randint(0, self.num_actions, (n,))
+        if bool(explore.all()):  # no environment acts greedily: the network's values are not needed
+            return random
+        return torch.where(explore, random, self.q(obs).argmax(dim=1))
 
     def sample_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.act(obs, deterministic=False), {}
