@@ -34,9 +34,12 @@ class ReplayBuffer:
         if not self.storage:
             self._allocate(transition)
         n = transition.rewards.shape[0]
-        index = (self.position + torch.arange(n)) % self.capacity
+        if self.position + n <= self.capacity:  # the usual case: a plain slice, several times cheaper than indices
+            where = slice(self.position, self.position + n)
+        else:
+            where = (self.position + torch.arange(n)) % self.capacity
         for name, store in self.storage.items():
-            store[index] = getattr(transition, name).to(store.dtype)
+            store[where] = getattr(transition, name)
         self.position = (self.position + n) % self.capacity
         self.size = min(self.size + n, self.capacity)
 

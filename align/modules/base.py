@@ -136,6 +136,11 @@ class TrainingModule(L.LightningModule):
             scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    guards_own_steps = False
+    """True for a module that checks its own losses and gradients for non-finite values before each step (classic
+    RL, whose many small steps would pay for the callback's extra pass over the gradients): no
+    :class:`~align.guards.NonFiniteGuard` is attached for it."""
+
     def configure_callbacks(self):
         """Exact resume (RNG states, dataloader position, atomic checkpoint writes) and the non-finite guard
         (policy ``error``), unless the trainer already has callbacks of those types."""
@@ -143,7 +148,8 @@ class TrainingModule(L.LightningModule):
         from align.guards import NonFiniteGuard
 
         present = tuple(type(cb) for cb in (self.trainer.callbacks if self._trainer is not None else []))
-        return [cb() for cb in (ExactResume, NonFiniteGuard) if not any(issubclass(t, cb) for t in present)]
+        wanted = (ExactResume,) if self.guards_own_steps else (ExactResume, NonFiniteGuard)
+        return [cb() for cb in wanted if not any(issubclass(t, cb) for t in present)]
 
 
 class AlignModule(TrainingModule):

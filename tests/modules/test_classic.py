@@ -167,3 +167,35 @@ def test_several_processes_are_refused_on_one_line():
     module._trainer = SimpleNamespace(world_size=2)
     with pytest.raises(AlignConfigError, match="trainer.devices: classic RL runs in one process .* got 2 processes"):
         module.setup("fit")
+
+
+class NaNRewardEnv:
+    """CartPole whose fifth step pays NaN."""
+
+    def __new__(cls):
+        import gymnasium as gym
+
+        class Env(gym.Wrapper):
+            def __init__(self):
+                super().__init__(gym.make("CartPole-v1"))
+                self.steps = 0
+
+            def step(self, action):
+                obs, reward, terminated, truncated, info = self.env.step(action)
+                self.steps += 1
+                return obs, float("nan") if self.steps == 5 else reward, terminated, truncated, info
+
+        return Env()
+
+
+def test_a_non_finite_loss_stops_the_run_before_the_update():
+    from align.guards import NonFiniteError
+
+    torch.manual_seed(0)
+    module = A2CGymModule(env=EnvSpec(id=f"{__file__}:NaNRewardEnv"), total_steps=100, n_steps=5, optimizer=ADAM)
+    assert module.guards_own_steps  # the check is in optimizer_step; no NonFiniteGuard pass over the gradients
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at optimizer step 0 \(iteration 0, 5 environment steps\)"):
+        cpu_trainer(max_epochs=1).fit(module)
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -23,6 +23,7 @@ Subclasses add what else they own (DQN: its replay buffer) in :meth:`ClassicRLMo
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,12 +31,14 @@ from typing import Any, Iterator, Literal
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.plugins.precision import Precision
 from torch.utils.data import DataLoader, IterableDataset
 
 from align.envs import EnvRunner, EnvSpec, Episode, Steps
 from align.envs.make import as_spec, make_env
 from align.envs.runner import OnStep, Policy
 from align.errors import AlignConfigError
+from align.guards import NonFiniteError
 from align.modules.base import TrainingModule
 from align.observability.timing import Timer
 
@@ -77,6 +80,7 @@ class ClassicRLModule(TrainingModule):
     spaces are known there) and implement :meth:`iteration` and :meth:`act`."""
 
     algorithm = "rl"
+    guards_own_steps = True
     headline_metrics = ("val/episode_reward", "val/episode_length")
     progress_metrics = ("rollout/episode_reward", "rollout/env_steps", "train/loss")
 
@@ -167,17 +171,34 @@ class ClassicRLModule(TrainingModule):
                 group["lr"] = group["initial_lr"] * (1.0 - self.progress())
 
     def optimizer_step(self, loss: torch.Tensor) -> float:
-        """Backward, clip to ``max_grad_norm`` and step; returns the gradient norm before clipping (0 unclipped)."""
+        """Backward, clip to ``max_grad_norm`` and step; returns the gradient norm before clipping.
+
+        The non-finite guard is done here, on the norm the clipping computes anyway (``guards_own_steps``): a NaN
+        or infinite loss or gradient stops the run with :class:`~align.guards.NonFiniteError` before the step is
+        taken. In 32-bit precision the backward is torch's own (Lightning's ``manual_backward`` adds nothing there
+        but hook calls, a sizeable share of a small network's step)."""
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
-        self.manual_backward(loss)
-        norm = 0.0
-        if self.max_grad_norm is not None:
-            if self._trainable is None:  # walking the module tree on every step costs more than a small model's step
-                self._trainable = [p for p in self.parameters() if p.requires_grad]
-            norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, self.max_grad_norm))
+        if not bool(torch.isfinite(loss.detach())):
+            self._non_finite("loss")
+        if type(self.trainer.precision_plugin) is Precision:
+            loss.backward()
+        else:
+            self.manual_backward(loss)
+        if self._trainable is None:  # walking the module tree on every step costs more than a small model's step
+            self._trainable = [p for p in self.parameters() if p.requires_grad]
+        limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, limit))
+        if not math.isfinite(norm):
+            self._non_finite("gradients")
         optimizer.step()
         return norm
+
+    def _non_finite(self, what: str) -> None:
+        raise NonFiniteError(
+            f"non-finite {what} at optimizer step {self.trainer.global_step} (iteration "
+            f"{self.trainer.fit_loop.epoch_loop.batch_idx}, {self.env_steps} environment steps). The update was not "
+            "applied. Lower the learning rate, or check the environment's rewards and observations")
 
     def iteration(self) -> dict[str, float]:
         """Collect and update once; returns this iteration's loss metrics (``train/...``)."""
