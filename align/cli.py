@@ -466,7 +466,7 @@ def run_recipe(algorithm: str, model_class, datamodule_class, args: list[str] | 
     if raw in (["-h"], ["--help"]):  # "fit --help" stays the full list, trainer settings included
         make = lambda: AlignCLI(model_class, datamodule_class, args=None, parser_kwargs=parser_kwargs,
                                 trainer_defaults=trainer_defaults)
-        return print(recipe_help(algorithm, model_class, datamodule_class, make))
+        return print(recipe_help(algorithm, model_class, datamodule_class, make, default_config, layered))
     args = _guarded(lambda: resolve_config_args(_with_subcommand(raw)))
     # The arguments travel in ``sys.argv``, not ``args``: with ``--trainer.devices N`` Lightning starts the other
     # ranks by re-running this script with ``sys.argv``, and they must see the same subcommand and overrides.
@@ -479,11 +479,23 @@ COMMON_TRAINER_SETTINGS = ("max_steps", "log_every_n_steps", "val_check_interval
                            "strategy", "precision", "accumulate_grad_batches", "enable_progress_bar")
 
 
-def recipe_help(algorithm: str, model_class, datamodule_class, make_cli) -> str:
+def recipe_help(algorithm: str, model_class, datamodule_class, make_cli, default_config: str = "tiny.yaml",
+                layered: bool = True) -> str:
     """``recipes/<algorithm>.py --help``: how to run it, then every setting of its model and data classes with
-    defaults and descriptions (jsonargparse's ``--model.help``/``--data.help``), and the common trainer settings."""
+    defaults and descriptions (jsonargparse's ``--model.help``/``--data.help``), and the common trainer settings.
+    A recipe whose default config names a subclass of ``model_class`` (classic RL) shows that subclass; one without
+    a data class shows no data settings."""
     import contextlib
+    import importlib
     import io
+
+    import yaml
+
+    default = CONFIG_DIR / algorithm / default_config
+    named = ((yaml.safe_load(default.read_text()) or {}).get("model") or {}).get("class_path") if default.exists() else None
+    if named and "." in named:
+        module_name, _, class_name = named.rpartition(".")
+        model_class = getattr(importlib.import_module(module_name), class_name, model_class)
 
     def class_help(group: str, cls) -> str:
         out = io.StringIO()
@@ -498,28 +510,32 @@ def recipe_help(algorithm: str, model_class, datamodule_class, make_cli) -> str:
         return body.split(":\n", 1)[-1] if body.startswith("<class") else body
 
     script = Path(sys.argv[0]).name or f"{algorithm}.py"
-    model, data = f"{model_class.__module__}.{model_class.__qualname__}", \
-        f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
+    model = f"{model_class.__module__}.{model_class.__qualname__}"
     trainer = ", ".join(COMMON_TRAINER_SETTINGS)
-    return "\n".join([
-        f"usage: {script} [--config FILE] [--print_config] [--model.<setting> VALUE] [--data.<setting> VALUE] "
-        "[--trainer.<setting> VALUE]",
+    configs = ", ".join(f"{SHIPPED}{p.relative_to(CONFIG_DIR)}" for p in sorted((CONFIG_DIR / algorithm).glob("*.yaml")))
+    how = ("settings on the command line override it" if layered else
+           "it replaces the default (each names its own module), and settings on the command line override it")
+    lines = [
+        f"usage: {script} [--config FILE] [--print_config] [--model.<setting> VALUE]"
+        + (" [--data.<setting> VALUE]" if datamodule_class is not None else "") + " [--trainer.<setting> VALUE]",
         "",
         f"Runs {model_class.__name__} (fit). With no arguments it trains on the shipped config "
-        f"{SHIPPED}{algorithm}/tiny.yaml; --config takes a YAML file (or {SHIPPED}<algorithm>/<name>.yaml), and "
-        "settings on the command line override it. --print_config prints the resolved config.",
+        f"{SHIPPED}{algorithm}/{default_config}; --config takes a YAML file (or {SHIPPED}<algorithm>/<name>.yaml), and "
+        f"{how}. --print_config prints the resolved config. Shipped: {configs}.",
         "Nested settings take their short form: --model.optimizer.lr 1e-4 sets model.init_args.optimizer."
-        "init_args.lr, --model.policy.model NAME the model to load.",
+        "init_args.lr" + (", --model.policy.model NAME the model to load." if datamodule_class is not None else
+                          ", --model.env.id NAME the environment."),
         "",
         f"model settings ({model}), as --model.<setting> or under model.init_args in YAML:",
         class_help("model", model_class).rstrip(),
-        "",
-        f"data settings ({data}), as --data.<setting> or under data.init_args in YAML:",
-        class_help("data", datamodule_class).rstrip(),
-        "",
-        f"trainer settings (Lightning's Trainer), as --trainer.<setting>; the common ones: {trainer}. "
-        f"All of them: {script} fit --help",
-    ])
+    ]
+    if datamodule_class is not None:
+        data = f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
+        lines += ["", f"data settings ({data}), as --data.<setting> or under data.init_args in YAML:",
+                  class_help("data", datamodule_class).rstrip()]
+    lines += ["", f"trainer settings (Lightning's Trainer), as --trainer.<setting>; the common ones: {trainer}. "
+                  f"All of them: {script} fit --help"]
+    return "\n".join(lines)
 
 
 def _guarded(fn):

@@ -59,6 +59,17 @@ def test_recipe_help_lists_the_model_and_data_settings_with_defaults(capsys):
     assert "default:" in out and "--model.optimizer.lr 1e-4" in out and "fit --help" in out
 
 
+def test_gym_recipe_help_shows_its_default_module_and_no_data(capsys):
+    from align.modules.classic import ClassicRLModule
+
+    run_recipe("gym", ClassicRLModule, None, args=["--help"], default_config="ppo-cartpole.yaml", layered=False)
+    out = capsys.readouterr().out
+    assert "Runs PPOGymModule (fit)" in out and "align:gym/ppo-cartpole.yaml" in out and "align:gym/dqn-cartpole.yaml" in out
+    for setting in ("--model.n_epochs", "--model.env.id", "--model.env.num_envs", "--model.total_steps"):
+        assert setting in out, setting
+    assert "--data." not in out and "it replaces the default" in out
+
+
 def test_progress_names_and_numbers():
     assert [short_name(m) for m in ("rollout/reward_mean", "train/kl", "rollout/tokens_per_s", "dpo/accuracy",
                                     "val/dpo_accuracy", "val/reward_mean")] == \

@@ -30,7 +30,8 @@ BUILDERS = {
     "reinforce": lambda: REINFORCEGymModule(env=CARTPOLE, total_steps=100, optimizer=ADAM),
     "dqn": lambda: DQNGymModule(env=CARTPOLE, total_steps=200, learning_starts=32, train_freq=8, gradient_steps=4,
                                 batch_size=16, target_update_interval=20, double_dqn=True, optimizer=ADAM),
-    "qlearning": lambda: QLearningGymModule(total_steps=300, steps_per_iteration=50, init_value=1.0),
+    "qlearning": lambda: QLearningGymModule(env=EnvSpec(id="FrozenLake-v1", kwargs={"is_slippery": False}),
+                                            total_steps=300, steps_per_iteration=50, init_value=1.0),
 }
 LOSSES = {"ppo": {"train/policy_loss", "train/value_loss", "train/entropy", "train/clipfrac", "train/approx_kl",
                   "train/explained_variance"},

@@ -193,7 +193,7 @@ class QLearningGymModule(_EpsilonGreedy):
 
     def __init__(
         self,
-        env: EnvSpec = EnvSpec(id="FrozenLake-v1", kwargs={"is_slippery": False}),
+        env: EnvSpec = EnvSpec(id="FrozenLake-v1"),
         total_steps: int = 20_000,
         learning_rate: float = 0.1,
         gamma: float = 0.99,
@@ -204,7 +204,8 @@ class QLearningGymModule(_EpsilonGreedy):
     ):
         """
         Args:
-            env: The environment (Discrete observations and actions).
+            env: The environment (Discrete observations and actions); the default is the slippery FrozenLake 4x4
+                (``configs/gym/qlearning-frozenlake.yaml`` sets ``kwargs: {is_slippery: false}``).
             total_steps: Environment steps to train for.
             learning_rate: The step size alpha of each update.
             gamma: Discount factor.
