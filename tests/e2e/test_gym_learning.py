@@ -49,3 +49,20 @@ def test_shipped_config_reaches_the_goal_within_its_budget(config, every, goal, 
     history = ", ".join(f"{steps}: {mean:.1f}" for steps, mean in evaluate.history)
     assert evaluate.history and evaluate.history[-1][1] >= goal, f"{config}: held-out return by step: {history}"
     assert evaluate.history[-1][0] <= cli.model.total_steps + every
+
+
+def test_recipe_runs_on_its_embedded_default(tmp_path):
+    """``python recipes/gym.py`` with no settings but its run folder: PPO on CartPole-v1 to a held-out 475 or more,
+    with the run's metrics, curves, config and checkpoint written."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "gym.py"), "--trainer.default_root_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = map(float, re.search(r"held-out val/episode_reward: ([\d.]+) -> ([\d.]+)", done.stdout).groups())
+    assert before < 50 and after >= 475, done.stdout[-2000:]
+    run = tmp_path / "version_0"
+    for name in ("metrics.csv", "curves.png", "config.yaml", "checkpoints/last.ckpt"):
+        assert (run / name).is_file(), name
