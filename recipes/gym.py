@@ -1,4 +1,4 @@
-"""Classic RL on Gymnasium. With no arguments: PPO on CartPole-v1 (configs/gym/ppo-cartpole.yaml, about 35 s).
+"""Classic RL on Gymnasium. With no arguments: PPO on CartPole-v1 (configs/gym/ppo-cartpole.yaml, about 30 s).
 
     python recipes/gym.py
     python recipes/gym.py --config configs/gym/dqn-cartpole.yaml
