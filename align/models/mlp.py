@@ -39,6 +39,17 @@ def observation_size(space: gym.Space, env_id: str = "environment") -> int:
                            "expected Box or Discrete (flatten others with a gymnasium wrapper)")
 
 
+@torch.no_grad()
+def _fold_moments(stats: nn.Module, x: torch.Tensor) -> None:
+    """Fold a batch ``x`` (reduced over its first dim) into ``stats``' running ``mean``, ``var`` and ``count``
+    buffers, in place (Chan et al.'s parallel update)."""
+    batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+    delta, total = batch_mean - stats.mean, stats.count + n
+    stats.mean += delta * n / total
+    stats.var.copy_((stats.var * stats.count + batch_var * n + delta.square() * stats.count * n / total) / total)
+    stats.count.fill_(total)
+
+
 class ObservationEncoder(nn.Module):
     """``(N, *obs)`` environment observations to ``(N, D)`` float features, normalised by running statistics when
     ``normalize`` (Stable-Baselines3's ``VecNormalize``: clipped to +-``clip`` standard deviations)."""
@@ -66,12 +77,7 @@ class ObservationEncoder(nn.Module):
         """Fold a batch of raw observations into the running mean and variance (Chan et al.'s parallel update)."""
         if not self.normalize:
             return
-        x = obs.reshape(obs.shape[0], -1).double()
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean += delta * n / total
-        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
-        self.count.fill_(total)
+        _fold_moments(self, obs.reshape(obs.shape[0], -1).double())
 
 
 class RewardScaler(nn.Module):
@@ -99,12 +105,7 @@ class RewardScaler(nn.Module):
             seen[t] = running
             running = torch.where(done[t], torch.zeros_like(running), running)
         self.returns.copy_(running)
-        flat = seen.flatten()
-        batch_mean, batch_var, n = flat.mean(), flat.var(unbiased=False), flat.numel()
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean += delta * n / total
-        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
-        self.count.fill_(total)
+        _fold_moments(self, seen.flatten())
         return (rewards.double() / torch.sqrt(self.var + self.eps)).clamp(-self.clip, self.clip).to(rewards.dtype)
 
 

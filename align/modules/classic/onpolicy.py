@@ -28,6 +28,7 @@ from align.envs import EnvSpec, Steps
 from align.errors import AlignConfigError
 from align.logprobs import masked_whiten
 from align.losses import ppo_policy_loss, value_loss
+from align.stats import explained_variance
 from align.models.mlp import Activation, ActorCritic, RewardScaler
 from align.modules.classic.base import ClassicRLModule, Evaluation
 
@@ -154,9 +155,8 @@ class OnPolicyModule(ClassicRLModule):
 
     @staticmethod
     def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-        """``1 - Var(R - V) / Var(R)``: 1 is a perfect critic, 0 no better than a constant."""
-        var = returns.var(unbiased=False)
-        return float(1.0 - (returns - values).var(unbiased=False) / var) if var > 0 else 0.0
+        """:func:`align.stats.explained_variance` of ``(B,)`` values, as a float."""
+        return float(explained_variance(values, returns, torch.ones_like(returns, dtype=torch.bool)))
 
     @staticmethod
     def means(history: list[dict[str, torch.Tensor]]) -> dict[str, float]:
