@@ -223,6 +223,20 @@ class AlignModule(TrainingModule):
         return bool(trainer is not None and trainer.strategy.handles_gradient_accumulation
                     and trainer.fit_loop._should_accumulate())
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """The step, then the gradients are released at once.
+
+        Lightning clears gradients after the next step's forward pass, so every activation of that pass is
+        allocated while the previous step's gradients are still held: one extra gradient-sized block at the
+        peak (445 MB of 3,686 on SmolLM2-135M SFT). Released here, the forward pass reuses that memory and
+        Lightning's own clear finds nothing to do. Under a strategy that accumulates gradients itself
+        (DeepSpeed) ``step`` runs after every micro-batch and the engine owns its buffers, so it is left alone.
+        """
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        trainer = self._trainer
+        if trainer is not None and not trainer.strategy.handles_gradient_accumulation:
+            self.optimizer_zero_grad(epoch, batch_idx, optimizer)
+
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         from align.strategies import unshard_root
 
