@@ -72,6 +72,7 @@ def shape_rewards(
     kl_coef: Union[float, torch.Tensor],
     kind: str = "k1",
     clamp: float = 20.0,
+    token_rewards: torch.Tensor | None = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards with a KL penalty and the score at the last valid token.
 
@@ -82,6 +83,8 @@ def shape_rewards(
         mask: ``(B, T)`` response mask.
         kl_coef: KL penalty coefficient (for example ``controller.value``).
         kind, clamp: KL estimator and log-ratio clamp, see :func:`align.kl.kl_estimate`.
+        token_rewards: ``(B, T)`` rewards already placed on tokens, added where ``mask`` is valid (a multi-turn
+            episode's environment reward of each turn, at the turn's last token); None: none.
 
     Returns:
         ``rewards`` ``(B, T)`` and ``kl`` ``(B, T)``, both 0 at masked
@@ -94,10 +97,16 @@ def shape_rewards(
         )
     if scores.shape != logprobs.shape[:1]:
         raise ValueError(f"shape_rewards: scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
+    if token_rewards is not None and token_rewards.shape != mask.shape:
+        raise ValueError(f"shape_rewards: token_rewards must be (B, T) = {tuple(mask.shape)}, got "
+                         f"{tuple(token_rewards.shape)}")
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, kind=kind, clamp=clamp), zero)  # (B, T)
-    return _add_terminal(-kl_coef * kl, scores, valid), kl
+    per_token = -kl_coef * kl
+    if token_rewards is not None:
+        per_token = per_token + torch.where(valid, token_rewards.to(per_token.dtype), zero)
+    return _add_terminal(per_token, scores, valid), kl
 
 
 def _add_terminal(rewards: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

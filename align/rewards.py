@@ -67,6 +67,8 @@ __all__ = [
     "math_answer",
     "extract_final_number",
     "RewardModelScorer",
+    "error_location",
+    "one_line",
 ]
 
 RewardFn = Callable[..., Sequence[float]]
@@ -142,7 +144,7 @@ def _load_dotted(path: str, what: str = "reward") -> Any:
                                f"installed packages and the working directory {os.getcwd()})") from err
     except Exception as err:  # noqa: BLE001 - user code may raise anything on import
         raise AlignConfigError(f"{what} '{path}': importing module '{module_name}' failed: "
-                               f"{type(err).__name__}: {err}{_location(err, None)}") from err
+                               f"{type(err).__name__}: {err}{error_location(err, None)}") from err
     if not hasattr(module, attr):
         raise AlignConfigError(f"{what} '{path}': module '{module_name}' has no attribute '{attr}'")
     return getattr(module, attr)
@@ -231,7 +233,7 @@ _LIBRARY_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[key])
 """Folders whose frames are not the user's code: the standard library, installed packages and align itself."""
 
 
-def _location(err: BaseException, fn: Any) -> str:
+def error_location(err: BaseException, fn: Any) -> str:
     """`` at FILE, line N`` where ``err`` was raised in the user's code: the innermost frame of its traceback
     outside the standard library, installed packages and align itself, else the innermost frame in the reward's
     own file (a built-in reward), else nothing."""
@@ -390,8 +392,8 @@ class RewardFunction:
             except Exception:  # noqa: BLE001 - looking for the first sample that raises on its own
                 first = i
                 break
-        message = (f"{self.where} raised {type(err).__name__}: {_one_line(err)}"
-                   f"{_location(err, self.fn)}; ")
+        message = (f"{self.where} raised {type(err).__name__}: {one_line(err)}"
+                   f"{error_location(err, self.fn)}; ")
         if first is None:
             tried = "every sample" if n <= self.MAX_SINGLE_RETRIES else f"each of the first {self.MAX_SINGLE_RETRIES} samples"
             return message + f"{tried} passes on its own, the batch of {n} fails as a whole"
@@ -402,7 +404,7 @@ class RewardFunction:
                           + (f", {', '.join(columns)}" if columns else ""))
 
 
-def _one_line(err: Exception) -> str:
+def one_line(err: Exception) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 200 else text[:197] + "..."
 
@@ -422,8 +424,10 @@ def _is_number(value: Any) -> bool:
 class CombinedReward:
     """The weighted sum of several rewards, with each one's values kept for metrics."""
 
-    def __init__(self, rewards: Sequence[RewardSpec | str | RewardFn]):
-        if not rewards:
+    def __init__(self, rewards: Sequence[RewardSpec | str | RewardFn], allow_empty: bool = False):
+        """``allow_empty``: no reward functions at all is allowed (an environment rewards the episodes); the
+        total is then 0 and there are no parts."""
+        if not rewards and not allow_empty:
             raise AlignConfigError("rewards: give at least one reward function")
         self.rewards = [r if isinstance(r, RewardFunction) else RewardFunction(r) for r in rewards]
         names = [r.name for r in self.rewards]
@@ -443,7 +447,7 @@ class CombinedReward:
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> tuple[list[float], dict[str, list[float]]]:
         """``(total, {name: values})``: the weighted total and each reward's own values, per completion."""
         parts = {r.name: r(prompts, completions, **columns) for r in self.rewards}
-        total = [sum(r.weight * parts[r.name][i] for r in self.rewards) for i in range(len(completions))]
+        total = [float(sum(r.weight * parts[r.name][i] for r in self.rewards)) for i in range(len(completions))]
         return total, parts
 
 
@@ -451,13 +455,26 @@ def reward_inputs(batch, rollout) -> dict[str, Any]:
     """The keyword arguments of every reward for ``rollout``, sampled from the prompts of ``batch`` (a
     :class:`~align.data.prompts.PromptBatch`): ``prompts``, ``completions``, the data's columns and the rollout's
     inputs (:data:`~align.data.prompts.REWARD_INPUTS`), one value per completion (a prompt's ``group_size``
-    completions are consecutive)."""
+    completions are consecutive).
+
+    For a multi-turn rollout (``rollout.episodes``) a completion is the episode's last assistant turn
+    (``completions``, ``completion_ids``), ``prompt_messages`` the episode's first messages (what the environment's
+    ``reset`` gave), ``conversation`` every message of the episode, and ``completion_truncated`` whether the
+    episode was cut off before the environment said done."""
     prompts, columns = batch.repeat(rollout.group_size)
+    truncated = [bool(t) for t in rollout.truncated.tolist()]
+    if rollout.episodes is not None:
+        conversations = [e["messages"] for e in rollout.episodes]
+        first = [m[: next((i for i, x in enumerate(m) if x["role"] == "assistant"), len(m))] for m in conversations]
+        return {"prompts": prompts, "completions": rollout.texts, **columns, "prompt_messages": first,
+                "completion_ids": [list(e["completion_ids"]) for e in rollout.episodes],
+                "completion_truncated": truncated, "conversation": conversations}
     lengths = rollout.response_lengths.tolist()
-    return {"prompts": prompts, "completions": rollout.texts, **columns,
-            "prompt_messages": batch.repeat_messages(rollout.group_size),
+    prompt_messages = batch.repeat_messages(rollout.group_size)
+    return {"prompts": prompts, "completions": rollout.texts, **columns, "prompt_messages": prompt_messages,
             "completion_ids": [ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)],
-            "completion_truncated": [bool(t) for t in rollout.truncated.tolist()]}
+            "completion_truncated": truncated,
+            "conversation": [m + [{"role": "assistant", "content": t}] for m, t in zip(prompt_messages, rollout.texts)]}
 
 
 @dataclass(frozen=True)
@@ -496,12 +513,14 @@ class LazyRewardModel:
 
 
 def training_rewards(rewards: Sequence[RewardSpec | str] | None, reward_model: RewardModelSpec | str | None,
-                     eval_rewards: Sequence[RewardSpec | str] | None) -> tuple[CombinedReward, list[str]]:
+                     eval_rewards: Sequence[RewardSpec | str] | None, environment: bool = False,
+                     ) -> tuple[CombinedReward, list[str]]:
     """The reward list of an RL run and the names of its eval rewards.
 
     The reward model (the reward named ``rm``) comes first, then ``rewards``; ``eval_rewards`` join with weight
     0, so they are computed, checked and logged (``rollout/reward/<name>``, ``val/reward/<name>``) but never
     trained on, e.g. a task's true verifiable reward next to a reward model's score, so reward hacking shows.
+    With ``environment`` (a multi-turn run, whose environment rewards the episodes) the list may be empty.
     """
     specs: list[RewardSpec | str | RewardFunction] = list(rewards or [])
     if isinstance(reward_model, str):
@@ -510,11 +529,12 @@ def training_rewards(rewards: Sequence[RewardSpec | str] | None, reward_model: R
         rm = RewardFunction(LazyRewardModel(reward_model.path, reward_model.batch_size))
         rm.name, rm.weight = "rm", float(reward_model.weight)
         specs.insert(0, rm)
-    if not specs:
-        raise AlignConfigError("model.rewards: an RL run needs a training reward; set reward_model and/or rewards")
+    if not specs and not environment:
+        raise AlignConfigError("model.rewards: an RL run needs a training reward; set reward_model, rewards or "
+                               "environment")
     evals = [RewardSpec(fn=s.fn, weight=0.0, name=s.name, kwargs=dict(s.kwargs), init_kwargs=s.init_kwargs)
              if isinstance(s, RewardSpec) else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
-    combined = CombinedReward([*specs, *evals])
+    combined = CombinedReward([*specs, *evals], allow_empty=environment)
     return combined, combined.names[len(specs):]
 
 

@@ -222,7 +222,16 @@ def _shared_prefill(model, input_ids, attention_mask, position_ids, group: int) 
 class Rollout:
     """Sampled completions of a batch of prompts. ``N = num_prompts * group_size`` rows; ``P`` the padded
     prompt width; ``R`` the padded response width. Row ``i`` answers prompt ``prompt_index[i]``; the
-    ``group_size`` completions of a prompt are consecutive rows."""
+    ``group_size`` completions of a prompt are consecutive rows.
+
+    A multi-turn rollout (:func:`align.episodes.play_episodes`) keeps the same layout: the "response" of a row
+    is everything after its first prompt, the policy's turns and the environment's replies in between.
+    ``response_mask`` then covers the policy's tokens only (each turn through its stop token), ``context_mask``
+    every token of the conversation, ``token_rewards`` holds the environment's reward of each turn at that
+    turn's last token, and ``episodes`` what else happened (one plain dict per row: ``messages``, ``turns``,
+    ``end``, ``env_reward``, ``info``, ``completion_ids`` of the last turn, and ``calls``, the timed
+    environment calls). ``texts`` are the last assistant turns. A single-turn rollout leaves the three None.
+    """
 
     prompt_ids: torch.Tensor  # (N, P) long, left-padded
     prompt_mask: torch.Tensor  # (N, P) long, 1 on real prompt tokens
@@ -235,6 +244,9 @@ class Rollout:
     group_size: int
     generation_seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
+    context_mask: Optional[torch.Tensor] = None  # (N, R) long, 1 on every response-side token (multi-turn)
+    token_rewards: Optional[torch.Tensor] = None  # (N, R) float32, environment rewards at turn ends (multi-turn)
+    episodes: Optional[list[dict]] = None  # N plain dicts (multi-turn)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -246,12 +258,13 @@ class Rollout:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """``(N, P + R)``: the prompt mask followed by the response mask."""
-        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+        """``(N, P + R)``: the prompt mask followed by the response mask (every conversation token, multi-turn)."""
+        context = self.response_mask.long() if self.context_mask is None else self.context_mask
+        return torch.cat([self.prompt_mask, context], dim=1)
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """``(N,)`` valid response tokens per row."""
+        """``(N,)`` valid response tokens per row (the policy's tokens of every turn, multi-turn)."""
         return self.response_mask.sum(dim=1)
 
 

@@ -41,13 +41,19 @@ def informative_groups(values: torch.Tensor, group_size: int, eps: float = 1e-6)
 def select_groups(rollout: Rollout, groups: torch.Tensor) -> Rollout:
     """The rows of the groups ``groups`` (indices of prompts), renumbered ``0..len(groups)-1``."""
     g = rollout.group_size
-    rows = (groups.to(rollout.prompt_index.device)[:, None] * g + torch.arange(g, device=rollout.prompt_index.device)).flatten()
-    pick = lambda t: t[rows.to(t.device)]
-    return Rollout(pick(rollout.prompt_ids), pick(rollout.prompt_mask), pick(rollout.response_ids),
-                   pick(rollout.response_mask), pick(rollout.old_logprobs), pick(rollout.truncated),
-                   [rollout.texts[i] for i in rows.tolist()],
-                   torch.arange(len(groups), device=rollout.prompt_index.device).repeat_interleave(g), g,
-                   rollout.generation_seconds, dict(rollout.metrics))
+    device = rollout.prompt_index.device
+    rows = (groups.to(device)[:, None] * g + torch.arange(g, device=device)).flatten()
+    out = {}
+    for f in fields(Rollout):
+        value = getattr(rollout, f.name)
+        if isinstance(value, torch.Tensor):
+            value = value[rows.to(value.device)]
+        elif isinstance(value, list):
+            value = [value[i] for i in rows.tolist()]
+        out[f.name] = value
+    out["prompt_index"] = torch.arange(len(groups), device=device).repeat_interleave(g)
+    out["metrics"] = dict(rollout.metrics)
+    return Rollout(**out)
 
 
 def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
@@ -58,6 +64,11 @@ def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     return torch.cat([pad, t] if left else [t, pad], dim=1)
 
 
+_RIGHT_PADDED = {"response_ids": None, "response_mask": False, "old_logprobs": 0.0, "context_mask": 0,
+                 "token_rewards": 0.0}
+"""Per-token fields of a rollout padded on the right when rollouts are joined, and their fill (None: the pad id)."""
+
+
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     """One rollout of the rows of ``rollouts`` (same group size): prompts re-padded on the left, responses on
     the right, groups renumbered in order. ``generation_seconds`` is the sum; ``metrics`` are left empty."""
@@ -65,16 +76,27 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return rollouts[0]
     p = max(r.prompt_ids.shape[1] for r in rollouts)
     w = max(r.response_ids.shape[1] for r in rollouts)
-    cat = lambda name, width, value, left: torch.cat([_pad_to(getattr(r, name), width, value, left) for r in rollouts])
+    out = {}
+    for f in fields(Rollout):
+        values = [getattr(r, f.name) for r in rollouts]
+        if values[0] is None:
+            out[f.name] = None
+        elif f.name in ("prompt_ids", "prompt_mask"):
+            out[f.name] = torch.cat([_pad_to(v, p, pad_token_id if f.name == "prompt_ids" else 0, True) for v in values])
+        elif f.name in _RIGHT_PADDED:
+            fill = _RIGHT_PADDED[f.name]
+            out[f.name] = torch.cat([_pad_to(v, w, pad_token_id if fill is None else fill, False) for v in values])
+        elif isinstance(values[0], torch.Tensor):
+            out[f.name] = torch.cat(values)
+        elif isinstance(values[0], list):
+            out[f.name] = [x for v in values for x in v]
     offsets, index = 0, []
     for r in rollouts:
         index.append(r.prompt_index + offsets)
         offsets += len(r) // r.group_size
-    return Rollout(cat("prompt_ids", p, pad_token_id, True), cat("prompt_mask", p, 0, True),
-                   cat("response_ids", w, pad_token_id, False), cat("response_mask", w, False, False),
-                   cat("old_logprobs", w, 0.0, False), torch.cat([r.truncated for r in rollouts]),
-                   [t for r in rollouts for t in r.texts], torch.cat(index), rollouts[0].group_size,
-                   sum(r.generation_seconds for r in rollouts), {})
+    out.update(prompt_index=torch.cat(index), group_size=rollouts[0].group_size, metrics={},
+               generation_seconds=sum(r.generation_seconds for r in rollouts))
+    return Rollout(**out)
 
 
 @dataclass

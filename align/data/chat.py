@@ -50,6 +50,29 @@ class ChatEncoder:
             return self._ids(self._render(messages, add_generation_prompt=True))
         return self.tokenizer(self._plain_prompt(messages))["input_ids"]
 
+    def reply_ids(self, conversation: list[dict], replies: list[dict]) -> list[int]:
+        """Ids that follow the stop token of the assistant turn closing ``conversation`` when ``replies`` (an
+        environment's messages) answer it, through the next generation prompt.
+
+        Only the new text is tokenized: what the template writes after the turn's EOS (ChatML's newline), the
+        replies, and the generation prompt. The assistant's own tokens are never re-tokenized, so the ids a policy
+        is trained on are the ids it sampled. The template must render a conversation as an extension of the
+        rendering of its prefix, and end assistant turns with the EOS token."""
+        if not self.use_chat_template:
+            raise AlignConfigError("multi-turn episodes need a tokenizer with a chat_template (data.use_chat_template "
+                                   "must not be false)")
+        before = self._render(conversation, add_generation_prompt=False)
+        after = self._render(conversation + replies, add_generation_prompt=True)
+        eos = self.tokenizer.eos_token or ""
+        cut = before.rfind(eos) if eos else -1
+        if cut < 0:
+            raise AlignConfigError(f"the chat template does not end an assistant turn with the EOS token {eos!r}, so a "
+                                   "sampled turn (which stops there) cannot be continued")
+        if not after.startswith(before):
+            raise AlignConfigError("the chat template renders a conversation differently once a reply follows its last "
+                                   "assistant turn (it rewrites earlier turns), so earlier sampled tokens would change")
+        return self._ids(before[cut + len(eos):] + after[len(before):])
+
     def _plain_prompt(self, messages: list[dict]) -> str:
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise AlignConfigError("multi-message conversations need a tokenizer with a chat_template")

@@ -26,7 +26,7 @@ from align.errors import AlignDataError
 log = logging.getLogger(__name__)
 
 
-REWARD_INPUTS = ("prompt_messages", "completion_ids", "completion_truncated")
+REWARD_INPUTS = ("prompt_messages", "completion_ids", "completion_truncated", "conversation")
 """Keyword arguments every reward receives besides the data's columns (docs/rewards.md); no column may take
 these names."""
 

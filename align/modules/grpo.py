@@ -98,7 +98,7 @@ class GRPOModule(RLModule):
         if group_size < advantages.min_group_size:
             raise AlignConfigError(f"model.group_size: expected >= 2 for the group baseline of advantages.estimator "
                                    f"{advantages.estimator}, got {group_size}")
-        if rewards is None and reward_model is None:
+        if rewards is None and reward_model is None and kwargs.get("environment") is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
                          reward_model=reward_model, group_size=group_size, **kwargs)

@@ -104,9 +104,9 @@ class OnlineDPOModule(RLModule):
         if group_size < 2:
             raise AlignConfigError(f"model.group_size: expected >= 2 (online DPO pairs completions of a prompt), "
                                    f"got {group_size}")
-        if not rewards and reward_model is None:
-            raise AlignConfigError("model.rewards: online DPO ranks its completions with rewards and/or a "
-                                   "reward_model; expected at least one, got neither")
+        if not rewards and reward_model is None and kwargs.get("environment") is None:
+            raise AlignConfigError("model.rewards: online DPO ranks its completions with rewards, a reward_model "
+                                   "and/or an environment; expected at least one, got none")
         if loss_type not in OnlineLossType.__args__:
             raise AlignConfigError(f"model.loss_type: expected one of {list(OnlineLossType.__args__)}, got {loss_type!r}")
         if beta <= 0:
@@ -117,7 +117,7 @@ class OnlineDPOModule(RLModule):
                                    f"0 and no kl.target, got coef {kl.coef}, target {kl.target}")
         super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
                          reward_model=reward_model, group_size=group_size, **kwargs)
-        if not any(r.weight for r in self.reward.rewards):
+        if not any(r.weight for r in self.reward.rewards) and not (self.environment and self.environment.spec.weight):
             raise AlignConfigError("model.rewards: every training reward has weight 0, so nothing ranks the "
                                    "completions; expected a non-zero weight")
         self.beta, self.loss_type = beta, loss_type

@@ -14,6 +14,8 @@ One training step is one rollout, turned into a :class:`PPOBatch` by :meth:`PPOM
 3. **Per-token rewards.** :func:`align.advantages.shape_rewards`: ``-kl.coef * KL_t`` on every response
    token (``kl.estimator``, ``k1`` by default, against the reference policy) and the score on the last valid
    token: the first EOS, or the last token of a response truncated at ``max_new_tokens`` (docs/algorithms.md, "Response mask").
+   A multi-turn episode (``environment``) gets each turn's environment reward on that turn's last token; the score
+   options of step 2 then apply to the other rewards only (reward functions, reward model), at the episode's end.
 4. **Values** ``V(s_t)`` from the value model at rollout time, then :func:`align.advantages.gae` (``gae.gamma``,
    ``gae.lam``): advantages and returns = unwhitened advantages + values. Advantages (only) are whitened over
    the valid tokens of the rollout on every rank (:func:`align.stats.whiten`, ``gae.whiten_advantages``).
@@ -142,7 +144,7 @@ class PPOModule(RLModule):
         if clip.level != "token":
             raise AlignConfigError(f"model.clip.level: expected 'token' (GAE gives each token its own advantage), "
                                    f"got {clip.level!r}")
-        default_rm = reward_model is None and rewards is None
+        default_rm = reward_model is None and rewards is None and kwargs.get("environment") is None
         if default_rm:
             reward_model = "tiny-sort-rm"
         if eval_rewards is None:
@@ -203,13 +205,19 @@ class PPOModule(RLModule):
             rollout = self.rollout(batch)
         with Timer(timings, "time/scoring_s"):
             total, parts = self.score_rewards(batch, rollout)  # (N,), {name: (N,)}
-            scores = self.transform_scores(total, rollout)
+            turn_rewards = None
+            if rollout.token_rewards is not None:  # multi-turn: each turn's environment reward on its last token
+                weight = self.environment.spec.weight
+                turn_rewards = weight * rollout.token_rewards  # (N, R)
+                scores = self.transform_scores(total - weight * parts["env"], rollout)
+            else:
+                scores = self.transform_scores(total, rollout)
             mask, old_logprobs = rollout.response_mask, rollout.old_logprobs
             ref_logprobs = self.reference_logprobs(rollout)
             values = self.policy.values(rollout.input_ids, rollout.attention_mask, response_length=mask.shape[1])  # (N, R)
             values = torch.where(mask, values, torch.zeros_like(values))
             rewards, kl = shape_rewards(scores, old_logprobs, old_logprobs if ref_logprobs is None else ref_logprobs,
-                                        mask, self.kl_controller.value, kind=self.kl.kind)
+                                        mask, self.kl_controller.value, kind=self.kl.kind, token_rewards=turn_rewards)
             raw_advantages, returns = gae(rewards, values, mask, self.gae.gamma, self.gae.lam)
             advantages = (stats.whiten(raw_advantages, mask, all_reduce=self.all_reduce_sum)
                           if self.gae.whiten_advantages else raw_advantages)

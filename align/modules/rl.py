@@ -17,6 +17,8 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
+from align.envs.chat import EnvironmentPool, EnvironmentSpec
+from align.episodes import play_episodes
 from align.errors import AlignConfigError, NoLearningSignalError
 from align.kl import AdaptiveKLController, FixedKLController, KLController
 from align.advantages import overlong_penalty
@@ -24,7 +26,7 @@ from align.logprobs import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule, loss_count
 from align.modules.options import Aggregation, Evaluation, KLPenalty, OverlongPenalty, Updates
-from align.observability.timing import Timer
+from align.observability.timing import Timer, record_span
 from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, reward_inputs, training_rewards
 from align.rollout import Rollout, RolloutEngine, SamplingConfig
 from align.strategies import accumulation_boundary
@@ -59,7 +61,9 @@ class RLBatch:
 
     def select(self, index: torch.Tensor) -> "RLBatch":
         """The rows ``index``, with the padding columns that no selected row uses trimmed off."""
-        width = int(self.response_mask[index].sum(dim=1).max().clamp(min=1))
+        context = self.attention_mask[index, self.attention_mask.shape[1] - self.response_length:]  # (n, R)
+        used = context.any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 1
         cut = self.response_length - width
         rows = {}
         for f in fields(self):
@@ -124,6 +128,7 @@ class RLModule(AlignModule):
         updates: Updates = Updates(),
         kl: KLPenalty = KLPenalty(),
         overlong: OverlongPenalty = OverlongPenalty(),
+        environment: EnvironmentSpec | str | None = None,
         log_entropy: bool = True,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
@@ -146,6 +151,11 @@ class RLModule(AlignModule):
                 and the adaptive controller's target.
             overlong: DAPO's soft overlong punishment, added to the training reward as the part ``overlong``
                 (``buffer``: the ramp's length; 0 or null: off).
+            environment: A multi-turn environment (docs/environments.md): an import path, or ``{path, init_kwargs,
+                max_turns, max_tokens, weight, step_timeout, workers}``. Each prompt row is played as
+                ``group_size`` episodes; the environment's rewards, summed per episode, are the reward part ``env``,
+                and ``rewards`` (optional then) score each episode's last assistant turn. Null: one completion per
+                prompt, scored by ``rewards``.
             log_entropy: Compute ``train/entropy`` (a full-vocabulary softmax per token).
             optimizer: Optimizer callable (parameters -> optimizer).
             scheduler: Learning-rate schedule callable, stepped every optimizer step.
@@ -157,18 +167,22 @@ class RLModule(AlignModule):
         if group_size < 1:
             raise AlignConfigError(f"model.group_size: expected >= 1, got {group_size}")
         self.automatic_optimization = False
-        self.reward, self.eval_reward_names = training_rewards(rewards, reward_model, eval_rewards)
+        self.environment = EnvironmentPool(environment) if environment is not None else None
+        self.reward, self.eval_reward_names = training_rewards(rewards, reward_model, eval_rewards,
+                                                               environment=self.environment is not None)
         self.group_size = group_size
         self.engine = RolloutEngine(sampling or SamplingConfig())
         self.eval_engine = RolloutEngine(evaluation.sampling or SamplingConfig(
             max_new_tokens=self.engine.sampling.max_new_tokens, temperature=0.0))
         self.updates, self.kl, self.log_entropy = updates, kl, log_entropy
-        self.overlong, self.overlong_max_length = overlong, overlong.resolve(self.engine.sampling.max_new_tokens)
-        if overlong.enabled and "overlong" in self.reward.names:
-            raise AlignConfigError("model.rewards: the name 'overlong' is the overlong penalty's; rename that reward")
+        self.overlong, self.overlong_max_length = overlong, overlong.resolve(self.max_response_tokens)
+        for part, taken in (("overlong", overlong.enabled), ("env", self.environment is not None)):
+            if taken and part in self.reward.names:
+                raise AlignConfigError(f"model.rewards: the name '{part}' is the {part} reward part's; rename that "
+                                       "reward")
         self.kl_controller: KLController = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
                                             if kl.target is not None else FixedKLController(kl.coef))
-        names = self.reward.names
+        names = self.reward.names + (["env"] if self.environment is not None else [])
         if evaluation.accuracy_reward is not None and evaluation.accuracy_reward not in names:
             raise AlignConfigError(f"model.evaluation.accuracy_reward: {evaluation.accuracy_reward!r} is not one of the "
                                    f"rewards {names}; name one of them, or null for the first")
@@ -196,6 +210,12 @@ class RLModule(AlignModule):
         return self.engine.sampling.temperature or 1.0
 
     @property
+    def max_response_tokens(self) -> int:
+        """Longest response a rollout can hold: ``sampling.max_new_tokens``, or an episode's token budget
+        (``environment.max_tokens``, assistant and environment tokens)."""
+        return self.environment.spec.max_tokens if self.environment is not None else self.engine.sampling.max_new_tokens
+
+    @property
     def on_policy(self) -> bool:
         """One optimizer step per rollout: the policy that sampled is the one being updated."""
         return self.updates.on_policy
@@ -209,9 +229,24 @@ class RLModule(AlignModule):
         self.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
         if self.training and engine is None:
             self.rl_counters["rollouts"] += 1
+        engine = engine or self.engine
         with generation_context(self) as sync_stop:
-            return (engine or self.engine).generate(self.policy, batch.prompt_ids, group_size or self.group_size,
-                                                     sync_stop=sync_stop)
+            if self.environment is None:
+                return engine.generate(self.policy, batch.prompt_ids, group_size or self.group_size, sync_stop=sync_stop)
+            rollout = play_episodes(self.policy, engine.sampling, batch, group_size or self.group_size,
+                                    self.environment, engine.stop_ids(self.tokenizer), sync_stop=sync_stop)
+        self.trace_environment(rollout)
+        return rollout
+
+    def trace_environment(self, rollout: Rollout) -> None:
+        """An ``env_step`` span per environment call of a multi-turn rollout, under the span open here (the step's
+        ``generation``), while tracing is on."""
+        name = self.environment.name
+        for index, episode in enumerate(rollout.episodes):
+            for turn, start, end, reward, done in episode["calls"]:
+                record_span("env_step", start, end, {"align.env.name": name, "align.env.episode": index,
+                                                     "align.env.turn": turn, "align.env.reward": reward,
+                                                     "align.env.done": done})
 
     def token_logprobs(self, data: RLBatch | Rollout, reference: bool = False, **kwargs) -> TokenLogprobs:
         """Per-token log-probs of the responses in ``data`` (and entropy or values on request), at the sampling
@@ -240,11 +275,15 @@ class RLModule(AlignModule):
 
         With ``overlong.buffer`` set, the part ``overlong`` holds each completion's penalty in ``[-1, 0]``
         (:func:`align.advantages.overlong_penalty` of its length, stop token included), and the total adds
-        ``overlong.coef`` times it.
+        ``overlong.coef`` times it. A multi-turn rollout adds the part ``env``, each episode's summed environment
+        rewards, with weight ``environment.weight``.
         """
         total, parts = self.reward(**reward_inputs(batch, rollout))
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=rollout.response_ids.device)
         total, parts = to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
+        if rollout.episodes is not None:
+            parts["env"] = to_tensor([e["env_reward"] for e in rollout.episodes])
+            total = total + self.environment.spec.weight * parts["env"]
         if self.overlong.enabled:
             parts["overlong"] = overlong_penalty(rollout.response_lengths, self.overlong_max_length,
                                                  self.overlong.buffer)  # (N,)
@@ -283,7 +322,7 @@ class RLModule(AlignModule):
     def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:
         """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R),
         summed over every rank, in the unit of ``updates.loss_aggregation``."""
-        count = loss_count(response_mask, self.updates.loss_aggregation, self.engine.sampling.max_new_tokens)
+        count = loss_count(response_mask, self.updates.loss_aggregation, self.max_response_tokens)
         return self.window_normaliser(count)
 
     @staticmethod
@@ -407,6 +446,8 @@ class RLModule(AlignModule):
         self._val_add("reward_mean", rewards)
         self._val_add("accuracy", (parts[self.accuracy_reward] >= self.accuracy_threshold).float())
         self._val_add("response_length", rollout.response_lengths)
+        if rollout.episodes is not None:
+            self._val_add("turns", torch.tensor([float(e["turns"]) for e in rollout.episodes], device=self.device))
         for name, values in parts.items():
             self._val_add(f"reward/{name}", values)
 

@@ -112,7 +112,7 @@ class TRPOModule(PPOModule):
             if getattr(value, key) != getattr(defaults, key):
                 raise AlignConfigError(f"model.value.{key}: TRPO trains the value model with its own optimizer "
                                        "(set its learning rate in model.optimizer); leave this unset")
-        if rewards is None and reward_model is None:
+        if rewards is None and reward_model is None and kwargs.get("environment") is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         if policy is None:
             policy = PolicyModel("tiny-sort", value_head="separate")

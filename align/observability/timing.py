@@ -18,6 +18,8 @@ class _Tracing(Protocol):
 
     def annotate(self, attributes: dict[str, Any]) -> None: ...  # on the span current in this thread
 
+    def record_span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any]) -> None: ...
+
 
 _active: _Tracing | None = None  # set by ``OTelTracingCallback.setup``, cleared by its ``teardown``
 
@@ -52,6 +54,13 @@ class Timer:
         if self.span is not None:
             self.span.__exit__(*exc)  # records an exception on the span, with an error status
         return False
+
+
+def record_span(name: str, start_ns: int, end_ns: int, attributes: dict[str, Any]) -> None:
+    """A finished span of work timed elsewhere (another thread; ``time.time_ns()`` bounds) under the span open in
+    this thread: the multi-turn rollout's environment calls under its ``generation`` span. Nothing without tracing."""
+    if _active is not None:
+        _active.record_span(name, start_ns, end_ns, attributes)
 
 
 def _install(tracing: _Tracing | None) -> None:

@@ -195,9 +195,9 @@ class OTelTracingCallback(Callback):
 
     # ------------------------------------------------------------------ span helpers
 
-    def _start_span(self, name: str, parent, attributes: dict[str, Any] | None = None):
+    def _start_span(self, name: str, parent, attributes: dict[str, Any] | None = None, start_time: int | None = None):
         ctx = trace.set_span_in_context(parent) if parent is not None else None
-        return self._tracer.start_span(name, context=ctx, attributes=attributes)
+        return self._tracer.start_span(name, context=ctx, attributes=attributes, start_time=start_time)
 
     def _parent(self):
         """The innermost open trainer span: step, validation, epoch, then the root."""
@@ -270,6 +270,16 @@ class OTelTracingCallback(Callback):
         span = tracer.start_as_current_span(name, context=context)
         span.__enter__()
         return span
+
+    def record_span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any]) -> None:
+        """A finished span with the given bounds, a child of the span open in this thread (else of the trainer's
+        innermost open span)."""
+        if self._tracer is None:
+            return
+        current = trace.get_current_span()
+        parent = current if current.is_recording() else self._parent()
+        span = self._start_span(name, parent, {k: attribute_value(v) for k, v in attributes.items()}, start_ns)
+        self._end(span, end_ns)
 
     @staticmethod
     def annotate(attributes: dict[str, Any]) -> None:
