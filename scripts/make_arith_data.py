@@ -14,13 +14,12 @@ expression, in any phrasing, so held-out accuracy measures arithmetic rather tha
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_bundled_data import draw_splits, write_splits  # noqa: E402
+from make_bundled_data import draw_splits, run_main, write_splits  # noqa: E402
 
 from align.data.arith_task import preference_pair, sample_problem  # noqa: E402
 
@@ -53,12 +52,7 @@ def build(seed: int = SEED) -> dict[tuple[str, str], list[dict[str, str]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where to write the jsonl files")
-    parser.add_argument("--seed", type=int, default=SEED, help="change only to make a different dataset")
-    args = parser.parse_args()
-    for path in write_splits(args.out_dir, build(args.seed)):
-        print(path)
+    run_main(__doc__, DEFAULT_OUT, SEED, build)
 
 
 if __name__ == "__main__":

@@ -170,13 +170,18 @@ def write(out_dir: Path, seed: int = SEED) -> list[Path]:
     return write_splits(out_dir, build(seed))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where to write the jsonl files")
-    parser.add_argument("--seed", type=int, default=SEED, help="change only to make a different dataset")
+def run_main(doc: str, default_out: Path, seed: int, build_splits) -> None:
+    """The command line every data script shares: ``--out-dir`` and ``--seed``, then the written paths."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=default_out, help="where to write the jsonl files")
+    parser.add_argument("--seed", type=int, default=seed, help="change only to make a different dataset")
     args = parser.parse_args()
-    for path in write(args.out_dir, args.seed):
+    for path in write_splits(args.out_dir, build_splits(args.seed)):
         print(path)
+
+
+def main() -> None:
+    run_main(__doc__, DEFAULT_OUT, SEED, build)
 
 
 if __name__ == "__main__":

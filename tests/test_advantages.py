@@ -81,6 +81,24 @@ def test_shape_rewards_empty_row_gets_no_score():
     torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]))
 
 
+def test_shape_rewards_with_turn_rewards_pinned():
+    # A two-turn episode: tokens 0-1 are turn 1, 2-3 the environment's reply (masked), 4-5 turn 2, 6 padding.
+    # Turn rewards 0.5 (end of turn 1, index 1) and 2.0 (end of turn 2, index 5); k1 = [1, 0, -, -, 0, 1, -].
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
+    logprobs = torch.tensor([[-1.0, -1.0, 0.0, 0.0, -1.0, -1.0, 0.0]])
+    ref = torch.tensor([[-2.0, -1.0, -5.0, -5.0, -1.0, -2.0, -5.0]])
+    turns = torch.tensor([[0.0, 0.5, 9.0, 0.0, 0.0, 2.0, 9.0]])  # 9.0 on masked tokens is ignored
+    rewards, kl = shape_rewards(torch.tensor([1.0]), logprobs, ref, mask, kl_coef=0.1, token_rewards=turns)
+    torch.testing.assert_close(kl, torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]))
+    # -0.1 * kl + the turn rewards; the sequence score 1.0 joins the last valid token (index 5): -0.1 + 2 + 1
+    torch.testing.assert_close(rewards, torch.tensor([[-0.1, 0.5, 0.0, 0.0, 0.0, 2.9, 0.0]]))
+    # GAE with gamma = lam = 1 and no values: the return of every policy token of turn 1 includes turn 2's
+    advantages, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(advantages, torch.tensor([[3.3, 3.4, 0.0, 0.0, 2.9, 2.9, 0.0]]))
+    with pytest.raises(ValueError, match="token_rewards must be"):
+        shape_rewards(torch.tensor([1.0]), logprobs, ref, mask, 0.1, token_rewards=torch.zeros(1, 3))
+
+
 def test_shape_rewards_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="scores"):
         shape_rewards(torch.zeros(3), torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 4), 0.1)

@@ -79,6 +79,23 @@ def sample_problem(rng: random.Random) -> dict[str, str]:
             "expression": expr}
 
 
+def tool_expression(rng: random.Random) -> str:
+    """Draw an expression too large to do in one's head, for the calculator task: ``a * b`` (a three-digit number
+    times a two-digit one), or a sum or difference of two numbers of three or four digits."""
+    kind = rng.choices(("mul", "add", "sub"), weights=(0.5, 0.25, 0.25))[0]
+    if kind == "mul":
+        return f"{rng.randint(101, 999)} * {rng.randint(11, 99)}"
+    a, b = rng.randint(101, 9999), rng.randint(101, 9999)
+    return f"{a} + {b}" if kind == "add" else f"{max(a, b)} - {min(a, b)}"
+
+
+def sample_tool_problem(rng: random.Random) -> dict[str, str]:
+    """``{"prompt", "answer", "expression"}`` for one :func:`tool_expression` and phrasing."""
+    expr = tool_expression(rng)
+    return {"prompt": make_prompt(expr, rng.randrange(len(PHRASINGS))), "answer": str(evaluate(expr)),
+            "expression": expr}
+
+
 def wrong_number(rng: random.Random, expr: str) -> int:
     """A plausible mistake: off by a little, an operator misread, or the digits swapped; never the answer."""
     right = evaluate(expr)
@@ -129,4 +146,4 @@ def preference_pair(rng: random.Random, expr: str) -> tuple[str, str]:
 
 
 __all__ = ["ANSWER_FORMAT", "CHATTER_SHARE", "DATA_DIR", "PHRASINGS", "evaluate", "expression", "make_prompt",
-           "preference_pair", "sample_problem", "wrong_number"]
+           "preference_pair", "sample_problem", "sample_tool_problem", "tool_expression", "wrong_number"]

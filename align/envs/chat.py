@@ -68,7 +68,8 @@ class EnvironmentSpec:
     """A multi-turn environment in a run's config (``model.environment``)."""
 
     path: str
-    """Import path of the environment class (or a factory): ``package.module.Class`` or ``file.py:Class``."""
+    """Import path of the environment class (or a factory): ``package.module.Class`` or ``file.py:Class`` (in
+    Python, the class itself)."""
     init_kwargs: dict = field(default_factory=dict)
     """Arguments of every instance's constructor."""
     max_turns: int = 4
@@ -171,12 +172,13 @@ class EnvironmentPool:
             raise AlignConfigError(f"environment '{spec.path}': resolves to a {type(self.factory).__name__}, not a "
                                    "class or factory")
         self.name = getattr(self.factory, "__name__", type(self.factory).__name__)
+        self.path = spec.path if isinstance(spec.path, str) else getattr(self.factory, "__qualname__", self.name)
         self.instances: list[Any] = []
 
     @property
     def where(self) -> str:
         """``environment 'Name' (import path)``: how every message names this environment."""
-        return f"environment '{self.name}' ({self.spec.path})"
+        return f"environment '{self.name}' ({self.path})"
 
     def instance(self, slot: int) -> Any:
         while len(self.instances) <= slot:
@@ -185,10 +187,10 @@ class EnvironmentPool:
             except Exception as err:  # noqa: BLE001 - user code; re-raised on one line
                 raise AlignConfigError(f"{self.where}: cannot build it from init_kwargs {self.spec.init_kwargs}: "
                                        f"{type(err).__name__}: {one_line(err)}{error_location(err, None)}") from err
-            for method in ("reset", "step"):
-                if not callable(getattr(env, method, None)):
-                    raise AlignConfigError(f"{self.where}: an environment needs a '{method}' method (see "
-                                           "align.envs.chat.Environment)")
+            missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+            if missing:
+                raise AlignConfigError(f"{self.where}: an environment needs reset(row) and step(message) methods; "
+                                       f"it has no {' and no '.join(missing)} (see align.envs.chat.Environment)")
             self.instances.append(env)
         return self.instances[slot]
 

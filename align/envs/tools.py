@@ -39,7 +39,7 @@ import tempfile
 import threading
 from typing import Any, Callable, Sequence
 
-from align.envs.chat import Environment, EnvStep
+from align.envs.chat import Environment, EnvStep, check_messages
 from align.errors import AlignConfigError
 from align.rewards import resolve_import
 
@@ -286,19 +286,22 @@ class ToolEnvironment(Environment):
     """Runs the tools a policy calls (module docstring); a turn without a call ends the episode.
 
     ``reset`` adds a system message that lists the tools and the call format (``system_prompt`` replaces it; a
-    row's own system message comes first). ``step`` answers every call of the turn with one ``result_role`` message.
+    row's own system message comes first), then the demonstration ``examples``. ``step`` answers every call of the turn with one ``result_role`` message.
     The environment gives no reward of its own, except ``error_reward`` per failed call (0 by default): the run's
     reward functions score the final answer. ``info``: ``tool_calls`` and ``tool_errors``.
     """
 
     def __init__(self, tools: Sequence[str | dict] = ("align.envs.tools.calculator",), system_prompt: str | None = None,
-                 result_role: str = "tool", max_calls: int = 4, timeout: float = 10.0, max_output_chars: int = 1000,
-                 error_reward: float = 0.0):
+                 examples: Sequence[dict] | None = None, result_role: str = "tool", max_calls: int = 4,
+                 timeout: float = 10.0, max_output_chars: int = 1000, error_reward: float = 0.0):
         """
         Args:
             tools: Import paths of the tools (functions or callable objects; a class is built with no arguments),
                 or ``{path, name, init_kwargs}``. A tool's name is its function name unless ``name`` is given.
             system_prompt: The system message; null: one generated from the tools' signatures and docstrings.
+            examples: Demonstration messages placed after the system message and before the row's own (a question,
+                an assistant turn with a call, the tool's result, the final answer): small models follow a shown
+                exchange far more often than a described one.
             result_role: Role of the messages that carry results (``user`` for a chat template without ``tool``).
             max_calls: Calls run per turn; further calls are answered with an error.
             timeout: Seconds a call may run before it is reported as timed out.
@@ -319,6 +322,10 @@ class ToolEnvironment(Environment):
             name = spec.get("name") or getattr(target, "__name__", type(target).__name__)
             self.tools[name] = target
         self.system_prompt = system_prompt if system_prompt is not None else self.default_system_prompt()
+        try:
+            self.examples = [dict(m) for m in check_messages(list(examples or []), "examples", allow_empty=True)]
+        except ValueError as err:
+            raise AlignConfigError(f"ToolEnvironment: {err}") from None
         self.result_role, self.max_calls, self.timeout = result_role, max_calls, timeout
         self.max_output_chars, self.error_reward = max_output_chars, error_reward
 
@@ -333,12 +340,14 @@ class ToolEnvironment(Environment):
 
     def reset(self, row: dict) -> list[dict]:
         messages = [dict(m) for m in row["messages"]]
-        if not self.system_prompt:
-            return messages
+        system = []
         if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = messages[0]["content"] + "\n\n" + self.system_prompt
-            return messages
-        return [{"role": "system", "content": self.system_prompt}, *messages]
+            system = [messages.pop(0)]
+            if self.system_prompt:
+                system[0]["content"] = system[0]["content"] + "\n\n" + self.system_prompt
+        elif self.system_prompt:
+            system = [{"role": "system", "content": self.system_prompt}]
+        return [*system, *(dict(m) for m in self.examples), *messages]
 
     def step(self, message: dict) -> EnvStep:
         calls = _template_calls(message)
@@ -363,7 +372,9 @@ class ToolEnvironment(Environment):
         fn = self.tools.get(name)
         if fn is None:
             return f"error: unknown tool '{name}'; the tools are {', '.join(self.tools)}", False
-        if set(arguments) == {""}:  # the short form: its text is the one parameter
+        if set(arguments) == {""} and not arguments[""]:  # the short form with nothing between the parentheses
+            arguments = {}
+        elif set(arguments) == {""}:  # the short form: its text is the one parameter
             try:
                 first = next(iter(inspect.signature(fn).parameters))
             except (StopIteration, TypeError, ValueError):

@@ -1,7 +1,8 @@
 """Pictures of runs' curves from their ``metrics.csv``: the ``align plot`` command and the ``curves.png`` every
 ``fit`` writes into its run folder.
 
-Panels are chosen from the columns the CSV holds (:data:`PANELS`): reward, KL, loss, accuracy and margin, each
+Panels are chosen from the columns the CSV holds (:data:`PANELS`): reward, KL, loss, accuracy and margin (and the
+episode panels of classic RL and multi-turn runs), each
 drawing a training series next to its held-out (``val/...``) counterpart, so a gap between the two shows. A panel
 none of whose columns was logged is left out. Training series are drawn raw (faint) and smoothed by an exponential
 moving average; held-out series, logged a few times per run, are drawn as points. Several runs share the axes,
@@ -50,6 +51,7 @@ PANELS = (
     Panel("reward", ("rollout/reward_mean", "val/reward_mean")),
     Panel("episode return", ("rollout/episode_reward", "val/episode_reward")),
     Panel("exploration", ("rollout/epsilon",)),
+    Panel("episodes", ("rollout/turns", "rollout/tool_calls", "rollout/tool_errors", "val/turns")),
     Panel("KL to the reference", ("train/kl", "val/kl")),
     Panel("loss", ("train/loss", "val/loss")),
     Panel("accuracy", ("dpo/accuracy", "online_dpo/accuracy", "rm/accuracy", "kto/accuracy", "val/accuracy",

@@ -105,3 +105,21 @@ def test_generator_reproduces_the_committed_files(tmp_path, load_script):
     for path in script.write_splits(tmp_path, script.build()):
         relative = path.relative_to(tmp_path)
         assert path.read_bytes() == (DATA_DIR / relative).read_bytes(), relative
+
+
+def test_the_calculator_task_is_beyond_small_arithmetic_and_its_generator_reproduces_it(tmp_path, load_script):
+    from align.data.arith_task import tool_expression
+
+    rng = random.Random(0)
+    for _ in range(200):
+        numbers = [int(t) for t in tool_expression(rng).split()[::2]]
+        assert max(numbers) > 100 and all(n > 10 for n in numbers)
+    rows = {split: read("tools", split) for split in ("train", "validation")}
+    assert len(rows["train"]) == 2000 and len(rows["validation"]) == 200
+    for row in rows["train"] + rows["validation"]:
+        assert set(row) == {"prompt", "answer"} and row["answer"] == str(evaluate(expression_of(row["prompt"])))
+    held = {expression_of(r["prompt"]) for r in rows["validation"]}
+    assert len(held) == 200 and not held & {expression_of(r["prompt"]) for r in rows["train"]}
+    script = load_script("make_arith_tools")
+    for path in script.write_splits(tmp_path, script.build()):
+        assert path.read_bytes() == (DATA_DIR / path.relative_to(tmp_path)).read_bytes()

@@ -9,6 +9,7 @@ the printed output of a raising reward through the recipe script (the last test 
 This file covers the rest through the same command line, one table row per case.
 """
 
+import csv
 import json
 import os
 import subprocess
@@ -157,6 +158,37 @@ CASES = [
     ("rloo-one-sample-per-prompt", "grpo", {},
      ["--model.init_args.advantages.estimator", "rloo", "--model.init_args.group_size", "1"],
      ["model.group_size: expected >= 2 for the group baseline of advantages.estimator rloo, got 1"]),
+    # multi-turn environments (docs/environments.md): modules in the working directory, named by dotted path
+    ("environment-import-missing", "grpo", {},
+     ["--model.init_args.environment", '{"path": "no_such_env_pkg.Game"}'],
+     ["environment 'no_such_env_pkg.Game': cannot import module 'no_such_env_pkg'"]),
+    ("environment-step-raises", "grpo",
+     {"bad_env_e1.py": "class Game:\n    def reset(self, row):\n        return row['messages']\n"
+                       "    def step(self, message):\n        raise KeyError('board')\n"},
+     ["--model.init_args.environment", '{"path": "bad_env_e1.Game"}'],
+     ["error: environment 'Game' (bad_env_e1.Game): episode 0 (prompt 0 of the batch, sample 0), turn 1: step raised "
+      "KeyError: 'board' at bad_env_e1.py, line 5 in step()"]),
+    ("environment-malformed-reply", "grpo",
+     {"bad_env_e2.py": "class Game:\n    def reset(self, row):\n        return row['messages']\n"
+                       "    def step(self, message):\n        return {'reply': 'ok'}\n"},
+     ["--model.init_args.environment", '{"path": "bad_env_e2.Game"}'],
+     ["error: environment 'Game' (bad_env_e2.Game): episode 0 (prompt 0 of the batch, sample 0), turn 1: step must "
+      "return EnvStep(messages, reward, done, info), got a dict with keys ['reply']"]),
+    ("environment-never-answers", "grpo",
+     {"bad_env_e3.py": "import time\nclass Game:\n    def reset(self, row):\n        return row['messages']\n"
+                       "    def step(self, message):\n        time.sleep(30)\n"},
+     ["--model.init_args.environment", '{"path": "bad_env_e3.Game", "step_timeout": 0.5}'],
+     ["error: environment 'Game' (bad_env_e3.Game): episode 0 (prompt 0 of the batch, sample 0), turn 1: step did not "
+      "return within step_timeout=0.5 s"]),
+    ("environment-bad-reset", "grpo",
+     {"bad_env_e4.py": "class Game:\n    def reset(self, row):\n        return 'sort: b a'\n"
+                       "    def step(self, message):\n        return [], 0.0, True\n"},
+     ["--model.init_args.environment", '{"path": "bad_env_e4.Game"}'],
+     ["error: environment 'Game' (bad_env_e4.Game): episode 0 (prompt 0 of the batch, sample 0): reset's result must "
+      "be a list of messages, got 'sort: b a'"]),
+    ("environment-max-turns-zero", "grpo", {},
+     ["--model.init_args.environment", '{"path": "align.envs.tasks.SortRounds", "max_turns": 0}'],
+     ["model.environment.max_turns: expected an integer >= 1, got 0"]),
     ("reward-column-shadows-an-input", "grpo",
      {"p.jsonl": jsonl({**PROMPT, "completions": "x"})},
      ["--data.init_args.train_files", "{tmp}/p.jsonl"],
@@ -214,6 +246,38 @@ def test_a_raising_reward_prints_one_error_line_through_the_recipe_script(tmp_pa
     assert "Traceback" not in proc.stderr
     assert [line for line in lines if "grader offline" in line or "error:" in line] == lines[-1:]
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_an_environment_that_breaks_mid_run_stops_it_with_nothing_written_for_that_step(tmp_path, monkeypatch, capsys):
+    """The environment works for the first training step and raises on the second: the run exits on one line, the
+    first step's metrics row and checkpoint stay, and the failing step leaves no metrics row and no checkpoint."""
+    (tmp_path / "late_env.py").write_text(
+        "from align.envs.chat import EnvStep\n"
+        "calls = {'n': 0}\n"
+        "class Game:\n"
+        "    def reset(self, row):\n"
+        "        calls['n'] += 1\n"
+        "        return row['messages']\n"
+        "    def step(self, message):\n"
+        "        if calls['n'] > 4:\n"
+        "            raise RuntimeError('server gone')\n"
+        "        return EnvStep([], 1.0, True)\n")
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        run_recipe("grpo", *RECIPES["grpo"], args=[
+            *QUICK["grpo"], "--model.init_args.environment", '{"path": "late_env.Game"}', "--trainer.max_steps", "3",
+            "--trainer.default_root_dir", str(root), "--trainer.log_every_n_steps", "1",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true"])
+    assert info.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "episode 0 (prompt 0 of the batch, sample 0), turn 1: step raised RuntimeError: server gone" in err
+    assert "Traceback" not in err
+    rows = [r for r in csv.DictReader(open(next(root.rglob("metrics.csv")))) if r.get("rollout/reward_mean")]
+    assert [r["step"] for r in rows] == ["0"] and float(rows[0]["rollout/reward/env"]) == 1.0
+    assert sorted(p.name for p in root.rglob("*.ckpt")) == ["last.ckpt", "step=1.ckpt"] or \
+        {p.name for p in root.rglob("*.ckpt")} <= {"last.ckpt", "epoch=0-step=1.ckpt"}
 
 
 def scorer(values):

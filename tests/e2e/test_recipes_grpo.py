@@ -184,3 +184,22 @@ def test_gspo_config_with_the_reinforce_pp_baseline_trains_through_the_recipe(tm
     for name in ("train/loss", "train/policy_loss", "train/clipfrac", "train/approx_kl", "train/kl"):
         assert torch.isfinite(torch.tensor(float(rows[0][name]))), name
     assert 0.0 <= float(rows[0]["train/clipfrac"]) <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 1.5 minutes on 2 idle cores
+def test_the_multi_turn_sort_task_improves_held_out_reward(tmp_path, capsys):
+    """configs/grpo/tiny-sort-rounds.yaml through the recipe, cut to 60 steps: the environment's held-out reward
+    (the share of rounds sorted) rises, and the episode metrics reach the CSV."""
+    root = tmp_path / "run"
+    run_recipe("grpo", GRPOModule, PromptDataModule,
+               args=["--config", str(ROOT / "configs" / "grpo" / "tiny-sort-rounds.yaml"), "--trainer.max_steps", "60",
+                     "--trainer.default_root_dir", str(root), "--trainer.enable_checkpointing", "false",
+                     "--trainer.callbacks", "[]"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("held-out val/reward_mean:"))
+    before, after = (float(x) for x in line.split(":")[1].split("->"))
+    assert after - before >= 0.08, line
+    rows = read_metrics(root)
+    turns = [float(r["rollout/turns"]) for r in rows if r.get("rollout/turns")]
+    assert len(turns) == 60 and all(1.0 <= t <= 2.0 for t in turns)
+    assert any(r.get("val/turns") for r in rows) and any(r.get("rollout/reward/env") for r in rows)

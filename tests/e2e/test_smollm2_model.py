@@ -121,6 +121,47 @@ def test_the_fast_decoder_matches_the_model_forward(smollm2_policy, lora):
         torch.testing.assert_close(logits, expected[:, ids.shape[1] - 1 + k], atol=1e-4, rtol=1e-4, msg=f"step {k}")
 
 
+class AlwaysTool:
+    """Answers every turn with a ``tool`` message (ChatML renders any role) and ends after the second turn."""
+
+    def reset(self, row):
+        self.turns = 0
+        return row["messages"]
+
+    def step(self, message):
+        from align.envs.chat import EnvStep
+
+        self.turns += 1
+        return EnvStep([] if self.turns == 2 else [{"role": "tool", "content": "19"}], 0.0, self.turns == 2)
+
+
+def test_a_chatml_episode_with_a_tool_reply_is_trained_on_the_tokens_it_sampled(smollm2_policy):
+    """Two turns on SmolLM2 with a tool reply between them: the reply's tokens are exactly ChatML's text after
+    the turn's <|im_end|>, and a training pass over the conversation gives the sampled log-probs."""
+    from align.data.prompts import PromptBatch
+    from align.envs.chat import EnvironmentPool, EnvironmentSpec
+    from align.episodes import play_episodes
+
+    tok = smollm2_policy.tokenizer
+    messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    batch = PromptBatch(prompt_ids(tok), list(QUESTIONS), {}, messages)
+    torch.manual_seed(0)
+    rollout = play_episodes(smollm2_policy, SamplingConfig(max_new_tokens=12, temperature=1.0), batch, 1,
+                            EnvironmentPool(EnvironmentSpec(AlwaysTool, max_tokens=80)), [tok.eos_token_id])
+    for row, episode in enumerate(rollout.episodes):
+        mask, context = rollout.response_mask[row], rollout.context_mask[row].bool()
+        replies = context & ~mask
+        if episode["turns"] == 2:  # the first turn stopped: the reply sits between the two turns
+            assert tok.decode(rollout.response_ids[row][replies]) == \
+                "\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"
+        else:
+            assert episode["end"] == "turn_length" and not replies.any()
+    trained = smollm2_policy.token_logprobs(rollout.input_ids, rollout.attention_mask,
+                                            response_length=rollout.response_ids.shape[1]).logprobs
+    mask = rollout.response_mask
+    torch.testing.assert_close(trained[mask], rollout.old_logprobs[mask], atol=1e-4, rtol=0)
+
+
 def test_export_round_trips_through_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

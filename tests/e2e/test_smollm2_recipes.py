@@ -98,6 +98,19 @@ def test_grpo(tmp_path, capsys):
     assert 0 <= before <= 1 and 0 <= after <= 1
 
 
+def test_grpo_with_a_calculator_tool(tmp_path, capsys):
+    rows = run("grpo", GRPOModule, PromptDataModule, "grpo/smollm2-calculator.yaml", tmp_path,
+               "--data.init_args.batch_size", "2", "--data.init_args.val_batch_size", "4",
+               "--model.init_args.group_size", "2")
+    finite(rows, "rollout/reward_mean")
+    turns = finite(rows, "rollout/turns")
+    assert all(1.0 <= t <= 3.0 for t in turns)
+    finite(rows, "rollout/tool_calls")
+    finite(rows, "rollout/environment_tokens")
+    before, after = held_out(capsys.readouterr().out, "val/accuracy")
+    assert 0 <= before <= 1 and 0 <= after <= 1
+
+
 def test_ppo_on_the_trained_reward_model(reward_model_export, tmp_path, capsys):
     rows = run("ppo", PPOModule, PromptDataModule, "ppo/smollm2.yaml", tmp_path, *ROLLOUTS,
                "--model.init_args.reward_model", str(reward_model_export), "--model.init_args.group_size", "2",

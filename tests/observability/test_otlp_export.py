@@ -166,6 +166,52 @@ def test_a_grpo_step_has_the_documented_section_spans(receiver, tmp_path):
     assert set(module.timings) == {"time/generation_s", "time/scoring_s", "time/update_s"}
 
 
+class TwoTurns:
+    """Replies once, then ends: reward 0.5 a turn."""
+
+    def reset(self, row):
+        self.turn = 0
+        return row["messages"]
+
+    def step(self, message):
+        self.turn += 1
+        from align.envs.chat import EnvStep
+
+        return EnvStep([] if self.turn == 2 else [{"role": "user", "content": "sort: c a"}], 0.5, self.turn == 2)
+
+
+def test_every_environment_call_of_a_multi_turn_rollout_is_a_span_under_generation(receiver, tmp_path):
+    from torch.utils.data import DataLoader
+
+    from align.data.chat import ChatEncoder
+    from align.data.prompts import PromptBatch
+    from align.envs.chat import EnvironmentSpec
+    from align.models.policy import PolicyModel
+    from align.modules.grpo import GRPOModule
+    from align.rollout import SamplingConfig
+
+    policy = PolicyModel("tiny", seed=2)
+    messages = [[{"role": "user", "content": p}] for p in ("sort: b a", "sort: d c")]
+    encode = ChatEncoder(policy.tokenizer).prompt_ids
+    batch = PromptBatch([encode(m) for m in messages], ["sort: b a", "sort: d c"], {}, messages)
+    module = GRPOModule(policy=policy, environment=EnvironmentSpec(TwoTurns, max_tokens=40), group_size=2,
+                        sampling=SamplingConfig(max_new_tokens=4))
+    callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
+    toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=1).fit(
+        module, train_dataloaders=DataLoader([batch], batch_size=None))
+    spans = receiver.spans()
+    generation = next(s for s in spans if s.name == "generation")
+    calls = [s for s in spans if s.name == "env_step"]
+    episodes = module.last_metrics["rollout/turns"] * 4
+    assert len(calls) == episodes > 0
+    assert all(s.parent_span_id == generation.span_id for s in calls)
+    assert all(generation.start <= s.start <= s.end <= generation.end for s in calls)
+    assert {s.attributes["align.env.name"] for s in calls} == {"TwoTurns"}
+    assert sorted((s.attributes["align.env.episode"], s.attributes["align.env.turn"]) for s in calls)[0] == (0, 1)
+    assert all(s.attributes["align.env.reward"] == 0.5 for s in calls)
+    assert {s.attributes["align.env.done"] for s in calls} <= {True, False}
+
+
 def test_checkpoint_saves_and_validation_are_spans(receiver, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
