@@ -42,11 +42,12 @@ LAYERS: dict[str, Layer] = {
     "models": Layer(("align.models",), ("errors", MATH, "hub", "data"),
                     "the policy wrapper, reward model, loading and export; the reward-model scorer encodes its text "
                     "as the data layer does"),
-    "rollout": Layer(("align.rollout", "align.rewards", "align.rollout_filter", "align.generation", "align.envs"),
+    "rollout": Layer(("align.rollout", "align.rewards", "align.rollout_filter", "align.generation", "align.envs",
+                      "align.episodes"),
                      ("errors", MATH, "hub", "data", "models"),
                      "sampling completions and scoring them (reward functions, reward models; generation and "
-                     "evaluation of a trained policy), and stepping Gymnasium environments with a policy: no "
-                     "optimizer"),
+                     "evaluation of a trained policy), playing multi-turn episodes with environments and tools, and "
+                     "stepping Gymnasium environments with a policy: no optimizer"),
     "trainer": Layer(("align.strategies", "align.checkpointing", "align.guards", "align.optim"), ("errors",),
                      "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, schedules): "
                      "they work on any LightningModule through Lightning's hooks, so they know no model or data"),

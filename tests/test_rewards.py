@@ -177,7 +177,7 @@ def test_a_required_argument_that_nothing_provides_fails_before_any_rollout():
     message = str(info.value)
     assert "\n" not in message
     assert "reward 'exact' (" in message and ".needs_solution) requires 'solution', which no data column" in message
-    assert "available: prompts, completions, prompt_messages, completion_ids, completion_truncated, answer, level" in message
+    assert "available: prompts, completions, prompt_messages, completion_ids, completion_truncated, conversation, answer, level" in message
     assert "data columns: answer, level" in message
     combined.check_inputs(["solution"])  # provided by a column: fine
     RewardFunction(RewardSpec(needs_solution, kwargs={"solution": "42"})).check_inputs([])  # or by kwargs

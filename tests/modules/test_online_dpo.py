@@ -146,7 +146,8 @@ def test_a_run_whose_rewards_always_tie_stops_with_one_actionable_line():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(group_size=1), "model.group_size: expected >= 2"),
-    (dict(rewards=None), "model.rewards: online DPO ranks its completions with rewards and/or a reward_model"),
+    (dict(rewards=None), "model.rewards: online DPO ranks its completions with rewards, a reward_model and/or an "
+                          "environment"),
     (dict(rewards=[RewardSpec("align.rewards.sort_format", weight=0.0)]), "every training reward has weight 0"),
     (dict(kl=KLPenalty(coef=0.1)), "model.kl.coef: online DPO regularises towards the reference with beta"),
     (dict(loss_type="simpo"), "model.loss_type: expected one of ['sigmoid', 'ipo', 'hinge']"),

@@ -197,8 +197,12 @@ def test_every_environment_call_of_a_multi_turn_rollout_is_a_span_under_generati
     module = GRPOModule(policy=policy, environment=EnvironmentSpec(TwoTurns, max_tokens=40), group_size=2,
                         sampling=SamplingConfig(max_new_tokens=4))
     callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
-    toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=1).fit(
+    logger = OTLPLogger(endpoint=receiver.endpoint("grpc"), export_interval=60)
+    toy_trainer(tmp_path, logger=logger, callbacks=[callback], max_steps=1).fit(
         module, train_dataloaders=DataLoader([batch], batch_size=None))
+    names = {p.metric for p in receiver.points()}
+    assert {"align.rollout.turns", "align.rollout.environment_tokens", "align.rollout.truncated_frac",
+            "align.rollout.reward.env", "align.time.env_s"} <= names
     spans = receiver.spans()
     generation = next(s for s in spans if s.name == "generation")
     calls = [s for s in spans if s.name == "env_step"]

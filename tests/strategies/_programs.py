@@ -63,8 +63,28 @@ def ppo_setup():
     return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
 
 
-SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup, "ppo": ppo_setup}
-RL = ("grpo", "ppo")
+def episodes_setup():
+    # Multi-turn GRPO: the ranks' episodes end after different numbers of turns (a turn cut at 6 tokens ends its
+    # episode), so under ZeRO-3 a rank whose episodes have all ended keeps decoding a placeholder row.
+    from align.envs.chat import EnvironmentSpec
+
+    module = GRPOModule(PolicyModel("tiny-sort"), rewards=[], group_size=4, log_entropy=False,
+                        environment=EnvironmentSpec("align.envs.tasks.SortRounds", max_turns=2, max_tokens=40),
+                        sampling=SamplingConfig(max_new_tokens=6, temperature=1.0), kl=KLPenalty(coef=0.02),
+                        optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    return module, PromptDataModule(train_files="align:sort/rounds/train.jsonl",
+                                    val_files="align:sort/rounds/validation.jsonl", batch_size=2, val_batch_size=4)
+
+
+SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup, "ppo": ppo_setup, "episodes": episodes_setup}
+RL = ("grpo", "ppo", "episodes")
+
+
+def algorithms(strategy: str) -> tuple[str, ...]:
+    """What a strategy's job trains: every strategy SFT, DPO and GRPO; ZeRO-3 also PPO; DDP and ZeRO-3 also
+    multi-turn GRPO (ZeRO-3: ranks kept in step across turns)."""
+    return (("sft", "dpo", "grpo") + (("ppo",) if strategy == "zero3" else ())
+            + (("episodes",) if strategy in ("ddp", "zero3") else ()))
 
 
 # ---------------------------------------------------------------------------------------------------- SFT equivalence

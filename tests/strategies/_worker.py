@@ -91,7 +91,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     results: dict = {"strategy": name}
-    algos = () if "--equivalence-only" in sys.argv else ("sft", "dpo", "grpo") + (("ppo",) if name == "zero3" else ())
+    algos = () if "--equivalence-only" in sys.argv else P.algorithms(name)
     for algo in algos:
         results[algo] = train_save_resume(name, algo, out)
     rank = int(os.environ.get("RANK", "0"))

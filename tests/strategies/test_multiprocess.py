@@ -1,5 +1,5 @@
-"""SFT, DPO and GRPO on 2 CPU processes (gloo) under DDP, FSDP2, ZeRO-2 and ZeRO-3 (PPO too under ZeRO-3);
-equivalence with 1 process.
+"""SFT, DPO and GRPO on 2 CPU processes (gloo) under DDP, FSDP2, ZeRO-2 and ZeRO-3 (PPO too under ZeRO-3, multi-turn
+GRPO under DDP and ZeRO-3); equivalence with 1 process.
 
 One ``torchrun`` job per strategy runs every algorithm in sequence (see ``_worker.py``) and writes what each rank
 saw; the tests read it. The 1-process references run here, in the test process.
@@ -46,7 +46,7 @@ def assert_same_params(actual: dict, expected: dict, atol: float) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_algorithm_trains_saves_and_resumes(strategy, tmp_path_factory):
     out, ranks = job(strategy, tmp_path_factory)
-    algos = ("sft", "dpo", "grpo") + (("ppo",) if strategy == "zero3" else ())
+    algos = P.algorithms(strategy)
     for algo in algos:
         for rank in ranks:
             r = rank[algo]
