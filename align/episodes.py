@@ -16,7 +16,8 @@ instance (:class:`align.envs.chat.EnvironmentPool`):
 An episode ends when the environment says done, after ``max_turns`` turns, when its ``max_tokens`` budget (assistant
 and environment tokens after the prompt) runs out (a turn is cut where it does, and a reply that does not fit is
 not appended), or when a turn reaches ``sampling.max_new_tokens`` without a stop token. The environment still sees
-and scores a cut turn; every end but ``done`` counts as truncated. No stop token is ever appended.
+and scores a cut turn, and the episode ends there as truncated whatever the environment answered; every end but
+``done`` counts as truncated. No stop token is ever appended.
 
 The result is a :class:`~align.rollout.Rollout` in the single-turn layout, so every algorithm trains on it as is:
 ``response_mask`` covers the policy's tokens only, so environment tokens carry no loss and no KL but stay in the
@@ -27,6 +28,7 @@ GRPO and RLOO sum it into the episode's outcome).
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -38,6 +40,7 @@ from align.data.prompts import PromptBatch
 from align.envs.chat import EnvironmentPool
 from align.errors import AlignConfigError, AlignEnvError
 from align.models.decoding import FastDecoder, decoder_for
+from align.rewards import one_line
 from align.rollout import Rollout, SamplingConfig, left_pad, sample
 
 __all__ = ["play_episodes", "ENDS"]
@@ -64,6 +67,7 @@ class _Episode:
     last_ids: list[int] = field(default_factory=list)
     info: dict[str, float] = field(default_factory=dict)
     calls: list[tuple] = field(default_factory=list)  # (turn, start_ns, end_ns, reward, done)
+    first_messages: int = 0  # how many of ``messages`` reset gave
 
 
 def _rows(batch: PromptBatch) -> list[dict]:
@@ -109,7 +113,7 @@ def play_episodes(
         i = k // group_size
         own = batch.messages is not None and messages == batch.messages[i]
         ids = list(batch.prompt_ids[i]) if own else _render(encoder, envs, labels[k], messages)
-        episodes.append(_Episode(k, labels[k], ids, messages))
+        episodes.append(_Episode(k, labels[k], ids, messages, first_messages=len(messages)))
     device = next(policy.parameters()).device
     stop, pad = set(stop_ids), tok.pad_token_id
     width = max(len(e.prompt_ids) for e in episodes)
@@ -157,7 +161,7 @@ def play_episodes(
                 e.rewards.append((len(e.ids) - 1, step.reward))
                 e.calls.append((turn, record.start_ns, record.end_ns, step.reward, step.done))
                 for key, value in step.info.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    if isinstance(value, numbers.Real) and not isinstance(value, bool):
                         e.info[key] = e.info.get(key, 0.0) + float(value)
                 e.end = _end(e, step.done, turn, spec.max_turns, spec.max_tokens)
                 if e.end is not None:
@@ -192,30 +196,31 @@ def _assistant_message(tok, context_ids: list[int], turn_ids: list[int], text: s
 def _render(encoder: ChatEncoder, envs: EnvironmentPool, label: str, messages: list[dict]) -> list[int]:
     try:
         return encoder.prompt_ids(messages)
-    except AlignConfigError:
-        raise
+    except AlignConfigError as err:
+        raise AlignConfigError(f"{envs.where}: {label}: {err}") from err
     except Exception as err:  # noqa: BLE001 - the template rejects what reset returned
         raise AlignEnvError(f"{envs.where}: {label}: the chat template cannot render reset's messages: "
-                            f"{type(err).__name__}: {err}") from err
+                            f"{type(err).__name__}: {one_line(err)}") from err
 
 
 def _reply(encoder: ChatEncoder, envs: EnvironmentPool, e: _Episode, replies: list[dict], turn: int) -> list[int]:
     try:
         return encoder.reply_ids(e.messages, replies)
-    except AlignConfigError:
-        raise
+    except AlignConfigError as err:  # a template that cannot continue a sampled turn
+        raise AlignConfigError(f"{envs.where}: {e.label}, turn {turn}: {err}") from err
     except Exception as err:  # noqa: BLE001 - e.g. a role the template does not know
         roles = sorted({m["role"] for m in replies})
         raise AlignEnvError(f"{envs.where}: {e.label}, turn {turn}: the chat template cannot render the reply (roles "
-                            f"{roles}): {type(err).__name__}: {err}") from err
+                            f"{roles}): {type(err).__name__}: {one_line(err)}") from err
 
 
 def _end(e: _Episode, done: bool, turn: int, max_turns: int, max_tokens: int) -> Optional[str]:
-    """Why the episode ends after this turn (:data:`ENDS`), or None when it goes on."""
-    if done:
-        return "done"
+    """Why the episode ends after this turn (:data:`ENDS`), or None when it goes on. A turn cut without its stop
+    token ends the episode as truncated even when the environment said done (it cannot tell a cut turn)."""
     if not e.stopped:
         return "max_tokens" if len(e.ids) >= max_tokens else "turn_length"
+    if done:
+        return "done"
     return "max_turns" if turn >= max_turns else None
 
 
@@ -238,8 +243,9 @@ def _rollout(episodes: list[_Episode], batch: PromptBatch, group_size: int, pad:
         for index, reward in e.rewards:
             token_rewards[row, index] += reward
     truncated = torch.tensor([e.end != "done" for e in episodes])
-    records = [{"messages": e.messages, "turns": e.turns, "end": e.end, "env_reward": sum(r for _, r in e.rewards),
-                "info": e.info, "completion_ids": e.last_ids, "calls": e.calls} for e in episodes]
+    records = [{"messages": e.messages, "first_messages": e.first_messages, "turns": e.turns, "end": e.end,
+                "env_reward": sum(r for _, r in e.rewards), "info": e.info, "completion_ids": e.last_ids,
+                "calls": e.calls} for e in episodes]
     assistant = float(response_mask.sum())
     metrics = {
         "rollout/completion_tokens": assistant,
@@ -251,7 +257,8 @@ def _rollout(episodes: list[_Episode], batch: PromptBatch, group_size: int, pad:
         "time/env_s": env_seconds,
     }
     for key in sorted({k for e in episodes for k in e.info}):
-        metrics[f"rollout/{key}"] = sum(e.info.get(key, 0.0) for e in episodes) / n
+        name = f"rollout/{key}" if f"rollout/{key}" not in metrics else f"rollout/info/{key}"  # never a built-in's
+        metrics[name] = sum(e.info.get(key, 0.0) for e in episodes) / n
     prompt_index = torch.arange(len(batch)).repeat_interleave(group_size)
     to = lambda t: t.to(device)
     return Rollout(to(prompt_ids), to(prompt_mask), to(response_ids), to(response_mask), to(old_logprobs),

@@ -465,7 +465,7 @@ def reward_inputs(batch, rollout) -> dict[str, Any]:
     truncated = [bool(t) for t in rollout.truncated.tolist()]
     if rollout.episodes is not None:
         conversations = [e["messages"] for e in rollout.episodes]
-        first = [m[: next((i for i, x in enumerate(m) if x["role"] == "assistant"), len(m))] for m in conversations]
+        first = [e["messages"][: e["first_messages"]] for e in rollout.episodes]
         return {"prompts": prompts, "completions": rollout.texts, **columns, "prompt_messages": first,
                 "completion_ids": [list(e["completion_ids"]) for e in rollout.episodes],
                 "completion_truncated": truncated, "conversation": conversations}

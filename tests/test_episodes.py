@@ -40,6 +40,13 @@ class Rounds:
         return EnvStep([{"role": "user", "content": f"sort: {'abcdefghij'[self.turn]} a"}], reward, False, {"rounds": 1})
 
 
+class DoneAtOnce(Rounds):
+    """Says done after every turn, with an info entry named like a built-in metric."""
+
+    def step(self, message):
+        return EnvStep([], 1.0, True, {"turns": 7, "answers": 1})
+
+
 class ToolRole(Rounds):
     def step(self, message):
         return EnvStep([{"role": "tool", "content": "42"}], 0.0, False)
@@ -182,6 +189,19 @@ def test_every_limit_ends_episodes_as_truncated(policy, limits, end):
         assert int(rollout.context_mask.sum(dim=1).max()) <= 8
     if end == "max_turns":
         assert all(e["turns"] == 2 for e in rollout.episodes)
+
+
+def test_a_cut_turn_ends_its_episode_as_truncated_even_when_the_environment_says_done(policy):
+    m = module(policy, env="DoneAtOnce", temperature=0.0)
+    cut = m.rollout(batch(policy), 1, m.eval_engine)  # greedy tiny-sort answers stop within 12 tokens
+    assert {e["end"] for e in cut.episodes} == {"done"} and not cut.truncated.any()
+    m = module(policy, env="DoneAtOnce", temperature=0.0, max_new_tokens=1)
+    cut = m.rollout(batch(policy), 1, m.eval_engine)
+    assert {e["end"] for e in cut.episodes} == {"turn_length"} and cut.truncated.all()
+    assert [e["env_reward"] for e in cut.episodes] == [1.0] * 4  # the environment still scored the cut turn
+    # An info entry named like a built-in metric is logged beside it, not over it.
+    assert cut.metrics["rollout/turns"] == 1.0 and cut.metrics["rollout/info/turns"] == 7.0
+    assert cut.metrics["rollout/answers"] == 1.0
 
 
 def test_a_reply_the_template_cannot_render_is_one_line_naming_the_roles(policy):

@@ -93,7 +93,10 @@ def _template_calls(message: dict) -> list[ToolCall] | None:
         return None
     calls = []
     for call in parsed:
-        function = call.get("function", call) if isinstance(call, dict) else {}
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            calls.append(ToolCall(error=f"could not read the tool call {call!r}"[:200]))
+            continue
         name, arguments = function.get("name"), function.get("arguments", {})
         if isinstance(arguments, str):
             try:
@@ -171,25 +174,28 @@ for _n in ("socket", "create_connection", "create_server", "socketpair", "getadd
 del _s, _n, _no_network
 """
 _NET_NAMESPACE: list[str] | None = None
+_NET_LOCK = threading.Lock()
 
 
 def network_namespace() -> list[str]:
     """The ``unshare`` command line that starts a process without network here (a new network namespace), or
-    ``[]`` where the machine allows none; probed once."""
+    ``[]`` where the machine allows none; probed once (when a :class:`ToolEnvironment` with the sandbox is built)."""
     global _NET_NAMESPACE
-    if _NET_NAMESPACE is None:
-        _NET_NAMESPACE = []
-        unshare = shutil.which("unshare")
-        if unshare and sys.platform.startswith("linux"):
-            for flags in (["--net"], ["--user", "--map-root-user", "--net"]):
-                try:
-                    ok = subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10).returncode == 0
-                except (OSError, subprocess.SubprocessError):
-                    ok = False
-                if ok:
-                    _NET_NAMESPACE = [unshare, *flags]
-                    break
-    return _NET_NAMESPACE
+    with _NET_LOCK:
+        if _NET_NAMESPACE is None:
+            found: list[str] = []
+            unshare = shutil.which("unshare")
+            if unshare and sys.platform.startswith("linux"):
+                for flags in (["--net"], ["--user", "--map-root-user", "--net"]):
+                    try:
+                        ok = subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10).returncode == 0
+                    except (OSError, subprocess.SubprocessError):
+                        ok = False
+                    if ok:
+                        found = [unshare, *flags]
+                        break
+            _NET_NAMESPACE = found
+        return _NET_NAMESPACE
 
 
 class PythonSandbox:
@@ -246,18 +252,21 @@ class PythonSandbox:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
                     raise TimeoutError(f"the code ran longer than {self.timeout:g} s") from None
+            size = os.path.getsize(os.path.join(folder, "out"))
             with open(os.path.join(folder, "out"), "rb") as f:
                 text = f.read(4 * self.max_output_chars).decode("utf-8", errors="replace")
-            if os.path.getsize(os.path.join(folder, "out")) >= 4 * self.max_output_chars + 4096:
-                raise RuntimeError(f"the output exceeded the limit; it began: {text[:200]}")
+            if size >= 4 * self.max_output_chars + 4096:  # RLIMIT_FSIZE stopped its writes
+                raise RuntimeError(f"the output exceeded the limit of {self.max_output_chars} characters; it began: "
+                                   f"{text[:200]}")
             if status < 0:
                 name = signal.Signals(-status).name
-                why = {"SIGXFSZ": "its output exceeded the limit", "SIGXCPU": "it used too much CPU time",
-                       "SIGKILL": "it was killed (memory limit)"}.get(name, name)
+                why = {"SIGXCPU": "it used too much CPU time", "SIGKILL": "it was killed"}.get(name, name)
                 raise RuntimeError(f"the code was stopped: {why}" + (f"; output before: {text[-200:]}" if text else ""))
             if status != 0:
                 last = [line for line in text.strip().splitlines() if line.strip()][-3:]
                 raise RuntimeError("\n".join(last) or f"exit status {status}")
+            if len(text) > self.max_output_chars:
+                return text[: self.max_output_chars] + f"\n... [cut: {size} bytes of output in all]"
             return text
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -313,14 +322,22 @@ class ToolEnvironment(Environment):
                                    f"got {max_calls}, {timeout}, {max_output_chars}")
         self.tools: dict[str, Callable] = {}
         for entry in tools:
-            spec = {"path": entry} if isinstance(entry, str) else dict(entry)
+            spec = dict(entry) if isinstance(entry, dict) else {"path": entry}
             target = resolve_import(spec.get("path"), what="tool")
             if isinstance(target, type):
                 target = target(**spec.get("init_kwargs", {}))
+            elif spec.get("init_kwargs"):
+                raise AlignConfigError(f"tool '{spec.get('path')}': init_kwargs are for a class, and it names a "
+                                       f"{type(target).__name__}")
             if not callable(target):
                 raise AlignConfigError(f"tool '{spec.get('path')}': resolves to a {type(target).__name__}, not a callable")
             name = spec.get("name") or getattr(target, "__name__", type(target).__name__)
+            if name in self.tools:
+                raise AlignConfigError(f"tool '{spec.get('path')}': the name '{name}' is taken by another tool; set "
+                                       "'name' on one of them")
             self.tools[name] = target
+            if isinstance(target, PythonSandbox):
+                network_namespace()  # probed now, not inside the first call's time limit
         self.system_prompt = system_prompt if system_prompt is not None else self.default_system_prompt()
         try:
             self.examples = [dict(m) for m in check_messages(list(examples or []), "examples", allow_empty=True)]

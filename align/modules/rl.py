@@ -175,7 +175,11 @@ class RLModule(AlignModule):
         self.eval_engine = RolloutEngine(evaluation.sampling or SamplingConfig(
             max_new_tokens=self.engine.sampling.max_new_tokens, temperature=0.0))
         self.updates, self.kl, self.log_entropy = updates, kl, log_entropy
-        self.overlong, self.overlong_max_length = overlong, overlong.resolve(self.max_response_tokens)
+        if overlong.enabled and self.environment is not None:
+            raise AlignConfigError("model.overlong: the overlong penalty is per completion and does not apply to "
+                                   "multi-turn episodes (model.environment); penalise length in the environment's "
+                                   "rewards instead, or set overlong.buffer to 0")
+        self.overlong, self.overlong_max_length = overlong, overlong.resolve(self.engine.sampling.max_new_tokens)
         for part, taken in (("overlong", overlong.enabled), ("env", self.environment is not None)):
             if taken and part in self.reward.names:
                 raise AlignConfigError(f"model.rewards: the name '{part}' is the {part} reward part's; rename that "

@@ -17,6 +17,10 @@ CHATML = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'
 REWRITING = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' -}}"
              "{%- if m['role'] == 'assistant' and not loop.last -%}...{%- else -%}{{- m['content'] -}}{%- endif -%}"
              "{{- eos_token + '\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
+# Writes the EOS after the user's turns only: the last EOS of a rendering then comes before the assistant's text.
+EOS_ON_USER = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] -}}"
+               "{%- if m['role'] == 'user' -%}{{- eos_token -}}{%- endif -%}{{- '\\n' -}}{%- endfor -%}"
+               "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
 NO_EOS = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' -}}{%- endfor -%}"
           "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
 
@@ -65,8 +69,9 @@ def test_several_reply_messages_and_the_sampled_text_is_never_tokenized():
 def test_templates_that_cannot_continue_a_sampled_turn_are_refused_on_one_line():
     with pytest.raises(AlignConfigError, match="renders a conversation differently once a reply follows"):
         encoder(REWRITING).reply_ids(CONVERSATION[:2], CONVERSATION[2:3])
-    with pytest.raises(AlignConfigError, match="does not end an assistant turn with the EOS token"):
-        encoder(NO_EOS).reply_ids(CONVERSATION[:2], CONVERSATION[2:3])
+    for template in (NO_EOS, EOS_ON_USER):
+        with pytest.raises(AlignConfigError, match="does not end an assistant turn with the EOS token"):
+            encoder(template).reply_ids(CONVERSATION[:2], CONVERSATION[2:3])
     plain = ChatEncoder(load_tiny_tokenizer(), use_chat_template=False)
     with pytest.raises(AlignConfigError, match="multi-turn episodes need a tokenizer with a chat_template"):
         plain.reply_ids(CONVERSATION[:2], CONVERSATION[2:3])

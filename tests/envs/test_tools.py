@@ -74,8 +74,11 @@ def test_python_sandbox_exception_and_memory_limit_are_reported():
 
 
 def test_python_sandbox_huge_output_is_cut_off_at_the_file_size_limit():
-    with pytest.raises(RuntimeError, match="the output exceeded the limit; it began: xxx"):
+    with pytest.raises(RuntimeError, match="the output exceeded the limit of 100 characters; it began: xxx"):
         PythonSandbox(max_output_chars=100)("import sys\nwhile True:\n    sys.stdout.write('x' * 1000)")
+    # Longer than the limit but within the file cap: the first max_output_chars come back, and say so.
+    out = PythonSandbox(max_output_chars=100)("print('z' * 300)")
+    assert out == "z" * 100 + "\n... [cut: 301 bytes of output in all]"
 
 
 def test_python_sandbox_has_no_network():
@@ -122,11 +125,25 @@ def test_calls_beyond_max_calls_are_refused_and_a_turn_without_call_ends_the_epi
     assert final.done and final.messages == [] and final.info == {"tool_calls": 0, "tool_errors": 0}
 
 
+def test_tool_entries_are_checked_when_the_environment_is_built():
+    from align.errors import AlignConfigError
+
+    with pytest.raises(AlignConfigError, match="the name 'calculator' is taken by another tool"):
+        ToolEnvironment(tools=["align.envs.tools.calculator", "align.envs.tools.calculator"])
+    with pytest.raises(AlignConfigError, match="init_kwargs are for a class"):
+        ToolEnvironment(tools=[{"path": "align.envs.tools.calculator", "init_kwargs": {"x": 1}}])
+    named = ToolEnvironment(tools=[{"path": "align.envs.tools.PythonSandbox", "name": "py", "init_kwargs": {"timeout": 2}},
+                                   calculator])
+    assert list(named.tools) == ["py", "calculator"] and named.tools["py"].timeout == 2
+
+
 def test_tool_calls_parsed_by_a_response_template_are_used_as_given():
     parsed = {"role": "assistant", "content": "",
               "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3*3"}}}]}
     step = env().step(parsed)
     assert step.messages == [{"role": "tool", "content": "9"}]
+    odd = env().step({"role": "assistant", "content": "", "tool_calls": [{"function": "calculator(1)"}]})
+    assert odd.messages[0]["content"].startswith("error: could not read the tool call") and not odd.done
 
 
 def test_reset_puts_the_tool_list_into_the_system_message():

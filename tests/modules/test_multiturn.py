@@ -17,7 +17,7 @@ from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.online_dpo import OnlineDPOModule
-from align.modules.options import GAE, GroupAdvantages, KLPenalty, Updates
+from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenalty, Updates
 from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
 from align.rewards import RewardSpec
@@ -119,6 +119,8 @@ def test_environment_and_reward_names_and_budget():
     module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, **COMMON)
     assert module.accuracy_reward == "env" and module.max_response_tokens == 40
     assert GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2).max_response_tokens == 32
+    with pytest.raises(AlignConfigError, match="model.overlong: the overlong penalty is per completion"):
+        GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, overlong=OverlongPenalty(buffer=4), **COMMON)
     with pytest.raises(AlignConfigError, match="set reward_model, rewards or environment"):
         PPOModule(policy=PolicyModel("tiny-sort", value_head="shared"), rewards=[], reward_model=None,
                   eval_rewards=[])
