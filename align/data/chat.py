@@ -65,8 +65,8 @@ class ChatEncoder:
         after = self._render(conversation + replies, add_generation_prompt=True)
         eos = self.tokenizer.eos_token or ""
         cut = before.rfind(eos) if eos else -1
-        content = conversation[-1].get("content") or ""
-        if cut < 0 or (content and content in before[cut:]):  # the EOS found must close the last (assistant) turn
+        turn_start = len(self._render(conversation[:-1], add_generation_prompt=True))
+        if cut < turn_start:  # no EOS, or none after the last (assistant) turn began
             raise AlignConfigError(f"the chat template does not end an assistant turn with the EOS token {eos!r}, so a "
                                    "sampled turn (which stops there) cannot be continued")
         if not after.startswith(before):

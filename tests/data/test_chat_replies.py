@@ -48,6 +48,13 @@ def test_a_conversation_built_turn_by_turn_has_the_ids_of_the_whole_conversation
     assert ids == whole
 
 
+def test_a_turn_whose_text_occurs_in_the_eos_token_is_continued():
+    # "e" occurs in the tiny tokenizer's "<|eos|>": the check that the EOS closes the turn must not look for text.
+    enc = encoder()
+    turn = [{"role": "user", "content": "sort: e"}, {"role": "assistant", "content": "e"}]
+    assert enc.tokenizer.decode(enc.reply_ids(turn, CONVERSATION[2:3])) == "<|user|>\nsort: b a\n<|assistant|>\n"
+
+
 def test_the_reply_starts_with_what_the_template_writes_after_the_turns_eos():
     enc = encoder(CHATML)
     reply = enc.tokenizer.decode(enc.reply_ids(CONVERSATION[:2], CONVERSATION[2:3]))
