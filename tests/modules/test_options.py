@@ -98,7 +98,7 @@ def test_a_nested_block_changes_only_the_fields_it_names_on_the_modules_own_defa
 
 def test_every_rl_module_takes_the_shared_blocks_and_only_its_own_extras():
     shared = {"policy", "rewards", "reward_model", "eval_rewards", "group_size", "sampling", "evaluation", "updates",
-              "kl", "overlong", "log_entropy", "optimizer", "scheduler", "disable_dropout"}
+              "kl", "overlong", "log_entropy", "optimizer", "scheduler", "disable_dropout", "environment"}
     keys = {cls: set(vars(parse(cls))) for cls in (GRPOModule, PPOModule, TRPOModule)}
     assert keys[GRPOModule] == shared | {"clip", "advantages", "dynamic_sampling"}
     assert keys[PPOModule] == shared | {"clip", "gae", "scores", "value", "entropy_coef"}

@@ -71,3 +71,21 @@ def test_packed_training_step_runs_and_matches_unpacked_loss():
         sums[packing] = (float(module._val_nll), float(module._val_tokens))
     assert sums[True][1] == sums[False][1]
     assert sums[True][0] == pytest.approx(sums[False][0], rel=1e-4)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradients_are_released_after_the_step_and_kept_while_accumulating(varied_rows, accumulate):
+    """The next forward pass starts with no gradient held once the optimizer has stepped (its activations reuse
+    that memory); between micro-batches of one accumulated step the gradients stay."""
+    held = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            held.append(any(p.grad is not None for p in module.parameters()))
+
+    module = SFTModule(PolicyModel(), optimizer=partial(torch.optim.SGD, lr=0.1))
+    data = SFTDataModule(train_files=varied_rows, val_files=None, batch_size=2, max_length=64, shuffle=False)
+    cpu_trainer(max_steps=2, accumulate_grad_batches=accumulate, limit_val_batches=0, callbacks=[Probe()]).fit(
+        module, data)
+    assert held == ([False, False] if accumulate == 1 else [False, True, False, True])
+    assert all(p.grad is None for p in module.parameters())
