@@ -251,10 +251,12 @@ class AlignModule(TrainingModule):
         # FSDP2: shard per decoder layer, then the policy (reference and critic included).
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        if isinstance(self.trainer.strategy, ModelParallelStrategy) and not getattr(self, "_fsdp_applied", False):
+        trainer = self._trainer  # None in load_from_checkpoint, which calls this hook outside a trainer
+        if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy) and not getattr(
+                self, "_fsdp_applied", False):
             from align.strategies import apply_fsdp2
 
-            apply_fsdp2(self.policy, self.trainer.strategy)
+            apply_fsdp2(self.policy, trainer.strategy)
             self._fsdp_applied = True
 
     def configure_optimizers(self):

@@ -89,3 +89,18 @@ def test_gradients_are_released_after_the_step_and_kept_while_accumulating(varie
         module, data)
     assert held == ([False, False] if accumulate == 1 else [False, True, False, True])
     assert all(p.grad is None for p in module.parameters())
+
+
+def test_a_checkpoint_loads_outside_a_trainer_with_load_from_checkpoint(varied_rows, tmp_path):
+    """Lightning calls ``configure_model`` while loading, with no trainer attached; a module built with the run's
+    arguments (here the defaults) gets the trained weights."""
+    module = SFTModule(PolicyModel(), optimizer=partial(torch.optim.SGD, lr=0.1))
+    data = SFTDataModule(train_files=varied_rows, val_files=None, batch_size=2, max_length=64, shuffle=False)
+    cpu_trainer(max_steps=1, limit_val_batches=0, enable_checkpointing=True, default_root_dir=tmp_path).fit(module, data)
+    path = next(tmp_path.rglob("*.ckpt"))
+    loaded = SFTModule.load_from_checkpoint(path, policy=PolicyModel())
+    trained = module.state_dict()
+    assert loaded.state_dict().keys() == trained.keys()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    assert not torch.equal(trained["policy.model.lm_head.weight"], PolicyModel().state_dict()["model.lm_head.weight"])
