@@ -220,8 +220,7 @@ class PythonSandbox:
     def _runner(self, network: bool) -> str:
         """The child's first lines: its limits (set by the child itself, so no code runs between fork and exec in
         this threaded process), the socket guard where no network namespace is used, then ``main.py``."""
-        memory, cpu = self.memory_mb * 2 ** 20, int(math.ceil(self.timeout)) + 1
-        cap = 4 * self.max_output_chars + 4096
+        memory, cpu, cap = self.memory_mb * 2 ** 20, int(math.ceil(self.timeout)) + 1, self.output_cap_bytes
         return ("import resource\n"
                 f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
                 f"resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))\n"
@@ -230,6 +229,12 @@ class PythonSandbox:
                 f"{'' if network else _NO_NETWORK}\n"
                 "import runpy, sys\nsys.argv = ['main.py']\ndel resource\n"
                 "runpy.run_path('main.py', run_name='__main__')\n")
+
+    @property
+    def output_cap_bytes(self) -> int:
+        """Bytes the child may write (RLIMIT_FSIZE): room for ``max_output_chars`` of UTF-8 text and a traceback;
+        output that reaches it was stopped there."""
+        return 4 * self.max_output_chars + 4096
 
     def __call__(self, code: str) -> str:
         """Runs Python code in a sandbox and returns its printed output (print what you want to see).
@@ -252,10 +257,10 @@ class PythonSandbox:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
                     raise TimeoutError(f"the code ran longer than {self.timeout:g} s") from None
-            size = os.path.getsize(os.path.join(folder, "out"))
-            with open(os.path.join(folder, "out"), "rb") as f:
+            size = os.path.getsize(out.name)
+            with open(out.name, "rb") as f:
                 text = f.read(4 * self.max_output_chars).decode("utf-8", errors="replace")
-            if size >= 4 * self.max_output_chars + 4096:  # RLIMIT_FSIZE stopped its writes
+            if size >= self.output_cap_bytes:  # RLIMIT_FSIZE stopped its writes
                 raise RuntimeError(f"the output exceeded the limit of {self.max_output_chars} characters; it began: "
                                    f"{text[:200]}")
             if status < 0:
