@@ -187,7 +187,7 @@ def test_gspo_config_with_the_reinforce_pp_baseline_trains_through_the_recipe(tm
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # about 1.5 minutes on 2 idle cores (0.21 -> 0.35 when written)
+@pytest.mark.timeout(1800)  # about 1.5 minutes on 2 idle cores
 def test_the_multi_turn_sort_task_improves_held_out_reward(tmp_path, capsys):
     """configs/grpo/tiny-sort-rounds.yaml through the recipe, cut to 40 steps: the environment's held-out reward
     (the share of rounds sorted) rises, and the episode metrics reach the CSV."""
@@ -198,7 +198,8 @@ def test_the_multi_turn_sort_task_improves_held_out_reward(tmp_path, capsys):
                      "--trainer.callbacks", "[]"])
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("held-out val/reward_mean:"))
     before, after = (float(x) for x in line.split(":")[1].split("->"))
-    assert after - before >= 0.08, line
+    # 0.21 -> 0.345 / 0.325 / 0.375 / 0.35 for seeds 0-3 (1 thread; seed 0 gave 0.345 at 2 threads as well)
+    assert after - before >= 0.06, line
     rows = read_metrics(root)
     turns = [float(r["rollout/turns"]) for r in rows if r.get("rollout/turns")]
     assert len(turns) == 40 and all(1.0 <= t <= 2.0 for t in turns)
