@@ -148,6 +148,10 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature
     return flat.view(index.shape)
 
 
+_SMALL_LOGITS = 1 << 16
+"""Float32/64 logits of at most this many elements take :func:`entropy_from_logits`' unchunked path."""
+
+
 class _ChunkedEntropy(torch.autograd.Function):
     """Entropy of softmax(logits / T) per row, chunked in forward and backward.
 
@@ -205,6 +209,10 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperatur
     if chunk_size < 1:
         raise ValueError(f"entropy_from_logits: chunk_size must be >= 1, got {chunk_size}")
     temperature = _check_temperature("entropy_from_logits", temperature)
+    if logits.numel() <= _SMALL_LOGITS and logits.dtype in (torch.float32, torch.float64):
+        # A few actions' logits (classic RL): plain autograd, whose saved tensors are as small as the logits.
+        logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
     vocab = logits.shape[-1]
     flat = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size), temperature)
     return flat.view(logits.shape[:-1])
@@ -489,12 +497,14 @@ def _valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask.bool().expand_as(x) if mask.shape != x.shape else mask.bool()
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """Sum of ``x`` over valid elements (``mask`` broadcastable to ``x``).
+def masked_sum(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of ``x`` over valid elements (``mask`` broadcastable to ``x``; ``None``: every element is valid).
 
     Masked elements are replaced by 0 rather than multiplied by 0, so a NaN or
     inf in padding cannot leak into the result or its gradient.
     """
+    if mask is None:
+        return x.sum() if dim is None else x.sum(dim)
     valid = _valid(x, mask)
     zeroed = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return zeroed.sum() if dim is None else zeroed.sum(dim)
@@ -506,17 +516,24 @@ def _count(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> to
     return n.to(x.dtype if x.is_floating_point() else torch.float32)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """Mean of ``x`` over valid elements; 0 (never NaN) where nothing is valid."""
+def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of ``x`` over valid elements (``mask=None``: all of them); 0 (never NaN) where nothing is valid."""
+    if mask is None:
+        n = x.numel() if dim is None else x.shape[dim]
+        return masked_sum(x, None, dim) / max(n, 1)
     return masked_sum(x, mask, dim) / _count(x, mask, dim).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance (scalar) of ``x`` over all valid elements.
+def masked_var(x: torch.Tensor, mask: Optional[torch.Tensor], unbiased: bool = True) -> torch.Tensor:
+    """Variance (scalar) of ``x`` over all valid elements (``mask=None``: all of them).
 
     ``unbiased=True`` divides by ``n - 1`` (Bessel). Returns 0 when there are
     too few valid elements (n < 2 unbiased, n < 1 biased) instead of NaN.
     """
+    if mask is None:
+        if x.numel() < (2 if unbiased else 1):
+            return torch.zeros((), dtype=x.dtype, device=x.device)
+        return torch.var(x, correction=1 if unbiased else 0)
     valid = _valid(x, mask)
     n = _count(x, mask)
     mean = masked_sum(x, valid) / n.clamp(min=1)
@@ -527,7 +544,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 def masked_whiten(
     x: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Optional[torch.Tensor],
     shift_mean: bool = True,
     eps: float = 1e-8,
 ) -> torch.Tensor:
@@ -537,8 +554,15 @@ def masked_whiten(
     added back (only the scale changes). Masked outputs are exactly 0 and do
     not depend on masked inputs. With fewer than 2 valid elements the valid
     values are returned unchanged (masked ones still 0). No host sync: the
-    "fewer than 2" rule is applied with ``torch.where``.
+    "fewer than 2" rule is applied with ``torch.where``. ``mask=None``: every
+    element is valid (the same result, with a few plain reductions).
     """
+    if mask is None:
+        if x.numel() < 2:
+            return x
+        mean = x.mean()
+        whitened = (x - mean) * torch.rsqrt(torch.var(x, correction=1) + eps)
+        return whitened if shift_mean else whitened + mean
     valid = _valid(x, mask)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     # Replace padding first: a NaN there must not reach the gradient through the

@@ -80,7 +80,7 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: O
     ``old_logprobs`` is used as given: detach it for a ratio whose gradient flows through ``logprobs`` only.
 
     ``level="sequence"`` (GSPO, Zheng et al. 2025, arXiv 2507.18071) takes ``(B, T)`` log-probs and the
-    ``mask``: every valid token of row ``i`` carries the value of the sequence ratio
+    ``mask`` (``None``: every token is valid): every valid token of row ``i`` carries the value of the sequence ratio
     ``s_i = exp(mean_t (logprobs - old_logprobs))`` over the row's valid tokens, with the gradient of the paper's
     GSPO-token form: ``s_t = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, so ``grad s_t = s_i * grad log pi(y_t)``.
     Averaged over a sequence's tokens, this is exactly the gradient of ``s_i``.
@@ -89,14 +89,17 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: O
         raise ValueError(f"importance_ratio: unknown level {level!r}; expected one of {list(IMPORTANCE_LEVELS)}")
     log_ratio = logprobs - old_logprobs
     if level == "sequence":
-        if mask is None or log_ratio.dim() != 2:
-            raise ValueError("importance_ratio: level='sequence' needs (B, T) log-probs and their (B, T) mask")
+        if log_ratio.dim() != 2:
+            raise ValueError("importance_ratio: level='sequence' needs (B, T) log-probs (and their (B, T) mask, or "
+                             "None when every token is valid)")
         seq = masked_mean(log_ratio.detach(), mask, dim=-1)  # (B,) mean log-ratio; 0 for a row with no valid token
         log_ratio = seq[:, None] + logprobs - logprobs.detach()  # (B, T) value: seq; gradient: d logprobs
     return torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
 
 
-def _fill_masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _fill_masked(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    if valid is None:  # every element is valid
+        return x
     return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -110,28 +113,28 @@ def _check_normaliser(normaliser: Normaliser, fn: str) -> None:
         raise ValueError(f"{fn}: normaliser must be > 0, got {normaliser}")
 
 
-def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:
+def _token_mean(per_token: torch.Tensor, mask: Optional[torch.Tensor], normaliser: Normaliser) -> torch.Tensor:
     total = masked_sum(per_token, mask)
     if normaliser is None:
-        normaliser = mask.bool().sum().clamp(min=1)
+        normaliser = max(per_token.numel(), 1) if mask is None else mask.bool().sum().clamp(min=1)
     return total / normaliser
 
 
-def _seq_mean(per_token: torch.Tensor, mask: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:
+def _seq_mean(per_token: torch.Tensor, mask: Optional[torch.Tensor], normaliser: Normaliser) -> torch.Tensor:
     per_seq = masked_mean(per_token, mask, dim=-1)  # (B,), 0 for a row with no valid token
     if normaliser is None:
         normaliser = max(per_seq.shape[0], 1)
     return per_seq.sum() / normaliser
 
 
-def _constant(per_token: torch.Tensor, mask: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:
+def _constant(per_token: torch.Tensor, mask: Optional[torch.Tensor], normaliser: Normaliser) -> torch.Tensor:
     total = masked_sum(per_token, mask)
     if normaliser is None:
         normaliser = max(per_token.numel(), 1)
     return total / normaliser
 
 
-AGGREGATIONS: Dict[str, Callable[[torch.Tensor, torch.Tensor, Normaliser], torch.Tensor]] = {
+AGGREGATIONS: Dict[str, Callable[[torch.Tensor, Optional[torch.Tensor], Normaliser], torch.Tensor]] = {
     "token_mean": _token_mean,
     "seq_mean": _seq_mean,
     "constant": _constant,
@@ -140,11 +143,11 @@ AGGREGATIONS: Dict[str, Callable[[torch.Tensor, torch.Tensor, Normaliser], torch
 
 def aggregate(
     per_token: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Optional[torch.Tensor],
     mode: str = "token_mean",
     normaliser: Normaliser = None,
 ) -> torch.Tensor:
-    """Reduce a ``(B, T)`` per-token loss to a scalar over valid tokens.
+    """Reduce a ``(B, T)`` per-token loss to a scalar over valid tokens (``mask=None``: every token is valid).
 
     Modes (``normaliser`` default in brackets):
 
@@ -167,7 +170,7 @@ def aggregate(
         fn = AGGREGATIONS[mode]
     except KeyError:
         raise ValueError(f"aggregate: unknown mode {mode!r}; expected one of {sorted(AGGREGATIONS)}") from None
-    if per_token.shape != mask.shape:
+    if mask is not None and per_token.shape != mask.shape:
         raise ValueError(f"aggregate: per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} must match")
     _check_normaliser(normaliser, "aggregate")
     return fn(per_token, mask, normaliser)
@@ -197,7 +200,7 @@ def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Optional[torch.Tensor],
     clip_low: float = 0.2,
     clip_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
@@ -218,7 +221,8 @@ def ppo_policy_loss(
         old_logprobs: ``(B, T)`` log-probs of the policy that sampled the tokens.
         advantages: ``(B, T)`` per-token advantages; pass ``adv[:, None]``
             broadcast to ``(B, T)`` for per-sequence advantages.
-        mask: ``(B, T)`` response mask.
+        mask: ``(B, T)`` response mask; ``None``: every token is valid (one
+            action per row in classic RL), the same result with fewer operations.
         clip_low: lower clip range. ``clip_high``: upper clip range; ``None``
             means ``clip_low`` (symmetric). DAPO's "clip higher" sets it larger.
         dual_clip: ``c > 1`` or ``None``.
@@ -245,7 +249,7 @@ def ppo_policy_loss(
         )
     # Padding is replaced, not multiplied away, so a NaN there reaches neither
     # the loss nor any gradient.
-    valid = mask.bool()
+    valid = None if mask is None else mask.bool()
     old_logprobs = _fill_masked(old_logprobs.detach(), valid)
     logprobs = _fill_masked(logprobs, valid)
     advantages = _fill_masked(advantages.detach().expand_as(logprobs), valid)
@@ -273,7 +277,7 @@ def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Optional[torch.Tensor],
     clip: Optional[float] = None,
     agg: str = "token_mean",
     normaliser: Normaliser = None,
@@ -288,13 +292,14 @@ def value_loss(
         values: ``(B, T)`` current value predictions (with grad).
         old_values: ``(B, T)`` values recorded at rollout time.
         returns: ``(B, T)`` targets from :func:`align.advantages.gae`.
-        mask: ``(B, T)`` response mask.
+        mask: ``(B, T)`` response mask; ``None``: every token is valid (one
+            action per row in classic RL), the same result with fewer operations.
 
     Returns:
         ``(loss, clipfrac)``: scalar loss and the detached fraction of valid
         tokens where the clipped term was the larger one (0 without ``clip``).
     """
-    valid = mask.bool()
+    valid = None if mask is None else mask.bool()
     values = _fill_masked(values, valid)
     old_values = _fill_masked(old_values.detach(), valid)
     returns = _fill_masked(returns.detach(), valid)

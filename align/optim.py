@@ -1,11 +1,11 @@
 """Schedules and parameter updates around the optimizer: linear warmup followed by cosine, linear or constant
 decay of the learning rate; a linear schedule of any value (DQN's exploration rate); Polyak averaging of a target
-network."""
+network; gradient-norm clipping for small networks."""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -75,3 +75,23 @@ def polyak_update(target: torch.nn.Module, online: torch.nn.Module, tau: float) 
         torch._foreach_copy_(targets, sources)
     else:
         torch._foreach_lerp_(targets, sources, tau)
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Sequence[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` so that their global L2 norm is at most ``max_norm`` (``None``: leave
+    them); returns the norm before scaling, a 0-dim tensor.
+
+    The arithmetic of ``torch.nn.utils.clip_grad_norm_`` (the coefficient ``max_norm / (norm + 1e-6)``, capped at
+    1), without its per-call grouping of the gradients by device and dtype when they share one: a classic-RL
+    network's optimizer step takes a few hundred microseconds, and that grouping was a fifth of it. Gradients on
+    several devices or dtypes go to torch's function."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if any(g.device != grads[0].device or g.dtype != grads[0].dtype for g in grads):
+        return torch.nn.utils.clip_grad_norm_(parameters, float("inf") if max_norm is None else max_norm)
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if max_norm is not None:
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total

@@ -216,7 +216,7 @@ def build_module(spec: dict):
             n_epochs=20, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, vf_coef=1.0, clip_range=0.2,
             clip_schedule="linear", lr_schedule="linear", normalize_advantages=True, max_grad_norm=0.5,
             network=Network(hidden=(64, 64), activation="tanh", shared=False), evaluation=evaluation,
-            optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-5, foreach=True))
+            optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-5, fused=True))
     if algo == "a2c":
         return A2CGymModule(
             env=EnvSpec(id=ENV_ID, num_envs=8, seed=seed), total_steps=budget, n_steps=5, gamma=0.99,
@@ -228,7 +228,7 @@ def build_module(spec: dict):
         learning_starts=1000, batch_size=64, train_freq=256, gradient_steps=128, gamma=0.99,
         target_update_interval=10, tau=1.0, loss="huber", hidden=(256, 256), activation="relu",
         exploration=Exploration(initial=1.0, final=0.04, fraction=0.16), max_grad_norm=10.0, evaluation=evaluation,
-        optimizer=lambda params: torch.optim.Adam(params, lr=2.3e-3, foreach=True))
+        optimizer=lambda params: torch.optim.Adam(params, lr=2.3e-3, fused=True))
 
 
 def run_align(spec: dict) -> dict:

@@ -11,7 +11,7 @@ from torch import nn
 
 from align.advantages import discounted_returns, step_gae, td_targets
 from align.logprobs import gaussian_entropy, gaussian_log_prob
-from align.optim import linear_schedule, polyak_update
+from align.optim import clip_grad_norm, linear_schedule, polyak_update
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -235,6 +235,43 @@ def test_linear_schedule():
     assert linear_schedule(0, 1.0, 0.1, 0) == 0.1
     assert linear_schedule(0, 1.0, 0.1, -3) == 0.1
     assert isinstance(linear_schedule(3, 1, 0, 10), float)
+
+
+# ---------------------------------------------------------------- clip_grad_norm
+
+
+def test_clip_grad_norm_pinned():
+    # gradients (3, 4) and (12,): global norm sqrt(9 + 16 + 144) = 13; limit 6.5 halves them (up to the 1e-6)
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+    norm = clip_grad_norm([a, b], 6.5)
+    assert norm.item() == pytest.approx(13.0)
+    torch.testing.assert_close(a.grad, torch.tensor([1.5, 2.0]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(b.grad, torch.tensor([6.0]), rtol=1e-6, atol=0)
+    assert clip_grad_norm([a, b], 100.0).item() == pytest.approx(6.5, rel=1e-6)  # under the limit: unchanged
+    torch.testing.assert_close(a.grad, torch.tensor([1.5, 2.0]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3, None])
+def test_clip_grad_norm_equals_torch(max_norm):
+    g = torch.Generator().manual_seed(1)
+    shapes = [(2, 4, 64), (2, 1, 64), (64,), (3,)]
+    ours = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, q in zip(ours, theirs):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+    no_grad = torch.nn.Parameter(torch.ones(2))  # skipped, as torch skips it
+    norm = clip_grad_norm([*ours, no_grad], max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, float("inf") if max_norm is None else max_norm)
+    torch.testing.assert_close(norm, expected)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad)
+    mixed = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    for p in mixed:
+        p.grad = torch.full_like(p, 3.0)
+    assert clip_grad_norm(mixed, 1.0).item() == pytest.approx(6.0)  # two dtypes: torch's function
+    assert clip_grad_norm([no_grad], 1.0).item() == 0.0
 
 
 # ---------------------------------------------------------------- polyak_update

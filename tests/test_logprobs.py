@@ -159,6 +159,26 @@ def test_entropy_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, chunk_size=2), (logits,))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_of_small_logits_equals_the_chunked_computation(temperature):
+    """Logits of up to 2^16 float32/64 elements (classic RL's few actions) skip the chunked autograd function;
+    values, gradients and second derivatives are the same as through it."""
+    from align.logprobs import _ChunkedEntropy
+
+    g = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(5, 4, generator=g, dtype=torch.float64)).requires_grad_()
+    weights = torch.randn(5, generator=g, dtype=torch.float64)
+    small = entropy_from_logits(logits, temperature=temperature)
+    chunked = _ChunkedEntropy.apply(logits, 2, temperature)
+    torch.testing.assert_close(small, chunked, rtol=1e-12, atol=1e-12)
+    grads = [torch.autograd.grad((e * weights).sum(), logits)[0] for e in (small, chunked)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: _ChunkedEntropy.apply(x, 2, temperature), (logits,))
+    assert torch.autograd.gradgradcheck(lambda x: entropy_from_logits(x, temperature=temperature), (logits,))
+    big = torch.zeros(2, 1 << 16)  # over the limit: chunked, and still log V
+    torch.testing.assert_close(entropy_from_logits(big), torch.full((2,), 16 * math.log(2.0)))
+
+
 def test_entropy_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
         entropy_from_logits(torch.zeros(2, 3), chunk_size=0)
@@ -287,6 +307,25 @@ def test_masked_whiten_skipped_below_two_valid_tokens():
     # one valid value: returned unchanged; masked positions are 0
     assert torch.equal(masked_whiten(x, mask), torch.tensor([[5.0, 0.0, 0.0]]))
     assert masked_var(x, mask).item() == 0.0
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 5), (7,)])
+def test_masked_statistics_without_a_mask_equal_those_of_an_all_ones_mask(shape):
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    ones = torch.ones(shape, dtype=torch.bool)
+    for fn in (masked_sum, masked_mean):
+        torch.testing.assert_close(fn(x, None), fn(x, ones), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(fn(x, None, dim=-1), fn(x, ones, dim=-1), rtol=1e-12, atol=1e-12)
+    for unbiased in (True, False):
+        torch.testing.assert_close(masked_var(x, None, unbiased), masked_var(x, ones, unbiased), rtol=1e-12, atol=1e-12)
+    for shift_mean in (True, False):
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a, b = masked_whiten(x1, None, shift_mean), masked_whiten(x2, ones, shift_mean)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        weights = torch.arange(x.numel(), dtype=x.dtype).view(shape)
+        (a * weights).sum().backward(), (b * weights).sum().backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+    assert masked_mean(torch.zeros(0), None).item() == 0.0  # nothing to average: 0, not NaN
 
 
 @st.composite

@@ -192,6 +192,26 @@ def test_masked_tokens_never_influence_ppo_value_and_aggregate(case, agg):
     assert torch.equal(aggregate(adv, mask, agg), aggregate(torch.where(mask, adv, noise), mask, agg))
 
 
+@given(policy_batch(), st.sampled_from(["token_mean", "seq_mean", "constant"]), st.sampled_from(["token", "sequence"]))
+@FAST
+def test_no_mask_equals_an_all_ones_mask(case, agg, level):
+    """``mask=None`` (every token valid, as classic RL's one action per row) is the same loss, statistics and
+    gradient as a mask of ones."""
+    logp, old, adv, _, _ = case
+    ones = torch.ones_like(logp, dtype=torch.bool)
+
+    def run(mask):
+        lp = logp.clone().requires_grad_()
+        loss, stats = ppo_policy_loss(lp, old, adv, mask, clip_high=0.3, dual_clip=3.0, agg=agg, level=level)
+        v = adv.clone().requires_grad_()
+        v_loss, v_clipfrac = value_loss(v, old, logp, mask, clip=0.2, agg=agg)
+        (loss + v_loss).backward()
+        return (loss, *stats, v_loss, v_clipfrac, lp.grad, v.grad, aggregate(adv, mask, agg))
+
+    for a, b in zip(run(None), run(ones)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------- accumulation invariance
 
 

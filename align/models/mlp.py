@@ -147,10 +147,12 @@ class StackedMLP(nn.Module):
             self.biases.append(nn.Parameter(torch.zeros(k, 1, b)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.expand(self.weights[0].shape[0], *x.shape)  # (K, N, D)
-        last = len(self.weights) - 1
-        for i, (weight, bias) in enumerate(zip(self.weights, self.biases)):
-            h = torch.baddbmm(bias, h, weight)
+        # The lists' parameter dicts, read directly: indexing a ParameterList costs more than a small layer.
+        weights, biases = self.weights._parameters.values(), self.biases._parameters.values()
+        last = len(weights) - 1
+        h = x
+        for i, (weight, bias) in enumerate(zip(weights, biases)):
+            h = torch.baddbmm(bias, h.expand(weight.shape[0], *h.shape) if i == 0 else h, weight)  # (K, N, width)
             if i < last:
                 h = self.activation(h)
         return h

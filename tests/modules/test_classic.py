@@ -152,6 +152,56 @@ def test_dqn_target_network_follows_the_interval_and_tau():
         torch.testing.assert_close(now, 0.5 * before + 0.5 * online)
 
 
+@pytest.mark.parametrize("double_dqn", [False, True])
+def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double_dqn, monkeypatch):
+    """DQN draws several gradient steps' batches at once and computes their target values in one pass (the
+    target network is fixed during them); the updates are those of drawing and computing step by step."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import align.modules.classic.dqn as dqn
+    from align.advantages import td_targets
+
+    torch.manual_seed(0)
+    module = DQNGymModule(env=CARTPOLE, total_steps=10_000, learning_starts=0, batch_size=8, gradient_steps=6,
+                          target_update_interval=10_000, double_dqn=double_dqn)
+    module.collect(module.sample_actions, 16, on_step=module._store)  # 32 transitions
+    with torch.no_grad():
+        for p in module.q_target.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # a target unlike the online network
+    row_bytes = sum(store[0].numel() * store.element_size() for store in module.buffer.storage.values())
+    monkeypatch.setattr(dqn, "DRAW_BYTES", row_bytes * 8 * 4)  # draws of 4 steps, then 2
+    assert module._steps_per_draw() == 4
+    reference = copy.deepcopy(module.q)
+    optimizer = torch.optim.SGD(module.q.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step(loss):
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    module.optimizer_step = step
+    module.collect = lambda *args, **kwargs: None  # this iteration only learns
+    rng = torch.get_rng_state()
+    module.iteration()
+    torch.set_rng_state(rng)
+    for _ in range(6):
+        batch = module.buffer.sample(8)
+        with torch.no_grad():
+            next_online = reference(batch["next_observations"]) if double_dqn else None
+            targets = td_targets(batch["rewards"], module.q_target(batch["next_observations"]), batch["terminated"],
+                                 module.gamma, next_online)
+        q = reference(batch["observations"]).gather(1, batch["actions"].long().view(-1, 1)).squeeze(1)
+        reference_optimizer.zero_grad()
+        F.smooth_l1_loss(q, targets).backward()
+        reference_optimizer.step()
+    for ours, theirs in zip(module.q.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(next(module.q.parameters()), next(copy.deepcopy(module.q_target).parameters()))
+
+
 def test_exploration_schedule_is_linear_in_environment_steps():
     module = DQNGymModule(env=CARTPOLE, total_steps=1000, exploration=Exploration(1.0, 0.1, 0.5))
     assert module.epsilon() == 1.0

@@ -41,6 +41,7 @@ from align.errors import AlignConfigError
 from align.guards import NonFiniteError
 from align.modules.base import TrainingModule
 from align.observability.timing import Timer
+from align.optim import clip_grad_norm
 
 
 RECENT_EPISODES = 100
@@ -187,8 +188,7 @@ class ClassicRLModule(TrainingModule):
             self.manual_backward(loss)
         if self._trainable is None:  # walking the module tree on every step costs more than a small model's step
             self._trainable = [p for p in self.parameters() if p.requires_grad]
-        limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, limit))
+        norm = float(clip_grad_norm(self._trainable, self.max_grad_norm))
         if not math.isfinite(norm):
             self._non_finite("gradients")
         optimizer.step()

@@ -4,7 +4,7 @@ All three take their losses from the functions the language-model algorithms use
 :func:`~align.losses.ppo_policy_loss` (A2C and REINFORCE call it with the sampling log-probs equal to the current
 ones, detached: the ratio is 1, nothing is clipped, and its gradient is the policy gradient ``-A grad log pi``),
 :func:`~align.losses.value_loss`, and :func:`~align.logprobs.masked_whiten` for advantages. Each action is one
-"token": a ``(B, 1)`` row with a mask of ones. Advantages come from :func:`~align.advantages.step_gae` (PPO, A2C)
+"token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come from :func:`~align.advantages.step_gae` (PPO, A2C)
 or :func:`~align.advantages.discounted_returns` (REINFORCE).
 
 Departures from Stable-Baselines3 (whose defaults the shipped configs otherwise follow):
@@ -140,12 +140,12 @@ class OnPolicyModule(ClassicRLModule):
         """The actor-critic loss of ``B`` transitions (every argument ``(B,)`` but ``obs``/``actions``).
         ``old_logprobs=None``: the plain policy gradient (the current log-probs, detached, as the old ones)."""
         logprobs, entropy, values = self.network.evaluate(obs, actions, entropy_grad=self.ent_coef != 0)
-        ones = torch.ones_like(logprobs, dtype=torch.bool)[:, None]  # (B, 1)
-        if self.normalize_advantages and advantages.numel() > 1:
-            advantages = masked_whiten(advantages[:, None], ones).squeeze(1)
+        # Each row is one action, every one valid: the masked functions run with mask=None.
+        if self.normalize_advantages:
+            advantages = masked_whiten(advantages, None)
         old = logprobs.detach() if old_logprobs is None else old_logprobs
-        policy_loss, stats = ppo_policy_loss(logprobs[:, None], old[:, None], advantages[:, None], ones, clip_low=clip)
-        v_loss, _ = value_loss(values[:, None], old_values[:, None], returns[:, None], ones, clip=clip_value)
+        policy_loss, stats = ppo_policy_loss(logprobs, old, advantages, None, clip_low=clip)
+        v_loss, _ = value_loss(values, old_values, returns, None, clip=clip_value)
         entropy = entropy.mean()
         vf_coef = self.vf_coef if vf_coef is None else vf_coef
         loss = policy_loss + vf_coef * v_loss - self.ent_coef * entropy
