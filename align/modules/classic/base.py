@@ -178,20 +178,20 @@ class ClassicRLModule(TrainingModule):
         or infinite loss or gradient stops the run with :class:`~align.guards.NonFiniteError` before the step is
         taken. In 32-bit precision the backward is torch's own (Lightning's ``manual_backward`` adds nothing there
         but hook calls, a sizeable share of a small network's step)."""
-        optimizer = self.optimizers()
-        optimizer.zero_grad(set_to_none=True)
+        if self._trainable is None:  # walking the module tree on every step costs more than a small model's step
+            self._trainable = [p for p in self.parameters() if p.requires_grad]
+        for p in self._trainable:  # the optimizer's zero_grad(set_to_none=True), without its profiler record
+            p.grad = None
         if not bool(torch.isfinite(loss.detach())):
             self._non_finite("loss")
         if type(self.trainer.precision_plugin) is Precision:
             loss.backward()
         else:
             self.manual_backward(loss)
-        if self._trainable is None:  # walking the module tree on every step costs more than a small model's step
-            self._trainable = [p for p in self.parameters() if p.requires_grad]
         norm = float(clip_grad_norm(self._trainable, self.max_grad_norm))
         if not math.isfinite(norm):
             self._non_finite("gradients")
-        optimizer.step()
+        self.optimizers().step()
         return norm
 
     def _non_finite(self, what: str) -> None:
