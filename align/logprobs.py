@@ -112,6 +112,12 @@ def _check_temperature(fn: str, temperature: float) -> float:
     return float(temperature)
 
 
+_SMALL_LOGITS = 1 << 16
+"""Float32/64 logits of at most this many elements (a classic-RL policy's few actions, never a vocabulary) take the
+plain paths of :func:`selective_log_softmax` and :func:`entropy_from_logits`: their saved tensors are as small as
+the logits, and one fused kernel costs less than the chunked or ``logsumexp`` form."""
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of the token ``index`` under ``softmax(logits / temperature)``.
 
@@ -141,15 +147,13 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature
     if logits.dtype in (torch.float32, torch.float64):
         if temperature != 1.0:
             logits = logits / temperature
+        if logits.numel() <= _SMALL_LOGITS:  # a few actions (classic RL): one fused kernel, faster than logsumexp
+            return F.log_softmax(logits, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
         picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # (...)
         return picked - torch.logsumexp(logits, dim=-1)
     vocab = logits.shape[-1]
     flat = _LowPrecisionSelectiveLogSoftmax.apply(logits.reshape(-1, vocab), index.reshape(-1), temperature)
     return flat.view(index.shape)
-
-
-_SMALL_LOGITS = 1 << 16
-"""Float32/64 logits of at most this many elements take :func:`entropy_from_logits`' unchunked path."""
 
 
 class _ChunkedEntropy(torch.autograd.Function):

@@ -179,6 +179,23 @@ def test_entropy_of_small_logits_equals_the_chunked_computation(temperature):
     torch.testing.assert_close(entropy_from_logits(big), torch.full((2,), 16 * math.log(2.0)))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_of_small_logits_equal_gather_minus_logsumexp(temperature):
+    """Small float logits take log_softmax + gather; values and gradients are those of gather - logsumexp."""
+    g = torch.Generator().manual_seed(8)
+    logits = (3 * torch.randn(6, 3, generator=g, dtype=torch.float64)).requires_grad_()
+    index = torch.tensor([0, 2, 1, 1, 0, 2])
+    x = logits / temperature
+    reference = x.gather(-1, index[:, None]).squeeze(-1) - torch.logsumexp(x, -1)
+    ours = selective_log_softmax(logits, index, temperature)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(6, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((y * weights).sum(), logits)[0] for y in (ours, reference)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+    big = torch.zeros(2, 1 << 16)  # over the limit: gather - logsumexp, still -log V
+    torch.testing.assert_close(selective_log_softmax(big, torch.tensor([0, 5])), torch.full((2,), -16 * math.log(2.0)))
+
+
 def test_entropy_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
         entropy_from_logits(torch.zeros(2, 3), chunk_size=0)
