@@ -27,7 +27,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, Union
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
@@ -43,6 +43,9 @@ from align.modules.base import TrainingModule
 from align.observability.timing import Timer
 from align.optim import clip_grad_norm
 
+
+Metrics = dict[str, Union[float, Callable[[], float]]]
+"""An iteration's metrics: numbers, or zero-argument callables computed only when the step is logged."""
 
 RECENT_EPISODES = 100
 """Finished training episodes that ``rollout/episode_reward`` and ``rollout/episode_length`` average over."""
@@ -200,8 +203,11 @@ class ClassicRLModule(TrainingModule):
             f"{self.trainer.fit_loop.epoch_loop.batch_idx}, {self.env_steps} environment steps). The update was not "
             "applied. Lower the learning rate, or check the environment's rewards and observations")
 
-    def iteration(self) -> dict[str, float]:
-        """Collect and update once; returns this iteration's loss metrics (``train/...``)."""
+    def iteration(self) -> Metrics:
+        """Collect and update once; returns this iteration's loss metrics (``train/...``). A value may be a
+        zero-argument callable: it is called only on steps whose metrics are logged, so diagnostics that cost
+        more than a small network's update (explained variance, means over minibatches) are not computed for
+        rows nobody writes."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ Lightning loop
@@ -227,11 +233,12 @@ class ClassicRLModule(TrainingModule):
         if self.logs_this_step():
             self.log_step(self._step_metrics(metrics))
 
-    def _step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+    def _step_metrics(self, metrics: Metrics) -> dict[str, float]:
         now = time.perf_counter()
         out = {"rollout/env_steps": float(self.env_steps), "rollout/episodes": float(self.runner.episodes),
                "rollout/steps_per_s": (self.env_steps - self._window_steps) / max(now - self._window_start, 1e-9),
-               "train/lr": self.current_lr(), **metrics, **self.timings}
+               "train/lr": self.current_lr(), **{k: v() if callable(v) else v for k, v in metrics.items()},
+               **self.timings}
         if self._recent:
             out["rollout/episode_reward"] = _mean([e.reward for e in self._recent])
             out["rollout/episode_length"] = _mean([float(e.length) for e in self._recent])
@@ -300,4 +307,4 @@ class ClassicRLModule(TrainingModule):
         self.load_extra_state(state["extra"])
 
 
-__all__ = ["ClassicRLModule", "Evaluation"]
+__all__ = ["ClassicRLModule", "Evaluation", "Metrics"]

@@ -22,7 +22,7 @@ from align.envs.replay import ReplayBuffer
 from align.envs.runner import Transition
 from align.errors import AlignConfigError
 from align.models.mlp import Activation, QNetwork, QTable
-from align.modules.classic.base import ClassicRLModule, Evaluation
+from align.modules.classic.base import ClassicRLModule, Evaluation, Metrics
 from align.optim import linear_schedule, polyak_update
 
 
@@ -157,7 +157,7 @@ class DQNGymModule(_EpsilonGreedy):
             polyak_update(self.q_target, self.q, self.tau)
             self._target_updates = due
 
-    def iteration(self) -> dict[str, float]:
+    def iteration(self) -> Metrics:
         epsilon = self.epsilon()
         self.collect(self.sample_actions, self.train_freq, on_step=self._store)
         out = {"rollout/epsilon": epsilon, "rollout/buffer_size": float(len(self.buffer))}
@@ -192,8 +192,8 @@ class DQNGymModule(_EpsilonGreedy):
                     losses.append(loss.detach())
                     q_means.append(q.detach().mean())
             done += count
-        out["train/loss"] = float(torch.stack(losses).mean())
-        out["train/q_mean"] = float(torch.stack(q_means).mean())
+        out["train/loss"] = lambda: float(torch.stack(losses).mean())  # computed when logged
+        out["train/q_mean"] = lambda: float(torch.stack(q_means).mean())
         return out
 
     def _steps_per_draw(self) -> int:
@@ -261,7 +261,7 @@ class QLearningGymModule(_EpsilonGreedy):
             self.optimizer_step(loss)
         self._errors.append(float((targets - q.detach()).abs().mean()))
 
-    def iteration(self) -> dict[str, float]:
+    def iteration(self) -> Metrics:
         epsilon = self.epsilon()
         self._errors: list[float] = []
         self.collect(self.sample_actions, self.steps_per_iteration, on_step=self._learn)

@@ -18,7 +18,7 @@ Departures from Stable-Baselines3 (whose defaults the shipped configs otherwise 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
@@ -30,7 +30,7 @@ from align.logprobs import masked_whiten
 from align.losses import ppo_policy_loss, value_loss
 from align.stats import explained_variance
 from align.models.mlp import Activation, ActorCritic, RewardScaler
-from align.modules.classic.base import ClassicRLModule, Evaluation
+from align.modules.classic.base import ClassicRLModule, Evaluation, Metrics
 
 
 @dataclass(frozen=True)
@@ -154,13 +154,14 @@ class OnPolicyModule(ClassicRLModule):
                       "train/clipfrac": stats.clipfrac, "train/approx_kl": stats.approx_kl}
 
     @staticmethod
-    def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-        """:func:`align.stats.explained_variance` of ``(B,)`` values, as a float."""
-        return float(explained_variance(values, returns, torch.ones_like(returns, dtype=torch.bool)))
+    def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> Callable[[], float]:
+        """:func:`align.stats.explained_variance` of ``(B,)`` values, as a float computed when logged."""
+        return lambda: float(explained_variance(values, returns, torch.ones_like(returns, dtype=torch.bool)))
 
     @staticmethod
-    def means(history: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        return {k: float(torch.stack([h[k] for h in history]).mean()) for k in history[0]}
+    def means(history: list[dict[str, torch.Tensor]]) -> Metrics:
+        """Each metric's mean over the iteration's minibatches, computed when logged."""
+        return {k: (lambda k=k: float(torch.stack([h[k] for h in history]).mean())) for k in history[0]}
 
 
 class PPOGymModule(OnPolicyModule):
@@ -200,7 +201,7 @@ class PPOGymModule(OnPolicyModule):
         self.batch_size, self.n_epochs, self.clip_range = batch_size, n_epochs, clip_range
         self.clip_range_vf, self.target_kl, self.clip_schedule = clip_range_vf, target_kl, clip_schedule
 
-    def iteration(self) -> dict[str, float]:
+    def iteration(self) -> Metrics:
         steps = self.rollout()
         old_values = steps.extras["values"]
         advantages, returns = step_gae(steps.rewards, old_values, self.next_values(steps), steps.terminated,
@@ -239,7 +240,7 @@ class A2CGymModule(OnPolicyModule):
         (the n-step return), advantages not whitened."""
         super().__init__(n_steps=n_steps, gae_lambda=gae_lambda, normalize_advantages=normalize_advantages, **kwargs)
 
-    def iteration(self) -> dict[str, float]:
+    def iteration(self) -> Metrics:
         steps = self.rollout()
         values = steps.extras["values"]
         advantages, returns = step_gae(steps.rewards, values, self.next_values(steps), steps.terminated, steps.done,
@@ -281,7 +282,7 @@ class REINFORCEGymModule(OnPolicyModule):
     def rollout(self) -> Steps:
         return self.scaled(self.collect(self.sample_actions, None))
 
-    def iteration(self) -> dict[str, float]:
+    def iteration(self) -> Metrics:
         steps = self.rollout()
         returns = discounted_returns(steps.rewards, steps.done, self.gamma)  # (T, N)
         valid = steps.valid
