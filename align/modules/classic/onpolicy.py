@@ -4,8 +4,8 @@ All three take their losses from the functions the language-model algorithms use
 :func:`~align.losses.ppo_policy_loss` (A2C and REINFORCE call it with the sampling log-probs equal to the current
 ones, detached: the ratio is 1, nothing is clipped, and its gradient is the policy gradient ``-A grad log pi``),
 :func:`~align.losses.value_loss`, and :func:`~align.logprobs.masked_whiten` for advantages. Each action is one
-"token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come from :func:`~align.advantages.step_gae` (PPO, A2C)
-or :func:`~align.advantages.discounted_returns` (REINFORCE).
+"token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come from
+:func:`~align.advantages.step_gae` (PPO, A2C) or :func:`~align.advantages.discounted_returns` (REINFORCE).
 
 Departures from Stable-Baselines3 (whose defaults the shipped configs otherwise follow):
 
