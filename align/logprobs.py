@@ -565,7 +565,7 @@ def masked_whiten(
         if x.numel() < 2:
             return x
         mean = x.mean()
-        whitened = (x - mean) * torch.rsqrt(torch.var(x, correction=1) + eps)
+        whitened = (x - mean) * torch.rsqrt(masked_var(x, None) + eps)
         return whitened if shift_mean else whitened + mean
     valid = _valid(x, mask)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
