@@ -241,6 +241,33 @@ def expected_episodes(steps) -> list[tuple[float, int, bool]]:
     return out
 
 
+@pytest.mark.parametrize("env_id, max_steps", [
+    ("CartPole-v1", None),  # Box observations
+    ("FrozenLake-v1", None),  # Discrete observations
+    ("Pendulum-v1", 7),  # continuous actions, time-limit truncations
+    (f"{THIS}:Corridor", 4),  # rewards drawn from np_random
+])
+def test_sync_copies_stepped_directly_equal_gymnasiums_sync_vector_step(env_id, max_steps):
+    """The runner steps and resets a sync vector environment's copies itself; Gymnasium's SyncVectorEnv.step and
+    reset (with a reset mask) give the same windows and episodes."""
+    spec = EnvSpec(id=env_id, num_envs=3, seed=2, max_episode_steps=max_steps)
+    direct, through_gymnasium = EnvRunner(spec), EnvRunner(spec)
+    assert direct._copies is not None
+    through_gymnasium._copies = None
+    rng = np.random.default_rng(0)
+    if env_id.startswith("Pendulum"):
+        actions = [torch.as_tensor(rng.uniform(-2, 2, (3, 1)), dtype=torch.float32) for _ in range(40)]
+    else:
+        actions = [torch.as_tensor(rng.integers(0, 4 if "Frozen" in env_id else 2, 3)) for _ in range(40)]
+    a, b = direct.collect(replaying(actions), 40), through_gymnasium.collect(replaying(actions), 40)
+    assert a.done.any()
+    for name in ("observations", "actions", "rewards", "next_observations", "terminated", "done"):
+        assert getattr(a, name).dtype == getattr(b, name).dtype, name
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert direct.pop_episodes() == through_gymnasium.pop_episodes()
+    assert torch.equal(direct.start(), through_gymnasium.start())
+
+
 def test_pop_episodes_returns_lengths_and_truncation():
     # max_episode_steps on a custom class: episodes that dawdle are truncated after 5 steps.
     runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=3, seed=2, max_episode_steps=5))
