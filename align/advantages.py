@@ -439,13 +439,13 @@ def step_gae(
                  done=done)
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     rewards, values, next_values = rewards.to(dtype), values.to(dtype), next_values.to(dtype)
-    alive = 1.0 - terminated.to(dtype)  # (T, N)
-    carry = 1.0 - done.to(dtype)  # (T, N)
-    deltas = rewards + gamma * alive * next_values - values  # (T, N)
+    # One fused multiply-add per step of the recursion: a short window (A2C's 5 steps) is a handful of small ops.
+    deltas = torch.addcmul(rewards - values, terminated.logical_not().to(dtype), next_values, value=gamma)  # (T, N)
+    carry = done.logical_not().to(dtype).mul_(gamma * lam)  # (T, N)
     advantages = torch.empty_like(deltas)
-    running = torch.zeros_like(deltas[0])  # (N,)
-    for t in reversed(range(deltas.shape[0])):
-        running = deltas[t] + gamma * lam * carry[t] * running
+    running = advantages[-1] = deltas[-1]  # (N,)
+    for t in range(deltas.shape[0] - 2, -1, -1):
+        running = torch.addcmul(deltas[t], carry[t], running)
         advantages[t] = running
     return advantages, advantages + values
 
