@@ -52,6 +52,7 @@ __all__ = [
     "IMPORTANCE_LEVELS",
     "importance_ratio",
     "ppo_policy_loss",
+    "policy_gradient_loss",
     "value_loss",
     "dpo_loss",
     "dpo_sigmoid_loss",
@@ -271,6 +272,36 @@ def ppo_policy_loss(
             ratio_mean=masked_mean(ratio.detach(), mask),
         )
     return loss, stats
+
+
+def policy_gradient_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    agg: str = "token_mean",
+    normaliser: Normaliser = None,
+) -> torch.Tensor:
+    """The plain policy-gradient (REINFORCE) loss ``-A * log pi``, aggregated, to be minimised (Williams 1992).
+
+    Its gradient is :func:`ppo_policy_loss`'s at ratio 1 (sampling log-probs equal to the current ones, nothing
+    clipped), ``-A * grad log pi``, for an update made right after sampling (A2C, REINFORCE). Its value is the
+    surrogate's: Stable-Baselines3's A2C logs it as its policy loss.
+
+    Args:
+        logprobs: ``(B, T)`` log-probs of the taken actions or tokens (with grad).
+        advantages: ``(B, T)`` advantages (detached here).
+        mask: ``(B, T)`` valid tokens; ``None``: every element is valid.
+        agg, normaliser: see :func:`aggregate`.
+
+    Returns:
+        The scalar loss.
+    """
+    if advantages.shape != logprobs.shape:
+        raise ValueError(f"policy_gradient_loss: advantages {tuple(advantages.shape)} must match logprobs "
+                         f"{tuple(logprobs.shape)}")
+    valid = None if mask is None else mask.bool()
+    per_token = -_fill_masked(advantages.detach(), valid) * _fill_masked(logprobs, valid)
+    return aggregate(per_token, mask, agg, normaliser)
 
 
 def value_loss(

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from align.losses import (
+    policy_gradient_loss,
     aggregate,
     bradley_terry_loss,
     dpo_loss,
@@ -210,6 +211,38 @@ def test_no_mask_equals_an_all_ones_mask(case, agg, level):
 
     for a, b in zip(run(None), run(ones)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_policy_gradient_loss_pinned():
+    # -A * log pi per element: [-2 * -0.5, -(-1) * -2.0, -3 * -0.25] = [1.0, -2.0, 0.75]; the mask drops the last.
+    logp = torch.tensor([[-0.5, -2.0, -0.25]], requires_grad=True)
+    adv = torch.tensor([[2.0, -1.0, 3.0]])
+    mask = torch.tensor([[True, True, False]])
+    loss = policy_gradient_loss(logp, adv, mask)
+    torch.testing.assert_close(loss, torch.tensor(-0.5))  # (1.0 - 2.0) / 2
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.5, 0.0]]))  # -A / 2 where valid
+    torch.testing.assert_close(policy_gradient_loss(logp, adv, None), torch.tensor(-0.25 / 3))
+    with pytest.raises(ValueError, match="must match"):
+        policy_gradient_loss(logp, adv[:, :2], None)
+
+
+@given(policy_batch(), st.sampled_from(["token_mean", "seq_mean", "constant"]))
+@FAST
+def test_policy_gradient_is_the_clipped_surrogates_at_ratio_one(case, agg):
+    """At ratio 1 (an update right after sampling) the clipped surrogate's gradient is the plain policy gradient's,
+    masked or not; padding never reaches either."""
+    logp, _, adv, mask, _ = case
+    for m in (mask, None):
+        grads = []
+        for surrogate in (True, False):
+            lp = (logp if m is None else torch.where(m, logp, torch.nan)).clone().requires_grad_()
+            loss = (ppo_policy_loss(lp, lp.detach(), adv, m, agg=agg)[0] if surrogate
+                    else policy_gradient_loss(lp, adv, m, agg=agg))
+            assert torch.isfinite(loss)
+            loss.backward()
+            grads.append(lp.grad)
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------- accumulation invariance

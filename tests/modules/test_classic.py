@@ -85,18 +85,19 @@ def test_episode_metrics_are_means_of_the_latest_finished_episodes():
 
 
 def test_policy_gradient_loss_is_minus_advantage_times_log_prob():
-    """A2C and REINFORCE call ppo_policy_loss with the current log-probs (detached) as the old ones: the ratio
-    is 1, so the loss is -mean(A) and its gradient is that of -mean(A * log pi)."""
+    """A2C and REINFORCE take the plain policy gradient: the loss is -mean(A * log pi), with its gradient, and no
+    clipping statistics (there is no ratio)."""
     torch.manual_seed(0)
     module = A2CGymModule(env=CARTPOLE, ent_coef=0.0, vf_coef=0.0)
     obs, actions = torch.randn(6, 4), torch.tensor([0, 1, 1, 0, 1, 0])
     advantages = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
     zeros = torch.zeros(6)
     loss, metrics = module.loss(obs, actions, None, advantages, zeros, zeros)
-    assert float(metrics["train/policy_loss"]) == pytest.approx(-float(advantages.mean()))
+    logprobs, _, _ = module.network.evaluate(obs, actions)
+    assert float(metrics["train/policy_loss"]) == pytest.approx(-float((advantages * logprobs).mean()))
+    assert "train/clipfrac" not in metrics and "train/approx_kl" not in metrics
     params = list(module.network.parameters())
     grads = torch.autograd.grad(loss, params)
-    logprobs, _, _ = module.network.evaluate(obs, actions)
     reference = torch.autograd.grad(-(advantages * logprobs).mean(), params, allow_unused=True)
     for got, want in zip(grads, reference):
         torch.testing.assert_close(got, torch.zeros_like(got) if want is None else want)

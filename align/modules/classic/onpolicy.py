@@ -1,9 +1,10 @@
 """On-policy classic RL on Gymnasium: PPO, A2C and REINFORCE with a baseline, on one actor-critic network.
 
-All three take their losses from the functions the language-model algorithms use: the clipped surrogate of
-:func:`~align.losses.ppo_policy_loss` (A2C and REINFORCE call it with the sampling log-probs equal to the current
-ones, detached: the ratio is 1, nothing is clipped, and its gradient is the policy gradient ``-A grad log pi``),
-:func:`~align.losses.value_loss`, and :func:`~align.logprobs.masked_whiten` for advantages. Each action is one
+All three take their losses from the pure layer the language-model algorithms use: PPO the clipped surrogate of
+:func:`~align.losses.ppo_policy_loss`; A2C and REINFORCE, which update right after sampling, the plain policy
+gradient :func:`~align.losses.policy_gradient_loss` (``-A log pi``, the surrogate's gradient at ratio 1 with
+fewer operations); all three :func:`~align.losses.value_loss`, and :func:`~align.logprobs.masked_whiten` for
+advantages. Each action is one
 "token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come from
 :func:`~align.advantages.step_gae` (PPO, A2C) or :func:`~align.advantages.discounted_returns` (REINFORCE).
 
@@ -27,7 +28,7 @@ from align.advantages import discounted_returns, step_gae
 from align.envs import EnvSpec, Steps
 from align.errors import AlignConfigError
 from align.logprobs import masked_whiten
-from align.losses import ppo_policy_loss, value_loss
+from align.losses import policy_gradient_loss, ppo_policy_loss, value_loss
 from align.stats import explained_variance
 from align.models.mlp import Activation, ActorCritic, RewardScaler
 from align.modules.classic.base import ClassicRLModule, Evaluation, Metrics
@@ -138,20 +139,25 @@ class OnPolicyModule(ClassicRLModule):
              clip_value: float | None = None, vf_coef: float | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The actor-critic loss of ``B`` transitions (every argument ``(B,)`` but ``obs``/``actions``).
-        ``old_logprobs=None``: the plain policy gradient (the current log-probs, detached, as the old ones)."""
+        ``old_logprobs=None``: the plain policy gradient :func:`~align.losses.policy_gradient_loss`, for an update
+        made right after sampling (A2C, REINFORCE); otherwise PPO's clipped surrogate."""
         logprobs, entropy, values = self.network.evaluate(obs, actions, entropy_grad=self.ent_coef != 0)
         # Each row is one action, every one valid: the masked functions run with mask=None.
         if self.normalize_advantages:
             advantages = masked_whiten(advantages, None)
-        old = logprobs.detach() if old_logprobs is None else old_logprobs
-        policy_loss, stats = ppo_policy_loss(logprobs, old, advantages, None, clip_low=clip)
+        if old_logprobs is None:
+            policy_loss, stats = policy_gradient_loss(logprobs, advantages, None), None
+        else:
+            policy_loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages, None, clip_low=clip)
         v_loss, _ = value_loss(values, old_values, returns, None, clip=clip_value)
         entropy = entropy.mean()
         vf_coef = self.vf_coef if vf_coef is None else vf_coef
         loss = policy_loss + vf_coef * v_loss - self.ent_coef * entropy
-        return loss, {"train/loss": loss.detach(), "train/policy_loss": policy_loss.detach(),
-                      "train/value_loss": v_loss.detach(), "train/entropy": entropy.detach(),
-                      "train/clipfrac": stats.clipfrac, "train/approx_kl": stats.approx_kl}
+        metrics = {"train/loss": loss.detach(), "train/policy_loss": policy_loss.detach(),
+                   "train/value_loss": v_loss.detach(), "train/entropy": entropy.detach()}
+        if stats is not None:
+            metrics.update({"train/clipfrac": stats.clipfrac, "train/approx_kl": stats.approx_kl})
+        return loss, metrics
 
     @staticmethod
     def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> Callable[[], float]:
@@ -251,7 +257,6 @@ class A2CGymModule(OnPolicyModule):
             self.optimizer_step(loss)
         self.update_statistics(steps.observations)
         out = self.means([metrics])
-        del out["train/clipfrac"], out["train/approx_kl"]  # always 0: the ratio is 1
         out["train/explained_variance"] = self.explained_variance(values.flatten(), returns.flatten())
         return out
 
@@ -295,7 +300,6 @@ class REINFORCEGymModule(OnPolicyModule):
             self.optimizer_step(loss)
         self.update_statistics(steps.observations[valid])
         out = self.means([metrics])
-        del out["train/clipfrac"], out["train/approx_kl"]
         if self.baseline == "value":
             out["train/explained_variance"] = self.explained_variance(values[valid], returns[valid])
         return out
