@@ -53,7 +53,7 @@ def test_foreach_norm_gives_every_tensors_norm(private_api):
 def test_result_collection_forgets_a_steps_values_on_reset(private_api):
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-    used_by = "align.modules.rl.RLModule.log_nothing (no stale metrics row after a step without an update)"
+    used_by = "align.modules.base.TrainingModule.log_nothing (no stale metrics row after a step without an update)"
     private_api.require(L.Trainer, "_results", used_by=used_by)
     private_api.require(_ResultCollection, "reset", ("self", "metrics", "fx"), used_by=used_by)
     results = _ResultCollection(training=True)

@@ -126,6 +126,13 @@ class TrainingModule(L.LightningModule):
         for name, value in metrics.items():
             self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in prog_bar, batch_size=1)
 
+    def log_nothing(self) -> None:
+        """Forget the on-step values logged so far: Lightning's result collection keeps them until they are
+        logged anew, so it would write them again in the row of a step that took no update, and recompute them
+        after every batch. Rows already written and ``trainer.callback_metrics`` keep them."""
+        if self._trainer is not None and self.trainer._results is not None:
+            self.trainer._results.reset(metrics=False, fx="training_step")
+
     def with_scheduler(self, optimizer: torch.optim.Optimizer):
         """``configure_optimizers``' return value for ``optimizer`` and the module's scheduler, stepped every
         optimizer step (a :class:`~align.optim.WarmupLR` without total steps gets the trainer's)."""

@@ -430,12 +430,6 @@ class RLModule(AlignModule):
                 "trainer.max_steps (which counts updates) cannot be reached: check that the rewards can tell this "
                 "policy's completions apart (a graded reward, a larger group_size or sampling.temperature)")
 
-    def log_nothing(self) -> None:
-        """End a training step that took no update without a metrics row: Lightning would otherwise log the
-        previous step's on-step values again (its result collection keeps them until they are logged anew)."""
-        if self._trainer is not None and self.trainer._results is not None:
-            self.trainer._results.reset(metrics=False, fx="training_step")
-
     # ------------------------------------------------------------------ evaluation
     def on_validation_epoch_start(self) -> None:
         self._val: dict[str, torch.Tensor] = {}

@@ -66,7 +66,9 @@ def test_episode_metrics_are_means_of_the_latest_finished_episodes():
     from align.modules.classic.base import RECENT_EPISODES
 
     torch.manual_seed(0)
-    module = A2CGymModule(env=CARTPOLE, total_steps=3000, n_steps=5, optimizer=ADAM)
+    # A policy that barely learns keeps its episodes short (about 22 steps): well over 100 finish in 3,000 steps.
+    module = A2CGymModule(env=CARTPOLE, total_steps=3000, n_steps=5,
+                          optimizer=lambda params: torch.optim.Adam(params, lr=1e-6))
     finished = []
     original = module.runner.pop_episodes
 
@@ -82,6 +84,23 @@ def test_episode_metrics_are_means_of_the_latest_finished_episodes():
     assert module.last_metrics["rollout/episode_reward"] == pytest.approx(sum(e.reward for e in recent) / len(recent))
     assert module.last_metrics["rollout/episode_length"] == pytest.approx(sum(e.length for e in recent) / len(recent))
     assert module.last_metrics["rollout/episodes"] == len(finished)
+
+
+def test_metrics_rows_are_written_every_n_steps_and_at_the_end(tmp_path):
+    """Steps between the loggers' rows compute and keep no metrics (their values are forgotten after each row);
+    every row still holds every metric."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    module = A2CGymModule(env=CARTPOLE, total_steps=300, n_steps=5, optimizer=ADAM)  # 30 iterations
+    cpu_trainer(max_epochs=1, log_every_n_steps=4, logger=CSVLogger(tmp_path)).fit(module)
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r["train/loss"]]
+    assert [int(r["step"]) for r in rows] == [3, 7, 11, 15, 19, 23, 27, 29]
+    assert [float(r["rollout/env_steps"]) for r in rows] == [40, 80, 120, 160, 200, 240, 280, 300]
+    for row in rows:
+        assert all(row[k] for k in ("train/policy_loss", "train/value_loss", "train/lr", "train/entropy"))
 
 
 def test_policy_gradient_loss_is_minus_advantage_times_log_prob():

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Literal, Union
 import torch
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.plugins.precision import Precision
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from align.envs import EnvRunner, EnvSpec, Episode, Steps
 from align.envs.make import as_spec, make_env
@@ -65,7 +65,7 @@ class Evaluation:
             raise AlignConfigError(f"model.evaluation.episodes: expected >= 1, got {self.episodes}")
 
 
-class _Iterations(IterableDataset):
+class _Iterations:
     """The training 'data': an endless count of iterations. Each batch starts one collect-and-update iteration."""
 
     def __iter__(self) -> Iterator[int]:
@@ -119,6 +119,7 @@ class ClassicRLModule(TrainingModule):
         self.timings: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
         self._trainable: list[torch.nn.Parameter] | None = None
+        self._logged = False  # the last training step logged its metrics
 
     # ------------------------------------------------------------------ environments
     @property
@@ -217,8 +218,9 @@ class ClassicRLModule(TrainingModule):
                                    f"one place), got {self.trainer.world_size} processes; use model.env.num_envs and "
                                    "model.env.vectorization: async to step more environments at once")
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(_Iterations(), batch_size=None)
+    def train_dataloader(self) -> _Iterations:
+        # A plain iterable: a DataLoader's per-batch machinery costs more than a small network's update.
+        return _Iterations()
 
     def on_train_start(self) -> None:
         self._window_steps, self._window_start = self.env_steps, time.perf_counter()
@@ -232,6 +234,10 @@ class ClassicRLModule(TrainingModule):
             self.trainer.should_stop = True  # before logging: the loggers write the row of a stopping step
         if self.logs_this_step():
             self.log_step(self._step_metrics(metrics))
+            self._logged = True
+        elif self._logged:  # Lightning would recompute the logged row's values after every batch until the next
+            self.log_nothing()
+            self._logged = False
 
     def _step_metrics(self, metrics: Metrics) -> dict[str, float]:
         now = time.perf_counter()
