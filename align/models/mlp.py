@@ -12,7 +12,7 @@ gain sqrt(2) in hidden layers, 0.01 on the policy output and 1 on the value outp
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple, Optional, Sequence
 
 import gymnasium as gym
 import torch
@@ -160,7 +160,7 @@ class StackedMLP(nn.Module):
 
 class PolicyOutput(NamedTuple):
     actions: torch.Tensor  # (N,) discrete or (N, A) continuous, as sampled (before clipping to the bounds)
-    logprobs: torch.Tensor  # (N,)
+    logprobs: Optional[torch.Tensor]  # (N,); None when not asked for
     values: torch.Tensor  # (N,)
 
 
@@ -212,17 +212,18 @@ class ActorCritic(nn.Module):
         """``V(s)``, ``(N,)``."""
         return self._heads(obs)[1]
 
-    def act(self, obs: torch.Tensor, deterministic: bool = False) -> PolicyOutput:
-        """Sample (or, ``deterministic``, take the mode of) the policy at ``obs``, with log-probs and values."""
+    def act(self, obs: torch.Tensor, deterministic: bool = False, logprobs: bool = True) -> PolicyOutput:
+        """Sample (or, ``deterministic``, take the mode of) the policy at ``obs``, with values and, unless
+        ``logprobs`` is false (an update that recomputes them), the actions' log-probs."""
         out, values = self._heads(obs)
         if self.continuous:
             actions = out if deterministic else out + torch.randn_like(out) * self.log_std.exp()
-            return PolicyOutput(actions, gaussian_log_prob(out, self.log_std, actions), values)
+            return PolicyOutput(actions, gaussian_log_prob(out, self.log_std, actions) if logprobs else None, values)
         if deterministic:
             actions = out.argmax(-1)
         else:  # Gumbel-max: argmax(logits + Gumbel noise) is an exact categorical sample, cheaper than multinomial
             actions = (out.float() - torch.empty_like(out, dtype=torch.float32).exponential_().log()).argmax(-1)
-        return PolicyOutput(actions, selective_log_softmax(out, actions), values)
+        return PolicyOutput(actions, selective_log_softmax(out, actions) if logprobs else None, values)
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor, entropy_grad: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -121,6 +121,18 @@ def test_continuous_act_evaluate_and_env_actions():
     assert model.env_actions(actions).tolist() == [[-1.0, 2.0], [0.5, 1.0], [1.0, 0.0]]
 
 
+@pytest.mark.parametrize("action_space", [gym.spaces.Discrete(3), gym.spaces.Box(-1.0, 1.0, (2,), np.float32)])
+def test_act_without_logprobs_samples_the_same_actions_and_values(action_space):
+    model = ActorCritic(BOX4, action_space, hidden=(16,))
+    obs = torch.randn(5, 4)
+    torch.manual_seed(3)
+    full = model.act(obs)
+    torch.manual_seed(3)
+    lean = model.act(obs, logprobs=False)
+    assert lean.logprobs is None
+    assert torch.equal(lean.actions, full.actions) and torch.equal(lean.values, full.values)
+
+
 def test_discrete_env_actions_unchanged():
     model = ActorCritic(BOX4, gym.spaces.Discrete(2))
     actions = torch.tensor([0, 1, 1])

@@ -105,10 +105,16 @@ class OnPolicyModule(ClassicRLModule):
     def act(self, obs: torch.Tensor, deterministic: bool) -> torch.Tensor:
         return self.network.env_actions(self.network.act(obs, deterministic).actions)
 
+    records_logprobs = True
+    """Whether the rollout records the sampled actions' log-probs (PPO's old log-probs); A2C and REINFORCE
+    update right after sampling and recompute them."""
+
     @torch.no_grad()
     def sample_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        out = self.network.act(obs)
-        extras = {"logprobs": out.logprobs, "values": out.values}
+        out = self.network.act(obs, logprobs=self.records_logprobs)
+        extras = {"values": out.values}
+        if self.records_logprobs:
+            extras["logprobs"] = out.logprobs
         if self.network.continuous:
             extras["env_actions"] = self.network.env_actions(out.actions)
         return out.actions, extras
@@ -240,6 +246,7 @@ class A2CGymModule(OnPolicyModule):
     trunk or separate networks. SB3's A2C uses RMSprop (``configs/gym/a2c-cartpole.yaml``)."""
 
     algorithm = "a2c"
+    records_logprobs = False
 
     def __init__(self, n_steps: int = 5, gae_lambda: float = 1.0, normalize_advantages: bool = False, **kwargs):
         """Arguments as :class:`OnPolicyModule`'s, with A2C's defaults: 5 steps per update, ``gae_lambda: 1``
@@ -271,6 +278,7 @@ class REINFORCEGymModule(OnPolicyModule):
     ones."""
 
     algorithm = "reinforce"
+    records_logprobs = False
 
     def __init__(self, baseline: Literal["value", "none"] = "value", **kwargs):
         """
