@@ -1,0 +1,125 @@
+"""align's PPO and A2C updates against Stable-Baselines3's, from the same weights on the same rollout.
+
+Both libraries are given one network (align's weights copied into SB3's policy) and one window of CartPole steps
+(collected by align). SB3's rollout buffer receives it the way its ``collect_rollouts`` fills it (a time-limit
+truncation adds ``gamma * V(final observation)`` to the reward), and each side then takes its own update: PPO's 20
+epochs of one 256-transition minibatch, A2C's single RMSprop step. The values, log-probs, advantages, returns and
+the parameters after the update agree to float rounding, so a difference in learning between the two libraries
+comes from their random streams, not from the algorithms.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from align.envs import EnvSpec
+from align.modules.classic import A2CGymModule, Network, PPOGymModule
+
+sb3 = pytest.importorskip("stable_baselines3")
+from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
+from stable_baselines3.common.logger import configure  # noqa: E402
+
+NUM_ENVS = 8
+
+
+def _align(algo: str):
+    network = Network(hidden=(64, 64), activation="tanh", shared=False)
+    # A 12-step time limit: the windows hold truncations (bootstrapped) as well as terminations.
+    env = EnvSpec(id="CartPole-v1", num_envs=NUM_ENVS, seed=3, max_episode_steps=12)
+    if algo == "ppo":
+        module = PPOGymModule(env=env, total_steps=100_000, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98,
+                              gae_lambda=0.8, ent_coef=0.0, vf_coef=1.0, clip_range=0.2, normalize_advantages=True,
+                              max_grad_norm=0.5, network=network,
+                              optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-5))
+    else:
+        module = A2CGymModule(env=env, total_steps=100_000, n_steps=5, gamma=0.99, gae_lambda=1.0, ent_coef=0.0,
+                              vf_coef=1.0, max_grad_norm=0.5, network=network,
+                              optimizer=lambda params: torch.optim.RMSprop(params, lr=7e-4, alpha=0.99, eps=1e-5))
+    optimizer = module.configure_optimizers()
+    module.optimizers = lambda: optimizer  # the update outside a fit: the raw optimizer
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    return module
+
+
+def _sb3(algo: str):
+    common = dict(ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, device="cpu", seed=0,
+                  policy_kwargs={"net_arch": {"pi": [64, 64], "vf": [64, 64]}, "ortho_init": True})
+    env = make_vec_env("CartPole-v1", n_envs=NUM_ENVS, seed=0)
+    if algo == "ppo":
+        model = sb3.PPO("MlpPolicy", env, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8,
+                        learning_rate=1e-3, clip_range=0.2, normalize_advantage=True, **common)
+    else:
+        model = sb3.A2C("MlpPolicy", env, n_steps=5, gamma=0.99, gae_lambda=1.0, learning_rate=7e-4,
+                        use_rms_prop=True, rms_prop_eps=1e-5, normalize_advantage=False, **common)
+    model.set_logger(configure(None, []))
+    model._current_progress_remaining = 1.0
+    return model
+
+
+def _pairs(module, model):
+    """(align tensor, SB3 parameter) pairs: the stacked MLP's policy head (0) and value head (1), in SB3's layout."""
+    weights, biases = list(module.network.nets.weights), list(module.network.nets.biases)
+    policy = model.policy
+    hidden = [(policy.mlp_extractor.policy_net, 0), (policy.mlp_extractor.value_net, 1)]
+    out = []
+    for net, head in hidden:
+        for layer, linear in enumerate([net[0], net[2]]):
+            out += [(weights[layer][head].T, linear.weight), (biases[layer][head, 0], linear.bias)]
+    out += [(weights[2][0].T, policy.action_net.weight), (biases[2][0, 0], policy.action_net.bias)]
+    out += [(weights[2][1][:, :1].T, policy.value_net.weight), (biases[2][1, 0, :1], policy.value_net.bias)]
+    return out
+
+
+@pytest.mark.parametrize("algo", ["ppo", "a2c"])
+def test_update_equals_stable_baselines3s(algo):
+    torch.manual_seed(0)
+    module, model = _align(algo), _sb3(algo)
+    with torch.no_grad():
+        for mine, theirs in _pairs(module, model):
+            theirs.copy_(mine)
+
+    steps = module.rollout()
+    while not (steps.terminated.any() and (steps.done & ~steps.terminated).any()):  # both kinds of episode end
+        steps = module.rollout()
+    t, n = steps.shape
+    flat_obs = steps.observations.flatten(0, 1)
+    with torch.no_grad():
+        values = model.policy.predict_values(flat_obs).view(t, n)
+        logprobs = model.policy.get_distribution(flat_obs).log_prob(steps.actions.flatten()).view(t, n)
+    torch.testing.assert_close(values, steps.extras["values"], rtol=0, atol=1e-6)
+    if algo == "ppo":
+        torch.testing.assert_close(logprobs, steps.extras["logprobs"], rtol=0, atol=1e-6)
+
+    # SB3's buffer as its collect_rollouts fills it.
+    next_values = module.next_values(steps)
+    rewards = steps.rewards.clone()
+    truncated = steps.done & ~steps.terminated
+    rewards[truncated] += module.gamma * next_values[truncated]
+    buffer = model.rollout_buffer
+    buffer.reset()
+    episode_start = torch.zeros(n, dtype=torch.bool)
+    for k in range(t):
+        buffer.add(steps.observations[k].numpy(), steps.actions[k].numpy().reshape(n, 1), rewards[k].numpy(),
+                   episode_start.numpy(), values[k].view(n, 1), logprobs[k])
+        episode_start = steps.done[k]
+    buffer.compute_returns_and_advantage(last_values=next_values[-1].view(n, 1), dones=steps.done[-1].numpy())
+
+    from align.advantages import step_gae
+
+    advantages, returns = step_gae(steps.rewards, steps.extras["values"], next_values, steps.terminated,
+                                   steps.done, module.gamma, module.gae_lambda)
+    np.testing.assert_allclose(buffer.advantages, advantages.numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(buffer.returns, returns.numpy(), rtol=0, atol=1e-5)
+
+    before = [mine.detach().clone() for mine, _ in _pairs(module, model)]
+    model.train()
+    module.rollout = lambda: steps  # the same window for align's update
+    module.iteration()
+    moved = max(float((mine.detach() - b).abs().max()) for (mine, _), b in zip(_pairs(module, model), before))
+    assert moved > 1e-3  # the update changed the network
+    for mine, theirs in _pairs(module, model):
+        torch.testing.assert_close(mine, theirs.detach(), rtol=0, atol=2e-6)
