@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from align.advantages import step_gae
 from align.envs import EnvSpec
 from align.modules.classic import A2CGymModule, Network, PPOGymModule
 
@@ -107,8 +108,6 @@ def test_update_equals_stable_baselines3s(algo):
                    episode_start.numpy(), values[k].view(n, 1), logprobs[k])
         episode_start = steps.done[k]
     buffer.compute_returns_and_advantage(last_values=next_values[-1].view(n, 1), dones=steps.done[-1].numpy())
-
-    from align.advantages import step_gae
 
     advantages, returns = step_gae(steps.rewards, steps.extras["values"], next_values, steps.terminated,
                                    steps.done, module.gamma, module.gae_lambda)

@@ -119,7 +119,6 @@ class ClassicRLModule(TrainingModule):
         self.timings: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
         self._trainable: list[torch.nn.Parameter] | None = None
-        self._logged = False  # the last training step logged its metrics
 
     # ------------------------------------------------------------------ environments
     @property
@@ -234,10 +233,8 @@ class ClassicRLModule(TrainingModule):
             self.trainer.should_stop = True  # before logging: the loggers write the row of a stopping step
         if self.logs_this_step():
             self.log_step(self._step_metrics(metrics))
-            self._logged = True
-        elif self._logged:  # Lightning would recompute the logged row's values after every batch until the next
+        else:  # Lightning would recompute the last row's values after every batch until the next row
             self.log_nothing()
-            self._logged = False
 
     def _step_metrics(self, metrics: Metrics) -> dict[str, float]:
         now = time.perf_counter()

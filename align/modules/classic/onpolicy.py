@@ -4,9 +4,8 @@ All three take their losses from the pure layer the language-model algorithms us
 :func:`~align.losses.ppo_policy_loss`; A2C and REINFORCE, which update right after sampling, the plain policy
 gradient :func:`~align.losses.policy_gradient_loss` (``-A log pi``, the surrogate's gradient at ratio 1 with
 fewer operations); all three :func:`~align.losses.value_loss`, and :func:`~align.logprobs.masked_whiten` for
-advantages. Each action is one
-"token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come from
-:func:`~align.advantages.step_gae` (PPO, A2C) or :func:`~align.advantages.discounted_returns` (REINFORCE).
+advantages. Each action is one "token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come
+from :func:`~align.advantages.step_gae` (PPO, A2C) or :func:`~align.advantages.discounted_returns` (REINFORCE).
 
 Departures from Stable-Baselines3 (whose defaults the shipped configs otherwise follow):
 
