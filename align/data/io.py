@@ -16,6 +16,8 @@ A split may be sliced with the ``datasets`` syntax, for every kind of source: ``
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -82,27 +84,64 @@ def read_rows(source: str, split: str | None = LOCAL_SPLIT, split_key: str = "da
     return rows
 
 
+_SPLIT_PART = re.compile(r"""^(?P<split>\w+(?:\.\w+)*)
+    (?:\[(?:(?P<start>-?[\d_]+)(?P<start_pct>%)?)?:(?:(?P<stop>-?[\d_]+)(?P<stop_pct>%)?)?\])?
+    (?:\((?P<rounding>[^)]*)\))?$""", re.X)
+
+
+def split_ranges(spec: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
+    """``(split, start, stop)`` of each ``+``-joined part of a split spec in the ``datasets`` syntax
+    (``train``, ``train[10:]``, ``train[:-5%]``, ``train[:20%](pct1_dropremainder)+test[5:]``), given each split's
+    size. The same ranges as ``datasets.ReadInstruction.from_spec(spec).to_absolute(sizes)``, without importing
+    ``datasets`` (and pandas and pyarrow with it) to read a local file. Raises ``ValueError`` on a malformed spec
+    or an unknown split."""
+    out, first = [], None
+    for part in re.split(r"\s*\+\s*", spec):
+        m = _SPLIT_PART.match(part)
+        if m is None:
+            raise ValueError(f"unrecognised split {part!r}")
+        percent = bool(m["start_pct"] or m["stop_pct"])
+        if m["rounding"] is not None and (not percent or m["rounding"] not in ("closest", "pct1_dropremainder")):
+            raise ValueError(f"rounding {m['rounding']!r} (closest or pct1_dropremainder, on percent slices only)")
+        rounding = (m["rounding"] or "closest") if percent else None
+        first = first or (percent, rounding)
+        if first[0] and percent and rounding != first[1]:
+            raise ValueError("parts with different roundings")
+        if m["split"] not in sizes:
+            raise ValueError(f"unknown split {m['split']!r}")
+        n = sizes[m["split"]]
+        bounds = [None if m[key] is None else int(m[key]) for key in ("start", "stop")]
+        if percent:
+            if any(b is not None and abs(b) > 100 for b in bounds):
+                raise ValueError("percent boundaries within -100 and 100")
+            if rounding == "pct1_dropremainder" and n < 100:
+                raise ValueError("pct1_dropremainder on a split of fewer than 100 rows")
+            scale = ((lambda b: int(round(b * n / 100.0))) if rounding == "closest"
+                     else (lambda b: b * math.trunc(n / 100.0)))
+            bounds = [None if b is None else scale(b) for b in bounds]
+        start, stop = 0 if bounds[0] is None else bounds[0], n if bounds[1] is None else bounds[1]
+        start, stop = (min(max(n + b, 0) if b < 0 else b, n) for b in (start, stop))
+        out.append((m["split"], start, stop))
+    return out
+
+
 def _slice(splits: dict, spec: str, source: str, split_key: str) -> Rows:
     """The rows ``spec`` selects from ``splits`` (name -> list of rows or ``datasets.Dataset``), numbered as in
     their split."""
-    import datasets
-
-    sizes = {name: len(rows) for name, rows in splits.items()}
     try:
-        parts = datasets.ReadInstruction.from_spec(spec).to_absolute(sizes)
-    except (ValueError, AssertionError):
-        example = next(iter(sizes))
-        what = (f"the split '{LOCAL_SPLIT}' (a file has no other)" if set(sizes) == {LOCAL_SPLIT}
-                else f"one of the splits {sorted(sizes)}")
+        parts = split_ranges(spec, {name: len(rows) for name, rows in splits.items()})
+    except ValueError:
+        example = next(iter(splits))
+        what = (f"the split '{LOCAL_SPLIT}' (a file has no other)" if set(splits) == {LOCAL_SPLIT}
+                else f"one of the splits {sorted(splits)}")
         raise AlignDataError(source, None, split_key, f"{what}, optionally sliced in the datasets syntax "
                              f"('{example}[:10]', '{example}[10%:]', '{example}[:50%]')", spec) from None
     out = Rows()
     out.numbers = []
-    for part in parts:
-        rows = splits[part.splitname]
-        out.extend(rows[part.from_:part.to] if isinstance(rows, list) else
-                   rows.select(range(part.from_, part.to)).to_list())
-        out.numbers.extend(row_numbers(rows)[part.from_:part.to])
+    for name, start, stop in parts:
+        rows = splits[name]
+        out.extend(rows[start:stop] if isinstance(rows, list) else rows.select(range(start, stop)).to_list())
+        out.numbers.extend(row_numbers(rows)[start:stop])
     return out
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from align.data.io import read_rows
+from align.data.io import read_rows, split_ranges
 from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
@@ -52,6 +52,41 @@ def test_a_local_file_has_only_the_train_split(tmp_path, split):
         read_rows(path, split, "data.val_split")
     assert str(info.value).startswith(f"{path}: field 'data.val_split': expected the split 'train'")
     assert repr(split) in str(info.value)
+
+
+SPECS = ["train", "train[:3]", "train[3:]", "train[-2:]", "train[:-2]", "train[2:1]", "train[5:500]", "train[-500:2]",
+         "train[1_0:]", "train[:]", "train[10%:]", "train[:50%]", "train[-33%:]", "train[:-5%]", "train[33%:67%]",
+         "train[:100%]", "train[-100%:]", "train[:10%](closest)", "train[:20%](pct1_dropremainder)",
+         "train[-20%:](pct1_dropremainder)", "test[:2] + train[-3:]", "train[:10%]+test[50%:]",
+         "train[:10%](pct1_dropremainder)+test[:5]", "a.b[1:]", "train[:101%]", "train[:3](closest)",
+         "train[:5%](nearest)", "train[:5%]+test[:5%](pct1_dropremainder)", "validation", "train[a:b]", "train[1:2:3]",
+         "train[:1]+", "", "train[:5%](pct1_dropremainder)"]
+
+
+@pytest.mark.parametrize("sizes", [{"train": 7, "test": 130, "a.b": 3}, {"train": 250, "test": 99, "a.b": 0}])
+@pytest.mark.parametrize("spec", SPECS)
+def test_split_ranges_are_those_of_datasets_read_instructions(spec, sizes):
+    import datasets
+
+    try:
+        expected = [(p.splitname, p.from_, p.to) for p in
+                     datasets.ReadInstruction.from_spec(spec).to_absolute(sizes)]
+    except (ValueError, AssertionError):
+        expected = ValueError
+    if expected is ValueError:
+        with pytest.raises(ValueError):
+            split_ranges(spec, sizes)
+    else:
+        assert split_ranges(spec, sizes) == expected
+
+
+def test_reading_a_json_lines_file_does_not_import_datasets(tmp_path):
+    # datasets brings pandas and pyarrow: about 100 MB of resident memory and seconds of start-up per run.
+    path = numbers(tmp_path)
+    code = (f"import sys; from align.data.io import read_rows; rows = read_rows({path!r}, 'train[2:]+train[:10%]'); "
+            "print(len(rows), 'datasets' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["9", "False"]
 
 
 def test_errors_in_a_slice_name_the_row_as_numbered_in_the_file(tmp_path, tokenizer):
