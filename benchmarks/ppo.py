@@ -38,6 +38,8 @@ Settings that are the same on both sides: model and weights, prompts, one comple
 whitening, no EOS penalty, ``--ppo-epochs`` epochs x ``--minibatches`` minibatches per rollout, one micro-batch
 per minibatch, AdamW with a constant learning rate, gradient clipping at 1.0, fp32, ``--threads`` torch threads,
 no checkpoints, no evaluation. TRL keeps ``transformers.generate``; align its own KV-cache sampler.
+TRL's tokenizer pads on the left (as TRL's PPO examples load it) with a pad token other than EOS
+(:func:`distinct_pad_token`): TRL's PPO tells padding by the pad id alone.
 """
 
 from __future__ import annotations
@@ -103,12 +105,15 @@ def run_trl(spec: dict) -> dict:
         raise SystemExit(f"TRL {trl.__version__} ({trl.__file__}) has no PPO trainer ({err}); TRL removed "
                          "trl.experimental.ppo in 1.13.0. Pass --trl-path with TRL 1.12.0 installed there.")
     h.set_threads(spec["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    # Left padding, as TRL's PPO examples load it: TRL generates from the padded queries, and a right-padded prompt
+    # would be continued after its padding.
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], padding_side="left")
     from align.data.chat import ChatEncoder  # the same prompt ids as align's prompt data
 
     encoder = ChatEncoder(tokenizer)
     rows = [{"input_ids": encoder.prompt_ids([{"role": "user", "content": p}])}
             for p in h.sort_prompts(spec["prompts"])]
+    tokenizer.pad_token = distinct_pad_token(tokenizer, rows)
     dataset = Dataset.from_list(rows * (spec["steps"] + 1))
     n = spec["prompts"]
     config = PPOConfig(
@@ -148,6 +153,22 @@ def run_trl(spec: dict) -> dict:
     trainer.add_callback(h.trl_meter(meter))
     trainer.train()
     return h.rl_step_summary(meter, PHASES)
+
+
+def distinct_pad_token(tokenizer, rows: list[dict]) -> str:
+    """A pad token for TRL that is not EOS and occurs in no prompt. TRL's PPO finds padding by the pad id alone
+    (``query_responses != pad_token_id`` as the attention mask, the first pad as a completion's end), so with
+    ``pad == EOS`` (SmolLM2's tokenizer) it masks the prompt's own end-of-turn token out of every forward pass
+    and ends a completion's scoring at its first EOS. align pads by attention mask and is unaffected."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return tokenizer.pad_token
+    used = {i for row in rows for i in row["input_ids"]} | {tokenizer.eos_token_id}
+    for token in ("<|endoftext|>", tokenizer.unk_token, "<pad>", "<unk>"):
+        token_id = tokenizer.convert_tokens_to_ids(token) if token else None
+        if token_id is not None and token_id not in used and tokenizer.convert_ids_to_tokens(token_id) == token:
+            return token
+    raise SystemExit("TRL's PPO needs a pad token distinct from EOS; this tokenizer has none of <|endoftext|>, "
+                     "unk, <pad>, <unk> outside the prompts")
 
 
 CHILDREN = {"align": run_align, "trl": run_trl}
