@@ -160,15 +160,12 @@ def distinct_pad_token(tokenizer, rows: list[dict]) -> str:
     (``query_responses != pad_token_id`` as the attention mask, the first pad as a completion's end), so with
     ``pad == EOS`` (SmolLM2's tokenizer) it masks the prompt's own end-of-turn token out of every forward pass
     and ends a completion's scoring at its first EOS. align pads by attention mask and is unaffected."""
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        return tokenizer.pad_token
-    used = {i for row in rows for i in row["input_ids"]} | {tokenizer.eos_token_id}
-    for token in ("<|endoftext|>", tokenizer.unk_token, "<pad>", "<unk>"):
-        token_id = tokenizer.convert_tokens_to_ids(token) if token else None
-        if token_id is not None and token_id not in used and tokenizer.convert_ids_to_tokens(token_id) == token:
-            return token
-    raise SystemExit("TRL's PPO needs a pad token distinct from EOS; this tokenizer has none of <|endoftext|>, "
-                     "unk, <pad>, <unk> outside the prompts")
+    from align.models.reward import scoring_pad_token  # the reward-model export's choice of a pad that is not EOS
+
+    pad = scoring_pad_token(tokenizer)
+    if pad is None or tokenizer.convert_tokens_to_ids(pad) in {i for row in rows for i in row["input_ids"]}:
+        raise SystemExit(f"TRL's PPO needs a pad token that is neither EOS nor in a prompt; this tokenizer offers {pad!r}")
+    return pad
 
 
 CHILDREN = {"align": run_align, "trl": run_trl}

@@ -81,7 +81,7 @@ def test_split_ranges_are_those_of_datasets_read_instructions(spec, sizes):
 
 
 def test_reading_a_json_lines_file_does_not_import_datasets(tmp_path):
-    # datasets brings pandas and pyarrow: about 100 MB of resident memory and seconds of start-up per run.
+    # datasets brings pandas and pyarrow: about 80 MB of resident memory and seconds of start-up per run.
     path = numbers(tmp_path)
     code = (f"import sys; from align.data.io import read_rows; rows = read_rows({path!r}, 'train[2:]+train[:10%]'); "
             "print(len(rows), 'datasets' in sys.modules)")
