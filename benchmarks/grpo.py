@@ -27,13 +27,14 @@ What happens:
    activations; the benchmark has no GPU). Then the align/TRL ratios.
 
 Settings that are the same on both sides: model and weights, prompts, group size (``num_generations``), new-token
-limit (``max_completion_length``), temperature 1, no top-k/top-p, one policy iteration per rollout (``num_iterations``
-= mu = 1), one optimizer step per rollout (no minibatching or accumulation), beta = 0 (no reference model), clip
-0.2, token-mean loss over the step (TRL ``loss_type="dapo"``), AdamW with a constant learning rate, gradient
-clipping at 1.0, fp32, LoRA on or off (r 16, alpha 32, all linear layers), ``--threads`` torch threads, no
-checkpoints, no evaluation. Each framework keeps its own generation loop: align its KV-cache sampler that stops
-when all rows are done, through :class:`align.models.decoding.FastDecoder` (``--no-fast-decoder``: through the
-model's own forward, to see what the decoder contributes); TRL ``transformers.generate``.
+limit (``max_completion_length``), temperature 1, no top-k/top-p, one policy iteration per rollout
+(``num_iterations`` = mu = 1), one optimizer step per rollout (no minibatching or accumulation), beta = 0 (no
+reference model), clip 0.2, token-mean loss over the step (TRL ``loss_type="dapo"``), AdamW (torch's fused kernel,
+TRL's default) with a constant learning rate, gradient clipping at 1.0, fp32, LoRA on or off (r 16, alpha 32, all
+linear layers), ``--threads`` torch threads, no checkpoints, no evaluation. Each framework keeps its own generation
+loop: align its KV-cache sampler that stops when all rows are done, through
+:class:`align.models.decoding.FastDecoder` (``--no-fast-decoder``: through the model's own forward, to see what the
+decoder contributes); TRL ``transformers.generate``.
 
 Variants (the rest as above):
 
@@ -86,7 +87,8 @@ def build_module(spec: dict):
         advantages=GroupAdvantages(estimator=spec["estimator"]),
         updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0,
                         loss_aggregation="seq_mean" if spec["level"] == "sequence" else "token_mean"),
-        log_entropy=False, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
+        log_entropy=False,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True),
     )
 
 
@@ -107,7 +109,8 @@ def run_trl(spec: dict) -> dict:
     common = dict(
         output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n, num_generations=spec["group"],
         max_completion_length=spec["max_new_tokens"], max_steps=spec["steps"], learning_rate=1e-5,
-        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, beta=0.0, num_iterations=1,
+        lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused", max_grad_norm=1.0, beta=0.0,
+        num_iterations=1,
         epsilon=0.2, gradient_accumulation_steps=1, temperature=1.0, top_p=1.0,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
         dataloader_num_workers=0, shuffle_dataset=False, disable_tqdm=True,

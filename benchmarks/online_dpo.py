@@ -24,10 +24,10 @@ What happens:
 
 Same on both sides: model and weights, prompts, 2 completions per prompt, new-token limit, temperature 1, no
 top-k/top-p, sigmoid loss with beta 0.1, summed response log-probs at temperature 1, the reference (a frozen copy;
-with ``--lora`` the adapter-disabled policy on both sides), one optimizer step per batch, AdamW with a constant
-learning rate, gradient clipping at 1.0, fp32, ``--threads`` torch threads, no checkpoints, no evaluation. Each
-framework keeps its own generation loop (align: its KV-cache sampler with the fast decoder; TRL:
-``transformers.generate``).
+with ``--lora`` the adapter-disabled policy on both sides), one optimizer step per batch, AdamW (torch's fused
+kernel, TRL's default) with a constant learning rate, gradient clipping at 1.0, fp32, ``--threads`` torch threads,
+no checkpoints, no evaluation. Each framework keeps its own generation loop (align: its KV-cache sampler with the
+fast decoder; TRL: ``transformers.generate``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def build_module(spec: dict):
         policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=2, beta=0.1,
         loss_type="sigmoid", sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0),
         updates=Updates(max_grad_norm=1.0), log_entropy=False,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True),
     )
 
 
@@ -90,7 +90,8 @@ def run_trl(spec: dict) -> dict:
     config = OnlineDPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=spec["prompts"],
         max_new_tokens=spec["max_new_tokens"], max_steps=spec["steps"], learning_rate=1e-5,
-        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, beta=[0.1], loss_type="sigmoid",
+        lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused", max_grad_norm=1.0, beta=[0.1],
+        loss_type="sigmoid",
         gradient_accumulation_steps=1, temperature=1.0, top_p=1.0, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False,  # as align (TRL's own default is on)

@@ -35,10 +35,10 @@ What happens:
 Settings that are the same on both sides: model and weights, prompts, one completion per prompt, new-token limit
 (``response_length``), temperature 1, no top-k/top-p, stop at EOS, k1 KL shaped into the rewards with coefficient
 0.05, GAE with gamma 1 and lambda 0.95, whitened advantages, clip 0.2, value clip 0.2, vf_coef 0.1, no reward
-whitening, no EOS penalty, ``--ppo-epochs`` epochs x ``--minibatches`` minibatches per rollout, one micro-batch
-per minibatch, AdamW with a constant learning rate, gradient clipping at 1.0, fp32, ``--threads`` torch threads,
-no checkpoints, no evaluation. TRL keeps ``transformers.generate``; align its own KV-cache sampler.
-TRL's tokenizer pads on the left (as TRL's PPO examples load it) with a pad token other than EOS
+whitening, no EOS penalty, ``--ppo-epochs`` epochs x ``--minibatches`` minibatches per rollout, one micro-batch per
+minibatch, AdamW (torch's fused form, TRL's default) with a constant learning rate, gradient clipping at 1.0, fp32,
+``--threads`` torch threads, no checkpoints, no evaluation. TRL keeps ``transformers.generate``; align its own
+KV-cache sampler. TRL's tokenizer pads on the left (as TRL's PPO examples load it) with a pad token other than EOS
 (:func:`distinct_pad_token`): TRL's PPO tells padding by the pad id alone.
 """
 
@@ -79,7 +79,7 @@ def build_module(spec: dict):
         kl=KLPenalty(coef=KL_COEF, estimator="k1", placement="reward"), gae=GAE(gamma=1.0, lam=0.95),
         clip=ClipRange(low=0.2), value=ValueTraining(coef=0.1, clip=0.2),
         updates=Updates(epochs=spec["ppo_epochs"], minibatches=spec["minibatches"], max_grad_norm=1.0),
-        log_entropy=True, optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+        log_entropy=True, optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True),
     )
 
 
@@ -117,12 +117,15 @@ def run_trl(spec: dict) -> dict:
     dataset = Dataset.from_list(rows * (spec["steps"] + 1))
     n = spec["prompts"]
     config = PPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n // spec["minibatches"],
+        # TRL 1.12's rollout is per_device_train_batch_size x gradient_accumulation_steps prompts, split into
+        # num_mini_batches minibatches: n prompts per step, as align's, in minibatches of n / minibatches rows.
+        output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n,
         gradient_accumulation_steps=1, num_mini_batches=spec["minibatches"], num_ppo_epochs=spec["ppo_epochs"],
         total_episodes=n * spec["steps"], local_rollout_forward_batch_size=n, response_length=spec["max_new_tokens"],
         temperature=1.0, stop_token="eos", missing_eos_penalty=None, kl_coef=KL_COEF, kl_estimator="k1",
         cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, whiten_rewards=False,
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
+        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused",
+        max_grad_norm=1.0, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, num_sample_generations=0,
         dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False,  # as align (TRL's own default is on)
@@ -133,6 +136,10 @@ def run_trl(spec: dict) -> dict:
     value = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1, dtype=torch.float32)
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=dataset)
+    if (config.local_batch_size, config.local_mini_batch_size) != (n, n // spec["minibatches"]):
+        raise SystemExit(f"TRL's PPO derived a rollout of {config.local_batch_size} prompts in minibatches of "
+                         f"{config.local_mini_batch_size}; the comparison needs {n} in minibatches of "
+                         f"{n // spec['minibatches']}")
     meter = h.StepMeter(spec["warmup"])
 
     def timed(fn, phase):
