@@ -313,19 +313,29 @@ class PolicyModel(nn.Module):
         switched off, so the model computes with its base weights only. peft's context inspects the whole model
         (``get_model_status``) on each entry, which costs tens of milliseconds per reference forward on small
         models; the switchable modules are found once here instead.
+
+        Without gradients (every reference pass) only each module's switch is flipped: that is all its forward
+        reads. ``enable_adapters`` also sets ``requires_grad`` on every adapter tensor, off and then on again, a
+        walk that cost a few milliseconds per pass on the tiny model and changes nothing a no-grad pass computes.
         """
         layers = getattr(self, "_adapter_switches", None)
         if layers is None:
             kinds = _adapter_switch_types()
             layers = self._adapter_switches = [m for m in self.model.modules() if isinstance(m, kinds)]
         was_off = [layer.disable_adapters for layer in layers]
+        switch_only = not torch.is_grad_enabled() and all(hasattr(layer, "_disable_adapters") for layer in layers)
         try:
             for layer in layers:
-                layer.enable_adapters(False)
+                if switch_only:
+                    layer._disable_adapters = True
+                else:
+                    layer.enable_adapters(False)
             yield
         finally:
             for layer, off in zip(layers, was_off):
-                if not off:
+                if switch_only:
+                    layer._disable_adapters = off
+                elif not off:
                     layer.enable_adapters(True)
 
     # ------------------------------------------------------------------ forward passes

@@ -95,6 +95,13 @@ def test_lora_reference_equals_the_base_model_for_every_option(settings):
     torch.testing.assert_close(ref, naive_logprobs(build_tiny_model(seed=0), ids, mask, 3))
     assert not torch.allclose(ref, pol, atol=1e-3)
     torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3).logprobs, pol)  # switched back on
+    # With gradients on, peft's own switch runs (it also toggles requires_grad); both ways leave every flag as it was.
+    flags = {n: p.requires_grad for n, p in policy.named_parameters()}
+    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs.detach(),
+                               ref)
+    assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
+    assert not any(layer.disable_adapters for layer in policy._adapter_switches)
+    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3).logprobs.detach(), pol)
 
 
 @pytest.mark.parametrize("bias", ["all", "lora_only"])
