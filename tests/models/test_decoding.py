@@ -5,7 +5,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from align.hub.tiny import build_tiny_model
-from align.models.decoding import FastDecoder, decoder_for, fast_decoder_unsupported
+from align.models.decoding import FastDecoder, _copy_bytes, decoder_for, fast_decoder_unsupported, prepack_available
 from align.rollout import sample
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -60,8 +60,8 @@ def _reference_steps(model, ids, mask, new_tokens):
     return out
 
 
-def _decoder_steps(model, ids, mask, new_tokens):
-    decoder = FastDecoder(model, capacity=ids.shape[1] + new_tokens.shape[1])
+def _decoder_steps(model, ids, mask, new_tokens, prepack=None):
+    decoder = FastDecoder(model, capacity=ids.shape[1] + new_tokens.shape[1], prepack=prepack)
     full_mask = torch.cat([mask, torch.ones_like(new_tokens)], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = decoder(ids, mask, positions)
@@ -74,15 +74,19 @@ def _decoder_steps(model, ids, mask, new_tokens):
     return logits
 
 
+PREPACK = [False] + ([True] if prepack_available(torch.ones(1)) else [])
+
+
+@pytest.mark.parametrize("prepack", PREPACK, ids=lambda p: "prepacked" if p else "plain")
 @pytest.mark.parametrize("build", [_llama, _qwen2, _mistral, lambda: _lora(_llama())],
                          ids=["llama", "qwen2-bias", "mistral", "llama-lora"])
-def test_prefill_and_every_step_match_the_model_forward(build):
+def test_prefill_and_every_step_match_the_model_forward(build, prepack):
     model = build()
     assert fast_decoder_unsupported(model) is None
     ids, mask = _left_padded()
     new_tokens = torch.randint(3, 97, (ids.shape[0], 5), generator=torch.Generator().manual_seed(1))
     expected = _reference_steps(model, ids, mask, new_tokens)
-    got = _decoder_steps(model, ids, mask, new_tokens)
+    got = _decoder_steps(model, ids, mask, new_tokens, prepack=prepack)
     for step, (e, g) in enumerate(zip(expected, got)):
         torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5, msg=f"step {step}")
 
@@ -121,6 +125,23 @@ def test_sampling_through_the_decoder_draws_the_same_tokens_and_logprobs():
     fast = sample(FastDecoder(model, ids.shape[1] + 12), ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
     assert torch.equal(ref.response_ids, fast.response_ids)
     torch.testing.assert_close(fast.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_prepacked_weights_are_used_where_they_run_and_counted_in_the_copy_budget():
+    model = _lora(_llama())
+    plain, packed = _copy_bytes(model), _copy_bytes(model, prepacked=True)
+    lm = model.get_base_model()
+    every_projection = sum(m.weight.numel() * 4 for name, m in lm.model.named_modules()
+                           if name.endswith(("_proj.base_layer", "_proj")) and hasattr(m, "weight")
+                           and not hasattr(m, "base_layer"))
+    assert packed == every_projection + lm.lm_head.weight.numel() * 4 and plain < packed
+    if not prepack_available(torch.ones(1)):
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    assert decoder_for(model, capacity=8).prepacked  # float32 on a CPU: prepacked by default
+    fallback = decoder_for(model, capacity=8, max_copy_bytes=plain)  # only the fused copy fits
+    assert isinstance(fallback, FastDecoder) and not fallback.prepacked
+    with pytest.raises(ValueError, match="float32 CPU weights"):
+        FastDecoder(_llama().to(torch.bfloat16), capacity=8, prepack=True)
 
 
 def test_cache_capacity_is_enforced():
