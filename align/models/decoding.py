@@ -14,7 +14,8 @@ arithmetic: module calls, a key/value cache that grows by concatenation, a 4D ma
 * on a CPU, float32 weights are handed to oneDNN once, in its own blocked layout (prepacked), so the matrix
   products of each step do not repack them: a decoding step multiplies a few rows by every weight, where
   repacking costs as much as the product (measured on SmolLM2's shapes at 16 rows: 1.2-2.6x faster per product,
-  the output head the most).
+  the output head the most). oneDNN's call costs about 20 us more than a plain product, so weights under
+  ``_MIN_PREPACK_ELEMENTS`` stay as they are (a tiny model's all do).
 
 It is an exact re-expression, not an approximation: logits agree with the model's own forward to float
 rounding (``tests/models/test_decoding.py`` checks prefill and every decoding step). Models it does not cover
@@ -91,6 +92,10 @@ def _fused(modules: list[nn.Module]) -> tuple[torch.Tensor, Optional[torch.Tenso
 
 
 _PREPACK_PROBE: dict[str, bool] = {}
+# Weights with fewer elements are not prepacked: at 16 rows a prepacked product broke even at about 150k
+# elements (384 x 384) and was 0.6-0.8 of the plain one's time from 200k up; below, oneDNN's fixed cost per call
+# (about 20 us more on a 2-core CPU) outweighs the repacking it saves (2-3x slower at 4k-16k elements).
+_MIN_PREPACK_ELEMENTS = 2 ** 17
 
 
 def prepack_available(weight: torch.Tensor) -> bool:
@@ -111,6 +116,17 @@ def prepack_available(weight: torch.Tensor) -> bool:
 def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear`` with a weight from ``torch.ops.mkldnn._reorder_linear_weight``."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout when it is large enough to gain from it, else ``weight``."""
+    if weight.numel() < _MIN_PREPACK_ELEMENTS:
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _prepacked_linear(x, weight, bias) if weight.is_mkldnn else F.linear(x, weight, bias)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -203,8 +219,8 @@ class FastDecoder:
     """Callable with the interface :func:`align.rollout.sample` expects of a causal LM.
 
     Build one per rollout (it snapshots the current weights) with ``capacity`` = prompt width + new tokens.
-    ``prepack``: hand the weights to oneDNN in its blocked layout (see the module docstring); ``None``: where
-    :func:`prepack_available` says it runs.
+    ``prepack``: hand the weights large enough to gain from it to oneDNN in its blocked layout (see the module
+    docstring); ``None``: where :func:`prepack_available` says it runs. ``prepacked`` says whether any weight was.
     """
 
     def __init__(self, model: nn.Module, capacity: int, prepack: Optional[bool] = None):
@@ -224,11 +240,10 @@ class FastDecoder:
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()
             self.norm = inner.norm.weight.detach()
-            self.prepacked = prepack_available(self.embed) if prepack is None else bool(prepack)
-            if self.prepacked and not prepack_available(self.embed):
+            prepack = prepack_available(self.embed) if prepack is None else bool(prepack)
+            if prepack and not prepack_available(self.embed):
                 raise ValueError("FastDecoder(prepack=True) needs float32 CPU weights and a torch built with oneDNN")
-            pack = torch.ops.mkldnn._reorder_linear_weight if self.prepacked else (lambda w: w)
-            self._linear = _prepacked_linear if self.prepacked else F.linear
+            pack = _prepack if prepack else (lambda w: w)
             head, self.head_bias = _weight(lm.lm_head)
             self.head = pack(head)
             self.layers = []
@@ -241,6 +256,10 @@ class FastDecoder:
                 self.layers.append(_Layer(layer.input_layernorm.weight.detach(), pack(qkv), qkv_bias, pack(o),
                                           o_bias, layer.post_attention_layernorm.weight.detach(), pack(gate_up),
                                           gate_up_bias, pack(down), down_bias))
+            weights = [self.head] + [w for layer in self.layers
+                                     for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            self.prepacked = any(w.is_mkldnn for w in weights)  # whether any weight is in oneDNN's layout
+            self._linear = _linear if self.prepacked else F.linear
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As the Hugging Face RMSNorm: normalise in float32, cast back, then scale.
@@ -298,21 +317,23 @@ class FastDecoder:
 
 def _copy_bytes(model: nn.Module, prepacked: bool = False) -> int:
     """Bytes of the weight copy a :class:`FastDecoder` of ``model`` makes (projection and output weights):
-    the fused and the adapter-merged weights, and with ``prepacked`` every projection and the head."""
+    the fused and the adapter-merged weights, and with ``prepacked`` every weight large enough to be prepacked."""
     lm = _causal_lm(model)
 
-    def size(module: nn.Module) -> int:
-        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
-        return base.weight.numel() * base.weight.element_size()
+    def weight(module: nn.Module) -> torch.Tensor:
+        return (module.get_base_layer() if hasattr(module, "get_base_layer") else module).weight
 
-    total = size(lm.lm_head) if prepacked else 0
+    def packed(module: nn.Module) -> bool:
+        return prepacked and weight(module).numel() >= _MIN_PREPACK_ELEMENTS
+
+    total = weight(lm.lm_head).numel() * weight(lm.lm_head).element_size() if packed(lm.lm_head) else 0
     for layer in lm.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for module in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            total += size(module)
+            total += weight(module).numel() * weight(module).element_size()
         for module in (attn.o_proj, mlp.down_proj):
-            if prepacked or (hasattr(module, "get_base_layer") and _active_lora(module)):
-                total += size(module)
+            if packed(module) or (hasattr(module, "get_base_layer") and _active_lora(module)):
+                total += weight(module).numel() * weight(module).element_size()
     return total
 
 

@@ -5,6 +5,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from align.hub.tiny import build_tiny_model
+import align.models.decoding as decoding
 from align.models.decoding import FastDecoder, _copy_bytes, decoder_for, fast_decoder_unsupported, prepack_available
 from align.rollout import sample
 
@@ -80,7 +81,8 @@ PREPACK = [False] + ([True] if prepack_available(torch.ones(1)) else [])
 @pytest.mark.parametrize("prepack", PREPACK, ids=lambda p: "prepacked" if p else "plain")
 @pytest.mark.parametrize("build", [_llama, _qwen2, _mistral, lambda: _lora(_llama())],
                          ids=["llama", "qwen2-bias", "mistral", "llama-lora"])
-def test_prefill_and_every_step_match_the_model_forward(build, prepack):
+def test_prefill_and_every_step_match_the_model_forward(build, prepack, monkeypatch):
+    monkeypatch.setattr(decoding, "_MIN_PREPACK_ELEMENTS", 0)  # the test models' weights are all small
     model = build()
     assert fast_decoder_unsupported(model) is None
     ids, mask = _left_padded()
@@ -127,8 +129,13 @@ def test_sampling_through_the_decoder_draws_the_same_tokens_and_logprobs():
     torch.testing.assert_close(fast.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
 
 
-def test_prepacked_weights_are_used_where_they_run_and_counted_in_the_copy_budget():
+def test_prepacked_weights_are_used_where_they_run_and_counted_in_the_copy_budget(monkeypatch):
     model = _lora(_llama())
+    assert _copy_bytes(model, prepacked=True) == _copy_bytes(model)  # no weight reaches the size worth packing
+    if prepack_available(torch.ones(1)):
+        assert not FastDecoder(model, 8, prepack=True).prepacked
+        assert decoding._prepack(torch.randn(512, 512)).is_mkldnn
+    monkeypatch.setattr(decoding, "_MIN_PREPACK_ELEMENTS", 0)
     plain, packed = _copy_bytes(model), _copy_bytes(model, prepacked=True)
     lm = model.get_base_model()
     every_projection = sum(m.weight.numel() * 4 for name, m in lm.model.named_modules()
