@@ -118,11 +118,13 @@ def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _worth_prepacking(weight: torch.Tensor) -> bool:
+    return weight.numel() >= _MIN_PREPACK_ELEMENTS
+
+
 def _prepack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` in oneDNN's blocked layout when it is large enough to gain from it, else ``weight``."""
-    if weight.numel() < _MIN_PREPACK_ELEMENTS:
-        return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight) if _worth_prepacking(weight) else weight
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -240,10 +242,10 @@ class FastDecoder:
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()
             self.norm = inner.norm.weight.detach()
-            prepack = prepack_available(self.embed) if prepack is None else bool(prepack)
-            if prepack and not prepack_available(self.embed):
+            available = prepack_available(self.embed)
+            if prepack and not available:
                 raise ValueError("FastDecoder(prepack=True) needs float32 CPU weights and a torch built with oneDNN")
-            pack = _prepack if prepack else (lambda w: w)
+            pack = _prepack if (available if prepack is None else prepack) else (lambda w: w)
             head, self.head_bias = _weight(lm.lm_head)
             self.head = pack(head)
             self.layers = []
@@ -323,17 +325,20 @@ def _copy_bytes(model: nn.Module, prepacked: bool = False) -> int:
     def weight(module: nn.Module) -> torch.Tensor:
         return (module.get_base_layer() if hasattr(module, "get_base_layer") else module).weight
 
-    def packed(module: nn.Module) -> bool:
-        return prepacked and weight(module).numel() >= _MIN_PREPACK_ELEMENTS
+    def nbytes(module: nn.Module) -> int:
+        return weight(module).numel() * weight(module).element_size()
 
-    total = weight(lm.lm_head).numel() * weight(lm.lm_head).element_size() if packed(lm.lm_head) else 0
+    def packed(module: nn.Module) -> bool:
+        return prepacked and _worth_prepacking(weight(module))
+
+    total = nbytes(lm.lm_head) if packed(lm.lm_head) else 0
     for layer in lm.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for module in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            total += weight(module).numel() * weight(module).element_size()
+            total += nbytes(module)
         for module in (attn.o_proj, mlp.down_proj):
             if packed(module) or (hasattr(module, "get_base_layer") and _active_lora(module)):
-                total += weight(module).numel() * weight(module).element_size()
+                total += nbytes(module)
     return total
 
 

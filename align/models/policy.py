@@ -322,8 +322,9 @@ class PolicyModel(nn.Module):
         if layers is None:
             kinds = _adapter_switch_types()
             layers = self._adapter_switches = [m for m in self.model.modules() if isinstance(m, kinds)]
+            self._adapter_switch_flags = all(hasattr(layer, "_disable_adapters") for layer in layers)
         was_off = [layer.disable_adapters for layer in layers]
-        switch_only = not torch.is_grad_enabled() and all(hasattr(layer, "_disable_adapters") for layer in layers)
+        switch_only = not torch.is_grad_enabled() and self._adapter_switch_flags
         try:
             for layer in layers:
                 if switch_only:
