@@ -125,3 +125,24 @@ def test_empty_sample_and_bad_capacity_raise():
         ReplayBuffer(4).sample(2)
     with pytest.raises(ValueError, match="capacity"):
         ReplayBuffer(0)
+
+
+def test_writes_land_in_the_stored_tensors_for_every_dtype():
+    """Writes go through numpy views of the storage where numpy has the dtype, through torch where it has not
+    (bfloat16); either way the sampled and saved tensors hold what was added."""
+    buffer = ReplayBuffer(5)
+    for first in (0, 2, 4):  # the third add wraps around the ring (index writes)
+        t = vector_step(first)
+        t.observations = t.observations.to(torch.bfloat16)
+        buffer.add(t)
+    assert buffer.storage["observations"].dtype == torch.bfloat16
+    assert numbers(buffer) == [1, 2, 3, 4, 5]
+    state = buffer.state_dict()["storage"]
+    torch.testing.assert_close(state["observations"][:, 0].float(), torch.arange(1.0, 6.0))
+    torch.testing.assert_close(state["rewards"], torch.arange(1.0, 6.0) / 10)
+    assert state["terminated"].tolist() == [False, False, True, False, False]
+    restored = ReplayBuffer(5)
+    restored.load_state_dict(buffer.state_dict())
+    restored.add(vector_step(6, n=1))  # a write into the restored storage, through its new views
+    assert numbers(restored) == [2, 3, 4, 5, 6]
+    torch.testing.assert_close(restored.state_dict()["storage"]["rewards"], torch.arange(2.0, 7.0) / 10)
