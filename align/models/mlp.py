@@ -255,6 +255,35 @@ class QNetwork(nn.Module):
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(self.encoder(obs))
 
+    @torch.no_grad()
+    def greedy(self, obs: torch.Tensor) -> torch.Tensor:
+        """``argmax_a Q(obs, a)``, ``(N,)``: the values of :meth:`forward`, computed without autograd and without
+        a module call per layer. DQN acts on one observation per environment step, where each ``nn.Module`` call
+        cost about as much as its layer's arithmetic."""
+        x = self.encoder(obs)
+        for op, weight, bias in self._layer_ops():
+            x = op(x) if weight is None else nn.functional.linear(x, weight, bias)
+        return x.argmax(dim=1)
+
+    def _layer_ops(self) -> list[tuple]:
+        """``(op, weight, bias)`` per layer of ``net``: a linear layer's parameters (they are updated in place, so
+        the list stays current), or an activation applied in place to the fresh output before it."""
+        first = self.net[0].weight
+        cached = getattr(self, "_ops", None)
+        if cached is None or cached[0] is not first:  # rebuilt after anything replaced the parameters
+            ops = []
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    ops.append((None, layer.weight, layer.bias))
+                elif isinstance(layer, nn.ReLU):
+                    ops.append((torch.relu_, None, None))
+                elif isinstance(layer, nn.Tanh):
+                    ops.append((torch.tanh_, None, None))
+                else:
+                    ops.append((layer, None, None))
+            cached = self._ops = (first, ops)
+        return cached[1]
+
 
 class QTable(nn.Module):
     """A table of action values for a ``Discrete`` observation space, ``(N,) -> (N, A)``."""
@@ -268,6 +297,11 @@ class QTable(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.table[obs.long().view(-1)]
+
+    @torch.no_grad()
+    def greedy(self, obs: torch.Tensor) -> torch.Tensor:
+        """``argmax_a Q(obs, a)``, ``(N,)``."""
+        return self.forward(obs).argmax(dim=1)
 
 
 __all__ = ["ActorCritic", "ObservationEncoder", "PolicyOutput", "QNetwork", "QTable", "RewardScaler", "StackedMLP", "mlp",
