@@ -93,5 +93,9 @@ def clip_grad_norm(parameters: Sequence[torch.nn.Parameter], max_norm: float | N
         return torch.nn.utils.clip_grad_norm_(parameters, float("inf") if max_norm is None else max_norm)
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     if max_norm is not None:
-        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        # A factor of exactly 1 changes nothing: on the CPU, where reading it costs no device sync, the pass over
+        # every gradient is skipped then (most steps of a classic-RL run are not clipped).
+        if grads[0].device.type != "cpu" or float(coefficient) < 1.0:
+            torch._foreach_mul_(grads, coefficient)
     return total

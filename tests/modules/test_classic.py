@@ -204,6 +204,7 @@ def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double
 
     module.optimizer_step = step
     module.collect = lambda *args, **kwargs: None  # this iteration only learns
+    module.explorer = lambda num_steps: None  # (and draws no exploration)
     rng = torch.get_rng_state()
     module.iteration()
     torch.set_rng_state(rng)
@@ -229,6 +230,84 @@ def test_exploration_schedule_is_linear_in_environment_steps():
     assert module.epsilon() == pytest.approx(0.55)
     module.runner.steps = 900
     assert module.epsilon() == pytest.approx(0.1)
+
+
+def test_explorer_draws_what_act_would_draw_step_by_step():
+    """The training policy's draws are taken once per iteration: environment ``i`` at step ``k`` explores when
+    ``u[k, i] < epsilon(env_steps + k * N)`` and then takes ``random[k, i]``, else the greedy action."""
+    module = DQNGymModule(env=CARTPOLE, total_steps=40, exploration=Exploration(1.0, 0.0, 0.5), hidden=(8,))
+    obs = module.runner.start()
+    module.runner.steps = 6
+    torch.manual_seed(3)
+    policy = module.explorer(12)
+    torch.manual_seed(3)
+    u, random = torch.rand(12, 2), torch.randint(0, 2, (12, 2))
+    greedy = module.q(obs).argmax(dim=1)
+    for k in range(12):
+        epsilon = max(1.0 - (6 + 2 * k) / 20, 0.0)  # 1 -> 0 over the first 20 of 40 steps
+        want = torch.where(u[k] < epsilon, random[k], greedy)
+        assert torch.equal(policy(obs)[0], want), k
+    with pytest.raises(StopIteration):
+        policy(obs)  # drawn for 12 steps only
+
+
+def test_explorer_skips_the_network_when_every_environment_explores(monkeypatch):
+    module = DQNGymModule(env=CARTPOLE, total_steps=100, exploration=Exploration(1.0, 1.0, 0.5))
+    monkeypatch.setattr(module.q, "greedy", lambda obs: pytest.fail("the Q-network ran at epsilon 1"))
+    module.collect(module.explorer(5), 5, on_step=module._store)
+    assert len(module.buffer) == 10
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_q_network_greedy_is_the_argmax_of_its_forward_after_updates_and_loads(activation):
+    import gymnasium as gym
+
+    from align.models.mlp import QNetwork
+
+    torch.manual_seed(0)
+    space = gym.spaces.Box(-1, 1, (3,))
+    q = QNetwork(space, 5, (16, 16), activation)
+    obs = torch.randn(64, 3)
+    assert torch.equal(q.greedy(obs), q(obs).argmax(dim=1))
+    optimizer = torch.optim.SGD(q.parameters(), lr=1.0)
+    q(obs).square().sum().backward()
+    optimizer.step()  # in place: the cached layers see it
+    assert torch.equal(q.greedy(obs), q(obs).argmax(dim=1))
+    other = QNetwork(space, 5, (16, 16), activation)
+    q.load_state_dict(other.state_dict())
+    assert torch.equal(q.greedy(obs), other(obs).argmax(dim=1))
+    q.net[0].weight = torch.nn.Parameter(torch.randn(16, 3))  # replaced, not updated: the cache is rebuilt
+    assert torch.equal(q.greedy(obs), q(obs).argmax(dim=1))
+    assert not torch.is_grad_enabled() or q.greedy(obs).grad_fn is None
+
+
+def test_optimizer_steps_are_counted_and_step_hooks_still_run():
+    """Without a listener, the classic modules step torch's optimizer without Lightning's hook dispatch; the
+    trainer's step count is the same, and a callback with ``on_before_optimizer_step`` gets every step."""
+    import lightning.pytorch as L
+
+    class Count(L.Callback):
+        def __init__(self):
+            self.calls = 0
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.calls += 1
+
+    steps = {}
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        module = DQNGymModule(env=CARTPOLE, total_steps=96, learning_starts=20, train_freq=8, gradient_steps=3,
+                              batch_size=8, hidden=(16,), optimizer=ADAM)
+        count = Count()
+        trainer = cpu_trainer(max_epochs=1, callbacks=[count] if hooked else [])
+        trainer.fit(module)
+        assert module._unhooked_steps is (not hooked)
+        steps[hooked] = (trainer.global_step, [p.detach().clone() for p in module.q.parameters()])
+        if hooked:
+            assert count.calls == trainer.global_step
+    assert steps[False][0] == steps[True][0] == 3 * 5  # 6 iterations of 16 env steps; from 32 on they learn
+    for a, b in zip(steps[False][1], steps[True][1]):
+        torch.testing.assert_close(a, b)
 
 
 def test_several_processes_are_refused_on_one_line():
