@@ -10,6 +10,7 @@ Usage::
     python benchmarks/dpo.py --full                             # no LoRA: both sides keep a frozen reference copy
     python benchmarks/dpo.py --loss orpo                        # ORPO: reference-free on both sides
     python benchmarks/dpo.py --loss kto                         # KTO: each pair read as two unpaired examples
+    python benchmarks/dpo.py --padding-free                     # align without padding (model.padding_free)
     python benchmarks/dpo.py --model smollm2-135m-instruct --batch-size 4 --steps 10 --warmup 2 --threads 2
 
 What happens:
@@ -74,9 +75,10 @@ def build_module(spec: dict):
                                                   target_modules="all-linear")
     policy = PolicyModel(model=spec["model_dir"], dtype="float32", lora=lora)
     optimizer = partial(torch.optim.AdamW, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    free = spec.get("padding_free", False)
     if spec["loss"] == "kto":
-        return policy, KTOModule(policy, optimizer=optimizer, beta=spec["beta"])
-    return policy, DPOModule(policy, optimizer=optimizer, loss_type=spec["loss"], beta=spec["beta"])
+        return policy, KTOModule(policy, optimizer=optimizer, beta=spec["beta"], padding_free=free)
+    return policy, DPOModule(policy, optimizer=optimizer, loss_type=spec["loss"], beta=spec["beta"], padding_free=free)
 
 
 def child_align(spec: dict) -> dict:
@@ -232,6 +234,8 @@ def main(argv=None) -> int:
     g.add_argument("--loss", choices=("sigmoid", "orpo", "kto"), default="sigmoid",
                    help="DPO (DPOTrainer), ORPO (ORPOTrainer) or KTO (KTOTrainer, each pair read as two examples)")
     g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--padding-free", action="store_true",
+                   help="align scores each batch with its sequences laid end to end (model.padding_free); TRL padded")
     g.add_argument("--rows", type=int, default=None, help="use only the first N pairs")
     g = p.add_argument_group("run")
     g.add_argument("--trials", type=int, default=2, help="trials per framework, alternating")
@@ -254,10 +258,12 @@ def main(argv=None) -> int:
         spec = dict(model_dir=model_dir, train_file=str(tmp / "pairs.jsonl"), threads=args.threads,
                     seed=args.seed, full=args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                     batch_size=args.batch_size, max_length=args.max_length, steps=args.steps, warmup=args.warmup,
-                    lr=args.lr, beta=args.beta, loss=args.loss, log_every=args.log_every, workdir=str(tmp / "work"))
+                    lr=args.lr, beta=args.beta, loss=args.loss, log_every=args.log_every, workdir=str(tmp / "work"),
+                    padding_free=args.padding_free)
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters; "
               f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} "
-              f"{'examples' if args.loss == 'kto' else 'pairs'}; loss {args.loss}; batch {args.batch_size}; {args.steps} steps ({args.warmup} warmup); {args.threads} threads")
+              f"{'examples' if args.loss == 'kto' else 'pairs'}; loss {args.loss}; batch {args.batch_size}; {args.steps} steps ({args.warmup} warmup); {args.threads} threads"
+              f"{'; align padding-free' if args.padding_free else ''}")
 
         def report(trial: int, kind: str, r: dict) -> None:
             print(f"trial {trial} {kind:5s}: {r['pairs_per_s']:7.1f} pairs/s, peak RSS "

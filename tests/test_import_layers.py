@@ -32,7 +32,8 @@ STACK = ("data", "models", "rollout", "modules", "cli")
 LAYERS: dict[str, Layer] = {
     "errors": Layer(("align", "align.errors"), (),
                     "the package root and the user-facing error types: every layer raises them"),
-    MATH: Layer(("align.logprobs", "align.kl", "align.advantages", "align.losses", "align.trust_region", "align.stats"),
+    MATH: Layer(("align.logprobs", "align.kl", "align.advantages", "align.losses", "align.trust_region", "align.stats",
+                 "align.packing"),
                 (), "pure tensor math with pinned-value tests: torch, the standard library and each other only"),
     "hub": Layer(("align.hub",), ("errors",),
                  "what a model name points to (tiny, GGUF, local folder, hub id) and its tokenizer: data loads a "

@@ -72,3 +72,35 @@ def test_logger_connector_says_which_steps_the_loggers_write(private_api):
     assert isinstance(connector, _LoggerConnector)
     private_api.require(_LoggerConnector, "should_update_logs", used_by=used_by)
     assert connector.should_update_logs is True  # no active loop: every value is written
+
+
+def test_manual_optimization_counts_a_step_between_the_optimizers_step_callbacks(private_api):
+    used_by = ("align.modules.classic.base.ClassicRLModule.optimizer_step (torch's step without Lightning's hook "
+               "dispatch, still counted in trainer.global_step)")
+    seen = {}
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([self.w], lr=0.5)
+
+        def train_dataloader(self):
+            return [0, 1]
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            before = self.trainer.global_step
+            self.w.grad = torch.ones(2)
+            private_api.require(optimizer, "_on_before_step", used_by=used_by)()
+            optimizer.optimizer.step()
+            private_api.require(optimizer, "_on_after_step", used_by=used_by)()
+            seen[batch_idx] = (before, self.trainer.global_step)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_epochs=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Module())
+    assert seen == {0: (0, 1), 1: (1, 2)}, f"LightningOptimizer._on_before_step/_on_after_step: {used_by}"

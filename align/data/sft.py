@@ -14,6 +14,7 @@ from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.formats import UnusedColumns, sft_record
 from align.data.io import numbered, read_rows
 from align.errors import AlignDataError
+from align.packing import first_fit_decreasing
 
 log = logging.getLogger(__name__)
 
@@ -95,23 +96,10 @@ def pack(examples: Sequence[Example], max_length: int) -> list[Example]:
     Each segment keeps its own positions (restarting at 0), and its first label is ignored so nothing is
     predicted across a boundary. The model sees no attention across segments (see ``SFTBatch``).
     """
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i].input_ids))
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        n = len(examples[i].input_ids)
-        for b, free in enumerate(room):
-            if n <= free:
-                bins[b].append(i)
-                room[b] -= n
-                break
-        else:
-            bins.append([i])
-            room.append(max_length - n)
     packed = []
-    for members in sorted(bins, key=min):  # keep roughly the data order
+    for members in first_fit_decreasing([len(ex.input_ids) for ex in examples], max_length):
         ids, labels, pos = [], [], []
-        for i in sorted(members):
+        for i in members:
             ex = examples[i]
             ids += ex.input_ids
             labels += [IGNORE_INDEX] + ex.labels[1:]

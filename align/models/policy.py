@@ -414,28 +414,32 @@ class PolicyModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         ignore_index: int = -100,
+        reference: bool = False,
     ) -> torch.Tensor:
         """``(N,)`` float32 log-probs of ``targets`` at the positions that have one, in row-major order.
 
         Only those positions go through the output head (prompts, padding and the last position of a packed
         segment need no logits): with align's own chunked head on the selected hidden states, otherwise through
         transformers' ``logits_to_keep`` mask (so a model's softcapping or logit scale still applies).
+        ``reference=True`` scores with the reference model (see :meth:`setup_reference`).
         """
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
         keep = targets != ignore_index  # (B, T)
-        head = self._own_head(self.model)
-        if head is not None:
-            hidden = self._decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask,
-                                               position_ids=position_ids, use_cache=False).last_hidden_state
-            return linear_log_softmax(hidden[keep], head.weight, targets[keep], bias=head.bias)[0]
-        base = self.base_model
-        # Transformers versions with ``slice_logits_to_keep`` take a (B, T) bool mask and return (N, V) logits;
-        # models loaded with their own code (trust_remote_code) may not.
-        by_mask = (hasattr(transformers.modeling_utils, "slice_logits_to_keep")
-                   and type(base).__module__.startswith("transformers.models."))
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, **({"logits_to_keep": keep} if by_mask else {}))
+        ctx = self._reference_context() if reference else nullcontext(self.model)
+        with ctx as lm:
+            head = self._own_head(lm)
+            if head is not None:
+                hidden = self._decoder(lm)(input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids, use_cache=False).last_hidden_state
+                return linear_log_softmax(hidden[keep], head.weight, targets[keep], bias=head.bias)[0]
+            base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+            # Transformers versions with ``slice_logits_to_keep`` take a (B, T) bool mask and return (N, V) logits;
+            # models loaded with their own code (trust_remote_code) may not.
+            by_mask = (hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+                       and type(base).__module__.startswith("transformers.models."))
+            out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=False, **({"logits_to_keep": keep} if by_mask else {}))
         logits = out.logits if out.logits.dim() == 2 else out.logits[keep]  # (N, V)
         return selective_log_softmax(logits, targets[keep])
 

@@ -30,6 +30,7 @@ import torch
 from align.errors import AlignConfigError
 from align.logprobs import masked_sum
 from align.models.policy import PolicyModel
+from align.packing import pack_scored_rows
 
 if TYPE_CHECKING:
     from align.data.preference import PreferenceBatch, PreferenceDataset
@@ -44,10 +45,23 @@ def batch_to(batch: "PreferenceBatch", device: torch.device) -> "PreferenceBatch
 
 
 def sequence_logps(policy: PolicyModel, batch: "PreferenceBatch", reference: bool = False,
-                   rows: slice = slice(None)) -> torch.Tensor:
-    """Summed response log-probs of the batch's ``rows`` (all ``2B`` by default) from one forward pass. ``(rows,)``"""
-    scores = policy.token_logprobs(batch.input_ids[rows], batch.attention_mask[rows],
-                                   response_length=batch.response_length, reference=reference)
+                   rows: slice = slice(None), padding_free: bool = False) -> torch.Tensor:
+    """Summed response log-probs of the batch's ``rows`` (all ``2B`` by default) from one forward pass. ``(rows,)``
+
+    ``padding_free`` lays the rows' real tokens end to end (:func:`align.packing.pack_scored_rows`, rows no longer
+    than the padded ones) instead of scoring the padded ``[prompt | response]`` rows: the same sums to float
+    rounding, without the arithmetic of the padding. The padded layout instead runs a prompt shared by a pair's two
+    rows once (on models large enough for that to pay, see ``PolicyModel.token_logprobs``); which costs less
+    depends on how much of the batch is padding.
+    """
+    ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
+    if padding_free:
+        prompt = torch.zeros_like(mask[:, :ids.shape[1] - batch.response_length])
+        packed = pack_scored_rows(ids, mask, torch.cat([prompt, batch.response_mask[rows]], dim=1))
+        logps = policy.next_token_logprobs(packed.input_ids, packed.targets, position_ids=packed.position_ids,
+                                           reference=reference)
+        return packed.row_sums(logps)
+    scores = policy.token_logprobs(ids, mask, response_length=batch.response_length, reference=reference)
     return masked_sum(scores.logprobs, batch.response_mask[rows], dim=-1)
 
 

@@ -118,6 +118,7 @@ class DPOModule(PreferenceModule):
         precompute_reference: bool = False,
         reference_cache_dir: str | None = None,
         disable_dropout: bool = True,
+        padding_free: bool = False,
     ):
         """
         Args:
@@ -141,6 +142,10 @@ class DPOModule(PreferenceModule):
             reference_cache_dir: Where cached reference log-probs are kept; null: ``<default_root_dir>/ref_cache``.
             disable_dropout: Set every dropout (model, LoRA adapter) to 0, so that the policy and reference
                 passes over a pair are deterministic; false keeps the model's dropout.
+            padding_free: Score each micro-batch with its sequences laid end to end in rows no longer than the
+                padded ones, so no arithmetic is spent on padding (same log-probs to float rounding; pays when
+                response lengths vary widely). False scores the padded rows, where a pair's shared prompt runs once
+                on models large enough for that to pay.
         """
         if loss_type not in PREFERENCE_LOSSES:
             raise AlignConfigError(f"model.loss_type: expected one of {sorted(PREFERENCE_LOSSES)}, got {loss_type!r}")
@@ -157,14 +162,14 @@ class DPOModule(PreferenceModule):
             raise AlignConfigError(f"model.rpo_alpha: expected 0 with loss_type 'orpo', whose loss already holds the "
                                    f"chosen NLL, got {rpo_alpha}")
         super().__init__(policy, optimizer, scheduler, disable_dropout, loss_type not in REFERENCE_FREE,
-                         precompute_reference, reference_cache_dir)
+                         precompute_reference, reference_cache_dir, padding_free)
         self.loss_type, self.beta, self.label_smoothing = loss_type, beta, label_smoothing
         self.simpo_gamma = simpo_gamma
         self.rpo_alpha = rpo_alpha
 
     # ------------------------------------------------------------------ loss
     def pair_logps(self, batch: PreferenceBatch, split: str = "train") -> PairLogps:
-        logps = sequence_logps(self.policy, batch)  # (2B,) one forward pass for chosen and rejected
+        logps = sequence_logps(self.policy, batch, padding_free=self.padding_free)  # (2B,) chosen, rejected: one pass
         tokens = batch.response_mask.sum(-1).to(logps.dtype)  # (2B,)
         chosen, rejected = logps.chunk(2)
         ref = self._reference_logps(batch, split) if self.needs_reference else (None, None)

@@ -58,6 +58,7 @@ class KTOModule(PreferenceModule):
         precompute_reference: bool = False,
         reference_cache_dir: str | None = None,
         disable_dropout: bool = True,
+        padding_free: bool = False,
     ):
         """
         Args:
@@ -73,12 +74,17 @@ class KTOModule(PreferenceModule):
             reference_cache_dir: Where cached reference log-probs are kept; null: ``<default_root_dir>/ref_cache``.
             disable_dropout: Set every dropout (model, LoRA adapter) to 0, so that the policy and reference
                 passes over an example are deterministic; false keeps the model's dropout.
+            padding_free: Score each micro-batch with its sequences laid end to end in rows no longer than the
+                padded ones, so no arithmetic is spent on padding (same log-probs to float rounding; pays when
+                response lengths vary widely). False scores the padded rows, where a pair's shared prompt runs once
+                on models large enough for that to pay.
         """
         for name, value in (("beta", beta), ("desirable_weight", desirable_weight),
                             ("undesirable_weight", undesirable_weight)):
             if not value > 0:
                 raise AlignConfigError(f"model.{name}: expected > 0, got {value}")
-        super().__init__(policy, optimizer, scheduler, disable_dropout, True, precompute_reference, reference_cache_dir)
+        super().__init__(policy, optimizer, scheduler, disable_dropout, True, precompute_reference, reference_cache_dir,
+                         padding_free)
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
 
     def on_train_start(self) -> None:
@@ -96,9 +102,10 @@ class KTOModule(PreferenceModule):
 
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:
         B = batch.num_pairs
-        logps = sequence_logps(self.policy, batch, rows=slice(0, B))  # (B,) completions, with grad
+        free = self.padding_free
+        logps = sequence_logps(self.policy, batch, rows=slice(0, B), padding_free=free)  # (B,) completions, with grad
         with torch.no_grad():
-            kl_logps = sequence_logps(self.policy, batch, rows=slice(B, None))  # (B,) mismatched pairs
+            kl_logps = sequence_logps(self.policy, batch, rows=slice(B, None), padding_free=free)  # (B,) mismatched
         ref_logps, ref_kl_logps = self._reference_logps(batch, split)
         kl_sum = (kl_logps - ref_kl_logps).sum().float()
         packed = self.all_reduce_sum(torch.stack([kl_sum, torch.tensor(float(B), device=kl_sum.device)]))

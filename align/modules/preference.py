@@ -47,8 +47,10 @@ class PreferenceModule(AlignModule):
         needs_reference: bool,
         precompute_reference: bool,
         reference_cache_dir: str | None,
+        padding_free: bool = False,
     ):
         super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler, disable_dropout)
+        self.padding_free = padding_free
         self.needs_reference = needs_reference
         self.precompute_reference = precompute_reference and needs_reference
         self.reference_cache_dir = reference_cache_dir
@@ -103,7 +105,7 @@ class PreferenceModule(AlignModule):
         if self.cached_reference is not None:
             return self.cached_reference.logps(batch, split, self.device)
         with torch.no_grad():
-            return sequence_logps(self.policy, batch, reference=True).chunk(2)
+            return sequence_logps(self.policy, batch, reference=True, padding_free=self.padding_free).chunk(2)
 
     # ------------------------------------------------------------------ loss and metrics
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:

@@ -179,3 +179,42 @@ def test_orpo_is_sft_plus_the_odds_ratio_term_without_a_reference(varied_pairs):
     torch.testing.assert_close(nll, -logps.chunk(2)[0] / chosen_tokens)
     loss_sum.backward()
     assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_padding_free_scoring_equals_the_padded_rows(varied_pairs, lora):
+    """Sequence log-probs of the packed layout equal the padded rows', for the policy (values and gradients) and
+    for the reference."""
+    torch.manual_seed(0)
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None)
+    policy.setup_reference()
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))  # away from the reference (and LoRA's zero init)
+    dm = data(varied_pairs, batch_size=8)
+    dm.set_tokenizer(policy.tokenizer)
+    dm.setup("fit")
+    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    assert float(batch.attention_mask.float().mean()) < 0.8  # padding to save
+    params = [p for p in policy.parameters() if p.requires_grad]
+    weights = torch.randn(batch.input_ids.shape[0])
+    results = {}
+    for free in (False, True):
+        logps = sequence_logps(policy, batch, padding_free=free)
+        grads = torch.autograd.grad((weights * logps).sum(), params)
+        with torch.no_grad():
+            ref = sequence_logps(policy, batch, reference=True, padding_free=free)
+        results[free] = logps.detach(), grads, ref
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(results[True][2], results[False][2], atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(results[False][0], results[False][2])  # the reference is another model
+    for free_grad, padded_grad in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(free_grad, padded_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_padding_free_training_step_equals_the_padded_one(varied_pairs):
+    padded = one_step_params(varied_pairs, 8, 1, rpo_alpha=0.5)
+    free = one_step_params(varied_pairs, 8, 1, rpo_alpha=0.5, padding_free=True)
+    for name, value in padded.items():
+        torch.testing.assert_close(free[name], value, atol=2e-6, rtol=1e-5, msg=name)

@@ -103,3 +103,30 @@ def test_unbalanced_weights_warn_with_the_paper_range(tmp_path, caplog):
                                          r"for example model.desirable_weight in \[0.33, 0.44\]"):
         cpu_trainer(max_steps=1, limit_val_batches=0).fit(KTOModule(PolicyModel()),
                                                           data(str(path), val_files=None, batch_size=8))
+
+
+def test_padding_free_loss_and_gradients_equal_the_padded_ones(varied_pairs):
+    """KTO scores its completions and its mismatched pairs as two row ranges of one batch; packed, each range is
+    laid out on its own and gives the padded values."""
+    L.seed_everything(0)
+    module = KTOModule(PolicyModel(lora=LoraSettings(r=4, alpha=8)), beta=0.5)
+    module.policy.setup_reference()
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    dm = data(varied_pairs, batch_size=16)
+    dm.set_tokenizer(module.tokenizer)
+    dm.setup("fit")
+    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    params = [p for p in module.parameters() if p.requires_grad]
+    out = {}
+    for free in (False, True):
+        module.padding_free = free
+        loss_sum, stats = module._loss_and_stats(batch, "train")
+        out[free] = loss_sum.detach(), torch.autograd.grad(loss_sum, params), stats
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for name, value in out[False][2].items():
+        torch.testing.assert_close(out[True][2][name], value, atol=1e-4, rtol=1e-4, msg=name)

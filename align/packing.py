@@ -1,0 +1,100 @@
+"""Padding-free layouts: sequences of different lengths laid end to end in a few rows, with no padding between them.
+
+A packed row holds several sequences, each with its own positions (restarting at 0). transformers reads the
+restarts in ``position_ids`` (with no ``attention_mask``) as sequence boundaries and gives each sequence a causal
+mask of its own, so no token attends across a boundary and every sequence gets the numbers it gets alone in a
+padded row, to float rounding. What is saved is the arithmetic of the padding: a padded batch costs its longest
+row times its row count.
+
+:func:`first_fit_decreasing` chooses which sequences share a row; SFT packs its dataset with it once
+(:func:`align.data.sft.pack`), and :func:`pack_scored_rows` packs a padded batch at every step, for the preference
+losses' sequence log-probs (``padding_free``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins whose lengths sum to at most ``capacity``: longest first, each into
+    the first bin with room. A length above ``capacity`` gets a bin of its own. Each bin lists its indices in
+    increasing order, and the bins are ordered by their smallest index (roughly the input order)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return sorted((sorted(members) for members in bins), key=min)
+
+
+@dataclass
+class PackedRows:
+    """Rows of a padded batch laid end to end (see :func:`pack_scored_rows`)."""
+
+    input_ids: torch.Tensor  # (K, C)
+    position_ids: torch.Tensor  # (K, C) restarting at 0 at each sequence; the tail padding is a sequence of its own
+    targets: torch.Tensor  # (K, C) the token each position predicts where that token is scored, else ignore_index
+    source: torch.Tensor  # (N,) long: for each scored position, in row-major order, the padded row it came from
+    num_rows: int  # rows of the padded batch
+
+    def row_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """``(num_rows,)`` sums of ``values`` ``(N,)`` (one per scored position, row-major) by padded row."""
+        return values.new_zeros(self.num_rows).index_add(0, self.source, values)
+
+
+def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,
+                     width: int | None = None, pad_token_id: int = 0, ignore_index: int = -100) -> PackedRows:
+    """Pack the real tokens of each row of a padded batch into rows of at most ``width`` tokens.
+
+    ``input_ids``, ``attention_mask`` and ``scored`` are ``(B, T)``; ``scored`` marks the tokens whose log-prob is
+    wanted (each is predicted by the real token before it, so a row's first real token cannot be scored). Each
+    row's real tokens must be contiguous, as in a left-padded prompt followed by a right-padded response.
+    ``width`` defaults to ``T``, so no packed row is longer than the padded one and attention costs no more.
+    Positions that predict nothing scored get ``ignore_index`` (``PolicyModel.next_token_logprobs``' default).
+    """
+    B, T = input_ids.shape
+    width = T if width is None else int(width)
+    real = attention_mask.bool()
+    lengths = real.sum(-1).tolist()
+    if max(lengths, default=0) > width:
+        raise ValueError(f"pack_scored_rows: a row holds {max(lengths)} real tokens, more than the width {width}")
+    starts = real.long().argmax(-1).tolist()  # first real token of each row
+    bins = first_fit_decreasing(lengths, width)
+    K = len(bins)
+    ids = torch.full((K, width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    positions = torch.zeros((K, width), dtype=torch.long, device=input_ids.device)
+    targets = torch.full((K, width), ignore_index, dtype=torch.long, device=input_ids.device)
+    owner = torch.full((K, width), -1, dtype=torch.long, device=input_ids.device)
+    arange = torch.arange(width, device=input_ids.device)
+    for k, members in enumerate(bins):
+        at = 0
+        for r in members:
+            n, s = lengths[r], starts[r]
+            if not bool(real[r, s:s + n].all()):
+                raise ValueError(f"pack_scored_rows: row {r}'s real tokens are not contiguous")
+            ids[k, at:at + n] = input_ids[r, s:s + n]
+            positions[k, at:at + n] = arange[:n]
+            if n > 1:  # position j predicts token j + 1
+                hit = scored[r, s + 1:s + n].bool()
+                targets[k, at:at + n - 1] = torch.where(hit, input_ids[r, s + 1:s + n].long(), ignore_index)
+                owner[k, at:at + n - 1] = torch.where(hit, r, -1)
+            at += n
+        positions[k, at:] = arange[:width - at]
+    if bool((scored.bool() & ~real).any()) or bool(scored[torch.arange(B), torch.tensor(starts)].bool().any()):
+        raise ValueError("pack_scored_rows: a scored token is padding or a row's first token (nothing predicts it)")
+    return PackedRows(ids, positions, targets, owner[targets != ignore_index], B)
+
+
+__all__ = ["PackedRows", "first_fit_decreasing", "pack_scored_rows"]
