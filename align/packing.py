@@ -8,7 +8,7 @@ row times its row count.
 
 :func:`first_fit_decreasing` chooses which sequences share a row; SFT packs its dataset with it once
 (:func:`align.data.sft.pack`), and :func:`pack_scored_rows` packs a padded batch at every step, for the preference
-losses' sequence log-probs (``padding_free``).
+losses' sequence log-probs and the reward model's scores (``padding_free``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class PackedRows:
     targets: torch.Tensor  # (K, C) the token each position predicts where that token is scored, else ignore_index
     source: torch.Tensor  # (N,) long: for each scored position, in row-major order, the padded row it came from
     num_rows: int  # rows of the padded batch
+    offsets: torch.Tensor  # (B,) long: where each padded row's first real token sits in the flattened (K * C) rows
 
     def row_sums(self, values: torch.Tensor) -> torch.Tensor:
         """``(num_rows,)`` sums of ``values`` ``(N,)`` (one per scored position, row-major) by padded row."""
@@ -63,6 +64,8 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
     row's real tokens must be contiguous, as in a left-padded prompt followed by a right-padded response.
     ``width`` defaults to ``T``, so no packed row is longer than the padded one and attention costs no more.
     Positions that predict nothing scored get ``ignore_index`` (``PolicyModel.next_token_logprobs``' default).
+    ``scored`` may be all false when the caller reads the rows' hidden states at places of its own
+    (``PackedRows.offsets``; the reward model reads each sequence's last token).
     """
     B, T = input_ids.shape
     width = T if width is None else int(width)
@@ -77,6 +80,7 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
     positions = torch.zeros((K, width), dtype=torch.long, device=input_ids.device)
     targets = torch.full((K, width), ignore_index, dtype=torch.long, device=input_ids.device)
     owner = torch.full((K, width), -1, dtype=torch.long, device=input_ids.device)
+    offsets = torch.zeros(B, dtype=torch.long, device=input_ids.device)
     arange = torch.arange(width, device=input_ids.device)
     for k, members in enumerate(bins):
         at = 0
@@ -85,6 +89,7 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
             if not bool(real[r, s:s + n].all()):
                 raise ValueError(f"pack_scored_rows: row {r}'s real tokens are not contiguous")
             ids[k, at:at + n] = input_ids[r, s:s + n]
+            offsets[r] = k * width + at
             positions[k, at:at + n] = arange[:n]
             if n > 1:  # position j predicts token j + 1
                 hit = scored[r, s + 1:s + n].bool()
@@ -94,7 +99,7 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
         positions[k, at:] = arange[:width - at]
     if bool((scored.bool() & ~real).any()) or bool(scored[torch.arange(B), torch.tensor(starts)].bool().any()):
         raise ValueError("pack_scored_rows: a scored token is padding or a row's first token (nothing predicts it)")
-    return PackedRows(ids, positions, targets, owner[targets != ignore_index], B)
+    return PackedRows(ids, positions, targets, owner[targets != ignore_index], B, offsets)
 
 
 __all__ = ["PackedRows", "first_fit_decreasing", "pack_scored_rows"]

@@ -50,6 +50,7 @@ from align.hub.tiny import is_tiny_sort_rm
 from align.logprobs import last_valid_index
 from align.models.loading import LEGACY_HEAD_FILE, DType, is_sequence_classifier, torch_dtype
 from align.models.policy import PolicyModel, position_ids_from_mask
+from align.packing import pack_scored_rows
 
 log = logging.getLogger(__name__)
 
@@ -77,25 +78,35 @@ def last_scored_index(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  skip_token_id: int | None = None) -> torch.Tensor:
+                  skip_token_id: int | None = None, padding_free: bool = False) -> torch.Tensor:
     """Run ``decoder`` and ``head`` at each row's scored token (:func:`last_scored_index`). ``(N, T) -> (N,)``.
 
-    Padding may sit on either side: positions come from the mask.
+    Padding may sit on either side: positions come from the mask. ``padding_free`` runs the decoder over the rows'
+    real tokens laid end to end (:func:`align.packing.pack_scored_rows`) instead of the padded rows: the same
+    scores to float rounding, without the arithmetic of the padding.
     """
+    last = last_scored_index(input_ids, attention_mask, skip_token_id)  # (N,)
+    if padding_free:
+        packed = pack_scored_rows(input_ids, attention_mask, torch.zeros_like(attention_mask))
+        hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,  # (K, C, H)
+                         use_cache=False).last_hidden_state
+        first = attention_mask.long().argmax(-1)  # (N,) each row's first real token
+        return head(hidden.reshape(-1, hidden.shape[-1])[packed.offsets + last - first])  # (N,)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,  # (N, T, H)
                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    last = last_scored_index(input_ids, attention_mask, skip_token_id)  # (N,)
     return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
 
 
-def sequence_scores(policy: PolicyModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(policy: PolicyModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    padding_free: bool = False) -> torch.Tensor:
     """Scalar score of each sequence, read at its last real token. ``(N, T) -> (N,)`` float32.
 
-    Only the decoder and the head run.
+    Only the decoder and the head run; ``padding_free`` as in :func:`pooled_scores`.
     """
     if policy.value_head is None:
         raise AlignConfigError("reward model: the policy needs value_head='shared' (the scalar head)")
-    return pooled_scores(policy.model.get_decoder(), policy.value_head, input_ids, attention_mask)
+    return pooled_scores(policy.model.get_decoder(), policy.value_head, input_ids, attention_mask,
+                         padding_free=padding_free)
 
 
 class ScalarHead(nn.Module):

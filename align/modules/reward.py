@@ -54,6 +54,7 @@ class RewardModule(AlignModule):
         export: bool = True,
         export_dtype: str | None = None,
         disable_dropout: bool = True,
+        padding_free: bool = False,
     ):
         """
         Args:
@@ -65,6 +66,8 @@ class RewardModule(AlignModule):
             export: Write the trained reward model to ``<run dir>/export`` when ``fit`` ends.
             export_dtype: Weight dtype of the export (null keeps the training dtype).
             disable_dropout: Set every dropout (model, LoRA adapter) to 0, as for DPO; false keeps it.
+            padding_free: Run each micro-batch with its sequences laid end to end in rows no longer than the padded
+                ones, so no arithmetic is spent on padding (same scores to float rounding; pays when lengths vary).
         """
         policy = policy if policy is not None else PolicyModel(value_head="shared")
         if policy.value_head is None:
@@ -77,6 +80,7 @@ class RewardModule(AlignModule):
         policy.value_head.proj.bias.requires_grad_(False)
         super().__init__(policy, optimizer, scheduler, disable_dropout)
         self.use_margin = use_margin
+        self.padding_free = padding_free
         self.export = export
         self.export_dtype = export_dtype
         self._window = PairMetrics()
@@ -85,7 +89,7 @@ class RewardModule(AlignModule):
     # ------------------------------------------------------------------ shared
     def pair_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chosen, rejected)`` scores, each ``(B,)``, from one forward pass over all ``2B`` rows."""
-        scores = sequence_scores(self.policy, batch.input_ids, batch.attention_mask)  # (2B,)
+        scores = sequence_scores(self.policy, batch.input_ids, batch.attention_mask, self.padding_free)  # (2B,)
         return scores.chunk(2)
 
     def _loss_and_stats(self, batch: PreferenceBatch) -> tuple[torch.Tensor, dict]:

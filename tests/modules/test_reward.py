@@ -230,3 +230,29 @@ def test_export_callback_on_a_reward_model_run_writes_the_reward_model(trained, 
     prompts, completions = ["sort: c a b"], ["a b c"]
     assert RewardModelScorer(str(tmp_path / "cb"))(prompts, completions) == pytest.approx(
         RewardModelScorer(str(trained["export"]))(prompts, completions), abs=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_padding_free_scores_and_gradients_equal_the_padded_rows(varied_pairs, lora):
+    torch.manual_seed(0)
+    module = RewardModule(PolicyModel(value_head="shared", lora=LoraSettings(r=4, alpha=8) if lora else None))
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    dm = data(varied_pairs, batch_size=8)
+    dm.set_tokenizer(module.tokenizer)
+    dm.setup("fit")
+    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    assert float(batch.attention_mask.float().mean()) < 0.8  # padding to save
+    params = [p for p in module.parameters() if p.requires_grad]
+    out = {}
+    for free in (False, True):
+        module.padding_free = free
+        chosen, rejected = module.pair_scores(batch)
+        loss, _ = module._loss_and_stats(batch)
+        out[free] = torch.cat([chosen, rejected]).detach(), torch.autograd.grad(loss, params)
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=1e-5)
+    assert out[False][0].std() > 1e-3  # scores that differ between rows
+    for a, b in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
