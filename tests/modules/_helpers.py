@@ -70,3 +70,22 @@ def standalone(module, optimizer=None, lr=0.0):
     optimizer = optimizer if optimizer is not None else CaptureOptimizer(module, lr)
     module.use_optimizer(optimizer)
     return optimizer
+
+
+def nudged_trainables(module, scale: float = 0.05) -> list:
+    """Add ``scale`` x Gaussian noise to every trainable parameter of ``module`` (away from its reference, and from
+    LoRA's zero init, so log-ratios and gradients are not trivially zero); returns those parameters."""
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in params:
+            p.add_(scale * torch.randn_like(p))
+    return params
+
+
+def first_eval_batch(datamodule, tokenizer):
+    """The first held-out-order batch of ``datamodule``'s training set, tokenized with ``tokenizer``."""
+    datamodule.set_tokenizer(tokenizer)
+    datamodule.setup("fit")
+    return next(iter(datamodule.eval_dataloader(datamodule.train_set)))

@@ -3,7 +3,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from _helpers import cpu_trainer, write_varied_pairs
+from _helpers import cpu_trainer, first_eval_batch, nudged_trainables, write_varied_pairs
 
 from align.data.preference import PreferenceDataModule
 from align.models import LoraSettings, PolicyModel
@@ -188,16 +188,9 @@ def test_padding_free_scoring_equals_the_padded_rows(varied_pairs, lora):
     torch.manual_seed(0)
     policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None)
     policy.setup_reference()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))  # away from the reference (and LoRA's zero init)
-    dm = data(varied_pairs, batch_size=8)
-    dm.set_tokenizer(policy.tokenizer)
-    dm.setup("fit")
-    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    params = nudged_trainables(policy)
+    batch = first_eval_batch(data(varied_pairs, batch_size=8), policy.tokenizer)
     assert float(batch.attention_mask.float().mean()) < 0.8  # padding to save
-    params = [p for p in policy.parameters() if p.requires_grad]
     weights = torch.randn(batch.input_ids.shape[0])
     results = {}
     for free in (False, True):

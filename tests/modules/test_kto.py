@@ -3,7 +3,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from _helpers import cpu_trainer, write_varied_pairs
+from _helpers import cpu_trainer, first_eval_batch, nudged_trainables, write_varied_pairs
 
 from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.errors import AlignConfigError
@@ -111,15 +111,8 @@ def test_padding_free_loss_and_gradients_equal_the_padded_ones(varied_pairs):
     L.seed_everything(0)
     module = KTOModule(PolicyModel(lora=LoraSettings(r=4, alpha=8)), beta=0.5)
     module.policy.setup_reference()
-    with torch.no_grad():
-        for p in module.policy.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    dm = data(varied_pairs, batch_size=16)
-    dm.set_tokenizer(module.tokenizer)
-    dm.setup("fit")
-    batch = next(iter(dm.eval_dataloader(dm.train_set)))
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = nudged_trainables(module)
+    batch = first_eval_batch(data(varied_pairs, batch_size=16), module.tokenizer)
     out = {}
     for free in (False, True):
         module.padding_free = free

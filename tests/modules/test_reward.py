@@ -3,7 +3,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from _helpers import cpu_trainer, write_varied_pairs
+from _helpers import cpu_trainer, first_eval_batch, nudged_trainables, write_varied_pairs
 
 from align.data.io import read_rows
 from align.data.preference import PreferenceDataModule
@@ -236,16 +236,9 @@ def test_export_callback_on_a_reward_model_run_writes_the_reward_model(trained, 
 def test_padding_free_scores_and_gradients_equal_the_padded_rows(varied_pairs, lora):
     torch.manual_seed(0)
     module = RewardModule(PolicyModel(value_head="shared", lora=LoraSettings(r=4, alpha=8) if lora else None))
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    dm = data(varied_pairs, batch_size=8)
-    dm.set_tokenizer(module.tokenizer)
-    dm.setup("fit")
-    batch = next(iter(dm.eval_dataloader(dm.train_set)))
+    params = nudged_trainables(module)
+    batch = first_eval_batch(data(varied_pairs, batch_size=8), module.tokenizer)
     assert float(batch.attention_mask.float().mean()) < 0.8  # padding to save
-    params = [p for p in module.parameters() if p.requires_grad]
     out = {}
     for free in (False, True):
         module.padding_free = free
