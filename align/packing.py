@@ -48,11 +48,16 @@ class PackedRows:
     targets: torch.Tensor  # (K, C) the token each position predicts where that token is scored, else ignore_index
     source: torch.Tensor  # (N,) long: for each scored position, in row-major order, the padded row it came from
     num_rows: int  # rows of the padded batch
-    offsets: torch.Tensor  # (B,) long: where each padded row's first real token sits in the flattened (K * C) rows
+    origins: torch.Tensor  # (B,) long: each padded row's position 0 in the flattened (K * C) rows (see ``locate``)
 
     def row_sums(self, values: torch.Tensor) -> torch.Tensor:
         """``(num_rows,)`` sums of ``values`` ``(N,)`` (one per scored position, row-major) by padded row."""
         return values.new_zeros(self.num_rows).index_add(0, self.source, values)
+
+    def locate(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` indices into the flattened ``(K * C)`` packed rows of one real token per padded row, given by
+        its position ``(B,)`` in that row."""
+        return self.origins + positions
 
 
 def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,
@@ -65,41 +70,44 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
     ``width`` defaults to ``T``, so no packed row is longer than the padded one and attention costs no more.
     Positions that predict nothing scored get ``ignore_index`` (``PolicyModel.next_token_logprobs``' default).
     ``scored`` may be all false when the caller reads the rows' hidden states at places of its own
-    (``PackedRows.offsets``; the reward model reads each sequence's last token).
+    (``PackedRows.locate``; the reward model reads each sequence's last token).
     """
     B, T = input_ids.shape
     width = T if width is None else int(width)
-    real = attention_mask.bool()
-    lengths = real.sum(-1).tolist()
+    real, scored = attention_mask.bool(), scored.bool()
+    length = real.sum(-1)  # (B,)
+    first = real.long().argmax(-1)  # (B,) each row's first real token
+    end = T - real.flip(-1).long().argmax(-1)  # (B,) one past its last
+    broken = ((end - first != length) & (length > 0)).nonzero()
+    if len(broken):
+        raise ValueError(f"pack_scored_rows: row {int(broken[0])}'s real tokens are not contiguous")
+    if bool((scored & ~real).any()) or bool(scored.gather(1, first[:, None]).any()):
+        raise ValueError("pack_scored_rows: a scored token is padding or a row's first token (nothing predicts it)")
+    lengths, starts = length.tolist(), first.tolist()
     if max(lengths, default=0) > width:
         raise ValueError(f"pack_scored_rows: a row holds {max(lengths)} real tokens, more than the width {width}")
-    starts = real.long().argmax(-1).tolist()  # first real token of each row
     bins = first_fit_decreasing(lengths, width)
     K = len(bins)
     ids = torch.full((K, width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     positions = torch.zeros((K, width), dtype=torch.long, device=input_ids.device)
     targets = torch.full((K, width), ignore_index, dtype=torch.long, device=input_ids.device)
     owner = torch.full((K, width), -1, dtype=torch.long, device=input_ids.device)
-    offsets = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+    origins = torch.zeros(B, dtype=torch.long, device=input_ids.device)
     arange = torch.arange(width, device=input_ids.device)
     for k, members in enumerate(bins):
         at = 0
         for r in members:
             n, s = lengths[r], starts[r]
-            if not bool(real[r, s:s + n].all()):
-                raise ValueError(f"pack_scored_rows: row {r}'s real tokens are not contiguous")
             ids[k, at:at + n] = input_ids[r, s:s + n]
-            offsets[r] = k * width + at
+            origins[r] = k * width + at - s
             positions[k, at:at + n] = arange[:n]
             if n > 1:  # position j predicts token j + 1
-                hit = scored[r, s + 1:s + n].bool()
+                hit = scored[r, s + 1:s + n]
                 targets[k, at:at + n - 1] = torch.where(hit, input_ids[r, s + 1:s + n].long(), ignore_index)
                 owner[k, at:at + n - 1] = torch.where(hit, r, -1)
             at += n
         positions[k, at:] = arange[:width - at]
-    if bool((scored.bool() & ~real).any()) or bool(scored[torch.arange(B), torch.tensor(starts)].bool().any()):
-        raise ValueError("pack_scored_rows: a scored token is padding or a row's first token (nothing predicts it)")
-    return PackedRows(ids, positions, targets, owner[targets != ignore_index], B, offsets)
+    return PackedRows(ids, positions, targets, owner[targets != ignore_index], B, origins)
 
 
 __all__ = ["PackedRows", "first_fit_decreasing", "pack_scored_rows"]

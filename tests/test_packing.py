@@ -27,7 +27,9 @@ def test_pack_scored_rows_pinned():
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
     assert packed.targets.tolist() == [[-100, 9, -100, -100, -100], [-100, -100, 2, 3, -100]]
     assert packed.source.tolist() == [0, 1, 1]
-    assert packed.offsets.tolist() == [0, 5]  # row 0 starts bin 0, row 1 bin 1 (flattened, 5 per bin)
+    last = torch.tensor([3, 4])  # each row's last real token, by its padded position
+    assert packed.locate(last).tolist() == [2, 9]  # row 0 starts bin 0 at 0, row 1 bin 1 (flattened, 5 per bin)
+    assert packed.input_ids.flatten()[packed.locate(last)].tolist() == [9, 3]
     torch.testing.assert_close(packed.row_sums(torch.tensor([1.0, 10.0, 100.0])), torch.tensor([1.0, 110.0]))
 
     wide = pack_scored_rows(input_ids, attention_mask, scored, width=9, pad_token_id=4)  # both fit in one row
@@ -35,7 +37,8 @@ def test_pack_scored_rows_pinned():
     assert wide.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0]]
     assert wide.targets.tolist() == [[-100, 9, -100, -100, -100, 2, 3, -100, -100]]
     assert wide.source.tolist() == [0, 1, 1]
-    assert wide.offsets.tolist() == [0, 3]
+    assert wide.locate(last).tolist() == [2, 7]
+    assert wide.input_ids.flatten()[wide.locate(last)].tolist() == [9, 3]
 
 
 @pytest.mark.parametrize("mask, scored, message", [

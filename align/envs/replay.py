@@ -53,13 +53,13 @@ class ReplayBuffer:
             where = (self.position + torch.arange(n)) % self.capacity
         for name, store in self.storage.items():
             value = getattr(transition, name)
-            view = self._views.get(name) if isinstance(where, slice) and value.device.type == "cpu" else None
-            try:
-                if view is not None:
+            view = self._views.get(name)
+            if view is not None and isinstance(where, slice) and value.device.type == "cpu":
+                try:
                     view[where] = value.detach().numpy()
                     continue
-            except TypeError:  # a dtype numpy has no type for
-                pass
+                except TypeError:  # a value of a dtype numpy has no type for
+                    pass
             store[where] = value
         self.position = (self.position + n) % self.capacity
         self.size = min(self.size + n, self.capacity)

@@ -245,7 +245,8 @@ class FastDecoder:
             available = prepack_available(self.embed)
             if prepack and not available:
                 raise ValueError("FastDecoder(prepack=True) needs float32 CPU weights and a torch built with oneDNN")
-            pack = _prepack if (available if prepack is None else prepack) else (lambda w: w)
+            use_prepack = available if prepack is None else prepack
+            pack = _prepack if use_prepack else (lambda w: w)
             head, self.head_bias = _weight(lm.lm_head)
             self.head = pack(head)
             self.layers = []

@@ -433,7 +433,7 @@ class PolicyModel(nn.Module):
                 hidden = self._decoder(lm)(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=False).last_hidden_state
                 return linear_log_softmax(hidden[keep], head.weight, targets[keep], bias=head.bias)[0]
-            base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+            base = self._unwrapped(lm)
             # Transformers versions with ``slice_logits_to_keep`` take a (B, T) bool mask and return (N, V) logits;
             # models loaded with their own code (trust_remote_code) may not.
             by_mask = (hasattr(transformers.modeling_utils, "slice_logits_to_keep")
@@ -494,15 +494,19 @@ class PolicyModel(nn.Module):
         return facts[id(decoder)]
 
     @staticmethod
-    def _decoder(lm: nn.Module) -> nn.Module:
+    def _unwrapped(lm: nn.Module) -> nn.Module:
+        """The transformers model inside ``lm``: unwrapped from peft when it is a peft model."""
+        return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+    @classmethod
+    def _decoder(cls, lm: nn.Module) -> nn.Module:
         """The transformers decoder (embeddings, layers, final norm) inside ``lm``, a peft wrapper included."""
-        base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-        return base.get_decoder()
+        return cls._unwrapped(lm).get_decoder()
 
     def _own_head(self, lm: nn.Module) -> nn.Linear | None:
         """``lm``'s output head when align applies it itself, chunked (see :func:`chunked_head_unsupported`);
         ``None``: the model's own forward computes the logits. The first fallback is reported once."""
-        base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+        base = self._unwrapped(lm)
         reason = chunked_head_unsupported(base)
         if reason is None:
             return base.get_output_embeddings()

@@ -90,8 +90,7 @@ def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, 
         packed = pack_scored_rows(input_ids, attention_mask, torch.zeros_like(attention_mask))
         hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,  # (K, C, H)
                          use_cache=False).last_hidden_state
-        first = attention_mask.long().argmax(-1)  # (N,) each row's first real token
-        return head(hidden.reshape(-1, hidden.shape[-1])[packed.offsets + last - first])  # (N,)
+        return head(hidden.reshape(-1, hidden.shape[-1])[packed.locate(last)])  # (N,)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,  # (N, T, H)
                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
