@@ -8,7 +8,8 @@ row times its row count.
 
 :func:`first_fit_decreasing` chooses which sequences share a row; SFT packs its dataset with it once
 (:func:`align.data.sft.pack`), and :func:`pack_scored_rows` packs a padded batch at every step, for the preference
-losses' sequence log-probs and the reward model's scores (``padding_free``).
+losses' sequence log-probs, the reward model's scores and the RL update's per-token log-probs and values
+(``padding_free``).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class PackedRows:
         return values.new_zeros(self.num_rows).index_add(0, self.source, values)
 
     def locate(self, positions: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` indices into the flattened ``(K * C)`` packed rows of one real token per padded row, given by
-        its position ``(B,)`` in that row."""
-        return self.origins + positions
+        """Indices into the flattened ``(K * C)`` packed rows of real tokens of the padded rows, given by their
+        positions in those rows: ``(B,)`` (one per row) or ``(B, L)`` (``L`` per row). Only the indices of real
+        tokens are meaningful."""
+        return self.origins.view(-1, *([1] * (positions.dim() - 1))) + positions
 
 
 def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,

@@ -34,6 +34,7 @@ from align.models.loading import (
     reward_head_state,
     torch_dtype,
 )
+from align.packing import PackedRows, pack_scored_rows
 
 log = logging.getLogger(__name__)
 
@@ -358,21 +359,39 @@ class PolicyModel(nn.Module):
         return_entropy: bool = False,
         return_values: bool = False,
         reference: bool = False,
+        padding_free: bool = False,
     ) -> TokenLogprobs:
         """Log-probs (and optionally entropy and values) of the last ``response_length`` tokens.
 
         Only the needed positions go through the output head, and log-probs are gathered without keeping a
         full-vocabulary log-softmax. ``response_length=None`` scores every token after the first.
+
+        ``padding_free``: run the rows' real tokens laid end to end (:func:`align.packing.pack_scored_rows`)
+        instead of the padded rows, and score only the real response tokens (those of ``attention_mask``); the
+        outputs at padded response positions are 0. Each row's real tokens must be contiguous (a left-padded
+        prompt and a right-padded response). The shared-prompt pass (:meth:`_scoring_hidden`) does not apply.
         """
         T = input_ids.shape[1]
         R = T - 1 if response_length is None else response_length
         if not 0 < R < T:
             raise ValueError(f"response_length must be in [1, {T - 1}], got {R}")
+        want_values = return_values and not reference
+        ctx = self._reference_context() if reference else nullcontext(self.model)
+        if padding_free and attention_mask is not None:
+            packed, scored, index = self._pack_responses(input_ids, attention_mask, R)
+            with ctx as lm:
+                keep_hidden = want_values and self.value_head is not None
+                logprobs, entropy, hidden = self._scores_at(
+                    lm, packed.input_ids, None, packed.position_ids, index, input_ids[:, T - R:][scored],
+                    temperature, return_entropy, keep_hidden)
+            values = None
+            if want_values:
+                values = self.value_head(hidden) if keep_hidden else self._critic_values_at(packed, index)
+            spread = lambda x: None if x is None else x.new_zeros(scored.shape).masked_scatter(scored, x)
+            return TokenLogprobs(spread(logprobs), spread(entropy), spread(values))
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
-        want_values = return_values and not reference
         targets = input_ids[:, T - R:]
-        ctx = self._reference_context() if reference else nullcontext(self.model)
         with ctx as lm:
             head = self._own_head(lm)
             if head is not None:
@@ -428,20 +447,71 @@ class PolicyModel(nn.Module):
         keep = targets != ignore_index  # (B, T)
         ctx = self._reference_context() if reference else nullcontext(self.model)
         with ctx as lm:
-            head = self._own_head(lm)
-            if head is not None:
-                hidden = self._decoder(lm)(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids, use_cache=False).last_hidden_state
-                return linear_log_softmax(hidden[keep], head.weight, targets[keep], bias=head.bias)[0]
-            base = self._unwrapped(lm)
-            # Transformers versions with ``slice_logits_to_keep`` take a (B, T) bool mask and return (N, V) logits;
-            # models loaded with their own code (trust_remote_code) may not.
-            by_mask = (hasattr(transformers.modeling_utils, "slice_logits_to_keep")
-                       and type(base).__module__.startswith("transformers.models."))
+            return self._scores_at(lm, input_ids, attention_mask, position_ids, keep.flatten().nonzero().squeeze(1),
+                                   targets[keep])[0]
+
+    def _scores_at(self, lm: nn.Module, input_ids, attention_mask, position_ids, index: torch.Tensor,
+                   targets: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
+                   keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(logprobs, entropy, hidden)``, each ``(N, ...)``, of ``targets`` ``(N,)`` as predicted at the positions
+        ``index`` ``(N,)`` (in any order) of the flattened ``(B * T)`` rows of one forward pass of ``lm``.
+
+        Only those positions go through the output head: align's own chunked head on the selected hidden states,
+        otherwise transformers' ``logits_to_keep`` mask (so a model's softcapping or logit scale still applies).
+        ``hidden`` (the final hidden states at ``index``) is returned with the own head, or when ``keep_hidden``.
+        """
+        head = self._own_head(lm)
+        if head is not None:
+            hidden = self._decoder(lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       use_cache=False).last_hidden_state.flatten(0, 1)[index]
+            logprobs, entropy = linear_log_softmax(hidden, head.weight, targets, bias=head.bias,
+                                                   temperature=temperature, return_entropy=return_entropy)
+            return logprobs, entropy, hidden
+        base = self._unwrapped(lm)
+        # Transformers versions with ``slice_logits_to_keep`` take a (B, T) bool mask and return (N, V) logits in
+        # row-major order; models loaded with their own code (trust_remote_code) may not.
+        by_mask = (hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+                   and type(base).__module__.startswith("transformers.models."))
+        keep = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
+        keep = keep.index_fill_(0, index, True).view_as(input_ids)
+        kept: list[torch.Tensor] = []
+        hook = None
+        if keep_hidden:
+            hook = self._decoder(lm).register_forward_hook(
+                lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+        try:
             out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      use_cache=False, **({"logits_to_keep": keep} if by_mask else {}))
-        logits = out.logits if out.logits.dim() == 2 else out.logits[keep]  # (N, V)
-        return selective_log_softmax(logits, targets[keep])
+        finally:
+            if hook is not None:
+                hook.remove()
+        logits = out.logits if out.logits.dim() == 2 else out.logits[keep]  # (N, V), row-major
+        logits = logits[torch.searchsorted(index.sort().values, index)]  # in the order of index
+        logprobs = selective_log_softmax(logits, targets, temperature)
+        entropy = entropy_from_logits(logits, temperature=temperature) if return_entropy else None
+        return logprobs, entropy, kept[0].flatten(0, 1)[index] if kept else None
+
+    @staticmethod
+    def _pack_responses(input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int
+                        ) -> tuple[PackedRows, torch.Tensor, torch.Tensor]:
+        """The padded rows' real tokens laid end to end (:func:`~align.packing.pack_scored_rows`), the ``(B, R)``
+        mask of the real tokens among the last ``R``, and ``(N,)`` the flattened packed positions that predict
+        them, in the mask's row-major order."""
+        B, T = input_ids.shape
+        scored = attention_mask.bool().clone()
+        scored[:, : T - R] = False
+        packed = pack_scored_rows(input_ids, attention_mask, scored)
+        predictors = torch.arange(T - R - 1, T - 1, device=input_ids.device).expand(B, R)
+        response = scored[:, T - R:]
+        return packed, response, packed.locate(predictors)[response]
+
+    def _critic_values_at(self, packed: PackedRows, index: torch.Tensor) -> torch.Tensor:
+        """``(N,)`` values of the separate critic at the flattened positions ``index`` of ``packed``'s rows."""
+        if self.critic is None:
+            raise RuntimeError("values requested but the policy has no value head; set policy.value_head")
+        hidden = self.critic(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                             use_cache=False).last_hidden_state
+        return self.critic_head(hidden.flatten(0, 1)[index])
 
     def _scoring_hidden(self, decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
         """``(B, R, H)`` final hidden states of the positions ``T-R-1 .. T-2``, which predict the last ``R`` tokens.
@@ -534,16 +604,28 @@ class PolicyModel(nn.Module):
         response_length: int,
         position_ids: torch.Tensor | None = None,
         detach_backbone: bool = False,
+        padding_free: bool = False,
     ) -> torch.Tensor:
         """``(B, R)`` float32 values ``V(state before token j)`` of the last ``R`` tokens, without the LM head.
 
-        The same numbers as ``score(..., return_values=True).values``; for a value-only update or a rollout.
-        ``detach_backbone``: with a shared head, run the policy backbone without gradients, so a value-only
-        update trains the head alone and leaves the policy unchanged.
+        The same numbers as ``token_logprobs(..., return_values=True).values``; for a value-only update or a
+        rollout. ``detach_backbone``: with a shared head, run the policy backbone without gradients, so a
+        value-only update trains the head alone and leaves the policy unchanged. ``padding_free``: as in
+        :meth:`token_logprobs` (values at padded response positions are 0).
         """
         T = input_ids.shape[1]
         if not 0 < response_length < T:
             raise ValueError(f"response_length must be in [1, {T - 1}], got {response_length}")
+        if padding_free and attention_mask is not None:
+            packed, scored, index = self._pack_responses(input_ids, attention_mask, response_length)
+            if self.value_head is None:
+                values = self._critic_values_at(packed, index)
+            else:
+                with torch.no_grad() if detach_backbone else nullcontext():
+                    hidden = self._decoder(self.model)(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                                       use_cache=False).last_hidden_state
+                values = self.value_head(hidden.flatten(0, 1)[index])
+            return values.new_zeros(scored.shape).masked_scatter(scored, values)
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
         hidden = None

@@ -94,6 +94,10 @@ class Updates:
     loss_aggregation: Aggregation = "token_mean"
     """``token_mean`` over the step (DAPO), ``seq_mean`` (per-sequence means, the GRPO paper) or Dr. GRPO's
     ``constant`` (sequences x max_new_tokens)."""
+    padding_free: bool = False
+    """Run every scoring pass of a rollout (the update's, the reference's, PPO's values) with the rows' real
+    tokens laid end to end instead of padded rows (docs/performance.md): no arithmetic on padding, but no
+    shared-prompt pass either, so it pays when lengths vary widely and rows do not share their prompt."""
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "updates.epochs", ">= 1", self.epochs)

@@ -214,7 +214,8 @@ class PPOModule(RLModule):
                 scores = self.transform_scores(total, rollout)
             mask, old_logprobs = rollout.response_mask, rollout.old_logprobs
             ref_logprobs = self.reference_logprobs(rollout)
-            values = self.policy.values(rollout.input_ids, rollout.attention_mask, response_length=mask.shape[1])  # (N, R)
+            values = self.policy.values(rollout.input_ids, rollout.attention_mask, response_length=mask.shape[1],
+                                        padding_free=self.updates.padding_free)  # (N, R)
             values = torch.where(mask, values, torch.zeros_like(values))
             rewards, kl = shape_rewards(scores, old_logprobs, old_logprobs if ref_logprobs is None else ref_logprobs,
                                         mask, self.kl_controller.value, kind=self.kl.kind, token_rewards=turn_rewards)
@@ -273,7 +274,7 @@ class PPOModule(RLModule):
     def _value_only_loss(self, micro: PPOBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         # During warm-up a shared head trains alone: the policy backbone must not move before its first update.
         values = self.policy.values(micro.input_ids, micro.attention_mask, response_length=micro.response_length,
-                                    detach_backbone=self.warming_up)
+                                    detach_backbone=self.warming_up, padding_free=self.updates.padding_free)
         return self.value_loss(micro, normaliser, values)
 
     # ------------------------------------------------------------------ updates

@@ -256,7 +256,8 @@ class RLModule(AlignModule):
         """Per-token log-probs of the responses in ``data`` (and entropy or values on request), at the sampling
         temperature; ``reference=True``: under the reference policy."""
         return self.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_mask.shape[1],
-                                          temperature=self.logprob_temperature, reference=reference, **kwargs)
+                                          temperature=self.logprob_temperature, reference=reference,
+                                          padding_free=self.updates.padding_free, **kwargs)
 
     @property
     def needs_reference(self) -> bool:

@@ -229,3 +229,28 @@ def test_one_sample_per_prompt_is_refused_where_the_estimator_needs_a_group():
         with pytest.raises(AlignConfigError, match=rf"^model\.group_size: expected >= 2 .*{estimator}, got 1$"):
             make_module(group_size=1, advantages=GroupAdvantages(estimator=estimator))
     assert make_module(group_size=1, advantages=GroupAdvantages(estimator="reinforce_pp")).group_size == 1
+
+
+def test_padding_free_update_equals_the_padded_rows():
+    # updates.padding_free: the KL-penalised update of responses that ended at different lengths gives every
+    # optimizer step the padded rows' gradients, and the same logged losses.
+    module = make_module(kl=KLPenalty(coef=0.1), log_entropy=True, updates=dict(epochs=2, minibatches=2))
+    module.setup("fit")
+    data = fixed_batch(module)
+    ends = torch.tensor([6, 1, 3, 6, 2, 6, 1, 4])[:, None] > torch.arange(data.response_length)
+    data.response_mask &= ends
+    data.attention_mask[:, -data.response_length:] *= ends
+    data.ref_logprobs = module.reference_logprobs(data)
+    grads, metrics = {}, {}
+    for free in (False, True):
+        module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)
+        opt = standalone(module)
+        torch.manual_seed(1)  # the same minibatches
+        metrics[free] = module.update(data, module._loss)
+        grads[free] = opt.grads
+    assert len(grads[True]) == 4
+    for step_free, step_padded in zip(grads[True], grads[False]):
+        for free, padded in zip(step_free, step_padded):
+            torch.testing.assert_close(free, padded, atol=1e-5 * max(1.0, float(padded.abs().max())), rtol=1e-4)
+    for name in ("train/loss", "train/policy_loss", "train/kl", "train/entropy"):
+        assert metrics[True][name] == pytest.approx(metrics[False][name], rel=1e-5, abs=1e-6), name

@@ -335,3 +335,81 @@ def test_shared_prompts_reference_pass_and_rows_without_sharing(monkeypatch):
         alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5,
                                                  reference=True).logprobs for i in range(ids.shape[0])])
     torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- padding-free scoring
+
+
+def _ragged(policy):
+    """Rows of one short and one long left-padded prompt, each with right-padded responses of 6, 2, 4 and 1
+    tokens: the short rows' real tokens fit two to a packed row."""
+    ids, mask = batch(policy, ("sort: b a", "sort: d c b a e f g h i j"))
+    prompts, prompt_mask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
+    g = torch.Generator().manual_seed(1)
+    responses = torch.randint(5, policy.config.vocab_size, (8, 6), generator=g)
+    lengths = torch.tensor([6, 2, 4, 1] * 2)
+    response_mask = (torch.arange(6) < lengths[:, None]).long()
+    return torch.cat([prompts, responses], 1), torch.cat([prompt_mask, response_mask], 1), response_mask.bool()
+
+
+@pytest.mark.parametrize("lora,kind", [(False, "shared"), (True, "shared"), (False, "separate")])
+def test_padding_free_scoring_equals_the_padded_rows(lora, kind, monkeypatch):
+    # Log-probs, entropies, values (shared head or separate critic) and every gradient of the real response tokens
+    # are those of the padded rows, through align's chunked head and through the model's own logits; the padded
+    # response positions read 0; and the rows really share packed rows.
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head=kind)
+    ids, mask, real = _ragged(policy)
+    weights = torch.linspace(-1, 1, 48).view(8, 6)
+    with torch.no_grad():
+        for p in (policy.value_head or policy.critic_head).parameters():
+            p.normal_(0.0, 0.1)  # a zero-initialised head would make the values' gradients trivial
+    shapes = []
+    decoder = policy.model.get_decoder() if not lora else policy.base_model.get_decoder()
+    decoder.register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+
+    def run(free):
+        def scores(p):
+            out = p.token_logprobs(ids, mask, response_length=6, temperature=0.9, return_entropy=True,
+                                   return_values=True, padding_free=free)
+            outputs = [torch.where(real, x, 0.0) for x in out]
+            loss = (outputs[0] * weights).sum() + outputs[1].sum() + outputs[2].sum()
+            if free:
+                assert all(bool((x[~real] == 0).all()) for x in out)
+            return outputs, loss
+        return scores
+
+    results = {}
+    for free in (False, True):
+        for unsupported in (lambda model: None, lambda model: "forced for the test"):
+            monkeypatch.setattr("align.models.policy.chunked_head_unsupported", unsupported)
+            policy.zero_grad(set_to_none=True)
+            outputs, loss = run(free)(policy)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+            results[free, unsupported("x")] = ([o.detach() for o in outputs], grads)
+    padded_outputs, padded_grads = results[False, None]
+    for key, (outputs, grads) in results.items():
+        for a, b in zip(outputs, padded_outputs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=str(key))
+        assert grads.keys() == padded_grads.keys() and grads
+        for name in grads:  # float rounding, relative to each gradient's scale
+            scale = max(1.0, float(padded_grads[name].abs().max()))
+            torch.testing.assert_close(grads[name], padded_grads[name], atol=1e-5 * scale, rtol=1e-4,
+                                       msg=f"{key} {name}")
+    assert shapes[-1][0] < ids.shape[0] and shapes[-1][1] == ids.shape[1]  # fewer rows, none longer
+    values = policy.values(ids, mask, response_length=6, padding_free=True)
+    torch.testing.assert_close(values, torch.where(real, results[False, None][0][2], 0.0), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_free_reference_pass_equals_the_padded_rows():
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8))
+    policy.setup_reference()
+    ids, mask, real = _ragged(policy)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.1 * torch.randn_like(p))  # the policy moves away from its reference
+        padded = policy.token_logprobs(ids, mask, response_length=6, reference=True).logprobs
+        free = policy.token_logprobs(ids, mask, response_length=6, reference=True, padding_free=True).logprobs
+        trained = policy.token_logprobs(ids, mask, response_length=6, padding_free=True).logprobs
+    torch.testing.assert_close(free, torch.where(real, padded, 0.0), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(free, trained)

@@ -246,3 +246,36 @@ def test_critic_head_starts_from_the_shipped_reward_models_head(from_rm):
     else:
         assert not head.weight.any()
     assert not head.bias.any()
+
+
+@pytest.mark.parametrize("kind", ["shared", "separate"])
+def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
+    # updates.padding_free: the reference log-probs and values of make_batch (hence rewards, returns and
+    # advantages), and the gradients of every PPO step, are those of the padded rows.
+    policy = PolicyModel("tiny", seed=2, value_head=kind)
+    eos = policy.tokenizer.eos_token_id
+    responses = [[40, 41, eos, 0, 0], [40, 41, 42, 43, 44], [40, eos, 0, 0, 0], [40, 41, 42, eos, 0]]
+    module = make_module(policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1,
+                         sampling=SamplingConfig(max_new_tokens=5))
+    module.setup("fit")
+    module.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
+    with torch.no_grad():
+        head = policy.value_head if kind == "shared" else policy.critic_head
+        head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
+    batches, grads = {}, {}
+    for free in (False, True):
+        module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)
+        batches[free] = data = module.make_batch(prompt_batch(policy, PROMPTS[:4]))
+        opt = standalone(module)
+        torch.manual_seed(1)  # the same minibatches
+        module.update_policy(data)
+        grads[free] = opt.grads
+    real = batches[False].response_mask
+    assert torch.equal(batches[True].response_mask, real) and not bool(real.all())
+    for name in ("ref_logprobs", "values", "rewards", "returns", "advantages"):
+        torch.testing.assert_close(getattr(batches[True], name)[real], getattr(batches[False], name)[real], atol=1e-5,
+                                   rtol=1e-5, msg=name)
+    assert len(grads[True]) == 4
+    for step_free, step_padded in zip(grads[True], grads[False]):
+        for free, padded in zip(step_free, step_padded):
+            torch.testing.assert_close(free, padded, atol=1e-5 * max(1.0, float(padded.abs().max())), rtol=1e-4)

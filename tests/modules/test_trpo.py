@@ -165,3 +165,24 @@ def test_trains_a_few_steps_with_lightning_and_every_accepted_step_respects_the_
             assert float(r["trpo/max_kl"]) == pytest.approx(0.005)
     if any(float(r["trpo/accepted"]) for r in steps):
         assert any(not torch.equal(a, b.detach()) for a, b in zip(before, module.policy_parameters()))
+
+
+def test_padding_free_trust_region_step_equals_the_padded_rows():
+    # The Fisher-vector products differentiate the padding-free log-probs twice; the step they give is the
+    # padded rows' step.
+    module = make_module()
+    data = fixed_batch(module)
+    params = [p for p in module.policy.model.parameters() if p.requires_grad]
+    start = snapshot(params)
+    after, metrics = {}, {}
+    for free in (False, True):
+        module.updates = Updates(padding_free=free)
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s)
+        metrics[free] = module.trust_region_step(data)
+        after[free] = snapshot(params)
+    assert metrics[True]["trpo/accepted"] == metrics[False]["trpo/accepted"] == 1.0
+    assert metrics[True]["trpo/kl"] == pytest.approx(metrics[False]["trpo/kl"], rel=1e-4)
+    for free, padded, s in zip(after[True], after[False], start):
+        torch.testing.assert_close(free - s, padded - s, atol=1e-6, rtol=1e-3)
