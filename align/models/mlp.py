@@ -5,8 +5,10 @@ Action log-probs and entropies come from the same functions as a language model'
 :func:`~align.logprobs.selective_log_softmax` and :func:`~align.logprobs.entropy_from_logits` for discrete actions,
 :func:`~align.logprobs.gaussian_log_prob` for continuous ones.
 
-Initialisation follows Stable-Baselines3 and arXiv 2005.12729 ("implementation matters"): orthogonal weights with
-gain sqrt(2) in hidden layers, 0.01 on the policy output and 1 on the value output, zero biases.
+Initialisation follows Stable-Baselines3: the actor-critic networks as arXiv 2005.12729 ("implementation
+matters") recommends, orthogonal weights with gain sqrt(2) in hidden layers, 0.01 on the policy output and 1 on the
+value output, zero biases; the Q-network with torch's default ``nn.Linear`` initialisation, as SB3's (and
+CleanRL's) DQN, whose tuned hyperparameters assume it (``init: orthogonal`` gives it the orthogonal one).
 """
 
 from __future__ import annotations
@@ -109,16 +111,19 @@ class RewardScaler(nn.Module):
         return (rewards.double() / torch.sqrt(self.var + self.eps)).clamp(-self.clip, self.clip).to(rewards.dtype)
 
 
-def mlp(sizes: Sequence[int], activation: Activation, out_gain: float) -> nn.Sequential:
-    """Linear layers of ``sizes`` with ``activation`` between them, orthogonally initialised."""
+def mlp(sizes: Sequence[int], activation: Activation, out_gain: float | None) -> nn.Sequential:
+    """Linear layers of ``sizes`` with ``activation`` between them, orthogonally initialised (gain sqrt(2), then
+    ``out_gain`` on the last layer; zero biases). ``out_gain=None`` keeps torch's own initialisation of
+    ``nn.Linear`` in every layer."""
     if activation not in _ACTIVATIONS:
         raise AlignConfigError(f"model.network.activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         linear = nn.Linear(a, b)
         last = i == len(sizes) - 2
-        nn.init.orthogonal_(linear.weight, gain=out_gain if last else math.sqrt(2))
-        nn.init.zeros_(linear.bias)
+        if out_gain is not None:
+            nn.init.orthogonal_(linear.weight, gain=out_gain if last else math.sqrt(2))
+            nn.init.zeros_(linear.bias)
         layers.append(linear)
         if not last:
             layers.append(_ACTIVATIONS[activation]())
@@ -247,10 +252,13 @@ class QNetwork(nn.Module):
     """``Q(s, .)``: one value per discrete action, ``(N, *obs) -> (N, A)``."""
 
     def __init__(self, observation_space: gym.Space, num_actions: int, hidden: Sequence[int] = (64, 64),
-                 activation: Activation = "relu", env_id: str = "environment"):
+                 activation: Activation = "relu", env_id: str = "environment",
+                 init: Literal["torch", "orthogonal"] = "torch"):
         super().__init__()
+        if init not in ("torch", "orthogonal"):
+            raise AlignConfigError(f"model.init: expected 'torch' or 'orthogonal', got {init!r}")
         self.encoder = ObservationEncoder(observation_space, env_id=env_id)
-        self.net = mlp([self.encoder.size, *hidden, num_actions], activation, 1.0)
+        self.net = mlp([self.encoder.size, *hidden, num_actions], activation, 1.0 if init == "orthogonal" else None)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(self.encoder(obs))

@@ -218,6 +218,24 @@ def test_qnetwork_output_shape():
     assert QNetwork(gym.spaces.Discrete(7), 2)(torch.tensor([0, 6])).shape == (2, 2)
 
 
+def test_qnetwork_initialisation_is_torchs_by_default_or_orthogonal():
+    # torch's nn.Linear init (as SB3's DQN): weights and biases uniform in +-1/sqrt(fan_in). Orthogonal: gain
+    # sqrt(2) in the hidden layers (rows of norm sqrt(2) where out <= in), 1 on the output, zero biases.
+    torch.manual_seed(0)
+    plain = QNetwork(BOX4, 3, hidden=(64, 32))
+    for layer in (m for m in plain.net if isinstance(m, torch.nn.Linear)):
+        bound = 1 / layer.in_features ** 0.5
+        assert layer.weight.abs().max() <= bound and layer.bias.abs().max() <= bound and layer.bias.abs().sum() > 0
+    ortho = QNetwork(BOX4, 3, hidden=(64, 32), init="orthogonal")
+    first, second, last = (m for m in ortho.net if isinstance(m, torch.nn.Linear))
+    torch.testing.assert_close(first.weight.T @ first.weight, 2 * torch.eye(4), atol=1e-5, rtol=0)  # out > in
+    torch.testing.assert_close(second.weight @ second.weight.T, 2 * torch.eye(32), atol=1e-5, rtol=0)
+    torch.testing.assert_close(last.weight @ last.weight.T, torch.eye(3), atol=1e-5, rtol=0)
+    assert all(layer.bias.abs().sum() == 0 for layer in (first, second, last))
+    with pytest.raises(AlignConfigError, match="model.init: expected 'torch' or 'orthogonal', got 'xavier'"):
+        QNetwork(BOX4, 3, init="xavier")
+
+
 def test_qtable():
     table = QTable(gym.spaces.Discrete(4), 2, init=0.5)
     assert table.table.shape == (4, 2)

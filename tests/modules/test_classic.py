@@ -192,6 +192,7 @@ def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double
             p.add_(0.05 * torch.randn_like(p))  # a target unlike the online network
     row_bytes = sum(store[0].numel() * store.element_size() for store in module.buffer.storage.values())
     monkeypatch.setattr(dqn, "DRAW_BYTES", row_bytes * 8 * 4)  # draws of 4 steps, then 2
+    monkeypatch.setattr(dqn, "TARGET_ROWS", 5)  # the target network over a draw's 32 rows in chunks of 5
     assert module._steps_per_draw() == 4
     reference = copy.deepcopy(module.q)
     optimizer = torch.optim.SGD(module.q.parameters(), lr=0.1)
