@@ -71,9 +71,9 @@ Settings (RL Zoo's CartPole-v1 hyperparameters), the same on both sides:
 Each library keeps its own environment loop (align: a Gymnasium ``SyncVectorEnv`` stepped by its ``EnvRunner``;
 SB3: its ``DummyVecEnv`` of ``Monitor``-wrapped environments, as RL Zoo builds it) and its own details where they
 differ: align steps Adam with torch's fused kernel (its configs' ``fused: true``), SB3 with torch's default; SB3's
-DQN acts uniformly at random for its first 1,000 steps (align epsilon-greedily, epsilon ~0.9 there) and initialises
-its Q-network with torch's default init (align: orthogonal); SB3 decays PPO's learning rate by the progress after
-each rollout, align by the progress before it (one 256-step iteration apart).
+DQN acts uniformly at random for its first 1,000 steps (align epsilon-greedily, epsilon ~0.9 there); SB3 decays
+PPO's learning rate by the progress after each rollout, align by the progress before it (one 256-step iteration
+apart). Both initialise the Q-network with torch's ``nn.Linear`` default (align's DQN ``init: torch``).
 """
 
 from __future__ import annotations
