@@ -39,6 +39,12 @@ from align.packing import PackedRows, pack_scored_rows
 log = logging.getLogger(__name__)
 
 
+def _spread(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` ``(N,)``, one per true entry of ``mask`` in row-major order, laid out in ``mask``'s shape, with 0
+    elsewhere (differentiable)."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
 class TokenLogprobs(NamedTuple):
     """Per-token outputs for the last ``R`` positions of a batch of sequences.
 
@@ -387,8 +393,7 @@ class PolicyModel(nn.Module):
             values = None
             if want_values:
                 values = self.value_head(hidden) if keep_hidden else self._critic_values_at(packed, index)
-            spread = lambda x: None if x is None else x.new_zeros(scored.shape).masked_scatter(scored, x)
-            return TokenLogprobs(spread(logprobs), spread(entropy), spread(values))
+            return TokenLogprobs(*(None if x is None else _spread(scored, x) for x in (logprobs, entropy, values)))
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
         targets = input_ids[:, T - R:]
@@ -486,7 +491,9 @@ class PolicyModel(nn.Module):
             if hook is not None:
                 hook.remove()
         logits = out.logits if out.logits.dim() == 2 else out.logits[keep]  # (N, V), row-major
-        logits = logits[torch.searchsorted(index.sort().values, index)]  # in the order of index
+        ordered, _ = index.sort()
+        if not torch.equal(ordered, index):  # the logits come in row-major order: put them in index's
+            logits = logits[torch.searchsorted(ordered, index)]
         logprobs = selective_log_softmax(logits, targets, temperature)
         entropy = entropy_from_logits(logits, temperature=temperature) if return_entropy else None
         return logprobs, entropy, kept[0].flatten(0, 1)[index] if kept else None
@@ -625,7 +632,7 @@ class PolicyModel(nn.Module):
                     hidden = self._decoder(self.model)(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                                        use_cache=False).last_hidden_state
                 values = self.value_head(hidden.flatten(0, 1)[index])
-            return values.new_zeros(scored.shape).masked_scatter(scored, values)
+            return _spread(scored, values)
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
         hidden = None
