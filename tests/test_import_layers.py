@@ -49,8 +49,10 @@ LAYERS: dict[str, Layer] = {
                      "sampling completions and scoring them (reward functions, reward models; generation and "
                      "evaluation of a trained policy), playing multi-turn episodes with environments and tools, and "
                      "stepping Gymnasium environments with a policy: no optimizer"),
-    "trainer": Layer(("align.strategies", "align.checkpointing", "align.guards", "align.optim"), ("errors",),
-                     "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, schedules): "
+    "trainer": Layer(("align.strategies", "align.checkpointing", "align.guards", "align.optim", "align.host_memory"),
+                     ("errors",),
+                     "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, schedules, the "
+                     "host allocator's settings): "
                      "they work on any LightningModule through Lightning's hooks, so they know no model or data"),
     "observability": Layer(("align.observability",), ("errors",),
                            "OTLP export and the curves picture, to the side and the only code importing "

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from align.host_memory import keep_freed_host_memory
 from align.models.policy import PolicyModel
 from align.optim import WarmupLR
 
@@ -142,6 +143,11 @@ class TrainingModule(L.LightningModule):
         if isinstance(scheduler, WarmupLR) and scheduler.total_steps is None:
             scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        # Large freed blocks stay with the process for the next step instead of being faulted in anew
+        # (align.host_memory: about a fifth of a SmolLM2 PPO update on CPU).
+        keep_freed_host_memory()
 
     guards_own_steps = False
     """True for a module that checks its own losses and gradients for non-finite values before each step (classic
