@@ -268,7 +268,9 @@ class _LinearLogSoftmax(torch.autograd.Function):
     Forward and backward each visit the rows in chunks, and each chunk's logits exist only while it is being
     processed: the saved state is ``hidden``, the head's weight and bias, and two float32 numbers per row (the
     log-normaliser and the entropy). The backward recomputes a chunk's logits (one more matmul of the head per
-    chunk) and turns them into the gradients of the hidden states, the weight and the bias:
+    chunk) and turns them into the gradients of the hidden states, the weight and the bias. When every row fits
+    in one chunk, the forward keeps that chunk's log-probabilities for the backward instead (at most one chunk's
+    memory, which the forward held anyway), so the head costs three matmuls instead of four:
 
     with x = logits / T, p = softmax(x) and log p(i) = x_i - lse,
       d log p(i) / dx = onehot(i) - p,       d H / dx = -p * (log p + H),
@@ -276,27 +278,34 @@ class _LinearLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, temperature, chunk_rows, want_entropy):
+    def forward(ctx, hidden, weight, bias, index, temperature, chunk_rows, want_entropy, backward_follows):
         n = hidden.shape[0]
         dtype = _compute_dtype(weight.dtype)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
         picked = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
         entropy = torch.empty(n, dtype=dtype, device=hidden.device) if want_entropy else None  # (N,)
+        # One chunk and a backward to come: keep its log-probabilities rather than recompute its logits there.
+        keep = n <= chunk_rows and backward_follows
+        kept = lse.new_empty(0)
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
             x = _scaled_logits(hidden[rows], weight, bias, dtype, temperature)  # (n_chunk, V)
             picked[rows] = x.gather(-1, index[rows].unsqueeze(-1)).squeeze(-1)
-            # logsumexp in place on the chunk's buffer: x - max, then its exp (x itself is kept for the entropy).
+            # logsumexp in place on the chunk's buffer: x - max, then its exp (x itself is kept for the entropy
+            # and for the backward).
             top = x.amax(dim=-1, keepdim=True)  # (n_chunk, 1)
-            shifted = x.sub(top) if want_entropy else x.sub_(top)
+            shifted = x.sub(top) if want_entropy or keep else x.sub_(top)
             p = shifted.exp_()
             total = p.sum(-1)
             lse[rows] = total.log() + top.squeeze(-1)
             if want_entropy:  # H = lse - sum(p * x) with p = exp(x - lse)
                 entropy[rows] = lse[rows] - p.mul_(x).sum(-1) / total
+            if keep:
+                del p, shifted
+                kept = x.sub_(lse[rows].unsqueeze(-1))  # log p
         ctx.temperature, ctx.chunk_rows, ctx.has_bias = temperature, chunk_rows, bias is not None
         ctx.save_for_backward(hidden, weight, bias if bias is not None else hidden.new_empty(0), index, lse,
-                              entropy if want_entropy else lse.new_empty(0))
+                              entropy if want_entropy else lse.new_empty(0), kept)
         logprobs = picked - lse
         if want_entropy:
             return logprobs, entropy
@@ -304,7 +313,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):  # (N,), (N,) or empty
-        hidden, weight, bias, index, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, index, lse, entropy, kept = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         t, step = ctx.temperature, ctx.chunk_rows
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
@@ -314,15 +323,17 @@ class _LinearLogSoftmax(torch.autograd.Function):
             grads = _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs,
                                               grad_entropy if use_entropy else None, t, step,
                                               (need_hidden, need_weight, need_bias))
-            return (*grads, None, None, None, None)
+            return (*grads, None, None, None, None, None)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_bias else None
         for start in range(0, hidden.shape[0], step):
             rows = slice(start, start + step)
             h = hidden[rows]
-            # In place on the chunk's one (n_chunk, V) buffer: x -> log p -> p -> the logit gradient.
-            logp = _scaled_logits(h, weight, bias, lse.dtype, t).sub_(lse[rows].unsqueeze(-1))
+            # In place on the chunk's one (n_chunk, V) buffer: x -> log p -> p -> the logit gradient. A kept chunk
+            # is copied, so that a second backward (retain_graph) finds it as it was.
+            logp = (kept.clone() if kept.numel() else
+                    _scaled_logits(h, weight, bias, lse.dtype, t).sub_(lse[rows].unsqueeze(-1)))
             g = grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)  # (n_chunk, 1)
             if use_entropy:
                 g_ent = grad_entropy[rows].to(lse.dtype).unsqueeze(-1)
@@ -346,7 +357,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(weight.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def linear_log_softmax(
@@ -377,7 +388,8 @@ def linear_log_softmax(
     Equals ``selective_log_softmax(hidden @ weight.T + bias, index, temperature)`` and
     ``entropy_from_logits(...)`` of the same logits to float rounding, forward and backward, while the peak
     memory of the head is one chunk of logits instead of ``(..., V)`` logits plus their gradient. The price is
-    one more matmul of the head in the backward pass (the chunk's logits are recomputed there).
+    one more matmul of the head in the backward pass (the chunk's logits are recomputed there), except when the
+    rows fit in one chunk: then that chunk's log-probabilities are kept for the backward.
     """
     if hidden.shape[:-1] != index.shape:
         raise ValueError(
@@ -396,8 +408,13 @@ def linear_log_softmax(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     if flat_hidden.dtype != weight.dtype:
         flat_hidden = flat_hidden.to(weight.dtype)
+    # (Inside the function's forward, grad mode is always off and an input's requires_grad does not say whether
+    # a graph is being recorded.)
+    backward_follows = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (flat_hidden, weight, bias))
     logprobs, entropy = _LinearLogSoftmax.apply(
-        flat_hidden, weight, bias, index.reshape(-1).long(), temperature, int(chunk_rows), bool(return_entropy)
+        flat_hidden, weight, bias, index.reshape(-1).long(), temperature, int(chunk_rows), bool(return_entropy),
+        backward_follows,
     )
     logprobs = logprobs.view(index.shape)
     return logprobs, (entropy.view(index.shape) if return_entropy else None)

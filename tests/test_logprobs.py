@@ -506,6 +506,58 @@ def test_linear_log_softmax_keeps_no_vocabulary_sized_tensor_for_backward():
     assert all(torch.isfinite(t.grad).all() for t in (h, w, b))
 
 
+def test_linear_log_softmax_keeps_one_chunk_of_log_probs_when_the_rows_fit_in_one():
+    # Every row in one chunk: the forward keeps that chunk's log-probabilities, (N, V), for the backward instead of
+    # recomputing the logits there. A second backward through the same graph finds them unchanged.
+    h, w, b, idx = _head_case(torch.float64, n=(4, 16), hidden=8, vocab=512)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=0.7, return_entropy=True, chunk_rows=64)
+    big = [t for t in saved if t.numel() >= idx.numel() * 512 and t is not w]
+    assert [t.shape for t in big] == [(64, 512)]
+    torch.testing.assert_close(big[0], torch.log_softmax(torch.nn.functional.linear(h, w, b) / 0.7, -1).reshape(64, 512),
+                               rtol=0, atol=1e-12)
+    loss = (lp_ * torch.linspace(-1, 1, 64).view(4, 16)).sum() + 0.3 * ent.sum()
+    first = torch.autograd.grad(loss, [h, w, b], retain_graph=True)
+    second = torch.autograd.grad(loss, [h, w, b])
+    logits = torch.nn.functional.linear(h, w, b)
+    ref = (selective_log_softmax(logits, idx, 0.7) * torch.linspace(-1, 1, 64).view(4, 16)).sum() \
+        + 0.3 * entropy_from_logits(logits, temperature=0.7).sum()
+    for got_1, got_2, want in zip(first, second, torch.autograd.grad(ref, [h, w, b])):
+        torch.testing.assert_close(got_1, want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_2, want, rtol=0, atol=1e-12)
+    # A frozen head (LoRA): the hidden states alone need a gradient, and the chunk is kept for theirs.
+    saved.clear()
+    frozen_w = w.detach()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lp_, _ = linear_log_softmax(h, frozen_w, idx, chunk_rows=64)
+    assert [t.shape for t in saved if t.numel() >= idx.numel() * 512 and t is not frozen_w] == [(64, 512)]
+    (grad_h,) = torch.autograd.grad(lp_.sum(), [h])
+    (want_h,) = torch.autograd.grad(selective_log_softmax(h @ frozen_w.t(), idx).sum(), [h])
+    torch.testing.assert_close(grad_h, want_h, rtol=0, atol=1e-12)
+    # No graph recorded (a reference or rollout pass under no_grad, with a head that trains): nothing is kept,
+    # so the forward makes no extra copy of the chunk.
+    def copies(grad: bool) -> list:
+        seen, original = [], torch.Tensor.sub
+        with torch.set_grad_enabled(grad), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "sub", lambda self, *a, **k: seen.append(self.shape) or original(self, *a, **k))
+            linear_log_softmax(h, w, idx, bias=b, chunk_rows=64)
+        return seen
+
+    assert copies(True) == [(64, 512)]  # the logits shifted into a new buffer: they become the kept log-probs
+    assert copies(False) == []  # shifted in place
+
+
+def test_linear_log_softmax_gradcheck_in_one_chunk():
+    h, w, b, idx = _head_case(torch.float64, n=(2, 3), hidden=3, vocab=4)
+    for want_entropy in (True, False):
+        def fn(h, w, b):
+            lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=0.8, return_entropy=want_entropy)
+            return (lp_, ent) if want_entropy else lp_
+
+        assert torch.autograd.gradcheck(fn, (h, w, b))
+
+
 def test_linear_log_softmax_rejects_bad_shapes():
     h, w, b, idx = _head_case(torch.float32)
     with pytest.raises(ValueError, match="index shape"):

@@ -243,14 +243,18 @@ def test_chunked_head_equals_the_models_own_logits_for_the_reference_and_for_sft
     _paths_agree(policy, run, monkeypatch)
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_chunked_head_keeps_no_vocabulary_sized_tensor(chunked, monkeypatch):
-    # What autograd saves for the backward of a scoring pass: with the chunked head, no activation has a
-    # vocabulary dimension; through the model's own forward, the (B, R + 1, V) logits are among them.
+@pytest.mark.parametrize("head", ["chunks", "one chunk", "model forward"])
+def test_chunked_head_keeps_no_vocabulary_sized_tensor(head, monkeypatch):
+    # What autograd saves for the backward of a scoring pass: with the chunked head over several chunks, no
+    # activation has a vocabulary dimension; when the scored positions fit in one chunk, that chunk's (B * R, V)
+    # log-probabilities are kept instead of recomputed; through the model's own forward, (B, R, V) logits and more.
+    import align.logprobs as logprobs_module
     import align.models.policy as policy_module
 
-    if not chunked:
+    if head == "model forward":
         monkeypatch.setattr(policy_module, "chunked_head_unsupported", lambda model: "forced for the test")
+    if head == "chunks":
+        monkeypatch.setattr(logprobs_module, "_rows_per_chunk", lambda vocab: 2)
     policy = PolicyModel()
     ids, mask = batch(policy)
     vocab = policy.config.vocab_size
@@ -259,7 +263,10 @@ def test_chunked_head_keeps_no_vocabulary_sized_tensor(chunked, monkeypatch):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = policy.token_logprobs(ids, mask, response_length=3, return_entropy=True)
     vocabulary_sized = [tuple(t.shape) for t in saved if t.data_ptr() not in weights and t.shape[-1:] == (vocab,)]
-    assert bool(vocabulary_sized) is not chunked, vocabulary_sized
+    if head == "model forward":
+        assert vocabulary_sized and all(s[:1] == (ids.shape[0],) and len(s) == 3 for s in vocabulary_sized)
+    else:
+        assert vocabulary_sized == {"chunks": [], "one chunk": [(ids.shape[0] * 3, vocab)]}[head], vocabulary_sized
     (out.logprobs.sum() + out.entropy.sum()).backward()
 
 
