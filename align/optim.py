@@ -1,6 +1,6 @@
 """Schedules and parameter updates around the optimizer: linear warmup followed by cosine, linear or constant
 decay of the learning rate; a linear schedule of any value (DQN's exploration rate); Polyak averaging of a target
-network; gradient-norm clipping for small networks."""
+network; gradient-norm clipping and a lean fused Adam step for small networks."""
 
 from __future__ import annotations
 
@@ -99,3 +99,63 @@ def clip_grad_norm(parameters: Sequence[torch.nn.Parameter], max_norm: float | N
         if grads[0].device.type != "cpu" or float(coefficient) < 1.0:
             torch._foreach_mul_(grads, coefficient)
     return total
+
+
+_ADAM_OPTIONS_NOT_COVERED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def fused_adam_step(optimizer: Optimizer) -> bool:
+    """Take one step of a ``torch.optim.Adam`` or ``AdamW`` built with ``fused=True`` as its ``step()`` takes it, and
+    return True; or return False having done nothing, where this does not apply.
+
+    ``step()`` wraps the fused kernel in per-call machinery: a profiler record, hook dispatch, the lazy state set-up
+    and a grouping of the tensors by device and dtype. On a small network that costs more than the kernel itself
+    (about 90 against 46 us per step for DQN's 256x256 Q-network on one CPU thread, which takes 128 steps per
+    iteration). Here the step counts and the kernel are called directly on the optimizer's own state, so its
+    ``state_dict`` and checkpoints are those of ``step()``; pinned equal to ``step()`` bit for bit.
+
+    It does not apply (False) to other optimizers, to options the call here does not cover (``amsgrad``,
+    ``maximize``, ``capturable``, ``differentiable``, a tensor learning rate), before the first step (``step()``
+    creates the state), to parameters on several devices or dtypes, or when hooks are registered on the optimizer
+    or globally, or a learning-rate scheduler tracks its calls: call ``optimizer.step()`` then."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    from torch.optim import optimizer as optimizer_module
+
+    if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+            or optimizer_module._global_optimizer_pre_hooks or optimizer_module._global_optimizer_post_hooks
+            or hasattr(optimizer.step, "_wrapped_by_lr_sched")):
+        return False
+    calls = []
+    for group in optimizer.param_groups:
+        if not group.get("fused") or any(group.get(k) for k in _ADAM_OPTIONS_NOT_COVERED):
+            return False
+        if isinstance(group["lr"], torch.Tensor):
+            return False
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p)
+            if not state:
+                return False
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if params:
+            calls.append((group, params, grads, exp_avgs, exp_avg_sqs, steps))
+    tensors = [t for call in calls for t in call[1]]
+    if tensors and any(t.device != tensors[0].device or t.dtype != tensors[0].dtype for t in tensors):
+        return False
+    for group, params, grads, exp_avgs, exp_avg_sqs, steps in calls:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        with torch.no_grad():
+            torch._foreach_add_(steps, 1)
+            kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+                   beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                   grad_scale=None, found_inf=None)
+    return True

@@ -1,6 +1,7 @@
 """The classic-RL arithmetic: step-wise GAE, discounted returns, TD targets, the linear schedule, Polyak averaging
 and the diagonal Gaussian's log-density and entropy. Pinned values are worked out by hand in the comments."""
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from torch import nn
 
 from align.advantages import discounted_returns, step_gae, td_targets
 from align.logprobs import gaussian_entropy, gaussian_log_prob
-from align.optim import clip_grad_norm, linear_schedule, polyak_update
+from align.optim import clip_grad_norm, fused_adam_step, linear_schedule, polyak_update
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -272,6 +273,108 @@ def test_clip_grad_norm_equals_torch(max_norm):
         p.grad = torch.full_like(p, 3.0)
     assert clip_grad_norm(mixed, 1.0).item() == pytest.approx(6.0)  # two dtypes: torch's function
     assert clip_grad_norm([no_grad], 1.0).item() == 0.0
+
+
+# ---------------------------------------------------------------- fused_adam_step
+
+
+def _twin_networks(seed: int = 0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    twin = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    twin.load_state_dict(net.state_dict())
+    return net, twin
+
+
+def _backward(net: nn.Module, x: torch.Tensor, frozen_bias: bool = False) -> None:
+    for p in net.parameters():
+        p.grad = None
+    net(x).pow(2).sum().backward()
+    if frozen_bias:  # a parameter without a gradient this step is left alone, as step() leaves it
+        net[2].bias.grad = None
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.Adam(params, lr=1e-2, eps=1e-5, fused=True),
+    lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, fused=True),
+    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95), fused=True),
+    lambda params: torch.optim.Adam([{"params": params[:2], "lr": 3e-3}, {"params": params[2:]}], lr=1e-2,
+                                    fused=True),
+])
+def test_fused_adam_step_equals_the_optimizers_step_bit_for_bit(make):
+    net, twin = _twin_networks()
+    ours, theirs = make(list(twin.parameters())), make(list(net.parameters()))
+    g = torch.Generator().manual_seed(1)
+    taken = []
+    for step in range(8):
+        x = torch.randn(32, 4, generator=g)
+        _backward(net, x, frozen_bias=step == 5)
+        _backward(twin, x, frozen_bias=step == 5)
+        theirs.step()
+        applied = fused_adam_step(ours)
+        if not applied:
+            ours.step()
+        taken.append(applied)
+        if step == 3:  # a learning rate set between steps (DQN's and PPO's linear schedules do this)
+            for opt in (ours, theirs):
+                opt.param_groups[-1]["lr"] = 4e-3
+    assert taken == [False] + [True] * 7  # the first step creates the state
+    for p, q in zip(twin.parameters(), net.parameters()):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours.state[p][key], theirs.state[q][key]), key
+    assert str(ours.state_dict()) == str(theirs.state_dict())
+
+
+def test_fused_adam_step_continues_from_a_loaded_state():
+    # A resumed run loads the optimizer's state (new tensors); the next step reads them, as step() does.
+    net, twin = _twin_networks()
+    theirs = torch.optim.Adam(net.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(16, 4)
+    for _ in range(3):
+        _backward(net, x)
+        theirs.step()
+    twin.load_state_dict(net.state_dict())
+    ours = torch.optim.Adam(twin.parameters(), lr=1e-2, fused=True)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))  # (a loaded checkpoint shares no tensor with theirs)
+    for _ in range(2):
+        _backward(net, x)
+        _backward(twin, x)
+        theirs.step()
+        assert fused_adam_step(ours)
+    assert all(torch.equal(p, q) for p, q in zip(twin.parameters(), net.parameters()))
+
+
+@pytest.mark.parametrize("case", ["not fused", "amsgrad", "maximize", "tensor lr", "rmsprop", "hook", "scheduler",
+                                  "two dtypes"])
+def test_fused_adam_step_leaves_what_it_does_not_cover_to_step(case):
+    net, _ = _twin_networks()
+    params = list(net.parameters())
+    options = {"not fused": {"fused": False}, "amsgrad": {"amsgrad": True}, "maximize": {"maximize": True},
+               "tensor lr": {"lr": torch.tensor(1e-2)}}.get(case, {})
+    if case == "rmsprop":
+        optimizer = torch.optim.RMSprop(params, lr=1e-2)
+    else:
+        optimizer = torch.optim.Adam(params, **{"lr": 1e-2, "fused": True, **options})
+    if case == "hook":
+        optimizer.register_step_post_hook(lambda *args: None)
+    if case == "scheduler":
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    if case == "two dtypes":
+        net[0].double()
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        if case == "two dtypes":
+            for p in net.parameters():
+                p.grad = None
+            net[1:](net[0](x.double()).float()).pow(2).sum().backward()
+        else:
+            _backward(net, x)
+        if _ == 0:
+            optimizer.step()
+    before = [p.detach().clone() for p in net.parameters()]
+    assert not fused_adam_step(optimizer)
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
 
 
 # ---------------------------------------------------------------- polyak_update

@@ -44,7 +44,7 @@ from align.errors import AlignConfigError
 from align.guards import NonFiniteError
 from align.modules.base import TrainingModule
 from align.observability.timing import Timer
-from align.optim import clip_grad_norm
+from align.optim import clip_grad_norm, fused_adam_step
 
 
 Metrics = dict[str, Union[float, Callable[[], float]]]
@@ -203,8 +203,10 @@ class ClassicRLModule(TrainingModule):
             self._unhooked_steps = self._nothing_hooks_the_step(optimizer)
         if self._unhooked_steps:
             # Lightning's count of the step (trainer.global_step) and its profiler section, around torch's step.
+            # A fused Adam's kernel is called directly (align.optim.fused_adam_step), where that applies.
             optimizer._on_before_step()
-            optimizer.optimizer.step()
+            if not fused_adam_step(optimizer.optimizer):
+                optimizer.optimizer.step()
             optimizer._on_after_step()
         else:
             optimizer.step()
