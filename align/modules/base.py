@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from align.host_memory import keep_freed_host_memory
 from align.models.policy import PolicyModel
 from align.optim import WarmupLR
+from align.strategies import release_process_group_at_exit
 
 
 def param_groups(module: torch.nn.Module) -> list[dict]:
@@ -148,6 +149,10 @@ class TrainingModule(L.LightningModule):
         # Large freed blocks stay with the process for the next step instead of being faulted in anew
         # (align.host_memory: about a fifth of a SmolLM2 PPO update on CPU).
         keep_freed_host_memory()
+        release_process_group_at_exit()
+
+    def on_validation_start(self) -> None:
+        release_process_group_at_exit()  # a validate-only run (align validate) on several processes
 
     guards_own_steps = False
     """True for a module that checks its own losses and gradients for non-finite values before each step (classic

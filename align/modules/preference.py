@@ -83,6 +83,7 @@ class PreferenceModule(AlignModule):
             announce=phase)
 
     def on_validation_start(self) -> None:
+        super().on_validation_start()
         if self.precompute_reference:
             self.prepare_reference(("val",))
 

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from align.strategies.collectives import global_all
+from align.strategies.collectives import global_all, release_process_group_at_exit
 from align.strategies.deepspeed import DeepSpeedZeROStrategy, accumulation_boundary
 from align.strategies.fsdp import FSDP2Strategy, apply_fsdp2, decoder_layers
 from align.strategies.gather import fsdp2_full_parameters, generation_context, parameters_sharded, unshard_root
 
 __all__ = ["DeepSpeedZeROStrategy", "FSDP2Strategy", "accumulation_boundary", "apply_fsdp2", "decoder_layers",
-           "fsdp2_full_parameters", "generation_context", "global_all", "parameters_sharded", "unshard_root"]
+           "fsdp2_full_parameters", "generation_context", "global_all", "parameters_sharded",
+           "release_process_group_at_exit", "unshard_root"]
 
 
 def _register_names() -> None:
