@@ -1,5 +1,5 @@
 """The host allocator's settings (``align.host_memory``): when they are left alone, and that a training run's
-process serves large blocks from glibc's heap and reuses them instead of mapping fresh pages for each."""
+process serves large blocks from glibc's heap, where freed ones stay, instead of mapping fresh pages for each."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_other_settings_do_not_stop_it():
     assert reason is None if GLIBC else reason.startswith("not glibc")
 
 
-# A tiny DQN fit in a fresh process, then a 64 MB tensor allocated, freed and allocated again. glibc's
+# A tiny DQN fit in a fresh process, then a 64 MB tensor allocated, freed and allocated again. (Which address a
+# freed block is reused at depends on the heap's other blocks, so the test does not pin it.) glibc's
 # mallinfo2 counts the blocks it has mapped on their own (hblks): a block above the mmap threshold is one of them.
 CHILD = textwrap.dedent("""
     import ctypes, json, sys, torch
@@ -82,9 +83,8 @@ def test_a_fit_keeps_large_freed_blocks_for_reuse():
     assert res["state"] == "kept"
     (mapped_a, _), (mapped_b, _) = res["before"]
     assert mapped_a >= 1 and mapped_b >= 1  # glibc's default: the 64 MB block is a mapping of its own
-    (mapped_c, address_c), (mapped_d, address_d) = res["after"]
-    assert mapped_c == mapped_a - 1 and mapped_d == mapped_b - 1  # after the fit: from the heap
-    assert address_c == address_d  # the freed block is the next one's
+    (mapped_c, _), (mapped_d, _) = res["after"]
+    assert mapped_c == mapped_a - 1 and mapped_d == mapped_b - 1  # after the fit: from the heap, freed into it
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
