@@ -42,6 +42,9 @@ class LoraSettings:
     use_rslora: bool = False
     """Rank-stabilised scaling ``alpha / sqrt(r)`` (arXiv 2312.03732)."""
     use_dora: bool = False
+    fused: bool = True
+    """Compute each adapted linear layer as one autograd function (:mod:`align.models.lora`), where that is peft's
+    arithmetic; false: peft's own forward everywhere."""
     extra: dict = field(default_factory=dict)
     """Any other ``peft.LoraConfig`` argument."""
 

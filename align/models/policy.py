@@ -34,6 +34,7 @@ from align.models.loading import (
     reward_head_state,
     torch_dtype,
 )
+from align.models.lora import fuse_lora_layers
 from align.packing import PackedRows, pack_scored_rows
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,8 @@ class PolicyModel(nn.Module):
             from peft import get_peft_model
 
             base = get_peft_model(base, lora.to_peft())
+            if lora.fused:
+                fuse_lora_layers(base)
         self.model = base
         self.lora = lora
         self.value_head = ValueHead(self.config.hidden_size) if value_head == "shared" else None
