@@ -113,3 +113,66 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
 
 
 __all__ = ["PackedRows", "first_fit_decreasing", "pack_scored_rows"]
+
+
+@dataclass
+class SharedPromptRows:
+    """Rows that share a prompt, laid out as one row per prompt: ``[prompt | response 1 | response 2 | ...]``.
+
+    Each response sees the prompt and itself, never another response (``attention_mask``), and keeps its own
+    positions, so each row's hidden states are those of its padded row alone. Shapes: ``U`` distinct prompts, ``L``
+    columns, ``B`` original rows, ``R`` scored positions per original row."""
+
+    input_ids: torch.Tensor  # (U, L)
+    attention_mask: torch.Tensor  # (U, 1, L, L) bool: query attends to key
+    position_ids: torch.Tensor  # (U, L)
+    group: torch.Tensor  # (B,) the laid-out row of each original row
+    index: torch.Tensor  # (B, R) columns whose hidden states predict each original row's last R tokens
+
+
+def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                  response_length: int, group: torch.Tensor, num_groups: int) -> SharedPromptRows:
+    """Lay out rows whose first ``T - R`` columns are equal within each ``group`` (``(B,)`` in ``[0, num_groups)``)
+    so that each prompt appears once, followed by each of its rows' responses.
+
+    Row ``i`` of the padded ``(B, T)`` batch is ``[prompt (P = T - R columns, left-padded) | response (R)]``; the
+    hidden states that score its response are those of columns ``P - 1 .. T - 2``. Its response columns ``P .. T - 2``
+    (the last token is only a target) become a segment of ``R - 1`` columns in its group's row, the ``s``-th segment
+    for the ``s``-th row of the group. A query column attends to a key column when the key is a real token
+    (``attention_mask``), comes no later, and is in the prompt or in the query's own segment, as in its padded row; a
+    query with no such key (left padding) attends to itself, so that none is left with nothing to attend to. Positions are the rows' own
+    (``position_ids``, or ``0 .. T - 1`` without them). The grouped row costs ``P + k (R - 1)`` columns for ``k``
+    rows instead of ``k T``."""
+    B, T = input_ids.shape
+    R = response_length
+    P, S = T - R, R - 1
+    device = input_ids.device
+    rows = torch.arange(B, device=device)
+    counts = torch.bincount(group, minlength=num_groups)  # (U,)
+    k = int(counts.max())
+    by_group = torch.argsort(group, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(group)
+    slot[by_group] = rows - starts[group[by_group]]  # each row's rank within its group, in row order
+    first = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_(0, group, rows)  # one row per group
+    L = P + k * S
+    columns = P + slot[:, None] * S + torch.arange(S, device=device)  # (B, S) where each response column goes
+    real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+            else attention_mask.bool())  # (B, T)
+    positions = (torch.arange(T, device=device).expand(B, T) if position_ids is None else position_ids)
+
+    def lay_out(values: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((num_groups, L), fill, dtype=values.dtype, device=device)
+        out[:, :P] = values[first, :P]
+        out[group[:, None], columns] = values[:, P : T - 1]
+        return out
+
+    ids, keys_real, pos = lay_out(input_ids, 0), lay_out(real, False), lay_out(positions, 0)
+    segment = torch.cat([torch.zeros(P, dtype=torch.long, device=device),
+                         torch.arange(1, k + 1, device=device).repeat_interleave(S)])  # (L,) 0: the prompt
+    col = torch.arange(L, device=device)
+    visible = (col[None, :] <= col[:, None]) & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
+    mask = visible[None] & keys_real[:, None, :]  # (U, L, L)
+    mask |= torch.eye(L, dtype=torch.bool, device=device) & ~mask.any(-1, keepdim=True)
+    index = torch.cat([torch.full((B, 1), P - 1, device=device, dtype=torch.long), columns], dim=1)  # (B, R)
+    return SharedPromptRows(ids, mask[:, None], pos, group, index)

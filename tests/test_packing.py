@@ -4,7 +4,7 @@ pinned by hand."""
 import pytest
 import torch
 
-from align.packing import first_fit_decreasing, pack_scored_rows
+from align.packing import first_fit_decreasing, pack_scored_rows, share_prompts
 
 
 def test_first_fit_decreasing_pinned():
@@ -51,3 +51,50 @@ def test_pack_scored_rows_refuses_layouts_it_cannot_pack(mask, scored, message):
         pack_scored_rows(torch.tensor([[3, 4, 5]]), torch.tensor(mask), torch.tensor(scored))
     with pytest.raises(ValueError, match="more than the width 2"):
         pack_scored_rows(torch.tensor([[3, 4, 5]]), torch.ones(1, 3), torch.zeros(1, 3), width=2)
+
+
+def test_share_prompts_lays_out_each_prompt_once_by_hand():
+    # Rows 0 and 2 share prompt [pad 5 6], rows 1 and 3 share [11 12 13]; P = 3, R = 3, so each row feeds its
+    # first two response tokens (the last is only a target) after its group's prompt.
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9],
+                        [11, 12, 13, 14, 15, 0],
+                        [0, 5, 6, 17, 0, 0],
+                        [11, 12, 13, 24, 25, 26]])
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    rows = share_prompts(ids, mask, positions, 3, torch.tensor([0, 1, 0, 1]), 2)
+    assert rows.input_ids.tolist() == [[0, 5, 6, 7, 8, 17, 0], [11, 12, 13, 14, 15, 24, 25]]
+    assert rows.position_ids.tolist() == [[0, 0, 1, 2, 3, 2, 2], [0, 1, 2, 3, 4, 3, 4]]
+    # Row i's response is scored from the last prompt column, then from its own segment's columns.
+    assert rows.index.tolist() == [[2, 3, 4], [2, 3, 4], [2, 5, 6], [2, 5, 6]]
+    assert rows.group.tolist() == [0, 1, 0, 1]
+    assert rows.attention_mask.shape == (2, 1, 7, 7)
+    assert rows.attention_mask[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],  # left padding: itself only
+        [0, 1, 0, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0, 0],  # first response: the prompt and itself
+        [0, 1, 1, 1, 1, 0, 0],
+        [0, 1, 1, 0, 0, 1, 0],  # second response: the prompt and itself, not the first
+        [0, 1, 1, 0, 0, 1, 0],  # its padding attends as in its padded row: the real tokens before it
+    ]
+    assert rows.attention_mask[1, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 1],
+    ]
+
+
+def test_share_prompts_groups_of_different_sizes_and_no_mask():
+    ids = torch.arange(1, 5 * 4 + 1).view(5, 4)
+    ids[:, :2] = torch.tensor([[1, 2], [3, 4], [1, 2], [1, 2], [3, 4]])  # P = 2: groups {0, 2, 3} and {1, 4}
+    rows = share_prompts(ids, None, None, 2, torch.tensor([0, 1, 0, 0, 1]), 2)
+    # The longest group has 3 rows of 1 fed token: 2 + 3 columns; the shorter group's last segment is empty.
+    assert rows.input_ids.tolist() == [[1, 2, 3, 11, 15], [3, 4, 7, 19, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 2, 2], [0, 1, 2, 2, 0]]
+    assert rows.index.tolist() == [[1, 2], [1, 2], [1, 3], [1, 4], [1, 3]]
+    assert rows.attention_mask[1, 0, 4].tolist() == [True, True, False, False, False]  # the empty segment: unused

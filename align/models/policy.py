@@ -35,7 +35,7 @@ from align.models.loading import (
     torch_dtype,
 )
 from align.models.lora import fuse_lora_layers
-from align.packing import PackedRows, pack_scored_rows
+from align.packing import PackedRows, pack_scored_rows, share_prompts
 
 log = logging.getLogger(__name__)
 
@@ -526,33 +526,50 @@ class PolicyModel(nn.Module):
     def _scoring_hidden(self, decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
         """``(B, R, H)`` final hidden states of the positions ``T-R-1 .. T-2``, which predict the last ``R`` tokens.
 
-        Rows that share their first ``T - R`` tokens (a GRPO group's prompt, sampled ``group_size`` times) share
-        one forward pass over them: the prompt runs once per distinct prompt, with gradients, and its keys and
-        values are handed to every row's continuation (autograd sums their gradients back). The numbers are
-        those of one pass over the whole rows, to float rounding; the saving is the prompt's share of the
-        batch's tokens times ``1 - 1 / group_size``. Rows that share nothing, one-token continuations, gradient
-        checkpointing (which recomputes each layer without its cache) and savings too small to pay for a second
-        decoder call (tiny models: see ``_MIN_SHARED_PREFIX_WORK``) take one pass over the rows.
+        Rows that share their first ``T - R`` tokens (a DPO pair's prompt, a GRPO group's) run that prompt once, with
+        gradients (autograd sums what reaches it from each row), in one of two ways:
+
+        * one call over one row per prompt, ``[prompt | response 1 | response 2 | ...]``, each response masked from
+          the others (:func:`align.packing.share_prompts`), where the laid-out rows' attention costs no more than
+          the padded rows' (a pair's two responses; not a large group's) and the attention is ``sdpa`` or ``eager``;
+        * else a pass over each distinct prompt whose keys and values every row's continuation reads, where the
+          tokens saved pay for the second decoder call (see ``_MIN_SHARED_PREFIX_WORK``) and layers are not
+          recomputed (gradient checkpointing drops the cache).
+
+        The numbers are those of one pass over the whole rows, to float rounding. Rows that share nothing and
+        one-token continuations take one pass over the rows.
         """
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
         P = T - R
-        rows, inverse = None, None
-        recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
-        size, cache_kwarg = self._decoder_facts(decoder)
-        # Below the threshold even at the most, the search for shared prompts is skipped.
-        most = (input_ids.shape[0] - 1) * P  # prompt tokens saved if every row shared one prompt
-        if R > 1 and most > 0 and not recomputed and most * size >= _MIN_SHARED_PREFIX_WORK:
+        shared = None
+        if R > 1 and B > 1 and P > 0:
             key = input_ids[:, :P]  # (B, P); padding marked apart, so a pad id equal to a real token cannot match
             if attention_mask is not None:
                 key = torch.where(attention_mask[:, :P].bool(), key, -1)
             unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-            saved_tokens = (input_ids.shape[0] - unique.shape[0]) * P
-            if saved_tokens > 0 and saved_tokens * size >= _MIN_SHARED_PREFIX_WORK:
-                rows = torch.zeros(unique.shape[0], dtype=torch.long, device=input_ids.device).scatter_(
-                    0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device))  # one row per prompt
-        if rows is None:
-            return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).last_hidden_state[:, P - 1 : T - 1]
+            if unique.shape[0] < B:
+                shared = unique.shape[0], inverse
+        if shared is None:
+            return self._plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
+        groups, inverse = shared
+        mask_kind = self._layout_mask_kind(decoder)
+        laid_out_columns = P + int(torch.bincount(inverse).max()) * (R - 1)
+        if mask_kind is not None and groups * laid_out_columns ** 2 <= B * T * T:
+            rows = share_prompts(input_ids, attention_mask, position_ids, R, inverse, groups)
+            mask = rows.attention_mask
+            if mask_kind == "additive":
+                dtype = decoder.get_input_embeddings().weight.dtype
+                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
+                                                                                            torch.finfo(dtype).min)
+            hidden = decoder(input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids,
+                             use_cache=False).last_hidden_state  # (U, L, H)
+            return hidden[rows.group[:, None], rows.index]
+        size, cache_kwarg = self._decoder_facts(decoder)
+        recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
+        if recomputed or (B - groups) * P * size < _MIN_SHARED_PREFIX_WORK:
+            return self._plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
+        rows = torch.zeros(groups, dtype=torch.long, device=input_ids.device).scatter_(
+            0, inverse, torch.arange(B, device=input_ids.device))  # one row per prompt
         sub = lambda x: None if x is None else x[rows, :P]
         prefix = decoder(input_ids=input_ids[rows, :P], attention_mask=sub(attention_mask),
                          position_ids=sub(position_ids), use_cache=True)
@@ -563,6 +580,22 @@ class PolicyModel(nn.Module):
                        position_ids=None if position_ids is None else position_ids[:, P : T - 1],
                        use_cache=True, **{cache_kwarg: cache}).last_hidden_state  # (B, R - 1, H)
         return torch.cat([prefix.last_hidden_state[inverse, P - 1 : P], rest], dim=1)
+
+    @staticmethod
+    def _plain_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
+        T = input_ids.shape[1]
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).last_hidden_state[:, T - R - 1 : T - 1]
+
+    @staticmethod
+    def _layout_mask_kind(decoder: nn.Module) -> str | None:
+        """How ``decoder``'s attention takes a custom ``(B, 1, L, L)`` mask: ``"bool"`` (sdpa), ``"additive"`` (eager),
+        or None (another implementation, or sliding-window attention, which such a mask would replace)."""
+        config = getattr(decoder, "config", None)
+        if config is None or (getattr(config, "sliding_window", None) is not None
+                              and getattr(config, "use_sliding_window", True)):
+            return None
+        return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
 
     def _decoder_facts(self, decoder: nn.Module) -> tuple[int, str]:
         """``(parameters, name of the cache argument)`` of ``decoder``, read once per decoder: transformers 5.24

@@ -298,19 +298,28 @@ def _groups(policy, group=3):
     return torch.cat([prompts, responses], 1), torch.cat([prompt_mask, response_mask], 1)
 
 
+def _decoder_calls(decoder) -> list[torch.Size]:
+    calls: list[torch.Size] = []
+    decoder.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["one call", "prompt cache"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, monkeypatch):
-    # A GRPO batch: rows of a group share their prompt, which the chunked path runs once per prompt; log-probs,
-    # entropies, values and every gradient equal one pass over the whole rows (the model's own forward).
+def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, path, monkeypatch):
+    # A GRPO batch: rows of a group share their prompt, which the chunked path runs once per prompt (in one call
+    # over [prompt | response 1 | response 2 | response 3] rows, or as a prompt pass whose cache the continuations
+    # read); log-probs, entropies, values and every gradient equal one pass over the whole rows (the model's own
+    # forward).
     import align.models.policy as policy_module
 
-    monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)  # the tiny model is below the threshold
+    if path == "prompt cache":
+        monkeypatch.setattr(PolicyModel, "_layout_mask_kind", staticmethod(lambda decoder: None))
+        monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)  # the tiny model is below the threshold
     policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head="shared")
     ids, mask = _groups(policy)
     weights = torch.linspace(-1, 1, ids.shape[0] * 5).view(ids.shape[0], 5)
-    calls = []
-    decoder = policy.model.get_decoder() if not lora else policy.base_model.get_decoder()
-    decoder.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    calls = _decoder_calls(policy.model.get_decoder() if not lora else policy.base_model.get_decoder())
 
     def run(p):
         out = p.token_logprobs(ids, mask, response_length=5, temperature=0.9, return_entropy=True, return_values=True)
@@ -319,29 +328,89 @@ def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, monk
 
     _paths_agree(policy, run, monkeypatch)
     prompt_length = ids.shape[1] - 5
-    assert calls[:2] == [torch.Size([2, prompt_length]), torch.Size([6, 4])]  # 2 prompts once, then 6 continuations
+    if path == "one call":  # 2 rows of the prompt and 3 responses of 4 fed tokens each
+        assert calls[:1] == [torch.Size([2, prompt_length + 3 * 4])]
+    else:  # 2 prompts once, then 6 continuations
+        assert calls[:2] == [torch.Size([2, prompt_length]), torch.Size([6, 4])]
 
 
-def test_shared_prompts_reference_pass_and_rows_without_sharing(monkeypatch):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompts_reference_pass_and_which_layout(attention, monkeypatch):
     import align.models.policy as policy_module
 
-    policy = PolicyModel()
+    policy = PolicyModel(attn_implementation=attention)
     policy.setup_reference()
     ids, mask = _groups(policy)
-    calls = []
-    policy.ref_model.get_decoder().register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),
-                                                             with_kwargs=True)
-    with torch.no_grad():  # too little shared work on the tiny model: one pass
-        policy.token_logprobs(ids, mask, response_length=5, reference=True)
-    assert calls == [ids.shape]
-    monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)
-    with torch.no_grad():
-        grouped = policy.token_logprobs(ids, mask, response_length=5, reference=True).logprobs
-    assert len(calls) == 3  # the 2 prompts once, then the 6 continuations
+    calls = _decoder_calls(policy.ref_model.get_decoder())
+
+    def grouped():
+        with torch.no_grad():
+            return policy.token_logprobs(ids, mask, response_length=5, reference=True).logprobs
+
     with torch.no_grad():
         alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5,
                                                  reference=True).logprobs for i in range(ids.shape[0])])
-    torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)
+    P = ids.shape[1] - 5
+    calls.clear()
+    torch.testing.assert_close(grouped(), alone, atol=1e-5, rtol=1e-5)
+    assert calls == [torch.Size([2, P + 3 * 4])]  # one call over the laid-out rows
+    # Without the layout, too little shared work on the tiny model for the prompt cache: one pass over the rows.
+    monkeypatch.setattr(PolicyModel, "_layout_mask_kind", staticmethod(lambda decoder: None))
+    calls.clear()
+    torch.testing.assert_close(grouped(), alone, atol=1e-5, rtol=1e-5)
+    assert calls == [ids.shape]
+    monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)
+    calls.clear()
+    torch.testing.assert_close(grouped(), alone, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2  # the 2 prompts once, then the 6 continuations
+
+
+def test_shared_prompts_in_one_call_under_gradient_checkpointing():
+    # Checkpointing recomputes each layer without a cache, so the prompt-cache pass does not apply; the one-call
+    # layout does, with the same log-probs and gradients as the plain rows.
+    results = []
+    for layout in (True, False):
+        torch.manual_seed(0)
+        policy = PolicyModel(gradient_checkpointing=True, lora=LoraSettings(r=4, alpha=8))
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+        if not layout:
+            policy._layout_mask_kind = lambda decoder: None
+        ids, mask = _groups(policy)
+        calls = _decoder_calls(policy.base_model.get_decoder())
+        out = policy.token_logprobs(ids, mask, response_length=5)
+        out.logprobs.sum().backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        results.append((out.logprobs.detach(), grads, calls))
+    (lp, grads, calls), (lp0, grads0, calls0) = results
+    assert calls == [torch.Size([2, ids.shape[1] - 5 + 3 * 4])] and calls0 == [ids.shape]
+    torch.testing.assert_close(lp, lp0, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == grads0.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads0[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_large_group_is_not_laid_out_in_one_row():
+    # Six responses per prompt: one row of the prompt and six responses would cost more attention than six rows.
+    policy = PolicyModel()
+    ids, mask = _groups(policy, group=6)
+    B, T = ids.shape
+    assert 2 * (T - 5 + 6 * 4) ** 2 > B * T * T
+    calls = _decoder_calls(policy.model.get_decoder())
+    with torch.no_grad():
+        policy.token_logprobs(ids, mask, response_length=5)
+    assert calls == [ids.shape]
+
+
+def test_a_sliding_window_model_is_not_laid_out():
+    policy = PolicyModel()
+    decoder = policy.model.get_decoder()
+    assert PolicyModel._layout_mask_kind(decoder) == "bool"
+    decoder.config.sliding_window = 4096
+    assert PolicyModel._layout_mask_kind(decoder) is None
+    decoder.config.use_sliding_window = False
+    assert PolicyModel._layout_mask_kind(decoder) == "bool"
 
 
 # ---------------------------------------------------------------- padding-free scoring
