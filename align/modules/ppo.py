@@ -59,6 +59,7 @@ from align.logprobs import masked_mean, masked_sum
 from align.losses import aggregate, ppo_policy_loss, value_loss
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import param_groups
+from align.modules.critic_pass import KeptCriticPass
 from align.modules.options import GAE, ClipRange, KLPenalty, ScoreShaping, Updates, ValueTraining
 from align.modules.rl import RLBatch, RLModule, Timer
 from align.rewards import RewardModelSpec, RewardSpec
@@ -105,6 +106,10 @@ class PPOModule(RLModule):
     ``val/kl``: the mean per-sequence KL estimate to the reference of completions sampled with the training
     ``sampling`` settings (one per held-out prompt).
     """
+
+    keeps_critic_pass = True
+    """Whether the critic's rollout pass keeps its graph for the update's first micro-batch
+    (:mod:`align.modules.critic_pass`)."""
 
     def __init__(
         self,
@@ -162,6 +167,7 @@ class PPOModule(RLModule):
                          updates=updates, kl=kl, **kwargs)
         self.clip, self.gae, self.scores, self.value = clip, gae, scores, value
         self.entropy_coef = entropy_coef
+        self.critic_pass = KeptCriticPass()
         self.log_entropy = self.log_entropy or entropy_coef > 0
         names = self.reward.names
         self.headline_metrics = ("val/reward_mean", *(f"val/reward/{n}" for n in names), "val/accuracy", "val/kl")
@@ -214,8 +220,7 @@ class PPOModule(RLModule):
                 scores = self.transform_scores(total, rollout)
             mask, old_logprobs = rollout.response_mask, rollout.old_logprobs
             ref_logprobs = self.reference_logprobs(rollout)
-            values = self.policy.values(rollout.input_ids, rollout.attention_mask, response_length=mask.shape[1],
-                                        padding_free=self.updates.padding_free)  # (N, R)
+            values = self.critic_pass.values(self, rollout, keep=self.keeps_critic_pass)  # (N, R)
             values = torch.where(mask, values, torch.zeros_like(values))
             rewards, kl = shape_rewards(scores, old_logprobs, old_logprobs if ref_logprobs is None else ref_logprobs,
                                         mask, self.kl_controller.value, kind=self.kl.kind, token_rewards=turn_rewards)
@@ -265,16 +270,19 @@ class PPOModule(RLModule):
         return loss, {"train/value_loss": self.as_token_mean(loss, normaliser, mask), "train/value_clipfrac": clipfrac}
 
     def _joint_loss(self, micro: PPOBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        out = self.token_logprobs(micro, return_entropy=self.log_entropy, return_values=True)
+        kept = self.critic_pass.take(self.current_rows)
+        out = self.token_logprobs(micro, return_entropy=self.log_entropy, return_values=kept is None)
         p_loss, p_metrics = self.policy_loss(micro, normaliser, out)
-        v_loss, v_metrics = self.value_loss(micro, normaliser, out.values)
+        v_loss, v_metrics = self.value_loss(micro, normaliser, out.values if kept is None else kept)
         loss = p_loss + self.value.coef * v_loss
         return loss, {**p_metrics, **v_metrics, "train/loss": self.as_token_mean(loss, normaliser, micro.response_mask)}
 
     def _value_only_loss(self, micro: PPOBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         # During warm-up a shared head trains alone: the policy backbone must not move before its first update.
-        values = self.policy.values(micro.input_ids, micro.attention_mask, response_length=micro.response_length,
-                                    detach_backbone=self.warming_up, padding_free=self.updates.padding_free)
+        values = self.critic_pass.take(self.current_rows)
+        if values is None:
+            values = self.policy.values(micro.input_ids, micro.attention_mask, response_length=micro.response_length,
+                                        detach_backbone=self.warming_up, padding_free=self.updates.padding_free)
         return self.value_loss(micro, normaliser, values)
 
     # ------------------------------------------------------------------ updates
@@ -292,6 +300,7 @@ class PPOModule(RLModule):
         timings: dict[str, float] = {}
         with Timer(timings, "time/update_s"):
             updates = self.update_value(data) if warmup else self.update_policy(data)
+        self.critic_pass.clear()  # an update that did not read them leaves no graph behind
         self.update_kl_controller(data.kl, data.response_mask)
         self.timings = {k: v for k, v in {**data.metrics, **timings}.items() if k.startswith("time/")}
         self.log_metrics({**data.metrics, **updates, **timings, "train/critic_warmup": float(warmup)})

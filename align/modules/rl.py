@@ -59,11 +59,15 @@ class RLBatch:
     def response_length(self) -> int:
         return self.response_mask.shape[1]
 
+    @staticmethod
+    def selected_width(attention_mask: torch.Tensor, response_length: int, index: torch.Tensor) -> int:
+        """Response columns that :meth:`select` keeps for the rows ``index``: up to the last one any of them uses."""
+        used = attention_mask[index, attention_mask.shape[1] - response_length:].any(dim=0).nonzero()
+        return int(used[-1]) + 1 if len(used) else 1
+
     def select(self, index: torch.Tensor) -> "RLBatch":
         """The rows ``index``, with the padding columns that no selected row uses trimmed off."""
-        context = self.attention_mask[index, self.attention_mask.shape[1] - self.response_length:]  # (n, R)
-        used = context.any(dim=0).nonzero()
-        width = int(used[-1]) + 1 if len(used) else 1
+        width = self.selected_width(self.attention_mask, self.response_length, index)
         cut = self.response_length - width
         rows = {}
         for f in fields(self):
@@ -195,6 +199,9 @@ class RLModule(AlignModule):
         self.timings: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
         self._standalone: tuple[torch.optim.Optimizer, object] | None = None
+        self._planned: list[list[torch.Tensor]] | None = None
+        self.current_rows: torch.Tensor | None = None
+        """The rows of the batch that the micro-batch being scored in :meth:`update` holds."""
         # Saved in checkpoints: training rollouts and optimizer steps taken by ``update``.
         self.rl_counters = {"rollouts": 0, "updates": 0}
         self.batches_without_update = 0
@@ -352,25 +359,40 @@ class RLModule(AlignModule):
         clip = lambda norm: self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")
         return optimizer, self.lr_schedulers(), self.manual_backward, clip
 
+    def plan_minibatches(self, n: int) -> list[list[torch.Tensor]]:
+        """Draw the first epoch's minibatches of the next :meth:`update` of ``n`` rows now (the same random draw
+        that update would make), so that the rollout's scoring can prepare for its first micro-batch."""
+        u = self.updates
+        self._planned = minibatch_indices(n, u.minibatches, u.micro_batch_size)
+        return self._planned
+
     def update(self, data: RLBatch, loss_fn: Callable[[RLBatch, torch.Tensor], tuple[torch.Tensor, dict]],
                ) -> dict[str, float]:
         """``updates.epochs`` passes over ``data``, one optimizer step per minibatch, micro-batches accumulated.
 
         ``loss_fn(micro, normaliser) -> (loss, {metric: value})`` returns the micro-batch's share of the
         step loss and metrics that are means over the micro-batch's valid tokens; they are averaged over
-        all micro-batches weighted by valid tokens.
+        all micro-batches weighted by valid tokens. The first epoch's minibatches are those drawn by
+        :meth:`plan_minibatches` when it was called for these rows (PPO, as it scores the rollout), else drawn here;
+        :attr:`current_rows` names the rows of the micro-batch ``loss_fn`` is given.
         """
         optimizer, scheduler, backward, clip = self._backward_and_step()
         world = self.trainer.world_size if self._trainer is not None else 1
         u = self.updates
         sums: dict[str, float] = {}
         weight_total = 0.0
-        for _ in range(u.epochs):
-            for micro_indices in minibatch_indices(len(data), u.minibatches, u.micro_batch_size):
+        planned, self._planned = self._planned, None
+        if planned is not None and sum(len(i) for mb in planned for i in mb) != len(data):
+            planned = None  # drawn for other rows
+        for epoch in range(u.epochs):
+            minibatches = (planned if epoch == 0 and planned is not None
+                           else minibatch_indices(len(data), u.minibatches, u.micro_batch_size))
+            for micro_indices in minibatches:
                 normaliser = self.step_normaliser(data.response_mask[torch.cat(micro_indices)])
                 for j, index in enumerate(micro_indices):
                     accumulation_boundary(self, j == len(micro_indices) - 1)  # DeepSpeed: reduce on the last only
                     micro = data.select(index.to(data.input_ids.device))
+                    self.current_rows = index
                     loss, stats = loss_fn(micro, normaliser)
                     backward(loss * self.gradient_scale())
                     weight = float(micro.response_mask.sum())
@@ -385,6 +407,7 @@ class RLModule(AlignModule):
                 self.batches_without_update = 0
                 if scheduler is not None:
                     scheduler.step()
+        self.current_rows = None
         if world > 1 and sums:  # token-weighted means over every rank's micro-batches (one all-reduce)
             names = sorted(sums)
             packed = self.all_reduce_sum(torch.tensor([sums[n] for n in names] + [weight_total], device=self.device))

@@ -82,6 +82,8 @@ class TRPOModule(PPOModule):
     * ``train/policy_loss`` (minus the surrogate at the new parameters) and ``train/entropy``.
     """
 
+    keeps_critic_pass = False  # the trust-region step runs first; the critic's graph would be held through it
+
     def __init__(
         self,
         policy: PolicyModel | None = None,
