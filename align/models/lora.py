@@ -138,27 +138,24 @@ def fused_class() -> type:
     return _FUSED[base]
 
 
+def _swap_classes(model: nn.Module, old: type, new: type) -> int:
+    count = 0
+    for module in model.modules():
+        if type(module) is old:
+            module.__class__ = new  # the same parameters and state: only the forward changes
+            count += 1
+    return count
+
+
 def fuse_lora_layers(model: nn.Module) -> int:
     """Give every peft ``lora.Linear`` in ``model`` the fused forward (in place, the parameters untouched); returns
     how many. Quantized and other LoRA layer types keep their own."""
-    base, fused = _peft_lora_linear(), fused_class()
-    count = 0
-    for module in model.modules():
-        if type(module) is base:
-            module.__class__ = fused
-            count += 1
-    return count
+    return _swap_classes(model, _peft_lora_linear(), fused_class())
 
 
 def unfuse_lora_layers(model: nn.Module) -> int:
     """Undo :func:`fuse_lora_layers`: peft's own forward again; returns how many layers changed."""
-    base, fused = _peft_lora_linear(), fused_class()
-    count = 0
-    for module in model.modules():
-        if type(module) is fused:
-            module.__class__ = base
-            count += 1
-    return count
+    return _swap_classes(model, fused_class(), _peft_lora_linear())
 
 
 __all__ = ["LoraLinearFunction", "fuse_lora_layers", "fused_class", "unfuse_lora_layers"]
