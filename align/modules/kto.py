@@ -103,9 +103,10 @@ class KTOModule(PreferenceModule):
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:
         B = batch.num_pairs
         free = self.padding_free
-        logps = sequence_logps(self.policy, batch, rows=slice(0, B), padding_free=free)  # (B,) completions, with grad
-        with torch.no_grad():
-            kl_logps = sequence_logps(self.policy, batch, rows=slice(B, None), padding_free=free)  # (B,) mismatched
+        # The completions and the mismatched ones in one pass, as the reference's: an example and its mismatched
+        # completion share the prompt, which runs once, and an untrained policy scores exactly as its reference.
+        logps, kl_logps = sequence_logps(self.policy, batch, padding_free=free).split(B)  # (B,) each, with grad
+        kl_logps = kl_logps.detach()
         ref_logps, ref_kl_logps = self._reference_logps(batch, split)
         kl_sum = (kl_logps - ref_kl_logps).sum().float()
         packed = self.all_reduce_sum(torch.stack([kl_sum, torch.tensor(float(B), device=kl_sum.device)]))
