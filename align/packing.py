@@ -140,9 +140,9 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     (the last token is only a target) become a segment of ``R - 1`` columns in its group's row, the ``s``-th segment
     for the ``s``-th row of the group. A query column attends to a key column when the key is a real token
     (``attention_mask``), comes no later, and is in the prompt or in the query's own segment, as in its padded row; a
-    query with no such key (left padding) attends to itself, so that none is left with nothing to attend to. Positions are the rows' own
-    (``position_ids``, or ``0 .. T - 1`` without them). The grouped row costs ``P + k (R - 1)`` columns for ``k``
-    rows instead of ``k T``."""
+    query with no such key (left padding) attends to itself, so that none is left with nothing to attend to.
+    Positions are the rows' own (``position_ids``, or ``0 .. T - 1`` without them). The grouped row costs
+    ``P + k (R - 1)`` columns for ``k`` rows instead of ``k T``."""
     B, T = input_ids.shape
     R = response_length
     P, S = T - R, R - 1
