@@ -112,8 +112,6 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
     return PackedRows(ids, positions, targets, owner[targets != ignore_index], B, origins)
 
 
-__all__ = ["PackedRows", "first_fit_decreasing", "pack_scored_rows"]
-
 
 @dataclass
 class SharedPromptRows:
@@ -128,6 +126,12 @@ class SharedPromptRows:
     position_ids: torch.Tensor  # (U, L)
     group: torch.Tensor  # (B,) the laid-out row of each original row
     index: torch.Tensor  # (B, R) columns whose hidden states predict each original row's last R tokens
+
+
+def group_representatives(group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``(num_groups,)`` one row of each group, for ``group`` ``(B,)`` in ``[0, num_groups)`` with none empty."""
+    rows = torch.arange(group.shape[0], device=group.device)
+    return torch.zeros(num_groups, dtype=torch.long, device=group.device).scatter_(0, group, rows)
 
 
 def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
@@ -154,7 +158,7 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.empty_like(group)
     slot[by_group] = rows - starts[group[by_group]]  # each row's rank within its group, in row order
-    first = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_(0, group, rows)  # one row per group
+    first = group_representatives(group, num_groups)  # whose prompt columns each laid-out row takes
     L = P + k * S
     columns = P + slot[:, None] * S + torch.arange(S, device=device)  # (B, S) where each response column goes
     real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
@@ -176,3 +180,7 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     mask |= torch.eye(L, dtype=torch.bool, device=device) & ~mask.any(-1, keepdim=True)
     index = torch.cat([torch.full((B, 1), P - 1, device=device, dtype=torch.long), columns], dim=1)  # (B, R)
     return SharedPromptRows(ids, mask[:, None], pos, group, index)
+
+
+__all__ = ["PackedRows", "SharedPromptRows", "first_fit_decreasing", "group_representatives", "pack_scored_rows",
+           "share_prompts"]

@@ -18,6 +18,8 @@ else, and with ``fused: false``, the layer is peft's (its ``forward`` is called 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -105,7 +107,7 @@ def _make_fused_class(base: type) -> type:
                 return None
             if not (x.dtype == weight.dtype == lora_a.dtype == lora_b.dtype) or x.device != weight.device:
                 return None
-            if self._sharded(weight, lora_a, lora_b):
+            if any(_gathered_elsewhere(p) for p in (weight, lora_a, lora_b)):
                 return None
             dropout = self.lora_dropout[name]
             if isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", 1.0) == 0:
@@ -114,28 +116,14 @@ def _make_fused_class(base: type) -> type:
                 return None
             return weight, bias, lora_a, lora_b, float(self.scaling[name]), dropout
 
-        def _sharded(self, *params: torch.Tensor) -> bool:
-            """:func:`_gathered_elsewhere` of the parameters, remembered while they are the same tensors."""
-            key = tuple(id(p) for p in params)
-            seen = self.__dict__.get("_align_sharded")
-            if seen is None or seen[0] != key:
-                seen = (key, any(_gathered_elsewhere(p) for p in params))
-                self.__dict__["_align_sharded"] = seen
-            return seen[1]
-
     FusedLoraLinear.__qualname__ = FusedLoraLinear.__name__ = "FusedLoraLinear"
     return FusedLoraLinear
 
 
-_FUSED: dict[type, type] = {}
-
-
+@functools.cache
 def fused_class() -> type:
     """The :class:`FusedLoraLinear` class (peft's ``lora.Linear`` with the fused forward), made once."""
-    base = _peft_lora_linear()
-    if base not in _FUSED:
-        _FUSED[base] = _make_fused_class(base)
-    return _FUSED[base]
+    return _make_fused_class(_peft_lora_linear())
 
 
 def _swap_classes(model: nn.Module, old: type, new: type) -> int:

@@ -35,7 +35,7 @@ from align.models.loading import (
     torch_dtype,
 )
 from align.models.lora import fuse_lora_layers
-from align.packing import PackedRows, pack_scored_rows, share_prompts
+from align.packing import PackedRows, group_representatives, pack_scored_rows, share_prompts
 
 log = logging.getLogger(__name__)
 
@@ -568,8 +568,7 @@ class PolicyModel(nn.Module):
         recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
         if recomputed or (B - groups) * P * size < _MIN_SHARED_PREFIX_WORK:
             return self._plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
-        rows = torch.zeros(groups, dtype=torch.long, device=input_ids.device).scatter_(
-            0, inverse, torch.arange(B, device=input_ids.device))  # one row per prompt
+        rows = group_representatives(inverse, groups)  # one row per prompt
         sub = lambda x: None if x is None else x[rows, :P]
         prefix = decoder(input_ids=input_ids[rows, :P], attention_mask=sub(attention_mask),
                          position_ids=sub(position_ids), use_cache=True)
