@@ -134,6 +134,19 @@ def group_representatives(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     return torch.zeros(num_groups, dtype=torch.long, device=group.device).scatter_(0, group, rows)
 
 
+def split_groups(group: torch.Tensor, num_groups: int, size: int) -> tuple[torch.Tensor, int]:
+    """``(piece, num_pieces)``: each group of ``group`` ``(B,)`` (in ``[0, num_groups)``, none empty) cut into
+    pieces of at most ``size`` rows, in row order; ``piece`` ``(B,)`` numbers them ``[0, num_pieces)`` by group."""
+    rows = torch.arange(group.shape[0], device=group.device)
+    counts = torch.bincount(group, minlength=num_groups)  # (U,)
+    by_group = torch.argsort(group, stable=True)
+    rank = torch.empty_like(group)
+    rank[by_group] = rows - (torch.cumsum(counts, 0) - counts)[group[by_group]]  # each row's rank in its group
+    pieces = (counts + size - 1) // size  # (U,)
+    piece = (torch.cumsum(pieces, 0) - pieces)[group] + rank // size
+    return piece, int(pieces.sum())
+
+
 def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                   response_length: int, group: torch.Tensor, num_groups: int) -> SharedPromptRows:
     """Lay out rows whose first ``T - R`` columns are equal within each ``group`` (``(B,)`` in ``[0, num_groups)``)
@@ -182,5 +195,46 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     return SharedPromptRows(ids, mask[:, None], pos, group, index)
 
 
-__all__ = ["PackedRows", "SharedPromptRows", "first_fit_decreasing", "group_representatives", "pack_scored_rows",
-           "share_prompts"]
+def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                  prompt_length: int) -> tuple[int, torch.Tensor | None]:
+    """``(C, order)``: the first ``C`` real tokens that every row's prompt starts with (a chat template's system
+    prompt), at the same positions in every row, and the ``(B, T)`` column order that moves them to the front.
+
+    The prompts are the first ``prompt_length`` columns, left-padded (each row's real prompt tokens contiguous and
+    last). ``order`` lays each row out as ``[shared tokens | its padding | the rest of its prompt | the rest]``:
+    the real tokens keep their order and positions, so a causal pass over the reordered row gives each real token
+    the numbers it gets in the padded row, and the shared columns come first in every row, where one pass can
+    serve them all. The last ``T - prompt_length + 1`` columns are not moved: ``C`` leaves every row at least one
+    prompt token of its own. ``order`` is None when no column moves (no padding); ``C`` is 0 when nothing is shared
+    or the prompts are not left-padded.
+    """
+    B, T = input_ids.shape
+    P = prompt_length
+    device = input_ids.device
+    if B < 2 or P < 2:
+        return 0, None
+    if attention_mask is None:
+        starts = torch.zeros(B, dtype=torch.long, device=device)
+    else:
+        real = attention_mask[:, :P].bool()  # (B, P)
+        if not bool((real[:, 1:] >= real[:, :-1]).all()):  # real tokens after padding only: left-padded
+            return 0, None
+        starts = P - real.sum(1)  # (B,) each row's first real prompt column
+    cap = P - int(starts.max()) - 1  # the shortest prompt, less the one token each row keeps
+    if cap < 1:
+        return 0, None
+    columns = starts[:, None] + torch.arange(cap, device=device)  # (B, cap)
+    same = (input_ids.gather(1, columns) == input_ids[:1].gather(1, columns[:1])).all(0)  # (cap,)
+    if position_ids is not None:
+        same &= (position_ids.gather(1, columns) == position_ids[:1].gather(1, columns[:1])).all(0)
+    C = int(same.long().cumprod(0).sum())
+    if C == 0 or not bool(starts.any()):
+        return C, None
+    j = torch.arange(T, device=device).expand(B, T)
+    s = starts[:, None]
+    order = torch.where(j < C, s + j, torch.where(j < C + s, j - C, j))  # (B, T) the old column of each new one
+    return C, order
+
+
+__all__ = ["PackedRows", "SharedPromptRows", "common_prefix", "first_fit_decreasing", "group_representatives",
+           "pack_scored_rows", "share_prompts", "split_groups"]

@@ -4,7 +4,7 @@ pinned by hand."""
 import pytest
 import torch
 
-from align.packing import first_fit_decreasing, pack_scored_rows, share_prompts
+from align.packing import common_prefix, first_fit_decreasing, pack_scored_rows, share_prompts, split_groups
 
 
 def test_first_fit_decreasing_pinned():
@@ -98,3 +98,53 @@ def test_share_prompts_groups_of_different_sizes_and_no_mask():
     assert rows.position_ids.tolist() == [[0, 1, 2, 2, 2], [0, 1, 2, 2, 0]]
     assert rows.index.tolist() == [[1, 2], [1, 2], [1, 3], [1, 4], [1, 3]]
     assert rows.attention_mask[1, 0, 4].tolist() == [True, True, False, False, False]  # the empty segment: unused
+
+
+def test_common_prefix_moves_the_shared_tokens_to_the_front_by_hand():
+    # Three left-padded prompts of 6 columns, then 2 response columns. Each starts with 7, 8; row 1 goes on with 9 as
+    # row 0 does, row 2 with 6. The shortest prompt (row 0, 4 tokens) keeps at least one token of its own.
+    ids = torch.tensor([[0, 0, 7, 8, 9, 5, 40, 41],
+                        [7, 8, 9, 4, 3, 2, 42, 43],
+                        [0, 7, 8, 6, 1, 1, 44, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1],
+                         [1, 1, 1, 1, 1, 1, 1, 1],
+                         [0, 1, 1, 1, 1, 1, 1, 0]])
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    C, order = common_prefix(ids, mask, pos, 6)
+    assert C == 2
+    assert order.tolist() == [[2, 3, 0, 1, 4, 5, 6, 7],
+                              [0, 1, 2, 3, 4, 5, 6, 7],
+                              [1, 2, 0, 3, 4, 5, 6, 7]]
+    assert ids.gather(1, order).tolist() == [[7, 8, 0, 0, 9, 5, 40, 41],
+                                             [7, 8, 9, 4, 3, 2, 42, 43],
+                                             [7, 8, 0, 6, 1, 1, 44, 0]]
+    assert mask.gather(1, order).tolist() == [[1, 1, 0, 0, 1, 1, 1, 1],
+                                              [1, 1, 1, 1, 1, 1, 1, 1],
+                                              [1, 1, 0, 1, 1, 1, 1, 0]]
+    # Each real token keeps its position; the shared ones are at the same positions in every row.
+    assert pos.gather(1, order).tolist() == [[0, 1, 0, 0, 2, 3, 4, 5],
+                                             [0, 1, 2, 3, 4, 5, 6, 7],
+                                             [0, 1, 0, 2, 3, 4, 5, 5]]
+
+
+def test_common_prefix_limits():
+    ids = torch.tensor([[7, 8, 9, 5, 40], [7, 8, 9, 5, 41]])
+    # Two equal prompts without padding: all but each row's last prompt token, and no column moves.
+    assert common_prefix(ids, None, None, 4) == (3, None)
+    assert common_prefix(ids, torch.ones_like(ids), None, 4) == (3, None)
+    # The same tokens at other positions are not shared.
+    pos = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 5, 6, 7]])
+    assert common_prefix(ids, None, pos, 4) == (2, None)
+    # Nothing shared; one row; a prompt of one token; padding inside a prompt (not left-padded).
+    assert common_prefix(torch.tensor([[1, 2, 3], [4, 2, 3]]), None, None, 2) == (0, None)
+    assert common_prefix(ids[:1], None, None, 4) == (0, None)
+    assert common_prefix(torch.tensor([[0, 7, 9], [7, 7, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]), None, 2) == (0, None)
+    assert common_prefix(ids, torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), None, 4) == (0, None)
+
+
+def test_split_groups_cuts_each_group_in_row_order():
+    # Group 0 holds rows 0, 1, 3, 5, 6; group 1 rows 2, 4; group 2 row 7. Pieces of at most 2 rows.
+    piece, pieces = split_groups(torch.tensor([0, 0, 1, 0, 1, 0, 0, 2]), 3, 2)
+    assert pieces == 5 and piece.tolist() == [0, 0, 3, 1, 3, 1, 2, 4]
+    piece, pieces = split_groups(torch.tensor([1, 0, 1, 0]), 2, 5)
+    assert pieces == 2 and piece.tolist() == [1, 0, 1, 0]

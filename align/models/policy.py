@@ -11,7 +11,6 @@ same positions in training as in generation, and log-probs of the old and new po
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -35,7 +34,8 @@ from align.models.loading import (
     torch_dtype,
 )
 from align.models.lora import fuse_lora_layers
-from align.packing import PackedRows, group_representatives, pack_scored_rows, share_prompts
+from align.models.shared_pass import scoring_hidden
+from align.packing import PackedRows, pack_scored_rows
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,6 @@ def _contiguous_if_frozen(module: nn.Module, args: tuple):
 # no logit scale), so that align may apply the head itself, chunked, to the hidden states of its decoder.
 CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
                             "olmo2", "smollm3")
-
-
-# Prompt tokens not recomputed x decoder parameters below which a scoring pass does not split into a prompt pass
-# and a continuation pass: about 1 GFLOP of forward work, more than the second call's fixed cost (a few ms on a
-# CPU). The embedded tiny model (0.85M parameters) never reaches it; SmolLM2-135M does with 8 shared tokens.
-_MIN_SHARED_PREFIX_WORK = 5 * 10**8
 
 
 def chunked_head_unsupported(model: nn.Module) -> str | None:
@@ -378,7 +372,8 @@ class PolicyModel(nn.Module):
         ``padding_free``: run the rows' real tokens laid end to end (:func:`align.packing.pack_scored_rows`)
         instead of the padded rows, and score only the real response tokens (those of ``attention_mask``); the
         outputs at padded response positions are 0. Each row's real tokens must be contiguous (a left-padded
-        prompt and a right-padded response). The shared-prompt pass (:meth:`_scoring_hidden`) does not apply.
+        prompt and a right-padded response). Shared tokens are not run once there
+        (:func:`align.models.shared_pass.scoring_hidden` covers padded rows).
         """
         T = input_ids.shape[1]
         R = T - 1 if response_length is None else response_length
@@ -405,7 +400,7 @@ class PolicyModel(nn.Module):
             if head is not None:
                 # Hidden states of the positions that predict a response token (T-R-1+j predicts T-R+j), then the
                 # head and the log-softmax chunk by chunk: the (B, R, V) logits never exist at once.
-                hidden = self._scoring_hidden(self._decoder(lm), input_ids, attention_mask, position_ids, R)
+                hidden = scoring_hidden(self._decoder(lm), input_ids, attention_mask, position_ids, R)
                 logprobs, entropy = linear_log_softmax(hidden, head.weight, targets, bias=head.bias,
                                                        temperature=temperature, return_entropy=return_entropy)
                 values = None
@@ -523,88 +518,6 @@ class PolicyModel(nn.Module):
                              use_cache=False).last_hidden_state
         return self.critic_head(hidden.flatten(0, 1)[index])
 
-    def _scoring_hidden(self, decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
-        """``(B, R, H)`` final hidden states of the positions ``T-R-1 .. T-2``, which predict the last ``R`` tokens.
-
-        Rows that share their first ``T - R`` tokens (a DPO pair's prompt, a GRPO group's) run that prompt once, with
-        gradients (autograd sums what reaches it from each row), in one of two ways:
-
-        * one call over one row per prompt, ``[prompt | response 1 | response 2 | ...]``, each response masked from
-          the others (:func:`align.packing.share_prompts`), where the laid-out rows' attention costs no more than
-          the padded rows' (a pair's two responses; not a large group's) and the attention is ``sdpa`` or ``eager``;
-        * else a pass over each distinct prompt whose keys and values every row's continuation reads, where the
-          tokens saved pay for the second decoder call (see ``_MIN_SHARED_PREFIX_WORK``) and layers are not
-          recomputed (gradient checkpointing drops the cache).
-
-        The numbers are those of one pass over the whole rows, to float rounding. Rows that share nothing and
-        one-token continuations take one pass over the rows.
-        """
-        B, T = input_ids.shape
-        P = T - R
-        shared = None
-        if R > 1 and B > 1 and P > 0:
-            key = input_ids[:, :P]  # (B, P); padding marked apart, so a pad id equal to a real token cannot match
-            if attention_mask is not None:
-                key = torch.where(attention_mask[:, :P].bool(), key, -1)
-            unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-            if unique.shape[0] < B:
-                shared = unique.shape[0], inverse
-        if shared is None:
-            return self._plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
-        groups, inverse = shared
-        mask_kind = self._layout_mask_kind(decoder)
-        laid_out_columns = P + int(torch.bincount(inverse).max()) * (R - 1)
-        if mask_kind is not None and groups * laid_out_columns ** 2 <= B * T * T:
-            rows = share_prompts(input_ids, attention_mask, position_ids, R, inverse, groups)
-            mask = rows.attention_mask
-            if mask_kind == "additive":
-                dtype = decoder.get_input_embeddings().weight.dtype
-                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
-                                                                                            torch.finfo(dtype).min)
-            hidden = decoder(input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids,
-                             use_cache=False).last_hidden_state  # (U, L, H)
-            return hidden[rows.group[:, None], rows.index]
-        size, cache_kwarg = self._decoder_facts(decoder)
-        recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
-        if recomputed or (B - groups) * P * size < _MIN_SHARED_PREFIX_WORK:
-            return self._plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
-        rows = group_representatives(inverse, groups)  # one row per prompt
-        sub = lambda x: None if x is None else x[rows, :P]
-        prefix = decoder(input_ids=input_ids[rows, :P], attention_mask=sub(attention_mask),
-                         position_ids=sub(position_ids), use_cache=True)
-        cache = prefix.cache if getattr(prefix, "cache", None) is not None else prefix.past_key_values
-        cache.reorder_cache(inverse)  # index_select along the batch: differentiable, gradients summed per prompt
-        rest = decoder(input_ids=input_ids[:, P : T - 1],
-                       attention_mask=None if attention_mask is None else attention_mask[:, : T - 1],
-                       position_ids=None if position_ids is None else position_ids[:, P : T - 1],
-                       use_cache=True, **{cache_kwarg: cache}).last_hidden_state  # (B, R - 1, H)
-        return torch.cat([prefix.last_hidden_state[inverse, P - 1 : P], rest], dim=1)
-
-    @staticmethod
-    def _plain_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
-        T = input_ids.shape[1]
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False).last_hidden_state[:, T - R - 1 : T - 1]
-
-    @staticmethod
-    def _layout_mask_kind(decoder: nn.Module) -> str | None:
-        """How ``decoder``'s attention takes a custom ``(B, 1, L, L)`` mask: ``"bool"`` (sdpa), ``"additive"`` (eager),
-        or None (another implementation, or sliding-window attention, which such a mask would replace)."""
-        config = getattr(decoder, "config", None)
-        if config is None or (getattr(config, "sliding_window", None) is not None
-                              and getattr(config, "use_sliding_window", True)):
-            return None
-        return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
-
-    def _decoder_facts(self, decoder: nn.Module) -> tuple[int, str]:
-        """``(parameters, name of the cache argument)`` of ``decoder``, read once per decoder: transformers 5.24
-        renamed ``past_key_values`` to ``cache``."""
-        facts = self.__dict__.setdefault("_decoder_facts_by_id", {})
-        if id(decoder) not in facts:
-            kwarg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-            facts[id(decoder)] = (sum(p.numel() for p in decoder.parameters()), kwarg)
-        return facts[id(decoder)]
-
     @staticmethod
     def _unwrapped(lm: nn.Module) -> nn.Module:
         """The transformers model inside ``lm``: unwrapped from peft when it is a peft model."""
@@ -629,13 +542,13 @@ class PolicyModel(nn.Module):
         return None
 
     def _values(self, hidden, input_ids, attention_mask, position_ids, R) -> torch.Tensor:
+        """``(B, R)`` values: the shared head's on ``hidden`` (the policy's ``(B, T, H)`` final hidden states), or
+        the separate critic's own pass (:func:`~align.models.shared_pass.scoring_hidden`)."""
         T = input_ids.shape[1]
         if self.value_head is not None:
             return self.value_head(hidden[:, T - R - 1 : T - 1])
         if self.critic is not None:
-            h = self.critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
-            return self.critic_head(h[:, T - R - 1 : T - 1])
+            return self.critic_head(scoring_hidden(self.critic, input_ids, attention_mask, position_ids, R))
         raise RuntimeError("values requested but the policy has no value head; set policy.value_head")
 
     def values(
@@ -670,12 +583,12 @@ class PolicyModel(nn.Module):
             return _spread(scored, values)
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
-        hidden = None
         if self.value_head is not None:
             with torch.no_grad() if detach_backbone else nullcontext():
-                hidden = self._decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask,
-                                                   position_ids=position_ids, use_cache=False).last_hidden_state
-        return self._values(hidden, input_ids, attention_mask, position_ids, response_length)
+                hidden = scoring_hidden(self._decoder(self.model), input_ids, attention_mask, position_ids,
+                                              response_length)
+            return self.value_head(hidden)
+        return self._values(None, input_ids, attention_mask, position_ids, response_length)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

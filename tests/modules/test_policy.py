@@ -4,6 +4,7 @@ import torch
 from align.errors import AlignConfigError
 from align.hub.tiny import build_tiny_model
 from align.models import LoraSettings, PolicyModel
+from align.models.shared_pass import layout_mask_kind
 
 
 def batch(policy, texts=("sort: b a", "sort: d c b a")):
@@ -311,11 +312,11 @@ def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, path
     # over [prompt | response 1 | response 2 | response 3] rows, or as a prompt pass whose cache the continuations
     # read); log-probs, entropies, values and every gradient equal one pass over the whole rows (the model's own
     # forward).
-    import align.models.policy as policy_module
+    from align.models import shared_pass
 
     if path == "prompt cache":
-        monkeypatch.setattr(PolicyModel, "_layout_mask_kind", staticmethod(lambda decoder: None))
-        monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)  # the tiny model is below the threshold
+        monkeypatch.setattr(shared_pass, "layout_mask_kind", lambda decoder: None)
+        monkeypatch.setattr(shared_pass, "_MIN_SHARED_PREFIX_WORK", 0)  # the tiny model is below the threshold
     policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head="shared")
     ids, mask = _groups(policy)
     weights = torch.linspace(-1, 1, ids.shape[0] * 5).view(ids.shape[0], 5)
@@ -336,7 +337,7 @@ def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, path
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompts_reference_pass_and_which_layout(attention, monkeypatch):
-    import align.models.policy as policy_module
+    from align.models import shared_pass
 
     policy = PolicyModel(attn_implementation=attention)
     policy.setup_reference()
@@ -355,17 +356,19 @@ def test_shared_prompts_reference_pass_and_which_layout(attention, monkeypatch):
     torch.testing.assert_close(grouped(), alone, atol=1e-5, rtol=1e-5)
     assert calls == [torch.Size([2, P + 3 * 4])]  # one call over the laid-out rows
     # Without the layout, too little shared work on the tiny model for the prompt cache: one pass over the rows.
-    monkeypatch.setattr(PolicyModel, "_layout_mask_kind", staticmethod(lambda decoder: None))
+    monkeypatch.setattr(shared_pass, "layout_mask_kind", lambda decoder: None)
     calls.clear()
     torch.testing.assert_close(grouped(), alone, atol=1e-5, rtol=1e-5)
     assert calls == [ids.shape]
-    monkeypatch.setattr(policy_module, "_MIN_SHARED_PREFIX_WORK", 0)
+    monkeypatch.setattr(shared_pass, "_MIN_SHARED_PREFIX_WORK", 0)
     calls.clear()
     torch.testing.assert_close(grouped(), alone, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2  # the 2 prompts once, then the 6 continuations
 
 
-def test_shared_prompts_in_one_call_under_gradient_checkpointing():
+def test_shared_prompts_in_one_call_under_gradient_checkpointing(monkeypatch):
+    from align.models import shared_pass
+
     # Checkpointing recomputes each layer without a cache, so the prompt-cache pass does not apply; the one-call
     # layout does, with the same log-probs and gradients as the plain rows.
     results = []
@@ -376,7 +379,7 @@ def test_shared_prompts_in_one_call_under_gradient_checkpointing():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.05)
         if not layout:
-            policy._layout_mask_kind = lambda decoder: None
+            monkeypatch.setattr(shared_pass, "layout_mask_kind", lambda decoder: None)
         ids, mask = _groups(policy)
         calls = _decoder_calls(policy.base_model.get_decoder())
         out = policy.token_logprobs(ids, mask, response_length=5)
@@ -391,26 +394,124 @@ def test_shared_prompts_in_one_call_under_gradient_checkpointing():
         torch.testing.assert_close(grads[name], grads0[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_a_large_group_is_not_laid_out_in_one_row():
-    # Six responses per prompt: one row of the prompt and six responses would cost more attention than six rows.
+def test_the_piece_size_of_a_layout_minimises_its_flops():
+    from align.models.shared_pass import best_piece_size
+
+    # Two groups of 6 rows sharing 6 columns, 4 fed columns each after them. k rows per laid-out row cost
+    # rows(k) * L(k) * (token + pair * L(k)), L(k) = 6 + 4k: with (token, pair) = (100, 10), k = 1: 12 * 10 * 200 =
+    # 24,000; k = 2: 6 * 14 * 240 = 20,160; k = 3: 4 * 18 * 280 = 20,160 (the smaller k wins the tie); k = 6: 24,000.
+    assert best_piece_size([6, 6], 6, 4, 100, 10) == 2
+    # Linear layers dominate: one row per group (k = 6: 2 * 30 * 1,300 = 78,000 against k = 3's 84,960).
+    assert best_piece_size([6, 6], 6, 4, 1000, 10) == 6
+    # Attention dominates: the best layout (k = 2: 118,440) saves under a tenth of 121,200, so none.
+    assert best_piece_size([6, 6], 6, 4, 10, 100) == 1
+    assert best_piece_size([1, 1], 6, 4, 100, 10) == 1
+
+
+def test_a_large_group_is_laid_out_in_pieces(monkeypatch):
+    # Six responses per prompt laid out 4 to a row: each prompt's group becomes two rows (4 and 2 responses), every
+    # output equals the row's own pass. Where attention dominates, one pass over the rows.
+    from align.models import shared_pass
+
     policy = PolicyModel()
     ids, mask = _groups(policy, group=6)
     B, T = ids.shape
-    assert 2 * (T - 5 + 6 * 4) ** 2 > B * T * T
     calls = _decoder_calls(policy.model.get_decoder())
     with torch.no_grad():
-        policy.token_logprobs(ids, mask, response_length=5)
-    assert calls == [ids.shape]
+        alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5).logprobs
+                           for i in range(B)])
+        monkeypatch.setattr(shared_pass, "best_piece_size", lambda *args: 4)
+        calls.clear()
+        torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=5).logprobs, alone,
+                                   atol=1e-5, rtol=1e-5)
+        assert calls == [torch.Size([4, T - 5 + 4 * 4])]
+        monkeypatch.undo()
+        facts = shared_pass.decoder_facts(policy.model.get_decoder())
+        monkeypatch.setattr(shared_pass, "decoder_facts", lambda decoder: shared_pass.DecoderFacts(
+            facts.parameters, facts.cache_kwarg, token_flops=1, pair_flops=10**6))
+        calls.clear()
+        torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=5).logprobs, alone,
+                                   atol=1e-5, rtol=1e-5)
+        assert calls == [ids.shape]
 
 
 def test_a_sliding_window_model_is_not_laid_out():
     policy = PolicyModel()
     decoder = policy.model.get_decoder()
-    assert PolicyModel._layout_mask_kind(decoder) == "bool"
+    assert layout_mask_kind(decoder) == "bool"
     decoder.config.sliding_window = 4096
-    assert PolicyModel._layout_mask_kind(decoder) is None
+    assert layout_mask_kind(decoder) is None
     decoder.config.use_sliding_window = False
-    assert PolicyModel._layout_mask_kind(decoder) == "bool"
+    assert layout_mask_kind(decoder) == "bool"
+
+
+def _scored_everything(policy, ids, mask, R):
+    """Log-probs, entropies, values, reference log-probs and every parameter gradient of one scoring pass."""
+    policy.zero_grad(set_to_none=True)
+    out = policy.token_logprobs(ids, mask, response_length=R, temperature=0.9, return_entropy=True,
+                                return_values=True)
+    weights = torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)
+    ((out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()).backward()
+    with torch.no_grad():
+        ref = policy.token_logprobs(ids, mask, response_length=R, reference=True).logprobs
+        values = policy.values(ids, mask, response_length=R)
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    return [out.logprobs.detach(), out.entropy.detach(), out.values.detach(), ref, values], grads
+
+
+@pytest.mark.parametrize("path", ["one call", "prefix cache"])
+@pytest.mark.parametrize("value_head", ["shared", "separate"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_prefix_every_prompt_starts_with_runs_once(path, value_head, lora, monkeypatch):
+    # Three different left-padded prompts that start alike ("sort:", as a chat template's system prompt would):
+    # those tokens run once for the policy, its reference and the critic, in one call over a laid-out row or in a
+    # pass whose keys and values the rows' continuations read. Every output and every gradient equals one pass
+    # over the whole rows.
+    from align.models import shared_pass
+
+    torch.manual_seed(0)
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head=value_head)
+    policy.setup_reference()
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    ids, mask = batch(policy, ("sort: b a", "sort: d c b a", "sort: c a b e f"))
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(5, policy.config.vocab_size, (3, 5), generator=g)
+    response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
+    ids, mask = torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1)
+    B, T = ids.shape
+    P = T - 5
+    starts = P - mask[:, :P].sum(1)  # each row's first real column: three different ones
+    first = ids.gather(1, starts[:, None] + torch.arange(3))
+    assert starts.unique().numel() == 3 and (first[:, :2] == first[0, :2]).all() and first[:, 2].unique().numel() == 3
+    C = 2  # "sort", ":"
+    decoders = [policy.base_model.get_decoder()] + ([policy.critic] if policy.critic is not None else [])
+    calls = [_decoder_calls(d) for d in decoders]
+
+    with monkeypatch.context() as plain_rows:  # no layout, and the tiny model is below the cache's threshold
+        plain_rows.setattr(shared_pass, "layout_mask_kind", lambda decoder: None)
+        plain, plain_grads = _scored_everything(policy, ids, mask, 5)
+    assert all(c and all(shape == ids.shape for shape in c) for c in calls)
+    for c in calls:
+        c.clear()
+    if path == "one call":
+        monkeypatch.setattr(shared_pass, "best_piece_size", lambda *args: B)
+    else:
+        monkeypatch.setattr(shared_pass, "layout_mask_kind", lambda decoder: None)
+        monkeypatch.setattr(shared_pass, "_MIN_SHARED_PREFIX_WORK", 0)
+    shared, shared_grads = _scored_everything(policy, ids, mask, 5)
+    for c in calls:
+        if path == "one call":
+            assert c and c == [torch.Size([1, C + B * (T - 1 - C)])] * len(c)
+        else:
+            assert c and c[0::2] == [torch.Size([1, C])] * (len(c) // 2)
+            assert c[1::2] == [torch.Size([B, T - 1 - C])] * (len(c) // 2)
+    for a, b in zip(shared, plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert shared_grads.keys() == plain_grads.keys() and shared_grads
+    for name in plain_grads:
+        torch.testing.assert_close(shared_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 # ---------------------------------------------------------------- padding-free scoring
