@@ -427,7 +427,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algos", default="ppo,a2c,dqn", help="comma-separated: ppo, a2c, dqn")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds 0..N-1, one align and one SB3 trial each (default 3; 1 with --quick)")
+                        help="N seeds from --first-seed on, one align and one SB3 trial each (default 3; 1 with --quick)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (default 0): a later range adds seeds to an earlier run's")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="environment steps between evaluations (default: 5,000 for PPO and A2C, 2,500 for DQN)")
     parser.add_argument("--target", type=float, default=475.0, help="mean return over the 20 evaluation episodes")
@@ -444,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(algos) - set(ALGOS))
     if unknown or not algos:
         parser.error(f"--algos: expected some of {', '.join(ALGOS)}, got {ns.algos!r}")
-    seeds = list(range(ns.seeds if ns.seeds is not None else 1 if ns.quick else 3))
+    seeds = list(range(ns.first_seed, ns.first_seed + (ns.seeds if ns.seeds is not None else 1 if ns.quick else 3)))
 
     print(f"{ENV_ID}: {', '.join(algos)}; seeds {seeds}; torch threads "
           f"{ns.threads if ns.threads else 'default'}; load {h.load_average():.2f}", flush=True)
