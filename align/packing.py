@@ -10,6 +10,11 @@ row times its row count.
 (:func:`align.data.sft.pack`), and :func:`pack_scored_rows` packs a padded batch at every step, for the preference
 losses' sequence log-probs, the reward model's scores and the RL update's per-token log-probs and values
 (``padding_free``).
+
+The other layouts here serve a scoring pass in which tokens that several rows share run once
+(:mod:`align.models.shared_pass`): :func:`share_prompts` lays out rows behind their shared columns,
+:func:`split_groups` cuts groups of rows into pieces of a chosen size, and :func:`common_prefix` finds the tokens
+that every prompt starts with and moves them to the front of each row.
 """
 
 from __future__ import annotations

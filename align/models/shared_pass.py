@@ -108,14 +108,13 @@ def scoring_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: 
         key = torch.where(attention_mask[:, :P].bool(), key, -1)
     unique, group = torch.unique(key, dim=0, return_inverse=True)
     groups = unique.shape[0]
+    rows = input_ids, attention_mask, position_ids
     if groups == B:  # no two prompts equal: the tokens they all start with, moved to the front of each row
         shared, order = common_prefix(input_ids, attention_mask, position_ids, P)
         if shared == 0:
             return plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
         if order is not None:
-            input_ids = input_ids.gather(1, order)
-            attention_mask = None if attention_mask is None else attention_mask.gather(1, order)
-            position_ids = None if position_ids is None else position_ids.gather(1, order)
+            rows = tuple(None if x is None else x.gather(1, order) for x in rows)
         group, groups = torch.zeros_like(group), 1
     else:
         shared = P
@@ -126,13 +125,11 @@ def scoring_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: 
         k = best_piece_size(sizes, shared, T - 1 - shared, facts.token_flops, facts.pair_flops)
         if k > 1:
             piece, pieces = split_groups(group, groups, k)
-            return _laid_out_hidden(decoder, mask_kind, input_ids, attention_mask, position_ids, T - shared, piece,
-                                    pieces)[:, -R:]
+            return _laid_out_hidden(decoder, mask_kind, *rows, T - shared, piece, pieces)[:, -R:]
     recomputed = getattr(decoder, "gradient_checkpointing", False) and decoder.training
     if recomputed or (B - groups) * shared * facts.parameters < _MIN_SHARED_PREFIX_WORK:
         return plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
-    return _cached_prefix_hidden(decoder, facts.cache_kwarg, input_ids, attention_mask, position_ids, shared,
-                                 group, groups)[:, -R:]
+    return _cached_prefix_hidden(decoder, facts.cache_kwarg, *rows, shared, group, groups)[:, -R:]
 
 
 def plain_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
