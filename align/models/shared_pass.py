@@ -55,14 +55,14 @@ _FACTS: weakref.WeakKeyDictionary[nn.Module, DecoderFacts] = weakref.WeakKeyDict
 
 def decoder_facts(decoder: nn.Module) -> DecoderFacts:
     if decoder not in _FACTS:
-        config = decoder.config
+        config = getattr(decoder, "config", None)  # without one (not a transformers model) no layout applies
         kwarg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
         parameters = sum(p.numel() for p in decoder.parameters())
         embeddings = decoder.get_input_embeddings().weight.numel()
-        heads = getattr(config, "num_attention_heads", 1)
-        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+        heads = getattr(config, "num_attention_heads", 1) or 1
+        width = heads * (getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads)
         _FACTS[decoder] = DecoderFacts(parameters, kwarg, 2 * (parameters - embeddings),
-                                       4 * width * getattr(config, "num_hidden_layers", 1))
+                                       4 * width * (getattr(config, "num_hidden_layers", 0) or 0))
     return _FACTS[decoder]
 
 
