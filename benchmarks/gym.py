@@ -267,6 +267,7 @@ def run_sb3(spec: dict) -> dict:
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.logger import Logger
 
     algo, seed = spec["algo"], spec["seed"]
     common = {"seed": seed, "device": "cpu", "verbose": 0}
@@ -327,6 +328,9 @@ def run_sb3(spec: dict) -> dict:
         return out
 
     model.collect_rollouts = timed_collect_rollouts
+    # SB3's own logger would write nothing at verbose 0 but still make an empty folder in the temporary directory
+    # per trial; this one records the same values and makes none.
+    model.set_logger(Logger(folder=None, output_formats=[]))
     model.learn(total_timesteps=spec["budget"], callback=Evaluations())
     return tracker.result(threads, load_start)
 
