@@ -117,7 +117,6 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
     return PackedRows(ids, positions, targets, owner[targets != ignore_index], B, origins)
 
 
-
 @dataclass
 class SharedPromptRows:
     """Rows that share a prompt, laid out as one row per prompt: ``[prompt | response 1 | response 2 | ...]``.
@@ -139,14 +138,20 @@ def group_representatives(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     return torch.zeros(num_groups, dtype=torch.long, device=group.device).scatter_(0, group, rows)
 
 
+def _rank_in_group(group: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` each row's rank within its group, in row order, for ``group`` ``(B,)`` with ``counts`` rows each."""
+    rows = torch.arange(group.shape[0], device=group.device)
+    by_group = torch.argsort(group, stable=True)
+    rank = torch.empty_like(group)
+    rank[by_group] = rows - (torch.cumsum(counts, 0) - counts)[group[by_group]]
+    return rank
+
+
 def split_groups(group: torch.Tensor, num_groups: int, size: int) -> tuple[torch.Tensor, int]:
     """``(piece, num_pieces)``: each group of ``group`` ``(B,)`` (in ``[0, num_groups)``, none empty) cut into
     pieces of at most ``size`` rows, in row order; ``piece`` ``(B,)`` numbers them ``[0, num_pieces)`` by group."""
-    rows = torch.arange(group.shape[0], device=group.device)
     counts = torch.bincount(group, minlength=num_groups)  # (U,)
-    by_group = torch.argsort(group, stable=True)
-    rank = torch.empty_like(group)
-    rank[by_group] = rows - (torch.cumsum(counts, 0) - counts)[group[by_group]]  # each row's rank in its group
+    rank = _rank_in_group(group, counts)
     pieces = (counts + size - 1) // size  # (U,)
     piece = (torch.cumsum(pieces, 0) - pieces)[group] + rank // size
     return piece, int(pieces.sum())
@@ -169,13 +174,9 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     R = response_length
     P, S = T - R, R - 1
     device = input_ids.device
-    rows = torch.arange(B, device=device)
     counts = torch.bincount(group, minlength=num_groups)  # (U,)
     k = int(counts.max())
-    by_group = torch.argsort(group, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.empty_like(group)
-    slot[by_group] = rows - starts[group[by_group]]  # each row's rank within its group, in row order
+    slot = _rank_in_group(group, counts)  # which segment of its group's row each row takes
     first = group_representatives(group, num_groups)  # whose prompt columns each laid-out row takes
     L = P + k * S
     columns = P + slot[:, None] * S + torch.arange(S, device=device)  # (B, S) where each response column goes

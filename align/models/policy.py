@@ -586,7 +586,7 @@ class PolicyModel(nn.Module):
         if self.value_head is not None:
             with torch.no_grad() if detach_backbone else nullcontext():
                 hidden = scoring_hidden(self._decoder(self.model), input_ids, attention_mask, position_ids,
-                                              response_length)
+                                        response_length)
             return self.value_head(hidden)
         return self._values(None, input_ids, attention_mask, position_ids, response_length)
 

@@ -76,10 +76,10 @@ def _pairs(module, model):
     return out
 
 
-def _sb3_buffer(module, model, steps, episode_start: torch.Tensor) -> None:
+def _sb3_buffer(module, model, steps, episode_start: torch.Tensor) -> torch.Tensor:
     """Fill SB3's rollout buffer with align's window ``steps`` as SB3's ``collect_rollouts`` fills it: a time-limit
     truncation adds ``gamma * V(final observation)`` to the reward; ``episode_start``: the window before ended
-    those environments' episodes."""
+    those environments' episodes. Returns align's ``next_values`` of the window."""
     t, n = steps.shape
     flat_obs = steps.observations.flatten(0, 1)
     with torch.no_grad():
@@ -96,6 +96,7 @@ def _sb3_buffer(module, model, steps, episode_start: torch.Tensor) -> None:
                    episode_start.numpy(), values[k].view(n, 1), logprobs[k])
         episode_start = steps.done[k]
     buffer.compute_returns_and_advantage(last_values=next_values[-1].view(n, 1), dones=steps.done[-1].numpy())
+    return next_values
 
 
 @pytest.mark.parametrize("algo", ["ppo", "a2c"])
@@ -118,8 +119,8 @@ def test_update_equals_stable_baselines3s(algo):
     if algo == "ppo":
         torch.testing.assert_close(logprobs, steps.extras["logprobs"], rtol=0, atol=1e-6)
 
-    _sb3_buffer(module, model, steps, torch.zeros(n, dtype=torch.bool))
-    buffer, next_values = model.rollout_buffer, module.next_values(steps)
+    next_values = _sb3_buffer(module, model, steps, torch.zeros(n, dtype=torch.bool))
+    buffer = model.rollout_buffer
     advantages, returns = step_gae(steps.rewards, steps.extras["values"], next_values, steps.terminated,
                                    steps.done, module.gamma, module.gae_lambda)
     np.testing.assert_allclose(buffer.advantages, advantages.numpy(), rtol=0, atol=1e-5)
