@@ -17,12 +17,20 @@ What happens:
    validation loop); SB3 calls ``learn``.
 3. Evaluation, the same on both sides and at the same cadence: at the first iteration boundary (after the update)
    at or past every ``--eval-every`` environment steps, and at the end of training, 20 deterministic (greedy)
-   episodes on a separate set of environments, one episode each, on the same held-out seeds every time. align:
-   the module's own ``ClassicRLModule.evaluate()`` from a Lightning callback's ``on_train_batch_end``; SB3:
+   episodes on a separate set of environments, one episode each. Both sides play the same 20 held-out starting
+   states, every time: those of align's evaluation seeds for the trial's seed (``episode_seed(seed, 1, i, 0)``,
+   i = 0..19), so each trial seed has its own 20 and the two sides of a seed share them. align: the module's own
+   ``ClassicRLModule.evaluate()`` from a Lightning callback's ``on_train_batch_end``; SB3:
    ``evaluate_policy(model, eval_env, n_eval_episodes=20, deterministic=True)`` on a ``DummyVecEnv`` of 20
-   ``Monitor``-wrapped environments (re-seeded before every evaluation), from a ``BaseCallback`` at the start of
-   each rollout (that is, after the previous update) and at the end of training. Each evaluation is timed and
-   its time is subtracted from the training clock.
+   ``Monitor``-wrapped environments, each reset with its fixed seed, from a ``BaseCallback`` at the start of each
+   rollout (that is, after the previous update) and at the end of training. Each evaluation is timed and its time
+   is subtracted from the training clock.
+
+   Why the shared states matter: whether a 20-episode mean reaches 475 hangs on one or two hard starting states,
+   so a seed's "steps to 475" moves by tens of thousands of steps with the set it is evaluated on. Evaluated on
+   different sets, the two sides' medians differ by more than their learning does; and a set shared by many
+   trials (SB3's ``seed + i`` convention gives neighbouring trial seeds 19 of 20 states in common) biases every
+   trial alike.
 4. A trial stops once it has both reached the target (mean return >= ``--target``, 475) and taken the steps its
    throughput is measured over (see below), or at the budget. For PPO and DQN that is always the full budget; A2C
    may stop before its 500k.
@@ -90,7 +98,6 @@ import _harness as h
 
 ENV_ID = "CartPole-v1"
 EVAL_EPISODES = 20
-EVAL_SEED = 1_000_000  # SB3's evaluation environments: seeds EVAL_SEED + trial seed + 0..19, apart from training's
 
 # budget: environment steps to train for (RL Zoo's n_timesteps for PPO and DQN; A2C's 500k is RL Zoo's, its config
 # here stops at 200k); rate_steps: the steps its throughput is measured over; eval_every: the evaluation cadence.
@@ -260,6 +267,29 @@ def run_align(spec: dict) -> dict:
     return tracker.result(threads, load_start)
 
 
+def held_out_env(seed: int):
+    """SB3's evaluation environments for trial ``seed``: ``EVAL_EPISODES`` ``Monitor``-wrapped CartPoles, one
+    episode each, whose every reset uses the seed align's evaluation gives that environment's first episode
+    (``align.envs.runner.episode_seed`` of stream 1). Both sides then evaluate on the same 20 held-out starting
+    states, every time, and each trial seed has its own 20."""
+    import gymnasium as gym
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from align.envs.runner import episode_seed
+
+    class FixedReset(gym.Wrapper):
+        def __init__(self, env, reset_seed: int):
+            super().__init__(env)
+            self.reset_seed = reset_seed
+
+        def reset(self, *, seed=None, options=None):
+            return self.env.reset(seed=self.reset_seed, options=options)
+
+    seeds = [episode_seed(seed, 1, i, 0) for i in range(EVAL_EPISODES)]
+    return DummyVecEnv([lambda s=s: FixedReset(Monitor(gym.make(ENV_ID)), s) for s in seeds])
+
+
 def run_sb3(spec: dict) -> dict:
     load_start = h.load_average()
     threads = setup_threads(spec)
@@ -289,11 +319,10 @@ def run_sb3(spec: dict) -> dict:
                     gamma=0.99, target_update_interval=10, tau=1.0, train_freq=256, gradient_steps=128,
                     exploration_fraction=0.16, exploration_initial_eps=1.0, exploration_final_eps=0.04,
                     max_grad_norm=10.0, policy_kwargs={"net_arch": [256, 256]}, **common)
-    eval_env = make_vec_env(ENV_ID, n_envs=EVAL_EPISODES, seed=EVAL_SEED + seed)  # one episode per environment
+    eval_env = held_out_env(seed)
     tracker = Tracker(spec)
 
     def evaluate() -> float:
-        eval_env.seed(EVAL_SEED + seed)  # the same held-out seeds every evaluation, applied at its reset
         mean_return, _ = evaluate_policy(model, eval_env, n_eval_episodes=EVAL_EPISODES, deterministic=True)
         return mean_return
 

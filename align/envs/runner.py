@@ -81,6 +81,16 @@ class Episode:
     truncated: bool  # ended by a time limit, not a terminal state
 
 
+def episode_seed(seed: int, stream: int, env_index: int, episode: int) -> int:
+    """The reset seed of environment ``env_index``'s ``episode``-th episode in a runner of ``EnvSpec.seed`` ``seed``
+    and ``stream`` (training 0, evaluation 1): a 32-bit draw from ``numpy.random.SeedSequence`` of the four, so the
+    episodes of every environment, stream and run seed get seeds of their own. Another library's environments reset
+    with these seeds start the same episodes as the runner's (``benchmarks/gym.py`` evaluates SB3 on align's
+    held-out states this way)."""
+    entropy = [int(seed), int(stream), int(env_index), int(episode)]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint32)[0])
+
+
 class EnvRunner:
     """Steps ``spec``'s vector environment with a policy; see the module docstring for seeds and resume.
 
@@ -113,9 +123,8 @@ class EnvRunner:
 
     # ------------------------------------------------------------------ seeds, resets, conversions
     def episode_seed(self, env_index: int, episode: int) -> int:
-        """The reset seed of environment ``env_index``'s ``episode``-th episode."""
-        entropy = [int(self.spec.seed), int(self.stream), int(env_index), int(episode)]
-        return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint32)[0])
+        """The reset seed of environment ``env_index``'s ``episode``-th episode (:func:`episode_seed`)."""
+        return episode_seed(self.spec.seed, self.stream, env_index, episode)
 
     def _observations(self, obs: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(np.array(obs))  # a copy: the vector environment (or the runner) reuses its buffer
@@ -332,4 +341,4 @@ def _stack(records: list[tuple[Transition, dict[str, torch.Tensor]]]) -> Steps:
     )
 
 
-__all__ = ["Episode", "EnvRunner", "OnStep", "Policy", "Steps", "Transition"]
+__all__ = ["Episode", "EnvRunner", "OnStep", "Policy", "Steps", "Transition", "episode_seed"]

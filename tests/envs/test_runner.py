@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from align.envs import EnvRunner, EnvSpec, require_discrete_actions
+from align.envs.runner import episode_seed
 from align.errors import AlignConfigError, AlignEnvError
 
 THIS = str(Path(__file__).resolve())
@@ -179,6 +180,7 @@ def test_env_indices_episodes_and_streams_get_different_seeds():
              for e in range(4)}
     assert len(set(seeds.values())) == len(seeds) == 32
     assert train.episode_seed(1, 2) == EnvRunner(spec).episode_seed(1, 2)  # a pure function of its inputs
+    assert (train.episode_seed(1, 2), evaluation.episode_seed(1, 2)) == (episode_seed(0, 0, 1, 2), episode_seed(0, 1, 1, 2))
     obs_train, obs_eval = train.start(), evaluation.start()
     assert not torch.equal(obs_train[0], obs_train[1])
     assert not torch.equal(obs_train, obs_eval)

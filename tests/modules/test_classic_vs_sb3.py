@@ -159,3 +159,53 @@ def test_a2c_stays_equal_to_stable_baselines3s_over_many_windows():
     assert ended > 0
     for mine, theirs in _pairs(module, model):
         torch.testing.assert_close(mine, theirs.detach(), rtol=0, atol=1e-6)
+
+
+def test_a2c_takes_stable_baselines3s_actions_from_the_same_random_state():
+    # A whole stretch of training, collection included. align samples an action as argmax(logits - log E) with E
+    # exponential noise, which is how torch.multinomial draws one sample for SB3: from one network, one torch RNG
+    # state and the same episode seeds, the two A2C runs draw the same numbers and so take the same actions,
+    # window after window, for as long as their networks agree. 150 windows: 6,000 environment steps, a few
+    # hundred episodes ended by failure or by the time limit.
+    import gymnasium as gym
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    windows = 150
+    torch.manual_seed(0)
+    module, model = _align("a2c"), _sb3("a2c")
+    spec, runner = module.env, module.runner
+
+    class AlignSeeds(gym.Wrapper):  # each reset with the seed align's runner gives that episode
+        def __init__(self, index: int):
+            super().__init__(Monitor(gym.make(spec.id, max_episode_steps=spec.max_episode_steps)))
+            self.index, self.episode = index, 0
+
+        def reset(self, *, seed=None, options=None):
+            self.episode += 1
+            return self.env.reset(seed=runner.episode_seed(self.index, self.episode - 1), options=options)
+
+    env = DummyVecEnv([lambda i=i: AlignSeeds(i) for i in range(NUM_ENVS)])
+    model.set_env(env)
+    with torch.no_grad():
+        for mine, theirs in _pairs(module, model):
+            theirs.copy_(mine)
+
+    played = {"align": [], "sb3": []}
+    align_step, sb3_step = runner._step, env.step_async
+    runner._step = lambda actions: (played["align"].append(actions.copy()), align_step(actions))[1]
+    env.step_async = lambda actions: (played["sb3"].append(np.asarray(actions).reshape(-1).copy()),
+                                      sb3_step(actions))[1]
+    torch.manual_seed(1)
+    model.learn(total_timesteps=windows * 5 * NUM_ENVS)
+    torch.manual_seed(1)
+    for _ in range(windows):
+        module.iteration()
+
+    align_actions, sb3_actions = np.stack(played["align"]), np.stack(played["sb3"])
+    assert align_actions.shape == sb3_actions.shape == (windows * 5, NUM_ENVS)
+    assert runner.episodes > 300
+    differ = np.flatnonzero((align_actions != sb3_actions).any(1))
+    assert differ.size == 0, f"the actions first differ at vector step {differ[:1]}"
+    for mine, theirs in _pairs(module, model):
+        torch.testing.assert_close(mine, theirs.detach(), rtol=0, atol=1e-5)
