@@ -5,8 +5,9 @@ Both libraries are given one network (align's weights copied into SB3's policy) 
 truncation adds ``gamma * V(final observation)`` to the reward), and each side then takes its own update: PPO's 20
 epochs of one 256-transition minibatch, A2C's single RMSprop step. The values, log-probs, advantages, returns and
 the parameters after the update agree to float rounding. A2C stays equal over twenty consecutive windows, with
-RMSprop's running averages carried from step to step, so a difference in learning between the two libraries is not
-in the updates.
+RMSprop's running averages carried from step to step; and given one torch RNG state and the same episode seeds, its
+collection draws the same actions as SB3's, window after window. So two runs of one seed differ in the random
+numbers each library draws, not in the algorithm.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def _pairs(module, model):
     return out
 
 
+def _copy_weights(module, model) -> None:
+    """Give SB3's policy align's weights."""
+    with torch.no_grad():
+        for mine, theirs in _pairs(module, model):
+            theirs.copy_(mine)
+
+
 def _sb3_buffer(module, model, steps, episode_start: torch.Tensor) -> torch.Tensor:
     """Fill SB3's rollout buffer with align's window ``steps`` as SB3's ``collect_rollouts`` fills it: a time-limit
     truncation adds ``gamma * V(final observation)`` to the reward; ``episode_start``: the window before ended
@@ -103,9 +111,7 @@ def _sb3_buffer(module, model, steps, episode_start: torch.Tensor) -> torch.Tens
 def test_update_equals_stable_baselines3s(algo):
     torch.manual_seed(0)
     module, model = _align(algo), _sb3(algo)
-    with torch.no_grad():
-        for mine, theirs in _pairs(module, model):
-            theirs.copy_(mine)
+    _copy_weights(module, model)
 
     steps = module.rollout()
     while not (steps.terminated.any() and (steps.done & ~steps.terminated).any()):  # both kinds of episode end
@@ -142,9 +148,7 @@ def test_a2c_stays_equal_to_stable_baselines3s_over_many_windows():
     # windows they stay within about 5e-5, where the rounding settles.
     torch.manual_seed(0)
     module, model = _align("a2c"), _sb3("a2c")
-    with torch.no_grad():
-        for mine, theirs in _pairs(module, model):
-            theirs.copy_(mine)
+    _copy_weights(module, model)
     collect = module.rollout
     episode_start = torch.zeros(NUM_ENVS, dtype=torch.bool)
     ended = 0
@@ -187,15 +191,20 @@ def test_a2c_takes_stable_baselines3s_actions_from_the_same_random_state():
 
     env = DummyVecEnv([lambda i=i: AlignSeeds(i) for i in range(NUM_ENVS)])
     model.set_env(env)
-    with torch.no_grad():
-        for mine, theirs in _pairs(module, model):
-            theirs.copy_(mine)
+    _copy_weights(module, model)
 
     played = {"align": [], "sb3": []}
     align_step, sb3_step = runner._step, env.step_async
-    runner._step = lambda actions: (played["align"].append(actions.copy()), align_step(actions))[1]
-    env.step_async = lambda actions: (played["sb3"].append(np.asarray(actions).reshape(-1).copy()),
-                                      sb3_step(actions))[1]
+
+    def recorded_align_step(actions):
+        played["align"].append(actions.copy())
+        return align_step(actions)
+
+    def recorded_sb3_step(actions):
+        played["sb3"].append(np.asarray(actions).reshape(-1).copy())
+        return sb3_step(actions)
+
+    runner._step, env.step_async = recorded_align_step, recorded_sb3_step
     torch.manual_seed(1)
     model.learn(total_timesteps=windows * 5 * NUM_ENVS)
     torch.manual_seed(1)
