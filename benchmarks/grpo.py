@@ -75,7 +75,7 @@ def build_module(spec: dict):
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
     from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, Updates
-    from align.rollout import SamplingConfig
+    from align.rollout.engine import SamplingConfig
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     return GRPOModule(

@@ -213,8 +213,8 @@ def build_module(spec: dict):
     """The align module of a trial, with the settings of ``configs/gym/<algo>-cartpole.yaml`` (the budget aside)."""
     import torch
 
-    from align.envs import EnvSpec
-    from align.modules.classic import A2CGymModule, DQNGymModule, Evaluation, Exploration, Network, PPOGymModule
+    from align.gym.make import EnvSpec
+    from align.gym import A2CGymModule, DQNGymModule, Evaluation, Exploration, Network, PPOGymModule
 
     algo, seed, budget = spec["algo"], spec["seed"], spec["budget"]
     evaluation = Evaluation(episodes=EVAL_EPISODES, deterministic=True)
@@ -270,13 +270,13 @@ def run_align(spec: dict) -> dict:
 def held_out_env(seed: int):
     """SB3's evaluation environments for trial ``seed``: ``EVAL_EPISODES`` ``Monitor``-wrapped CartPoles, one
     episode each, whose every reset uses the seed align's evaluation gives that environment's first episode
-    (``align.envs.runner.episode_seed`` of stream 1). Both sides then evaluate on the same 20 held-out starting
+    (``align.gym.runner.episode_seed`` of stream 1). Both sides then evaluate on the same 20 held-out starting
     states, every time, and each trial seed has its own 20."""
     import gymnasium as gym
     from stable_baselines3.common.monitor import Monitor
     from stable_baselines3.common.vec_env import DummyVecEnv
 
-    from align.envs.runner import episode_seed
+    from align.gym.runner import episode_seed
 
     class FixedReset(gym.Wrapper):
         def __init__(self, env, reset_seed: int):

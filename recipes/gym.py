@@ -8,7 +8,7 @@
 """
 
 from align.cli import run_recipe
-from align.modules.classic import ClassicRLModule
+from align.gym import ClassicRLModule
 
 if __name__ == "__main__":
     # A --config replaces the default (each config names its own module), rather than adding to it.

@@ -6,7 +6,7 @@ Writes, from one fixed seed, byte-identical files on every run::
 
     rounds/{train,validation}.jsonl     {"answer", "prompt", "rounds"}
 
-Each row is an episode of :class:`align.envs.tasks.SortRounds`: two rounds of 2 to 4 letters, the first in
+Each row is an episode of :class:`align.rollout.envs.tasks.SortRounds`: two rounds of 2 to 4 letters, the first in
 ``prompt`` and the second in ``rounds``. No held-out episode (its sequence of prompts) occurs in the train split.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_bundled_data import DEFAULT_OUT, draw_splits, run_main, write_splits  # noqa: E402
 
-from align.envs.tasks import sort_rounds_row  # noqa: E402
+from align.rollout.envs.tasks import sort_rounds_row  # noqa: E402
 
 SEED = 2718
 SIZES = {("rounds", "train"): 2000, ("rounds", "validation"): 100}

@@ -50,7 +50,7 @@ def greedy_exact_match(model_dir: Path, limit: int | None = None) -> float:
     from align.data.io import read_rows
     from align.data.sort_task import is_correct
     from align.models.policy import PolicyModel
-    from align.rollout import RolloutEngine
+    from align.rollout.engine import RolloutEngine
 
     policy = PolicyModel(str(model_dir))
     rows = read_rows("align:sort/prompts/validation.jsonl")[:limit]

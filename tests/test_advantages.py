@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.advantages import (
+from align.core.advantages import (
     gae,
     group_advantages,
     overlong_penalty,
@@ -15,7 +15,7 @@ from align.advantages import (
     rloo_advantages,
     shape_rewards,
 )
-from align.logprobs import response_mask
+from align.core.logprobs import response_mask
 
 FAST = settings(max_examples=50, deadline=None)
 

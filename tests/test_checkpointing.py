@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from align.checkpointing import AtomicCheckpointIO, atomic_write, rng_state, set_rng_state
+from align.trainer.checkpointing import AtomicCheckpointIO, atomic_write, rng_state, set_rng_state
 from align.data.sampling import (EpochRandomSampler, EpochSequentialSampler, ResumableBatchSampler,
                                  ResumableDataLoader, WindowBatchSampler)
 from align.errors import AlignConfigError

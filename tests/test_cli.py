@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from align.cli import COMMANDS, AlignCLI, main, run_recipe
+from align.cli.main import COMMANDS, AlignCLI, main, run_recipe
 from align.data import SFTDataModule
 from align.hub.gguf import is_packaged
 from align.modules import SFTModule
@@ -144,7 +144,7 @@ def test_sft_recipe_end_to_end(tmp_path):
 
 
 def test_recipe_subcommand_is_the_first_argument_only():
-    from align.cli import _with_subcommand
+    from align.cli.main import _with_subcommand
 
     assert _with_subcommand([]) == ["fit"]
     assert _with_subcommand(["--data.split", "test"]) == ["fit", "--data.split", "test"]
@@ -160,7 +160,7 @@ def tensorboard_loggers(cli):
 
 
 def test_tensorboard_logger_without_save_dir_writes_into_the_run_folder(tmp_path):
-    from align.cli import resolve_config_args
+    from align.cli.main import resolve_config_args
 
     (tmp_path / "version_0").mkdir()  # an earlier run: this one is version_1
     args = ["--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path)]
@@ -201,7 +201,7 @@ def test_a_failure_to_draw_the_curves_is_one_warning_not_a_failed_run(tmp_path, 
 
     from lightning.pytorch.loggers import CSVLogger
 
-    import align.observability.plots as plots
+    import align.cli.plots as plots
 
     logger = CSVLogger(tmp_path, name="", version=0)
     logger.log_metrics({"train/loss": 1.0}, step=0)  # buffered, not yet on disk
@@ -230,6 +230,6 @@ def test_gym_recipe_config_replaces_its_default(tmp_path):
                               capture_output=True, text=True, check=True, cwd=tmp_path).stdout
 
     default = printed()
-    assert "class_path: align.modules.classic.PPOGymModule" in default and "lr_schedule: linear" in default
+    assert "class_path: align.gym.PPOGymModule" in default and "lr_schedule: linear" in default
     dqn = printed("--config", str(ROOT / "configs" / "gym" / "dqn-cartpole.yaml"))
-    assert "class_path: align.modules.classic.DQNGymModule" in dqn and "lr_schedule: constant" in dqn
+    assert "class_path: align.gym.DQNGymModule" in dqn and "lr_schedule: constant" in dqn

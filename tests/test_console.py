@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 
-from align.cli import run_recipe
-from align.config_errors import nearest, one_line
+from align.cli.main import run_recipe
+from align.cli.config_errors import nearest, one_line
 from align.data import SFTDataModule
 from align.modules import SFTModule
-from align.observability.progress import AlignProgressBar, format_value, interactive, short_name
-from align.quiet import quiet_known_noise
+from align.trainer.progress import AlignProgressBar, format_value, interactive, short_name
+from align.cli.quiet import quiet_known_noise
 
 
 def recipe_error(capsys, *args) -> list[str]:
@@ -60,7 +60,7 @@ def test_recipe_help_lists_the_model_and_data_settings_with_defaults(capsys):
 
 
 def test_gym_recipe_help_shows_its_default_module_and_no_data(capsys):
-    from align.modules.classic import ClassicRLModule
+    from align.gym import ClassicRLModule
 
     run_recipe("gym", ClassicRLModule, None, args=["--help"], default_config="ppo-cartpole.yaml", layered=False)
     out = capsys.readouterr().out

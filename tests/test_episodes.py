@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (align.episodes) on the tiny model: environment tokens are in the context but carry no loss
+"""Multi-turn rollouts (align.rollout.episodes) on the tiny model: environment tokens are in the context but carry no loss
 and no KL, the trained log-probs are the sampled ones on every assistant token of every turn, a sampled turn is
 never re-tokenized, episodes batched together equal each played alone, and every way an episode ends.
 
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import align.episodes as episodes_module
+import align.rollout.episodes as episodes_module
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
-from align.envs.chat import EnvironmentSpec, EnvStep
+from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 from align.errors import AlignEnvError
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.grpo import GRPOModule
 from align.modules.options import KLPenalty, Updates
-from align.rollout import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 THIS = str(Path(__file__).resolve())
 PROMPTS = ["sort: d a c", "sort: b a", "sort: c c a b", "sort: j e"]
@@ -242,7 +242,7 @@ def test_a_response_template_parses_the_turn_into_the_message_the_environment_se
     monkeypatch.setattr(policy.tokenizer, "response_template", {"stand-in": True}, raising=False)
     monkeypatch.setattr(policy.tokenizer, "parse_response", lambda ids, prefix=None: {
         "content": "parsed", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}, raising=False)
-    from align.envs.chat import EnvironmentPool
+    from align.rollout.envs.chat import EnvironmentPool
 
     m = module(policy)
     m.environment = EnvironmentPool(EnvironmentSpec(Seen))
@@ -252,7 +252,7 @@ def test_a_response_template_parses_the_turn_into_the_message_the_environment_se
 
 
 def test_dynamic_sampling_buffers_and_joins_multi_turn_groups(policy):
-    from align.rollout_filter import concat_rollouts, select_groups
+    from align.rollout.filter import concat_rollouts, select_groups
 
     torch.manual_seed(5)
     m = module(policy)

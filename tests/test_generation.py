@@ -9,13 +9,13 @@ import lightning as L
 import pytest
 import torch
 
-from align.cli import AlignCLI, main
+from align.cli.main import AlignCLI, main
 from align.data.prompts import PromptDataModule
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import Updates
-from align.rewards import RewardSpec
-from align.rollout import SamplingConfig
+from align.rollout.rewards import RewardSpec
+from align.rollout.engine import SamplingConfig
 
 VALIDATION = "align:sort/prompts/validation.jsonl"
 ROWS = [
@@ -207,7 +207,7 @@ def test_generate_several_samples_per_prompt_seeded(capsys, tmp_path, prompts):
 
 def test_messages_rows_get_the_chat_template_of_training(capsys, tmp_path):
     from align.data.chat import ChatEncoder
-    from align.generation import read_prompts
+    from align.rollout.generation import read_prompts
 
     path = write_rows(tmp_path / "m.jsonl", [{"messages": [{"role": "system", "content": "Be brief."},
                                                            {"role": "user", "content": "sort: b a"}], "k": 1}])
@@ -235,7 +235,7 @@ def test_generate_from_a_checkpoint_and_from_its_export_gives_the_same_completio
 # ---------------------------------------------------------------------------- chat
 def chat(monkeypatch, capsys, text: str, *args) -> tuple[list[str], list[list[dict]]]:
     """Run ``align chat`` on piped ``text``; returns its stdout lines and the history each reply was made from."""
-    import align.generation as generation
+    import align.rollout.generation as generation
 
     seen = []
     original = generation.chat_reply
@@ -245,7 +245,7 @@ def chat(monkeypatch, capsys, text: str, *args) -> tuple[list[str], list[list[di
         return original(policy, encoder, history, *rest)
 
     monkeypatch.setattr(generation, "chat_reply", spy)
-    from align.generation_cli import chat_main
+    from align.cli.generation import chat_main
 
     chat_main(["--model", "tiny-sort", "--max_new_tokens", "8", *args], stdin=io.StringIO(text))
     return capsys.readouterr().out.splitlines(), seen

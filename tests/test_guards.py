@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from align.guards import NonFiniteError, NonFiniteGuard
+from align.trainer.guards import NonFiniteError, NonFiniteGuard
 
 
 class Toy(L.LightningModule):
@@ -92,7 +92,7 @@ def test_skip_policy_drops_the_update_and_counts_it(manual):
 
 
 def test_every_align_module_is_guarded_unless_the_trainer_has_its_own_guard():
-    from align.checkpointing import ExactResume
+    from align.trainer.checkpointing import ExactResume
     from align.modules.sft import SFTModule
 
     module = SFTModule()

@@ -1,4 +1,4 @@
-"""The host allocator's settings (``align.host_memory``): when they are left alone, and that a training run's
+"""The host allocator's settings (``align.trainer.host_memory``): when they are left alone, and that a training run's
 process serves large blocks from glibc's heap, where freed ones stay, instead of mapping fresh pages for each."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from align.host_memory import _reason_to_leave
+from align.trainer.host_memory import _reason_to_leave
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -41,7 +41,7 @@ def test_other_settings_do_not_stop_it():
 # mallinfo2 counts the blocks it has mapped on their own (hblks): a block above the mmap threshold is one of them.
 CHILD = textwrap.dedent("""
     import ctypes, json, sys, torch
-    from align import host_memory
+    from align.trainer import host_memory
 
     class Mallinfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -55,8 +55,8 @@ CHILD = textwrap.dedent("""
 
     before = [mapped_blocks_and_address() for _ in range(2)]
     if sys.argv[1] == "fit":
-        from align.envs import EnvSpec
-        from align.modules.classic import DQNGymModule
+        from align.gym.make import EnvSpec
+        from align.gym import DQNGymModule
         import lightning as L
         module = DQNGymModule(env=EnvSpec(id="CartPole-v1"), total_steps=64, learning_starts=16, train_freq=8,
                               gradient_steps=1, batch_size=8)

@@ -1,12 +1,12 @@
 """The import layers of ``align``, read from the source with ``ast``.
 
+A layer is a folder of ``align/``: a module's layer is the first folder of its path, so a new file is layered by
+where it is put. The package root holds only the error types and the table of moved modules (the bottom of
+everything) and the public aliases (``align.rewards``, ``align.strategies``) that configs name and nothing inside
+``align`` imports.
+
 Every import counts: at module level, inside a function, or under ``TYPE_CHECKING``. An import inside a function
 is still a dependency; it only hides a cycle until the function runs.
-
-The stack, bottom to top: data -> models -> rollout -> modules -> cli. A layer imports only the layers below
-it and the side layers it is allowed (``LAYERS``): the error types, the pure math and the model names (``hub``)
-are below everything; the trainer plug-ins sit beside the stack, for modules and the CLI; observability sits to
-the side too: modules and the CLI may import it, nothing in math, data, models or rollout does.
 """
 
 from __future__ import annotations
@@ -22,57 +22,46 @@ ROOT = Path(align.__file__).parent
 
 
 class Layer(NamedTuple):
-    modules: tuple[str, ...]  # dotted names; a package stands for everything inside it
     may_import: tuple[str, ...]  # other layers (a layer always imports itself)
     why: str
 
 
-MATH = "math"
-STACK = ("data", "models", "rollout", "modules", "cli")
+BOTTOM, ALIASES = "root", "aliases"
 LAYERS: dict[str, Layer] = {
-    "errors": Layer(("align", "align.errors"), (),
-                    "the package root and the user-facing error types: every layer raises them"),
-    MATH: Layer(("align.logprobs", "align.kl", "align.advantages", "align.losses", "align.trust_region", "align.stats",
-                 "align.packing"),
-                (), "pure tensor math with pinned-value tests: torch, the standard library and each other only"),
-    "hub": Layer(("align.hub",), ("errors",),
-                 "what a model name points to (tiny, GGUF, local folder, hub id) and its tokenizer: data loads a "
-                 "tokenizer by name and models load weights by name here, so neither needs the other for it"),
-    "data": Layer(("align.data",), ("errors", MATH, "hub"),
-                  "datasets, collators, data modules: the bottom of the stack; it knows tokenizers, never models"),
-    "models": Layer(("align.models",), ("errors", MATH, "hub", "data"),
-                    "the policy wrapper, reward model, loading and export; the reward-model scorer encodes its text "
-                    "as the data layer does"),
-    "rollout": Layer(("align.rollout", "align.rewards", "align.rollout_filter", "align.generation", "align.envs",
-                      "align.episodes"),
-                     ("errors", MATH, "hub", "data", "models"),
-                     "sampling completions and scoring them (reward functions, reward models; generation and "
-                     "evaluation of a trained policy), playing multi-turn episodes with environments and tools, and "
-                     "stepping Gymnasium environments with a policy: no optimizer"),
-    "trainer": Layer(("align.strategies", "align.checkpointing", "align.guards", "align.optim", "align.host_memory"),
-                     ("errors",),
-                     "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, schedules, the "
-                     "host allocator's settings): "
-                     "they work on any LightningModule through Lightning's hooks, so they know no model or data"),
-    "observability": Layer(("align.observability",), ("errors",),
-                           "OTLP export and the curves picture, to the side and the only code importing "
-                           "opentelemetry or matplotlib: the modules and the CLI may import it, math, data, models "
-                           "and rollout never do, so training never needs it"),
-    "modules": Layer(("align.modules",),
-                     ("errors", MATH, "hub", "data", "models", "rollout", "trainer", "observability"),
-                     "one LightningModule per algorithm: wires the layers below together"),
-    "cli": Layer(("align.cli", "align.runs", "align.quiet", "align.config_errors", "align.generation_cli"),
-                 ("errors", MATH, "hub", "data", "models", "rollout", "trainer", "observability", "modules"),
-                 "entry points and run folders: may import everything"),
+    BOTTOM: Layer((), "the package root: the user-facing error types and the table of moved modules; every layer "
+                      "raises them"),
+    "core": Layer((), "pure tensor math with pinned-value tests: torch, the standard library and each other only"),
+    "hub": Layer((BOTTOM,), "what a model name points to (tiny, GGUF, local folder, hub id) and its tokenizer: data "
+                            "loads a tokenizer by name and models load weights by name here, so neither needs the other"),
+    "data": Layer((BOTTOM, "core", "hub"), "datasets, collators, data modules: it knows tokenizers, never models"),
+    "models": Layer((BOTTOM, "core", "hub", "data"),
+                    "the policy wrapper with its scoring, critic and reference, the reward model, loading and export"),
+    "observability": Layer((BOTTOM,), "OTLP metrics and traces and the timing of a step's sections: the only code "
+                                      "importing opentelemetry; math, data and models never need it"),
+    "rollout": Layer((BOTTOM, "core", "hub", "data", "models", "observability"),
+                     "prompts to scored rollouts: rollout sources, generation engines, rewards, environment episodes "
+                     "and the evaluation of a trained policy; no optimizer"),
+    "trainer": Layer((BOTTOM,), "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, "
+                                "optimizers and schedules, host memory, the progress bar): they work on any "
+                                "LightningModule through Lightning's hooks, so they know no model or data"),
+    "modules": Layer((BOTTOM, "core", "hub", "data", "models", "rollout", "trainer", "observability"),
+                     "one LightningModule per algorithm over the sampler and the learner"),
+    "gym": Layer((BOTTOM, "core", "trainer", "observability", "modules", "rollout"),
+                 "classic RL on Gymnasium, a wing of its own: the only code importing gymnasium; nothing imports it"),
+    "cli": Layer((BOTTOM, "core", "hub", "data", "models", "rollout", "trainer", "observability", "modules"),
+                 "entry points, run folders, config errors and pictures of runs: may import everything but the gym "
+                 "wing (recipes/gym.py imports that)"),
+    ALIASES: Layer(("rollout", "trainer"), "public import paths that configs name, aliases of their new homes"),
 }
+ROOT_MODULES = {"align": BOTTOM, "align.errors": BOTTOM, "align.moved": BOTTOM,
+                "align.rewards": ALIASES, "align.strategies": ALIASES}
+MAX_ROOT_FILES = 6
+MAX_LINES = 450
 
 # Third-party packages only some layers may import: {package: layers}.
-THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}, "matplotlib": {"observability"}}
+THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}, "matplotlib": {"cli"}, "gymnasium": {"gym"}}
 # The math imports nothing but these, the standard library and itself.
 MATH_THIRD_PARTY = {"torch"}
-
-# Known violations waiting for a larger change: {(importer, imported): why}. Each must still occur.
-EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:
@@ -84,15 +73,11 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def layer_of(name: str) -> str | None:
-    """The layer of an ``align`` module: its own entry, else its nearest package's (the root only by name)."""
-    best, length = None, -1
-    for layer, spec in LAYERS.items():
-        for prefix in spec.modules:
-            exact = name == prefix
-            inside = prefix != "align" and name.startswith(prefix + ".")
-            if (exact or inside) and len(prefix) > length:
-                best, length = layer, len(prefix)
-    return best
+    """The layer of an ``align`` module: its folder under ``align/``, or the root module's own entry."""
+    if name in ROOT_MODULES:
+        return ROOT_MODULES[name]
+    folder = name.split(".")[1]
+    return folder if folder in LAYERS and (ROOT / folder).is_dir() else None
 
 
 def imports(name: str, source: str, is_package: bool = False) -> list[tuple[int, str]]:
@@ -119,7 +104,28 @@ def where(path: Path, line: int) -> str:
 
 def test_every_module_has_a_layer():
     missing = sorted(name for name in MODULES if layer_of(name) is None)
-    assert not missing, f"modules without a layer (add them to LAYERS in {Path(__file__).name}): {missing}"
+    assert not missing, f"modules outside the layer folders (put them in one, see {Path(__file__).name}): {missing}"
+
+
+def test_every_layer_is_a_folder_with_a_docstring():
+    for layer in LAYERS:
+        if layer in (BOTTOM, ALIASES):
+            continue
+        init = ROOT / layer / "__init__.py"
+        assert init.is_file(), f"align/{layer}/ has no __init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "\n" not in doc.strip(), f"align/{layer}/__init__.py: expected a one-line docstring"
+
+
+def test_the_root_stays_small():
+    files = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(files) <= MAX_ROOT_FILES, f"{len(files)} files at the root of align/ (at most {MAX_ROOT_FILES}): {files}"
+    assert {module_name(ROOT / f) for f in files} <= set(ROOT_MODULES), files
+
+
+def test_no_file_is_too_long():
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
 def test_the_layers_form_no_cycle():
@@ -134,13 +140,12 @@ def test_the_layers_form_no_cycle():
 
     for layer in LAYERS:
         visit(layer, ())
-    # The stack in order: each layer may import every one below it.
-    for i, layer in enumerate(STACK):
-        assert set(STACK[:i]) <= set(LAYERS[layer].may_import), layer
+    importers = {lower for layer, spec in LAYERS.items() for lower in spec.may_import}
+    assert "gym" not in importers and ALIASES not in importers
 
 
 def test_imports_point_down_the_layers():
-    violations, seen_exceptions = [], set()
+    violations = []
     for name, path in MODULES.items():
         layer = layer_of(name)
         allowed = {layer, *LAYERS[layer].may_import}
@@ -148,27 +153,61 @@ def test_imports_point_down_the_layers():
             top = target.split(".")[0]
             if top == "align":
                 target_layer = layer_of(target)
-                if target_layer in allowed:
-                    continue
-                if (name, target) in EXCEPTIONS:
-                    seen_exceptions.add((name, target))
-                    continue
-                violations.append(f"{where(path, line)}: {name} ({layer}) imports {target} ({target_layer}); "
-                                  f"{layer} may import {sorted(allowed)}")
+                if target_layer not in allowed:
+                    violations.append(f"{where(path, line)}: {name} ({layer}) imports {target} ({target_layer}); "
+                                      f"{layer} may import {sorted(allowed)}")
             elif top in THIRD_PARTY_ONLY_IN and layer not in THIRD_PARTY_ONLY_IN[top]:
                 violations.append(f"{where(path, line)}: {name} ({layer}) imports {target}; only "
                                   f"{sorted(THIRD_PARTY_ONLY_IN[top])} may")
-            elif layer == MATH and top not in MATH_THIRD_PARTY and top not in sys.stdlib_module_names:
-                violations.append(f"{where(path, line)}: {name} (math) imports {target}; the math imports only "
+            elif layer == "core" and top not in MATH_THIRD_PARTY and top not in sys.stdlib_module_names:
+                violations.append(f"{where(path, line)}: {name} (core) imports {target}; the math imports only "
                                   f"{sorted(MATH_THIRD_PARTY)}, the standard library and itself")
     assert not violations, "imports against the layers:\n" + "\n".join(violations)
-    stale = sorted(set(EXCEPTIONS) - seen_exceptions)
-    assert not stale, f"exceptions that no longer occur (remove them from EXCEPTIONS): {stale}"
+
+
+def test_no_module_cycle():
+    """No two modules import each other, directly or through others (a layer may import itself, not in a circle)."""
+    graph = {name: {t for _, t in imports(name, path.read_text(), path.name == "__init__.py") if t in MODULES}
+             for name, path in MODULES.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if target.startswith(name + ".") or name.startswith(target + "."):
+                continue  # a package and its own modules
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target):] + [target]))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_moved_modules_name_their_new_place():
+    import importlib
+
+    from align.moved import MOVED
+
+    for old, new in MOVED.items():
+        assert new in MODULES, f"MOVED[{old!r}] points to {new}, which does not exist"
+    try:
+        importlib.import_module("align.optim")
+    except ModuleNotFoundError as err:
+        assert str(err).startswith("align.optim moved to align.trainer.optim: write align.trainer.optim")
+    else:
+        raise AssertionError("align.optim still imports")
 
 
 def test_the_reader_sees_every_kind_of_import():
-    source = ("import align.errors\nfrom align import stats\n\n\ndef f():\n    from align.models import PolicyModel\n"
-              "    from . import io\n    from ..rollout import sample\n")
-    assert imports("align.data.base", source) == [(1, "align.errors"), (2, "align.stats"), (6, "align.models"),
-                                                  (7, "align.data.io"), (8, "align.rollout")]
+    source = ("import align.errors\nfrom align.core import stats\n\n\ndef f():\n    from align.models import PolicyModel\n"
+              "    from . import io\n    from ..rollout import engine\n")
+    assert imports("align.data.base", source) == [(1, "align.errors"), (2, "align.core.stats"), (6, "align.models"),
+                                                  (7, "align.data.io"), (8, "align.rollout.engine")]
     assert imports("align.data", "from .sft import SFTDataModule\n", is_package=True) == [(1, "align.data.sft")]

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
+from align.core.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
 
 FAST = settings(max_examples=50, deadline=None)
 

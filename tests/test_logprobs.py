@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import align.logprobs as lp
-from align.logprobs import (
+import align.core.logprobs as lp
+from align.core.logprobs import (
     entropy_from_logits,
     last_valid_index,
     linear_log_softmax,
@@ -81,7 +81,7 @@ def test_selective_log_softmax_low_precision_is_accurate_against_float64():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_temperature_divides_after_the_upcast_as_the_sampler_does(dtype, monkeypatch):
-    # The sampler (align.rollout.sample) computes log_softmax(logits.float() / T). Dividing the low-precision
+    # The sampler (align.rollout.engine.sample) computes log_softmax(logits.float() / T). Dividing the low-precision
     # logits first rounds them: with bf16 at T = 0.7 that moved log-probs by ~1e-2 here. Several chunks run.
     monkeypatch.setattr(lp, "_CHUNK_ELEMENTS", 64)
     g = torch.Generator().manual_seed(4)
@@ -163,7 +163,7 @@ def test_entropy_gradcheck_float64():
 def test_entropy_of_small_logits_equals_the_chunked_computation(temperature):
     """Logits of up to 2^16 float32/64 elements (classic RL's few actions) skip the chunked autograd function;
     values, gradients and second derivatives are the same as through it."""
-    from align.logprobs import _ChunkedEntropy
+    from align.core.logprobs import _ChunkedEntropy
 
     g = torch.Generator().manual_seed(7)
     logits = (3 * torch.randn(5, 4, generator=g, dtype=torch.float64)).requires_grad_()

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.losses import (
+from align.core.losses import (
     policy_gradient_loss,
     aggregate,
     bradley_terry_loss,

@@ -1,10 +1,10 @@
-"""Padding-free layouts (``align.packing``): which sequences share a row, and the packed rows of a padded batch,
+"""Padding-free layouts (``align.core.packing``): which sequences share a row, and the packed rows of a padded batch,
 pinned by hand."""
 
 import pytest
 import torch
 
-from align.packing import common_prefix, first_fit_decreasing, pack_scored_rows, share_prompts, split_groups
+from align.core.packing import common_prefix, first_fit_decreasing, pack_scored_rows, share_prompts, split_groups
 
 
 def test_first_fit_decreasing_pinned():

@@ -1,5 +1,5 @@
-"""The private Lightning and torch names that exact resume (``align.checkpointing``) and the non-finite guard
-(``align.guards``) rely on, each checked on a tiny case. Both read them defensively, so without these checks an
+"""The private Lightning and torch names that exact resume (``align.trainer.checkpointing``) and the non-finite guard
+(``align.trainer.guards``) rely on, each checked on a tiny case. Both read them defensively, so without these checks an
 upgrade that renamed them would silently turn mid-epoch resume or the fast gradient check off."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 
 def test_fit_loop_keeps_the_loader_states_it_has_not_applied(private_api):
-    used_by = "align.checkpointing.ExactResume._restore_loader_position"
+    used_by = "align.trainer.checkpointing.ExactResume._restore_loader_position"
     loop = L.Trainer(accelerator="cpu", devices=1, logger=False).fit_loop
     assert private_api.require(loop, "_combined_loader_states_to_load", used_by=used_by) == []
     assert private_api.require(loop, "_combined_loader", used_by=used_by) is None
@@ -37,7 +37,7 @@ class Position:
 
 
 def test_combined_loader_loads_its_iterables_states(private_api):
-    used_by = "align.checkpointing.ExactResume._restore_loader_position"
+    used_by = "align.trainer.checkpointing.ExactResume._restore_loader_position"
     private_api.require(CombinedLoader, "_load_state_dicts", ("self", "states"), used_by=used_by)
     inner = Position()
     CombinedLoader(inner)._load_state_dicts([{"at": 3}])
@@ -45,7 +45,7 @@ def test_combined_loader_loads_its_iterables_states(private_api):
 
 
 def test_foreach_norm_gives_every_tensors_norm(private_api):
-    norm = private_api.require(torch, "_foreach_norm", used_by="align.guards.NonFiniteGuard (one kernel for all grads)")
+    norm = private_api.require(torch, "_foreach_norm", used_by="align.trainer.guards.NonFiniteGuard (one kernel for all grads)")
     norms = norm([torch.tensor([3.0, 4.0]), torch.tensor([float("inf")])])
     assert norms[0].item() == 5.0 and not torch.isfinite(norms[1])
 
@@ -75,7 +75,7 @@ def test_logger_connector_says_which_steps_the_loggers_write(private_api):
 
 
 def test_manual_optimization_counts_a_step_between_the_optimizers_step_callbacks(private_api):
-    used_by = ("align.modules.classic.base.ClassicRLModule.optimizer_step (torch's step without Lightning's hook "
+    used_by = ("align.gym.base.ClassicRLModule.optimizer_step (torch's step without Lightning's hook "
                "dispatch, still counted in trainer.global_step)")
     seen = {}
 

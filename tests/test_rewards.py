@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 
 from align.errors import AlignConfigError
-from align.rewards import (
+from align.rollout.rewards import (
     CombinedReward,
     RewardError,
     RewardFunction,
@@ -54,7 +54,7 @@ def test_math_answer_compares_numerically():
 
 def test_resolve_by_dotted_path_and_file(tmp_path, monkeypatch):
     assert resolve_reward("align.rewards.sort_format") is sort_format
-    assert resolve_reward("align.rewards:sort_format") is sort_format
+    assert resolve_reward("align.rollout.rewards:sort_format") is sort_format
     (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, **kw):\n"
                                             "    return [1.0 / (1 + len(c)) for c in completions]\n")
     monkeypatch.chdir(tmp_path)
@@ -68,7 +68,7 @@ def test_resolve_by_dotted_path_and_file(tmp_path, monkeypatch):
         ("no_such_pkg.fn", "cannot import module 'no_such_pkg'"),
         ("align.rewards.no_such_fn", "has no attribute 'no_such_fn'"),
         ("missing.py:fn", "file 'missing.py' does not exist"),
-        ("align.rewards.__doc__", "not a callable"),
+        ("align.rollout.rewards.__doc__", "not a callable"),
         ("justaname", "expected an import path"),
     ],
 )
@@ -251,7 +251,7 @@ def test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so():
 
 def test_a_built_in_reward_that_raises_points_at_its_own_file():
     with pytest.raises(RewardError, match=r"reward 'math_answer' \(align.rewards.math_answer\) raised ValueError: "
-                                          r"math_answer needs an 'answer' column .* at .*align/rewards.py, line \d+ "
+                                          r"math_answer needs an 'answer' column .* at .*align/rollout/rewards.py, line \d+ "
                                           r"in math_answer\(\); first failing sample 0 of 1: prompt 'q'"):
         RewardFunction(RewardSpec("align.rewards.math_answer"))(["q"], ["1"])
 

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from align.logprobs import response_mask
-from align.rollout import RolloutEngine, SamplingConfig, filter_logits, left_pad, sample
+from align.core.logprobs import response_mask
+from align.rollout.engine import RolloutEngine, SamplingConfig, filter_logits, left_pad, sample
 
 V, EOS, PAD = 8, 2, 0
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from align.checkpointing import AtomicCheckpointIO
-from align.cli import CONFIG_DIR, main, resolve_config_args, run_recipe
+from align.trainer.checkpointing import AtomicCheckpointIO
+from align.cli.main import CONFIG_DIR, main, resolve_config_args, run_recipe
 from align.data import SFTDataModule
 from align.errors import AlignConfigError
 from align.modules import SFTModule
-from align.runs import RunLogger, latest_run, run_of_checkpoint
+from align.cli.runs import RunLogger, latest_run, run_of_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1"]
@@ -172,7 +172,7 @@ def test_unknown_shipped_config_and_checkpointing_conflict_are_one_line_errors(t
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --config: 'align:sft/nope.yaml'") and "\n" not in err
     with pytest.raises(SystemExit) as info:
-        sft(tmp_path, "--trainer.enable_checkpointing", "false", "--trainer.callbacks+=align.checkpointing.AlignCheckpoint")
+        sft(tmp_path, "--trainer.enable_checkpointing", "false", "--trainer.callbacks+=align.trainer.checkpointing.AlignCheckpoint")
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: trainer.enable_checkpointing: false, but trainer.callbacks holds AlignCheckpoint")
@@ -241,7 +241,7 @@ def test_a_nested_setting_set_to_null_on_the_command_line_becomes_a_one_field_bl
 
 
 def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
-    from align.cli import run_recipe
+    from align.cli.main import run_recipe
     from align.data.prompts import PromptDataModule
     from align.modules.ppo import PPOModule
 

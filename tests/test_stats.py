@@ -1,4 +1,4 @@
-"""Pinned values for align.stats, on one process and on two fake ranks (threads summing each other's shards)."""
+"""Pinned values for align.core.stats, on one process and on two fake ranks (threads summing each other's shards)."""
 
 import math
 import threading
@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from align.logprobs import masked_whiten
-from align.stats import explained_variance, identity, mean_var, pass_at_k, transform_scores, whiten
+from align.core.logprobs import masked_whiten
+from align.core.stats import explained_variance, identity, mean_var, pass_at_k, transform_scores, whiten
 
 NAN = float("nan")
 

@@ -3,7 +3,7 @@
 The policy: ``S`` states with features ``x_s`` (d,), logits ``W x_s`` over ``A`` actions, parameters ``W`` (A, d).
 Its Fisher information, the Hessian of the mean KL at the current parameters, is formed from per-state
 Jacobians (analytic KL) or per-sample score vectors (sampled KL) and compared with the double-backprop
-products of :mod:`align.trust_region`.
+products of :mod:`align.core.trust_region`.
 """
 
 import math
@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.kl import kl_estimate
-from align.logprobs import masked_mean
-from align.trust_region import (
+from align.core.kl import kl_estimate
+from align.core.logprobs import masked_mean
+from align.core.trust_region import (
     backtracking_line_search,
     conjugate_gradient,
     fisher_vector_product,

@@ -11,7 +11,7 @@ consumer took and exposes the state to Lightning, which stores it in every check
 accumulation window and every data-parallel rank. A micro-batch cannot know what comes after it, so
 :class:`WindowBatchSampler` looks ahead: it groups ``accumulate`` micro-batches into a window and tags each
 index with the window's loss-token count. The module all-reduces that count across ranks and divides by it,
-so 8 accumulation steps x 1 equal 1 x 8 exactly (see ``align.losses.sft_loss``).
+so 8 accumulation steps x 1 equal 1 x 8 exactly (see ``align.core.losses.sft_loss``).
 
 The batch samplers subclass ``BatchSampler`` and take the index ``sampler`` as their first argument, so
 Lightning can swap in a ``DistributedSampler`` (itself seeded by seed and epoch) under DDP, FSDP or DeepSpeed.

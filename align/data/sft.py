@@ -14,7 +14,7 @@ from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.formats import UnusedColumns, sft_record
 from align.data.io import numbered, read_rows
 from align.errors import AlignDataError
-from align.packing import first_fit_decreasing
+from align.core.packing import first_fit_decreasing
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from align.errors import AlignConfigError
 from align.hub import check_model_source, load_tokenizer
-from align.logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
+from align.core.logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
 from align.models.loading import (
     DType,
     LoraSettings,
@@ -35,7 +35,7 @@ from align.models.loading import (
 )
 from align.models.lora import fuse_lora_layers
 from align.models.shared_pass import scoring_hidden
-from align.packing import PackedRows, pack_scored_rows
+from align.core.packing import PackedRows, pack_scored_rows
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class PolicyModel(nn.Module):
         Only the needed positions go through the output head, and log-probs are gathered without keeping a
         full-vocabulary log-softmax. ``response_length=None`` scores every token after the first.
 
-        ``padding_free``: run the rows' real tokens laid end to end (:func:`align.packing.pack_scored_rows`)
+        ``padding_free``: run the rows' real tokens laid end to end (:func:`align.core.packing.pack_scored_rows`)
         instead of the padded rows, and score only the real response tokens (those of ``attention_mask``); the
         outputs at padded response positions are 0. Each row's real tokens must be contiguous (a left-padded
         prompt and a right-padded response). Shared tokens are not run once there
@@ -499,7 +499,7 @@ class PolicyModel(nn.Module):
     @staticmethod
     def _pack_responses(input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int
                         ) -> tuple[PackedRows, torch.Tensor, torch.Tensor]:
-        """The padded rows' real tokens laid end to end (:func:`~align.packing.pack_scored_rows`), the ``(B, R)``
+        """The padded rows' real tokens laid end to end (:func:`~align.core.packing.pack_scored_rows`), the ``(B, R)``
         mask of the real tokens among the last ``R``, and ``(N,)`` the flattened packed positions that predict
         them, in the mask's row-major order."""
         B, T = input_ids.shape

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 import torch
 
 from align.errors import AlignConfigError
-from align.logprobs import masked_sum
+from align.core.logprobs import masked_sum
 from align.models.policy import PolicyModel
-from align.packing import pack_scored_rows
+from align.core.packing import pack_scored_rows
 
 if TYPE_CHECKING:
     from align.data.preference import PreferenceBatch, PreferenceDataset
@@ -48,7 +48,7 @@ def sequence_logps(policy: PolicyModel, batch: "PreferenceBatch", reference: boo
                    rows: slice = slice(None), padding_free: bool = False) -> torch.Tensor:
     """Summed response log-probs of the batch's ``rows`` (all ``2B`` by default) from one forward pass. ``(rows,)``
 
-    ``padding_free`` lays the rows' real tokens end to end (:func:`align.packing.pack_scored_rows`, rows no longer
+    ``padding_free`` lays the rows' real tokens end to end (:func:`align.core.packing.pack_scored_rows`, rows no longer
     than the padded ones) instead of scoring the padded ``[prompt | response]`` rows: the same sums to float
     rounding, without the arithmetic of the padding. The padded layout instead runs a prompt shared by a pair's two
     rows once (on models large enough for that to pay, see ``PolicyModel.token_logprobs``); which costs less

@@ -47,10 +47,10 @@ from torch import nn
 from align.errors import AlignConfigError
 from align.hub import check_model_source
 from align.hub.tiny import is_tiny_sort_rm
-from align.logprobs import last_valid_index
+from align.core.logprobs import last_valid_index
 from align.models.loading import LEGACY_HEAD_FILE, DType, is_sequence_classifier, torch_dtype
 from align.models.policy import PolicyModel, position_ids_from_mask
-from align.packing import pack_scored_rows
+from align.core.packing import pack_scored_rows
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, 
     """Run ``decoder`` and ``head`` at each row's scored token (:func:`last_scored_index`). ``(N, T) -> (N,)``.
 
     Padding may sit on either side: positions come from the mask. ``padding_free`` runs the decoder over the rows'
-    real tokens laid end to end (:func:`align.packing.pack_scored_rows`) instead of the padded rows: the same
+    real tokens laid end to end (:func:`align.core.packing.pack_scored_rows`) instead of the padded rows: the same
     scores to float rounding, without the arithmetic of the padding.
     """
     last = last_scored_index(input_ids, attention_mask, skip_token_id)  # (N,)

@@ -6,7 +6,7 @@ every prompt. :func:`scoring_hidden` runs such tokens once, with gradients (auto
 row), and gives every row the final hidden states that one pass over the whole rows gives, to float rounding. It
 takes the cheapest of:
 
-* **one call over laid-out rows** (:func:`align.packing.share_prompts`): ``[shared | rest of row 1 | rest of row 2 |
+* **one call over laid-out rows** (:func:`align.core.packing.share_prompts`): ``[shared | rest of row 1 | rest of row 2 |
   ...]``, each rest masked from the others by a custom 4D mask (``sdpa`` or ``eager`` attention, no sliding window).
   A laid-out row holds a piece of at most ``k`` rows, ``k`` chosen by :func:`best_piece_size`'s count of
   multiply-adds: fewer tokens through the linear layers against a longer row's attention;
@@ -17,7 +17,7 @@ takes the cheapest of:
 * **one pass over the rows**.
 
 What is shared: the whole prompt (the first ``T - R`` columns) of rows whose prompts are equal; otherwise the first
-tokens that every row's prompt starts with (:func:`align.packing.common_prefix`).
+tokens that every row's prompt starts with (:func:`align.core.packing.common_prefix`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from align.packing import common_prefix, group_representatives, share_prompts, split_groups
+from align.core.packing import common_prefix, group_representatives, share_prompts, split_groups
 
 # Shared tokens x decoder parameters below which a scoring pass does not split into a pass over the shared tokens
 # and a continuation pass: about 1 GFLOP of forward work, more than the second call's fixed cost (a few ms on a

@@ -9,10 +9,10 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from align.host_memory import keep_freed_host_memory
+from align.trainer.host_memory import keep_freed_host_memory
 from align.models.policy import PolicyModel
-from align.optim import WarmupLR
-from align.strategies import release_process_group_at_exit
+from align.trainer.optim import WarmupLR
+from align.trainer.strategies import release_process_group_at_exit
 
 
 def param_groups(module: torch.nn.Module) -> list[dict]:
@@ -137,7 +137,7 @@ class TrainingModule(L.LightningModule):
 
     def with_scheduler(self, optimizer: torch.optim.Optimizer):
         """``configure_optimizers``' return value for ``optimizer`` and the module's scheduler, stepped every
-        optimizer step (a :class:`~align.optim.WarmupLR` without total steps gets the trainer's)."""
+        optimizer step (a :class:`~align.trainer.optim.WarmupLR` without total steps gets the trainer's)."""
         if self.scheduler is None:
             return optimizer
         scheduler = self.scheduler(optimizer)
@@ -147,7 +147,7 @@ class TrainingModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         # Large freed blocks stay with the process for the next step instead of being faulted in anew
-        # (align.host_memory: about a fifth of a SmolLM2 PPO update on CPU).
+        # (align.trainer.host_memory: about a fifth of a SmolLM2 PPO update on CPU).
         keep_freed_host_memory()
         release_process_group_at_exit()
 
@@ -157,13 +157,13 @@ class TrainingModule(L.LightningModule):
     guards_own_steps = False
     """True for a module that checks its own losses and gradients for non-finite values before each step (classic
     RL, whose many small steps would pay for the callback's extra pass over the gradients): no
-    :class:`~align.guards.NonFiniteGuard` is attached for it."""
+    :class:`~align.trainer.guards.NonFiniteGuard` is attached for it."""
 
     def configure_callbacks(self):
         """Exact resume (RNG states, dataloader position, atomic checkpoint writes) and the non-finite guard
         (policy ``error``), unless the trainer already has callbacks of those types."""
-        from align.checkpointing import ExactResume
-        from align.guards import NonFiniteGuard
+        from align.trainer.checkpointing import ExactResume
+        from align.trainer.guards import NonFiniteGuard
 
         present = tuple(type(cb) for cb in (self.trainer.callbacks if self._trainer is not None else []))
         wanted = (ExactResume,) if self.guards_own_steps else (ExactResume, NonFiniteGuard)
@@ -256,12 +256,12 @@ class AlignModule(TrainingModule):
             self.optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        from align.strategies import unshard_root
+        from align.trainer.strategies import unshard_root
 
         unshard_root(self.policy)  # FSDP2: for code that enters the model below the root (no-op otherwise)
 
     def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        from align.strategies import unshard_root
+        from align.trainer.strategies import unshard_root
 
         unshard_root(self.policy)
 
@@ -272,7 +272,7 @@ class AlignModule(TrainingModule):
         trainer = self._trainer  # None in load_from_checkpoint, which calls this hook outside a trainer
         if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy) and not getattr(
                 self, "_fsdp_applied", False):
-            from align.strategies import apply_fsdp2
+            from align.trainer.strategies import apply_fsdp2
 
             apply_fsdp2(self.policy, trainer.strategy)
             self._fsdp_applied = True

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from align.rollout import Rollout
+from align.rollout.engine import Rollout
 
 if TYPE_CHECKING:
     from align.modules.rl import RLModule

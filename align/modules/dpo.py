@@ -4,7 +4,7 @@ Each step runs chosen and rejected responses through **one** concatenated forwar
 :class:`~align.data.preference.PreferenceBatch`); only the response positions go through the LM head. Sequence
 log-probs are sums over response tokens (turn end and EOS included).
 
-Loss variants (``loss_type``), chosen in one place (:data:`PREFERENCE_LOSSES`), each calling ``align.losses``:
+Loss variants (``loss_type``), chosen in one place (:data:`PREFERENCE_LOSSES`), each calling ``align.core.losses``:
 
 * ``sigmoid``: DPO. ``conservative``: cDPO, DPO with ``label_smoothing`` > 0 (labels flipped with that probability).
 * ``ipo``: IPO (Azar et al. 2023, arXiv 2310.12036), on per-token *mean* log-probs so the target margin
@@ -43,7 +43,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
-from align.losses import dpo_loss, orpo_loss, simpo_loss
+from align.core.losses import dpo_loss, orpo_loss, simpo_loss
 from align.models.policy import PolicyModel
 from align.models.reference_cache import sequence_logps
 from align.modules.preference import PreferenceModule, pair_correct

@@ -2,8 +2,8 @@
 
 Each training step samples ``group_size`` completions for every prompt of the batch, scores them with the
 reward functions, and turns rewards into advantages relative to their group
-(:func:`align.advantages.group_advantages`). The policy is updated with the clipped surrogate
-(:func:`align.losses.ppo_policy_loss`) for ``updates.epochs`` passes (the paper's mu) over ``updates.minibatches``
+(:func:`align.core.advantages.group_advantages`). The policy is updated with the clipped surrogate
+(:func:`align.core.losses.ppo_policy_loss`) for ``updates.epochs`` passes (the paper's mu) over ``updates.minibatches``
 minibatches, using the sampling log-probs as the old policy.
 
 Departures and options (nested YAML blocks, :mod:`align.modules.options`):
@@ -17,7 +17,7 @@ Departures and options (nested YAML blocks, :mod:`align.modules.options`):
 * ``updates.loss_aggregation``: ``token_mean`` over the whole step (default, as in DAPO, Yu et al. 2025,
   arXiv 2503.14476) instead of the paper's per-sequence mean (``seq_mean``); ``constant`` is Dr. GRPO's.
 * ``clip.high``: DAPO's decoupled upper clip range. ``clip.level: sequence``: GSPO's sequence-level importance ratio
-  (Zheng et al. 2025, arXiv 2507.18071; :func:`align.losses.importance_ratio`); the paper's aggregation is
+  (Zheng et al. 2025, arXiv 2507.18071; :func:`align.core.losses.importance_ratio`); the paper's aggregation is
   ``updates.loss_aggregation: seq_mean``.
 * KL to the reference: ``kl.placement: loss`` adds ``kl.coef * k3`` per token to the loss (the paper);
   ``reward`` subtracts ``kl.coef`` times the summed per-token estimate (``k1`` by default there) from each
@@ -25,7 +25,7 @@ Departures and options (nested YAML blocks, :mod:`align.modules.options`):
   ``kl.coef: 0`` loads no reference at all; ``kl.target`` makes the coefficient adaptive.
 * ``dynamic_sampling``: DAPO's dynamic sampling. Groups whose rewards all match are dropped and prompt batches
   are sampled on the following training steps until a full batch of informative groups is buffered
-  (:mod:`align.rollout_filter`); a training step that only samples takes no optimizer step.
+  (:mod:`align.rollout.filter`); a training step that only samples takes no optimizer step.
 * ``overlong`` (every RL module): DAPO's soft overlong punishment in the reward.
 * With one epoch and one minibatch the update is exactly on-policy: the importance ratio is taken against
   the current log-probs (detached), so it is 1 and no separate old-policy pass is needed. Otherwise the
@@ -38,18 +38,18 @@ import logging
 
 import torch
 
-from align.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
-from align.checkpointing import gather_objects
+from align.core.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
+from align.trainer.checkpointing import gather_objects
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
-from align.kl import kl_estimate
-from align.logprobs import masked_mean, masked_sum
-from align.losses import aggregate, ppo_policy_loss
+from align.core.kl import kl_estimate
+from align.core.logprobs import masked_mean, masked_sum
+from align.core.losses import aggregate, ppo_policy_loss
 from align.models.policy import PolicyModel
 from align.modules.options import ClipRange, DynamicSampling, GroupAdvantages
 from align.modules.rl import RLBatch, RLModule, Timer
-from align.rewards import RewardModelSpec, RewardSpec
-from align.rollout_filter import GroupFilter
+from align.rollout.rewards import RewardModelSpec, RewardSpec
+from align.rollout.filter import GroupFilter
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class GRPOModule(RLModule):
     ``time/generation_s`` / ``time/scoring_s`` / ``time/update_s``. With ``overlong.buffer``:
     ``rollout/reward/overlong``. With ``dynamic_sampling.enabled``, logged once per update:
     ``rollout/sampling_batches``, ``rollout/kept_groups``, ``rollout/kept_frac``
-    (:class:`align.rollout_filter.GroupFilter`); the reward metrics and ``rollout/zero_std_frac`` are then over
+    (:class:`align.rollout.filter.GroupFilter`); the reward metrics and ``rollout/zero_std_frac`` are then over
     the groups trained on, the timings summed over the batches sampled for the update. Validation: see :class:`~align.modules.rl.RLModule`.
     """
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from align.errors import AlignConfigError
-from align.kl import KLKind
-from align.rollout import SamplingConfig
+from align.core.kl import KLKind
+from align.rollout.engine import SamplingConfig
 
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
 
@@ -30,7 +30,7 @@ class KLPenalty:
     coef: float = 0.0
     """Weight of the KL term (the initial weight when ``target`` is set); 0 with no target loads no reference."""
     estimator: KLKind | None = None
-    """Per-token estimate ``k1``, ``k2`` or ``k3`` (align.kl); null: ``k3`` in the loss, ``k1`` in the reward."""
+    """Per-token estimate ``k1``, ``k2`` or ``k3`` (align.core.kl); null: ``k3`` in the loss, ``k1`` in the reward."""
     placement: Literal["loss", "reward"] = "loss"
     """``loss``: ``coef`` times the per-token estimate is added to the loss (GRPO). ``reward``: it is subtracted
     from the rewards (GRPO, RLOO: each completion's summed estimate; PPO and TRPO: per token, before GAE;
@@ -248,7 +248,7 @@ class TrustRegion:
 @dataclass(frozen=True)
 class OverlongPenalty:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to every completion's
-    reward (:func:`align.advantages.overlong_penalty`) and logged as the reward part ``overlong``."""
+    reward (:func:`align.core.advantages.overlong_penalty`) and logged as the reward part ``overlong``."""
 
     buffer: int | None = None
     """``L_cache``: the penalty falls linearly from 0 to -1 over the last ``buffer`` tokens up to ``max_length``;
@@ -282,7 +282,7 @@ class OverlongPenalty:
 class DynamicSampling:
     """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476): groups whose rewards all match are dropped
     and prompt batches are sampled until the update has a full batch of informative groups
-    (:class:`align.rollout_filter.GroupFilter`)."""
+    (:class:`align.rollout.filter.GroupFilter`)."""
 
     enabled: bool = False
     """Filter groups and fill the batch across training steps; false: every group is trained on."""

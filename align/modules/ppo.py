@@ -11,14 +11,14 @@ One training step is one rollout, turned into a :class:`PPOBatch` by :meth:`PPOM
    (:class:`~align.modules.options.ScoreShaping`), in this order and each off by default: a penalty for
    responses truncated without EOS (``missing_eos_penalty``), whitening over the rollout (``whiten``, mean
    and std over every rank), a constant factor (``scale``) and clipping to ``[-clip, clip]``.
-3. **Per-token rewards.** :func:`align.advantages.shape_rewards`: ``-kl.coef * KL_t`` on every response
+3. **Per-token rewards.** :func:`align.core.advantages.shape_rewards`: ``-kl.coef * KL_t`` on every response
    token (``kl.estimator``, ``k1`` by default, against the reference policy) and the score on the last valid
    token: the first EOS, or the last token of a response truncated at ``max_new_tokens`` (docs/algorithms.md, "Response mask").
    A multi-turn episode (``environment``) gets each turn's environment reward on that turn's last token; the score
    options of step 2 then apply to the other rewards only (reward functions, reward model), at the episode's end.
-4. **Values** ``V(s_t)`` from the value model at rollout time, then :func:`align.advantages.gae` (``gae.gamma``,
+4. **Values** ``V(s_t)`` from the value model at rollout time, then :func:`align.core.advantages.gae` (``gae.gamma``,
    ``gae.lam``): advantages and returns = unwhitened advantages + values. Advantages (only) are whitened over
-   the valid tokens of the rollout on every rank (:func:`align.stats.whiten`, ``gae.whiten_advantages``).
+   the valid tokens of the rollout on every rank (:func:`align.core.stats.whiten`, ``gae.whiten_advantages``).
 
 The update (:meth:`PPOModule.update_policy`) runs ``updates.epochs`` passes over ``updates.minibatches``
 minibatches (one optimizer step each, micro-batches accumulated, gradients clipped; :meth:`align.modules.rl.
@@ -27,7 +27,7 @@ times the entropy, and the squared-error value loss, clipped around the rollout 
 set. During the first ``value.warmup_rollouts`` rollouts only the value loss is optimised
 (:meth:`PPOModule.update_value`); a shared value head then trains alone, so the policy does not move.
 
-KL coefficient: fixed (``kl.coef``), or adaptive when ``kl.target`` is set (:class:`align.kl.
+KL coefficient: fixed (``kl.coef``), or adaptive when ``kl.target`` is set (:class:`align.core.kl.
 AdaptiveKLController`, Ziegler et al.), updated after every rollout with the mean per-sequence KL averaged
 over all ranks, ``n_steps`` = sequences on all ranks (:meth:`align.modules.rl.RLModule.update_kl_controller`).
 Its state is saved in checkpoints.
@@ -50,20 +50,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from align import stats
-from align.advantages import gae, shape_rewards
+from align.core import stats
+from align.core.advantages import gae, shape_rewards
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
-from align.kl import kl_estimate
-from align.logprobs import masked_mean, masked_sum
-from align.losses import aggregate, ppo_policy_loss, value_loss
+from align.core.kl import kl_estimate
+from align.core.logprobs import masked_mean, masked_sum
+from align.core.losses import aggregate, ppo_policy_loss, value_loss
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import param_groups
 from align.modules.critic_pass import KeptCriticPass
 from align.modules.options import GAE, ClipRange, KLPenalty, ScoreShaping, Updates, ValueTraining
 from align.modules.rl import RLBatch, RLModule, Timer
-from align.rewards import RewardModelSpec, RewardSpec
-from align.rollout import Rollout
+from align.rollout.rewards import RewardModelSpec, RewardSpec
+from align.rollout.engine import Rollout
 
 
 @dataclass
@@ -198,7 +198,7 @@ class PPOModule(RLModule):
         return self.rl_counters["rollouts"] <= self.value.warmup_rollouts
 
     def transform_scores(self, scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        """The score options (:func:`align.stats.transform_scores`), whitening over every rank. ``(N,) -> (N,)``."""
+        """The score options (:func:`align.core.stats.transform_scores`), whitening over every rank. ``(N,) -> (N,)``."""
         s = self.scores
         return stats.transform_scores(scores, rollout.truncated, s.missing_eos_penalty, s.whiten, s.scale, s.clip,
                                       all_reduce=self.all_reduce_sum)

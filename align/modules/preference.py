@@ -24,7 +24,7 @@ from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.models.reference_cache import CachedReference, sequence_logps
 from align.modules.base import AlignModule, PairMetrics
-from align.observability.progress import phase
+from align.trainer.progress import phase
 
 
 def pair_correct(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor) -> torch.Tensor:

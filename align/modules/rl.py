@@ -17,19 +17,19 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.prompts import PromptBatch
-from align.envs.chat import EnvironmentPool, EnvironmentSpec
-from align.episodes import play_episodes
+from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
+from align.rollout.episodes import play_episodes
 from align.errors import AlignConfigError, NoLearningSignalError
-from align.kl import AdaptiveKLController, FixedKLController, KLController
-from align.advantages import overlong_penalty
-from align.logprobs import masked_sum
+from align.core.kl import AdaptiveKLController, FixedKLController, KLController
+from align.core.advantages import overlong_penalty
+from align.core.logprobs import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule, loss_count
 from align.modules.options import Aggregation, Evaluation, KLPenalty, OverlongPenalty, Updates
 from align.observability.timing import Timer, record_span
-from align.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, reward_inputs, training_rewards
-from align.rollout import Rollout, RolloutEngine, SamplingConfig
-from align.strategies import accumulation_boundary
+from align.rollout.rewards import LazyRewardModel, RewardModelSpec, RewardSpec, reward_inputs, training_rewards
+from align.rollout.engine import Rollout, RolloutEngine, SamplingConfig
+from align.trainer.strategies import accumulation_boundary
 
 __all__ = ["Aggregation", "NO_UPDATE_LIMIT", "RLBatch", "RLModule", "Timer", "minibatch_indices"]
 
@@ -234,8 +234,8 @@ class RLModule(AlignModule):
     def rollout(self, batch: PromptBatch, group_size: int | None = None, engine: RolloutEngine | None = None) -> Rollout:
         """``group_size`` (default: the module's) completions per prompt; counted in ``rl_counters["rollouts"]``
         when the module is training and samples with the training engine."""
-        # Sharded parameters (FSDP2, ZeRO-3) need the generation context: see align.strategies.generation_context.
-        from align.strategies import generation_context
+        # Sharded parameters (FSDP2, ZeRO-3) need the generation context: see align.trainer.strategies.generation_context.
+        from align.trainer.strategies import generation_context
 
         self.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
         if self.training and engine is None:
@@ -280,13 +280,13 @@ class RLModule(AlignModule):
     def score_rewards(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device.
 
-        Every reward is called with keyword arguments (:class:`align.rewards.RewardFunction`) and receives,
+        Every reward is called with keyword arguments (:class:`align.rollout.rewards.RewardFunction`) and receives,
         besides the prompt texts, the completions and the data's columns, the whole
         prompt conversation (``prompt_messages``), the sampled token ids through the first stop token
         (``completion_ids``) and whether a completion was cut off at ``max_new_tokens`` (``completion_truncated``).
 
         With ``overlong.buffer`` set, the part ``overlong`` holds each completion's penalty in ``[-1, 0]``
-        (:func:`align.advantages.overlong_penalty` of its length, stop token included), and the total adds
+        (:func:`align.core.advantages.overlong_penalty` of its length, stop token included), and the total adds
         ``overlong.coef`` times it. A multi-turn rollout adds the part ``env``, each episode's summed environment
         rewards, with weight ``environment.weight``.
         """
@@ -401,7 +401,7 @@ class RLModule(AlignModule):
                         sums[name] = sums.get(name, 0.0) + float(value) * weight
                 if u.max_grad_norm is not None:
                     clip(u.max_grad_norm)
-                optimizer.step()  # a non-finite loss or gradient stops or skips here (align.guards.NonFiniteGuard)
+                optimizer.step()  # a non-finite loss or gradient stops or skips here (align.trainer.guards.NonFiniteGuard)
                 optimizer.zero_grad(set_to_none=True)
                 self.rl_counters["updates"] += 1
                 self.batches_without_update = 0

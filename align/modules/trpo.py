@@ -7,7 +7,7 @@ optimizer steps, each rollout gives one step that maximises the importance-weigh
     L(theta) = aggregate_t( pi_theta(a_t | s_t) / pi_old(a_t | s_t) * A_t )
 
 subject to a hard bound on the mean KL(pi_old || pi_theta) over the valid response tokens,
-``KL <= max_kl``. The step (:func:`align.trust_region.trpo_step`) is the natural gradient ``F^-1 g``, found
+``KL <= max_kl``. The step (:func:`align.core.trust_region.trpo_step`) is the natural gradient ``F^-1 g``, found
 by conjugate gradient on Fisher-vector products (double backpropagation through the mean KL, with
 ``damping``), scaled to the boundary of the quadratic trust region, and accepted by a backtracking line
 search only where the *measured* surrogate improves and the *measured* mean KL is at most ``max_kl``;
@@ -27,7 +27,7 @@ moved the shared backbone would move the policy outside the trust region the lin
 
 Departures and choices:
 
-* The KL is the sampled estimate ``k3`` of :func:`align.kl.kl_estimate` on the rollout's tokens (unbiased
+* The KL is the sampled estimate ``k3`` of :func:`align.core.kl.kl_estimate` on the rollout's tokens (unbiased
   for KL(pi_old || pi_theta), since the tokens were sampled from pi_old), averaged with the response mask
   over every valid token of the step (all micro-batches and ranks). The paper computes the KL analytically
   over the action space; for a language model that would mean keeping the old policy's full-vocabulary
@@ -55,16 +55,16 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from align.errors import AlignConfigError
-from align.kl import kl_estimate
-from align.logprobs import masked_sum
-from align.losses import aggregate, importance_ratio
+from align.core.kl import kl_estimate
+from align.core.logprobs import masked_sum
+from align.core.losses import aggregate, importance_ratio
 from align.models.policy import PolicyModel
 from align.modules.base import param_groups
 from align.modules.options import ClipRange, KLPenalty, TrustRegion, ValueTraining
 from align.modules.ppo import PPOBatch, PPOModule
 from align.modules.rl import minibatch_indices
-from align.rewards import RewardModelSpec, RewardSpec
-from align.trust_region import fisher_vector_product_fn, flat_grad, trpo_step
+from align.rollout.rewards import RewardModelSpec, RewardSpec
+from align.core.trust_region import fisher_vector_product_fn, flat_grad, trpo_step
 
 
 class TRPOModule(PPOModule):

@@ -6,7 +6,7 @@ import pytest
 
 from align.data.arith_task import (ANSWER_FORMAT, CHATTER_SHARE, DATA_DIR, PHRASINGS, evaluate, expression,
                                    preference_pair, sample_problem, wrong_number)
-from align.rewards import math_answer
+from align.rollout.rewards import math_answer
 
 KINDS = ("sft", "preference", "prompts")
 FIELDS = {"sft": {"prompt", "completion"}, "preference": {"prompt", "chosen", "rejected"}, "prompts": {"prompt", "answer"}}

@@ -233,7 +233,7 @@ def test_the_multi_turn_rounds_are_well_formed_held_out_and_reproduced(tmp_path,
 
 
 def test_sort_rounds_rewards_each_round_and_ends_after_the_last():
-    from align.envs.tasks import SortRounds
+    from align.rollout.envs.tasks import SortRounds
 
     env = SortRounds()
     first = env.reset({"prompt": "sort: b a", "rounds": ["sort: d c a"], "messages": [{"role": "user", "content": "sort: b a"}]})

@@ -18,8 +18,8 @@ torch.use_deterministic_algorithms(True)
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-import align.cli  # noqa: E402
-from align.checkpointing import AtomicCheckpointIO  # noqa: E402
+import align.cli.main  # noqa: E402
+from align.trainer.checkpointing import AtomicCheckpointIO  # noqa: E402
 
 
 class KillAtStep(Callback):
@@ -68,12 +68,12 @@ def main() -> None:
     if ns.kill_in_write:
         kill_in_write(ns.kill_in_write)
     if ns.kill_at is not None:
-        original = align.cli.AlignCLI._instantiate_trainer
+        original = align.cli.main.AlignCLI._instantiate_trainer
 
         def instantiate(self, config, callbacks):
             return original(self, config, [*callbacks, KillAtStep(ns.kill_at)])
 
-        align.cli.AlignCLI._instantiate_trainer = instantiate
+        align.cli.main.AlignCLI._instantiate_trainer = instantiate
     from align.modules.dpo import DPOModule
     from align.modules.grpo import GRPOModule
     from align.modules.sft import SFTModule
@@ -81,15 +81,15 @@ def main() -> None:
     from align.data.prompts import PromptDataModule
     from align.data.sft import SFTDataModule
 
-    from align.modules.classic import ClassicRLModule
+    from align.gym import ClassicRLModule
 
     if ns.algorithm == "gym":
-        align.cli.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml",
+        align.cli.main.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml",
                              layered=False)
         return
     classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
                "grpo": (GRPOModule, PromptDataModule)}
-    align.cli.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)
+    align.cli.main.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from align.cli import run_recipe
+from align.cli.main import run_recipe
 from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
@@ -26,7 +26,7 @@ from align.modules.dpo import DPOModule
 from align.modules.grpo import GRPOModule
 from align.modules.kto import KTOModule
 from align.modules.sft import SFTModule
-from align.rewards import CombinedReward, RewardError, RewardSpec
+from align.rollout.rewards import CombinedReward, RewardError, RewardSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
@@ -187,7 +187,7 @@ CASES = [
      ["error: environment 'Game' (bad_env_e4.Game): episode 0 (prompt 0 of the batch, sample 0): reset's result must "
       "be a list of messages, got 'sort: b a'"]),
     ("environment-max-turns-zero", "grpo", {},
-     ["--model.init_args.environment", '{"path": "align.envs.tasks.SortRounds", "max_turns": 0}'],
+     ["--model.init_args.environment", '{"path": "align.rollout.envs.tasks.SortRounds", "max_turns": 0}'],
      ["model.environment.max_turns: expected an integer >= 1, got 0"]),
     ("reward-column-shadows-an-input", "grpo",
      {"p.jsonl": jsonl({**PROMPT, "completions": "x"})},
@@ -252,7 +252,7 @@ def test_an_environment_that_breaks_mid_run_stops_it_with_nothing_written_for_th
     """The environment works for the first training step and raises on the second: the run exits on one line, the
     first step's metrics row and checkpoint stay, and the failing step leaves no metrics row and no checkpoint."""
     (tmp_path / "late_env.py").write_text(
-        "from align.envs.chat import EnvStep\n"
+        "from align.rollout.envs.chat import EnvStep\n"
         "calls = {'n': 0}\n"
         "class Game:\n"
         "    def reset(self, row):\n"

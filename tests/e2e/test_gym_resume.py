@@ -3,20 +3,20 @@
 with ``--ckpt_path last``, log the same metrics row for row as a run that was never killed.
 
 The episodes in progress at the checkpoint are rebuilt by replaying their actions from their reset seeds
-(align.envs.runner), and :class:`~align.checkpointing.ExactResume` restores the RNG that samples actions and
+(align.gym.runner), and :class:`~align.trainer.checkpointing.ExactResume` restores the RNG that samples actions and
 replay batches."""
 
 from pathlib import Path
 
 import pytest
 
-from align.checkpointing import AtomicCheckpointIO
+from align.trainer.checkpointing import AtomicCheckpointIO
 from test_resume import metrics_by_step, rows_of, run, steps_in_order
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-CHECKPOINT = "[{class_path: align.checkpointing.AlignCheckpoint, init_args: {every_n_train_steps: 4}}]"
+CHECKPOINT = "[{class_path: align.trainer.checkpointing.AlignCheckpoint, init_args: {every_n_train_steps: 4}}]"
 COMMON = ["--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false", "--eval_before_after", "false",
           "--trainer.callbacks", CHECKPOINT]
 SETTINGS = {

@@ -44,7 +44,7 @@ def test_the_wheel_ships_every_config(installed):
 def test_align_fit_trains_from_a_shipped_config_without_a_checkout(installed, tmp_path):
     where = run_installed(installed, tmp_path, "-c", "import align; print(align.__file__)")
     assert where.stdout.strip().startswith(str(installed)), where  # the installed copy, not the checkout's
-    proc = run_installed(installed, tmp_path, "-m", "align.cli", "fit", "--config", "align:sft/tiny.yaml",
+    proc = run_installed(installed, tmp_path, "-m", "align.cli.main", "fit", "--config", "align:sft/tiny.yaml",
                          "--trainer.max_steps", "1", "--trainer.log_every_n_steps", "1", "--eval_before_after", "false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "sft" / "version_0"  # the shipped config's default_root_dir, under the working directory
@@ -54,7 +54,7 @@ def test_align_fit_trains_from_a_shipped_config_without_a_checkout(installed, tm
 
 def test_a_recipe_finds_its_default_config_in_the_installed_package(installed, tmp_path):
     script = tmp_path / "my_recipe.py"  # a recipe script outside any checkout
-    script.write_text("from align.cli import run_recipe\nfrom align.data import SFTDataModule\n"
+    script.write_text("from align.cli.main import run_recipe\nfrom align.data import SFTDataModule\n"
                       "from align.modules import SFTModule\n\nrun_recipe('sft', SFTModule, SFTDataModule)\n")
     proc = run_installed(installed, tmp_path, str(script), "--trainer.max_steps", "1", "--eval_before_after", "false",
                          "--print_config")

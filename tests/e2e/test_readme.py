@@ -35,11 +35,11 @@ def commands(section: str) -> list[str]:
 
 
 def argv(command: str) -> list[str]:
-    """The command as the test runs it: ``align`` is the console script (``python -m align.cli``), and training
+    """The command as the test runs it: ``align`` is the console script (``python -m align.cli.main``), and training
     commands get a few steps only."""
     words = shlex.split(command)
     if words[0] == "align":
-        words = [sys.executable, "-m", "align.cli", *words[1:]]
+        words = [sys.executable, "-m", "align.cli.main", *words[1:]]
     elif words[0] == "python":
         words = [sys.executable, *words[1:]]
     if any(w.startswith("recipes/") for w in words) or words[3:4] == ["fit"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.cli import run_recipe
+from align.cli.main import run_recipe
 from align.data.prompts import PromptDataModule
 from align.hub.tiny import TINY_SORT_RM_DIR
 from align.modules.ppo import PPOModule
@@ -60,7 +60,7 @@ def test_shipped_reward_model_is_reproduced_by_its_script(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_sort_rm.py"), "--max_steps", "2",
                            "--output", str(tmp_path / "rm")], capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from align.rewards import RewardModelScorer
+    from align.rollout.rewards import RewardModelScorer
 
     scores = RewardModelScorer(str(tmp_path / "rm"))(["sort: b a"], ["a b"])
     assert len(scores) == 1 and (tmp_path / "rm" / "training_args.json").exists()

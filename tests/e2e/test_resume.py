@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from align.checkpointing import AtomicCheckpointIO
+from align.trainer.checkpointing import AtomicCheckpointIO
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -67,7 +67,7 @@ def steps_in_order(rows: list[dict[str, str]]) -> list[int]:
 def common(max_steps: int, every: int) -> list[str]:
     return ["--trainer.max_steps", str(max_steps), "--trainer.limit_val_batches", "0", "--eval_before_after", "false",
             "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-            "--trainer.callbacks+=align.checkpointing.AlignCheckpoint",
+            "--trainer.callbacks+=align.trainer.checkpointing.AlignCheckpoint",
             "--trainer.callbacks.every_n_train_steps", str(every)]
 
 
@@ -150,7 +150,7 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
 
 def test_resume_auto_starts_fresh_then_continues_from_last(tmp_path):
     """``--resume auto``: the same command line launches a run and, once it has a checkpoint, resumes it."""
-    from align.cli import run_recipe
+    from align.cli.main import run_recipe
     from align.data.sft import SFTDataModule
     from align.modules.sft import SFTModule
 

@@ -9,10 +9,10 @@ import torch
 
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.hub.gguf import COMPLETE, SMOLLM2
-from align.logprobs import response_mask
+from align.core.logprobs import response_mask
 from align.models import LoraSettings, PolicyModel
 from align.models.decoding import FastDecoder, fast_decoder_unsupported
-from align.rollout import RolloutEngine, SamplingConfig
+from align.rollout.engine import RolloutEngine, SamplingConfig
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is 7 + 12? Reply with just the number.", "Compute 6 * 7. Answer with the number only."]
@@ -24,7 +24,7 @@ def prompt_ids(tokenizer, questions=QUESTIONS):
 
 
 def left_padded(tokenizer, questions=QUESTIONS):
-    from align.rollout import left_pad
+    from align.rollout.engine import left_pad
 
     return left_pad(prompt_ids(tokenizer, questions), tokenizer.pad_token_id)
 
@@ -129,7 +129,7 @@ class AlwaysTool:
         return row["messages"]
 
     def step(self, message):
-        from align.envs.chat import EnvStep
+        from align.rollout.envs.chat import EnvStep
 
         self.turns += 1
         return EnvStep([] if self.turns == 2 else [{"role": "tool", "content": "19"}], 0.0, self.turns == 2)
@@ -139,8 +139,8 @@ def test_a_chatml_episode_with_a_tool_reply_is_trained_on_the_tokens_it_sampled(
     """Two turns on SmolLM2 with a tool reply between them: the reply's tokens are exactly ChatML's text after
     the turn's <|im_end|>, and a training pass over the conversation gives the sampled log-probs."""
     from align.data.prompts import PromptBatch
-    from align.envs.chat import EnvironmentPool, EnvironmentSpec
-    from align.episodes import play_episodes
+    from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
+    from align.rollout.episodes import play_episodes
 
     tok = smollm2_policy.tokenizer
     messages = [[{"role": "user", "content": q}] for q in QUESTIONS]

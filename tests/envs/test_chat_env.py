@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from align.envs.chat import Environment, EnvironmentPool, EnvironmentSpec, EnvStep, check_messages
+from align.rollout.envs.chat import Environment, EnvironmentPool, EnvironmentSpec, EnvStep, check_messages
 from align.errors import AlignConfigError, AlignEnvError
 
 THIS = str(Path(__file__).resolve())

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from align.envs.replay import ReplayBuffer
-from align.envs.runner import Transition
+from align.gym.replay import ReplayBuffer
+from align.gym.runner import Transition
 
 
 def vector_step(first: int, n: int = 2) -> Transition:

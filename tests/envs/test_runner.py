@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from align.envs import EnvRunner, EnvSpec, require_discrete_actions
-from align.envs.runner import episode_seed
+from align.gym.make import EnvSpec, require_discrete_actions
+from align.gym.runner import EnvRunner
+from align.gym.runner import episode_seed
 from align.errors import AlignConfigError, AlignEnvError
 
 THIS = str(Path(__file__).resolve())
@@ -414,7 +415,7 @@ def test_resume_of_an_unreproducible_env_warns(caplog):
     runner.collect(constant(0), 2)
     state = runner.state_dict()
     resumed = EnvRunner(EnvSpec(id=f"{THIS}:Unseeded"))
-    with caplog.at_level(logging.WARNING, logger="align.envs.runner"):
+    with caplog.at_level(logging.WARNING, logger="align.gym.runner"):
         resumed.load_state_dict(state)
     assert f"environment '{THIS}:Unseeded' did not reproduce its episodes" in caplog.text
     assert resumed.state_dict()["length"].tolist() == [2]  # it carries on from the replayed state

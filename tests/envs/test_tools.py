@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from align.envs.tools import PythonSandbox, ToolEnvironment, calculator, network_namespace, parse_tool_calls
+from align.rollout.envs.tools import PythonSandbox, ToolEnvironment, calculator, network_namespace, parse_tool_calls
 
 
 def slow(seconds: float = 3.0) -> str:
@@ -90,7 +90,7 @@ def test_python_sandbox_has_no_network():
 
 
 def env(**kw) -> ToolEnvironment:
-    tools = ["align.envs.tools.calculator", f"{__file__}:slow", f"{__file__}:fails", f"{__file__}:chatty"]
+    tools = ["align.rollout.envs.tools.calculator", f"{__file__}:slow", f"{__file__}:fails", f"{__file__}:chatty"]
     return ToolEnvironment(tools=tools, **kw)
 
 
@@ -129,10 +129,10 @@ def test_tool_entries_are_checked_when_the_environment_is_built():
     from align.errors import AlignConfigError
 
     with pytest.raises(AlignConfigError, match="the name 'calculator' is taken by another tool"):
-        ToolEnvironment(tools=["align.envs.tools.calculator", "align.envs.tools.calculator"])
+        ToolEnvironment(tools=["align.rollout.envs.tools.calculator", "align.rollout.envs.tools.calculator"])
     with pytest.raises(AlignConfigError, match="init_kwargs are for a class"):
-        ToolEnvironment(tools=[{"path": "align.envs.tools.calculator", "init_kwargs": {"x": 1}}])
-    named = ToolEnvironment(tools=[{"path": "align.envs.tools.PythonSandbox", "name": "py", "init_kwargs": {"timeout": 2}},
+        ToolEnvironment(tools=[{"path": "align.rollout.envs.tools.calculator", "init_kwargs": {"x": 1}}])
+    named = ToolEnvironment(tools=[{"path": "align.rollout.envs.tools.PythonSandbox", "name": "py", "init_kwargs": {"timeout": 2}},
                                    calculator])
     assert list(named.tools) == ["py", "calculator"] and named.tools["py"].timeout == 2
 

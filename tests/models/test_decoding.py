@@ -7,7 +7,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForC
 from align.hub.tiny import build_tiny_model
 import align.models.decoding as decoding
 from align.models.decoding import FastDecoder, _copy_bytes, decoder_for, fast_decoder_unsupported, prepack_available
-from align.rollout import sample
+from align.rollout.engine import sample
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -181,7 +181,7 @@ def test_unsupported_models_are_named_and_fall_back_to_their_own_forward():
 
 def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
     from align.models.policy import PolicyModel
-    from align.rollout import RolloutEngine, SamplingConfig
+    from align.rollout.engine import RolloutEngine, SamplingConfig
 
     policy = PolicyModel("tiny")
     prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]
@@ -197,7 +197,7 @@ def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-decoder", "model-forward"])
 def test_a_group_shares_one_prefill_and_samples_as_if_each_copy_were_encoded(fast):
     from align.models.policy import PolicyModel
-    from align.rollout import RolloutEngine, SamplingConfig
+    from align.rollout.engine import RolloutEngine, SamplingConfig
 
     policy = PolicyModel("tiny")
     prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]

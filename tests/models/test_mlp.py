@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from align.errors import AlignConfigError
-from align.logprobs import gaussian_log_prob
-from align.models.mlp import ActorCritic, ObservationEncoder, QNetwork, QTable, mlp, observation_size
+from align.core.logprobs import gaussian_log_prob
+from align.gym.networks import ActorCritic, ObservationEncoder, QNetwork, QTable, mlp, observation_size
 
 BOX4 = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
 
@@ -171,7 +171,7 @@ def test_initial_policy_is_near_uniform():
 def test_stacked_heads_equal_two_separate_networks():
     """The policy and value networks computed together by batched matmuls give what two plain MLPs with the same
     weights give, values and gradients."""
-    from align.models.mlp import StackedMLP
+    from align.gym.networks import StackedMLP
 
     torch.manual_seed(0)
     stacked = StackedMLP([4, 8, 8, 3], "tanh", (0.01, 1.0))
@@ -251,7 +251,7 @@ def test_qtable_rejects_box_observations():
 
 
 def test_reward_scaler_divides_by_the_running_std_of_the_discounted_return():
-    from align.models.mlp import RewardScaler
+    from align.gym.networks import RewardScaler
 
     scaler = RewardScaler(num_envs=1, gamma=0.5, clip=10.0)
     rewards = torch.tensor([[1.0], [1.0], [1.0]])

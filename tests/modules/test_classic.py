@@ -7,9 +7,9 @@ from functools import partial
 import pytest
 import torch
 
-from align.envs import EnvSpec
+from align.gym.make import EnvSpec
 from align.errors import AlignConfigError
-from align.modules.classic import (
+from align.gym import (
     A2CGymModule,
     DQNGymModule,
     Exploration,
@@ -63,7 +63,7 @@ def test_each_module_trains_to_its_step_budget_and_logs(algorithm):
 
 
 def test_episode_metrics_are_means_of_the_latest_finished_episodes():
-    from align.modules.classic.base import RECENT_EPISODES
+    from align.gym.base import RECENT_EPISODES
 
     torch.manual_seed(0)
     # A policy that barely learns keeps its episodes short (about 22 steps): well over 100 finish in 3,000 steps.
@@ -180,8 +180,8 @@ def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double
 
     import torch.nn.functional as F
 
-    import align.modules.classic.dqn as dqn
-    from align.advantages import td_targets
+    import align.gym.dqn as dqn
+    from align.core.advantages import td_targets
 
     torch.manual_seed(0)
     module = DQNGymModule(env=CARTPOLE, total_steps=10_000, learning_starts=0, batch_size=8, gradient_steps=6,
@@ -263,7 +263,7 @@ def test_explorer_skips_the_network_when_every_environment_explores(monkeypatch)
 def test_q_network_greedy_is_the_argmax_of_its_forward_after_updates_and_loads(activation):
     import gymnasium as gym
 
-    from align.models.mlp import QNetwork
+    from align.gym.networks import QNetwork
 
     torch.manual_seed(0)
     space = gym.spaces.Box(-1, 1, (3,))
@@ -340,7 +340,7 @@ class NaNRewardEnv:
 
 
 def test_a_non_finite_loss_stops_the_run_before_the_update():
-    from align.guards import NonFiniteError
+    from align.trainer.guards import NonFiniteError
 
     torch.manual_seed(0)
     module = A2CGymModule(env=EnvSpec(id=f"{__file__}:NaNRewardEnv"), total_steps=100, n_steps=5, optimizer=ADAM)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from align.advantages import step_gae
-from align.envs import EnvSpec
-from align.modules.classic import A2CGymModule, Network, PPOGymModule
+from align.core.advantages import step_gae
+from align.gym.make import EnvSpec
+from align.gym import A2CGymModule, Network, PPOGymModule
 
 sb3 = pytest.importorskip("stable_baselines3")
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402

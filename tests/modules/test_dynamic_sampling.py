@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (align.rollout_filter, GRPOModule.dynamic_sampling) and the overlong penalty in the
+"""DAPO's dynamic sampling (align.rollout.filter, GRPOModule.dynamic_sampling) and the overlong penalty in the
 RL base's rewards."""
 
 import threading
@@ -6,13 +6,13 @@ import threading
 import pytest
 import torch
 
-from align.advantages import overlong_penalty
+from align.core.advantages import overlong_penalty
 from align.errors import AlignConfigError, NoLearningSignalError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import DynamicSampling, OverlongPenalty, Updates
-from align.rollout import Rollout, SamplingConfig
-from align.rollout_filter import GroupFilter, concat_rollouts, informative_groups
+from align.rollout.engine import Rollout, SamplingConfig
+from align.rollout.filter import GroupFilter, concat_rollouts, informative_groups
 
 from _helpers import PROMPTS, prompt_batch, standalone
 

@@ -11,9 +11,9 @@ from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.rl import RLBatch, minibatch_indices
-from align.rewards import RewardSpec
+from align.rollout.rewards import RewardSpec
 from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, Updates
-from align.rollout import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 

@@ -9,10 +9,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from align.advantages import gae
+from align.core.advantages import gae
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
-from align.envs.chat import EnvironmentSpec, EnvStep
+from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
@@ -20,8 +20,8 @@ from align.modules.online_dpo import OnlineDPOModule
 from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenalty, Updates
 from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
-from align.rewards import RewardSpec
-from align.rollout import SamplingConfig
+from align.rollout.rewards import RewardSpec
+from align.rollout.engine import SamplingConfig
 
 from _helpers import cpu_trainer
 

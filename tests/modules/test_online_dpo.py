@@ -5,12 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from align.errors import AlignConfigError, NoLearningSignalError
-from align.losses import dpo_loss
+from align.core.losses import dpo_loss
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.online_dpo import OnlineDPOModule, PairBatch
 from align.modules.options import KLPenalty, Updates
-from align.rewards import RewardSpec
-from align.rollout import SamplingConfig
+from align.rollout.rewards import RewardSpec
+from align.rollout.engine import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 

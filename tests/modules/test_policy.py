@@ -249,7 +249,7 @@ def test_chunked_head_keeps_no_vocabulary_sized_tensor(head, monkeypatch):
     # What autograd saves for the backward of a scoring pass: with the chunked head over several chunks, no
     # activation has a vocabulary dimension; when the scored positions fit in one chunk, that chunk's (B * R, V)
     # log-probabilities are kept instead of recomputed; through the model's own forward, (B, R, V) logits and more.
-    import align.logprobs as logprobs_module
+    import align.core.logprobs as logprobs_module
     import align.models.policy as policy_module
 
     if head == "model forward":

@@ -5,16 +5,16 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from align.advantages import gae
+from align.core.advantages import gae
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch, PromptDataModule
-from align.kl import AdaptiveKLController
-from align.logprobs import masked_mean, response_mask, truncated
+from align.core.kl import AdaptiveKLController
+from align.core.logprobs import masked_mean, response_mask, truncated
 from align.models.policy import PolicyModel
 from align.modules.ppo import PPOBatch, PPOModule
-from align.rewards import RewardSpec
+from align.rollout.rewards import RewardSpec
 from align.modules.options import GAE, KLPenalty, ScoreShaping, Updates, ValueTraining
-from align.rollout import Rollout, SamplingConfig
+from align.rollout.engine import Rollout, SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 

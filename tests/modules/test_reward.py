@@ -142,7 +142,7 @@ def test_the_head_bias_stays_zero_so_the_export_scores_as_trained(trained):
 def test_align_export_of_an_rm_checkpoint_is_a_sequence_classifier(trained, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from align.cli import main
+    from align.cli.main import main
 
     main(["export", "--ckpt_path", str(trained["ckpt"]), "--output_dir", str(tmp_path / "hf")])
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()

@@ -72,7 +72,7 @@ def test_a_progress_bar_or_a_monitor_reads_every_step(pairs, tmp_path, reader):
 def test_align_progress_bar_reads_every_step_only_when_drawn(pairs, tmp_path, drawn, monkeypatch):
     """Outside a terminal (or in CI) the bar switches itself off and costs no per-step logging; drawn, it shows
     the step's values under short names (DPO: loss and acc) and counts optimizer steps against max_steps."""
-    from align.observability.progress import AlignProgressBar
+    from align.trainer.progress import AlignProgressBar
 
     monkeypatch.setenv("CI", "true")
     bar = AlignProgressBar(force=drawn)

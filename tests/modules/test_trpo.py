@@ -7,14 +7,14 @@ from lightning.pytorch.loggers import CSVLogger
 
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch, PromptDataModule
-from align.kl import kl_estimate
-from align.logprobs import masked_mean
+from align.core.kl import kl_estimate
+from align.core.logprobs import masked_mean
 from align.models.loading import LoraSettings
 from align.models.policy import PolicyModel
 from align.modules.trpo import TRPOModule
 from align.errors import AlignConfigError
 from align.modules.options import TrustRegion, Updates, ValueTraining
-from align.rollout import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import length_reward, prompt_batch, standalone
 

@@ -5,8 +5,8 @@ from functools import partial
 
 import torch
 
-from align.envs import EnvSpec
-from align.modules.classic import A2CGymModule
+from align.gym.make import EnvSpec
+from align.gym import A2CGymModule
 from align.observability import OTelTracingCallback, OTLPLogger
 from conftest import toy_trainer
 

@@ -148,7 +148,7 @@ def test_a_grpo_step_has_the_documented_section_spans(receiver, tmp_path):
     from align.data.prompts import PromptBatch
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
-    from align.rollout import SamplingConfig
+    from align.rollout.engine import SamplingConfig
 
     policy = PolicyModel("tiny", seed=2)
     prompt = "sort: b a"
@@ -175,7 +175,7 @@ class TwoTurns:
 
     def step(self, message):
         self.turn += 1
-        from align.envs.chat import EnvStep
+        from align.rollout.envs.chat import EnvStep
 
         return EnvStep([] if self.turn == 2 else [{"role": "user", "content": "sort: c a"}], 0.5, self.turn == 2)
 
@@ -185,10 +185,10 @@ def test_every_environment_call_of_a_multi_turn_rollout_is_a_span_under_generati
 
     from align.data.chat import ChatEncoder
     from align.data.prompts import PromptBatch
-    from align.envs.chat import EnvironmentSpec
+    from align.rollout.envs.chat import EnvironmentSpec
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
-    from align.rollout import SamplingConfig
+    from align.rollout.engine import SamplingConfig
 
     policy = PolicyModel("tiny", seed=2)
     messages = [[{"role": "user", "content": p}] for p in ("sort: b a", "sort: d c")]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from align.cli import main
-from align.observability.plots import PlotError, plot_runs, read_run, smooth
+from align.cli.main import main
+from align.cli.plots import PlotError, plot_runs, read_run, smooth
 
 GRPO_TRAIN = ("rollout/reward_mean", "rollout/reward_std", "train/kl", "train/loss", "train/entropy",
               "time/generation_s")

@@ -11,11 +11,11 @@ from functools import partial
 import lightning as L
 import torch
 
-from align import stats
+from align.core import stats
 from align.data import SFTDataModule
 from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule
-from align.kl import AdaptiveKLController
+from align.core.kl import AdaptiveKLController
 from align.models.policy import PolicyModel
 from align.modules import SFTModule
 from align.modules.dpo import DPOModule
@@ -23,8 +23,8 @@ from align.modules.grpo import GRPOModule
 from align.modules.ppo import PPOModule
 from align.modules.options import KLPenalty, Updates, ValueTraining
 from align.modules.rl import RLBatch
-from align.rewards import RewardSpec
-from align.rollout import SamplingConfig
+from align.rollout.rewards import RewardSpec
+from align.rollout.engine import SamplingConfig
 
 SFT_DATA = "align:sort/sft/train.jsonl"
 PREF_DATA = "align:sort/preference/train.jsonl"
@@ -66,10 +66,10 @@ def ppo_setup():
 def episodes_setup():
     # Multi-turn GRPO: the ranks' episodes end after different numbers of turns (a turn cut at 6 tokens ends its
     # episode), so under ZeRO-3 a rank whose episodes have all ended keeps decoding a placeholder row.
-    from align.envs.chat import EnvironmentSpec
+    from align.rollout.envs.chat import EnvironmentSpec
 
     module = GRPOModule(PolicyModel("tiny-sort"), rewards=[], group_size=4, log_entropy=False,
-                        environment=EnvironmentSpec("align.envs.tasks.SortRounds", max_turns=2, max_tokens=40),
+                        environment=EnvironmentSpec("align.rollout.envs.tasks.SortRounds", max_turns=2, max_tokens=40),
                         sampling=SamplingConfig(max_new_tokens=6, temperature=1.0), kl=KLPenalty(coef=0.02),
                         optimizer=partial(torch.optim.AdamW, lr=1e-4))
     return module, PromptDataModule(train_files="align:sort/rounds/train.jsonl",
@@ -177,8 +177,8 @@ def _zero_reward(prompts, completions, **columns):
 
 
 def pooled_whitened() -> torch.Tensor:
-    """What ``align.stats.whiten`` over 2 ranks must give on all rows together: ``masked_whiten`` on one process. (N, R)"""
-    from align.logprobs import masked_whiten
+    """What ``align.core.stats.whiten`` over 2 ranks must give on all rows together: ``masked_whiten`` on one process. (N, R)"""
+    from align.core.logprobs import masked_whiten
 
     rows = fixed_rollout_rows(PolicyModel("tiny", seed=1).config.vocab_size)
     kl = (rows.input_ids[:, -rows.response_length:] % 5).float() / 10.0

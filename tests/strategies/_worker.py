@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import _programs as P  # noqa: E402
-from align.strategies import DeepSpeedZeROStrategy, FSDP2Strategy  # noqa: E402
+from align.trainer.strategies import DeepSpeedZeROStrategy, FSDP2Strategy  # noqa: E402
 
 
 def make_strategy(name: str):

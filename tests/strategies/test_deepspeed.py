@@ -1,4 +1,4 @@
-"""``align.strategies.deepspeed``: the ZeRO strategy's configuration, and the private Lightning hooks and
+"""``align.trainer.strategies.deepspeed``: the ZeRO strategy's configuration, and the private Lightning hooks and
 DeepSpeed engine methods it relies on (its CPU path runs in ``test_multiprocess.py``)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import nn
 
-from align.strategies import DeepSpeedZeROStrategy, accumulation_boundary
+from align.trainer.strategies import DeepSpeedZeROStrategy, accumulation_boundary
 
-USED_BY = "align.strategies.deepspeed.DeepSpeedZeROStrategy"
+USED_BY = "align.trainer.strategies.deepspeed.DeepSpeedZeROStrategy"
 
 
 def test_deepspeed_needs_no_training_dataloader_for_its_batch_size():
@@ -74,13 +74,13 @@ def test_engine_methods_called_only_when_present_exist(private_api):
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     private_api.require(DeepSpeedEngine, "set_gradient_accumulation_boundary", ("self", "is_boundary"),
-                        used_by="align.strategies.accumulation_boundary")
+                        used_by="align.trainer.strategies.accumulation_boundary")
     private_api.require(DeepSpeedEngine, "empty_partition_cache", ("self",),
-                        used_by="align.strategies.generation_context")
+                        used_by="align.trainer.strategies.generation_context")
 
 
 def test_accumulation_boundary_reaches_the_engine(private_api):
-    private_api.require(L.LightningModule(), "_trainer", used_by="align.strategies.accumulation_boundary")
+    private_api.require(L.LightningModule(), "_trainer", used_by="align.trainer.strategies.accumulation_boundary")
     marks = []
     strategy = DeepSpeedZeROStrategy(stage=2)
     strategy.model = type("Engine", (), {"set_gradient_accumulation_boundary": lambda self, b: marks.append(b)})()

@@ -1,4 +1,4 @@
-"""``align.strategies.fsdp``: the FSDP2 strategy, which blocks get sharded, and the private torch and Lightning
+"""``align.trainer.strategies.fsdp``: the FSDP2 strategy, which blocks get sharded, and the private torch and Lightning
 names it relies on."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from torch import nn
 
 from align.hub.tiny import build_tiny_model
 from align.models.policy import PolicyModel
-from align.strategies import FSDP2Strategy, apply_fsdp2, decoder_layers
-from align.strategies.fsdp import FORWARD_METHODS
+from align.trainer.strategies import FSDP2Strategy, apply_fsdp2, decoder_layers
+from align.trainer.strategies.fsdp import FORWARD_METHODS
 
 
 def test_decoder_layers_are_the_repeated_blocks(private_api):
     model = build_tiny_model(seed=0)
-    private_api.require(model, "_no_split_modules", used_by="align.strategies.fsdp.decoder_layers (transformers)")
+    private_api.require(model, "_no_split_modules", used_by="align.trainer.strategies.fsdp.decoder_layers (transformers)")
     layers = decoder_layers(model)
     assert layers and layers == list(model.model.layers)
 
@@ -41,7 +41,7 @@ def one_process_mesh():
 def test_the_policys_other_forward_methods_exist():
     # apply_fsdp2 registers whichever of them the module has: a renamed method would silently lose its gather.
     missing = [name for name in FORWARD_METHODS if not callable(getattr(PolicyModel, name, None))]
-    assert not missing, f"align.strategies.fsdp.FORWARD_METHODS names methods PolicyModel lacks: {missing}"
+    assert not missing, f"align.trainer.strategies.fsdp.FORWARD_METHODS names methods PolicyModel lacks: {missing}"
 
 
 class Block(nn.Module):
@@ -70,7 +70,7 @@ class Root(nn.Module):
 def test_fsdp_root_is_fixed_before_the_first_forward(private_api, one_process_mesh):
     from torch.distributed.fsdp import FSDPModule
 
-    used_by = "align.strategies.fsdp.apply_fsdp2 (fixing the policy as the FSDP root)"
+    used_by = "align.trainer.strategies.fsdp.apply_fsdp2 (fixing the policy as the FSDP root)"
     private_api.require(FSDPModule, "_get_fsdp_state", ("self",), used_by=used_by)
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
@@ -85,7 +85,7 @@ def test_fsdp_root_is_fixed_before_the_first_forward(private_api, one_process_me
 
 
 def test_fsdp2_strategy_sizes_its_mesh_from_the_processes(private_api, monkeypatch):
-    used_by = "align.strategies.fsdp.FSDP2Strategy.setup_environment (one shard per process)"
+    used_by = "align.trainer.strategies.fsdp.FSDP2Strategy.setup_environment (one shard per process)"
     assert private_api.require(FSDP2Strategy(), "_data_parallel_size", used_by=used_by) == "auto"
     assert ModelParallelStrategy(data_parallel_size=3)._data_parallel_size == 3, f"_data_parallel_size: {used_by}"
     private_api.called_by(ModelParallelStrategy.setup_environment, "_data_parallel_size", used_by=used_by)

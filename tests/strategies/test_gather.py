@@ -1,4 +1,4 @@
-"""``align.strategies.gather`` (and the collective it uses): whole parameters around sampling from sharded
+"""``align.trainer.strategies.gather`` (and the collective it uses): whole parameters around sampling from sharded
 weights, and the rank-synchronised stop that ZeRO-3 needs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import lightning as L
 import torch
 
-from align.rollout import sample
-from align.strategies import DeepSpeedZeROStrategy, FSDP2Strategy, generation_context, global_all, parameters_sharded
+from align.rollout.engine import sample
+from align.trainer.strategies import DeepSpeedZeROStrategy, FSDP2Strategy, generation_context, global_all, parameters_sharded
 
 
 def test_parameters_sharded():
@@ -25,7 +25,7 @@ def test_one_process_needs_no_generation_hook():
 
 def test_generation_context_finds_the_trainer_of_a_module(private_api):
     # Read through the private attribute: the public ``trainer`` property raises on a detached module.
-    used_by = "align.strategies (generation_context, accumulation_boundary) and align.modules (the trainer, if any)"
+    used_by = "align.trainer.strategies (generation_context, accumulation_boundary) and align.modules (the trainer, if any)"
     module = L.LightningModule()
     assert private_api.require(module, "_trainer", used_by=used_by) is None
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,

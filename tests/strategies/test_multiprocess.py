@@ -94,7 +94,7 @@ def test_grpo_loss_normaliser_is_global(strategy, tmp_path_factory):
 def test_kl_controller_gets_the_same_all_reduced_value_on_every_rank(tmp_path_factory):
     _, ranks = job("ddp", tmp_path_factory)
     """Each rank's tokens have a different KL; the controllers (a plain AdaptiveKLController fed the mean of
-    ``align.stats.mean_var`` over the ranks, and PPO's own ``update_kl_controller``) end equal on both ranks
+    ``align.core.stats.mean_var`` over the ranks, and PPO's own ``update_kl_controller``) end equal on both ranks
     and equal to one process seeing every row."""
     (kl0, coef0, ppo0), (kl1, coef1, ppo1) = ranks[0]["kl_seen"], ranks[1]["kl_seen"]
     assert kl0 == kl1 == pytest.approx(P.pooled_kl(), rel=1e-6)
@@ -105,7 +105,7 @@ def test_kl_controller_gets_the_same_all_reduced_value_on_every_rank(tmp_path_fa
 
 
 def test_advantage_whitening_uses_every_ranks_tokens(tmp_path_factory):
-    """``align.stats.whiten`` on 2 ranks (with the strategy's all-reduce) equals ``masked_whiten`` over all rows
+    """``align.core.stats.whiten`` on 2 ranks (with the strategy's all-reduce) equals ``masked_whiten`` over all rows
     on one process."""
     _, ranks = job("ddp", tmp_path_factory)
     expected = P.pooled_whitened()

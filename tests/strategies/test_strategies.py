@@ -1,11 +1,11 @@
-"""``align.strategies`` as a package: the short names it registers, and the names it re-exports."""
+"""``align.trainer.strategies`` as a package: the short names it registers, and the names it re-exports."""
 
 from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-import align.strategies
-from align.strategies import DeepSpeedZeROStrategy, FSDP2Strategy
+import align.trainer.strategies
+from align.trainer.strategies import DeepSpeedZeROStrategy, FSDP2Strategy
 
 
 def test_short_names_select_the_cpu_capable_strategies():
@@ -29,15 +29,15 @@ def test_yaml_class_paths_stay_at_the_package():
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=Strategy)
     for name in ("FSDP2Strategy", "DeepSpeedZeROStrategy"):
-        assert name in align.strategies.__all__
-        config = parser.parse_args(["--strategy", f"align.strategies.{name}"])
-        assert f"class_path: align.strategies.{name}\n" in parser.dump(config)
+        assert name in align.trainer.strategies.__all__
+        config = parser.parse_args(["--strategy", f"align.trainer.strategies.{name}"])
+        assert f"class_path: align.trainer.strategies.{name}\n" in parser.dump(config)
 
 
 RELEASE_CHILD = """
 import atexit, os, sys
 import torch.distributed as dist
-from align.strategies import release_process_group_at_exit
+from align.trainer.strategies import release_process_group_at_exit
 
 assert release_process_group_at_exit() is False  # no group yet: nothing to release
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])

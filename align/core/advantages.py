@@ -1,0 +1,513 @@
+"""Rewards to advantages: KL shaping, GAE, group-relative and leave-one-out baselines.
+
+* :func:`shape_rewards`: the per-token PPO-RLHF reward of Ziegler et al. 2019
+  (arXiv 1909.08593) and Ouyang et al. 2022 (arXiv 2203.02155): ``-kl_coef *
+  KL`` on every response token, plus the sequence score on the last valid token.
+* :func:`gae`: generalized advantage estimation, Schulman et al. 2015
+  (arXiv 1506.02438).
+* :func:`group_advantages`: GRPO, Shao et al. 2024 (arXiv 2402.03300); with
+  ``scale="none"`` the unscaled variant of Dr. GRPO, Liu et al. 2025
+  (arXiv 2503.20783).
+* :func:`rloo_advantages`: REINFORCE leave-one-out, Ahmadian et al. 2024
+  (arXiv 2402.14740).
+* :func:`preference_pairs`: online DPO's ranking of sampled completions into
+  chosen/rejected pairs, Guo et al. 2024 (arXiv 2402.04792).
+* :func:`overlong_penalty`: DAPO's soft overlong punishment, Yu et al. 2025
+  (arXiv 2503.14476, eq. 13), a reward term in ``[-1, 0]`` by response length.
+* :func:`reinforce_pp_advantages`: REINFORCE++, Hu 2025 (arXiv 2501.03262),
+  and its variant with a group baseline (REINFORCE++-baseline).
+
+Over environment steps (classic RL: ``(T, N)`` tensors, time first, ``N``
+parallel environments whose episodes end anywhere inside the window):
+
+* :func:`step_gae`: GAE across episode boundaries, with a time-limit
+  truncation bootstrapped from the value of the state it cut off (Pardo et al.
+  2018, arXiv 1712.00378) and a termination not. ``lam = 1`` gives the n-step
+  returns of A2C (Mnih et al. 2016, arXiv 1602.01783).
+* :func:`discounted_returns`: Monte-Carlo returns of REINFORCE (Williams 1992),
+  optionally bootstrapped at the window's end.
+* :func:`td_targets`: one-step Q-learning and DQN targets (Mnih et al. 2015),
+  and Double DQN's (van Hasselt et al. 2016, arXiv 1509.06461).
+
+Departures and choices:
+
+* GAE bootstraps with 0 after the last valid token of a response, whatever the
+  value head says at padding. A masked position inside a response (a hole in
+  the mask) is skipped, not treated as a zero-reward step: discounting carries
+  across it. Returns are computed from the *unwhitened* advantages; whitening
+  is left to the caller (:func:`align.core.logprobs.masked_whiten`, advantages only).
+* GRPO divides by the unbiased (Bessel-corrected, ``n - 1``) standard deviation
+  of the group, as ``torch.std`` does. The paper writes ``std`` without saying
+  which. A group whose std is at most ``eps`` gets exactly zero advantage: the
+  std is compared with ``eps`` instead of being added to the denominator.
+  Rewards are first shifted by the first reward of their group, so a group of
+  equal rewards has a std of exactly 0 (rounding in a float32 mean would
+  otherwise leave a std of order 1e-7 times the reward, which for rewards of
+  a few hundred is above the default eps).
+* All functions here return tensors detached from the graph: advantages and
+  returns are targets, never differentiated through.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Tuple, Union
+
+import torch
+
+from align.core.kl import kl_estimate
+from align.core.logprobs import last_valid_index
+from align.core.stats import AllReduce, identity, whiten
+
+__all__ = ["shape_rewards", "overlong_penalty", "gae", "group_advantages", "rloo_advantages", "reinforce_pp_advantages",
+           "returns_to_go", "preference_pairs", "PreferencePairs", "GROUP_SCALES", "step_gae", "discounted_returns",
+           "td_targets"]
+
+
+@torch.no_grad()
+def shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: Union[float, torch.Tensor],
+    kind: str = "k1",
+    clamp: float = 20.0,
+    token_rewards: torch.Tensor | None = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards with a KL penalty and the score at the last valid token.
+
+    Args:
+        scores: ``(B,)`` sequence rewards.
+        logprobs: ``(B, T)`` policy log-probs of the sampled tokens.
+        ref_logprobs: ``(B, T)`` reference log-probs of the same tokens.
+        mask: ``(B, T)`` response mask.
+        kl_coef: KL penalty coefficient (for example ``controller.value``).
+        kind, clamp: KL estimator and log-ratio clamp, see :func:`align.core.kl.kl_estimate`.
+        token_rewards: ``(B, T)`` rewards already placed on tokens, added where ``mask`` is valid (a multi-turn
+            episode's environment reward of each turn, at the turn's last token); None: none.
+
+    Returns:
+        ``rewards`` ``(B, T)`` and ``kl`` ``(B, T)``, both 0 at masked
+        positions. A row with no valid token receives no score at all.
+    """
+    if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError(
+            "shape_rewards: logprobs, ref_logprobs and mask must share one (B, T) shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(ref_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if scores.shape != logprobs.shape[:1]:
+        raise ValueError(f"shape_rewards: scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
+    if token_rewards is not None and token_rewards.shape != mask.shape:
+        raise ValueError(f"shape_rewards: token_rewards must be (B, T) = {tuple(mask.shape)}, got "
+                         f"{tuple(token_rewards.shape)}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, kind=kind, clamp=clamp), zero)  # (B, T)
+    per_token = -kl_coef * kl
+    if token_rewards is not None:
+        per_token = per_token + torch.where(valid, token_rewards.to(per_token.dtype), zero)
+    return _add_terminal(per_token, scores, valid), kl
+
+
+def _add_terminal(rewards: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    # (B, T) rewards plus each row's (B,) score at its last valid token; a row with no valid token gets none.
+    last = last_valid_index(valid)  # (B,), -1 for an empty row
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    bonus = torch.where(last >= 0, scores.to(rewards.dtype), zero)  # (B,)
+    return rewards.scatter_add(1, last.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
+
+
+@torch.no_grad()
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), per response.
+
+    With ``L_max = max_length`` and ``L_cache = buffer``::
+
+        0                                   |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
+        -1                                  |y| > L_max
+
+    The penalty falls linearly from 0 to -1 across the last ``buffer`` tokens before ``max_length``. With
+    ``buffer == 0`` it is a hard cut: 0 up to ``max_length``, -1 beyond.
+
+    Args:
+        lengths: ``(B,)`` response lengths in tokens (the response mask's sum, the stop token included).
+        max_length: ``L_max``; ``buffer``: ``L_cache``, ``0 <= buffer <= max_length``.
+
+    Returns:
+        ``(B,)`` float32 penalties in ``[-1, 0]``.
+    """
+    if not 0 <= buffer <= max_length:
+        raise ValueError(f"overlong_penalty: expected 0 <= buffer <= max_length, got buffer {buffer}, "
+                         f"max_length {max_length}")
+    lengths = lengths.to(torch.float32)
+    start = float(max_length - buffer)
+    ramp = (start - lengths) / max(buffer, 1)  # (B,) only used where start < |y| <= max_length
+    penalty = torch.where(lengths <= start, torch.zeros_like(lengths), ramp)
+    return torch.where(lengths > max_length, torch.full_like(lengths, -1.0), penalty)
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over response tokens (arXiv 1506.02438).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, where ``t + 1`` is the next
+    *valid* position and ``V`` and ``A`` after the last valid token are 0.
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards (for example from :func:`shape_rewards`).
+        values: ``(B, T)`` value estimates ``V(s_t)``.
+        mask: ``(B, T)`` response mask.
+
+    Returns:
+        ``advantages`` ``(B, T)`` unwhitened and ``returns = advantages + values``
+        ``(B, T)``; both 0 at masked positions. Masked rewards and values never
+        influence any output.
+    """
+    if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(
+            "gae: rewards, values and mask must share one (B, T) shape, got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    valid = mask.bool()
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    rewards = torch.where(valid, rewards.to(dtype), zero)
+    values = torch.where(valid, values.to(dtype), zero)
+    b, t_max = rewards.shape
+    advantages = torch.zeros_like(rewards)  # (B, T)
+    next_value = torch.zeros(b, dtype=dtype, device=rewards.device)  # (B,)
+    next_adv = torch.zeros(b, dtype=dtype, device=rewards.device)  # (B,)
+    for t in reversed(range(t_max)):
+        m = valid[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = torch.where(m, adv, zero)
+        next_adv = torch.where(m, adv, next_adv)
+        next_value = torch.where(m, values[:, t], next_value)
+    returns = torch.where(valid, advantages + values, zero)
+    return advantages, returns
+
+
+def _group_view(rewards: torch.Tensor, group_size: int, fn: str) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"{fn}: rewards must be 1-D (B*G,), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{fn}: {rewards.numel()} rewards cannot be split into groups of group_size={group_size}; "
+            "rewards must be laid out (B*G,) with each prompt's G completions consecutive"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    return rewards.view(-1, group_size)  # (B, G)
+
+
+def _shift(grouped: torch.Tensor) -> torch.Tensor:
+    # Shift by each group's first reward: a constant group becomes exactly 0.
+    # Without the shift, the rounding of the mean of a float32 group such as
+    # [123.456] * 5 leaves a std of ~1e-5, which passes an epsilon test and
+    # would be divided by. Centring and variances are shift-invariant.
+    return grouped - grouped[:, :1]
+
+
+def _unbiased_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    # Bessel-corrected std that is 0 (not NaN) for a single element.
+    n = x.numel() if dim is None else x.shape[dim]
+    if dim is None:
+        x = x - x.reshape(-1)[:1]  # shifted, as in _shift: exactly 0 for constant input
+        centered = x - x.mean()
+        return (centered.square().sum() / max(n - 1, 1)).sqrt()
+    centered = x - x.mean(dim, keepdim=True)
+    return (centered.square().sum(dim, keepdim=keepdim) / max(n - 1, 1)).sqrt()
+
+
+GROUP_SCALES = ("group", "batch", "none")
+
+
+@torch.no_grad()
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantages of GRPO (arXiv 2402.03300).
+
+    ``A_i = (r_i - mean_group(r)) / s`` where ``s`` is, by ``scale``:
+
+    * ``"group"``: the unbiased std of the group (GRPO);
+    * ``"batch"``: the unbiased std of all rewards passed in (this call's batch;
+      all-reduce first for a global one);
+    * ``"none"``: 1, no scaling (Dr. GRPO, arXiv 2503.20783).
+
+    A group whose unbiased std is ``<= eps`` gets exactly 0 for every scale,
+    never NaN. Likewise when the batch std is ``<= eps`` under ``"batch"``.
+
+    Args:
+        rewards: ``(B*G,)``, the G completions of each prompt consecutive.
+        group_size: G.
+
+    Returns:
+        ``(B*G,)`` advantages, one per completion (broadcast over its tokens).
+    """
+    if scale not in GROUP_SCALES:
+        raise ValueError(f"group_advantages: unknown scale {scale!r}; expected one of {list(GROUP_SCALES)}")
+    raw = _group_view(rewards, group_size, "group_advantages")  # (B, G)
+    grouped = _shift(raw)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
+    group_std = _unbiased_std(grouped, dim=1, keepdim=True)  # (B, 1)
+    constant_group = group_std <= eps  # (B, 1)
+    if scale == "group":
+        scaled = centered / group_std.clamp(min=eps)
+    elif scale == "batch":
+        batch_std = _unbiased_std(raw)
+        scaled = torch.where(batch_std > eps, centered / batch_std.clamp(min=eps), torch.zeros_like(centered))
+    else:
+        scaled = centered
+    return torch.where(constant_group, torch.zeros_like(scaled), scaled).reshape(-1)
+
+
+@torch.no_grad()
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages (arXiv 2402.14740).
+
+    ``A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean(r))`` within
+    each group of ``group_size`` consecutive rewards. A group whose rewards are
+    all equal gets exactly 0: rewards are shifted by the group's first reward
+    before any sum, so no rounding is left to leak.
+
+    Args:
+        rewards: ``(B*G,)``.
+        group_size: G >= 2 (with one sample there is no other sample to
+            build the baseline from).
+
+    Returns:
+        ``(B*G,)``.
+    """
+    if group_size < 2:
+        raise ValueError(
+            f"rloo_advantages: group_size must be >= 2 for a leave-one-out baseline, got {group_size}"
+        )
+    grouped = _shift(_group_view(rewards, group_size, "rloo_advantages"))  # (B, G); constant -> 0
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (B, G)
+    return (grouped - others_mean).reshape(-1)
+
+
+class PreferencePairs(NamedTuple):
+    """One pair per prompt: row indices into the ``(B*G,)`` rollout and whether the pair carries a preference."""
+
+    chosen: torch.Tensor  # (B,) long, the row with the highest reward of each group
+    rejected: torch.Tensor  # (B,) long, the row with the lowest reward
+    decisive: torch.Tensor  # (B,) bool, False where every reward of the group is equal (a tie)
+
+
+@torch.no_grad()
+def preference_pairs(rewards: torch.Tensor, group_size: int) -> PreferencePairs:
+    """Online DPO's pairs (arXiv 2402.04792): in each group of ``group_size`` consecutive rewards the best
+    completion is chosen and the worst rejected (for G = 2, the paper's two samples). Among equal best (or worst)
+    rewards the first row wins. A group whose best and worst rewards are equal is a tie: it states no
+    preference and is marked not ``decisive``, so the caller can leave it out of the loss.
+
+    Args:
+        rewards: ``(B*G,)``.
+        group_size: G >= 2.
+
+    Returns:
+        :class:`PreferencePairs` of ``(B,)`` tensors.
+    """
+    if group_size < 2:
+        raise ValueError(f"preference_pairs: group_size must be >= 2 to form a pair, got {group_size}")
+    grouped = _group_view(rewards, group_size, "preference_pairs")  # (B, G)
+    offset = torch.arange(grouped.shape[0], device=grouped.device) * group_size  # (B,)
+    best, worst = grouped.max(dim=1), grouped.min(dim=1)
+    return PreferencePairs(offset + best.indices, offset + worst.indices, best.values > worst.values)
+@torch.no_grad()
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Undiscounted returns ``G_t = sum_{s >= t} r_s`` over the valid tokens of each row, ``(B, T) -> (B, T)``.
+
+    Masked rewards count as 0 and masked outputs are 0. (GAE with ``gamma = lam = 1`` and zero values gives
+    the same numbers, one token at a time.)
+    """
+    if rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(f"returns_to_go: rewards and mask must share one (B, T) shape, got "
+                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    kept = torch.where(valid, rewards, zero)
+    return torch.where(valid, kept.flip(1).cumsum(1).flip(1), zero)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: Union[float, torch.Tensor] = 0.0,
+    group_size: int | None = None,
+    all_reduce: AllReduce = identity,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025, arXiv 2501.03262), per token.
+
+    The per-token reward is ``r_t = -kl_coef * kl_t``, plus the sequence reward at the last valid token
+    (:func:`shape_rewards`); the advantage is the return-to-go with gamma 1,
+    ``A_t = r - kl_coef * sum_{s >= t} kl_s`` (:func:`returns_to_go`), whitened with the mean and unbiased std
+    of every valid token of the global batch (:func:`align.core.stats.whiten` with ``all_reduce``).
+
+    With ``group_size`` (REINFORCE++-baseline), each reward first has its group's mean subtracted
+    (:func:`group_advantages` with ``scale="none"``: a group of equal rewards becomes exactly 0 before the KL
+    term). The batch whitening then re-centres: a token of such a group gets ``-mean / std`` of the batch,
+    as in the paper, not 0.
+
+    Args:
+        rewards: ``(N,)`` sequence rewards; with ``group_size``, each prompt's G completions consecutive.
+        mask: ``(N, R)`` response mask.
+        kl: ``(N, R)`` per-token KL estimate of the sampled tokens, or None for no KL term in the reward.
+        kl_coef: Weight of the KL penalty.
+        group_size: G for the group-mean baseline; None: no baseline (plain REINFORCE++).
+        all_reduce: Sums over the data-parallel ranks, for the whitening statistics.
+        eps: Added to the variance in the whitening.
+
+    Returns:
+        ``(N, R)`` advantages, 0 at masked positions.
+    """
+    if mask.dim() != 2 or rewards.shape != mask.shape[:1]:
+        raise ValueError(f"reinforce_pp_advantages: rewards must be (N,) and mask (N, R), got "
+                         f"{tuple(rewards.shape)} and {tuple(mask.shape)}")
+    if kl is not None and kl.shape != mask.shape:
+        raise ValueError(f"reinforce_pp_advantages: kl must be (N, R) = {tuple(mask.shape)}, got {tuple(kl.shape)}")
+    rewards = rewards.float() if not rewards.is_floating_point() else rewards
+    if group_size is not None:
+        rewards = group_advantages(rewards, group_size, scale="none")  # (N,) r - mean of its group
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    per_token = (torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device) if kl is None
+                 else torch.where(valid, -kl_coef * kl.to(rewards.dtype), zero))  # (N, R)
+    returns = returns_to_go(_add_terminal(per_token, rewards, valid), valid)  # (N, R)
+    return whiten(returns, valid, eps=eps, all_reduce=all_reduce)
+
+
+def _check_steps(fn: str, **tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(shape != first for shape in shapes.values()):
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"{fn}: every per-step tensor must share one (T, N) shape, got {listed}")
+
+
+@torch.no_grad()
+def step_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_values: torch.Tensor,
+    terminated: torch.Tensor,
+    done: torch.Tensor,
+    gamma: float = 0.99,
+    lam: float = 0.95,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GAE over a window of environment steps (arXiv 1506.02438), time first.
+
+    ``delta_t = r_t + gamma * (1 - terminated_t) * V(s_{t+1}) - V(s_t)`` and
+    ``A_t = delta_t + gamma * lam * (1 - done_t) * A_{t+1}``, with ``A_T = 0``
+    after the window (its tail is bootstrapped through ``next_values``).
+
+    An episode that the environment *terminated* has no future value. One that
+    was *truncated* (a time limit, or the window's end, which needs no flag)
+    still has one: ``next_values`` holds ``V`` of the state it was cut off in,
+    so truncation is not mistaken for failure (arXiv 1712.00378). ``done`` (terminated
+    or truncated) stops the advantage from flowing into the next episode.
+
+    Args:
+        rewards: ``(T, N)`` reward of step ``t`` in environment ``n``.
+        values: ``(T, N)`` ``V(s_t)``.
+        next_values: ``(T, N)`` ``V(s_{t+1})``: the value of the observation the step returned, or of the final
+            observation when the episode ended there (the reset's observation is the next episode's).
+        terminated: ``(T, N)`` the episode reached a terminal state at step ``t``.
+        done: ``(T, N)`` the episode ended at step ``t`` (terminated or truncated).
+
+    Returns:
+        ``(advantages, returns)``, both ``(T, N)``, with ``returns = advantages + values`` (unwhitened).
+    """
+    _check_steps("step_gae", rewards=rewards, values=values, next_values=next_values, terminated=terminated,
+                 done=done)
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    rewards, values, next_values = rewards.to(dtype), values.to(dtype), next_values.to(dtype)
+    # One fused multiply-add per step of the recursion: a short window (A2C's 5 steps) is a handful of small ops.
+    deltas = torch.addcmul(rewards - values, terminated.logical_not().to(dtype), next_values, value=gamma)  # (T, N)
+    carry = done.logical_not().to(dtype).mul_(gamma * lam)  # (T, N)
+    advantages = torch.empty_like(deltas)
+    running = advantages[-1] = deltas[-1]  # (N,)
+    for t in range(deltas.shape[0] - 2, -1, -1):
+        running = torch.addcmul(deltas[t], carry[t], running)
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+@torch.no_grad()
+def discounted_returns(
+    rewards: torch.Tensor,
+    done: torch.Tensor,
+    gamma: float = 0.99,
+    bootstrap: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``G_t = r_t + gamma * (1 - done_t) * G_{t+1}`` over a window of environment steps, ``(T, N) -> (T, N)``.
+
+    Episodes end at ``done``; REINFORCE (Williams 1992) uses the returns of complete episodes. ``bootstrap``
+    ``(N,)`` is ``G_T``, the value of each environment's state after the window (0 when omitted), which gives
+    n-step returns.
+    """
+    _check_steps("discounted_returns", rewards=rewards, done=done)
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    carry = 1.0 - done.to(rewards.dtype)
+    out = torch.empty_like(rewards)
+    running = torch.zeros_like(rewards[0]) if bootstrap is None else bootstrap.to(rewards.dtype).clone()
+    if running.shape != rewards[0].shape:
+        raise ValueError(f"discounted_returns: bootstrap must have shape ({rewards.shape[1]},), got {tuple(running.shape)}")
+    for t in reversed(range(rewards.shape[0])):
+        running = rewards[t] + gamma * carry[t] * running
+        out[t] = running
+    return out
+
+
+@torch.no_grad()
+def td_targets(
+    rewards: torch.Tensor,
+    next_q_target: torch.Tensor,
+    terminated: torch.Tensor,
+    gamma: float = 0.99,
+    next_q_online: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One-step Q targets ``r + gamma * (1 - terminated) * Q_target(s', a*)``, ``(B,)``.
+
+    ``a* = argmax_a Q_target(s', a)`` (Q-learning, DQN: arXiv 1312.5602), or ``argmax_a Q_online(s', a)`` when
+    ``next_q_online`` is given (Double DQN, arXiv 1509.06461: the online network picks the action, the target
+    network values it).
+
+    Args:
+        rewards: ``(B,)``.
+        next_q_target: ``(B, A)`` action values of the next state under the target network (the table itself in
+            tabular Q-learning). For a truncated episode this is the state it was cut off in.
+        terminated: ``(B,)`` the next state is terminal: no future value.
+        next_q_online: ``(B, A)`` the online network's values of the next state, for Double DQN.
+    """
+    if next_q_target.dim() != 2 or rewards.shape != next_q_target.shape[:1] or terminated.shape != rewards.shape:
+        raise ValueError(f"td_targets: expected rewards (B,), next_q_target (B, A), terminated (B,), got "
+                         f"{tuple(rewards.shape)}, {tuple(next_q_target.shape)}, {tuple(terminated.shape)}")
+    if next_q_online is None:
+        next_value = next_q_target.max(dim=1).values  # (B,)
+    else:
+        if next_q_online.shape != next_q_target.shape:
+            raise ValueError(f"td_targets: next_q_online must match next_q_target {tuple(next_q_target.shape)}, "
+                             f"got {tuple(next_q_online.shape)}")
+        best = next_q_online.argmax(dim=1, keepdim=True)  # (B, 1)
+        next_value = next_q_target.gather(1, best).squeeze(1)  # (B,)
+    alive = 1.0 - terminated.to(next_value.dtype)
+    return rewards.to(next_value.dtype) + gamma * alive * next_value

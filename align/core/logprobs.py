@@ -1,0 +1,599 @@
+"""Token log-probabilities, entropy, the response mask and masked statistics.
+
+Everything here is a pure function of tensors and imports only ``torch``. Every
+caller in ``align`` builds its masks and masked statistics with these functions,
+so the epsilons and the padding rules live in one place.
+
+Shapes: ``B`` is the batch, ``T`` the response length, ``V`` the vocabulary.
+
+Response mask (see ``docs/algorithms.md``): a response is valid up to *and
+including* its first EOS token, and everything after that is padding. The mask
+is built from the position of the first EOS, never as ``ids != pad_token_id``,
+so it stays correct when the pad id equals the EOS id. A response cut off at
+``max_new_tokens`` has no EOS; it is fully valid unless the caller asks for
+``mask_truncated=True``. No EOS is ever appended.
+
+Whitening follows the PPO implementation practice described in "The 37
+implementation details of PPO" and "The N+ implementation details of RLHF with
+PPO" (Huang et al. 2024, arXiv 2403.17031): subtract the mean and divide by the
+standard deviation of the *valid* tokens only. Departures: outputs at masked
+positions are always exactly 0, and with fewer than 2 valid tokens the input is
+returned unwhitened (a standard deviation of one value is undefined).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "selective_log_softmax",
+    "gaussian_log_prob",
+    "gaussian_entropy",
+    "entropy_from_logits",
+    "linear_log_softmax",
+    "response_mask",
+    "truncated",
+    "last_valid_index",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+]
+
+# Rows of a (N, V) logits matrix processed at once by the chunked kernels: about
+# 2**24 float32 elements (64 MiB) per chunk whatever the vocabulary size.
+_CHUNK_ELEMENTS = 1 << 24
+
+TokenIds = Union[int, Sequence[int], torch.Tensor]
+
+
+def _rows_per_chunk(vocab_size: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float64 stays float64 (useful for gradient checks); everything else is float32.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------
+# log-probabilities and entropy
+# ----------------------------------------------------------------------------
+
+
+class _LowPrecisionSelectiveLogSoftmax(torch.autograd.Function):
+    """log p(index) under softmax(logits / T) for bf16/fp16 logits without keeping a float32 copy.
+
+    Autograd through ``log_softmax(logits.float() / T)`` would save a float32
+    (N, V) tensor for the backward pass, twice the size of the bf16 logits.
+    Here the forward keeps only the logits (which the graph holds anyway) and
+    a float32 log-normaliser per row; the backward recomputes the softmax one
+    chunk of rows at a time: d log p(i) / d logits = (onehot(i) - softmax) / T.
+    The temperature divides each chunk after its upcast, as the sampler does,
+    never the low-precision logits (whose rounding would shift every log-prob).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, index, temperature):  # logits (N, V) low precision, index (N,) long
+        n, vocab = logits.shape
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # (N,)
+        step = _rows_per_chunk(vocab)
+        for start in range(0, n, step):
+            lse[start : start + step] = torch.logsumexp(logits[start : start + step].float() / temperature, dim=-1)
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).float() / temperature  # (N,)
+        ctx.temperature = temperature
+        ctx.save_for_backward(logits, index, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,)
+        logits, index, lse = ctx.saved_tensors
+        t = ctx.temperature
+        n, vocab = logits.shape
+        grad_logits = torch.empty_like(logits)
+        step = _rows_per_chunk(vocab)
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            g = grad_out[rows].float().unsqueeze(-1) / t  # (n_chunk, 1)
+            probs = torch.exp(logits[rows].float() / t - lse[rows].unsqueeze(-1))  # (n_chunk, V)
+            chunk = -probs * g
+            chunk.scatter_add_(-1, index[rows].unsqueeze(-1), g)
+            grad_logits[rows] = chunk.to(logits.dtype)
+        return grad_logits, None, None
+
+
+def _check_temperature(fn: str, temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"{fn}: temperature must be > 0, got {temperature}")
+    return float(temperature)
+
+
+_SMALL_LOGITS = 1 << 16
+"""Float32/64 logits of at most this many elements (a classic-RL policy's few actions, never a vocabulary) take the
+plain paths of :func:`selective_log_softmax` and :func:`entropy_from_logits`: their saved tensors are as small as
+the logits, and one fused kernel costs less than the chunked or ``logsumexp`` form."""
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of the token ``index`` under ``softmax(logits / temperature)``.
+
+    Args:
+        logits: ``(..., V)`` in any floating dtype.
+        index: ``(...)`` integer token ids.
+        temperature: ``> 0``; applied after the upcast to float32, exactly as the sampler in
+            :mod:`align.rollout.engine` applies it, so that sampled and trained log-probs agree in bf16 too.
+
+    Returns:
+        ``(...)`` log-probabilities in float32 (float64 if the logits are
+        float64). Gradients flow to ``logits``.
+
+    Equals ``log_softmax(logits.float() / temperature, -1).gather(-1, index)``
+    without materialising the full-vocabulary log-softmax: float32/float64
+    logits use ``gather - logsumexp``; bf16/fp16 logits are upcast one chunk
+    of rows at a time, and the backward recomputes the softmax in chunks
+    instead of keeping a float32 copy of the logits alive.
+    """
+    if logits.shape[:-1] != index.shape:
+        raise ValueError(
+            f"selective_log_softmax: index shape {tuple(index.shape)} must equal "
+            f"logits shape without the vocabulary dim {tuple(logits.shape[:-1])}"
+        )
+    temperature = _check_temperature("selective_log_softmax", temperature)
+    index = index.long()
+    if logits.dtype in (torch.float32, torch.float64):
+        if temperature != 1.0:
+            logits = logits / temperature
+        if logits.numel() <= _SMALL_LOGITS:  # a few actions (classic RL): one fused kernel, faster than logsumexp
+            return F.log_softmax(logits, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # (...)
+        return picked - torch.logsumexp(logits, dim=-1)
+    vocab = logits.shape[-1]
+    flat = _LowPrecisionSelectiveLogSoftmax.apply(logits.reshape(-1, vocab), index.reshape(-1), temperature)
+    return flat.view(index.shape)
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits / T) per row, chunked in forward and backward.
+
+    With x = logits / T (upcast first): H = logsumexp(x) - sum(p * x) and
+    dH/dlogits = -p * (log p + H) / T; the backward recomputes p per chunk so
+    no (N, V) float32 tensor is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, chunk_size, temperature):  # logits (N, V)
+        dtype = _compute_dtype(logits.dtype)
+        n = logits.shape[0]
+        out = torch.empty(n, dtype=dtype, device=logits.device)  # (N,)
+        for start in range(0, n, chunk_size):
+            x = logits[start : start + chunk_size].to(dtype) / temperature
+            logp = F.log_softmax(x, dim=-1)
+            out[start : start + chunk_size] = -(logp.exp() * logp).sum(-1)
+        ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
+        ctx.save_for_backward(logits, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,)
+        logits, entropy = ctx.saved_tensors
+        dtype, t = entropy.dtype, ctx.temperature
+        grad_logits = torch.empty_like(logits)
+        step = ctx.chunk_size
+        for start in range(0, logits.shape[0], step):
+            rows = slice(start, start + step)
+            logp = F.log_softmax(logits[rows].to(dtype) / t, dim=-1)  # (n_chunk, V)
+            g = grad_out[rows].to(dtype).unsqueeze(-1) / t
+            grad = -logp.exp() * (logp + entropy[rows].unsqueeze(-1)) * g
+            grad_logits[rows] = grad.to(logits.dtype)
+        return grad_logits, None, None
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the categorical distribution ``softmax(logits / temperature)``.
+
+    Args:
+        logits: ``(..., V)``.
+        chunk_size: rows (tokens) upcast to float32 at once; bounds the peak
+            memory of both the forward and the backward pass.
+        temperature: ``> 0``; divides each chunk after its upcast (see
+            :func:`selective_log_softmax`).
+
+    Returns:
+        ``(...)`` entropies in float32 (float64 for float64 logits), always
+        >= 0 up to rounding. Differentiable.
+
+    Padding is not excluded here; average with :func:`masked_mean` and the
+    response mask so that padding never enters an entropy metric.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"entropy_from_logits: chunk_size must be >= 1, got {chunk_size}")
+    temperature = _check_temperature("entropy_from_logits", temperature)
+    if logits.numel() <= _SMALL_LOGITS and logits.dtype in (torch.float32, torch.float64):
+        # A few actions' logits (classic RL): plain autograd, whose saved tensors are as small as the logits.
+        logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+    vocab = logits.shape[-1]
+    flat = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size), temperature)
+    return flat.view(logits.shape[:-1])
+
+
+def _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs, grad_entropy, temperature, chunk_rows,
+                              needs):
+    """The backward of :class:`_LinearLogSoftmax` out of place, with the log-normaliser recomputed from the
+    logits, so that autograd can differentiate it again (double backpropagation, as TRPO's Fisher-vector products
+    do): every quantity is a differentiable function of ``hidden``, ``weight`` and ``bias``."""
+    need_hidden, need_weight, need_bias = needs
+    dtype = _compute_dtype(weight.dtype)
+    hidden_chunks, grad_weight, grad_bias = [], None, None
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        h = hidden[rows]
+        x = _scaled_logits(h, weight, bias, dtype, temperature)
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        g = grad_logprobs[rows].to(dtype).unsqueeze(-1)
+        onehot = torch.zeros_like(x).scatter(-1, index[rows].unsqueeze(-1), 1.0)
+        grad_x = (onehot - p) * g
+        if grad_entropy is not None:
+            entropy = -(p * logp).sum(-1, keepdim=True)
+            grad_x = grad_x - p * (logp + entropy) * grad_entropy[rows].to(dtype).unsqueeze(-1)
+        grad_logits = (grad_x / temperature).to(weight.dtype)
+        if need_hidden:
+            hidden_chunks.append(grad_logits @ weight)
+        if need_weight:
+            part = grad_logits.t() @ h.to(weight.dtype)
+            grad_weight = part if grad_weight is None else grad_weight + part
+        if need_bias:
+            part = grad_logits.sum(0)
+            grad_bias = part if grad_bias is None else grad_bias + part
+    grad_hidden = torch.cat(hidden_chunks) if need_hidden else None
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _scaled_logits(hidden, weight, bias, dtype, temperature):
+    """A chunk's logits in the compute dtype, divided by the temperature (in place: the buffer is new)."""
+    x = F.linear(hidden, weight, bias)
+    x = x.to(dtype) if x.dtype != dtype else x
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+class _LinearLogSoftmax(torch.autograd.Function):
+    """log p(index) (and optionally the entropy) under softmax((hidden @ W.T + b) / T), chunked over rows.
+
+    Forward and backward each visit the rows in chunks, and each chunk's logits exist only while it is being
+    processed: the saved state is ``hidden``, the head's weight and bias, and two float32 numbers per row (the
+    log-normaliser and the entropy). The backward recomputes a chunk's logits (one more matmul of the head per
+    chunk) and turns them into the gradients of the hidden states, the weight and the bias. When every row fits
+    in one chunk, the forward keeps that chunk's log-probabilities for the backward instead (at most one chunk's
+    memory, which the forward held anyway), so the head costs three matmuls instead of four:
+
+    with x = logits / T, p = softmax(x) and log p(i) = x_i - lse,
+      d log p(i) / dx = onehot(i) - p,       d H / dx = -p * (log p + H),
+    and every logit gradient is divided by T once more for the temperature.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, temperature, chunk_rows, want_entropy, backward_follows):
+        n = hidden.shape[0]
+        dtype = _compute_dtype(weight.dtype)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
+        picked = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
+        entropy = torch.empty(n, dtype=dtype, device=hidden.device) if want_entropy else None  # (N,)
+        # One chunk and a backward to come: keep its log-probabilities rather than recompute its logits there.
+        keep = n <= chunk_rows and backward_follows
+        kept = lse.new_empty(0)
+        for start in range(0, n, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            x = _scaled_logits(hidden[rows], weight, bias, dtype, temperature)  # (n_chunk, V)
+            picked[rows] = x.gather(-1, index[rows].unsqueeze(-1)).squeeze(-1)
+            # logsumexp in place on the chunk's buffer: x - max, then its exp (x itself is kept for the entropy
+            # and for the backward).
+            top = x.amax(dim=-1, keepdim=True)  # (n_chunk, 1)
+            shifted = x.sub(top) if want_entropy or keep else x.sub_(top)
+            p = shifted.exp_()
+            total = p.sum(-1)
+            lse[rows] = total.log() + top.squeeze(-1)
+            if want_entropy:  # H = lse - sum(p * x) with p = exp(x - lse)
+                entropy[rows] = lse[rows] - p.mul_(x).sum(-1) / total
+            if keep:
+                del p, shifted
+                kept = x.sub_(lse[rows].unsqueeze(-1))  # log p
+        ctx.temperature, ctx.chunk_rows, ctx.has_bias = temperature, chunk_rows, bias is not None
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else hidden.new_empty(0), index, lse,
+                              entropy if want_entropy else lse.new_empty(0), kept)
+        logprobs = picked - lse
+        if want_entropy:
+            return logprobs, entropy
+        return logprobs, lse.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):  # (N,), (N,) or empty
+        hidden, weight, bias, index, lse, entropy, kept = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        t, step = ctx.temperature, ctx.chunk_rows
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        # Autograd materialises an unused output's gradient as zeros; an entropy that was not asked for is empty.
+        use_entropy = grad_entropy.numel() > 0 and entropy.numel() > 0
+        if torch.is_grad_enabled():  # create_graph=True (Fisher-vector products): a backward autograd can differentiate
+            grads = _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs,
+                                              grad_entropy if use_entropy else None, t, step,
+                                              (need_hidden, need_weight, need_bias))
+            return (*grads, None, None, None, None, None)
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_bias else None
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
+            h = hidden[rows]
+            # In place on the chunk's one (n_chunk, V) buffer: x -> log p -> p -> the logit gradient. A kept chunk
+            # is copied, so that a second backward (retain_graph) finds it as it was.
+            logp = (kept.clone() if kept.numel() else
+                    _scaled_logits(h, weight, bias, lse.dtype, t).sub_(lse[rows].unsqueeze(-1)))
+            g = grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)  # (n_chunk, 1)
+            if use_entropy:
+                g_ent = grad_entropy[rows].to(lse.dtype).unsqueeze(-1)
+                # -p * (g + (log p + H) * g_ent), with log p turned into p in place
+                coef = logp.add(entropy[rows].unsqueeze(-1)).mul_(g_ent).add_(g)
+                grad_x = logp.exp_().mul_(coef).neg_()
+                del coef
+            else:
+                grad_x = logp.exp_().mul_(-g)
+            grad_x.scatter_add_(-1, index[rows].unsqueeze(-1), g)
+            if t != 1.0:
+                grad_x.div_(t)
+            grad_logits = grad_x.to(weight.dtype)
+            if need_hidden:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
+                grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
+            if need_bias:
+                grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def linear_log_softmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_rows: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Token log-probabilities (and entropies) through an output head, without the full logits.
+
+    Args:
+        hidden: ``(..., H)`` final hidden states.
+        weight: ``(V, H)`` output-head weight; ``bias``: ``(V,)`` or ``None``.
+        index: ``(...)`` token ids whose log-probability is wanted.
+        temperature: ``> 0``; divides the logits after their upcast to float32, as in
+            :func:`selective_log_softmax`.
+        return_entropy: also return the entropy of each row's distribution.
+        chunk_rows: rows whose logits exist at once; by default about 2**24 logits (64 MiB in float32).
+
+    Returns:
+        ``(logprobs, entropy)``: ``(...)`` float32 (float64 for a float64 head) each; ``entropy`` is ``None``
+        unless asked for. Gradients reach ``hidden``, ``weight`` and ``bias``.
+
+    Equals ``selective_log_softmax(hidden @ weight.T + bias, index, temperature)`` and
+    ``entropy_from_logits(...)`` of the same logits to float rounding, forward and backward, while the peak
+    memory of the head is one chunk of logits instead of ``(..., V)`` logits plus their gradient. The price is
+    one more matmul of the head in the backward pass (the chunk's logits are recomputed there), except when the
+    rows fit in one chunk: then that chunk's log-probabilities are kept for the backward.
+    """
+    if hidden.shape[:-1] != index.shape:
+        raise ValueError(
+            f"linear_log_softmax: index shape {tuple(index.shape)} must equal hidden shape without the "
+            f"hidden dim {tuple(hidden.shape[:-1])}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"linear_log_softmax: weight must be (V, {hidden.shape[-1]}), got {tuple(weight.shape)}"
+        )
+    temperature = _check_temperature("linear_log_softmax", temperature)
+    if chunk_rows is None:
+        chunk_rows = _rows_per_chunk(weight.shape[0])
+    if chunk_rows < 1:
+        raise ValueError(f"linear_log_softmax: chunk_rows must be >= 1, got {chunk_rows}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if flat_hidden.dtype != weight.dtype:
+        flat_hidden = flat_hidden.to(weight.dtype)
+    # (Inside the function's forward, grad mode is always off and an input's requires_grad does not say whether
+    # a graph is being recorded.)
+    backward_follows = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (flat_hidden, weight, bias))
+    logprobs, entropy = _LinearLogSoftmax.apply(
+        flat_hidden, weight, bias, index.reshape(-1).long(), temperature, int(chunk_rows), bool(return_entropy),
+        backward_follows,
+    )
+    logprobs = logprobs.view(index.shape)
+    return logprobs, (entropy.view(index.shape) if return_entropy else None)
+
+
+# ----------------------------------------------------------------------------
+# response mask
+# ----------------------------------------------------------------------------
+
+
+def gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """Log-density of ``actions`` under a diagonal Gaussian, summed over the last (action) dim: ``(..., A) -> (...)``.
+
+    ``-sum((a - mu)^2 / (2 sigma^2) + log sigma + log(2 pi) / 2)``: a continuous-action policy's log-prob, used in
+    the PPO ratio exactly as a token's log-prob is. ``log_std`` broadcasts against ``mean`` (a state-independent
+    ``(A,)`` parameter, as in arXiv 1707.06347's continuous-control experiments).
+    """
+    log_std = log_std.expand_as(mean)
+    z = (actions - mean) * torch.exp(-log_std)
+    return -(0.5 * z.square() + log_std + 0.5 * math.log(2 * math.pi)).sum(dim=-1)
+
+
+def gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
+    """Entropy of a diagonal Gaussian, summed over the last dim: ``sum(log sigma + (1 + log(2 pi)) / 2)``."""
+    return (log_std + 0.5 * (1.0 + math.log(2 * math.pi))).sum(dim=-1)
+
+
+def _is_eos(response_ids: torch.Tensor, eos_token_id: TokenIds) -> torch.Tensor:
+    if isinstance(eos_token_id, int):
+        return response_ids == eos_token_id
+    eos = torch.as_tensor(eos_token_id, dtype=response_ids.dtype, device=response_ids.device).reshape(-1)
+    if eos.numel() == 0:
+        raise ValueError("response_mask: eos_token_id is an empty sequence; give at least one stop token id")
+    return torch.isin(response_ids, eos)
+
+
+def response_mask(
+    response_ids: torch.Tensor,
+    eos_token_id: TokenIds,
+    *,
+    mask_truncated: bool = False,
+) -> torch.Tensor:
+    """Valid-token mask of generated responses.
+
+    Args:
+        response_ids: ``(B, T)`` generated token ids (the prompt excluded),
+            right-padded.
+        eos_token_id: one stop-token id, or several (any of them ends a
+            response).
+        mask_truncated: zero out responses that contain no stop token (cut
+            off at ``max_new_tokens``). Off by default.
+
+    Returns:
+        ``(B, T)`` bool: True from the first token up to and including the
+        first stop token, False after it. A response without a stop token is
+        all True, unless ``mask_truncated`` is set, then all False.
+
+    Position ``t`` is valid iff no stop token occurs strictly before ``t``. The
+    padding value is never consulted, so ``pad_token_id == eos_token_id`` works.
+    """
+    if response_ids.dim() != 2:
+        raise ValueError(f"response_mask: response_ids must be (B, T), got shape {tuple(response_ids.shape)}")
+    is_eos = _is_eos(response_ids, eos_token_id)  # (B, T)
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # stop tokens strictly before t
+    mask = eos_before == 0  # (B, T)
+    if mask_truncated:
+        mask = mask & is_eos.any(dim=1, keepdim=True)
+    return mask
+
+
+def truncated(response_ids: torch.Tensor, eos_token_id: TokenIds) -> torch.Tensor:
+    """``(B,)`` bool: True for responses with no stop token (cut at max length)."""
+    if response_ids.dim() != 2:
+        raise ValueError(f"truncated: response_ids must be (B, T), got shape {tuple(response_ids.shape)}")
+    return ~_is_eos(response_ids, eos_token_id).any(dim=1)
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` long: index of the last valid position of each ``(B, T)`` mask row.
+
+    A row with no valid position gives ``-1``. Do not use the result as an
+    index without checking for ``-1`` (it would silently address the last
+    column); :func:`align.core.advantages.shape_rewards` gives such rows no reward.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"last_valid_index: mask must be (B, T), got shape {tuple(mask.shape)}")
+    b, t = mask.shape
+    if t == 0:
+        return torch.full((b,), -1, dtype=torch.long, device=mask.device)
+    positions = torch.arange(t, device=mask.device).expand(b, t)  # (B, T)
+    return torch.where(mask.bool(), positions, -1).amax(dim=1)
+
+
+# ----------------------------------------------------------------------------
+# masked statistics
+# ----------------------------------------------------------------------------
+
+
+def _valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Broadcast the mask to x's shape as bool; the result selects valid elements.
+    return mask.bool().expand_as(x) if mask.shape != x.shape else mask.bool()
+
+
+def masked_sum(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of ``x`` over valid elements (``mask`` broadcastable to ``x``; ``None``: every element is valid).
+
+    Masked elements are replaced by 0 rather than multiplied by 0, so a NaN or
+    inf in padding cannot leak into the result or its gradient.
+    """
+    if mask is None:
+        return x.sum() if dim is None else x.sum(dim)
+    valid = _valid(x, mask)
+    zeroed = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return zeroed.sum() if dim is None else zeroed.sum(dim)
+
+
+def _count(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    valid = _valid(x, mask)
+    n = valid.sum() if dim is None else valid.sum(dim)
+    return n.to(x.dtype if x.is_floating_point() else torch.float32)
+
+
+def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of ``x`` over valid elements (``mask=None``: all of them); 0 (never NaN) where nothing is valid."""
+    if mask is None:
+        n = x.numel() if dim is None else x.shape[dim]
+        return masked_sum(x, None, dim) / max(n, 1)
+    return masked_sum(x, mask, dim) / _count(x, mask, dim).clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: Optional[torch.Tensor], unbiased: bool = True) -> torch.Tensor:
+    """Variance (scalar) of ``x`` over all valid elements (``mask=None``: all of them).
+
+    ``unbiased=True`` divides by ``n - 1`` (Bessel). Returns 0 when there are
+    too few valid elements (n < 2 unbiased, n < 1 biased) instead of NaN.
+    """
+    if mask is None:
+        if x.numel() < (2 if unbiased else 1):
+            return torch.zeros((), dtype=x.dtype, device=x.device)
+        return torch.var(x, correction=1 if unbiased else 0)
+    valid = _valid(x, mask)
+    n = _count(x, mask)
+    mean = masked_sum(x, valid) / n.clamp(min=1)
+    centered = torch.where(valid, x - mean, torch.zeros((), dtype=x.dtype, device=x.device))
+    denom = (n - 1) if unbiased else n
+    return (centered**2).sum() / denom.clamp(min=1)
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Whiten ``x`` with the mean and unbiased std of its valid elements.
+
+    ``(x - mean) / sqrt(var + eps)``; with ``shift_mean=False`` the mean is
+    added back (only the scale changes). Masked outputs are exactly 0 and do
+    not depend on masked inputs. With fewer than 2 valid elements the valid
+    values are returned unchanged (masked ones still 0). No host sync: the
+    "fewer than 2" rule is applied with ``torch.where``. ``mask=None``: every
+    element is valid (the same result, with a few plain reductions).
+    """
+    if mask is None:
+        if x.numel() < 2:
+            return x
+        mean = x.mean()
+        whitened = (x - mean) * torch.rsqrt(masked_var(x, None) + eps)
+        return whitened if shift_mean else whitened + mean
+    valid = _valid(x, mask)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    # Replace padding first: a NaN there must not reach the gradient through the
+    # product with rsqrt(var).
+    x = torch.where(valid, x, zero)
+    n = _count(x, mask)
+    mean = masked_sum(x, valid) / n.clamp(min=1)
+    var = masked_var(x, valid, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    out = torch.where(n >= 2, whitened, x)
+    return torch.where(valid, out, zero)

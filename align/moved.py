@@ -1,0 +1,52 @@
+"""Modules that moved when the package was laid out in layer folders: importing an old path fails on one line that
+names the new one (docs/architecture.md lists the layers). The public paths written in configs keep working:
+``align.rewards.*`` and ``align.strategies.*`` are aliases of their new homes."""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+MOVED = {
+    "align.logprobs": "align.core.logprobs", "align.kl": "align.core.kl", "align.advantages": "align.core.advantages",
+    "align.losses": "align.core.losses", "align.trust_region": "align.core.trust_region",
+    "align.stats": "align.core.stats", "align.packing": "align.core.packing",
+    "align.rollout_filter": "align.rollout.filter", "align.episodes": "align.rollout.episodes",
+    "align.generation": "align.rollout.generation",
+    "align.envs": "align.rollout.envs", "align.envs.chat": "align.rollout.envs.chat",
+    "align.envs.tools": "align.rollout.envs.tools", "align.envs.tasks": "align.rollout.envs.tasks",
+    "align.envs.make": "align.gym.make", "align.envs.runner": "align.gym.runner", "align.envs.replay": "align.gym.replay",
+    "align.models.mlp": "align.gym.networks", "align.modules.classic": "align.gym",
+    "align.modules.classic.base": "align.gym.base", "align.modules.classic.dqn": "align.gym.dqn",
+    "align.modules.classic.onpolicy": "align.gym.onpolicy",
+    "align.checkpointing": "align.trainer.checkpointing", "align.guards": "align.trainer.guards",
+    "align.optim": "align.trainer.optim", "align.host_memory": "align.trainer.host_memory",
+    "align.observability.progress": "align.trainer.progress", "align.observability.plots": "align.cli.plots",
+    "align.runs": "align.cli.runs", "align.quiet": "align.cli.quiet", "align.config_errors": "align.cli.config_errors",
+    "align.generation_cli": "align.cli.generation",
+    "align.strategies.collectives": "align.trainer.strategies.collectives",
+    "align.strategies.deepspeed": "align.trainer.strategies.deepspeed",
+    "align.strategies.fsdp": "align.trainer.strategies.fsdp", "align.strategies.gather": "align.trainer.strategies.gather",
+}
+"""``{old module: new module}``."""
+
+
+def moved_message(name: str) -> str | None:
+    """The one-line notice for an old module path (or a name inside one), None for a path that did not move."""
+    for old in sorted(MOVED, key=len, reverse=True):
+        if name == old or name.startswith(old + "."):
+            new = MOVED[old] + name[len(old):]
+            return f"{name} moved to {new}: write {new} (align's modules live in layer folders, see docs/architecture.md)"
+    return None
+
+
+class _MovedModules(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in MOVED:
+            raise ModuleNotFoundError(moved_message(fullname), name=fullname)
+        return None
+
+
+def install() -> None:
+    if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModules())

@@ -1,0 +1,1 @@
+"""Prompts to scored rollouts: rollout sources, generation engines, rewards and environment episodes (no optimizer)."""

@@ -1,0 +1,429 @@
+"""Tool calling: an environment that runs the tools a policy calls and answers with their results
+(docs/environments.md, "Tools").
+
+A policy calls a tool by writing, anywhere in its turn::
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "37 * 48"}}</tool_call>
+
+(the JSON form of Hermes and Qwen2.5's templates), or, for a tool with one parameter, the short form
+``<tool_call>calculator(37 * 48)</tool_call>``. A tokenizer with a response template (transformers'
+``parse_response``) hands the episode loop its own parsed ``tool_calls`` instead, which are used as they are. Every call
+of a turn is run, in order, and answered by one message (``result_role``, ``tool`` by default) holding its result or
+``error: ...``. A turn without a tool call is the final answer: the episode ends there, and the run's reward
+functions score that answer.
+
+Each call is limited: a Python callable runs on a thread that is waited for ``timeout`` seconds (a call still
+running then is reported as timed out and left behind: prefer tools that bound themselves, as :class:`PythonSandbox`
+does), an exception becomes an ``error:`` reply, and a result is cut to ``max_output_chars``. An unknown tool name, a
+malformed call and a call over ``max_calls`` are replies too, never a crash; each counts in ``info["tool_errors"]``.
+
+Shipped tools: :func:`calculator` (arithmetic, evaluated from the syntax tree, never with ``eval``) and
+:class:`PythonSandbox` (``python``: code in a separate interpreter with a time, memory and output limit, a fresh
+temporary working folder, an empty environment and no network).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import math
+import operator
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any, Callable, Sequence
+
+from align.rollout.envs.chat import Environment, EnvStep, check_messages
+from align.errors import AlignConfigError
+from align.rollout.rewards import resolve_import
+
+__all__ = ["ToolEnvironment", "calculator", "PythonSandbox", "python", "parse_tool_calls", "ToolCall"]
+
+_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_SHORT = re.compile(r"^([A-Za-z_][\w.-]*)\s*\((.*)\)$", re.DOTALL)
+
+
+class ToolCall(dict):
+    """``{"name": str, "arguments": dict}``, or ``{"error": str}`` for a call that could not be read."""
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls written in ``text`` in the tag format (module docstring), in order. A call whose body is
+    neither a JSON ``{"name", "arguments"}`` object nor ``name(argument)`` is returned as ``{"error": ...}``; the
+    short form's argument is the raw text between the parentheses, under the key ``""`` (the tool's only
+    parameter)."""
+    calls = []
+    for body in _TAG.findall(text):
+        try:
+            value = json.loads(body)
+        except ValueError:
+            short = _SHORT.match(body.strip())
+            if short:
+                calls.append(ToolCall(name=short.group(1), arguments={"": short.group(2).strip()}))
+            else:
+                calls.append(ToolCall(error=f"could not read the tool call {body[:80]!r}: expected "
+                                            '{"name": ..., "arguments": {...}} or name(argument)'))
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            calls.append(ToolCall(error=f"a tool call needs a string 'name', got {body[:80]!r}"))
+            continue
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        if not isinstance(arguments, dict):
+            calls.append(ToolCall(error=f"the arguments of '{value['name']}' must be an object, got {arguments!r}"[:200]))
+            continue
+        calls.append(ToolCall(name=value["name"], arguments=arguments))
+    return calls
+
+
+def _template_calls(message: dict) -> list[ToolCall] | None:
+    """Tool calls that a tokenizer's response template parsed into ``message["tool_calls"]`` (None: none given)."""
+    parsed = message.get("tool_calls")
+    if not parsed:
+        return None
+    calls = []
+    for call in parsed:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            calls.append(ToolCall(error=f"could not read the tool call {call!r}"[:200]))
+            continue
+        name, arguments = function.get("name"), function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if isinstance(name, str) and isinstance(arguments, dict):
+            calls.append(ToolCall(name=name, arguments=arguments))
+        else:
+            calls.append(ToolCall(error=f"could not read the tool call {call!r}"[:200]))
+    return calls
+
+
+# ----------------------------------------------------------------------------------------------- the calculator
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_MAX_MAGNITUDE = 10 ** 30
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10 ** 6):
+            raise ValueError("exponent too large")
+        value = _BINARY[type(node.op)](left, right)
+        if isinstance(value, complex) or abs(value) > _MAX_MAGNITUDE:
+            raise ValueError("result out of range")
+        return value
+    raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression.
+
+    Args:
+        expression: Numbers with + - * / // % ** and parentheses, for example "(37 * 48) + 5".
+    """
+    text = str(expression).strip().replace("^", "**").replace("×", "*").replace("÷", "/")
+    text = text.rstrip("=").strip()
+    if not text or len(text) > 200:
+        raise ValueError("expected an expression of 1 to 200 characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {text!r}") from None
+    try:
+        value = _evaluate(tree)
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("result out of range")
+        if value.is_integer():
+            return str(int(value))
+        return repr(round(value, 10))
+    return str(value)
+
+
+# ------------------------------------------------------------------------------------------- the python sandbox
+
+_NO_NETWORK = """
+import socket as _s
+def _no_network(*a, **k):
+    raise OSError("network access is disabled in this sandbox")
+for _n in ("socket", "create_connection", "create_server", "socketpair", "getaddrinfo", "gethostbyname"):
+    setattr(_s, _n, _no_network)
+del _s, _n, _no_network
+"""
+_NET_NAMESPACE: list[str] | None = None
+_NET_LOCK = threading.Lock()
+
+
+def network_namespace() -> list[str]:
+    """The ``unshare`` command line that starts a process without network here (a new network namespace), or
+    ``[]`` where the machine allows none; probed once (when a :class:`ToolEnvironment` with the sandbox is built)."""
+    global _NET_NAMESPACE
+    with _NET_LOCK:
+        if _NET_NAMESPACE is None:
+            found: list[str] = []
+            unshare = shutil.which("unshare")
+            if unshare and sys.platform.startswith("linux"):
+                for flags in (["--net"], ["--user", "--map-root-user", "--net"]):
+                    try:
+                        ok = subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10).returncode == 0
+                    except (OSError, subprocess.SubprocessError):
+                        ok = False
+                    if ok:
+                        found = [unshare, *flags]
+                        break
+            _NET_NAMESPACE = found
+        return _NET_NAMESPACE
+
+
+class PythonSandbox:
+    """``python``: runs code in a separate Python interpreter and returns what it printed.
+
+    The child runs in isolated mode (``-I``: no user site, no environment variables read) with an empty
+    environment, in a new temporary folder that is deleted afterwards, in its own process group (killed whole at
+    the time limit), with ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (its output goes to files, so
+    printing without end stops at the cap) and ``RLIMIT_NOFILE``. The network: in a fresh network namespace
+    (``unshare --net``, which has no interface up) where the machine allows one; otherwise socket creation is
+    disabled inside the interpreter before the code runs, which stops ordinary code but not code that restores the
+    module (docs/environments.md says so). A sandbox for honest mistakes of a model, not a jail for hostile code.
+    """
+
+    def __init__(self, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000):
+        if timeout <= 0 or memory_mb < 32 or max_output_chars < 1:
+            raise AlignConfigError(f"PythonSandbox: expected timeout > 0, memory_mb >= 32 and max_output_chars >= 1, "
+                                   f"got {timeout}, {memory_mb}, {max_output_chars}")
+        self.timeout, self.memory_mb, self.max_output_chars = timeout, memory_mb, max_output_chars
+        self.__name__ = "python"
+
+    def _runner(self, network: bool) -> str:
+        """The child's first lines: its limits (set by the child itself, so no code runs between fork and exec in
+        this threaded process), the socket guard where no network namespace is used, then ``main.py``."""
+        memory, cpu, cap = self.memory_mb * 2 ** 20, int(math.ceil(self.timeout)) + 1, self.output_cap_bytes
+        return ("import resource\n"
+                f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
+                f"resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))\n"
+                f"resource.setrlimit(resource.RLIMIT_FSIZE, ({cap}, {cap}))\n"
+                "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+                f"{'' if network else _NO_NETWORK}\n"
+                "import runpy, sys\nsys.argv = ['main.py']\ndel resource\n"
+                "runpy.run_path('main.py', run_name='__main__')\n")
+
+    @property
+    def output_cap_bytes(self) -> int:
+        """Bytes the child may write (RLIMIT_FSIZE): room for ``max_output_chars`` of UTF-8 text and a traceback;
+        output that reaches it was stopped there."""
+        return 4 * self.max_output_chars + 4096
+
+    def __call__(self, code: str) -> str:
+        """Runs Python code in a sandbox and returns its printed output (print what you want to see).
+
+        Args:
+            code: The Python source to run.
+        """
+        folder = tempfile.mkdtemp(prefix="align-python-")
+        try:
+            with open(os.path.join(folder, "main.py"), "w") as f:
+                f.write(str(code))
+            prefix = network_namespace()
+            with open(os.path.join(folder, "out"), "wb") as out:
+                process = subprocess.Popen([*prefix, sys.executable, "-I", "-c", self._runner(bool(prefix))],
+                                           cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+                try:
+                    status = process.wait(timeout=self.timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    raise TimeoutError(f"the code ran longer than {self.timeout:g} s") from None
+            size = os.path.getsize(out.name)
+            with open(out.name, "rb") as f:
+                text = f.read(4 * self.max_output_chars).decode("utf-8", errors="replace")
+            if size >= self.output_cap_bytes:  # RLIMIT_FSIZE stopped its writes
+                raise RuntimeError(f"the output exceeded the limit of {self.max_output_chars} characters; it began: "
+                                   f"{text[:200]}")
+            if status < 0:
+                name = signal.Signals(-status).name
+                why = {"SIGXCPU": "it used too much CPU time", "SIGKILL": "it was killed"}.get(name, name)
+                raise RuntimeError(f"the code was stopped: {why}" + (f"; output before: {text[-200:]}" if text else ""))
+            if status != 0:
+                last = [line for line in text.strip().splitlines() if line.strip()][-3:]
+                raise RuntimeError("\n".join(last) or f"exit status {status}")
+            if len(text) > self.max_output_chars:
+                return text[: self.max_output_chars] + f"\n... [cut: {size} bytes of output in all]"
+            return text
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+python = PythonSandbox()
+"""The ``python`` tool with the default limits (5 s, 512 MB, 2,000 characters)."""
+
+
+# ----------------------------------------------------------------------------------------------- the environment
+
+def _describe(name: str, fn: Callable) -> str:
+    """``name(param: type, ...): first docstring line`` for the system prompt."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    doc = inspect.getdoc(fn.__call__ if not inspect.isroutine(fn) and hasattr(fn, "__call__") else fn) or ""
+    shown = ", ".join(p.name + (f": {p.annotation.__name__}" if isinstance(p.annotation, type) else
+                                (f": {p.annotation}" if p.annotation is not inspect.Parameter.empty else ""))
+                      for p in params)
+    return f"- {name}({shown}): {doc.splitlines()[0] if doc else 'no description'}"
+
+
+class ToolEnvironment(Environment):
+    """Runs the tools a policy calls (module docstring); a turn without a call ends the episode.
+
+    ``reset`` adds a system message that lists the tools and the call format (``system_prompt`` replaces it; a
+    row's own system message comes first), then the demonstration ``examples``. ``step`` answers every call of the turn with one ``result_role`` message.
+    The environment gives no reward of its own, except ``error_reward`` per failed call (0 by default): the run's
+    reward functions score the final answer. ``info``: ``tool_calls`` and ``tool_errors``.
+    """
+
+    def __init__(self, tools: Sequence[str | dict] = ("align.rollout.envs.tools.calculator",), system_prompt: str | None = None,
+                 examples: Sequence[dict] | None = None, result_role: str = "tool", max_calls: int = 4,
+                 timeout: float = 10.0, max_output_chars: int = 1000, error_reward: float = 0.0):
+        """
+        Args:
+            tools: Import paths of the tools (functions or callable objects; a class is built with no arguments),
+                or ``{path, name, init_kwargs}``. A tool's name is its function name unless ``name`` is given.
+            system_prompt: The system message; null: one generated from the tools' signatures and docstrings.
+            examples: Demonstration messages placed after the system message and before the row's own (a question,
+                an assistant turn with a call, the tool's result, the final answer): small models follow a shown
+                exchange far more often than a described one.
+            result_role: Role of the messages that carry results (``user`` for a chat template without ``tool``).
+            max_calls: Calls run per turn; further calls are answered with an error.
+            timeout: Seconds a call may run before it is reported as timed out.
+            max_output_chars: A result longer than this is cut (and says so).
+            error_reward: Reward of each failed call (an unknown tool, a malformed call, an exception, a timeout).
+        """
+        if max_calls < 1 or timeout <= 0 or max_output_chars < 1:
+            raise AlignConfigError(f"ToolEnvironment: expected max_calls >= 1, timeout > 0 and max_output_chars >= 1, "
+                                   f"got {max_calls}, {timeout}, {max_output_chars}")
+        self.tools: dict[str, Callable] = {}
+        for entry in tools:
+            spec = dict(entry) if isinstance(entry, dict) else {"path": entry}
+            target = resolve_import(spec.get("path"), what="tool")
+            if isinstance(target, type):
+                target = target(**spec.get("init_kwargs", {}))
+            elif spec.get("init_kwargs"):
+                raise AlignConfigError(f"tool '{spec.get('path')}': init_kwargs are for a class, and it names a "
+                                       f"{type(target).__name__}")
+            if not callable(target):
+                raise AlignConfigError(f"tool '{spec.get('path')}': resolves to a {type(target).__name__}, not a callable")
+            name = spec.get("name") or getattr(target, "__name__", type(target).__name__)
+            if name in self.tools:
+                raise AlignConfigError(f"tool '{spec.get('path')}': the name '{name}' is taken by another tool; set "
+                                       "'name' on one of them")
+            self.tools[name] = target
+            if isinstance(target, PythonSandbox):
+                network_namespace()  # probed now, not inside the first call's time limit
+        self.system_prompt = system_prompt if system_prompt is not None else self.default_system_prompt()
+        try:
+            self.examples = [dict(m) for m in check_messages(list(examples or []), "examples", allow_empty=True)]
+        except ValueError as err:
+            raise AlignConfigError(f"ToolEnvironment: {err}") from None
+        self.result_role, self.max_calls, self.timeout = result_role, max_calls, timeout
+        self.max_output_chars, self.error_reward = max_output_chars, error_reward
+
+    def default_system_prompt(self) -> str:
+        lines = "\n".join(_describe(name, fn) for name, fn in self.tools.items())
+        first = next(iter(self.tools), "tool")
+        return ("You can call tools. To call one, write\n"
+                f'<tool_call>{{"name": "{first}", "arguments": {{...}}}}</tool_call>\n'
+                "and its result comes back in the next message. Tools:\n"
+                f"{lines}\n"
+                "When you know the answer, reply with it and no tool call.")
+
+    def reset(self, row: dict) -> list[dict]:
+        messages = [dict(m) for m in row["messages"]]
+        system = []
+        if messages and messages[0]["role"] == "system":
+            system = [messages.pop(0)]
+            if self.system_prompt:
+                system[0]["content"] = system[0]["content"] + "\n\n" + self.system_prompt
+        elif self.system_prompt:
+            system = [{"role": "system", "content": self.system_prompt}]
+        return [*system, *(dict(m) for m in self.examples), *messages]
+
+    def step(self, message: dict) -> EnvStep:
+        calls = _template_calls(message)
+        if calls is None:
+            calls = parse_tool_calls(message["content"])
+        if not calls:
+            return EnvStep([], 0.0, True, {"tool_calls": 0, "tool_errors": 0})
+        replies, errors = [], 0
+        for k, call in enumerate(calls):
+            if k >= self.max_calls:
+                result, ok = f"error: at most {self.max_calls} tool calls per turn", False
+            elif "error" in call:
+                result, ok = f"error: {call['error']}", False
+            else:
+                result, ok = self.run(call["name"], call["arguments"])
+            errors += not ok
+            replies.append({"role": self.result_role, "content": result})
+        return EnvStep(replies, self.error_reward * errors, False, {"tool_calls": len(calls), "tool_errors": errors})
+
+    def run(self, name: str, arguments: dict) -> tuple[str, bool]:
+        """One call: ``(reply text, succeeded)``. Never raises."""
+        fn = self.tools.get(name)
+        if fn is None:
+            return f"error: unknown tool '{name}'; the tools are {', '.join(self.tools)}", False
+        if set(arguments) == {""} and not arguments[""]:  # the short form with nothing between the parentheses
+            arguments = {}
+        elif set(arguments) == {""}:  # the short form: its text is the one parameter
+            try:
+                first = next(iter(inspect.signature(fn).parameters))
+            except (StopIteration, TypeError, ValueError):
+                return f"error: '{name}' takes no argument", False
+            arguments = {first: arguments[""]}
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(**arguments)
+            except BaseException as err:  # noqa: BLE001 - a tool's failure is the model's reply
+                box["error"] = err
+
+        worker = threading.Thread(target=target, name=f"align-tool-{name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            return f"error: '{name}' did not finish within {self.timeout:g} s", False
+        if "error" in box:
+            err = box["error"]
+            text = " ".join(str(err).split())
+            return self._cap(f"error: {type(err).__name__}: {text}" if not isinstance(err, (ValueError, RuntimeError,
+                                                                                            TimeoutError))
+                             else f"error: {text}"), False
+        return self._cap(str(box.get("value"))), True
+
+    def _cap(self, text: str) -> str:
+        if len(text) <= self.max_output_chars:
+            return text
+        return text[: self.max_output_chars] + f"\n... [cut: {len(text)} characters in all]"
