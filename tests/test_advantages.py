@@ -15,7 +15,7 @@ from align.core.advantages import (
     rloo_advantages,
     shape_rewards,
 )
-from align.core.logprobs import response_mask
+from align.core.masks import response_mask
 
 FAST = settings(max_examples=50, deadline=None)
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from align.core.advantages import discounted_returns, step_gae, td_targets
-from align.core.logprobs import gaussian_entropy, gaussian_log_prob
+from align.gym.returns import discounted_returns, step_gae, td_targets
+from align.gym.networks import gaussian_entropy, gaussian_log_prob
 from align.trainer.optim import clip_grad_norm, fused_adam_step, linear_schedule, polyak_update
 
 FAST = settings(max_examples=50, deadline=None)

@@ -6,18 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import align.core.logprobs as lp
-from align.core.logprobs import (
-    entropy_from_logits,
-    last_valid_index,
-    linear_log_softmax,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-    response_mask,
-    selective_log_softmax,
-    truncated,
-)
+from align.core.logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
+from align.core.masks import last_valid_index, masked_mean, masked_sum, masked_var, masked_whiten, response_mask, truncated
 
 FAST = settings(max_examples=50, deadline=None)
 

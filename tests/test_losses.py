@@ -6,20 +6,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.core.losses import (
-    policy_gradient_loss,
-    aggregate,
-    bradley_terry_loss,
-    dpo_loss,
-    kto_loss,
-    log1mexp,
-    orpo_loss,
-    importance_ratio,
-    ppo_policy_loss,
-    sft_loss,
-    simpo_loss,
-    value_loss,
-)
+from align.core.losses import aggregate, sft_loss, value_loss
+from align.core.policy_losses import policy_gradient_loss, importance_ratio, ppo_policy_loss
+from align.core.preference_losses import bradley_terry_loss, dpo_loss, kto_loss, log1mexp, orpo_loss, simpo_loss
 
 FAST = settings(max_examples=50, deadline=None)
 LOG2 = math.log(2.0)

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from align.core.logprobs import response_mask
+from align.core.masks import response_mask
 from align.rollout.engine import RolloutEngine, SamplingConfig, filter_logits, left_pad, sample
 
 V, EOS, PAD = 8, 2, 0

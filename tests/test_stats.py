@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from align.core.logprobs import masked_whiten
+from align.core.masks import masked_whiten
 from align.core.stats import explained_variance, identity, mean_var, pass_at_k, transform_scores, whiten
 
 NAN = float("nan")

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from align.core.kl import kl_estimate
-from align.core.logprobs import masked_mean
+from align.core.masks import masked_mean
 from align.core.trust_region import (
     backtracking_line_search,
     conjugate_gradient,

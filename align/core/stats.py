@@ -15,7 +15,7 @@ Choices:
   the mean is large against the spread (returns of a few hundred with a spread of 0.01).
 * Nothing valid anywhere is not an error: the mean and variance are 0, whitening leaves the values alone.
   Whitening with fewer than 2 valid elements in all returns the valid values unchanged (docs/algorithms.md,
-  "Whitening"); one process gives exactly :func:`align.core.logprobs.masked_whiten` on float32 input.
+  "Whitening"); one process gives exactly :func:`align.core.masks.masked_whiten` on float32 input.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from align.core.logprobs import masked_sum
+from align.core.masks import masked_sum
 
 __all__ = ["AllReduce", "identity", "mean_var", "whiten", "explained_variance", "transform_scores", "pass_at_k"]
 

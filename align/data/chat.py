@@ -8,7 +8,7 @@ from, and no BPE merge can cross the prompt/response boundary.
 Without a chat template (or with ``use_chat_template=False``) a single-turn conversation is encoded as
 ``tokenizer(prompt)`` followed by the completion and an EOS.
 
-An assistant turn ends at its first EOS, as a sampled response does (``align.core.logprobs.response_mask``):
+An assistant turn ends at its first EOS, as a sampled response does (``align.core.masks.response_mask``):
 text that a template adds after it (ChatML's newline after ``<|im_end|>``) is never trained on, and after the
 last turn it is dropped, so a trained or scored sequence ends exactly where a generated one stops.
 """

@@ -1,7 +1,7 @@
 """Value-based classic RL: DQN (with Double DQN, Huber loss, hard or Polyak target updates) and tabular Q-learning.
 
 Both act epsilon-greedily with a linearly annealed epsilon (:func:`~align.trainer.optim.linear_schedule`) and learn from
-one-step targets (:func:`~align.core.advantages.td_targets`). Tabular Q-learning's update
+one-step targets (:func:`~align.gym.returns.td_targets`). Tabular Q-learning's update
 ``Q(s, a) += alpha * (target - Q(s, a))`` is taken as a step of plain SGD with learning rate ``alpha`` on
 ``0.5 * (Q(s, a) - target)^2``, which is the same update, so the table trains, logs and checkpoints like any network.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 
-from align.core.advantages import td_targets
+from align.gym.returns import td_targets
 from align.gym.make import EnvSpec
 from align.gym.make import require_discrete_actions
 from align.gym.replay import ReplayBuffer

@@ -3,7 +3,7 @@
 
 Action log-probs and entropies come from the same functions as a language model's tokens:
 :func:`~align.core.logprobs.selective_log_softmax` and :func:`~align.core.logprobs.entropy_from_logits` for discrete actions,
-:func:`~align.core.logprobs.gaussian_log_prob` for continuous ones.
+:func:`~align.gym.networks.gaussian_log_prob` for continuous ones.
 
 Initialisation follows Stable-Baselines3: the actor-critic networks as arXiv 2005.12729 ("implementation
 matters") recommends, orthogonal weights with gain sqrt(2) in hidden layers, 0.01 on the policy output and 1 on the
@@ -21,9 +21,26 @@ import torch
 from torch import nn
 
 from align.errors import AlignConfigError
-from align.core.logprobs import entropy_from_logits, gaussian_entropy, gaussian_log_prob, selective_log_softmax
+from align.core.logprobs import entropy_from_logits, selective_log_softmax
 
 Activation = Literal["tanh", "relu"]
+def gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """Log-density of ``actions`` under a diagonal Gaussian, summed over the last (action) dim: ``(..., A) -> (...)``.
+
+    ``-sum((a - mu)^2 / (2 sigma^2) + log sigma + log(2 pi) / 2)``: a continuous-action policy's log-prob, used in
+    the PPO ratio exactly as a token's log-prob is. ``log_std`` broadcasts against ``mean`` (a state-independent
+    ``(A,)`` parameter, as in arXiv 1707.06347's continuous-control experiments).
+    """
+    log_std = log_std.expand_as(mean)
+    z = (actions - mean) * torch.exp(-log_std)
+    return -(0.5 * z.square() + log_std + 0.5 * math.log(2 * math.pi)).sum(dim=-1)
+
+
+def gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
+    """Entropy of a diagonal Gaussian, summed over the last dim: ``sum(log sigma + (1 + log(2 pi)) / 2)``."""
+    return (log_std + 0.5 * (1.0 + math.log(2 * math.pi))).sum(dim=-1)
+
+
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
 

@@ -1,11 +1,11 @@
 """On-policy classic RL on Gymnasium: PPO, A2C and REINFORCE with a baseline, on one actor-critic network.
 
 All three take their losses from the pure layer the language-model algorithms use: PPO the clipped surrogate of
-:func:`~align.core.losses.ppo_policy_loss`; A2C and REINFORCE, which update right after sampling, the plain policy
-gradient :func:`~align.core.losses.policy_gradient_loss` (``-A log pi``, the surrogate's gradient at ratio 1 with
-fewer operations); all three :func:`~align.core.losses.value_loss`, and :func:`~align.core.logprobs.masked_whiten` for
+:func:`~align.core.policy_losses.ppo_policy_loss`; A2C and REINFORCE, which update right after sampling, the plain policy
+gradient :func:`~align.core.policy_losses.policy_gradient_loss` (``-A log pi``, the surrogate's gradient at ratio 1 with
+fewer operations); all three :func:`~align.core.losses.value_loss`, and :func:`~align.core.masks.masked_whiten` for
 advantages. Each action is one "token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come
-from :func:`~align.core.advantages.step_gae` (PPO, A2C) or :func:`~align.core.advantages.discounted_returns` (REINFORCE).
+from :func:`~align.gym.returns.step_gae` (PPO, A2C) or :func:`~align.gym.returns.discounted_returns` (REINFORCE).
 
 Departures from Stable-Baselines3 (whose defaults the shipped configs otherwise follow):
 
@@ -23,12 +23,13 @@ from typing import Callable, Literal
 import torch
 from lightning.pytorch.cli import OptimizerCallable
 
-from align.core.advantages import discounted_returns, step_gae
+from align.gym.returns import discounted_returns, step_gae
 from align.gym.make import EnvSpec
 from align.gym.runner import Steps
 from align.errors import AlignConfigError
-from align.core.logprobs import masked_whiten
-from align.core.losses import policy_gradient_loss, ppo_policy_loss, value_loss
+from align.core.masks import masked_whiten
+from align.core.losses import value_loss
+from align.core.policy_losses import policy_gradient_loss, ppo_policy_loss
 from align.core.stats import explained_variance
 from align.gym.networks import Activation, ActorCritic, RewardScaler
 from align.gym.base import ClassicRLModule, Evaluation, Metrics
@@ -145,7 +146,7 @@ class OnPolicyModule(ClassicRLModule):
              clip_value: float | None = None, vf_coef: float | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The actor-critic loss of ``B`` transitions (every argument ``(B,)`` but ``obs``/``actions``).
-        ``old_logprobs=None``: the plain policy gradient :func:`~align.core.losses.policy_gradient_loss`, for an update
+        ``old_logprobs=None``: the plain policy gradient :func:`~align.core.policy_losses.policy_gradient_loss`, for an update
         made right after sampling (A2C, REINFORCE); otherwise PPO's clipped surrogate."""
         logprobs, entropy, values = self.network.evaluate(obs, actions, entropy_grad=self.ent_coef != 0)
         # Each row is one action, every one valid: the masked functions run with mask=None.
@@ -271,7 +272,7 @@ class A2CGymModule(OnPolicyModule):
 class REINFORCEGymModule(OnPolicyModule):
     """REINFORCE (Williams 1992) with a learned state-value baseline: each iteration plays one complete episode
     per environment and follows ``(G_t - V(s_t)) grad log pi(a_t | s_t)``, with ``G_t`` the discounted return to
-    the episode's end (:func:`~align.core.advantages.discounted_returns`). ``baseline: none`` uses ``G_t`` itself.
+    the episode's end (:func:`~align.gym.returns.discounted_returns`). ``baseline: none`` uses ``G_t`` itself.
 
     Every environment plays exactly one episode per iteration, from a fresh reset (see
     :meth:`~align.gym.runner.EnvRunner.collect_episodes`): keeping the first episodes to end would favour short

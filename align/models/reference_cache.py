@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 import torch
 
 from align.errors import AlignConfigError
-from align.core.logprobs import masked_sum
+from align.core.masks import masked_sum
 from align.models.policy import PolicyModel
 from align.core.packing import pack_scored_rows
 

@@ -47,7 +47,7 @@ from torch import nn
 from align.errors import AlignConfigError
 from align.hub import check_model_source
 from align.hub.tiny import is_tiny_sort_rm
-from align.core.logprobs import last_valid_index
+from align.core.masks import last_valid_index
 from align.models.loading import LEGACY_HEAD_FILE, DType, is_sequence_classifier, torch_dtype
 from align.models.policy import PolicyModel, position_ids_from_mask
 from align.core.packing import pack_scored_rows

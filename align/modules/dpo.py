@@ -43,7 +43,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
-from align.core.losses import dpo_loss, orpo_loss, simpo_loss
+from align.core.preference_losses import dpo_loss, orpo_loss, simpo_loss
 from align.models.policy import PolicyModel
 from align.models.reference_cache import sequence_logps
 from align.modules.preference import PreferenceModule, pair_correct

@@ -3,7 +3,7 @@
 Each training step samples ``group_size`` completions for every prompt of the batch, scores them with the
 reward functions, and turns rewards into advantages relative to their group
 (:func:`align.core.advantages.group_advantages`). The policy is updated with the clipped surrogate
-(:func:`align.core.losses.ppo_policy_loss`) for ``updates.epochs`` passes (the paper's mu) over ``updates.minibatches``
+(:func:`align.core.policy_losses.ppo_policy_loss`) for ``updates.epochs`` passes (the paper's mu) over ``updates.minibatches``
 minibatches, using the sampling log-probs as the old policy.
 
 Departures and options (nested YAML blocks, :mod:`align.modules.options`):
@@ -17,7 +17,7 @@ Departures and options (nested YAML blocks, :mod:`align.modules.options`):
 * ``updates.loss_aggregation``: ``token_mean`` over the whole step (default, as in DAPO, Yu et al. 2025,
   arXiv 2503.14476) instead of the paper's per-sequence mean (``seq_mean``); ``constant`` is Dr. GRPO's.
 * ``clip.high``: DAPO's decoupled upper clip range. ``clip.level: sequence``: GSPO's sequence-level importance ratio
-  (Zheng et al. 2025, arXiv 2507.18071; :func:`align.core.losses.importance_ratio`); the paper's aggregation is
+  (Zheng et al. 2025, arXiv 2507.18071; :func:`align.core.policy_losses.importance_ratio`); the paper's aggregation is
   ``updates.loss_aggregation: seq_mean``.
 * KL to the reference: ``kl.placement: loss`` adds ``kl.coef * k3`` per token to the loss (the paper);
   ``reward`` subtracts ``kl.coef`` times the summed per-token estimate (``k1`` by default there) from each
@@ -43,8 +43,9 @@ from align.trainer.checkpointing import gather_objects
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.core.kl import kl_estimate
-from align.core.logprobs import masked_mean, masked_sum
-from align.core.losses import aggregate, ppo_policy_loss
+from align.core.masks import masked_mean, masked_sum
+from align.core.losses import aggregate
+from align.core.policy_losses import ppo_policy_loss
 from align.models.policy import PolicyModel
 from align.modules.options import ClipRange, DynamicSampling, GroupAdvantages
 from align.modules.rl import RLBatch, RLModule, Timer

@@ -3,7 +3,7 @@
 Each example is a prompt, a completion and a label: desirable or undesirable
 (:class:`~align.data.preference.UnpairedDataModule`, which also reads preference pairs as one of each). With the
 implicit reward ``r = log pi(y|x) - log pi_ref(y|x)`` of the completion (summed over its tokens) and the reference
-point ``z0``, the loss (:func:`align.core.losses.kto_loss`, Eq. 7) is ``desirable_weight * (1 - sigmoid(beta (r - z0)))``
+point ``z0``, the loss (:func:`align.core.preference_losses.kto_loss`, Eq. 7) is ``desirable_weight * (1 - sigmoid(beta (r - z0)))``
 for a desirable example and ``undesirable_weight * (1 - sigmoid(beta (z0 - r)))`` for an undesirable one.
 
 ``z0`` estimates KL(pi || pi_ref) from mismatched pairs, as in the paper and TRL: each prompt with another example's
@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
-from align.core.losses import kto_loss
+from align.core.preference_losses import kto_loss
 from align.models.policy import PolicyModel
 from align.models.reference_cache import sequence_logps
 from align.modules.preference import PreferenceModule

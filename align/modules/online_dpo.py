@@ -4,7 +4,7 @@ Each training step samples ``group_size`` completions per prompt from the curren
 scores them with the RL reward stack (reward functions and/or a reward model, :meth:`RLModule.score_rewards`),
 pairs the best against the worst of every prompt (:func:`align.core.advantages.preference_pairs`) and takes a DPO step
 on summed response log-probs against the reference (``loss_type`` from :data:`align.modules.dpo.PREFERENCE_LOSSES`,
-which call :func:`align.core.losses.dpo_loss`). The loss of a step is the mean over its decisive pairs on all ranks.
+which call :func:`align.core.preference_losses.dpo_loss`). The loss of a step is the mean over its decisive pairs on all ranks.
 
 Departures from the paper and from TRL's ``OnlineDPOTrainer``:
 
@@ -46,7 +46,7 @@ from align.core.advantages import preference_pairs
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.core.kl import kl_estimate
-from align.core.logprobs import masked_mean, masked_sum
+from align.core.masks import masked_mean, masked_sum
 from align.models.policy import PolicyModel
 from align.modules.dpo import PREFERENCE_LOSSES, PairLogps
 from align.modules.preference import pair_correct

@@ -55,8 +55,9 @@ from align.core.advantages import gae, shape_rewards
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.core.kl import kl_estimate
-from align.core.logprobs import masked_mean, masked_sum
-from align.core.losses import aggregate, ppo_policy_loss, value_loss
+from align.core.masks import masked_mean, masked_sum
+from align.core.losses import aggregate, value_loss
+from align.core.policy_losses import ppo_policy_loss
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import param_groups
 from align.modules.critic_pass import KeptCriticPass

@@ -35,7 +35,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.preference import PreferenceBatch
-from align.core.losses import bradley_terry_loss
+from align.core.preference_losses import bradley_terry_loss
 from align.models.policy import PolicyModel, ValueHead
 from align.models.reward import init_reward_head, save_reward_model, sequence_scores
 from align.modules.base import AlignModule, PairMetrics

@@ -22,7 +22,7 @@ from align.rollout.episodes import play_episodes
 from align.errors import AlignConfigError, NoLearningSignalError
 from align.core.kl import AdaptiveKLController, FixedKLController, KLController
 from align.core.advantages import overlong_penalty
-from align.core.logprobs import masked_sum
+from align.core.masks import masked_sum
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import AlignModule, loss_count
 from align.modules.options import Aggregation, Evaluation, KLPenalty, OverlongPenalty, Updates

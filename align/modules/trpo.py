@@ -56,8 +56,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from align.errors import AlignConfigError
 from align.core.kl import kl_estimate
-from align.core.logprobs import masked_sum
-from align.core.losses import aggregate, importance_ratio
+from align.core.masks import masked_sum
+from align.core.losses import aggregate
+from align.core.policy_losses import importance_ratio
 from align.models.policy import PolicyModel
 from align.modules.base import param_groups
 from align.modules.options import ClipRange, KLPenalty, TrustRegion, ValueTraining

@@ -10,7 +10,7 @@ Two layers:
   of every sampled token.
 * :class:`RolloutEngine` turns prompt token ids into a :class:`Rollout`: it left-pads the prompts,
   repeats each one ``group_size`` times (GRPO groups are consecutive rows), samples, builds the response
-  mask with :func:`align.core.logprobs.response_mask` and decodes the texts with the policy's tokenizer. The
+  mask with :func:`align.core.masks.response_mask` and decodes the texts with the policy's tokenizer. The
   prompt of a group is encoded once and its KV cache repeated for the group's rows (``shared_prefix``).
 
 Log-probs are computed as :meth:`align.models.policy.PolicyModel.token_logprobs` computes them in training: the
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from align.core.logprobs import response_mask, truncated
+from align.core.masks import response_mask, truncated
 from align.models.decoding import decoder_for
 
 __all__ = ["SamplingConfig", "SampleOutput", "Rollout", "RolloutEngine", "sample", "left_pad", "filter_logits"]

@@ -25,7 +25,7 @@ from align.data.chat import ChatEncoder
 from align.data.io import Rows, read_rows
 from align.data.prompts import PromptBatch, PromptExample, collate_prompts, encode_prompt_rows
 from align.errors import AlignConfigError, AlignDataError
-from align.core.logprobs import masked_sum
+from align.core.masks import masked_sum
 from align.models.policy import PolicyModel
 from align.rollout.rewards import CombinedReward, RewardModelSpec, RewardSpec, reward_inputs, training_rewards
 from align.rollout.engine import Rollout, RolloutEngine, SamplingConfig

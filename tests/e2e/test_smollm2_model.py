@@ -9,7 +9,7 @@ import torch
 
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.hub.gguf import COMPLETE, SMOLLM2
-from align.core.logprobs import response_mask
+from align.core.masks import response_mask
 from align.models import LoraSettings, PolicyModel
 from align.models.decoding import FastDecoder, fast_decoder_unsupported
 from align.rollout.engine import RolloutEngine, SamplingConfig

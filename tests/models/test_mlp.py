@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from align.errors import AlignConfigError
-from align.core.logprobs import gaussian_log_prob
+from align.gym.networks import gaussian_log_prob
 from align.gym.networks import ActorCritic, ObservationEncoder, QNetwork, QTable, mlp, observation_size
 
 BOX4 = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)

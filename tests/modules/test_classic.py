@@ -181,7 +181,7 @@ def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double
     import torch.nn.functional as F
 
     import align.gym.dqn as dqn
-    from align.core.advantages import td_targets
+    from align.gym.returns import td_targets
 
     torch.manual_seed(0)
     module = DQNGymModule(env=CARTPOLE, total_steps=10_000, learning_starts=0, batch_size=8, gradient_steps=6,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from align.core.advantages import step_gae
+from align.gym.returns import step_gae
 from align.gym.make import EnvSpec
 from align.gym import A2CGymModule, Network, PPOGymModule
 

@@ -158,7 +158,7 @@ def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(va
 
 
 def test_orpo_is_sft_plus_the_odds_ratio_term_without_a_reference(varied_pairs):
-    from align.core.losses import orpo_loss
+    from align.core.preference_losses import orpo_loss
 
     module = DPOModule(PolicyModel(), loss_type="orpo", beta=0.25, precompute_reference=True)
     assert not module.needs_reference and module.cached_reference is None

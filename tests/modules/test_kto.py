@@ -7,7 +7,7 @@ from _helpers import cpu_trainer, first_eval_batch, nudged_trainables, write_var
 
 from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.errors import AlignConfigError
-from align.core.losses import kto_loss
+from align.core.preference_losses import kto_loss
 from align.models import LoraSettings, PolicyModel
 from align.models.reference_cache import sequence_logps
 from align.modules.dpo import DPOModule

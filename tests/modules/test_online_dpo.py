@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from align.errors import AlignConfigError, NoLearningSignalError
-from align.core.losses import dpo_loss
+from align.core.preference_losses import dpo_loss
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.online_dpo import OnlineDPOModule, PairBatch
 from align.modules.options import KLPenalty, Updates

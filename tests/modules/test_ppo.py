@@ -9,7 +9,7 @@ from align.core.advantages import gae
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch, PromptDataModule
 from align.core.kl import AdaptiveKLController
-from align.core.logprobs import masked_mean, response_mask, truncated
+from align.core.masks import masked_mean, response_mask, truncated
 from align.models.policy import PolicyModel
 from align.modules.ppo import PPOBatch, PPOModule
 from align.rollout.rewards import RewardSpec

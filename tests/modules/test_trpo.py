@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import CSVLogger
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch, PromptDataModule
 from align.core.kl import kl_estimate
-from align.core.logprobs import masked_mean
+from align.core.masks import masked_mean
 from align.models.loading import LoraSettings
 from align.models.policy import PolicyModel
 from align.modules.trpo import TRPOModule

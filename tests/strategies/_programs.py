@@ -178,7 +178,7 @@ def _zero_reward(prompts, completions, **columns):
 
 def pooled_whitened() -> torch.Tensor:
     """What ``align.core.stats.whiten`` over 2 ranks must give on all rows together: ``masked_whiten`` on one process. (N, R)"""
-    from align.core.logprobs import masked_whiten
+    from align.core.masks import masked_whiten
 
     rows = fixed_rollout_rows(PolicyModel("tiny", seed=1).config.vocab_size)
     kl = (rows.input_ids[:, -rows.response_length:] % 5).float() / 10.0

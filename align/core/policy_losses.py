@@ -1,0 +1,232 @@
+"""Policy losses of the RL algorithms: the ``POLICY_LOSSES`` table, its rows, and the importance ratio.
+
+A row is one function with one signature, ``loss(x: PolicyLossInputs, p: PolicyLossSettings) -> (loss,
+PolicyLossStats)``, chosen by name from a module's ``policy_loss.name`` option (docs/architecture.md, "Add a policy
+loss"). Rows:
+
+* ``clip``: PPO's clipped surrogate on token ratios, Schulman et al. 2017 (arXiv 1707.06347), with DAPO's decoupled
+  clip range ``clip_low``/``clip_high`` (Yu et al. 2025, arXiv 2503.14476).
+* ``gspo``: the same clip on GSPO's sequence ratio, Zheng et al. 2025 (arXiv 2507.18071).
+
+Also here: the plain policy-gradient loss (REINFORCE, Williams 1992) and dual clip (Ye et al. 2020,
+arXiv 1912.09729) of :func:`ppo_policy_loss`.
+
+Departure from the papers: log-ratios are clamped to ``[-20, 20]`` before ``exp``, so one token with a collapsed
+probability cannot overflow the ratio. Such a token is clipped by the PPO objective anyway (except for a negative
+advantage without dual clip, where the unclamped gradient would be ``e**20``-sized).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from align.core.kl import kl_estimate
+from align.core.losses import Normaliser, aggregate
+from align.core.masks import fill_masked, masked_mean
+
+__all__ = ["IMPORTANCE_LEVELS", "POLICY_LOSSES", "SEQUENCE_LEVEL_LOSSES", "PolicyLossInputs", "PolicyLossSettings",
+           "PolicyLossStats", "importance_ratio", "ppo_policy_loss", "policy_gradient_loss", "clipped_token_loss",
+           "clipped_sequence_loss"]
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                     level: str = "token") -> torch.Tensor:
+    """``pi_theta / pi_old`` per token, from log-probs of any shape. The log-ratio is clamped to ``[-20, 20]``
+    before ``exp`` (zero gradient outside), so one token whose probability collapsed cannot overflow.
+    ``old_logprobs`` is used as given: detach it for a ratio whose gradient flows through ``logprobs`` only.
+
+    ``level="sequence"`` (GSPO, Zheng et al. 2025, arXiv 2507.18071) takes ``(B, T)`` log-probs and the
+    ``mask`` (``None``: every token is valid): every valid token of row ``i`` carries the value of the sequence ratio
+    ``s_i = exp(mean_t (logprobs - old_logprobs))`` over the row's valid tokens, with the gradient of the paper's
+    GSPO-token form: ``s_t = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, so ``grad s_t = s_i * grad log pi(y_t)``.
+    Averaged over a sequence's tokens, this is exactly the gradient of ``s_i``.
+    """
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance_ratio: unknown level {level!r}; expected one of {list(IMPORTANCE_LEVELS)}")
+    log_ratio = logprobs - old_logprobs
+    if level == "sequence":
+        if log_ratio.dim() != 2:
+            raise ValueError("importance_ratio: level='sequence' needs (B, T) log-probs (and their (B, T) mask, or "
+                             "None when every token is valid)")
+        seq = masked_mean(log_ratio.detach(), mask, dim=-1)  # (B,) mean log-ratio; 0 for a row with no valid token
+        log_ratio = seq[:, None] + logprobs - logprobs.detach()  # (B, T) value: seq; gradient: d logprobs
+    return torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+
+
+class PolicyLossStats(NamedTuple):
+    """Detached scalar diagnostics of :func:`ppo_policy_loss`, means over valid tokens.
+
+    * ``clipfrac``: fraction of tokens whose gradient the clipping removed
+      (ratio clip or dual clip).
+    * ``approx_kl``: k3 estimate of KL(pi_old || pi_theta) from tokens sampled
+      by pi_old: ``exp(log_r) - 1 - log_r`` with ``log_r = logprobs - old_logprobs``.
+    * ``ratio_mean``: mean importance ratio ``pi_theta / pi_old``.
+    """
+
+    clipfrac: torch.Tensor
+    approx_kl: torch.Tensor
+    ratio_mean: torch.Tensor
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    clip_low: float = 0.2,
+    clip_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    agg: str = "token_mean",
+    normaliser: Normaliser = None,
+    level: str = "token",
+) -> Tuple[torch.Tensor, PolicyLossStats]:
+    """Clipped surrogate policy loss (arXiv 1707.06347), to be minimised.
+
+    Per token, with ``r = exp(logprobs - old_logprobs)`` and advantage ``A``:
+    ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))``. With
+    ``dual_clip = c > 1`` and ``A < 0`` the result is further capped at
+    ``-c * A`` (arXiv 1912.09729), so a huge ratio cannot produce an unbounded
+    loss.
+
+    Args:
+        logprobs: ``(B, T)`` current policy log-probs (with grad).
+        old_logprobs: ``(B, T)`` log-probs of the policy that sampled the tokens.
+        advantages: ``(B, T)`` per-token advantages; pass ``adv[:, None]``
+            broadcast to ``(B, T)`` for per-sequence advantages.
+        mask: ``(B, T)`` response mask; ``None``: every token is valid (one
+            action per row in classic RL), the same result with fewer operations.
+        clip_low: lower clip range. ``clip_high``: upper clip range; ``None``
+            means ``clip_low`` (symmetric). DAPO's "clip higher" sets it larger.
+        dual_clip: ``c > 1`` or ``None``.
+        agg, normaliser: see :func:`aggregate`.
+        level: ``"token"`` ratios, or GSPO's ``"sequence"`` ratio (arXiv 2507.18071), see
+            :func:`importance_ratio`: the whole sequence is clipped or not, and with per-sequence advantages
+            and ``agg="seq_mean"`` the loss and its gradient are GSPO's. With one valid token per row both
+            levels give the same loss.
+
+    Returns:
+        ``(loss, PolicyLossStats)``; the loss is a scalar.
+    """
+    if clip_high is None:
+        clip_high = clip_low
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"ppo_policy_loss: clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"ppo_policy_loss: dual_clip must be > 1, got {dual_clip}")
+    if advantages.dim() != logprobs.dim():
+        # A (B,) tensor would broadcast along T, silently pairing row b with token b.
+        raise ValueError(
+            f"ppo_policy_loss: advantages must be (B, T) like logprobs {tuple(logprobs.shape)}, got "
+            f"{tuple(advantages.shape)}; pass per-sequence advantages as adv[:, None]"
+        )
+    # Padding is replaced, not multiplied away, so a NaN there reaches neither
+    # the loss nor any gradient.
+    valid = None if mask is None else mask.bool()
+    old_logprobs = fill_masked(old_logprobs.detach(), valid)
+    logprobs = fill_masked(logprobs, valid)
+    advantages = fill_masked(advantages.detach().expand_as(logprobs), valid)
+    ratio = importance_ratio(logprobs, old_logprobs, valid, level)  # (B, T)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)  # (B, T)
+    was_clipped = clipped > unclipped
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap, per_token)
+        was_clipped = was_clipped | dual
+    loss = aggregate(per_token, mask, agg, normaliser)
+    with torch.no_grad():
+        stats = PolicyLossStats(
+            clipfrac=masked_mean(was_clipped.to(ratio.dtype), mask),
+            approx_kl=masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3", _LOG_RATIO_CLAMP), mask),
+            ratio_mean=masked_mean(ratio.detach(), mask),
+        )
+    return loss, stats
+
+
+def policy_gradient_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    agg: str = "token_mean",
+    normaliser: Normaliser = None,
+) -> torch.Tensor:
+    """The plain policy-gradient (REINFORCE) loss ``-A * log pi``, aggregated, to be minimised (Williams 1992).
+
+    Its gradient is :func:`ppo_policy_loss`'s at ratio 1 (sampling log-probs equal to the current ones, nothing
+    clipped), ``-A * grad log pi``, for an update made right after sampling (A2C, REINFORCE). Its value is the
+    surrogate's: Stable-Baselines3's A2C logs it as its policy loss.
+
+    Args:
+        logprobs: ``(B, T)`` log-probs of the taken actions or tokens (with grad).
+        advantages: ``(B, T)`` advantages (detached here).
+        mask: ``(B, T)`` valid tokens; ``None``: every element is valid.
+        agg, normaliser: see :func:`aggregate`.
+
+    Returns:
+        The scalar loss.
+    """
+    if advantages.shape != logprobs.shape:
+        raise ValueError(f"policy_gradient_loss: advantages {tuple(advantages.shape)} must match logprobs "
+                         f"{tuple(logprobs.shape)}")
+    valid = None if mask is None else mask.bool()
+    per_token = -fill_masked(advantages.detach(), valid) * fill_masked(logprobs, valid)
+    return aggregate(per_token, mask, agg, normaliser)
+
+
+# ----------------------------------------------------------------------------
+# the table
+# ----------------------------------------------------------------------------
+
+
+class PolicyLossInputs(NamedTuple):
+    """One micro-batch of a policy update, every tensor ``(B, T)``."""
+
+    logprobs: torch.Tensor  # current policy (with grad)
+    old_logprobs: torch.Tensor  # the policy that sampled the tokens (detached by the losses)
+    advantages: torch.Tensor  # per token; a per-sequence advantage broadcast over its tokens
+    mask: Optional[torch.Tensor]  # response mask; None: every token is valid
+
+
+class PolicyLossSettings(NamedTuple):
+    """What a policy loss may read besides the tensors: the clip range and the step's aggregation."""
+
+    clip_low: float = 0.2
+    clip_high: Optional[float] = None  # None: clip_low
+    agg: str = "token_mean"  # see align.core.losses.aggregate
+    normaliser: Normaliser = None  # the optimizer step's count, in the unit of agg
+
+
+PolicyLoss = Callable[[PolicyLossInputs, PolicyLossSettings], Tuple[torch.Tensor, PolicyLossStats]]
+
+
+def clipped_token_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+    """PPO's clipped surrogate on each token's ratio (arXiv 1707.06347; DAPO's clip-higher through ``clip_high``)."""
+    return ppo_policy_loss(x.logprobs, x.old_logprobs, x.advantages, x.mask, p.clip_low, p.clip_high, agg=p.agg,
+                           normaliser=p.normaliser, level="token")
+
+
+def clipped_sequence_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+    """GSPO (arXiv 2507.18071): the clip on the sequence's geometric-mean ratio, whole sequences clipped or not.
+    The paper pairs it with ``seq_mean`` aggregation, per-sequence advantages and ranges of about 3e-4 / 4e-4."""
+    return ppo_policy_loss(x.logprobs, x.old_logprobs, x.advantages, x.mask, p.clip_low, p.clip_high, agg=p.agg,
+                           normaliser=p.normaliser, level="sequence")
+
+
+POLICY_LOSSES: Dict[str, PolicyLoss] = {
+    "clip": clipped_token_loss,
+    "gspo": clipped_sequence_loss,
+}
+"""The policy losses by name: ``POLICY_LOSSES[name](inputs, settings) -> (loss, stats)``, the loss a scalar share of
+the optimizer step's loss (``settings.normaliser``)."""
+
+SEQUENCE_LEVEL_LOSSES = frozenset({"gspo"})
+"""Rows whose ratio is per sequence: they need one advantage per sequence (not GAE's per-token advantages)."""
