@@ -31,6 +31,23 @@ MOVED = {
 """``{old module: new module}``."""
 
 
+RENAMED_SETTINGS = {
+    "model.clip.level": "model.policy_loss.name (clip.level: sequence is policy_loss.name: gspo)",
+    "model.dynamic_sampling": "model.source (dynamic_sampling.enabled: true is source: align.rollout.FilteredSource, "
+                              "with its max_batches and reward)",
+}
+"""``{old setting: what to write instead}``: settings of a module or model that were renamed or regrouped. A config
+that still uses one fails on one line naming the new setting (:mod:`align.cli.config_errors`)."""
+
+
+def renamed_message(key: str) -> str | None:
+    """The one-line notice for an old setting (``model.clip.level``, or a key inside an old group), else None."""
+    for old in sorted(RENAMED_SETTINGS, key=len, reverse=True):
+        if key == old or key.startswith(old + "."):
+            return f"{key}: this setting was renamed; write {RENAMED_SETTINGS[old]}"
+    return None
+
+
 def moved_message(name: str) -> str | None:
     """The one-line notice for an old module path (or a name inside one), None for a path that did not move."""
     for old in sorted(MOVED, key=len, reverse=True):
