@@ -33,7 +33,7 @@ MOVED = {
 
 RENAMED_SETTINGS = {
     "model.clip.level": "model.policy_loss.name (clip.level: sequence is policy_loss.name: gspo)",
-    "model.dynamic_sampling": "model.source (dynamic_sampling.enabled: true is source: align.rollout.FilteredSource, "
+    "model.dynamic_sampling": "model.source (dynamic_sampling.enabled: true is source: align.rollout.source.FilteredSource, "
                               "with its max_batches and reward)",
 }
 """``{old setting: what to write instead}``: settings of a module or model that were renamed or regrouped. A config

@@ -7,7 +7,7 @@ Usage::
     python benchmarks/grpo.py --hidden-size 256 --layers 4 --prompts 16 --group 8
     python benchmarks/grpo.py --model smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 32 --threads 2
     python benchmarks/grpo.py --estimator rloo          # align's advantages.estimator: rloo vs TRL's RLOOTrainer
-    python benchmarks/grpo.py --level sequence          # GSPO: clip.level sequence vs importance_sampling_level
+    python benchmarks/grpo.py --level sequence          # GSPO: policy_loss gspo vs importance_sampling_level
 
 What happens:
 
@@ -41,7 +41,7 @@ Variants (the rest as above):
 * ``--estimator rloo``: align's ``advantages.estimator: rloo`` against TRL's ``RLOOTrainer`` (``RLOOConfig``, no
   advantage normalisation). TRL's RLOO clips one ratio per sequence (of summed log-probs) and averages per
   sequence; on policy the ratio is 1 either way, so both take the same REINFORCE step up to the loss weighting.
-* ``--level sequence`` (GSPO): align's ``clip.level: sequence`` with ``loss_aggregation: seq_mean`` against
+* ``--level sequence`` (GSPO): align's ``policy_loss.name: gspo`` with ``loss_aggregation: seq_mean`` against
   ``GRPOConfig(importance_sampling_level="sequence", loss_type="grpo")``, the per-sequence mean that GSPO's paper
   and TRL's documentation pair it with.
 """
@@ -74,8 +74,8 @@ def build_module(spec: dict):
     from align.models.loading import LoraSettings
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
-    from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, Updates
-    from align.rollout.engine import SamplingConfig
+    from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, PolicyLoss, Updates
+    from align.rollout.sampling import SamplingConfig
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     return GRPOModule(
@@ -83,7 +83,8 @@ def build_module(spec: dict):
         rewards=[length_reward], group_size=spec["group"],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
                                 fast_decoder=spec["fast_decoder"]),
-        kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2, level=spec["level"]),
+        kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2),
+        policy_loss=PolicyLoss(name="gspo" if spec["level"] == "sequence" else "clip"),
         advantages=GroupAdvantages(estimator=spec["estimator"]),
         updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0,
                         loss_aggregation="seq_mean" if spec["level"] == "sequence" else "token_mean"),
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--estimator", choices=("grpo", "rloo"), default="grpo",
                         help="rloo: align's advantages.estimator rloo against TRL's RLOOTrainer")
     parser.add_argument("--level", choices=("token", "sequence"), default="token",
-                        help="sequence: GSPO's ratio (clip.level / importance_sampling_level), per-sequence mean")
+                        help="sequence: GSPO's ratio (policy_loss.name gspo / importance_sampling_level), per-sequence mean")
     h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
     parser.add_argument("--json", type=Path, default=None)
     h.add_child_args(parser, CHILDREN)

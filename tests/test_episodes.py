@@ -18,7 +18,7 @@ from align.errors import AlignEnvError
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.grpo import GRPOModule
 from align.modules.options import KLPenalty, Updates
-from align.rollout.engine import SamplingConfig
+from align.rollout.sampling import SamplingConfig
 
 THIS = str(Path(__file__).resolve())
 PROMPTS = ["sort: d a c", "sort: b a", "sort: c c a b", "sort: j e"]
@@ -85,7 +85,7 @@ def test_environment_tokens_are_context_without_loss_or_kl_and_trained_logprobs_
     torch.manual_seed(0)
     m = module(policy, kl=KLPenalty(coef=0.1), updates=Updates(epochs=2, max_grad_norm=None))
     m.setup("fit")
-    rollout = m.rollout(batch(policy))
+    rollout = m.sampler.rollout(batch(policy))
     assert len(rollout) == 8 and rollout.episodes is not None
     environment = rollout.context_mask.bool() & ~rollout.response_mask
     assert environment.any(), "a second turn follows an environment reply"
@@ -98,9 +98,9 @@ def test_environment_tokens_are_context_without_loss_or_kl_and_trained_logprobs_
     mask = rollout.response_mask
     torch.testing.assert_close(trained[mask], rollout.old_logprobs[mask], atol=2e-5, rtol=0)
     # The loss (clipped surrogate + k3 KL in the loss) has no gradient on environment tokens.
-    from align.modules.rl import RLBatch
+    from align.modules.learner import RLBatch
 
-    ref = m.reference_logprobs(rollout)
+    ref = m.sampler.reference_logprobs(rollout)
     data = RLBatch.from_rollout(rollout, torch.linspace(-1, 1, len(rollout)), ref)
     leaf = (trained + 0.05 * torch.randn_like(trained)).requires_grad_()  # off-policy: ratios away from 1
     m.token_logprobs = lambda micro, **kw: TokenLogprobs(leaf[: len(micro), : micro.response_length], None, None)
@@ -123,7 +123,7 @@ def test_each_assistant_turn_keeps_the_ids_it_was_sampled_as(policy, monkeypatch
     monkeypatch.setattr(episodes_module, "sample", recording)
     torch.manual_seed(1)
     m = module(policy, temperature=1.5)
-    rollout = m.rollout(batch(policy, PROMPTS[:2], turns=[3, 3]), 1)
+    rollout = m.sampler.rollout(batch(policy, PROMPTS[:2], turns=[3, 3]), 1)
     stop = policy.tokenizer.eos_token_id
     enc = ChatEncoder(policy.tokenizer)
     retokenized_differs = False
@@ -146,10 +146,10 @@ def test_each_assistant_turn_keeps_the_ids_it_was_sampled_as(policy, monkeypatch
 def test_episodes_batched_together_equal_each_played_alone(policy):
     turns = [1, 3, 2, 3]
     m = module(policy, temperature=0.0)
-    together = m.rollout(batch(policy, turns=turns), 1, m.eval_engine)
+    together = m.sampler.rollout(batch(policy, turns=turns), 1, m.sampler.eval_engine)
     assert sorted(e["turns"] for e in together.episodes) == [1, 2, 3, 3]
     for i, prompt in enumerate(PROMPTS):
-        alone = m.rollout(batch(policy, [prompt], turns=[turns[i]]), 1, m.eval_engine)
+        alone = m.sampler.rollout(batch(policy, [prompt], turns=[turns[i]]), 1, m.sampler.eval_engine)
         width = alone.response_ids.shape[1]
         assert int(together.context_mask[i].sum()) == width
         assert torch.equal(together.response_ids[i, :width], alone.response_ids[0])
@@ -164,8 +164,8 @@ def test_rewards_sit_on_each_turns_last_token_and_sum_to_the_env_part(policy):
     torch.manual_seed(2)
     m = module(policy)
     b = batch(policy, turns=[2, 2, 3, 1])
-    rollout = m.rollout(b)
-    total, parts = m.score_rewards(b, rollout)
+    rollout = m.sampler.rollout(b)
+    total, parts = m.sampler.score(b, rollout)
     torch.testing.assert_close(parts["env"], rollout.token_rewards.sum(dim=1))
     torch.testing.assert_close(total, parts["env"])
     for row, episode in enumerate(rollout.episodes):
@@ -182,7 +182,7 @@ def test_rewards_sit_on_each_turns_last_token_and_sum_to_the_env_part(policy):
 def test_every_limit_ends_episodes_as_truncated(policy, limits, end):
     torch.manual_seed(3)
     m = module(policy, temperature=0.0, **limits)
-    rollout = m.rollout(batch(policy, turns=[5, 5, 5, 5]), 1, m.eval_engine)
+    rollout = m.sampler.rollout(batch(policy, turns=[5, 5, 5, 5]), 1, m.sampler.eval_engine)
     assert {e["end"] for e in rollout.episodes} == {end}
     assert rollout.truncated.all() and rollout.metrics["rollout/truncated_frac"] == 1.0
     if end == "max_tokens":
@@ -193,10 +193,10 @@ def test_every_limit_ends_episodes_as_truncated(policy, limits, end):
 
 def test_a_cut_turn_ends_its_episode_as_truncated_even_when_the_environment_says_done(policy):
     m = module(policy, env="DoneAtOnce", temperature=0.0)
-    cut = m.rollout(batch(policy), 1, m.eval_engine)  # greedy tiny-sort answers stop within 12 tokens
+    cut = m.sampler.rollout(batch(policy), 1, m.sampler.eval_engine)  # greedy tiny-sort answers stop within 12 tokens
     assert {e["end"] for e in cut.episodes} == {"done"} and not cut.truncated.any()
     m = module(policy, env="DoneAtOnce", temperature=0.0, max_new_tokens=1)
-    cut = m.rollout(batch(policy), 1, m.eval_engine)
+    cut = m.sampler.rollout(batch(policy), 1, m.sampler.eval_engine)
     assert {e["end"] for e in cut.episodes} == {"turn_length"} and cut.truncated.all()
     assert [e["env_reward"] for e in cut.episodes] == [1.0] * 4  # the environment still scored the cut turn
     # An info entry named like a built-in metric is logged beside it, not over it.
@@ -208,7 +208,7 @@ def test_a_reply_the_template_cannot_render_is_one_line_naming_the_roles(policy)
     m = module(policy, env="ToolRole")
     with pytest.raises(AlignEnvError, match=r"environment 'ToolRole' .*: episode 0 \(prompt 0 of the batch, sample 0\), "
                                             r"turn 1: the chat template cannot render the reply \(roles \['tool'\]\)"):
-        m.rollout(batch(policy))
+        m.sampler.rollout(batch(policy))
 
 
 def test_rewards_score_the_last_turn_and_receive_the_conversation(policy):
@@ -221,8 +221,8 @@ def test_rewards_score_the_last_turn_and_receive_the_conversation(policy):
     torch.manual_seed(4)
     m = module(policy, rewards=[last_turn])
     b = batch(policy, turns=[2, 2, 2, 2])
-    rollout = m.rollout(b)
-    total, parts = m.score_rewards(b, rollout)
+    rollout = m.sampler.rollout(b)
+    total, parts = m.sampler.score(b, rollout)
     assert set(parts) == {"last_turn", "env"}
     torch.testing.assert_close(total, parts["last_turn"] + parts["env"])
     for i, conversation in enumerate(seen["conversation"]):
@@ -246,7 +246,7 @@ def test_a_response_template_parses_the_turn_into_the_message_the_environment_se
 
     m = module(policy)
     m.environment = EnvironmentPool(EnvironmentSpec(Seen))
-    m.rollout(batch(policy, PROMPTS[:1]), 1)
+    m.sampler.rollout(batch(policy, PROMPTS[:1]), 1)
     assert received == [{"role": "assistant", "content": "parsed", "tool_calls": [{"function": {"name": "f",
                                                                                                  "arguments": {}}}]}]
 
@@ -256,7 +256,7 @@ def test_dynamic_sampling_buffers_and_joins_multi_turn_groups(policy):
 
     torch.manual_seed(5)
     m = module(policy)
-    first, second = m.rollout(batch(policy, PROMPTS[:2], turns=[1, 3])), m.rollout(batch(policy, PROMPTS[2:], turns=[3, 1]))
+    first, second = m.sampler.rollout(batch(policy, PROMPTS[:2], turns=[1, 3])), m.sampler.rollout(batch(policy, PROMPTS[2:], turns=[3, 1]))
     joined = concat_rollouts([first, second], policy.tokenizer.pad_token_id)
     assert len(joined) == 8 and len(joined.episodes) == 8
     width = joined.response_ids.shape[1]

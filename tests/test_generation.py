@@ -15,7 +15,7 @@ from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import Updates
 from align.rollout.rewards import RewardSpec
-from align.rollout.engine import SamplingConfig
+from align.rollout.sampling import SamplingConfig
 
 VALIDATION = "align:sort/prompts/validation.jsonl"
 ROWS = [

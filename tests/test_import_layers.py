@@ -211,3 +211,41 @@ def test_the_reader_sees_every_kind_of_import():
     assert imports("align.data.base", source) == [(1, "align.errors"), (2, "align.core.stats"), (6, "align.models"),
                                                   (7, "align.data.io"), (8, "align.rollout.engine")]
     assert imports("align.data", "from .sft import SFTDataModule\n", is_package=True) == [(1, "align.data.sft")]
+
+
+MAX_LIGHTNING_MODULE_LINES = 300
+MAX_PPO_LINES = 250
+
+
+def _class_lines(cls) -> int:
+    import inspect
+
+    return len(inspect.getsourcelines(cls)[0])
+
+
+def test_lightning_modules_stay_small():
+    """A LightningModule holds the Lightning side of one algorithm; what grows past a few hundred lines belongs in a
+    shared part (the sampler, the learner, the tables). PPO, the largest algorithm, stays under 250."""
+    import importlib
+    import inspect
+
+    import lightning as L
+
+    long = {}
+    for name in MODULES:
+        if layer_of(name) not in ("modules", "gym"):
+            continue
+        module = importlib.import_module(name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == name and issubclass(cls, L.LightningModule):
+                if (n := _class_lines(cls)) > MAX_LIGHTNING_MODULE_LINES:
+                    long[f"{name}.{cls.__name__}"] = n
+    assert not long, f"LightningModules over {MAX_LIGHTNING_MODULE_LINES} lines: {long}"
+
+    assert len(MODULES["align.modules.ppo"].read_text().splitlines()) <= MAX_PPO_LINES
+
+
+def test_the_policy_wrapper_stays_small():
+    from align.models.policy import PolicyModel
+
+    assert _class_lines(PolicyModel) <= MAX_LIGHTNING_MODULE_LINES

@@ -71,7 +71,7 @@ def test_selective_log_softmax_low_precision_is_accurate_against_float64():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_temperature_divides_after_the_upcast_as_the_sampler_does(dtype, monkeypatch):
-    # The sampler (align.rollout.engine.sample) computes log_softmax(logits.float() / T). Dividing the low-precision
+    # The sampler (align.rollout.sampling.sample) computes log_softmax(logits.float() / T). Dividing the low-precision
     # logits first rounds them: with bf16 at T = 0.7 that moved log-probs by ~1e-2 here. Several chunks run.
     monkeypatch.setattr(lp, "_CHUNK_ELEMENTS", 64)
     g = torch.Generator().manual_seed(4)

@@ -210,9 +210,9 @@ def chat_main(args: list[str], stdin=None) -> None:
 def _chat(ns, stdin) -> None:
     from align.data.chat import ChatEncoder
     from align.rollout.generation import chat_reply, load_policy, sampling_config, seeded_generator
-    from align.rollout.engine import RolloutEngine
+    from align.rollout.engine import make_engine
 
-    engine = RolloutEngine(sampling_config(ns.max_new_tokens, ns.temperature, ns.top_p, ns.top_k))
+    engine = make_engine(sampling_config(ns.max_new_tokens, ns.temperature, ns.top_p, ns.top_k))
     policy = load_policy(ns.model, ns.device, ns.dtype)
     if not getattr(policy.tokenizer, "chat_template", None):
         raise AlignConfigError(f"--model: the tokenizer of '{ns.model}' has no chat template; chat needs one")

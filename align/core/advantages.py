@@ -46,7 +46,7 @@ from align.core.kl import kl_estimate
 from align.core.masks import last_valid_index
 from align.core.stats import AllReduce, identity, whiten
 
-__all__ = ["shape_rewards", "overlong_penalty", "gae", "group_advantages", "rloo_advantages", "reinforce_pp_advantages",
+__all__ = ["shape_rewards", "per_token_rewards", "overlong_penalty", "gae", "group_advantages", "rloo_advantages", "reinforce_pp_advantages",
            "returns_to_go", "preference_pairs", "PreferencePairs", "GROUP_SCALES"]
 
 
@@ -90,10 +90,26 @@ def shape_rewards(
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, kind=kind, clamp=clamp), zero)  # (B, T)
-    per_token = -kl_coef * kl
+    return per_token_rewards(scores, kl, valid, kl_coef, token_rewards), kl
+
+
+@torch.no_grad()
+def per_token_rewards(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: Union[float, torch.Tensor],
+    token_rewards: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`shape_rewards` from a KL estimate already computed: ``-kl_coef * kl`` on every valid token, plus
+    ``token_rewards`` where valid, plus each row's score on its last valid token. ``(B,), (B, T) x 2 -> (B, T)``, 0 at
+    masked positions."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    per_token = -kl_coef * torch.where(valid, kl, zero)
     if token_rewards is not None:
         per_token = per_token + torch.where(valid, token_rewards.to(per_token.dtype), zero)
-    return _add_terminal(per_token, scores, valid), kl
+    return _add_terminal(per_token, scores, valid)
 
 
 def _add_terminal(rewards: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from align.core.logprobs import selective_log_softmax
 from align.core.masks import fill_masked, masked_mean, masked_sum
 
-__all__ = ["AGGREGATIONS", "Normaliser", "aggregate", "check_normaliser", "value_loss", "sft_loss"]
+__all__ = ["AGGREGATIONS", "Normaliser", "aggregate", "check_normaliser", "loss_count", "value_loss", "sft_loss"]
 
 Normaliser = Optional[Union[int, float, torch.Tensor]]
 
@@ -98,6 +98,23 @@ def aggregate(
         raise ValueError(f"aggregate: per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} must match")
     check_normaliser(normaliser, "aggregate")
     return fn(per_token, mask, normaliser)
+
+
+def loss_count(mask: torch.Tensor, aggregation: str = "token_mean", max_length: int | None = None) -> torch.Tensor:
+    """This rank's count of loss terms under ``mask`` (N, R), in the unit of ``aggregation``: valid tokens
+    (``token_mean``), rows (``seq_mean``), or rows x ``max_length`` (``constant``: Dr. GRPO's normaliser, arXiv
+    2503.20783, which does not depend on how long the sampled responses happen to be). A float ``()`` tensor."""
+    if aggregation == "token_mean":
+        count = mask.sum()
+    elif aggregation == "seq_mean":
+        count = torch.tensor(mask.shape[0], device=mask.device)
+    elif aggregation == "constant":
+        if max_length is None:
+            raise ValueError("loss_count: aggregation 'constant' needs max_length")
+        count = torch.tensor(mask.shape[0] * max_length, device=mask.device)
+    else:
+        raise ValueError(f"loss_count: expected token_mean, seq_mean or constant, got {aggregation!r}")
+    return count.float()
 
 
 def value_loss(

@@ -218,7 +218,7 @@ class DecodeOutput:
 
 
 class FastDecoder:
-    """Callable with the interface :func:`align.rollout.engine.sample` expects of a causal LM.
+    """Callable with the interface :func:`align.rollout.sampling.sample` expects of a causal LM.
 
     Build one per rollout (it snapshots the current weights) with ``capacity`` = prompt width + new tokens.
     ``prepack``: hand the weights large enough to gain from it to oneDNN in its blocked layout (see the module

@@ -11,6 +11,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.trainer.host_memory import keep_freed_host_memory
 from align.models.policy import PolicyModel
+from align.rollout.types import Ranks
 from align.trainer.optim import WarmupLR
 from align.trainer.strategies import release_process_group_at_exit
 
@@ -28,23 +29,6 @@ def param_groups(module: torch.nn.Module) -> list[dict]:
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
-
-
-def loss_count(mask: torch.Tensor, aggregation: str = "token_mean", max_length: int | None = None) -> torch.Tensor:
-    """This rank's count of loss terms under ``mask`` (N, R), in the unit of ``aggregation``: valid tokens
-    (``token_mean``), rows (``seq_mean``), or rows x ``max_length`` (``constant``: Dr. GRPO's normaliser, arXiv
-    2503.20783, which does not depend on how long the sampled responses happen to be). A float ``()`` tensor."""
-    if aggregation == "token_mean":
-        count = mask.sum()
-    elif aggregation == "seq_mean":
-        count = torch.tensor(mask.shape[0], device=mask.device)
-    elif aggregation == "constant":
-        if max_length is None:
-            raise ValueError("loss_count: aggregation 'constant' needs max_length")
-        count = torch.tensor(mask.shape[0] * max_length, device=mask.device)
-    else:
-        raise ValueError(f"loss_count: expected token_mean, seq_mean or constant, got {aggregation!r}")
-    return count.float()
 
 
 class PairMetrics:
@@ -99,7 +83,29 @@ class TrainingModule(L.LightningModule):
             return value
         return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
 
+    @property
+    def ranks(self) -> Ranks:
+        """This process's data-parallel rank, the number of ranks and the sum over them."""
+        if self._trainer is None:
+            return Ranks(all_reduce=self.all_reduce_sum)
+        return Ranks(self.trainer.global_rank, self.trainer.world_size, self.all_reduce_sum)
+
     # ------------------------------------------------------------------ per-step metrics
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Log one step's metrics, averaged over ranks (one all-reduce; every rank logs the same numbers), and keep
+        them in ``last_metrics`` (read without a trainer). In the RL modules ranks hold equally many rollout rows, so
+        rollout means are global means; ``rollout/reward_std`` and ``time/*`` are means of per-rank values,
+        ``rollout/tokens_per_s`` is per process."""
+        metrics = {k: float(v) for k, v in metrics.items()}
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1 and metrics:
+            names = sorted(metrics)
+            packed = self.all_reduce_sum(torch.tensor([metrics[n] for n in names], device=self.device)) / world
+            metrics = dict(zip(names, packed.tolist()))
+        self.last_metrics = metrics
+        if self.logs_this_step():
+            self.log_step(metrics)
+
     def logs_this_step(self) -> bool:
         """Whether anything reads this optimizer step's on-step metrics: the loggers write them only every
         ``trainer.log_every_n_steps`` steps, while a progress bar or a callback that monitors a metric (a
@@ -219,7 +225,7 @@ class AlignModule(TrainingModule):
 
     def window_normaliser(self, count: torch.Tensor) -> torch.Tensor:
         """The loss normaliser of one optimizer step: ``count`` (this rank's tokens, sequences or pairs in the
-        window, see :func:`loss_count`) summed over every rank, at least 1. A float ``()`` tensor."""
+        window, see :func:`align.core.losses.loss_count`) summed over every rank, at least 1. A float ``()`` tensor."""
         return self.all_reduce_sum(count.float()).clamp(min=1.0)
 
     def window_loss(self, loss_sum: torch.Tensor, window_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 PPO scores a rollout with the critic (the values of GAE), then its first optimizer step runs the critic again over
 the rows of its first micro-batch, with the same weights and inputs, to get those values with gradients. With the
-first epoch's minibatches drawn as the rollout is scored (:meth:`RLModule.plan_minibatches`, the same random
+first epoch's minibatches drawn as the rollout is scored (:meth:`Learner.plan`, the same random
 draw the update would make), the scoring pass runs those rows with gradients and the first step reads them:
 one critic forward pass fewer per rollout (a quarter of them at 2 epochs x 2 minibatches).
 
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from align.rollout.engine import Rollout
+from align.modules.learner import RLBatch
+from align.rollout.types import Rollout
 
 if TYPE_CHECKING:
     from align.modules.rl import RLModule
@@ -34,8 +35,6 @@ class KeptCriticPass:
         graph where that applies (``keep`` and the module docstring's conditions)."""
         from lightning.pytorch.strategies import SingleDeviceStrategy
 
-        from align.modules.rl import RLBatch
-
         policy, padding_free = module.policy, module.updates.padding_free
         R = rollout.response_mask.shape[1]
         values_of = lambda ids, mask, width: policy.values(ids, mask, response_length=width, padding_free=padding_free)
@@ -43,7 +42,7 @@ class KeptCriticPass:
         one_process = module._trainer is None or isinstance(module.trainer.strategy, SingleDeviceStrategy)
         if not (keep and policy.critic is not None and one_process):
             return values_of(rollout.input_ids, rollout.attention_mask, R)
-        first = module.plan_minibatches(len(rollout))[0][0]
+        first = module.learner.plan(len(rollout))[0][0]
         width = RLBatch.selected_width(rollout.attention_mask, R, first)
         columns = rollout.input_ids.shape[1] - (R - width)  # trimmed as RLBatch.select trims the micro-batch
         rest = torch.ones(len(rollout), dtype=torch.bool, device=rollout.input_ids.device)
@@ -59,7 +58,7 @@ class KeptCriticPass:
 
     def take(self, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The kept ``(n, width)`` values with their graph when ``rows`` (the update's current micro-batch,
-        :attr:`RLModule.current_rows`) are the kept ones; None otherwise. Either way nothing stays kept."""
+        :attr:`Learner.current_rows`) are the kept ones; None otherwise. Either way nothing stays kept."""
         kept, self._kept = self._kept, None
         return kept[1] if kept is not None and kept[0] is rows else None
 

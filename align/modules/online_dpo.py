@@ -1,7 +1,8 @@
 """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", arXiv 2402.04792).
 
-Each training step samples ``group_size`` completions per prompt from the current policy (the rollout engine),
-scores them with the RL reward stack (reward functions and/or a reward model, :meth:`RLModule.score_rewards`),
+Each training step takes a scored rollout from the module's source (``group_size`` completions per prompt from the
+current policy, scored by the RL reward stack: reward functions and/or a reward model, :class:`~align.rollout.sampler.
+Sampler`),
 pairs the best against the worst of every prompt (:func:`align.core.advantages.preference_pairs`) and takes a DPO step
 on summed response log-probs against the reference (``loss_type`` from :data:`align.modules.dpo.PREFERENCE_LOSSES`,
 which call :func:`align.core.preference_losses.dpo_loss`). The loss of a step is the mean over its decisive pairs on all ranks.
@@ -50,7 +51,9 @@ from align.core.masks import masked_mean, masked_sum
 from align.models.policy import PolicyModel
 from align.modules.dpo import PREFERENCE_LOSSES, PairLogps
 from align.modules.preference import pair_correct
-from align.modules.rl import RLBatch, RLModule, Timer
+from align.modules.learner import RLBatch
+from align.modules.rl import RLModule
+from align.observability.timing import Timer
 from align.rollout.rewards import RewardModelSpec, RewardSpec
 
 OnlineLossType = Literal["sigmoid", "ipo", "hinge"]
@@ -79,7 +82,7 @@ class OnlineDPOModule(RLModule):
 
     needs_reference = True  # the DPO loss is relative to the reference, whatever kl.coef says
     # The loss is on the policy itself, not on its tempered sampling distribution (no ratio to the sampler here).
-    logprob_temperature = 1.0
+    policy_temperature = 1.0
 
     def __init__(
         self,
@@ -122,9 +125,9 @@ class OnlineDPOModule(RLModule):
                                    "completions; expected a non-zero weight")
         self.beta, self.loss_type = beta, loss_type
 
-    def step_normaliser(self, response_mask: torch.Tensor) -> torch.Tensor:
-        """Decisive pairs of the step on all ranks: ``response_mask`` holds the chosen rows of its pairs."""
-        return self.window_normaliser(response_mask.any(dim=1).sum().float())
+    def loss_count(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """This rank's decisive pairs of a minibatch: ``response_mask`` holds the chosen rows of its pairs."""
+        return response_mask.any(dim=1).sum().float()
 
     def _loss(self, micro: PairBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.token_logprobs(micro, return_entropy=self.log_entropy)
@@ -164,16 +167,19 @@ class OnlineDPOModule(RLModule):
         response_mask = rollout.response_mask[rows] & decisive[order].repeat(2)[:, None]
         data = PairBatch(rollout.input_ids[rows], rollout.attention_mask[rows], response_mask,
                          rollout.old_logprobs[rows], rewards[rows, None].expand_as(response_mask))
-        data.ref_logprobs = self.reference_logprobs(data)
+        data.ref_logprobs = self.sampler.reference_logprobs(data)
         return data, metrics
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        rollout, rewards, parts = self.sample_and_score(batch)  # rewards (N,)
+        scored = self.next_scored(batch)
+        if scored is None:  # a filtered source: the next batch adds to this update's groups
+            self.no_update("dynamic sampling: no update could be filled with groups whose rewards differ")
+            return self.log_nothing()
         stats = {}
         with Timer(self.timings, "time/update_s"):
-            data, pair_metrics = self.pair_batch(rollout, rewards)
+            data, pair_metrics = self.pair_batch(scored.rollout, scored.rewards)  # rewards (N,)
             if data is not None:
                 stats = self.update(data, self._loss)
             else:
                 self.no_update("online DPO: the rewards tied for every prompt (rollout/tie_frac 1.0)")
-        self.log_metrics({**self.rollout_metrics(rollout, rewards, parts), **pair_metrics, **stats, **self.timings})
+        self.log_metrics({**self.sampler.rollout_metrics(scored), **pair_metrics, **stats, **self.timings})

@@ -1,8 +1,8 @@
 """Typed option groups of the RL modules, shared by GRPO, PPO and TRPO.
 
-Each group is one nested YAML block under ``model:`` (``kl:``, ``updates:``, ``clip:``, ...), with its fields
-documented below and checked when it is built, so ``--help`` lists them and a bad value fails on one line
-that names its key. A module whose default differs (PPO's KL coefficient, its four epochs) declares its own
+Each group is one nested YAML block under ``model:`` (``kl:``, ``updates:``, ``clip:``, ``policy_loss:``, ...),
+with its fields documented below and checked when it is built, so ``--help`` lists them and a bad value fails on
+one line that names its key. A module whose default differs (PPO's KL coefficient, its four epochs) declares its own
 default instance of the group; every other field keeps the group's default.
 """
 
@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from align.errors import AlignConfigError
+from align.core.estimators import ADVANTAGE_ESTIMATORS, VALUE_ESTIMATORS
 from align.core.kl import KLKind
-from align.rollout.engine import SamplingConfig
+from align.core.policy_losses import POLICY_LOSSES, SEQUENCE_LEVEL_LOSSES
+from align.rollout.sampling import SamplingConfig
 
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
 
@@ -68,15 +70,29 @@ class ClipRange:
     """Lower clip range (``1 - low``)."""
     high: float | None = None
     """Upper clip range (``1 + high``); null: equal to ``low``. DAPO uses 0.28 (clip-higher)."""
-    level: Literal["token", "sequence"] = "token"
-    """Importance ratio per ``token``, or per ``sequence`` (GSPO: the geometric mean of the token ratios, clipped
-    per sequence; TRL's ``importance_sampling_level``). GRPO only; GSPO's paper pairs it with
-    ``updates.loss_aggregation: seq_mean`` and ranges of about 3e-4 / 4e-4."""
 
     def __post_init__(self) -> None:
         _check(self.low >= 0, "clip.low", ">= 0", self.low)
         _check(self.high is None or self.high >= 0, "clip.high", ">= 0 or null", self.high)
-        _check(self.level in ("token", "sequence"), "clip.level", "token or sequence", self.level)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """Which policy loss the update minimises: a row of :data:`align.core.policy_losses.POLICY_LOSSES`, with the
+    clip range of ``clip``."""
+
+    name: str = "clip"
+    """``clip``: PPO's clipped surrogate on each token's ratio (with DAPO's ``clip.high``); ``gspo``: the clip on
+    GSPO's sequence ratio, whole sequences clipped or not (GRPO's estimators only; the paper pairs it with
+    ``updates.loss_aggregation: seq_mean`` and clip ranges of about 3e-4 / 4e-4)."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in POLICY_LOSSES, "policy_loss.name", f"one of {sorted(POLICY_LOSSES)}", self.name)
+
+    @property
+    def sequence_level(self) -> bool:
+        """Whether the loss's ratio is per sequence (it needs one advantage per sequence)."""
+        return self.name in SEQUENCE_LEVEL_LOSSES
 
 
 @dataclass(frozen=True)
@@ -115,24 +131,23 @@ class Updates:
         return self.epochs == 1 and self.minibatches == 1
 
 
-Estimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-
-
 @dataclass(frozen=True)
 class GroupAdvantages:
-    """How GRPO's rollout rewards become advantages: relative to the group, leave-one-out, or REINFORCE++."""
+    """How the critic-free modules' rollout rewards become advantages: a row of
+    :data:`align.core.estimators.ADVANTAGE_ESTIMATORS`."""
 
-    estimator: Estimator = "grpo"
+    estimator: str = "grpo"
     """``grpo``: the group baseline, scaled by ``std_scale``; ``rloo``: the leave-one-out mean of the group
     (RLOO); ``reinforce_pp``: per-token returns whitened over the batch (REINFORCE++); ``reinforce_pp_baseline``:
-    the group mean subtracted first, then as ``reinforce_pp``."""
+    the group mean subtracted first, then as ``reinforce_pp``. (``gae`` needs a value model: PPO and TRPO.)"""
     std_scale: Literal["group", "batch", "none"] | None = None
     """``grpo``: divide by the reward std of the ``group`` (the paper, and null), of the whole ``batch``, or
     ``none`` (Dr. GRPO). The other estimators take null only (RLOO is unscaled, REINFORCE++ whitens)."""
 
     def __post_init__(self) -> None:
-        _check(self.estimator in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"), "advantages.estimator",
-               "grpo, rloo, reinforce_pp or reinforce_pp_baseline", self.estimator)
+        critic_free = sorted(set(ADVANTAGE_ESTIMATORS) - VALUE_ESTIMATORS)
+        _check(self.estimator in critic_free, "advantages.estimator",
+               f"one of {critic_free} (gae needs a value model: PPO or TRPO)", self.estimator)
         _check(self.std_scale in (None, "group", "batch", "none"), "advantages.std_scale",
                "group, batch, none or null", self.std_scale)
         _check(self.std_scale is None or self.estimator == "grpo", "advantages.std_scale",
@@ -276,22 +291,3 @@ class OverlongPenalty:
         _check(not self.enabled or self.buffer <= max_length, "overlong.buffer",
                f"<= sampling.max_new_tokens ({max_length}) when overlong.max_length is null", self.buffer)
         return max_length
-
-
-@dataclass(frozen=True)
-class DynamicSampling:
-    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476): groups whose rewards all match are dropped
-    and prompt batches are sampled until the update has a full batch of informative groups
-    (:class:`align.rollout.filter.GroupFilter`)."""
-
-    enabled: bool = False
-    """Filter groups and fill the batch across training steps; false: every group is trained on."""
-    max_batches: int = 4
-    """Cap on the prompt batches sampled for one update; at the cap the update uses the groups it has, and is
-    skipped when it has none."""
-    reward: str | None = None
-    """Reward whose values must differ within a group (e.g. the accuracy reward, as in the paper); null: the
-    training total."""
-
-    def __post_init__(self) -> None:
-        _check(self.max_batches >= 1, "dynamic_sampling.max_batches", ">= 1", self.max_batches)

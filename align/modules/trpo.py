@@ -1,8 +1,8 @@
 """TRPO: trust region policy optimization for language-model policies (Schulman et al. 2015, arXiv 1502.05477).
 
-The rollout, rewards, KL shaping to the reference, values and GAE are PPO's
-(:meth:`align.modules.ppo.PPOModule.make_batch`); only the policy step differs. Instead of several clipped
-optimizer steps, each rollout gives one step that maximises the importance-weighted surrogate
+The rollout, rewards, KL shaping to the reference, values and GAE are shared with PPO
+(:meth:`align.modules.actor_critic.ActorCriticModule.make_batch`); only the policy step differs. Instead of several
+clipped optimizer steps, each rollout gives one step that maximises the importance-weighted surrogate
 
     L(theta) = aggregate_t( pi_theta(a_t | s_t) / pi_old(a_t | s_t) * A_t )
 
@@ -54,21 +54,21 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from align.errors import AlignConfigError
 from align.core.kl import kl_estimate
-from align.core.masks import masked_sum
 from align.core.losses import aggregate
+from align.core.masks import masked_sum
 from align.core.policy_losses import importance_ratio
-from align.models.policy import PolicyModel
-from align.modules.base import param_groups
-from align.modules.options import ClipRange, KLPenalty, TrustRegion, ValueTraining
-from align.modules.ppo import PPOBatch, PPOModule
-from align.modules.rl import minibatch_indices
-from align.rollout.rewards import RewardModelSpec, RewardSpec
 from align.core.trust_region import fisher_vector_product_fn, flat_grad, trpo_step
+from align.errors import AlignConfigError
+from align.models.policy import PolicyModel
+from align.modules.actor_critic import ActorCriticModule, GAEBatch
+from align.modules.base import param_groups
+from align.modules.learner import minibatch_indices
+from align.modules.options import GAE, KLPenalty, ScoreShaping, TrustRegion, ValueTraining
+from align.rollout.rewards import RewardModelSpec, RewardSpec
 
 
-class TRPOModule(PPOModule):
+class TRPOModule(ActorCriticModule):
     """TRPO on prompt data (:class:`align.data.prompts.PromptDataModule`); see the module docstring.
 
     Logged per rollout, besides PPO's ``rollout/*``, ``train/kl`` (to the reference),
@@ -92,6 +92,8 @@ class TRPOModule(PPOModule):
         reward_model: RewardModelSpec | str | None = None,
         trust_region: TrustRegion = TrustRegion(),
         kl: KLPenalty = KLPenalty(coef=0.0, placement="reward"),
+        gae: GAE = GAE(),
+        scores: ScoreShaping = ScoreShaping(),
         value: ValueTraining = ValueTraining(clip=None),
         **kwargs,
     ):
@@ -105,6 +107,8 @@ class TRPOModule(PPOModule):
                 :class:`~align.modules.ppo.PPOModule`).
             trust_region: The KL bound ``max_kl``, conjugate gradient and line-search settings of the policy step.
             kl: KL-to-reference penalty shaped into the rewards (PPO's); 0 with no target loads no reference.
+            gae: Discount, lambda and advantage whitening.
+            scores: Penalty, whitening, scaling and clipping of the sequence scores.
             value: Value-loss clipping and critic warm-up. The value model has its own optimizer (``optimizer``,
                 ``scheduler``), stepped ``updates.epochs`` x ``updates.minibatches`` times per rollout with
                 ``updates.micro_batch_size``, ``updates.max_grad_norm`` and ``updates.loss_aggregation`` (which also
@@ -119,8 +123,8 @@ class TRPOModule(PPOModule):
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         if policy is None:
             policy = PolicyModel("tiny-sort", value_head="separate")
-        super().__init__(policy=policy, rewards=rewards, reward_model=reward_model, 
-                         kl=kl, value=value, clip=ClipRange(), entropy_coef=0.0, **kwargs)
+        super().__init__(policy, rewards=rewards, reward_model=reward_model, kl=kl, gae=gae, scores=scores,
+                         value=value, **kwargs)
         self.trust_region = trust_region
 
     # ------------------------------------------------------------------ parameter scopes
@@ -128,15 +132,9 @@ class TRPOModule(PPOModule):
         """The trust region: trainable parameters of the language model (the LoRA adapter when there is one)."""
         return [p for p in self.policy.model.parameters() if p.requires_grad]
 
-    def value_modules(self) -> nn.ModuleList:
-        """What the value optimizer trains: the separate critic and its head, or the shared head alone."""
-        if self.policy.critic is not None:
-            return nn.ModuleList([self.policy.critic, self.policy.critic_head])
-        return nn.ModuleList([self.policy.value_head])
-
     def configure_optimizers(self):
-        optimizer = self.optimizer(param_groups(self.value_modules()))
-        return self.with_scheduler(optimizer)
+        """The value model's own optimizer: the separate critic and its head, or the shared head alone."""
+        return self.with_scheduler(self.optimizer(param_groups(nn.ParameterList(self.value_parameters()))))
 
     @contextmanager
     def _frozen_policy(self) -> Iterator[None]:
@@ -160,23 +158,23 @@ class TRPOModule(PPOModule):
             self.policy.model.train(was_training)
 
     # ------------------------------------------------------------------ the policy step
-    def _micro_batches(self, data: PPOBatch, rows: torch.Tensor | None = None) -> list[PPOBatch]:
+    def _micro_batches(self, data: GAEBatch, rows: torch.Tensor | None = None) -> list[GAEBatch]:
         n = len(data) if rows is None else len(rows)
         [chunks] = minibatch_indices(n, 1, self.updates.micro_batch_size, shuffle=False)
         device = data.input_ids.device
         return [data.select((chunk if rows is None else rows[chunk]).to(device)) for chunk in chunks]
 
-    def _fisher_rows(self, data: PPOBatch) -> torch.Tensor | None:
+    def _fisher_rows(self, data: GAEBatch) -> torch.Tensor | None:
         if self.trust_region.fisher_fraction >= 1.0:
             return None
         n = max(1, round(self.trust_region.fisher_fraction * len(data)))
         return torch.randperm(len(data))[:n].sort().values
 
-    def _fvp(self, micros: list[PPOBatch], params: list[nn.Parameter]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _fvp(self, micros: list[GAEBatch], params: list[nn.Parameter]) -> Callable[[torch.Tensor], torch.Tensor]:
         """``v -> (F + damping I) v`` for the mean KL over the valid tokens of ``micros`` on every rank."""
         count = self.all_reduce_sum(sum(m.response_mask.sum() for m in micros).float()).clamp(min=1.0)
 
-        def local_kl(micro: PPOBatch) -> torch.Tensor:
+        def local_kl(micro: GAEBatch) -> torch.Tensor:
             with sdpa_kernel([SDPBackend.MATH]):
                 logprobs = self.token_logprobs(micro).logprobs
             return masked_sum(kl_estimate(micro.old_logprobs, logprobs, "k3"), micro.response_mask) / count
@@ -197,7 +195,7 @@ class TRPOModule(PPOModule):
         return recomputed
 
     @torch.no_grad()
-    def _evaluate(self, micros: list[PPOBatch], normaliser: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
+    def _evaluate(self, micros: list[GAEBatch], normaliser: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
         """``(surrogate, mean KL(old || current))`` of the current parameters over every rank."""
         surrogate = torch.zeros((), device=normaliser.device)
         kl_sum = torch.zeros((), device=normaliser.device)
@@ -208,18 +206,18 @@ class TRPOModule(PPOModule):
         totals = self.all_reduce_sum(torch.stack([surrogate, kl_sum]))
         return float(totals[0]), float(totals[1] / count)
 
-    def _surrogate(self, micro: PPOBatch, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+    def _surrogate(self, micro: GAEBatch, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                    normaliser: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the importance-weighted surrogate (to be maximised)."""
         ratio = importance_ratio(logprobs, old_logprobs)  # (n, r) pi / pi_old
         return aggregate(ratio * micro.advantages, micro.response_mask, self.updates.loss_aggregation, normaliser)
 
-    def trust_region_step(self, data: PPOBatch) -> dict[str, float]:
+    def trust_region_step(self, data: GAEBatch) -> dict[str, float]:
         """One TRPO policy step on ``data``, in place; returns the ``trpo/*`` metrics."""
         params, tr = self.policy_parameters(), self.trust_region
         if not params:
             raise RuntimeError("TRPO: the policy has no trainable parameters")
-        normaliser = self.step_normaliser(data.response_mask)
+        normaliser = self.learner.normaliser(data.response_mask, self.ranks)
         count = self.all_reduce_sum(data.response_mask.sum().float()).clamp(min=1.0)
         with self._deterministic_policy():
             # g at theta_old; pi_old is this pass's log-probs, detached, so the ratio is exactly 1 here.
@@ -262,11 +260,11 @@ class TRPOModule(PPOModule):
         return metrics
 
     # ------------------------------------------------------------------ updates
-    def update_value(self, data: PPOBatch) -> dict[str, float]:
+    def update_value(self, data: GAEBatch) -> dict[str, float]:
         """``updates.epochs`` x ``updates.minibatches`` value-optimizer steps; the language model gets no gradient."""
         with self._frozen_policy():
             return super().update_value(data)
 
-    def update_policy(self, data: PPOBatch) -> dict[str, float]:
+    def update_policy(self, data: GAEBatch) -> dict[str, float]:
         """The TRPO step on the policy, then the value model's own optimizer steps."""
         return {**self.trust_region_step(data), **self.update_value(data)}

@@ -1,319 +1,89 @@
-"""Rollouts: prompts -> sampled completions with their log-probs, under no gradient and with no optimizer.
+"""Generation engines: a policy and token contexts in, sampled continuations with their log-probs out.
 
-Two layers:
+An engine is a class behind one small interface (:class:`GenerationEngine`), chosen by name with
+``sampling.engine`` from :data:`ENGINES`. It opens a :meth:`~GenerationEngine.decoding` for a policy (whatever must be
+ready before tokens are drawn: an up-to-date copy of the weights, a KV cache, eval mode) and calls it on left-padded
+contexts, as many times as a rollout needs: once for single-turn prompts (:meth:`GenerationEngine.generate`, which
+also repeats each prompt ``group_size`` times, builds the response mask and decodes the texts), once per turn for
+multi-turn episodes (:func:`align.rollout.episodes.play_episodes`). Nothing here scores or trains.
 
-* :func:`sample` is the generation loop. It knows nothing about tokenization: it takes left-padded token
-  ids and a causal LM that maps ``(input_ids, attention_mask, position_ids, past_key_values)`` to logits
-  and an updated KV cache (any Hugging Face causal LM, or a mock with uniform logits in the tests). It
-  samples with temperature, top-k and top-p, stops a row at its first stop token and the whole batch as
-  soon as every row has stopped, can forbid stopping before ``min_new_tokens``, and records the log-prob
-  of every sampled token.
-* :class:`RolloutEngine` turns prompt token ids into a :class:`Rollout`: it left-pads the prompts,
-  repeats each one ``group_size`` times (GRPO groups are consecutive rows), samples, builds the response
-  mask with :func:`align.core.masks.response_mask` and decodes the texts with the policy's tokenizer. The
-  prompt of a group is encoded once and its KV cache repeated for the group's rows (``shared_prefix``).
+* ``native`` (:class:`NativeEngine`): align's own loop (:func:`align.rollout.sampling.sample`) over the model's
+  computation; Llama-family models are decoded by :class:`~align.models.decoding.FastDecoder` (fused projections,
+  LoRA merged into a per-rollout copy, a preallocated KV cache), other models through their own forward. The prompt
+  of a group is encoded once and its KV cache repeated for the group's rows (``sampling.shared_prefill``).
 
-Log-probs are computed as :meth:`align.models.policy.PolicyModel.token_logprobs` computes them in training: the
-log-softmax of ``logits / temperature`` over the *full* vocabulary, in float32. Top-k, top-p and
-the minimum length only restrict which token is drawn; they do not renormalise the recorded log-probs, so
-the old and new policy of a PPO/GRPO ratio are the same distribution. With ``temperature=0`` (greedy) the
-log-probs are those of temperature 1. Position ids follow the attention mask (``cumsum - 1``), as in
-training, so left padding does not shift them.
-
-Departure from ``transformers.generate``: a stop token ends a row and is kept (the response mask includes
-it); rows that stopped are filled with the pad id; a response cut at ``max_new_tokens`` gets no stop token
-appended (docs/algorithms.md, "Response mask").
+A new engine (docs/architecture.md, "Add a generation engine") subclasses :class:`GenerationEngine`, implements
+:meth:`~GenerationEngine.decoding` (and :meth:`~GenerationEngine.close` if it holds resources), and adds a row to
+:data:`ENGINES`; the sampler, the episodes and every RL module then use it unchanged.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from align.core.masks import response_mask, truncated
-from align.models.decoding import decoder_for
+from align.models.decoding import FastDecoder, decoder_for
+from align.rollout.sampling import SampleOutput, SamplingConfig, left_pad, sample
+from align.rollout.types import Rollout
 
-__all__ = ["SamplingConfig", "SampleOutput", "Rollout", "RolloutEngine", "sample", "left_pad", "filter_logits"]
-
-TokenIds = Union[int, Sequence[int]]
-
-
-@dataclass
-class SamplingConfig:
-    """How completions are drawn."""
-
-    max_new_tokens: int = 32
-    """Longest response in tokens; a response that reaches it without a stop token is truncated."""
-    temperature: float = 1.0
-    """Softmax temperature for sampling and for the recorded log-probs; 0 means greedy decoding."""
-    top_p: float = 1.0
-    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches ``top_p`` (1 = off)."""
-    top_k: int = 0
-    """Draw from the ``top_k`` most likely tokens only (0 = off)."""
-    min_new_tokens: int = 0
-    """Stop tokens are forbidden before this many tokens have been generated."""
-    fast_decoder: bool = True
-    """Decode Llama-family models with :class:`align.models.decoding.FastDecoder` (same logits, fewer
-    operations per token); false, or a model it does not cover, samples through the model's own forward."""
-    shared_prefill: bool = True
-    """Encode each prompt once for its whole group and repeat its KV cache for the group's completions
-    (the same numbers as encoding every copy, up to float rounding); false encodes every copy."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"sampling.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+__all__ = ["ENGINES", "Decode", "GenerationEngine", "NativeEngine", "make_engine"]
 
 
-class SampleOutput:
-    """Output of :func:`sample`. ``T`` is the number of decoding steps run (``<= max_new_tokens``)."""
+class Decode(Protocol):
+    """One decoding call of an open engine: left-padded ``(B, P)`` contexts -> :class:`SampleOutput` of ``(B, T)``."""
 
-    def __init__(self, response_ids: torch.Tensor, logprobs: torch.Tensor, steps: int):
-        self.response_ids = response_ids  # (B, T) long, pad after a row's first stop token
-        self.logprobs = logprobs  # (B, T) float32, 0 after a row's first stop token
-        self.steps = steps
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists into ``(input_ids, attention_mask)``, both ``(B, P)`` long."""
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("left_pad: every prompt needs at least one token")
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-        mask[row, width - len(seq):] = 1
-    return ids, mask
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 min_new_tokens: int = 0, generator: Optional[torch.Generator] = None,
+                 sync_stop: Optional[Callable[[bool], bool]] = None, shared_prefix: int = 1) -> SampleOutput: ...
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set logits outside the top-k / top-p (nucleus) support to ``-inf``. ``logits``: ``(B, V)``.
+class GenerationEngine:
+    """Draws continuations of token contexts from a policy with the settings ``sampling`` (temperature, top-p, top-k,
+    token limits). Subclasses implement :meth:`decoding`."""
 
-    Nucleus sampling (Holtzman et al. 2019, arXiv 1904.09751) keeps the most likely tokens up to and
-    including the first one at which the cumulative probability reaches ``top_p``; the most likely
-    token is always kept.
-    """
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly more likely tokens
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def _as_id_tensor(ids: TokenIds, device) -> torch.Tensor:
-    return torch.as_tensor([ids] if isinstance(ids, int) else list(ids), dtype=torch.long, device=device)
-
-
-@torch.inference_mode()
-def sample(
-    model: Callable[..., Any],
-    input_ids: torch.Tensor,  # (B, P) left-padded
-    attention_mask: torch.Tensor,  # (B, P)
-    *,
-    eos_token_id: TokenIds,
-    pad_token_id: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_new_tokens: int = 0,
-    generator: Optional[torch.Generator] = None,
-    sync_stop: Optional[Callable[[bool], bool]] = None,
-    shared_prefix: int = 1,
-) -> SampleOutput:
-    """Sample up to ``max_new_tokens`` tokens per row with a KV cache; see the module docstring.
-
-    ``shared_prefix``: the rows come in consecutive groups of this many identical prompts. The prompt of each
-    group is then encoded once and its KV cache and first logits repeated for the group's rows, which saves
-    ``(1 - 1/shared_prefix)`` of the prefill. Used when the model's cache can be repeated in place
-    (:class:`~align.models.decoding.DecodeCache` and transformers' caches); otherwise every row is encoded.
-
-    ``sync_stop(all_rows_done) -> stop`` makes the early-stop decision shared when several processes must run
-    the same number of forward passes (parameters gathered per layer on use, as under DeepSpeed ZeRO-3): it
-    and-s the flag across ranks, and a rank whose rows are done decodes padding until every rank is done.
-
-    Runs in ``torch.inference_mode`` (less per-op overhead than ``no_grad``); clone the outputs before using
-    them in autograd. ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True, logits_to_keep=1)``
-    must return an object with ``.logits`` ``(B, t, V)`` and ``.past_key_values``.
-    """
-    device = input_ids.device
-    batch, prompt_width = input_ids.shape
-    stop_ids = _as_id_tensor(eos_token_id, device)
-    is_stop = (lambda t: t == stop_ids[0]) if stop_ids.numel() == 1 else (lambda t: torch.isin(t, stop_ids))
-    # The mask of every step is a prefix of one preallocated mask: no concatenation per token.
-    full_mask = torch.cat([attention_mask.long(), attention_mask.new_ones(batch, max_new_tokens, dtype=torch.long)], 1)
-    position_ids = (full_mask[:, :prompt_width].cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    next_position = position_ids[:, -1:] + 1  # (B, 1)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    pad = torch.full((batch,), pad_token_id, dtype=torch.long, device=device)
-    tokens: list[torch.Tensor] = []
-    logprobs: list[torch.Tensor] = []
-    step_ids, cache = input_ids, None
-    for step in range(max_new_tokens):
-        if step == 0 and shared_prefix > 1 and batch % shared_prefix == 0:
-            logits, cache = _shared_prefill(model, input_ids, full_mask[:, :prompt_width], position_ids, shared_prefix)
-        else:
-            out = model(input_ids=step_ids, attention_mask=full_mask[:, : prompt_width + step],
-                        position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()  # (B, V)
-        if temperature > 0:
-            logits = logits / temperature
-        # One log-softmax serves both the recorded log-prob (the full distribution, as in training) and sampling.
-        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
-        allowed = logp
-        if step < min_new_tokens:
-            allowed = allowed.index_fill(-1, stop_ids, float("-inf"))
-        if temperature > 0:
-            allowed = filter_logits(allowed, top_k, top_p)
-            # Exponential race (equivalent to Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) samples i with
-            # probability p_i. E = -log(U), U ~ Uniform[0, 1): on CPU a fraction of the cost of
-            # torch.multinomial or Tensor.exponential_.
-            exp_noise = torch.rand(allowed.shape, generator=generator, device=allowed.device).log_().neg_()
-            token = (allowed - exp_noise.log_()).argmax(dim=-1)  # (B,)
-        else:
-            token = allowed.argmax(dim=-1)
-        logprob = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)  # (B,)
-        tokens.append(torch.where(done, pad, token))
-        logprobs.append(logprob.masked_fill(done, 0.0))
-        done = done | is_stop(tokens[-1])
-        finished = bool(done.all())
-        if sync_stop is not None:
-            finished = sync_stop(finished)
-        if finished:
-            break
-        step_ids = tokens[-1].unsqueeze(-1)  # (B, 1)
-        position_ids = next_position
-        next_position = next_position + 1
-    return SampleOutput(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), len(tokens))
-
-
-def _shared_prefill(model, input_ids, attention_mask, position_ids, group: int) -> tuple[torch.Tensor, Any]:
-    """Prefill one row per group, then repeat its cache and last logits ``group`` times. ``(B, V)``, cache."""
-    out = model(input_ids=input_ids[::group], attention_mask=attention_mask[::group],
-                position_ids=position_ids[::group], past_key_values=None, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    if not hasattr(cache, "batch_repeat_interleave"):  # a cache we cannot widen: encode every row instead
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=None, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float(), out.past_key_values
-    cache.batch_repeat_interleave(group)
-    return out.logits[:, -1, :].float().repeat_interleave(group, dim=0), cache
-
-
-@dataclass
-class Rollout:
-    """Sampled completions of a batch of prompts. ``N = num_prompts * group_size`` rows; ``P`` the padded
-    prompt width; ``R`` the padded response width. Row ``i`` answers prompt ``prompt_index[i]``; the
-    ``group_size`` completions of a prompt are consecutive rows.
-
-    A multi-turn rollout (:func:`align.rollout.episodes.play_episodes`) keeps the same layout: the "response" of a row
-    is everything after its first prompt, the policy's turns and the environment's replies in between.
-    ``response_mask`` then covers the policy's tokens only (each turn through its stop token), ``context_mask``
-    every token of the conversation, ``token_rewards`` holds the environment's reward of each turn at that
-    turn's last token, and ``episodes`` what else happened (one plain dict per row: ``messages``, ``turns``,
-    ``end``, ``env_reward``, ``info``, ``completion_ids`` of the last turn, and ``calls``, the timed
-    environment calls). ``texts`` are the last assistant turns. A single-turn rollout leaves the three None.
-    """
-
-    prompt_ids: torch.Tensor  # (N, P) long, left-padded
-    prompt_mask: torch.Tensor  # (N, P) long, 1 on real prompt tokens
-    response_ids: torch.Tensor  # (N, R) long, pad after the first stop token
-    response_mask: torch.Tensor  # (N, R) bool, up to and including the first stop token
-    old_logprobs: torch.Tensor  # (N, R) float32, sampling log-probs (0 where masked)
-    truncated: torch.Tensor  # (N,) bool, no stop token within max_new_tokens
-    texts: list[str]  # N decoded responses (special tokens skipped)
-    prompt_index: torch.Tensor  # (N,) long, index of the prompt in the input list (the group id)
-    group_size: int
-    generation_seconds: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    context_mask: Optional[torch.Tensor] = None  # (N, R) long, 1 on every response-side token (multi-turn)
-    token_rewards: Optional[torch.Tensor] = None  # (N, R) float32, environment rewards at turn ends (multi-turn)
-    episodes: Optional[list[dict]] = None  # N plain dicts (multi-turn)
-
-    def __len__(self) -> int:
-        return self.response_ids.shape[0]
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """``(N, P + R)`` prompt followed by response."""
-        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        """``(N, P + R)``: the prompt mask followed by the response mask (every conversation token, multi-turn)."""
-        context = self.response_mask.long() if self.context_mask is None else self.context_mask
-        return torch.cat([self.prompt_mask, context], dim=1)
-
-    @property
-    def response_lengths(self) -> torch.Tensor:
-        """``(N,)`` valid response tokens per row (the policy's tokens of every turn, multi-turn)."""
-        return self.response_mask.sum(dim=1)
-
-
-class RolloutEngine:
-    """Samples ``group_size`` completions per prompt from a :class:`~align.models.policy.PolicyModel`."""
-
-    def __init__(self, sampling: SamplingConfig | None = None, **overrides: Any):
-        """``overrides`` replace fields of ``sampling`` (e.g. ``RolloutEngine(temperature=0)``)."""
+    def __init__(self, sampling: SamplingConfig | None = None, **overrides):
+        """``overrides`` replace fields of ``sampling`` (e.g. ``NativeEngine(temperature=0)``)."""
         base = sampling or SamplingConfig()
         self.sampling = SamplingConfig(**{**base.__dict__, **overrides})
 
     def stop_ids(self, tokenizer) -> list[int]:
+        """The tokens that end a response (kept in it)."""
         return [tokenizer.eos_token_id]
 
+    def decoding(self, policy, capacity: int):
+        """A context manager that readies ``policy`` for decoding contexts of up to ``capacity`` tokens (prompt and
+        new tokens) and yields a :class:`Decode`; leaving it restores the policy (training mode) and frees what it
+        held."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the engine holds across rollouts (nothing for the native engine)."""
+
     @torch.no_grad()
-    def generate(
-        self,
-        policy,
-        prompt_ids: Sequence[Sequence[int]],
-        group_size: int = 1,
-        generator: Optional[torch.Generator] = None,
-        sync_stop: Optional[Callable[[bool], bool]] = None,
-    ) -> Rollout:
-        """Sample ``group_size`` completions for each prompt (lists of token ids, chat template applied).
-        ``sync_stop``: see :func:`sample` (``align.trainer.strategies.generation_context`` provides it when needed)."""
+    def generate(self, policy, prompt_ids: Sequence[Sequence[int]], group_size: int = 1,
+                 generator: Optional[torch.Generator] = None, sync_stop: Optional[Callable[[bool], bool]] = None,
+                 ) -> Rollout:
+        """``group_size`` completions for each prompt (lists of token ids, chat template applied), as a
+        :class:`Rollout` whose groups are consecutive rows. ``sync_stop``: see :func:`align.rollout.sampling.sample`
+        (``align.trainer.strategies.generation_context`` provides it when needed)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
-        tok = policy.tokenizer
-        s = self.sampling
+        tok, s = policy.tokenizer, self.sampling
         device = next(policy.parameters()).device
         ids, mask = left_pad(prompt_ids, tok.pad_token_id)
         prompt_index = torch.arange(len(prompt_ids)).repeat_interleave(group_size)  # (N,)
         ids, mask = ids[prompt_index].to(device), mask[prompt_index].to(device)
         stop = self.stop_ids(tok)
-        was_training = policy.training
-        policy.eval()  # no dropout while sampling, as when scoring
         started = time.perf_counter()
-        try:
-            model = policy.model
-            if s.fast_decoder:
-                model = decoder_for(model, capacity=ids.shape[1] + s.max_new_tokens)
-            out = sample(model, ids, mask, eos_token_id=stop, pad_token_id=tok.pad_token_id,
-                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                         top_p=s.top_p, min_new_tokens=s.min_new_tokens, generator=generator, sync_stop=sync_stop,
-                         shared_prefix=group_size if s.shared_prefill else 1)
-        finally:
-            policy.train(was_training)
+        with self.decoding(policy, ids.shape[1] + s.max_new_tokens) as decode:
+            out = decode(ids, mask, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
+                         generator=generator, sync_stop=sync_stop, shared_prefix=group_size if s.shared_prefill else 1)
         seconds = max(time.perf_counter() - started, 1e-9)
-        # sample() runs in inference mode; clones are ordinary tensors that training may use.
+        # The decoding loop runs in inference mode; clones are ordinary tensors that training may use.
         out = SampleOutput(out.response_ids.clone(), out.logprobs.clone(), out.steps)
         resp_mask = response_mask(out.response_ids, stop)  # (N, R)
         is_truncated = truncated(out.response_ids, stop) & (out.response_ids.shape[1] >= s.max_new_tokens)
@@ -329,3 +99,42 @@ class RolloutEngine:
         }
         return Rollout(ids, mask, out.response_ids, resp_mask, out.logprobs, is_truncated, texts,
                        prompt_index.to(device), group_size, seconds, metrics)
+
+
+class NativeEngine(GenerationEngine):
+    """align's own decoding loop on the policy's weights in this process (``sampling.engine: native``)."""
+
+    @contextmanager
+    def decoding(self, policy, capacity: int) -> Iterator[Decode]:
+        was_training = policy.training
+        policy.eval()  # no dropout while sampling, as when scoring
+        try:
+            model = policy.model
+            if self.sampling.fast_decoder:
+                model = decoder_for(model, capacity=capacity)
+            s = self.sampling
+
+            def decode(input_ids, attention_mask, *, max_new_tokens, min_new_tokens=0, generator=None,
+                       sync_stop=None, shared_prefix=1) -> SampleOutput:
+                if isinstance(model, FastDecoder):
+                    model.capacity = input_ids.shape[1] + max_new_tokens
+                return sample(model, input_ids, attention_mask, eos_token_id=self.stop_ids(policy.tokenizer),
+                              pad_token_id=policy.tokenizer.pad_token_id, max_new_tokens=max_new_tokens,
+                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_new_tokens=min_new_tokens,
+                              generator=generator, sync_stop=sync_stop, shared_prefix=shared_prefix)
+
+            yield decode
+        finally:
+            policy.train(was_training)
+
+
+ENGINES: dict[str, type[GenerationEngine]] = {"native": NativeEngine}
+"""The generation engines by name (``sampling.engine``)."""
+
+
+def make_engine(sampling: SamplingConfig | None = None, **overrides) -> GenerationEngine:
+    """The engine ``sampling.engine`` names, with ``sampling`` (fields replaced by ``overrides``)."""
+    sampling = SamplingConfig(**{**(sampling or SamplingConfig()).__dict__, **overrides})
+    if sampling.engine not in ENGINES:
+        raise ValueError(f"sampling.engine must be one of {sorted(ENGINES)}, got {sampling.engine!r}")
+    return ENGINES[sampling.engine](sampling)

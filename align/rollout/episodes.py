@@ -5,9 +5,10 @@ instance (:class:`align.rollout.envs.chat.EnvironmentPool`):
 
 1. ``reset(row)`` gives each episode its first messages, rendered with the chat template (generation prompt) into
    its prompt ids; when they are the row's own prompt conversation, the data module's ids are used as they are.
-2. Each turn samples the next assistant message of every episode still running, in one batch
-   (:func:`align.rollout.engine.sample` over the left-padded contexts; episodes that finished have left the batch). The
-   first turn encodes each group's prompt once (``sampling.shared_prefill``).
+2. Each turn samples the next assistant message of every episode still running, in one batch, from the generation
+   engine (:meth:`align.rollout.engine.GenerationEngine.decoding`, opened once for the whole rollout, over the
+   left-padded contexts; episodes that finished have left the batch). The first turn encodes each group's prompt once
+   (``sampling.shared_prefill``).
 3. ``step(message)`` of every running episode (on worker threads, time-limited) gives the reward of the turn,
    whether the episode is over, and the reply. The reply is tokenized once, as the text the template adds after the
    assistant's stop token (:meth:`align.data.chat.ChatEncoder.reply_ids`), and appended to the episode's tokens.
@@ -19,7 +20,7 @@ not appended), or when a turn reaches ``sampling.max_new_tokens`` without a stop
 and scores a cut turn, and the episode ends there as truncated whatever the environment answered; every end but
 ``done`` counts as truncated. No stop token is ever appended.
 
-The result is a :class:`~align.rollout.engine.Rollout` in the single-turn layout, so every algorithm trains on it as is:
+The result is a :class:`~align.rollout.types.Rollout` in the single-turn layout, so every algorithm trains on it as is:
 ``response_mask`` covers the policy's tokens only, so environment tokens carry no loss and no KL but stay in the
 context (``context_mask``); ``old_logprobs`` are the sampling log-probs of the policy's tokens (0 elsewhere);
 ``token_rewards`` holds each turn's environment reward at the turn's last token (PPO places it there before GAE;
@@ -39,9 +40,10 @@ from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
 from align.rollout.envs.chat import EnvironmentPool
 from align.errors import AlignConfigError, AlignEnvError
-from align.models.decoding import FastDecoder, decoder_for
+from align.rollout.engine import GenerationEngine
 from align.rollout.rewards import one_line
-from align.rollout.engine import Rollout, SamplingConfig, left_pad, sample
+from align.rollout.sampling import left_pad
+from align.rollout.types import Rollout
 
 __all__ = ["play_episodes", "ENDS"]
 
@@ -88,19 +90,18 @@ def _turn_ids(ids: list[int], logprobs: list[float], limit: int, stop: set[int])
 @torch.no_grad()
 def play_episodes(
     policy,
-    sampling: SamplingConfig,
+    engine: GenerationEngine,
     batch: PromptBatch,
     group_size: int,
     envs: EnvironmentPool,
-    stop_ids: list[int],
     generator: Optional[torch.Generator] = None,
     sync_stop: Optional[Callable[[bool], bool]] = None,
 ) -> Rollout:
     """``group_size`` episodes per prompt of ``batch`` (see the module docstring); rows of a prompt are consecutive.
 
-    ``sync_stop``: as for :func:`align.rollout.engine.sample`. Under it every rank runs the same turns and decoding steps
+    ``sync_stop``: as for :func:`align.rollout.sampling.sample`. Under it every rank runs the same turns and decoding steps
     (a rank whose episodes have all ended samples a placeholder row until every rank's have)."""
-    tok, spec = policy.tokenizer, envs.spec
+    tok, spec, sampling = policy.tokenizer, envs.spec, engine.sampling
     encoder = ChatEncoder(tok)
     if not encoder.use_chat_template:
         raise AlignConfigError(f"{envs.where}: multi-turn episodes need a tokenizer with a chat_template")
@@ -115,15 +116,10 @@ def play_episodes(
         ids = list(batch.prompt_ids[i]) if own else _render(encoder, envs, labels[k], messages)
         episodes.append(_Episode(k, labels[k], ids, messages, first_messages=len(messages)))
     device = next(policy.parameters()).device
-    stop, pad = set(stop_ids), tok.pad_token_id
+    stop, pad = set(engine.stop_ids(tok)), tok.pad_token_id
     width = max(len(e.prompt_ids) for e in episodes)
-    model = policy.model
-    if sampling.fast_decoder:
-        model = decoder_for(model, capacity=width + spec.max_tokens + sampling.max_new_tokens)
     sampling_seconds = env_seconds = 0.0
-    was_training = policy.training
-    policy.eval()
-    try:
+    with engine.decoding(policy, width + spec.max_tokens + sampling.max_new_tokens) as decode:
         for turn in range(1, spec.max_turns + 1):
             active = [e for e in episodes if e.end is None]
             if (sync_stop(not active) if sync_stop is not None else not active):
@@ -134,13 +130,10 @@ def play_episodes(
             ids, mask = left_pad(contexts, pad)
             shared = group_size if (turn == 1 and sampling.shared_prefill and len(active) == n
                                     and all(contexts[k] == contexts[k - k % group_size] for k in range(n))) else 1
-            if isinstance(model, FastDecoder):
-                model.capacity = ids.shape[1] + max_new
             clock = time.perf_counter()
-            out = sample(model, ids.to(device), mask.to(device), eos_token_id=stop_ids, pad_token_id=pad,
-                         max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
-                         top_p=sampling.top_p, min_new_tokens=min(sampling.min_new_tokens, max_new),
-                         generator=generator, sync_stop=sync_stop, shared_prefix=shared)
+            out = decode(ids.to(device), mask.to(device), max_new_tokens=max_new,
+                         min_new_tokens=min(sampling.min_new_tokens, max_new), generator=generator,
+                         sync_stop=sync_stop, shared_prefix=shared)
             sampling_seconds += time.perf_counter() - clock
             if not active:
                 continue
@@ -174,8 +167,6 @@ def play_episodes(
                 e.assistant += [False] * len(reply)
                 e.logprobs += [0.0] * len(reply)
                 e.messages += step.messages
-    finally:
-        policy.train(was_training)
     return _rollout(episodes, batch, group_size, pad, device, time.perf_counter() - started, sampling_seconds,
                     env_seconds)
 

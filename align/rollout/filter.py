@@ -5,7 +5,7 @@ paper over-samples and keeps sampling until the batch holds ``B`` groups with ``
 Lightning training step samples one prompt batch, so the fill runs across training steps:
 :meth:`GroupFilter.add` keeps the informative groups of each scored rollout and answers ``None`` (no update on
 this step) until ``target`` groups are buffered on every rank; it then returns exactly ``target`` groups per
-rank as one :class:`~align.rollout.engine.Rollout` (the excess is dropped, as in the paper) and clears the buffer.
+rank as one :class:`~align.rollout.types.Rollout` (the excess is dropped, as in the paper) and clears the buffer.
 
 Departures: after ``max_batches`` sampled batches without a full buffer the update uses what it has (the paper
 keeps sampling); with nothing buffered the batches are dropped and no update is taken. Under data parallelism
@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from align.rollout.engine import Rollout
+from align.rollout.types import Rollout
 
 __all__ = ["GroupFilter", "Filled", "informative_groups", "select_groups", "concat_rollouts"]
 

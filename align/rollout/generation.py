@@ -7,7 +7,7 @@ Everything goes through the parts training uses, so a number printed here is the
   :func:`align.models.export.policy_from_checkpoint`), or built from an exported folder or a model id;
 * prompts are read and encoded by the training reader (:func:`align.data.io.read_rows`,
   :func:`align.data.prompts.encode_prompt_rows`), so they get the same chat template and the same one-line errors;
-* completions are sampled by the training rollout engine (:class:`align.rollout.engine.RolloutEngine`);
+* completions are sampled by the training generation engine (:mod:`align.rollout.engine`, ``sampling.engine``);
 * rewards are resolved and called as in training (:func:`align.rollout.rewards.training_rewards`,
   :func:`align.rollout.rewards.reward_inputs`), and accuracy is the share of completions whose accuracy reward is at
   least a threshold: with one greedy completion per prompt, exactly what an RL run logs as ``val/accuracy``.
@@ -28,7 +28,9 @@ from align.errors import AlignConfigError, AlignDataError
 from align.core.masks import masked_sum
 from align.models.policy import PolicyModel
 from align.rollout.rewards import CombinedReward, RewardModelSpec, RewardSpec, reward_inputs, training_rewards
-from align.rollout.engine import Rollout, RolloutEngine, SamplingConfig
+from align.rollout.engine import GenerationEngine, make_engine
+from align.rollout.sampling import SamplingConfig
+from align.rollout.types import Rollout
 from align.core.stats import pass_at_k
 
 __all__ = ["PromptFile", "load_policy", "reference_policy", "read_prompts", "sampling_config", "seeded_generator", "generate_batches",
@@ -154,7 +156,7 @@ def generate_batches(policy: PolicyModel, examples: Sequence[PromptExample], sam
     prompts with its rollout, in the order of ``examples``."""
     if batch_size < 1:
         raise AlignConfigError(f"--batch_size: expected >= 1 prompts per batch, got {batch_size}")
-    engine = RolloutEngine(sampling)
+    engine = make_engine(sampling)
     generator = seeded_generator(seed, policy)
     for start in range(0, len(examples), batch_size):
         batch = collate_prompts(list(examples[start:start + batch_size]))
@@ -383,7 +385,7 @@ def _report(sums: _Sums, reward: CombinedReward, prompts: PromptFile, n: int, ks
 
 
 # ---------------------------------------------------------------------------- chat
-def chat_reply(policy: PolicyModel, encoder: ChatEncoder, history: list[dict], engine: RolloutEngine,
+def chat_reply(policy: PolicyModel, encoder: ChatEncoder, history: list[dict], engine: GenerationEngine,
                generator: torch.Generator | None = None) -> tuple[str, Rollout]:
     """The assistant's next message after the conversation ``history`` (chat template applied as in training)."""
     rollout = engine.generate(policy, [encoder.prompt_ids(history)], 1, generator=generator)

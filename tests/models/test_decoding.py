@@ -7,7 +7,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForC
 from align.hub.tiny import build_tiny_model
 import align.models.decoding as decoding
 from align.models.decoding import FastDecoder, _copy_bytes, decoder_for, fast_decoder_unsupported, prepack_available
-from align.rollout.engine import sample
+from align.rollout.sampling import sample
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -181,13 +181,14 @@ def test_unsupported_models_are_named_and_fall_back_to_their_own_forward():
 
 def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
     from align.models.policy import PolicyModel
-    from align.rollout.engine import RolloutEngine, SamplingConfig
+    from align.rollout.engine import NativeEngine
+    from align.rollout.sampling import SamplingConfig
 
     policy = PolicyModel("tiny")
     prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]
     rollouts = []
     for fast in (True, False):
-        engine = RolloutEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast))
+        engine = NativeEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast))
         rollouts.append(engine.generate(policy, prompts, group_size=2, generator=torch.Generator().manual_seed(7)))
     fast, slow = rollouts
     assert torch.equal(fast.response_ids, slow.response_ids) and fast.texts == slow.texts
@@ -197,13 +198,14 @@ def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-decoder", "model-forward"])
 def test_a_group_shares_one_prefill_and_samples_as_if_each_copy_were_encoded(fast):
     from align.models.policy import PolicyModel
-    from align.rollout.engine import RolloutEngine, SamplingConfig
+    from align.rollout.engine import NativeEngine
+    from align.rollout.sampling import SamplingConfig
 
     policy = PolicyModel("tiny")
     prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]
     rollouts = []
     for shared in (True, False):
-        engine = RolloutEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast,
+        engine = NativeEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast,
                                               shared_prefill=shared))
         rollouts.append(engine.generate(policy, prompts, group_size=3, generator=torch.Generator().manual_seed(7)))
     shared, each = rollouts

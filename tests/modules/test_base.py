@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from align.modules.base import AlignModule, PairMetrics, loss_count
+from align.core.losses import loss_count
+from align.modules.base import AlignModule, PairMetrics
 
 # (3, 4): rows with 2, 1 and 3 valid tokens
 MASK = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (align.rollout.filter, GRPOModule.dynamic_sampling) and the overlong penalty in the
+"""DAPO's dynamic sampling (align.rollout.filter, align.rollout.source.FilteredSource) and the overlong penalty in the
 RL base's rewards."""
 
 import threading
@@ -10,9 +10,11 @@ from align.core.advantages import overlong_penalty
 from align.errors import AlignConfigError, NoLearningSignalError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
-from align.modules.options import DynamicSampling, OverlongPenalty, Updates
-from align.rollout.engine import Rollout, SamplingConfig
+from align.modules.options import GroupAdvantages, OverlongPenalty, Updates
 from align.rollout.filter import GroupFilter, concat_rollouts, informative_groups
+from align.rollout.sampling import SamplingConfig
+from align.rollout.source import FilteredSource
+from align.rollout.types import Rollout, Scored
 
 from _helpers import PROMPTS, prompt_batch, standalone
 
@@ -145,7 +147,7 @@ def prompt_dependent_reward(prompts, completions, **kw):
 def make_module(**kw):
     defaults = dict(policy=PolicyModel("tiny", seed=2), rewards=[prompt_dependent_reward], group_size=4,
                     sampling=SamplingConfig(max_new_tokens=6), log_entropy=False, updates=Updates(max_grad_norm=None),
-                    dynamic_sampling=DynamicSampling(enabled=True, max_batches=3))
+                    source=FilteredSource(max_batches=3))
     return GRPOModule(**{**defaults, **kw})
 
 
@@ -172,7 +174,7 @@ def constant_reward(prompts, completions, **kw):
 def test_a_run_with_no_informative_group_stops_after_twice_the_cap():
     # Every fill ends at the cap with nothing to train on; trainer.max_steps, which counts updates, is never
     # reached, so after 2 * max_batches such batches the run stops on one line.
-    module = make_module(rewards=[constant_reward], dynamic_sampling=DynamicSampling(enabled=True, max_batches=2))
+    module = make_module(rewards=[constant_reward], source=FilteredSource(max_batches=2))
     standalone(module)
     assert module.max_batches_without_update == 50  # the floor; 2 * max_batches is lower here
     module.max_batches_without_update = 4
@@ -186,12 +188,16 @@ def test_a_run_with_no_informative_group_stops_after_twice_the_cap():
 
 
 def test_bad_dynamic_sampling_and_overlong_settings_fail_on_one_line():
-    with pytest.raises(AlignConfigError, match=r"^model\.dynamic_sampling\.reward: expected one of the rewards"):
-        make_module(dynamic_sampling=DynamicSampling(enabled=True, reward="accuracy"))
+    with pytest.raises(AlignConfigError, match=r"^model\.source\.reward: expected one of the rewards"):
+        make_module(source=FilteredSource(reward="accuracy"))
+    with pytest.raises(AlignConfigError, match=r"^model\.source\.max_batches: expected >= 1"):
+        FilteredSource(max_batches=0)
     with pytest.raises(AlignConfigError, match=r"^model\.overlong\.buffer: expected <= sampling\.max_new_tokens \(6\)"):
         make_module(overlong=OverlongPenalty(buffer=8))
     with pytest.raises(AlignConfigError, match=r"^model\.group_size: expected >= 2"):
         make_module(group_size=1)
+    with pytest.raises(AlignConfigError, match=r"^model\.source: FilteredSource .* needs model\.group_size >= 2"):
+        make_module(group_size=1, advantages=GroupAdvantages(estimator="reinforce_pp"))
 
 
 def named_overlong(prompts, completions, **kw):
@@ -202,15 +208,15 @@ named_overlong.__name__ = "overlong"
 
 
 def test_overlong_penalty_is_a_reward_part_and_in_the_total():
-    module = make_module(overlong=OverlongPenalty(buffer=3, coef=0.5), dynamic_sampling=DynamicSampling())
+    module = make_module(overlong=OverlongPenalty(buffer=3, coef=0.5), source=None)
     torch.manual_seed(0)
     batch = prompt_batch(module.policy)
-    rollout = module.rollout(batch)
-    total, parts = module.score_rewards(batch, rollout)
+    rollout = module.sampler.rollout(batch)
+    total, parts = module.sampler.score(batch, rollout)
     expected = overlong_penalty(rollout.response_lengths, 6, 3)
     assert (expected < 0).any()  # the random tiny model runs into the ramp
     torch.testing.assert_close(parts["overlong"], expected)
     torch.testing.assert_close(total, parts["prompt_dependent_reward"] + 0.5 * expected)
-    assert "rollout/reward/overlong" in module.rollout_metrics(rollout, total, parts)
+    assert "rollout/reward/overlong" in module.sampler.rollout_metrics(Scored(rollout, total, parts))
     with pytest.raises(AlignConfigError, match=r"^model\.rewards: the name 'overlong'"):
         make_module(rewards=[named_overlong], overlong=OverlongPenalty(buffer=3))

@@ -10,10 +10,10 @@ from align.data.prompts import PromptBatch, PromptDataModule
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
-from align.modules.rl import RLBatch, minibatch_indices
+from align.modules.learner import RLBatch, minibatch_indices
 from align.rollout.rewards import RewardSpec
-from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, Updates
-from align.rollout.engine import SamplingConfig
+from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, PolicyLoss, Updates
+from align.rollout.sampling import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
@@ -29,7 +29,7 @@ def make_module(updates=None, **kw):
 
 def fixed_batch(module, n_prompts=2):
     torch.manual_seed(0)
-    rollout = module.rollout(prompt_batch(module.policy, PROMPTS[:n_prompts]))
+    rollout = module.sampler.rollout(prompt_batch(module.policy, PROMPTS[:n_prompts]))
     advantages = torch.linspace(-1.0, 1.0, len(rollout))
     return RLBatch.from_rollout(rollout, advantages)
 
@@ -131,7 +131,7 @@ def test_dropout_is_off_in_the_update_passes_by_default(disable):
             if "lora_B" in name:
                 p.normal_(0, 0.1)  # a trained adapter, so that its dropout matters
     torch.manual_seed(0)
-    rollout = module.rollout(prompt_batch(policy, PROMPTS[:2]))
+    rollout = module.sampler.rollout(prompt_batch(policy, PROMPTS[:2]))
     data = RLBatch.from_rollout(rollout, torch.zeros(len(rollout)))
     policy.train()
     with torch.no_grad():
@@ -160,8 +160,8 @@ def test_rewards_receive_the_conversation_the_sampled_ids_and_truncation():
     enc = ChatEncoder(tok)
     batch = PromptBatch([enc.prompt_ids(c) for c in chats], list(PROMPTS[:2]), {"answer": ["x", "y"]}, chats)
     torch.manual_seed(0)
-    rollout = module.rollout(batch)
-    module.score_rewards(batch, rollout)
+    rollout = module.sampler.rollout(batch)
+    module.sampler.score(batch, rollout)
     assert seen["prompt_messages"] == [c for c in chats for _ in range(module.group_size)]
     assert seen["answer"] == ["x"] * 4 + ["y"] * 4
     assert [tok.decode(ids, skip_special_tokens=True) for ids in seen["completion_ids"]] == seen["completions"]
@@ -170,7 +170,7 @@ def test_rewards_receive_the_conversation_the_sampled_ids_and_truncation():
         assert (ids[-1] != tok.eos_token_id) == cut and tok.eos_token_id not in ids[:-1]
 
 
-# ---------------------------------------------------------------- advantages.estimator and clip.level
+# ---------------------------------------------------------------- advantages.estimator and policy_loss.name
 
 # A hand-built rollout of 2 prompts x 2 completions: rewards 1 0 | 2 2, responses of 2, 1, 2, 2 tokens, a k1
 # KL of 0.2 0.2 | 0.4 | 0 0 | 0 0 (NaN in the padding), kl.coef 0.5 in the reward.
@@ -209,11 +209,11 @@ def test_kl_in_the_loss_leaves_the_rewards_alone():
     torch.testing.assert_close(module.estimate_advantages(REWARDS, KL, MASK), torch.tensor([1.0, -1.0, 0.0, 0.0]))
 
 
-@pytest.mark.parametrize("estimator, level", [("rloo", "token"), ("reinforce_pp", "sequence"),
-                                              ("reinforce_pp_baseline", "token"), ("grpo", "sequence")])
-def test_each_estimator_and_level_runs_one_update(estimator, level):
+@pytest.mark.parametrize("estimator, loss", [("rloo", "clip"), ("reinforce_pp", "gspo"),
+                                             ("reinforce_pp_baseline", "clip"), ("grpo", "gspo")])
+def test_each_estimator_and_policy_loss_runs_one_update(estimator, loss):
     module = make_module(kl=KLPenalty(coef=0.1, placement="reward"), updates=dict(minibatches=2),
-                         advantages=GroupAdvantages(estimator=estimator), clip=ClipRange(level=level))
+                         advantages=GroupAdvantages(estimator=estimator), policy_loss=PolicyLoss(name=loss))
     module.setup("fit")
     opt = standalone(module, lr=1e-2)
     torch.manual_seed(0)
@@ -240,7 +240,7 @@ def test_padding_free_update_equals_the_padded_rows():
     ends = torch.tensor([6, 1, 3, 6, 2, 6, 1, 4])[:, None] > torch.arange(data.response_length)
     data.response_mask &= ends
     data.attention_mask[:, -data.response_length:] *= ends
-    data.ref_logprobs = module.reference_logprobs(data)
+    data.ref_logprobs = module.sampler.reference_logprobs(data)
     grads, metrics = {}, {}
     for free in (False, True):
         module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)

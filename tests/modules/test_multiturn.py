@@ -21,7 +21,7 @@ from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenal
 from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
 from align.rollout.rewards import RewardSpec
-from align.rollout.engine import SamplingConfig
+from align.rollout.sampling import SamplingConfig
 
 from _helpers import cpu_trainer
 
@@ -86,7 +86,7 @@ def test_ppo_places_each_turns_reward_on_its_last_token_before_gae(tmp_path):
                        updates=Updates(max_grad_norm=None), **COMMON)
     assert module.reward.names == [] and module.needs_reference is False
     batch = next(iter(loader(module.policy, 1)))
-    data = module.make_batch(batch)
+    data = module.make_batch(module.sampler.sample(batch))
     assert data.rewards.shape == data.response_mask.shape
     # gamma = lam = 1 and values taken away: the advantage of a token is the reward of its turn and every later
     # turn; an environment token has none.
@@ -117,8 +117,8 @@ def test_environment_and_reward_names_and_budget():
         GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2,
                    rewards=[RewardSpec("align.rewards.sort_format", name="env")], **COMMON)
     module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, **COMMON)
-    assert module.accuracy_reward == "env" and module.max_response_tokens == 40
-    assert GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2).max_response_tokens == 32
+    assert module.accuracy_reward == "env" and module.sampler.max_response_tokens == 40
+    assert GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2).sampler.max_response_tokens == 32
     with pytest.raises(AlignConfigError, match="model.overlong: the overlong penalty is per completion"):
         GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, overlong=OverlongPenalty(buffer=4), **COMMON)
     with pytest.raises(AlignConfigError, match="set reward_model, rewards or environment"):

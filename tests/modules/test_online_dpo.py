@@ -10,7 +10,7 @@ from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.online_dpo import OnlineDPOModule, PairBatch
 from align.modules.options import KLPenalty, Updates
 from align.rollout.rewards import RewardSpec
-from align.rollout.engine import SamplingConfig
+from align.rollout.sampling import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
@@ -30,7 +30,7 @@ def make_module(**kw):
 
 def sampled(module, n_prompts=4):
     torch.manual_seed(0)
-    return module.rollout(prompt_batch(module.policy, PROMPTS[:n_prompts]))
+    return module.sampler.rollout(prompt_batch(module.policy, PROMPTS[:n_prompts]))
 
 
 def test_pairs_put_the_higher_reward_first_and_drop_ties():
@@ -58,7 +58,7 @@ def test_a_rank_with_too_few_decisive_pairs_keeps_weightless_ties():
     data, _ = module.pair_batch(rollout, torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]))
     assert len(data) == 2  # one decisive pair, one tie to fill the second minibatch
     assert data.response_mask[[0, 2]].any() and not data.response_mask[[1, 3]].any()
-    assert float(module.step_normaliser(data.response_mask[:2])) == 1.0
+    assert float(module.learner.normaliser(data.response_mask[:2], module.ranks)) == 1.0
 
 
 def hand_built(module, logps, refs, decisive=(True, True)):

@@ -9,10 +9,10 @@ from align.modules.grpo import GRPOModule
 from align.modules.options import (
     GAE,
     ClipRange,
-    DynamicSampling,
     GroupAdvantages,
     KLPenalty,
     OverlongPenalty,
+    PolicyLoss,
     ScoreShaping,
     TrustRegion,
     Updates,
@@ -39,8 +39,8 @@ from align.modules.trpo import TRPOModule
     (lambda: GroupAdvantages(estimator="ppo"), "advantages.estimator"),
     (lambda: GroupAdvantages(estimator="rloo", std_scale="group"), "advantages.std_scale"),
     (lambda: GroupAdvantages(estimator="reinforce_pp", std_scale="batch"), "advantages.std_scale"),
-    (lambda: ClipRange(level="sentence"), "clip.level"),
-    (lambda: PPOModule(clip=ClipRange(level="sequence")), "clip.level"),
+    (lambda: GroupAdvantages(estimator="gae"), "advantages.estimator"),
+    (lambda: PolicyLoss(name="sentence"), "policy_loss.name"),
     (lambda: GAE(gamma=1.5), "gae.gamma"),
     (lambda: GAE(lam=-0.1), "gae.lam"),
     (lambda: ScoreShaping(clip=0.0), "scores.clip"),
@@ -58,13 +58,17 @@ from align.modules.trpo import TRPOModule
     (lambda: OverlongPenalty(max_length=0), "overlong.max_length"),
     (lambda: OverlongPenalty(coef=-1.0), "overlong.coef"),
     (lambda: OverlongPenalty(buffer=20).resolve(16), "overlong.buffer"),
-    (lambda: DynamicSampling(max_batches=0), "dynamic_sampling.max_batches"),
 ])
 def test_a_bad_value_fails_on_one_line_naming_its_key(build, key):
     with pytest.raises(AlignConfigError) as err:
         build()
     message = str(err.value)
     assert message.startswith(f"model.{key}: expected ") and "\n" not in message, message
+
+
+def test_ppo_refuses_a_sequence_level_policy_loss_on_one_line():
+    with pytest.raises(AlignConfigError, match=r"^model\.policy_loss\.name: 'gspo' takes one advantage per sequence"):
+        PPOModule(policy_loss=PolicyLoss(name="gspo"))
 
 
 def test_an_adaptive_controller_needs_a_positive_start():
@@ -97,11 +101,11 @@ def test_a_nested_block_changes_only_the_fields_it_names_on_the_modules_own_defa
 
 
 def test_every_rl_module_takes_the_shared_blocks_and_only_its_own_extras():
-    shared = {"policy", "rewards", "reward_model", "eval_rewards", "group_size", "sampling", "evaluation", "updates",
-              "kl", "overlong", "log_entropy", "optimizer", "scheduler", "disable_dropout", "environment"}
+    shared = {"policy", "rewards", "reward_model", "eval_rewards", "group_size", "sampling", "source", "evaluation",
+              "updates", "kl", "overlong", "log_entropy", "optimizer", "scheduler", "disable_dropout", "environment"}
     keys = {cls: set(vars(parse(cls))) for cls in (GRPOModule, PPOModule, TRPOModule)}
-    assert keys[GRPOModule] == shared | {"clip", "advantages", "dynamic_sampling"}
-    assert keys[PPOModule] == shared | {"clip", "gae", "scores", "value", "entropy_coef"}
+    assert keys[GRPOModule] == shared | {"clip", "policy_loss", "advantages"}
+    assert keys[PPOModule] == shared | {"clip", "policy_loss", "gae", "scores", "value", "entropy_coef"}
     assert keys[TRPOModule] == shared | {"gae", "scores", "value", "trust_region"}  # no clip, no entropy bonus
     evaluation = parse(GRPOModule, "--model.evaluation.accuracy_threshold", "0.5").evaluation
     assert (evaluation.sampling, evaluation.accuracy_reward, evaluation.accuracy_threshold) == (None, None, 0.5)
@@ -110,6 +114,6 @@ def test_every_rl_module_takes_the_shared_blocks_and_only_its_own_extras():
 def test_advantage_estimators_keep_grpo_as_the_default_and_parse_from_the_command_line():
     assert (GroupAdvantages().estimator, GroupAdvantages().scale) == ("grpo", "group")
     assert GroupAdvantages(std_scale="none").scale == "none"
-    grpo = parse(GRPOModule, "--model.advantages.estimator", "rloo", "--model.clip.level", "sequence")
-    assert (grpo.advantages.estimator, grpo.advantages.std_scale, grpo.clip.level, grpo.clip.low) == (
-        "rloo", None, "sequence", 0.2)
+    grpo = parse(GRPOModule, "--model.advantages.estimator", "rloo", "--model.policy_loss.name", "gspo")
+    assert (grpo.advantages.estimator, grpo.advantages.std_scale, grpo.policy_loss.name, grpo.clip.low) == (
+        "rloo", None, "gspo", 0.2)

@@ -11,10 +11,12 @@ from align.data.prompts import PromptBatch, PromptDataModule
 from align.core.kl import AdaptiveKLController
 from align.core.masks import masked_mean, response_mask, truncated
 from align.models.policy import PolicyModel
-from align.modules.ppo import PPOBatch, PPOModule
+from align.modules.actor_critic import GAEBatch
+from align.modules.ppo import PPOModule
 from align.rollout.rewards import RewardSpec
 from align.modules.options import GAE, KLPenalty, ScoreShaping, Updates, ValueTraining
-from align.rollout.engine import Rollout, SamplingConfig
+from align.rollout.sampling import SamplingConfig
+from align.rollout.types import Rollout
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
@@ -57,8 +59,8 @@ def test_terminal_reward_on_eos_when_pad_equals_eos_and_on_last_token_when_trunc
     responses = [[40, 41, eos, eos, eos], [40, 41, 42, 43, 44]]
     module = make_module(policy, rewards=[row_reward], kl=KLPenalty(placement="reward"), group_size=1,
                          sampling=SamplingConfig(max_new_tokens=5))
-    module.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
-    data = module.make_batch(prompt_batch(policy, PROMPTS[:2]))
+    module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
+    data = module.make_batch(module.sampler.sample(prompt_batch(policy, PROMPTS[:2])))
     assert data.response_mask.tolist() == [[True, True, True, False, False], [True] * 5]
     expected = torch.tensor([[0.0, 0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 5.0]])
     torch.testing.assert_close(data.rewards, expected)
@@ -72,8 +74,8 @@ def test_make_batch_shapes_returns_and_whitened_advantages():
     torch.manual_seed(0)
     with torch.no_grad():
         module.policy.value_head.proj.bias.fill_(0.5)
-    data = module.make_batch(prompt_batch(module.policy))
-    assert isinstance(data, PPOBatch)
+    data = module.make_batch(module.sampler.sample(prompt_batch(module.policy)))
+    assert isinstance(data, GAEBatch)
     n, r = len(data), data.response_length
     assert n == 8 and data.input_ids.shape[1] == data.attention_mask.shape[1] > r
     for name in ("old_logprobs", "advantages", "ref_logprobs", "values", "returns", "rewards", "kl"):
@@ -88,7 +90,7 @@ def test_make_batch_shapes_returns_and_whitened_advantages():
     kl = torch.where(data.response_mask, data.old_logprobs - data.ref_logprobs, 0.0)
     torch.testing.assert_close(data.kl, kl)
     sub = data.select(torch.tensor([1, 3]))
-    assert isinstance(sub, PPOBatch) and len(sub) == 2 and sub.values.shape == sub.response_mask.shape
+    assert isinstance(sub, GAEBatch) and len(sub) == 2 and sub.values.shape == sub.response_mask.shape
 
 
 def test_explained_variance_rises_during_critic_warmup_on_a_fixed_rollout():
@@ -97,8 +99,8 @@ def test_explained_variance_rises_during_critic_warmup_on_a_fixed_rollout():
                          value=ValueTraining(warmup_rollouts=25, clip=None), updates=Updates(epochs=2, max_grad_norm=None),
                          group_size=1)
     torch.manual_seed(0)
-    fixed = module.engine.generate(policy, prompt_batch(policy).prompt_ids, 1)
-    module.engine.generate = lambda *a, **k: fixed
+    fixed = module.sampler.engine.generate(policy, prompt_batch(policy).prompt_ids, 1)
+    module.sampler.engine.generate = lambda *a, **k: fixed
     standalone(module, torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=3e-3))
     lm_before = [p.detach().clone() for p in policy.model.parameters()]
     batch = prompt_batch(policy)
@@ -130,7 +132,7 @@ def test_joint_update_steps_and_accumulation_matches_one_micro_batch():
     module = make_module(updates=Updates(minibatches=2, epochs=2, max_grad_norm=None))
     module.setup("fit")
     torch.manual_seed(0)
-    data = module.make_batch(prompt_batch(module.policy))
+    data = module.make_batch(module.sampler.sample(prompt_batch(module.policy)))
     opt = standalone(module)
     stats = module.update_policy(data)
     assert opt.steps == 4
@@ -150,11 +152,11 @@ def test_joint_update_steps_and_accumulation_matches_one_micro_batch():
 def test_score_options_penalty_whitening_scaling_clipping():
     module = make_module(scores=ScoreShaping(missing_eos_penalty=1.0, whiten=True, scale=2.0, clip=1.5))
     rollout = type("R", (), {"truncated": torch.tensor([True, False, False, False])})()
-    out = module.transform_scores(torch.tensor([1.0, 0.0, 2.0, 4.0]), rollout)
+    out = module.transform_scores(torch.tensor([1.0, 0.0, 2.0, 4.0]), rollout.truncated)
     x = torch.tensor([0.0, 0.0, 2.0, 4.0])
     expected = ((x - x.mean()) / x.std() * 2.0).clamp(-1.5, 1.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(make_module().transform_scores(torch.tensor([7.0, -9.0]), rollout), torch.tensor([7.0, -9.0]))
+    assert torch.equal(make_module().transform_scores(torch.tensor([7.0, -9.0]), rollout.truncated), torch.tensor([7.0, -9.0]))
 
 
 def test_no_value_model_is_an_error_naming_the_setting():
@@ -258,7 +260,7 @@ def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
     module = make_module(policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1,
                          sampling=SamplingConfig(max_new_tokens=5))
     module.setup("fit")
-    module.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
+    module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     with torch.no_grad():
         head = policy.value_head if kind == "shared" else policy.critic_head
         head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
@@ -266,7 +268,7 @@ def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
     for free in (False, True):
         module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)
         torch.manual_seed(1)  # the same minibatches (the first epoch's are drawn as the rollout is scored)
-        batches[free] = data = module.make_batch(prompt_batch(policy, PROMPTS[:4]))
+        batches[free] = data = module.make_batch(module.sampler.sample(prompt_batch(policy, PROMPTS[:4])))
         opt = standalone(module)
         module.update_policy(data)
         grads[free] = opt.grads
@@ -292,7 +294,7 @@ def test_the_critics_rollout_pass_serves_the_update_first_micro_batch(micro_batc
     module = make_module(policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1,
                          sampling=SamplingConfig(max_new_tokens=5), log_entropy=True)
     module.setup("fit")
-    module.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
+    module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     with torch.no_grad():
         policy.critic_head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
     critic_calls = []
@@ -304,7 +306,7 @@ def test_the_critics_rollout_pass_serves_the_update_first_micro_batch(micro_batc
         module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, micro_batch_size=micro_batch_size)
         torch.manual_seed(1)
         critic_calls.clear()
-        batches[keep] = data = module.make_batch(prompt_batch(policy, PROMPTS[:4]))
+        batches[keep] = data = module.make_batch(module.sampler.sample(prompt_batch(policy, PROMPTS[:4])))
         calls[keep, "rollout"] = list(critic_calls)
         opt = standalone(module)
         critic_calls.clear()

@@ -14,7 +14,7 @@ from align.models.policy import PolicyModel
 from align.modules.trpo import TRPOModule
 from align.errors import AlignConfigError
 from align.modules.options import TrustRegion, Updates, ValueTraining
-from align.rollout.engine import SamplingConfig
+from align.rollout.sampling import SamplingConfig
 
 from _helpers import length_reward, prompt_batch, standalone
 
@@ -27,7 +27,7 @@ def make_module(policy=None, trust_region=None, **kw):
 
 def fixed_batch(module):
     torch.manual_seed(0)
-    return module.make_batch(prompt_batch(module.policy))
+    return module.make_batch(module.sampler.sample(prompt_batch(module.policy)))
 
 
 def snapshot(params):

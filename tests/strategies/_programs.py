@@ -22,9 +22,9 @@ from align.modules.dpo import DPOModule
 from align.modules.grpo import GRPOModule
 from align.modules.ppo import PPOModule
 from align.modules.options import KLPenalty, Updates, ValueTraining
-from align.modules.rl import RLBatch
+from align.modules.learner import RLBatch
 from align.rollout.rewards import RewardSpec
-from align.rollout.engine import SamplingConfig
+from align.rollout.sampling import SamplingConfig
 
 SFT_DATA = "align:sort/sft/train.jsonl"
 PREF_DATA = "align:sort/preference/train.jsonl"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import lightning as L
 import torch
 
-from align.rollout.engine import sample
+from align.rollout.sampling import sample
 from align.trainer.strategies import DeepSpeedZeROStrategy, FSDP2Strategy, generation_context, global_all, parameters_sharded
 
 

@@ -1,0 +1,203 @@
+"""The learner of the RL modules: a rollout's rows as a batch (:class:`RLBatch`), its minibatches and micro-batches,
+and the update loop, one optimizer step per minibatch with micro-batches accumulated under the step's loss normaliser.
+
+Loss normalisation (docs/algorithms.md, "Losses"): one optimizer step consumes one *minibatch* of rollout rows,
+processed as one or more micro-batches. Every micro-batch loss is a sum over its valid tokens (or sequences) divided
+by the count over the whole minibatch on all ranks (:meth:`Learner.normaliser`), and is multiplied by the world size
+to undo the data-parallel gradient average (``Optimization.gradient_scale``). Accumulated gradients therefore equal
+the gradient of the full minibatch loss, whatever the micro-batch size or the number of ranks.
+
+:func:`policy_loss_terms` evaluates a module's policy loss (a row of :data:`align.core.policy_losses.POLICY_LOSSES`)
+on a micro-batch, with the metrics every policy-gradient module logs.
+
+A :class:`Learner` knows nothing of Lightning: the module hands it an :class:`Optimization` (the optimizer and the
+trainer's backward, clipping and accumulation hooks, or plain torch's), so it runs in a notebook or a test as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from align.core.masks import masked_mean
+from align.core.policy_losses import POLICY_LOSSES, PolicyLossInputs, PolicyLossSettings
+from align.modules.options import ClipRange, PolicyLoss, Updates
+from align.rollout.types import Ranks, Rollout
+
+__all__ = ["LossFn", "Learner", "Optimization", "RLBatch", "minibatch_indices", "policy_loss_terms"]
+
+
+@dataclass
+class RLBatch:
+    """Rollout rows ready for a policy update. ``N`` rows, ``T = P + R`` tokens, ``R`` response tokens.
+
+    Subclasses add fields (PPO: values, returns, ...). :meth:`select` handles every tensor field by its shape:
+    ``(N, R)`` per response token, ``(N,)`` per row; other fields are per rollout and are not carried over.
+    """
+
+    input_ids: torch.Tensor  # (N, T) prompt (left-padded) + response
+    attention_mask: torch.Tensor  # (N, T) prompt mask + response mask
+    response_mask: torch.Tensor  # (N, R) bool
+    old_logprobs: torch.Tensor  # (N, R) sampling log-probs: the behaviour policy of the importance ratio
+    advantages: torch.Tensor  # (N, R) per-token advantages (GRPO broadcasts one per sequence)
+    ref_logprobs: Optional[torch.Tensor] = None  # (N, R) reference log-probs, when a KL term needs them
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.response_mask.shape[1]
+
+    @staticmethod
+    def selected_width(attention_mask: torch.Tensor, response_length: int, index: torch.Tensor) -> int:
+        """Response columns that :meth:`select` keeps for the rows ``index``: up to the last one any of them uses."""
+        used = attention_mask[index, attention_mask.shape[1] - response_length:].any(dim=0).nonzero()
+        return int(used[-1]) + 1 if len(used) else 1
+
+    def select(self, index: torch.Tensor) -> "RLBatch":
+        """The rows ``index``, with the padding columns that no selected row uses trimmed off."""
+        width = self.selected_width(self.attention_mask, self.response_length, index)
+        cut = self.response_length - width
+        rows = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            value = value[index]
+            if f.name in ("input_ids", "attention_mask"):
+                value = value[:, : value.shape[1] - cut] if cut else value
+            elif value.dim() == 2:
+                value = value[:, :width]
+            rows[f.name] = value
+        return type(self)(**rows)
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None,
+                     ) -> "RLBatch":
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand_as(rollout.old_logprobs)  # (N,) -> (N, R)
+        return cls(rollout.input_ids, rollout.attention_mask, rollout.response_mask, rollout.old_logprobs,
+                   advantages, ref_logprobs)
+
+
+def minibatch_indices(n: int, num_minibatches: int, micro_batch_size: Optional[int], shuffle: bool = True,
+                      generator: Optional[torch.Generator] = None) -> list[list[torch.Tensor]]:
+    """Split ``n`` rows into ``num_minibatches`` (one optimizer step each), each into micro-batches of at
+    most ``micro_batch_size`` rows (``None``: one micro-batch). Returns ``[[indices, ...], ...]``."""
+    if not 1 <= num_minibatches <= n:
+        raise ValueError(f"updates.minibatches must be in [1, {n}] (rows per rollout), got {num_minibatches}")
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    out = []
+    for mb in torch.tensor_split(order, num_minibatches):
+        size = micro_batch_size or len(mb)
+        out.append(list(torch.split(mb, size)))
+    return out
+
+
+def _no_boundary(last: bool) -> None:
+    return None
+
+
+class Optimization(NamedTuple):
+    """How a learner takes optimizer steps: the trainer's hooks under Lightning, plain torch's otherwise."""
+
+    optimizer: Any
+    scheduler: Any = None  # stepped after every optimizer step
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+    clip: Optional[Callable[[float], Any]] = None  # clips the gradient norm to the given value
+    boundary: Callable[[bool], None] = _no_boundary  # told whether a micro-batch ends the step (DeepSpeed)
+    gradient_scale: float = 1.0  # undoes the framework's own scaling of a returned loss
+    ranks: Ranks = Ranks()
+
+
+LossFn = Callable[[RLBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+"""``loss_fn(micro, normaliser) -> (loss, {metric: value})``: the micro-batch's share of the step loss and metrics
+that are means over the micro-batch's valid tokens."""
+
+
+class Learner:
+    """``updates.epochs`` passes over a batch, ``updates.minibatches`` optimizer steps per pass, each minibatch in
+    micro-batches of ``updates.micro_batch_size`` rows. ``count(response_mask) -> ()`` is this rank's count of loss
+    terms in a minibatch (:func:`align.core.losses.loss_count`, or online DPO's decisive pairs)."""
+
+    def __init__(self, updates: Updates, count: Callable[[torch.Tensor], torch.Tensor]):
+        self.updates, self.count = updates, count
+        self.steps = 0
+        """Optimizer steps taken: the version of the policy being trained (saved in checkpoints by the module)."""
+        self.current_rows: torch.Tensor | None = None
+        """The rows of the batch that the micro-batch being scored in :meth:`update` holds."""
+        self._planned: list[list[torch.Tensor]] | None = None
+
+    def plan(self, n: int) -> list[list[torch.Tensor]]:
+        """Draw the first epoch's minibatches of the next :meth:`update` of ``n`` rows now (the same random draw
+        that update would make), so that the rollout's scoring can prepare for its first micro-batch."""
+        u = self.updates
+        self._planned = minibatch_indices(n, u.minibatches, u.micro_batch_size)
+        return self._planned
+
+    def normaliser(self, response_mask: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+        """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R): their
+        count of loss terms summed over every rank, at least 1."""
+        return ranks.all_reduce(self.count(response_mask).float()).clamp(min=1.0)
+
+    def update(self, data: RLBatch, loss_fn: LossFn, opt: Optimization,
+               on_step: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """Train on ``data``; returns the step metrics of ``loss_fn``, averaged over every micro-batch of every
+        rank weighted by valid tokens. The first epoch's minibatches are those drawn by :meth:`plan` when it was
+        called for these rows, else drawn here; :attr:`current_rows` names the rows of the micro-batch ``loss_fn`` is
+        given. ``on_step`` runs after every optimizer step."""
+        u, ranks = self.updates, opt.ranks
+        sums: dict[str, float] = {}
+        weight_total = 0.0
+        planned, self._planned = self._planned, None
+        if planned is not None and sum(len(i) for mb in planned for i in mb) != len(data):
+            planned = None  # drawn for other rows
+        for epoch in range(u.epochs):
+            minibatches = (planned if epoch == 0 and planned is not None
+                           else minibatch_indices(len(data), u.minibatches, u.micro_batch_size))
+            for micro_indices in minibatches:
+                normaliser = self.normaliser(data.response_mask[torch.cat(micro_indices)], ranks)
+                for j, index in enumerate(micro_indices):
+                    opt.boundary(j == len(micro_indices) - 1)  # DeepSpeed: reduce on the last only
+                    micro = data.select(index.to(data.input_ids.device))
+                    self.current_rows = index
+                    loss, stats = loss_fn(micro, normaliser)
+                    opt.backward(loss * opt.gradient_scale)
+                    weight = float(micro.response_mask.sum())
+                    weight_total += weight
+                    for name, value in stats.items():
+                        sums[name] = sums.get(name, 0.0) + float(value) * weight
+                if u.max_grad_norm is not None:
+                    opt.clip(u.max_grad_norm)
+                opt.optimizer.step()  # a non-finite loss or gradient stops or skips here (align.trainer.guards)
+                opt.optimizer.zero_grad(set_to_none=True)
+                self.steps += 1
+                on_step()
+                if opt.scheduler is not None:
+                    opt.scheduler.step()
+        self.current_rows = None
+        if ranks.size > 1 and sums:  # token-weighted means over every rank's micro-batches (one all-reduce)
+            names = sorted(sums)
+            device = data.input_ids.device
+            packed = ranks.all_reduce(torch.tensor([sums[n] for n in names] + [weight_total], device=device))
+            sums, weight_total = dict(zip(names, packed[:-1].tolist())), float(packed[-1])
+        return {name: value / max(weight_total, 1.0) for name, value in sums.items()}
+
+
+def policy_loss_terms(module, micro: RLBatch, normaliser: torch.Tensor, out, policy_loss: PolicyLoss,
+                      clip: ClipRange) -> tuple[torch.Tensor, dict]:
+    """``(loss share, metrics)`` of the policy loss ``policy_loss`` on the micro-batch ``micro`` whose current
+    log-probs are ``out`` (GRPO's and PPO's). With one optimizer step per rollout the old policy is the current one
+    (detached), so the ratio is exactly 1."""
+    mask, agg = micro.response_mask, module.updates.loss_aggregation
+    old = out.logprobs.detach() if module.on_policy else micro.old_logprobs
+    loss, stats = POLICY_LOSSES[policy_loss.name](PolicyLossInputs(out.logprobs, old, micro.advantages, mask),
+                                                  PolicyLossSettings(clip.low, clip.high, agg, normaliser))
+    metrics = {"train/policy_loss": module.as_token_mean(loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
+               "train/approx_kl": stats.approx_kl}
+    if out.entropy is not None:
+        metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask)
+    return loss, metrics

@@ -1,0 +1,187 @@
+"""The sampler: prompts -> scored rollouts for one policy, with no optimizer.
+
+A :class:`Sampler` is what every RL module samples and scores through (docs/architecture.md): it asks a generation
+engine (:mod:`align.rollout.engine`) for ``group_size`` completions per prompt, or plays multi-turn episodes with an
+environment (:func:`align.rollout.episodes.play_episodes`), scores them with the reward stack
+(:class:`align.rollout.rewards.CombinedReward`, DAPO's overlong shaping, the environment's rewards), and computes the
+reference log-probs the KL terms need. A rollout source (:mod:`align.rollout.source`) decides when and how often to
+call it; the module's learner updates on what comes out.
+
+The module that owns a sampler tells it three things it cannot know alone: the ``generation_context`` of its
+strategy (parameters gathered from FSDP2/ZeRO-3 shards while decoding, and the cross-rank stop decision), the
+data-parallel ``ranks``, and the ``policy_version`` (optimizer steps taken), which every rollout records.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, ContextManager, NamedTuple, Optional
+
+import torch
+
+from align.data.prompts import PromptBatch
+from align.observability.timing import Timer, record_span
+from align.core.advantages import overlong_penalty
+from align.rollout.engine import GenerationEngine, make_engine
+from align.rollout.envs.chat import EnvironmentPool
+from align.rollout.episodes import play_episodes
+from align.rollout.rewards import CombinedReward, LazyRewardModel, reward_inputs
+from align.rollout.sampling import SamplingConfig
+from align.rollout.types import Ranks, Rollout, Scored
+
+__all__ = ["OverlongShaping", "Sampler"]
+
+
+class OverlongShaping(NamedTuple):
+    """DAPO's soft overlong punishment as the sampler applies it: ``coef`` times
+    :func:`~align.core.advantages.overlong_penalty` of each completion's length with ``buffer`` and ``max_length``."""
+
+    coef: float
+    buffer: int
+    max_length: int
+
+
+def _no_context():
+    return nullcontext(None)
+
+
+class Sampler:
+    """Samples and scores rollouts of ``policy``: ``group_size`` completions per prompt drawn with ``sampling``
+    (held-out prompts: one each with ``eval_sampling``), rewarded by ``reward``, or episodes played in
+    ``environment``."""
+
+    def __init__(self, policy, reward: CombinedReward, group_size: int = 1, sampling: SamplingConfig | None = None,
+                 eval_sampling: SamplingConfig | None = None, environment: EnvironmentPool | None = None,
+                 overlong: OverlongShaping | None = None, logprob_temperature: float | None = None,
+                 padding_free: bool = False, needs_reference: bool = False):
+        """
+        Args:
+            policy: The :class:`~align.models.PolicyModel` that samples (and whose reference scores).
+            reward: The training rewards (weighted total and parts).
+            group_size: Completions (or episodes) per prompt.
+            sampling: The training engine's settings; ``eval_sampling``: the held-out engine's (greedy by default).
+            environment: Multi-turn episodes instead of single completions; its rewards are the part ``env``.
+            overlong: DAPO's overlong shaping (the reward part ``overlong``); None: off.
+            logprob_temperature: Temperature of the reference log-probs (default: the sampling temperature, 1 for
+                greedy), so that they compare with the sampling log-probs.
+            padding_free: Score reference passes with the rows' real tokens laid end to end.
+            needs_reference: Whether :meth:`reference_logprobs` computes anything (a KL term or a reference-relative
+                loss); otherwise it returns None and no reference is set up.
+        """
+        self.policy, self.reward, self.group_size = policy, reward, group_size
+        self.engine: GenerationEngine = make_engine(sampling or SamplingConfig())
+        self.eval_engine: GenerationEngine = make_engine(eval_sampling or SamplingConfig(
+            max_new_tokens=self.engine.sampling.max_new_tokens, temperature=0.0))
+        self.environment, self.overlong = environment, overlong
+        temperature = self.engine.sampling.temperature or 1.0
+        self.logprob_temperature = temperature if logprob_temperature is None else logprob_temperature
+        self.padding_free, self.needs_reference = padding_free, needs_reference
+        self.generation_context: Callable[[], ContextManager] = _no_context
+        """Entered around every rollout; yields ``sync_stop`` (or None): set by the module from its strategy."""
+        self.ranks: Callable[[], Ranks] = Ranks
+        """The data-parallel ranks, read when needed (the module's trainer may attach after construction)."""
+        self.policy_version = 0
+        """Optimizer steps the policy has taken: recorded on every rollout (set by the module after each update)."""
+        self.rollouts = 0
+        """Training rollouts sampled (:meth:`sample`), saved in checkpoints by the module."""
+
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest response a rollout can hold: ``sampling.max_new_tokens``, or an episode's token budget
+        (``environment.max_tokens``, assistant and environment tokens)."""
+        return self.environment.spec.max_tokens if self.environment is not None else self.engine.sampling.max_new_tokens
+
+    def setup(self, device: str | None = None) -> None:
+        """Load what waits for the process's device: reward models, and the reference when one is needed."""
+        for reward in self.reward.rewards:
+            if isinstance(reward.fn, LazyRewardModel):
+                reward.fn.load(device)
+        if self.needs_reference:
+            self.policy.setup_reference()
+
+    # ------------------------------------------------------------------ rollouts
+    def rollout(self, batch: PromptBatch, group_size: int | None = None, engine: GenerationEngine | None = None,
+                ) -> Rollout:
+        """``group_size`` (default: the sampler's) completions or episodes per prompt, by ``engine`` (default: the
+        training engine)."""
+        self.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
+        engine = engine or self.engine
+        group_size = group_size or self.group_size
+        with self.generation_context() as sync_stop:
+            if self.environment is None:
+                rollout = engine.generate(self.policy, batch.prompt_ids, group_size, sync_stop=sync_stop)
+            else:
+                rollout = play_episodes(self.policy, engine, batch, group_size, self.environment, sync_stop=sync_stop)
+                self.trace_environment(rollout)
+        rollout.policy_version = self.policy_version
+        return rollout
+
+    def trace_environment(self, rollout: Rollout) -> None:
+        """An ``env_step`` span per environment call of a multi-turn rollout, under the span open here (the step's
+        ``generation``), while tracing is on."""
+        name = self.environment.name
+        for index, episode in enumerate(rollout.episodes):
+            for turn, start, end, reward, done in episode["calls"]:
+                record_span("env_step", start, end, {"align.env.name": name, "align.env.episode": index,
+                                                     "align.env.turn": turn, "align.env.reward": reward,
+                                                     "align.env.done": done})
+
+    def score(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device.
+
+        Every reward is called with keyword arguments (:class:`align.rollout.rewards.RewardFunction`) and receives,
+        besides the prompt texts, the completions and the data's columns, the whole prompt conversation
+        (``prompt_messages``), the sampled token ids through the first stop token (``completion_ids``) and whether a
+        completion was cut off at ``max_new_tokens`` (``completion_truncated``).
+
+        With overlong shaping, the part ``overlong`` holds each completion's penalty in ``[-1, 0]`` (of its length,
+        stop token included), and the total adds ``overlong.coef`` times it. A multi-turn rollout adds the part
+        ``env``, each episode's summed environment rewards, with weight ``environment.weight``.
+        """
+        total, parts = self.reward(**reward_inputs(batch, rollout))
+        device = rollout.response_ids.device
+        to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
+        total, parts = to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
+        if rollout.episodes is not None:
+            parts["env"] = to_tensor([e["env_reward"] for e in rollout.episodes])
+            total = total + self.environment.spec.weight * parts["env"]
+        if self.overlong is not None:
+            o = self.overlong
+            parts["overlong"] = overlong_penalty(rollout.response_lengths, o.max_length, o.buffer)  # (N,)
+            total = total + o.coef * parts["overlong"]
+        return total, parts
+
+    def sample(self, batch: PromptBatch) -> Scored:
+        """A training rollout of ``batch`` with its rewards, timed (``time/generation_s``, ``time/scoring_s``) and
+        counted in :attr:`rollouts`."""
+        timings: dict[str, float] = {}
+        self.rollouts += 1
+        with Timer(timings, "time/generation_s"):
+            rollout = self.rollout(batch)
+        with Timer(timings, "time/scoring_s"):
+            rewards, parts = self.score(batch, rollout)
+        return Scored(rollout, rewards, parts, timings)
+
+    # ------------------------------------------------------------------ reference
+    def token_logprobs(self, data, reference: bool = False, **kwargs):
+        """Per-token log-probs of the responses of ``data`` (a rollout or a batch of its rows; entropy or values on
+        request), at :attr:`logprob_temperature`; ``reference=True``: under the reference policy."""
+        return self.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_mask.shape[1],
+                                          temperature=self.logprob_temperature, reference=reference,
+                                          padding_free=self.padding_free, **kwargs)
+
+    @torch.no_grad()
+    def reference_logprobs(self, data) -> Optional[torch.Tensor]:
+        """``(N, R)`` reference log-probs of the rows of ``data``, or None when no reference is needed."""
+        return self.token_logprobs(data, reference=True).logprobs if self.needs_reference else None
+
+    @staticmethod
+    def rollout_metrics(scored: Scored) -> dict[str, float]:
+        """The rollout's own metrics (lengths, throughput, ...) and the reward means of ``scored``."""
+        rollout, rewards = scored.rollout, scored.rewards
+        metrics = dict(rollout.metrics)
+        metrics["rollout/reward_mean"] = float(rewards.mean())
+        metrics["rollout/reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+        for name, values in scored.parts.items():
+            metrics[f"rollout/reward/{name}"] = float(values.mean())
+        return metrics

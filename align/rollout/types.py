@@ -1,0 +1,93 @@
+"""What flows out of the rollout layer: a :class:`Rollout` (sampled rows with their log-probs), a :class:`Scored`
+rollout (with its rewards), and the data-parallel :class:`Ranks` a sampler or a source reduces over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Rollout", "Scored", "Ranks", "identity"]
+
+
+@dataclass
+class Rollout:
+    """Sampled completions of a batch of prompts. ``N = num_prompts * group_size`` rows; ``P`` the padded
+    prompt width; ``R`` the padded response width. Row ``i`` answers prompt ``prompt_index[i]``; the
+    ``group_size`` completions of a prompt are consecutive rows.
+
+    A multi-turn rollout (:func:`align.rollout.episodes.play_episodes`) keeps the same layout: the "response" of a row
+    is everything after its first prompt, the policy's turns and the environment's replies in between.
+    ``response_mask`` then covers the policy's tokens only (each turn through its stop token), ``context_mask``
+    every token of the conversation, ``token_rewards`` holds the environment's reward of each turn at that
+    turn's last token, and ``episodes`` what else happened (one plain dict per row: ``messages``, ``turns``,
+    ``end``, ``env_reward``, ``info``, ``completion_ids`` of the last turn, and ``calls``, the timed
+    environment calls). ``texts`` are the last assistant turns. A single-turn rollout leaves the three None.
+
+    ``policy_version`` names the policy that sampled the rows: the number of optimizer steps it had taken. A source
+    that runs ahead of training produces rows of an older version than the one being updated; the update's
+    importance ratio then takes the sampling log-probs (``old_logprobs``) as the behaviour policy.
+    """
+
+    prompt_ids: torch.Tensor  # (N, P) long, left-padded
+    prompt_mask: torch.Tensor  # (N, P) long, 1 on real prompt tokens
+    response_ids: torch.Tensor  # (N, R) long, pad after the first stop token
+    response_mask: torch.Tensor  # (N, R) bool, up to and including the first stop token
+    old_logprobs: torch.Tensor  # (N, R) float32, sampling log-probs (0 where masked)
+    truncated: torch.Tensor  # (N,) bool, no stop token within max_new_tokens
+    texts: list[str]  # N decoded responses (special tokens skipped)
+    prompt_index: torch.Tensor  # (N,) long, index of the prompt in the input list (the group id)
+    group_size: int
+    generation_seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    context_mask: Optional[torch.Tensor] = None  # (N, R) long, 1 on every response-side token (multi-turn)
+    token_rewards: Optional[torch.Tensor] = None  # (N, R) float32, environment rewards at turn ends (multi-turn)
+    episodes: Optional[list[dict]] = None  # N plain dicts (multi-turn)
+    policy_version: int = 0  # optimizer steps the sampling policy had taken (the oldest, for joined rollouts)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """``(N, P + R)`` prompt followed by response."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``(N, P + R)``: the prompt mask followed by the response mask (every conversation token, multi-turn)."""
+        context = self.response_mask.long() if self.context_mask is None else self.context_mask
+        return torch.cat([self.prompt_mask, context], dim=1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """``(N,)`` valid response tokens per row (the policy's tokens of every turn, multi-turn)."""
+        return self.response_mask.sum(dim=1)
+
+
+@dataclass
+class Scored:
+    """A rollout to update on: its rows, each row's total training ``rewards`` (N,), each reward part ``parts``
+    ``{name: (N,)}``, and the seconds spent on it (``timings``: ``time/generation_s``, ``time/scoring_s``; summed over
+    every batch sampled for it when a source fills an update from several)."""
+
+    rollout: Rollout
+    rewards: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    """The all-reduce of a single process."""
+    return x
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The data-parallel ranks a sampler or a rollout source works across: this process's ``rank`` of ``size``, and
+    ``all_reduce`` (sums a tensor over every rank; the identity on one process)."""
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = identity

@@ -1,0 +1,141 @@
+"""The rollout layer's seams without a trainer: the sampler, the rollout sources and the generation-engine table.
+
+A scripted engine stands in for a second engine (it answers every prompt with the same tokens) to show that the
+sampler, the episodes and an RL module's training step use whatever ``sampling.engine`` names."""
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from align.errors import AlignConfigError
+from align.models.policy import PolicyModel
+from align.modules.grpo import GRPOModule
+from align.modules.online_dpo import OnlineDPOModule
+from align.modules.ppo import PPOModule
+from align.rollout import engine as engines
+from align.rollout.engine import GenerationEngine, NativeEngine, make_engine
+from align.rollout.filter import concat_rollouts
+from align.rollout.rewards import training_rewards
+from align.rollout.sampler import Sampler
+from align.rollout.sampling import SampleOutput, SamplingConfig
+from align.rollout.source import FilteredSource, InlineSource
+
+sys.path.insert(0, str(Path(__file__).parent / "modules"))
+from _helpers import PROMPTS, length_reward, prompt_batch, standalone  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return PolicyModel("tiny-sort")
+
+
+def sampler_of(policy, group_size=2, **kw) -> Sampler:
+    reward, _ = training_rewards([length_reward], None, None)
+    return Sampler(policy, reward, group_size, SamplingConfig(max_new_tokens=6), **kw)
+
+
+def test_a_sampled_rollout_is_scored_timed_counted_and_versioned(policy):
+    sampler = sampler_of(policy)
+    sampler.policy_version = 7
+    scored = sampler.sample(prompt_batch(policy, PROMPTS[:3]))
+    assert len(scored.rollout) == 6 and scored.rewards.shape == (6,) and set(scored.parts) == {"length_reward"}
+    assert set(scored.timings) == {"time/generation_s", "time/scoring_s"}
+    assert scored.rollout.policy_version == 7 and sampler.rollouts == 1
+    expected = torch.tensor([float(len(t) % 3) for t in scored.rollout.texts])
+    assert torch.equal(scored.rewards, expected)
+    assert sampler.reference_logprobs(scored.rollout) is None  # no KL term: no reference
+
+
+def test_joined_rollouts_keep_the_oldest_policy_version(policy):
+    sampler = sampler_of(policy)
+    batch = prompt_batch(policy, PROMPTS[:2])
+    first = sampler.rollout(batch)
+    sampler.policy_version = 3
+    second = sampler.rollout(batch)
+    joined = concat_rollouts([second, first], policy.tokenizer.pad_token_id)
+    assert (first.policy_version, second.policy_version, joined.policy_version) == (0, 3, 0)
+
+
+class ScriptedEngine(GenerationEngine):
+    """Answers every context with the same tokens (the pad id after the first stop token), log-prob -1 each."""
+
+    tokens: list[int] = []
+
+    @contextmanager
+    def decoding(self, policy, capacity):
+        def decode(input_ids, attention_mask, *, max_new_tokens, min_new_tokens=0, generator=None, sync_stop=None,
+                   shared_prefix=1):
+            row = torch.tensor(self.tokens[:max_new_tokens])
+            ids = row.expand(input_ids.shape[0], -1).clone()
+            return SampleOutput(ids, torch.full(ids.shape, -1.0), ids.shape[1])
+
+        yield decode
+
+
+def test_a_new_engine_is_a_class_and_a_row_of_the_table(policy, monkeypatch):
+    eos = policy.tokenizer.eos_token_id
+    ScriptedEngine.tokens = policy.tokenizer.encode("a b", add_special_tokens=False) + [eos]
+    monkeypatch.setitem(engines.ENGINES, "scripted", ScriptedEngine)
+    assert isinstance(make_engine(SamplingConfig(engine="scripted")), ScriptedEngine)
+    module = GRPOModule(policy=policy, rewards=[length_reward], group_size=2, log_entropy=False,
+                        sampling=SamplingConfig(max_new_tokens=6, engine="scripted"))
+    assert isinstance(module.sampler.engine, ScriptedEngine)
+    assert isinstance(module.sampler.eval_engine, NativeEngine)  # held out: the default engine
+    standalone(module)
+    module.training_step(prompt_batch(policy, PROMPTS[:2]), 0)
+    # Every completion is the scripted one, so every reward ties and the group advantages are 0.
+    assert module.last_metrics["rollout/zero_std_frac"] == 1.0 and module.rl_counters == {"rollouts": 1, "updates": 1}
+    rollout = module.sampler.rollout(prompt_batch(policy, PROMPTS[:1]))
+    assert rollout.texts == ["a b", "a b"] and rollout.response_mask.sum() == 2 * len(ScriptedEngine.tokens)
+
+
+def test_an_unknown_engine_fails_naming_the_setting():
+    with pytest.raises(ValueError, match=r"^sampling\.engine must be one of \['native'\], got 'vllm'"):
+        make_engine(SamplingConfig(engine="vllm"))
+
+
+def test_the_inline_source_samples_every_step(policy):
+    sampler = sampler_of(policy)
+    source = InlineSource()
+    source.bind(sampler)
+    assert len(source.next(prompt_batch(policy, PROMPTS[:2])).rollout) == 4 and not source.pending
+    assert source.state_dict() == {} and source.max_steps_without_update == 0
+
+
+def test_the_filtered_source_refuses_what_it_cannot_filter(policy):
+    with pytest.raises(AlignConfigError, match=r"^model\.source: FilteredSource .* model\.group_size >= 2, got 1$"):
+        FilteredSource().bind(sampler_of(policy, group_size=1))
+    with pytest.raises(AlignConfigError, match=r"^model\.source\.reward: expected one of the rewards"):
+        FilteredSource(reward="accuracy").bind(sampler_of(policy))
+
+
+def half_reward(prompts, completions, **kw):
+    """Differs within the group of the first prompt only: one informative group per batch of two prompts."""
+    return [float(i % 2) if p == PROMPTS[0] else 1.0 for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("make", [
+    lambda policy, source: OnlineDPOModule(policy=policy, rewards=[half_reward], group_size=2, source=source,
+                                           log_entropy=False, sampling=SamplingConfig(max_new_tokens=6)),
+    lambda policy, source: PPOModule(policy=PolicyModel("tiny-sort", value_head="shared"), rewards=[half_reward],
+                                     group_size=2, source=source, log_entropy=False,
+                                     sampling=SamplingConfig(max_new_tokens=6)),
+], ids=["online_dpo", "ppo"])
+def test_dynamic_sampling_serves_every_rl_module(policy, make):
+    # Two prompts per batch, one informative group each: the first step buffers one group, the second fills the
+    # update of two groups.
+    module = make(policy, FilteredSource(max_batches=3))
+    optimizer = standalone(module)
+    batch = prompt_batch(policy, PROMPTS[:2])
+    module.setup("fit")
+    torch.manual_seed(0)
+    module.training_step(batch, 0)
+    assert optimizer.steps == 0 and module.source.pending and module.batches_without_update == 1
+    module.training_step(batch, 1)
+    assert optimizer.steps > 0 and not module.source.pending
+    m = module.last_metrics
+    assert m["rollout/sampling_batches"] == 2 and m["rollout/kept_groups"] == 2 and m["rollout/kept_frac"] == 0.5
+    assert module.rl_counters["rollouts"] == 2
