@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import align.rollout.episodes as episodes_module
+import align.rollout.engine as engine_module
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
 from align.rollout.envs.chat import EnvironmentSpec, EnvStep
@@ -113,14 +113,14 @@ def test_environment_tokens_are_context_without_loss_or_kl_and_trained_logprobs_
 
 def test_each_assistant_turn_keeps_the_ids_it_was_sampled_as(policy, monkeypatch):
     sampled = []
-    real = episodes_module.sample
+    real = engine_module.sample
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sampled.append(out.response_ids.tolist())
         return out
 
-    monkeypatch.setattr(episodes_module, "sample", recording)
+    monkeypatch.setattr(engine_module, "sample", recording)
     torch.manual_seed(1)
     m = module(policy, temperature=1.5)
     rollout = m.sampler.rollout(batch(policy, PROMPTS[:2], turns=[3, 3]), 1)
@@ -245,7 +245,7 @@ def test_a_response_template_parses_the_turn_into_the_message_the_environment_se
     from align.rollout.envs.chat import EnvironmentPool
 
     m = module(policy)
-    m.environment = EnvironmentPool(EnvironmentSpec(Seen))
+    m.sampler.environment = EnvironmentPool(EnvironmentSpec(Seen))
     m.sampler.rollout(batch(policy, PROMPTS[:1]), 1)
     assert received == [{"role": "assistant", "content": "parsed", "tool_calls": [{"function": {"name": "f",
                                                                                                  "arguments": {}}}]}]

@@ -98,16 +98,16 @@ def test_value_optimizer_owns_the_value_model_and_never_moves_the_policy(value_h
     optimizer = standalone(module, module.configure_optimizers())
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized and not optimized & {id(p) for p in module.policy_parameters()}
-    value_ids = {id(p) for p in module.value_modules().parameters()}
+    value_ids = {id(p) for p in module.value_parameters()}
     assert optimized == value_ids
     data = fixed_batch(module)
     policy_before = snapshot(module.policy_parameters())
-    values_before = snapshot(module.value_modules().parameters())
+    values_before = snapshot(module.value_parameters())
     stats = module.update_value(data)
     assert stats["train/value_loss"] > 0
     assert all(torch.equal(a, b.detach()) for a, b in zip(policy_before, module.policy_parameters()))
     assert all(p.grad is None for p in module.policy_parameters())  # a shared backbone got no gradient
-    assert any(not torch.equal(a, b.detach()) for a, b in zip(values_before, module.value_modules().parameters()))
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(values_before, module.value_parameters()))
     assert all(p.requires_grad for p in module.policy_parameters())
 
 
