@@ -45,7 +45,7 @@ from align.errors import AlignConfigError
 from align.trainer.guards import NonFiniteError
 from align.modules.base import TrainingModule
 from align.observability.timing import Timer
-from align.trainer.optim import clip_grad_norm, fused_adam_step
+from align.gym.optim import clip_grad_norm, fused_adam_step
 
 
 Metrics = dict[str, Union[float, Callable[[], float]]]
@@ -204,7 +204,7 @@ class ClassicRLModule(TrainingModule):
             self._unhooked_steps = self._nothing_hooks_the_step(optimizer)
         if self._unhooked_steps:
             # Lightning's count of the step (trainer.global_step) and its profiler section, around torch's step.
-            # A fused Adam's kernel is called directly (align.trainer.optim.fused_adam_step), where that applies.
+            # A fused Adam's kernel is called directly (align.gym.optim.fused_adam_step), where that applies.
             optimizer._on_before_step()
             if not fused_adam_step(optimizer.optimizer):
                 optimizer.optimizer.step()

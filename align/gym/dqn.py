@@ -1,6 +1,6 @@
 """Value-based classic RL: DQN (with Double DQN, Huber loss, hard or Polyak target updates) and tabular Q-learning.
 
-Both act epsilon-greedily with a linearly annealed epsilon (:func:`~align.trainer.optim.linear_schedule`) and learn from
+Both act epsilon-greedily with a linearly annealed epsilon (:func:`~align.gym.optim.linear_schedule`) and learn from
 one-step targets (:func:`~align.gym.returns.td_targets`). Tabular Q-learning's update
 ``Q(s, a) += alpha * (target - Q(s, a))`` is taken as a step of plain SGD with learning rate ``alpha`` on
 ``0.5 * (Q(s, a) - target)^2``, which is the same update, so the table trains, logs and checkpoints like any network.
@@ -23,7 +23,7 @@ from align.gym.runner import Policy, Transition
 from align.errors import AlignConfigError
 from align.gym.networks import Activation, QNetwork, QTable
 from align.gym.base import ClassicRLModule, Evaluation, Metrics
-from align.trainer.optim import linear_schedule, polyak_update
+from align.gym.optim import linear_schedule, polyak_update
 
 
 DRAW_BYTES = 64 << 20

@@ -1,6 +1,6 @@
 """The classic-RL modules on Gymnasium: each trains a few iterations inside a Trainer and logs its metrics, the
 policy-gradient modules' loss is the policy gradient, continuous actions work, and unsupported spaces fail on one
-line. (Learning to solve CartPole is in tests/e2e/test_gym_learning.py; the math in tests/test_classic_math.py.)"""
+line. (Learning to solve CartPole is in tests/e2e/test_gym_learning.py; the math in tests/gym/test_returns.py and test_optim.py.)"""
 
 from functools import partial
 
@@ -17,7 +17,7 @@ from align.gym import (
     QLearningGymModule,
     REINFORCEGymModule,
 )
-from _helpers import cpu_trainer
+from _gym import cpu_trainer
 
 CARTPOLE = EnvSpec(id="CartPole-v1", num_envs=2)
 ADAM = partial(torch.optim.Adam, lr=1e-3)
