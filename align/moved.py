@@ -35,6 +35,22 @@ RENAMED_SETTINGS = {
     "model.clip.level": "model.policy_loss.name (clip.level: sequence is policy_loss.name: gspo)",
     "model.dynamic_sampling": "model.source (dynamic_sampling.enabled: true is source: align.rollout.source.FilteredSource, "
                               "with its max_batches and reward)",
+    # The classic-RL modules (align.gym) took the language-model modules' option groups (docs/classic_rl.md).
+    "model.ent_coef": "model.entropy_coef",
+    "model.vf_coef": "model.value.coef",
+    "model.clip_range_vf": "model.value.clip",
+    "model.clip_range": "model.clip.low",
+    "model.clip_schedule": "model.clip.schedule",
+    "model.gae_lambda": "model.gae.lam",
+    "model.normalize_advantages": "model.gae.whiten_advantages",
+    "model.gamma": "model.gae.gamma (PPO, A2C and REINFORCE; DQN and Q-learning keep model.gamma)",
+    "model.n_epochs": "model.updates.epochs",
+    "model.batch_size": "model.updates.minibatch_size (transitions per optimizer step)",
+    "model.max_grad_norm": "model.updates.max_grad_norm",
+    "model.target_kl": "model.updates.target_kl",
+    "model.gradient_steps": "model.updates.gradient_steps",
+    "model.n_steps": "model.steps_per_iteration",
+    "model.train_freq": "model.steps_per_iteration",
 }
 """``{old setting: what to write instead}``: settings of a module or model that were renamed or regrouped. A config
 that still uses one fails on one line naming the new setting (:mod:`align.cli.config_errors`)."""

@@ -61,12 +61,13 @@ align's environment steps/s are at least 1.5x SB3's. Both sides run with the sam
 sets ``torch.set_num_threads(N)`` (and one inter-op thread) in every trial; without it each side keeps torch's
 default, which neither library changes (the number of physical cores). The trials report the count they ran with.
 
-Settings (RL Zoo's CartPole-v1 hyperparameters), the same on both sides:
+Settings (RL Zoo's CartPole-v1 hyperparameters), the same on both sides: ``SETTINGS`` below holds them in align's
+names (the shipped configs'), and ``sb3_kwargs`` maps them to SB3's arguments (docs/classic_rl.md has the table):
 
 * PPO: 8 environments x 32 steps per iteration, 20 epochs of one 256-transition minibatch, gamma 0.98, GAE lambda
   0.8, no entropy bonus, learning rate 1e-3 and clip range 0.2 both decaying linearly to 0 at 100k steps, Adam eps
   1e-5, gradient norm clipped at 0.5, advantages whitened per minibatch, separate 64x64 tanh policy and value
-  networks with orthogonal initialisation; value-loss weight: align ``vf_coef 1.0`` on ``0.5 (V - R)^2`` =
+  networks with orthogonal initialisation; value-loss weight: align ``value.coef 1.0`` on ``0.5 (V - R)^2`` =
   SB3's default ``vf_coef 0.5`` on ``(V - R)^2``. Budget 100k steps.
 * A2C: 8 environments x 5 steps per update, gamma 0.99, GAE lambda 1 (5-step returns), no entropy bonus, RMSprop
   lr 7e-4, alpha 0.99, eps 1e-5, gradient norm clipped at 0.5, no advantage normalisation, the same networks and
@@ -209,34 +210,83 @@ def setup_threads(spec: dict) -> int:
 # children
 
 
+# Each algorithm's settings in align's names: the module's arguments (option groups as dicts), the optimizer's
+# name and arguments, and the network (``network`` for PPO and A2C; DQN's ``hidden``, ``activation`` and ``init``).
+SETTINGS = {
+    "ppo": {"num_envs": 8, "steps_per_iteration": 32, "gae": {"gamma": 0.98, "lam": 0.8, "whiten_advantages": True},
+            "entropy_coef": 0.0, "value": {"coef": 1.0, "clip": None}, "clip": {"low": 0.2, "schedule": "linear"},
+            "updates": {"epochs": 20, "minibatch_size": 256, "max_grad_norm": 0.5}, "lr_schedule": "linear",
+            "network": {"hidden": (64, 64), "activation": "tanh", "shared": False},
+            "optimizer": ("Adam", {"lr": 1e-3, "eps": 1e-5, "fused": True})},
+    "a2c": {"num_envs": 8, "steps_per_iteration": 5, "gae": {"gamma": 0.99, "lam": 1.0, "whiten_advantages": False},
+            "entropy_coef": 0.0, "value": {"coef": 1.0}, "updates": {"max_grad_norm": 0.5}, "lr_schedule": "constant",
+            "network": {"hidden": (64, 64), "activation": "tanh", "shared": False},
+            "optimizer": ("RMSprop", {"lr": 7e-4, "alpha": 0.99, "eps": 1e-5, "foreach": True})},
+    "dqn": {"num_envs": 1, "steps_per_iteration": 256, "buffer_size": 100_000, "learning_starts": 1000,
+            "updates": {"gradient_steps": 128, "minibatch_size": 64, "max_grad_norm": 10.0}, "gamma": 0.99,
+            "target_update_interval": 10, "tau": 1.0, "loss": "huber", "hidden": (256, 256), "activation": "relu",
+            "init": "torch", "exploration": {"initial": 1.0, "final": 0.04, "fraction": 0.16}, "lr_schedule": "constant",
+            "optimizer": ("Adam", {"lr": 2.3e-3, "fused": True})},
+}
+
+
 def build_module(spec: dict):
-    """The align module of a trial, with the settings of ``configs/gym/<algo>-cartpole.yaml`` (the budget aside)."""
+    """The align module of a trial, with ``SETTINGS`` (those of ``configs/gym/<algo>-cartpole.yaml``, the budget
+    aside)."""
     import torch
 
+    from align import gym
     from align.gym.make import EnvSpec
-    from align.gym import A2CGymModule, DQNGymModule, Evaluation, Exploration, Network, PPOGymModule
 
     algo, seed, budget = spec["algo"], spec["seed"], spec["budget"]
-    evaluation = Evaluation(episodes=EVAL_EPISODES, deterministic=True)
+    settings = dict(SETTINGS[algo])
+    optimizer, optimizer_args = settings.pop("optimizer")
+    groups = {"gae": gym.GymGAE, "value": gym.GymValueTraining, "clip": gym.GymClipRange, "network": gym.Network,
+              "exploration": gym.Exploration,
+              "updates": gym.ReplayUpdates if algo == "dqn" else gym.GymUpdates}
+    kwargs = {k: groups[k](**v) if k in groups else v for k, v in settings.items() if k != "num_envs"}
+    module = {"ppo": gym.PPOGymModule, "a2c": gym.A2CGymModule, "dqn": gym.DQNGymModule}[algo]
+    return module(env=EnvSpec(id=ENV_ID, num_envs=settings["num_envs"], seed=seed), total_steps=budget,
+                  evaluation=gym.EpisodeEvaluation(episodes=EVAL_EPISODES, deterministic=True),
+                  optimizer=lambda params: getattr(torch.optim, optimizer)(params, **optimizer_args), **kwargs)
+
+
+def sb3_kwargs(algo: str) -> dict:
+    """SB3's arguments for ``SETTINGS[algo]``: align's names mapped to SB3's (docs/classic_rl.md's table). SB3's
+    value loss is ``(V - R)^2`` and align's ``0.5 * (V - R)^2``, so ``vf_coef`` is half of ``value.coef``; a
+    ``linear`` schedule is SB3's callable of the remaining progress (1 -> 0)."""
+    settings = SETTINGS[algo]
+    optimizer, optimizer_args = settings["optimizer"]
+    lr = optimizer_args["lr"]
+    out = {"learning_rate": (lambda progress: progress * lr) if settings["lr_schedule"] == "linear" else lr,
+           "max_grad_norm": settings["updates"]["max_grad_norm"]}
+    if algo == "dqn":
+        exploration, updates = settings["exploration"], settings["updates"]
+        assert optimizer == "Adam" and settings["loss"] == "huber" and settings["init"] == "torch"  # SB3's own
+        return {**out, "batch_size": updates["minibatch_size"], "buffer_size": settings["buffer_size"],
+                "learning_starts": settings["learning_starts"], "gamma": settings["gamma"],
+                "target_update_interval": settings["target_update_interval"], "tau": settings["tau"],
+                "train_freq": settings["steps_per_iteration"], "gradient_steps": updates["gradient_steps"],
+                "exploration_fraction": exploration["fraction"], "exploration_initial_eps": exploration["initial"],
+                "exploration_final_eps": exploration["final"],
+                "policy_kwargs": {"net_arch": list(settings["hidden"])}}
+    gae, network = settings["gae"], settings["network"]
+    assert network["activation"] == "tanh" and not network["shared"]  # SB3's MlpPolicy: tanh, separate networks
+    out.update({"n_steps": settings["steps_per_iteration"], "gamma": gae["gamma"], "gae_lambda": gae["lam"],
+                "normalize_advantage": gae["whiten_advantages"], "ent_coef": settings["entropy_coef"],
+                "vf_coef": settings["value"]["coef"] / 2,
+                "policy_kwargs": {"net_arch": {"pi": list(network["hidden"]), "vf": list(network["hidden"])},
+                                  "ortho_init": True}})
     if algo == "ppo":
-        return PPOGymModule(
-            env=EnvSpec(id=ENV_ID, num_envs=8, seed=seed), total_steps=budget, n_steps=32, batch_size=256,
-            n_epochs=20, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, vf_coef=1.0, clip_range=0.2,
-            clip_schedule="linear", lr_schedule="linear", normalize_advantages=True, max_grad_norm=0.5,
-            network=Network(hidden=(64, 64), activation="tanh", shared=False), evaluation=evaluation,
-            optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-5, fused=True))
-    if algo == "a2c":
-        return A2CGymModule(
-            env=EnvSpec(id=ENV_ID, num_envs=8, seed=seed), total_steps=budget, n_steps=5, gamma=0.99,
-            gae_lambda=1.0, ent_coef=0.0, vf_coef=1.0, normalize_advantages=False, max_grad_norm=0.5,
-            network=Network(hidden=(64, 64), activation="tanh", shared=False), evaluation=evaluation,
-            optimizer=lambda params: torch.optim.RMSprop(params, lr=7e-4, alpha=0.99, eps=1e-5, foreach=True))
-    return DQNGymModule(
-        env=EnvSpec(id=ENV_ID, num_envs=1, seed=seed), total_steps=budget, buffer_size=100_000,
-        learning_starts=1000, batch_size=64, train_freq=256, gradient_steps=128, gamma=0.99,
-        target_update_interval=10, tau=1.0, loss="huber", hidden=(256, 256), activation="relu",
-        exploration=Exploration(initial=1.0, final=0.04, fraction=0.16), max_grad_norm=10.0, evaluation=evaluation,
-        optimizer=lambda params: torch.optim.Adam(params, lr=2.3e-3, fused=True))
+        updates, clip = settings["updates"], settings["clip"]
+        low = clip["low"]
+        assert settings["value"].get("clip") is None and clip.get("high") is None  # SB3's clip_range_vf: None
+        out.update({"n_epochs": updates["epochs"], "batch_size": updates["minibatch_size"],
+                    "clip_range": (lambda progress: progress * low) if clip["schedule"] == "linear" else low})
+    else:  # A2C: RMSprop (SB3's alpha is 0.99) or Adam
+        assert optimizer == "RMSprop" and optimizer_args.get("alpha", 0.99) == 0.99
+        out.update({"use_rms_prop": True, "rms_prop_eps": optimizer_args["eps"]})
+    return out
 
 
 def run_align(spec: dict) -> dict:
@@ -301,24 +351,8 @@ def run_sb3(spec: dict) -> dict:
 
     algo, seed = spec["algo"], spec["seed"]
     common = {"seed": seed, "device": "cpu", "verbose": 0}
-    if algo == "ppo":
-        env = make_vec_env(ENV_ID, n_envs=8, seed=seed)
-        model = PPO("MlpPolicy", env, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8,
-                    ent_coef=0.0, vf_coef=0.5, learning_rate=lambda progress: progress * 1e-3,
-                    clip_range=lambda progress: progress * 0.2, max_grad_norm=0.5, normalize_advantage=True,
-                    policy_kwargs={"net_arch": {"pi": [64, 64], "vf": [64, 64]}, "ortho_init": True}, **common)
-    elif algo == "a2c":
-        env = make_vec_env(ENV_ID, n_envs=8, seed=seed)
-        model = A2C("MlpPolicy", env, n_steps=5, gamma=0.99, gae_lambda=1.0, ent_coef=0.0, vf_coef=0.5,
-                    learning_rate=7e-4, use_rms_prop=True, rms_prop_eps=1e-5, max_grad_norm=0.5,
-                    normalize_advantage=False,
-                    policy_kwargs={"net_arch": {"pi": [64, 64], "vf": [64, 64]}, "ortho_init": True}, **common)
-    else:
-        env = make_vec_env(ENV_ID, n_envs=1, seed=seed)
-        model = DQN("MlpPolicy", env, learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1000,
-                    gamma=0.99, target_update_interval=10, tau=1.0, train_freq=256, gradient_steps=128,
-                    exploration_fraction=0.16, exploration_initial_eps=1.0, exploration_final_eps=0.04,
-                    max_grad_norm=10.0, policy_kwargs={"net_arch": [256, 256]}, **common)
+    env = make_vec_env(ENV_ID, n_envs=SETTINGS[algo]["num_envs"], seed=seed)
+    model = {"ppo": PPO, "a2c": A2C, "dqn": DQN}[algo]("MlpPolicy", env, **sb3_kwargs(algo), **common)
     eval_env = held_out_env(seed)
     tracker = Tracker(spec)
 

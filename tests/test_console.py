@@ -65,7 +65,7 @@ def test_gym_recipe_help_shows_its_default_module_and_no_data(capsys):
     run_recipe("gym", ClassicRLModule, None, args=["--help"], default_config="ppo-cartpole.yaml", layered=False)
     out = capsys.readouterr().out
     assert "Runs PPOGymModule (fit)" in out and "align:gym/ppo-cartpole.yaml" in out and "align:gym/dqn-cartpole.yaml" in out
-    for setting in ("--model.n_epochs", "--model.env.id", "--model.env.num_envs", "--model.total_steps"):
+    for setting in ("--model.updates.epochs", "--model.env.id", "--model.env.num_envs", "--model.total_steps"):
         assert setting in out, setting
     assert "--data." not in out and "it replaces the default" in out
 

@@ -56,10 +56,10 @@ CHILD = textwrap.dedent("""
     before = [mapped_blocks_and_address() for _ in range(2)]
     if sys.argv[1] == "fit":
         from align.gym.make import EnvSpec
-        from align.gym import DQNGymModule
+        from align.gym import DQNGymModule, ReplayUpdates
         import lightning as L
-        module = DQNGymModule(env=EnvSpec(id="CartPole-v1"), total_steps=64, learning_starts=16, train_freq=8,
-                              gradient_steps=1, batch_size=8)
+        module = DQNGymModule(env=EnvSpec(id="CartPole-v1"), total_steps=64, learning_starts=16,
+                              steps_per_iteration=8, updates=ReplayUpdates(gradient_steps=1, minibatch_size=8))
         L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False).fit(module)
     after = [mapped_blocks_and_address() for _ in range(2)]

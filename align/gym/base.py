@@ -26,8 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Union
+from typing import Any, Callable, Iterator, Union
 
 import lightning.pytorch as L
 import torch
@@ -37,15 +36,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 
-from align.gym.make import EnvSpec
-from align.gym.runner import EnvRunner, Episode, Steps
-from align.gym.make import as_spec, make_env
-from align.gym.runner import OnStep, Policy
 from align.errors import AlignConfigError
-from align.trainer.guards import NonFiniteError
+from align.gym.make import EnvSpec, as_spec, make_env
+from align.gym.optim import clip_grad_norm, fused_adam_step
+from align.gym.options import EpisodeEvaluation, Schedule, as_group
+from align.gym.runner import EnvRunner, Episode, OnStep, Policy, Steps
 from align.modules.base import TrainingModule
 from align.observability.timing import Timer
-from align.trainer.optim import clip_grad_norm, fused_adam_step
+from align.trainer.guards import NonFiniteError
 
 
 Metrics = dict[str, Union[float, Callable[[], float]]]
@@ -53,20 +51,6 @@ Metrics = dict[str, Union[float, Callable[[], float]]]
 
 RECENT_EPISODES = 100
 """Finished training episodes that ``rollout/episode_reward`` and ``rollout/episode_length`` average over."""
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """Held-out evaluation: greedy episodes on seeds that training never uses."""
-
-    episodes: int = 20
-    """Episodes per evaluation, played at once (one environment each)."""
-    deterministic: bool = True
-    """Take the policy's most likely action (greedy); false samples as in training."""
-
-    def __post_init__(self) -> None:
-        if self.episodes < 1:
-            raise AlignConfigError(f"model.evaluation.episodes: expected >= 1, got {self.episodes}")
 
 
 class _Iterations:
@@ -96,11 +80,13 @@ class ClassicRLModule(TrainingModule):
         self,
         env: EnvSpec = EnvSpec(),
         total_steps: int = 100_000,
-        evaluation: Evaluation = Evaluation(),
+        evaluation: EpisodeEvaluation = EpisodeEvaluation(),
         optimizer: OptimizerCallable = torch.optim.Adam,
-        lr_schedule: Literal["constant", "linear"] = "constant",
+        lr_schedule: Schedule = "constant",
         max_grad_norm: float | None = 0.5,
     ):
+        """The arguments every classic-RL module shares; ``max_grad_norm`` comes from the subclass's ``updates``
+        group (null: no clipping)."""
         super().__init__()
         self.automatic_optimization = False
         self.env = as_spec(env)
@@ -108,9 +94,7 @@ class ClassicRLModule(TrainingModule):
             raise AlignConfigError(f"model.total_steps: expected >= 1 environment steps, got {total_steps}")
         if lr_schedule not in ("constant", "linear"):
             raise AlignConfigError(f"model.lr_schedule: expected 'constant' or 'linear', got {lr_schedule!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise AlignConfigError(f"model.max_grad_norm: expected > 0 or null, got {max_grad_norm}")
-        self.total_steps, self.evaluation = int(total_steps), evaluation
+        self.total_steps, self.evaluation = int(total_steps), as_group(EpisodeEvaluation, evaluation)
         self.optimizer, self.lr_schedule, self.max_grad_norm = optimizer, lr_schedule, max_grad_norm
         probe = make_env(self.env)  # the spaces, and a bad id or constructor fails here, on one line
         self.observation_space, self.action_space = probe.observation_space, probe.action_space
@@ -180,7 +164,7 @@ class ClassicRLModule(TrainingModule):
                 group["lr"] = group["initial_lr"] * (1.0 - self.progress())
 
     def optimizer_step(self, loss: torch.Tensor) -> float:
-        """Backward, clip to ``max_grad_norm`` and step; returns the gradient norm before clipping.
+        """Backward, clip to ``updates.max_grad_norm`` and step; returns the gradient norm before clipping.
 
         The non-finite guard is done here, on the norm the clipping computes anyway (``guards_own_steps``): a NaN
         or infinite loss or gradient stops the run with :class:`~align.trainer.guards.NonFiniteError` before the step is
@@ -204,7 +188,7 @@ class ClassicRLModule(TrainingModule):
             self._unhooked_steps = self._nothing_hooks_the_step(optimizer)
         if self._unhooked_steps:
             # Lightning's count of the step (trainer.global_step) and its profiler section, around torch's step.
-            # A fused Adam's kernel is called directly (align.trainer.optim.fused_adam_step), where that applies.
+            # A fused Adam's kernel is called directly (align.gym.optim.fused_adam_step), where that applies.
             optimizer._on_before_step()
             if not fused_adam_step(optimizer.optimizer):
                 optimizer.optimizer.step()
@@ -341,4 +325,4 @@ class ClassicRLModule(TrainingModule):
         self.load_extra_state(state["extra"])
 
 
-__all__ = ["ClassicRLModule", "Evaluation", "Metrics"]
+__all__ = ["ClassicRLModule", "Metrics"]

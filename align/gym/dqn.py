@@ -1,6 +1,6 @@
 """Value-based classic RL: DQN (with Double DQN, Huber loss, hard or Polyak target updates) and tabular Q-learning.
 
-Both act epsilon-greedily with a linearly annealed epsilon (:func:`~align.trainer.optim.linear_schedule`) and learn from
+Both act epsilon-greedily with a linearly annealed epsilon (:func:`~align.gym.optim.linear_schedule`) and learn from
 one-step targets (:func:`~align.gym.returns.td_targets`). Tabular Q-learning's update
 ``Q(s, a) += alpha * (target - Q(s, a))`` is taken as a step of plain SGD with learning rate ``alpha`` on
 ``0.5 * (Q(s, a) - target)^2``, which is the same update, so the table trains, logs and checkpoints like any network.
@@ -8,22 +8,21 @@ one-step targets (:func:`~align.gym.returns.td_targets`). Tabular Q-learning's u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 
-from align.gym.returns import td_targets
-from align.gym.make import EnvSpec
-from align.gym.make import require_discrete_actions
-from align.gym.replay import ReplayBuffer
-from align.gym.runner import Policy, Transition
 from align.errors import AlignConfigError
+from align.gym.base import ClassicRLModule, Metrics
+from align.gym.make import EnvSpec, require_discrete_actions
 from align.gym.networks import Activation, QNetwork, QTable
-from align.gym.base import ClassicRLModule, Evaluation, Metrics
-from align.trainer.optim import linear_schedule, polyak_update
+from align.gym.optim import linear_schedule, polyak_update
+from align.gym.options import EpisodeEvaluation, Exploration, ReplayUpdates, Schedule, as_group
+from align.gym.replay import ReplayBuffer
+from align.gym.returns import td_targets
+from align.gym.runner import Policy, Transition
 
 
 DRAW_BYTES = 64 << 20
@@ -32,25 +31,6 @@ DRAW_BYTES = 64 << 20
 TARGET_ROWS = 1024
 """Rows per call of the target network over a draw's next observations. A 256-wide layer over 8,192 rows writes
 8 MB per activation, out of the cache, and on the CPU took 1.6x as long per row as over chunks of 512-1024 rows."""
-
-
-@dataclass(frozen=True)
-class Exploration:
-    """Epsilon-greedy exploration: epsilon moves linearly from ``initial`` to ``final`` over the first ``fraction`` of
-    ``total_steps``, then stays at ``final``."""
-
-    initial: float = 1.0
-    """Epsilon at the first step."""
-    final: float = 0.05
-    """Epsilon after the annealing."""
-    fraction: float = 0.1
-    """Share of ``total_steps`` over which epsilon anneals."""
-
-    def __post_init__(self) -> None:
-        for name in ("initial", "final", "fraction"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise AlignConfigError(f"model.exploration.{name}: expected a value in [0, 1], got {value}")
 
 
 class _EpsilonGreedy(ClassicRLModule):
@@ -105,8 +85,8 @@ class _EpsilonGreedy(ClassicRLModule):
 
 class DQNGymModule(_EpsilonGreedy):
     """DQN (Mnih et al. 2015; arXiv 1312.5602): experience replay, a target network, Huber loss; Double DQN
-    (van Hasselt et al. 2016, arXiv 1509.06461) as an option. Each iteration takes ``train_freq`` vector steps and
-    then ``gradient_steps`` updates (once ``learning_starts`` steps are stored).
+    (van Hasselt et al. 2016, arXiv 1509.06461) as an option. Each iteration takes ``steps_per_iteration`` vector
+    steps and then ``updates.gradient_steps`` updates (once ``learning_starts`` steps are stored).
 
     The target network is copied (``tau: 1``) or Polyak-averaged (``tau < 1``) every ``target_update_interval``
     environment steps, counted during collection as Stable-Baselines3 does."""
@@ -119,9 +99,8 @@ class DQNGymModule(_EpsilonGreedy):
         total_steps: int = 50_000,
         buffer_size: int = 100_000,
         learning_starts: int = 1000,
-        batch_size: int = 64,
-        train_freq: int = 4,
-        gradient_steps: int = 1,
+        steps_per_iteration: int = 4,
+        updates: ReplayUpdates = ReplayUpdates(),
         gamma: float = 0.99,
         target_update_interval: int = 1000,
         tau: float = 1.0,
@@ -131,10 +110,9 @@ class DQNGymModule(_EpsilonGreedy):
         hidden: tuple[int, ...] = (64, 64),
         activation: Activation = "relu",
         init: Literal["torch", "orthogonal"] = "torch",
-        evaluation: Evaluation = Evaluation(),
+        evaluation: EpisodeEvaluation = EpisodeEvaluation(),
         optimizer: OptimizerCallable = torch.optim.Adam,
-        lr_schedule: Literal["constant", "linear"] = "constant",
-        max_grad_norm: float | None = 10.0,
+        lr_schedule: Schedule = "constant",
     ):
         """
         Args:
@@ -142,9 +120,9 @@ class DQNGymModule(_EpsilonGreedy):
             total_steps: Environment steps to train for.
             buffer_size: Transitions the replay buffer keeps.
             learning_starts: Environment steps collected before the first update.
-            batch_size: Transitions per gradient step.
-            train_freq: Vector steps per iteration.
-            gradient_steps: Gradient steps per iteration.
+            steps_per_iteration: Vector steps per iteration.
+            updates: Gradient steps per iteration, transitions per gradient step (``minibatch_size``) and gradient
+                clipping.
             gamma: Discount factor.
             target_update_interval: Environment steps between target-network updates.
             tau: 1 copies the online network into the target; below 1 moves the target that share towards it.
@@ -158,21 +136,21 @@ class DQNGymModule(_EpsilonGreedy):
             evaluation: Held-out evaluation episodes (greedy).
             optimizer: Optimizer of the Q-network.
             lr_schedule: ``constant``, or ``linear`` decay to 0 at ``total_steps``.
-            max_grad_norm: Clip the gradient's global norm to this; null: no clipping.
         """
-        super().__init__(env, total_steps, evaluation, optimizer, lr_schedule, max_grad_norm)
+        updates = as_group(ReplayUpdates, updates)
+        super().__init__(env, total_steps, evaluation, optimizer, lr_schedule, updates.max_grad_norm)
         self.num_actions = require_discrete_actions(self.env, self.action_space, "DQN")
-        for name, value in (("buffer_size", buffer_size), ("batch_size", batch_size), ("train_freq", train_freq),
+        for name, value in (("buffer_size", buffer_size), ("steps_per_iteration", steps_per_iteration),
                             ("target_update_interval", target_update_interval)):
             if value < 1:
                 raise AlignConfigError(f"model.{name}: expected >= 1, got {value}")
-        if gradient_steps < 0 or learning_starts < 0 or not 0.0 < tau <= 1.0 or loss not in ("huber", "mse"):
-            raise AlignConfigError(f"model.gradient_steps >= 0, learning_starts >= 0, tau in (0, 1] and loss huber or "
-                                   f"mse expected, got {gradient_steps}, {learning_starts}, {tau}, {loss!r}")
-        self.buffer_size, self.learning_starts, self.batch_size = buffer_size, learning_starts, batch_size
-        self.train_freq, self.gradient_steps, self.gamma = train_freq, gradient_steps, gamma
+        if learning_starts < 0 or not 0.0 < tau <= 1.0 or loss not in ("huber", "mse"):
+            raise AlignConfigError(f"model.learning_starts >= 0, tau in (0, 1] and loss huber or mse expected, got "
+                                   f"{learning_starts}, {tau}, {loss!r}")
+        self.buffer_size, self.learning_starts, self.updates = buffer_size, learning_starts, updates
+        self.steps_per_iteration, self.gamma = steps_per_iteration, gamma
         self.target_update_interval, self.tau, self.double_dqn = target_update_interval, tau, double_dqn
-        self.loss_kind, self.exploration = loss, exploration
+        self.loss_kind, self.exploration = loss, as_group(Exploration, exploration)
         self.q = QNetwork(self.observation_space, self.num_actions, hidden, activation, self.env.id, init)
         self.q_target = QNetwork(self.observation_space, self.num_actions, hidden, activation, self.env.id, init)
         self.q_target.load_state_dict(self.q.state_dict())
@@ -192,17 +170,18 @@ class DQNGymModule(_EpsilonGreedy):
 
     def iteration(self) -> Metrics:
         epsilon = self.epsilon()
-        self.collect(self.explorer(self.train_freq), self.train_freq, on_step=self._store)
+        self.collect(self.explorer(self.steps_per_iteration), self.steps_per_iteration, on_step=self._store)
         out = {"rollout/epsilon": epsilon, "rollout/buffer_size": float(len(self.buffer))}
-        if self.env_steps < self.learning_starts or self.gradient_steps == 0:
+        gradient_steps = self.updates.gradient_steps
+        if self.env_steps < self.learning_starts or gradient_steps == 0:
             return out
         losses, q_means = [], []
-        done, b = 0, self.batch_size
-        while done < self.gradient_steps:
+        done, b = 0, self.updates.minibatch_size
+        while done < gradient_steps:
             # The target network does not change during an iteration's gradient steps (it is updated during
             # collection), so the batches of several steps are drawn at once and their target values computed in
             # one pass: the same targets as step by step, at the cost of one larger matmul.
-            count = min(self.gradient_steps - done, self._steps_per_draw())
+            count = min(gradient_steps - done, self._steps_per_draw())
             batches = self.buffer.sample(count * b)
             with torch.no_grad():
                 next_q_target = torch.cat([self.q_target(rows) for rows in  # (count * B, A)
@@ -233,7 +212,7 @@ class DQNGymModule(_EpsilonGreedy):
     def _steps_per_draw(self) -> int:
         """Gradient steps whose batches are drawn together: all of an iteration's, up to 64 MiB of transitions."""
         row_bytes = sum(store[0].numel() * store.element_size() for store in self.buffer.storage.values())
-        return max(1, DRAW_BYTES // max(row_bytes * self.batch_size, 1))
+        return max(1, DRAW_BYTES // max(row_bytes * self.updates.minibatch_size, 1))
 
     def extra_state(self) -> dict:
         return {"buffer": self.buffer.state_dict(), "target_updates": self._target_updates}
@@ -259,7 +238,7 @@ class QLearningGymModule(_EpsilonGreedy):
         steps_per_iteration: int = 100,
         init_value: float = 0.0,
         exploration: Exploration = Exploration(initial=1.0, final=0.05, fraction=0.5),
-        evaluation: Evaluation = Evaluation(),
+        evaluation: EpisodeEvaluation = EpisodeEvaluation(),
     ):
         """
         Args:
@@ -279,7 +258,7 @@ class QLearningGymModule(_EpsilonGreedy):
             raise AlignConfigError(f"model.learning_rate > 0 and model.steps_per_iteration >= 1 expected, got "
                                    f"{learning_rate} and {steps_per_iteration}")
         self.learning_rate, self.gamma, self.steps_per_iteration = learning_rate, gamma, steps_per_iteration
-        self.exploration = exploration
+        self.exploration = as_group(Exploration, exploration)
         self.q = QTable(self.observation_space, self.num_actions, init_value, self.env.id)
 
     def configure_optimizers(self):
@@ -302,4 +281,4 @@ class QLearningGymModule(_EpsilonGreedy):
         return {"rollout/epsilon": epsilon, "train/td_error": sum(self._errors) / len(self._errors)}
 
 
-__all__ = ["DQNGymModule", "Exploration", "QLearningGymModule"]
+__all__ = ["DQNGymModule", "QLearningGymModule"]

@@ -22,13 +22,14 @@ COMMON = ["--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "
 SETTINGS = {
     # 2 environments x 8 steps per iteration, 2 epochs of one minibatch: 2 optimizer steps per iteration, 8 iterations.
     "ppo": ["--model.init_args.env.num_envs", "2",
-            "--model.init_args.n_steps", "8", "--model.init_args.batch_size", "16", "--model.init_args.n_epochs", "2",
+            "--model.init_args.steps_per_iteration", "8", "--model.init_args.updates.minibatch_size", "16",
+            "--model.init_args.updates.epochs", "2",
             "--model.init_args.normalize_observations", "true", "--model.init_args.normalize_rewards", "true",
             "--model.init_args.total_steps", "128"],
     # 2 environments x 4 steps per iteration; updates (2 per iteration) start at 16 environment steps; 12 iterations.
     "dqn": ["--model.init_args.env.num_envs", "2",
-            "--model.init_args.train_freq", "4", "--model.init_args.learning_starts", "16",
-            "--model.init_args.gradient_steps", "2", "--model.init_args.batch_size", "8",
+            "--model.init_args.steps_per_iteration", "4", "--model.init_args.learning_starts", "16",
+            "--model.init_args.updates.gradient_steps", "2", "--model.init_args.updates.minibatch_size", "8",
             "--model.init_args.target_update_interval", "12", "--model.init_args.hidden", "[32, 32]",
             "--model.init_args.total_steps", "96", "--model.init_args.exploration.fraction", "0.5"],
 }

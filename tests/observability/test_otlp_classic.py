@@ -16,7 +16,7 @@ def test_rollout_spans_carry_the_finished_episodes(receiver, tmp_path):
     logger = OTLPLogger(endpoint=endpoint, export_interval=60)
     tracing = OTelTracingCallback(endpoint=endpoint, export_interval=60)
     torch.manual_seed(0)
-    module = A2CGymModule(env=EnvSpec(num_envs=4), total_steps=400, n_steps=5,
+    module = A2CGymModule(env=EnvSpec(num_envs=4), total_steps=400, steps_per_iteration=5,
                           optimizer=partial(torch.optim.Adam, lr=1e-3))
     finished = []
     original = module.runner.pop_episodes

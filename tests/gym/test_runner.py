@@ -2,7 +2,7 @@
 one-line errors for environments that cannot be built or break their contract.
 
 The small environments below are loaded by the runner through the import path of this very file
-(``/abs/path/tests/envs/test_runner.py:Corridor``), the way a user names their own environment class."""
+(``/abs/path/tests/gym/test_runner.py:Corridor``), the way a user names their own environment class."""
 
 import io
 import logging

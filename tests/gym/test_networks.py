@@ -1,5 +1,5 @@
-"""Classic-RL networks: observation encoding and running normalisation, the actor-critic, the Q-network and the
-Q-table."""
+"""Classic-RL networks (align.gym.networks): the diagonal Gaussian's log-density and entropy, observation encoding
+and running normalisation, the actor-critic, the Q-network and the Q-table."""
 
 import math
 
@@ -7,12 +7,42 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from align.errors import AlignConfigError
-from align.gym.networks import gaussian_log_prob
-from align.gym.networks import ActorCritic, ObservationEncoder, QNetwork, QTable, mlp, observation_size
+from align.gym.networks import (ActorCritic, ObservationEncoder, QNetwork, QTable, gaussian_entropy, gaussian_log_prob,
+                                mlp, observation_size)
 
 BOX4 = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+FAST = settings(max_examples=50, deadline=None)
+
+
+# ---------------------------------------------------------------- Gaussian log-prob and entropy
+
+
+def test_gaussian_pinned():
+    # mean 0, sigma 1, action 0: -0.5*log(2 pi) per dim, two dims
+    out = gaussian_log_prob(torch.zeros(2), torch.zeros(2), torch.zeros(2))
+    assert out.item() == pytest.approx(-math.log(2 * math.pi))
+    # mean 1, sigma 2, action 3: z = (3 - 1)/2 = 1 -> -(0.5*1 + log 2 + 0.5*log(2 pi))
+    out = gaussian_log_prob(torch.tensor([1.0]), torch.tensor([math.log(2.0)]), torch.tensor([3.0]))
+    assert out.item() == pytest.approx(-(0.5 + math.log(2.0) + 0.5 * math.log(2 * math.pi)))
+    # entropy per dim: log sigma + (1 + log 2 pi)/2; sigma = 1 in three dims
+    assert gaussian_entropy(torch.zeros(3)).item() == pytest.approx(1.5 * (1 + math.log(2 * math.pi)))
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), dims=st.integers(1, 3))
+def test_gaussian_matches_torch_normal(seed, batch, dims):
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(batch, dims, generator=g, dtype=torch.float64)
+    log_std = torch.randn(dims, generator=g, dtype=torch.float64)  # state-independent, broadcast
+    actions = torch.randn(batch, dims, generator=g, dtype=torch.float64) * 3
+    normal = torch.distributions.Normal(mean, log_std.exp())
+    torch.testing.assert_close(gaussian_log_prob(mean, log_std, actions), normal.log_prob(actions).sum(-1))
+    torch.testing.assert_close(gaussian_entropy(log_std.expand(batch, dims)), normal.entropy().sum(-1))
+    torch.testing.assert_close(gaussian_entropy(log_std), normal.entropy()[0].sum())
 
 
 # ---------------------------------------------------------------- ObservationEncoder

@@ -1,6 +1,6 @@
 """The classic-RL modules on Gymnasium: each trains a few iterations inside a Trainer and logs its metrics, the
 policy-gradient modules' loss is the policy gradient, continuous actions work, and unsupported spaces fail on one
-line. (Learning to solve CartPole is in tests/e2e/test_gym_learning.py; the math in tests/test_classic_math.py.)"""
+line. (Learning to solve CartPole is in tests/e2e/test_gym_learning.py; the math in tests/gym/test_returns.py and test_optim.py.)"""
 
 from functools import partial
 
@@ -13,23 +13,29 @@ from align.gym import (
     A2CGymModule,
     DQNGymModule,
     Exploration,
+    GymClipRange,
+    GymUpdates,
+    GymValueTraining,
     PPOGymModule,
     QLearningGymModule,
     REINFORCEGymModule,
+    ReplayUpdates,
 )
-from _helpers import cpu_trainer
+from _gym import cpu_trainer
 
 CARTPOLE = EnvSpec(id="CartPole-v1", num_envs=2)
 ADAM = partial(torch.optim.Adam, lr=1e-3)
 
 BUILDERS = {
-    "ppo": lambda: PPOGymModule(env=CARTPOLE, total_steps=128, n_steps=16, batch_size=16, n_epochs=2, optimizer=ADAM,
-                                lr_schedule="linear", clip_schedule="linear", normalize_observations=True,
+    "ppo": lambda: PPOGymModule(env=CARTPOLE, total_steps=128, steps_per_iteration=16,
+                                updates=GymUpdates(epochs=2, minibatch_size=16), optimizer=ADAM, lr_schedule="linear",
+                                clip=GymClipRange(schedule="linear"), normalize_observations=True,
                                 normalize_rewards=True),
-    "a2c": lambda: A2CGymModule(env=CARTPOLE, total_steps=100, n_steps=5, optimizer=ADAM),
+    "a2c": lambda: A2CGymModule(env=CARTPOLE, total_steps=100, steps_per_iteration=5, optimizer=ADAM),
     "reinforce": lambda: REINFORCEGymModule(env=CARTPOLE, total_steps=100, optimizer=ADAM),
-    "dqn": lambda: DQNGymModule(env=CARTPOLE, total_steps=200, learning_starts=32, train_freq=8, gradient_steps=4,
-                                batch_size=16, target_update_interval=20, double_dqn=True, optimizer=ADAM),
+    "dqn": lambda: DQNGymModule(env=CARTPOLE, total_steps=200, learning_starts=32, steps_per_iteration=8,
+                                updates=ReplayUpdates(gradient_steps=4, minibatch_size=16), target_update_interval=20,
+                                double_dqn=True, optimizer=ADAM),
     "qlearning": lambda: QLearningGymModule(env=EnvSpec(id="FrozenLake-v1", kwargs={"is_slippery": False}),
                                             total_steps=300, steps_per_iteration=50, init_value=1.0),
 }
@@ -67,7 +73,7 @@ def test_episode_metrics_are_means_of_the_latest_finished_episodes():
 
     torch.manual_seed(0)
     # A policy that barely learns keeps its episodes short (about 22 steps): well over 100 finish in 3,000 steps.
-    module = A2CGymModule(env=CARTPOLE, total_steps=3000, n_steps=5,
+    module = A2CGymModule(env=CARTPOLE, total_steps=3000, steps_per_iteration=5,
                           optimizer=lambda params: torch.optim.Adam(params, lr=1e-6))
     finished = []
     original = module.runner.pop_episodes
@@ -94,7 +100,7 @@ def test_metrics_rows_are_written_every_n_steps_and_at_the_end(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     torch.manual_seed(0)
-    module = A2CGymModule(env=CARTPOLE, total_steps=300, n_steps=5, optimizer=ADAM)  # 30 iterations
+    module = A2CGymModule(env=CARTPOLE, total_steps=300, steps_per_iteration=5, optimizer=ADAM)  # 30 iterations
     cpu_trainer(max_epochs=1, log_every_n_steps=4, logger=CSVLogger(tmp_path)).fit(module)
     rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r["train/loss"]]
     assert [int(r["step"]) for r in rows] == [3, 7, 11, 15, 19, 23, 27, 29]
@@ -107,7 +113,7 @@ def test_policy_gradient_loss_is_minus_advantage_times_log_prob():
     """A2C and REINFORCE take the plain policy gradient: the loss is -mean(A * log pi), with its gradient, and no
     clipping statistics (there is no ratio)."""
     torch.manual_seed(0)
-    module = A2CGymModule(env=CARTPOLE, ent_coef=0.0, vf_coef=0.0)
+    module = A2CGymModule(env=CARTPOLE, entropy_coef=0.0, value=GymValueTraining(coef=0.0))
     obs, actions = torch.randn(6, 4), torch.tensor([0, 1, 1, 0, 1, 0])
     advantages = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
     zeros = torch.zeros(6)
@@ -124,8 +130,8 @@ def test_policy_gradient_loss_is_minus_advantage_times_log_prob():
 
 def test_ppo_on_continuous_actions_clips_what_the_environment_gets():
     torch.manual_seed(0)
-    module = PPOGymModule(env=EnvSpec(id="Pendulum-v1", num_envs=2), total_steps=64, n_steps=16, batch_size=32,
-                          n_epochs=1, network={"log_std_init": 1.0}, optimizer=ADAM)
+    module = PPOGymModule(env=EnvSpec(id="Pendulum-v1", num_envs=2), total_steps=64, steps_per_iteration=16,
+                          updates=GymUpdates(epochs=1, minibatch_size=32), network={"log_std_init": 1.0}, optimizer=ADAM)
     obs = module.runner.start()
     actions, extras = module.sample_actions(obs)
     assert actions.shape == (2, 1) and extras["logprobs"].shape == (2,)
@@ -159,8 +165,8 @@ def test_unsupported_spaces_fail_on_one_line_naming_the_environment():
 
 def test_dqn_target_network_follows_the_interval_and_tau():
     torch.manual_seed(0)
-    module = DQNGymModule(env=CARTPOLE, total_steps=64, learning_starts=10_000, train_freq=4, target_update_interval=16,
-                          tau=0.5, optimizer=ADAM)
+    module = DQNGymModule(env=CARTPOLE, total_steps=64, learning_starts=10_000, steps_per_iteration=4,
+                          target_update_interval=16, tau=0.5, optimizer=ADAM)
     with torch.no_grad():
         for p in module.q.parameters():
             p.add_(1.0)
@@ -184,8 +190,9 @@ def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double
     from align.gym.returns import td_targets
 
     torch.manual_seed(0)
-    module = DQNGymModule(env=CARTPOLE, total_steps=10_000, learning_starts=0, batch_size=8, gradient_steps=6,
-                          target_update_interval=10_000, double_dqn=double_dqn)
+    module = DQNGymModule(env=CARTPOLE, total_steps=10_000, learning_starts=0,
+                          updates=ReplayUpdates(gradient_steps=6, minibatch_size=8), target_update_interval=10_000,
+                          double_dqn=double_dqn)
     module.collect(module.sample_actions, 16, on_step=module._store)  # 32 transitions
     with torch.no_grad():
         for p in module.q_target.parameters():
@@ -297,8 +304,8 @@ def test_optimizer_steps_are_counted_and_step_hooks_still_run():
     steps = {}
     for hooked in (False, True):
         torch.manual_seed(0)
-        module = DQNGymModule(env=CARTPOLE, total_steps=96, learning_starts=20, train_freq=8, gradient_steps=3,
-                              batch_size=8, hidden=(16,), optimizer=ADAM)
+        module = DQNGymModule(env=CARTPOLE, total_steps=96, learning_starts=20, steps_per_iteration=8,
+                              updates=ReplayUpdates(gradient_steps=3, minibatch_size=8), hidden=(16,), optimizer=ADAM)
         count = Count()
         trainer = cpu_trainer(max_epochs=1, callbacks=[count] if hooked else [])
         trainer.fit(module)
@@ -343,7 +350,8 @@ def test_a_non_finite_loss_stops_the_run_before_the_update():
     from align.trainer.guards import NonFiniteError
 
     torch.manual_seed(0)
-    module = A2CGymModule(env=EnvSpec(id=f"{__file__}:NaNRewardEnv"), total_steps=100, n_steps=5, optimizer=ADAM)
+    module = A2CGymModule(env=EnvSpec(id=f"{__file__}:NaNRewardEnv"), total_steps=100, steps_per_iteration=5,
+                          optimizer=ADAM)
     assert module.guards_own_steps  # the check is in optimizer_step; no NonFiniteGuard pass over the gradients
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(NonFiniteError, match=r"non-finite loss at optimizer step 0 \(iteration 0, 5 environment steps\)"):

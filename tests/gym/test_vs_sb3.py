@@ -19,7 +19,7 @@ import torch
 
 from align.gym.returns import step_gae
 from align.gym.make import EnvSpec
-from align.gym import A2CGymModule, Network, PPOGymModule
+from align.gym import A2CGymModule, GymClipRange, GymGAE, GymUpdates, GymValueTraining, Network, PPOGymModule
 
 sb3 = pytest.importorskip("stable_baselines3")
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
@@ -33,13 +33,15 @@ def _align(algo: str):
     # A 12-step time limit: the windows hold truncations (bootstrapped) as well as terminations.
     env = EnvSpec(id="CartPole-v1", num_envs=NUM_ENVS, seed=3, max_episode_steps=12)
     if algo == "ppo":
-        module = PPOGymModule(env=env, total_steps=100_000, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98,
-                              gae_lambda=0.8, ent_coef=0.0, vf_coef=1.0, clip_range=0.2, normalize_advantages=True,
-                              max_grad_norm=0.5, network=network,
+        module = PPOGymModule(env=env, total_steps=100_000, steps_per_iteration=32,
+                              gae=GymGAE(gamma=0.98, lam=0.8, whiten_advantages=True), entropy_coef=0.0,
+                              value=GymValueTraining(coef=1.0), clip=GymClipRange(low=0.2),
+                              updates=GymUpdates(epochs=20, minibatch_size=256, max_grad_norm=0.5), network=network,
                               optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-5))
     else:
-        module = A2CGymModule(env=env, total_steps=100_000, n_steps=5, gamma=0.99, gae_lambda=1.0, ent_coef=0.0,
-                              vf_coef=1.0, max_grad_norm=0.5, network=network,
+        module = A2CGymModule(env=env, total_steps=100_000, steps_per_iteration=5,
+                              gae=GymGAE(gamma=0.99, lam=1.0, whiten_advantages=False), entropy_coef=0.0,
+                              value=GymValueTraining(coef=1.0), updates=GymUpdates(max_grad_norm=0.5), network=network,
                               optimizer=lambda params: torch.optim.RMSprop(params, lr=7e-4, alpha=0.99, eps=1e-5))
     optimizer = module.configure_optimizers()
     module.optimizers = lambda: optimizer  # the update outside a fit: the raw optimizer
@@ -96,7 +98,7 @@ def _sb3_buffer(module, model, steps, episode_start: torch.Tensor) -> torch.Tens
     next_values = module.next_values(steps)
     rewards = steps.rewards.clone()
     truncated = steps.done & ~steps.terminated
-    rewards[truncated] += module.gamma * next_values[truncated]
+    rewards[truncated] += module.gae.gamma * next_values[truncated]
     buffer = model.rollout_buffer
     buffer.reset()
     for k in range(t):
@@ -128,7 +130,7 @@ def test_update_equals_stable_baselines3s(algo):
     next_values = _sb3_buffer(module, model, steps, torch.zeros(n, dtype=torch.bool))
     buffer = model.rollout_buffer
     advantages, returns = step_gae(steps.rewards, steps.extras["values"], next_values, steps.terminated,
-                                   steps.done, module.gamma, module.gae_lambda)
+                                   steps.done, module.gae.gamma, module.gae.lam)
     np.testing.assert_allclose(buffer.advantages, advantages.numpy(), rtol=0, atol=1e-5)
     np.testing.assert_allclose(buffer.returns, returns.numpy(), rtol=0, atol=1e-5)
 
