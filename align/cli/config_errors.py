@@ -3,7 +3,8 @@
 jsonargparse reports a bad value or an unknown key with the whole usage (about fifty lines) and, for a setting of
 the model or data class, a nest of union-subtype attempts. :func:`one_line` turns its message into one line that
 names the setting, says what was expected, and for an unknown key lists the nearest accepted keys.
-:class:`AlignArgumentParser` prints that line (``error: ...`` on stderr, exit status 2) instead of the usage.
+:class:`AlignArgumentParser` prints that line (``error: ...`` on stderr, exit status 2) instead of the usage, and
+:func:`guarded` does the same for align's own errors (:class:`~align.errors.AlignError`) raised while a command runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from typing import Iterable, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
+
+from align.errors import AlignError
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
@@ -176,3 +179,23 @@ class AlignArgumentParser(LightningArgumentParser):
             super().error(message, ex)
         sys.stderr.write(f"error: {one_line(str(message), parser_keys(self))}\n")
         self.exit(2)
+
+
+def guarded(fn):
+    """``fn()``, with an :class:`~align.errors.AlignError` (also one raised while jsonargparse instantiates a class)
+    printed as ``error: ...`` on stderr and exit status 2."""
+    try:
+        return fn()
+    except AlignError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as err:
+        # jsonargparse re-raises errors from class instantiation as a ValueError caused by the original one.
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, AlignError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        raise SystemExit(2) from None
+

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
