@@ -76,4 +76,3 @@ def shipped_config(name: str) -> Path:
         shipped = ", ".join(f"{SHIPPED}{p.relative_to(CONFIG_DIR)}" for p in sorted(CONFIG_DIR.rglob("*.yaml")))
         raise AlignConfigError(f"--config: '{name}' is not a shipped config; expected one of {shipped}")
     return path
-

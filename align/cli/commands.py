@@ -37,4 +37,3 @@ def not_a_subcommand(name: str) -> None:
     print(f"error: 'align {name}' is not a command; use 'align evaluate' for held-out rewards and accuracy, or "
           "'align generate' for completions of a prompt file (docs/generation.md)", file=sys.stderr)
     raise SystemExit(2)
-

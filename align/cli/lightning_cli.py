@@ -370,4 +370,3 @@ def _progress_bar_default(config: dict, callbacks: list) -> None:
     if config.get("enable_progress_bar") is False or any(isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]):
         return
     callbacks.append(AlignProgressBar())
-

@@ -107,4 +107,3 @@ def recipe_help(algorithm: str, model_class, datamodule_class, make_cli, default
     lines += ["", f"trainer settings (Lightning's Trainer), as --trainer.<setting>; the common ones: {trainer}. "
                   f"All of them: {script} fit --help"]
     return "\n".join(lines)
-

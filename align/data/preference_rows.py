@@ -94,7 +94,6 @@ class PreparedSplit:
     dropped_identical: int = 0
 
 
-
 def preference_record(row: dict, source: str, index: int, ignore: frozenset = frozenset(),
                       system_prompt: str | None = None, unused: UnusedColumns | None = None,
                       unpaired: bool = False) -> PreferenceRecord:
@@ -293,4 +292,3 @@ def fingerprint_examples(examples: Sequence[PreferenceExample]) -> str:
             h.update(torch.tensor(part, dtype=torch.int64).numpy().tobytes())
         h.update(repr(ex.margin).encode())
     return h.hexdigest()
-

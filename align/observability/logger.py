@@ -39,7 +39,6 @@ from align.observability.identity import build_resource, current_rank, default_r
 from align.observability.settings import ExportSettings, ObservabilityConfigError
 
 
-
 class OTLPLogger(Logger):
     """Exports the run's metrics over OTLP to a collector (Grafana Alloy, the OTel Collector, Jaeger, Honeycomb,
     Datadog, ...). Export runs on a background thread; a down or slow collector never slows or fails training.
@@ -274,4 +273,3 @@ def _as_float(value: Any) -> float | None:
         except (ValueError, RuntimeError):
             return None
     return None
-

@@ -156,4 +156,3 @@ def _grpc_credentials(certificate_file: str | None):
 
     with open(certificate_file, "rb") as f:
         return grpc.ssl_channel_credentials(root_certificates=f.read())
-
