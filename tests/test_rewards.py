@@ -251,8 +251,8 @@ def test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so():
 
 def test_a_built_in_reward_that_raises_points_at_its_own_file():
     with pytest.raises(RewardError, match=r"reward 'math_answer' \(align.rewards.math_answer\) raised ValueError: "
-                                          r"math_answer needs an 'answer' column .* at .*align/rollout/rewards.py, line \d+ "
-                                          r"in math_answer\(\); first failing sample 0 of 1: prompt 'q'"):
+                                          r"math_answer needs an 'answer' column .* at .*align/rollout/rewards/builtin.py, "
+                                          r"line \d+ in math_answer\(\); first failing sample 0 of 1: prompt 'q'"):
         RewardFunction(RewardSpec("align.rewards.math_answer"))(["q"], ["1"])
 
 

@@ -97,7 +97,7 @@ def test_unknown_reward_path_fails_at_configuration(tmp_path, capsys):
                    args=["--config", rewards_config(tmp_path, "align.rewards.no_such_reward"),
                          "--trainer.default_root_dir", str(tmp_path / "run")])
     assert info.value.code != 0
-    assert "module 'align.rollout.rewards' has no attribute 'no_such_reward'" in capsys.readouterr().err
+    assert "module 'align.rewards' has no attribute 'no_such_reward'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
