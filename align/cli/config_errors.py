@@ -33,7 +33,8 @@ _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)", re.IGNORECASE)
 _NESTED_CLASS = "Problem with given class_path"
 _SUBTYPES = re.compile(r"Subtypes: \[(.*)\]\s*$", re.MULTILINE)
 _GIVEN = re.compile(r"Given value: (.*?)(?:\. Got value:.*)?$", re.MULTILINE)
-_ALIGN_PATH = re.compile(r"\balign(?:\.\w+)+")
+# A whole dotted path (the lookahead takes the longest, with no backtracking), not part of a file name.
+_ALIGN_PATH = re.compile(r"(?<![\w./-])(?=(align(?:\.\w+)+))\1(?![\w/-])")
 
 
 def setting_key(key: str) -> str:
@@ -52,7 +53,7 @@ def _moved(message: str) -> str | None:
     """``--<setting>: <old path> moved to <new path>: write <new path> ...`` when the message names a module path
     that moved (a class_path, a callback), else None. The setting is the one jsonargparse was reading there."""
     for found in _ALIGN_PATH.finditer(message):
-        note = moved_message(found.group(0))
+        note = moved_message(found.group(1))
         if note:
             key = ".".join(filter(None, map(setting_key, _PARSER_KEY.findall(message[:found.start()]))))
             return f"--{key}: {note}" if key else note
