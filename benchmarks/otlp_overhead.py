@@ -85,7 +85,7 @@ def run_trial(spec: dict, arm: str) -> dict:
         loggers.append(logger)
         callbacks.append(tracer)
     if spec["config"]:  # a recipe YAML (e.g. configs/grpo/tiny.yaml) and dotted overrides, as the CLI reads them
-        from align.cli.main import AlignCLI
+        from align.cli.lightning_cli import AlignCLI
 
         cli = AlignCLI(args=["--config", spec["config"], *spec["overrides"], "--trainer.logger", "false"], run=False)
         module, data = cli.model, cli.datamodule

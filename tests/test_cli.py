@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from align.cli.main import COMMANDS, AlignCLI, main, run_recipe
+from align.cli.commands import COMMANDS
+from align.cli.lightning_cli import AlignCLI
+from align.cli.main import main
+from align.cli.recipes import run_recipe
 from align.data import SFTDataModule
 from align.hub.gguf import is_packaged
 from align.modules import SFTModule
@@ -144,7 +147,7 @@ def test_sft_recipe_end_to_end(tmp_path):
 
 
 def test_recipe_subcommand_is_the_first_argument_only():
-    from align.cli.main import _with_subcommand
+    from align.cli.recipes import _with_subcommand
 
     assert _with_subcommand([]) == ["fit"]
     assert _with_subcommand(["--data.split", "test"]) == ["fit", "--data.split", "test"]
@@ -160,7 +163,7 @@ def tensorboard_loggers(cli):
 
 
 def test_tensorboard_logger_without_save_dir_writes_into_the_run_folder(tmp_path):
-    from align.cli.main import resolve_config_args
+    from align.cli.arguments import resolve_config_args
 
     (tmp_path / "version_0").mkdir()  # an earlier run: this one is version_1
     args = ["--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path)]

@@ -1,11 +1,11 @@
-"""The private Lightning names the CLI (``align.cli.main``) and run folders (``align.cli.runs``) rely on."""
+"""The private Lightning names the CLI (``align.cli.lightning_cli``) and run folders (``align.cli.runs``) rely on."""
 
 from __future__ import annotations
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-USED_BY = "align.cli.main.AlignCLI"
+USED_BY = "align.cli.lightning_cli.AlignCLI"
 
 
 def test_cli_hooks_exist_and_lightning_still_calls_them(private_api):
@@ -26,9 +26,10 @@ def test_a_csv_loggers_version_can_be_pinned(private_api, tmp_path):
 
 
 def test_a_tensorboard_loggers_folder_can_be_set(private_api, tmp_path):
-    # A TensorBoardLogger with save_dir "align:run" is moved into the run folder by align.cli.main._into_run_folder.
+    # A TensorBoardLogger with save_dir "align:run" is moved into the run folder by
+    # align.cli.lightning_cli._into_run_folder.
     logger = TensorBoardLogger(save_dir="align:run")
     for name in ("_root_dir", "_name", "_version"):
-        private_api.require(logger, name, used_by="align.cli.main._into_run_folder")
+        private_api.require(logger, name, used_by="align.cli.lightning_cli._into_run_folder")
     logger._root_dir, logger._name, logger._version = str(tmp_path), "", 3
     assert logger.log_dir == str(tmp_path / "version_3") and logger.save_dir == str(tmp_path)

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.cli.config_errors import nearest, one_line
 from align.data import SFTDataModule
 from align.modules import SFTModule

@@ -9,7 +9,8 @@ import lightning as L
 import pytest
 import torch
 
-from align.cli.main import AlignCLI, main
+from align.cli.lightning_cli import AlignCLI
+from align.cli.main import main
 from align.data.prompts import PromptDataModule
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule

@@ -77,6 +77,17 @@ def test_bad_import_paths_fail_clearly(path, message):
         RewardFunction(RewardSpec(path))
 
 
+def test_an_old_module_path_names_its_new_place():
+    from align.moved import moved_message
+    from align.rollout.rewards import resolve_import
+
+    for path in ("align.envs.tools.ToolEnvironment", "align.envs.tools:ToolEnvironment"):
+        with pytest.raises(AlignConfigError) as info:
+            resolve_import(path, what="environment")
+        assert str(info.value) == f"environment: {moved_message('align.envs.tools.ToolEnvironment')}"
+        assert "align.rollout.envs.tools.ToolEnvironment" in str(info.value)
+
+
 def test_combined_weights_names_and_columns():
     seen = {}
 
@@ -251,8 +262,8 @@ def test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so():
 
 def test_a_built_in_reward_that_raises_points_at_its_own_file():
     with pytest.raises(RewardError, match=r"reward 'math_answer' \(align.rewards.math_answer\) raised ValueError: "
-                                          r"math_answer needs an 'answer' column .* at .*align/rollout/rewards.py, line \d+ "
-                                          r"in math_answer\(\); first failing sample 0 of 1: prompt 'q'"):
+                                          r"math_answer needs an 'answer' column .* at .*align/rollout/rewards/builtin.py, "
+                                          r"line \d+ in math_answer\(\); first failing sample 0 of 1: prompt 'q'"):
         RewardFunction(RewardSpec("align.rewards.math_answer"))(["q"], ["1"])
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from align.trainer.checkpointing import AtomicCheckpointIO
-from align.cli.main import CONFIG_DIR, main, resolve_config_args, run_recipe
+from align.cli.arguments import CONFIG_DIR, resolve_config_args
+from align.cli.main import main
+from align.cli.recipes import run_recipe
 from align.data import SFTDataModule
 from align.errors import AlignConfigError
 from align.modules import SFTModule
@@ -241,7 +243,7 @@ def test_a_nested_setting_set_to_null_on_the_command_line_becomes_a_one_field_bl
 
 
 def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
-    from align.cli.main import run_recipe
+    from align.cli.recipes import run_recipe
     from align.data.prompts import PromptDataModule
     from align.modules.ppo import PPOModule
 

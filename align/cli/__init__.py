@@ -7,5 +7,5 @@ def __getattr__(name: str) -> Any:  # ``from align.cli import run_recipe`` (the 
     if name == "run_recipe":
         import importlib
 
-        return importlib.import_module("align.cli.main").run_recipe
+        return importlib.import_module("align.cli.recipes").run_recipe
     raise AttributeError(f"module 'align.cli' has no attribute {name!r}")

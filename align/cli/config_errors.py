@@ -2,8 +2,11 @@
 
 jsonargparse reports a bad value or an unknown key with the whole usage (about fifty lines) and, for a setting of
 the model or data class, a nest of union-subtype attempts. :func:`one_line` turns its message into one line that
-names the setting, says what was expected, and for an unknown key lists the nearest accepted keys.
-:class:`AlignArgumentParser` prints that line (``error: ...`` on stderr, exit status 2) instead of the usage.
+names the setting, says what was expected, and for an unknown key lists the nearest accepted keys. A value that names
+a module path that moved (:data:`align.moved.MOVED`) or a setting that was renamed (:data:`align.moved.RENAMED_SETTINGS`)
+gets the line that names the new place instead.
+:class:`AlignArgumentParser` prints that line (``error: ...`` on stderr, exit status 2) instead of the usage, and
+:func:`guarded` does the same for align's own errors (:class:`~align.errors.AlignError`) raised while a command runs.
 """
 
 from __future__ import annotations
@@ -17,15 +20,44 @@ from typing import Iterable, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from align.errors import AlignError
+from align.moved import moved_message, renamed_message
+
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
 _CLASS_PATH = re.compile(r"class_path '([\w.]+)'|class_path='([\w.]+)'")
 _EXPECTED = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
+_GROUP_OPTION = re.compile(r"Group '([^']+)' does not accept option '([^']+)'")
 _SUBCOMMAND_OPTION = re.compile(r"Subcommand '\w+' does not accept option '([^']+)'")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)", re.IGNORECASE)
 _NESTED_CLASS = "Problem with given class_path"
 _SUBTYPES = re.compile(r"Subtypes: \[(.*)\]\s*$", re.MULTILINE)
 _GIVEN = re.compile(r"Given value: (.*?)(?:\. Got value:.*)?$", re.MULTILINE)
+# A whole dotted path (the lookahead takes the longest, with no backtracking), not part of a file name.
+_ALIGN_PATH = re.compile(r"(?<![\w./-])(?=(align(?:\.\w+)+))\1(?![\w/-])")
+
+
+def setting_key(key: str) -> str:
+    """A key as jsonargparse reports it, as a user writes it: ``--model.init_args.clip.level=x`` -> ``model.clip.level``."""
+    key = key.removeprefix("--").split("=", 1)[0]
+    return ".".join(part for part in key.split(".") if part != "init_args")
+
+
+def _renamed(key: str) -> str | None:
+    """``--<key>: this setting was renamed; write ...`` for an old setting, else None."""
+    note = renamed_message(setting_key(key))
+    return f"--{note}" if note else None
+
+
+def _moved(message: str) -> str | None:
+    """``--<setting>: <old path> moved to <new path>: write <new path> ...`` when the message names a module path
+    that moved (a class_path, a callback), else None. The setting is the one jsonargparse was reading there."""
+    for found in _ALIGN_PATH.finditer(message):
+        note = moved_message(found.group(1))
+        if note:
+            key = ".".join(filter(None, map(setting_key, _PARSER_KEY.findall(message[:found.start()]))))
+            return f"--{key}: {note}" if key else note
+    return None
 
 
 def nearest(key: str, accepted: Iterable[str], n: int = 3) -> list[str]:
@@ -77,20 +109,59 @@ def _class_error(message: str) -> str:
     """A model/data setting refused inside a class_path: the first subtype's innermost complaint."""
     body = message.split("- Expected a <class 'NoneType'>")[0]
     keys = _PARSER_KEY.findall(body)
-    key = ".".join(k.removeprefix("init_args.") for k in keys)
+    key = ".".join(setting_key(k) for k in keys)
+    classes = [a or b for a, b in _CLASS_PATH.findall(body)]
+    owner = classes[-1] if classes else ""
     unknown = _NOT_ACCEPTED.search(body)
     if unknown:
-        option = unknown.group(1)
-        classes = [a or b for a, b in _CLASS_PATH.findall(body)]
-        owner = classes[-1] if classes else ""
-        full = f"{key}.{option}" if key else option
-        settings = _class_settings(owner) if owner else []
-        hint = _suggest(option, settings)
-        if not hint and settings:
-            hint = f"; accepted: {', '.join(settings[:20])}" + (", ..." if len(settings) > 20 else "")
-        return f"--{full}: {owner.rsplit('.', 1)[-1] or 'this class'} has no setting '{option}'{hint}"
+        return _unknown_setting(key, unknown.group(1), owner)
+    group = _GROUP_OPTION.search(body)
+    if group:
+        return _unknown_setting(key, f"{group.group(1)}.{group.group(2)}", owner)
+    unrecognized = _UNRECOGNIZED.search(body)
+    if unrecognized:
+        options = [setting_key(a) for a in unrecognized.group(1).split() if a.startswith("--")]
+        if options:
+            return "; ".join(_unknown_setting(key, option, owner) for option in options)
     matches = list(_PARSER_KEY.finditer(body))
     return _bad_value(key, body[matches[-1].end():] if matches else body)
+
+
+def _unknown_setting(key: str, option: str, owner: str) -> str:
+    """``--<key>.<option>: <Class> has no setting ...`` with the nearest accepted ones, or the renamed setting's
+    notice. ``option`` may be dotted (a setting inside one of the class's groups)."""
+    full = f"{key}.{option}" if key else option
+    renamed = _renamed(full)
+    if renamed:
+        return renamed
+    group, _, leaf = option.rpartition(".")
+    fields = _group_settings(owner, group) if group and owner else []
+    if fields:  # a setting inside one of the class's option groups (clip.level)
+        where, name, settings = f"{owner.rsplit('.', 1)[-1]}.{group}", leaf, fields
+    else:
+        where, name = owner.rsplit(".", 1)[-1] or "this class", option
+        settings = _class_settings(owner) if owner else []
+    hint = _suggest(name, settings)
+    if not hint and settings:
+        hint = f"; accepted: {', '.join(settings[:20])}" + (", ..." if len(settings) > 20 else "")
+    return f"--{full}: {where} has no setting '{name}'{hint}"
+
+
+def _group_settings(owner: str, group: str) -> list[str]:
+    """The fields of the dataclass that setting ``group`` (one level) of the class at dotted ``owner`` takes, or []."""
+    import dataclasses
+    import typing
+
+    module_name, _, name = owner.rpartition(".")
+    try:
+        init = getattr(importlib.import_module(module_name), name).__init__
+        hint = typing.get_type_hints(init).get(group)
+    except Exception:  # noqa: BLE001  (only a hint: any failure means no list)
+        return []
+    for candidate in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return [f.name for f in dataclasses.fields(candidate) if f.init]
+    return []
 
 
 def _top_level(text: str) -> list[str]:
@@ -134,18 +205,21 @@ def _bad_value(key: str, detail: str) -> str:
 def one_line(message: str, accepted: Iterable[str] = ()) -> str:
     """jsonargparse's error ``message`` as one line; ``accepted``: the parser's keys, for unknown-key hints."""
     accepted = list(accepted)
+    moved = _moved(message)
+    if moved:
+        return moved
     if _NESTED_CLASS in message:
         return _class_error(message)
     found = _SUBCOMMAND_OPTION.search(message)
     if found:
         key = found.group(1)
-        return f"--{key}: no such setting{_suggest(key, accepted)}"
+        return _renamed(key) or f"--{key}: no such setting{_suggest(key, accepted)}"
     found = _UNRECOGNIZED.search(message)
     if found:
         args = found.group(1).split()
         keys = [a[2:].split("=", 1)[0] for a in args if a.startswith("--")]
         if keys:
-            return "; ".join(f"--{k}: no such setting{_suggest(k, accepted)}" for k in keys)
+            return "; ".join(_renamed(k) or f"--{k}: no such setting{_suggest(k, accepted)}" for k in keys)
         return f"unexpected arguments: {found.group(1)}"
     matches = list(_PARSER_KEY.finditer(message))
     if matches:
@@ -176,3 +250,22 @@ class AlignArgumentParser(LightningArgumentParser):
             super().error(message, ex)
         sys.stderr.write(f"error: {one_line(str(message), parser_keys(self))}\n")
         self.exit(2)
+
+
+def guarded(fn):
+    """``fn()``, with an :class:`~align.errors.AlignError` (also one raised while jsonargparse instantiates a class)
+    printed as ``error: ...`` on stderr and exit status 2."""
+    try:
+        return fn()
+    except AlignError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as err:
+        # jsonargparse re-raises errors from class instantiation as a ValueError caused by the original one.
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, AlignError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        raise SystemExit(2) from None

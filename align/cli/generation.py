@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from align.cli.main import _guarded
+from align.cli.config_errors import guarded
 from align.errors import AlignConfigError
 
 
@@ -66,7 +66,7 @@ def generate_main(args: list[str]) -> None:
     parser.add_argument("--completion_field", default="completion", help="Output column of the completion (default completion).")
     _sampling_arguments(parser, max_new_tokens=64)
     ns = parser.parse_args(args)
-    _guarded(lambda: _generate(ns))
+    guarded(lambda: _generate(ns))
 
 
 def _generate(ns) -> None:
@@ -129,7 +129,7 @@ def evaluate_main(args: list[str]) -> None:
     parser.add_argument("--output", default=None, help="Also write the report to this JSON file.")
     _sampling_arguments(parser, max_new_tokens=64)
     ns = parser.parse_args(args)
-    _guarded(lambda: _evaluate(ns))
+    guarded(lambda: _evaluate(ns))
 
 
 def _evaluate(ns) -> None:
@@ -202,7 +202,7 @@ def chat_main(args: list[str], stdin=None) -> None:
     _sampling_arguments(parser, max_new_tokens=256, several=False)
     ns = parser.parse_args(args)
     try:
-        _guarded(lambda: _chat(ns, stdin or sys.stdin))
+        guarded(lambda: _chat(ns, stdin or sys.stdin))
     except KeyboardInterrupt:  # Ctrl-C ends a chat as /exit does
         print()
 

@@ -1,8 +1,5 @@
-"""The OTLP export pipeline shared by ``OTLPLogger`` (metrics) and ``OTelTracingCallback`` (traces).
-
-Settings: align passes the SDK exporter only what the user set on the logger or callback; everything left unset is
-read by the exporter itself from the standard ``OTEL_EXPORTER_OTLP_*`` variables. align reads only what it needs
-itself: the protocol (which exporter class to build) and the timeout (which also bounds the final flush).
+"""The OTLP export pipeline shared by ``OTLPLogger`` (metrics) and ``OTelTracingCallback`` (traces); what each
+export is told is :class:`~align.observability.settings.ExportSettings`.
 
 Failure isolation: every export goes through a counting wrapper that never raises, counts what was delivered and
 dropped, and warns once per run and collector. The final flush of a stage runs on a daemon thread and the training
@@ -13,225 +10,21 @@ fail, and no longer once the flush's own export is refused. A flush that runs ou
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
-import os
 import threading
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping
-from urllib.parse import urlparse
+from typing import Any, Callable
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from align.errors import AlignError
+from align.observability.settings import ExportSettings
 
 SCOPE = "align.observability"  # the logger and the instrumentation scope of align's own telemetry
 log = logging.getLogger(SCOPE)
 
-Protocol_ = Literal["grpc", "http/protobuf"]
-Signal = Literal["metrics", "traces"]
-DEFAULT_PORTS = {"grpc": 4317, "http/protobuf": 4318}
-DEFAULT_TIMEOUT = 10.0
-RUN_ID_ENV = "ALIGN_RUN_ID"
 FAILING_WAIT = 1.0  # the most a final flush waits once the collector is known to fail (docs/observability.md)
-_COMPRESSION = {"none": "NoCompression", "gzip": "Gzip", "deflate": "Deflate"}  # member names of both SDK enums
-_EXPORTERS = {  # (protocol, signal) -> (module, class) of the SDK exporter
-    ("grpc", "metrics"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
-    ("grpc", "traces"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
-    ("http/protobuf", "metrics"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
-    ("http/protobuf", "traces"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
-}
-
-
-class ObservabilityConfigError(AlignError, ValueError):
-    """A bad OTLP setting (protocol, endpoint, compression, timeout)."""
-
-
-def _env(signal: Signal, name: str) -> tuple[str, str] | None:
-    """``(variable, value)`` of ``OTEL_EXPORTER_OTLP_<SIGNAL>_<NAME>``, else of ``OTEL_EXPORTER_OTLP_<NAME>``."""
-    for key in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
-        if os.environ.get(key):
-            return key, os.environ[key]
-    return None
-
-
-@dataclass(frozen=True)
-class ExportSettings:
-    """What the user set for one signal; ``None`` leaves the setting to the SDK exporter (environment, default)."""
-
-    signal: Signal
-    protocol: Protocol_
-    timeout: float  # seconds, per export and for the final flush
-    endpoint: str | None = None  # grpc: "host:port"; http: the full URL of the signal's path
-    insecure: bool | None = None
-    headers: dict[str, str] | None = None
-    compression: Literal["none", "gzip", "deflate"] | None = None
-    certificate_file: str | None = None
-
-    @staticmethod
-    def resolve(
-        signal: Signal,
-        *,
-        endpoint: str | None = None,
-        protocol: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        insecure: bool | None = None,
-        compression: str | None = None,
-        timeout: float | None = None,
-        certificate_file: str | None = None,
-    ) -> "ExportSettings":
-        """Check and normalise the arguments. The protocol picks the exporter class, so it is read here (argument,
-        then ``OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL``); so is the timeout, in milliseconds as the specification
-        says (the SDK reads that variable in seconds), because it also bounds the final flush."""
-        env_proto = _env(signal, "PROTOCOL")
-        proto = (protocol or (env_proto[1] if env_proto else "grpc")).strip().lower()
-        proto = {"http": "http/protobuf", "http/proto": "http/protobuf"}.get(proto, proto)
-        if proto not in DEFAULT_PORTS:
-            source = "protocol" if protocol else env_proto[0]
-            raise ObservabilityConfigError(f"OTLP {source}: expected 'grpc' or 'http/protobuf', got {proto!r}")
-        if compression is not None and compression.strip().lower() not in _COMPRESSION:
-            raise ObservabilityConfigError(f"OTLP compression: expected none, gzip or deflate, got {compression!r}")
-        if timeout is None:
-            env_timeout = _env(signal, "TIMEOUT")
-            try:
-                timeout = float(env_timeout[1]) / 1000.0 if env_timeout else DEFAULT_TIMEOUT
-            except ValueError:
-                raise ObservabilityConfigError(
-                    f"{env_timeout[0]}: expected milliseconds, got {env_timeout[1]!r}") from None
-        if not timeout > 0:
-            raise ObservabilityConfigError(f"OTLP timeout: expected a positive number of seconds, got {timeout!r}")
-        if endpoint is not None:
-            endpoint, insecure = _normalise_endpoint(endpoint, proto, signal, insecure)
-        return ExportSettings(
-            signal=signal, protocol=proto, timeout=float(timeout), endpoint=endpoint, insecure=insecure,
-            headers={str(k).strip().lower(): str(v) for k, v in headers.items()} if headers is not None else None,
-            compression=compression.strip().lower() if compression is not None else None,
-            certificate_file=certificate_file)
-
-    @property
-    def address(self) -> str:
-        """``host:port`` (or URL) of the collector, for messages; never header values."""
-        endpoint = self.endpoint
-        if endpoint is None:  # as the SDK exporter will find it
-            found = _env(self.signal, "ENDPOINT")
-            endpoint = found[1] if found else f"localhost:{DEFAULT_PORTS[self.protocol]}"
-        return urlparse(endpoint).netloc or endpoint
-
-    def describe(self) -> str:
-        return f"{self.protocol} {self.address}"
-
-    def exporter(self) -> MetricExporter | SpanExporter:
-        """The SDK exporter of this signal and protocol, given only the settings the user made."""
-        module, name = _EXPORTERS[(self.protocol, self.signal)]
-        grpc = self.protocol == "grpc"
-        compression = None
-        if self.compression is not None:
-            enum = importlib.import_module("grpc" if grpc else "opentelemetry.exporter.otlp.proto.http").Compression
-            compression = getattr(enum, _COMPRESSION[self.compression])
-        kwargs = dict(endpoint=self.endpoint, headers=self.headers, timeout=self.timeout, compression=compression)
-        try:
-            if grpc:
-                kwargs.update(insecure=self.insecure, credentials=_grpc_credentials(self.certificate_file))
-            else:
-                kwargs.update(certificate_file=self.certificate_file)
-            return getattr(importlib.import_module(module), name)(
-                **{k: v for k, v in kwargs.items() if v is not None})
-        except Exception as err:  # an unreadable certificate, an OTEL_EXPORTER_OTLP_COMPRESSION the SDK refuses, ...
-            raise ObservabilityConfigError(f"OTLP {self.signal} exporter: {err}") from None
-
-
-def _normalise_endpoint(raw: str, proto: str, signal: Signal, insecure: bool | None) -> tuple[str, bool | None]:
-    """An endpoint argument: ``host[:port]`` is plain text on the OTLP port, ``https://host`` is TLS on 443; for
-    HTTP ``/v1/<signal>`` is appended to the base URL. Returns the SDK's form and the ``insecure`` flag."""
-    bare = "://" not in raw
-    url = urlparse((("https://" if insecure is False else "http://") + raw) if bare else raw)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ObservabilityConfigError(f"OTLP endpoint: expected 'host:port' or 'http(s)://host:port', got {raw!r}")
-    insecure = url.scheme == "http" if insecure is None else insecure
-    port = url.port or (DEFAULT_PORTS[proto] if bare else 443 if url.scheme == "https" else 80)
-    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
-    if proto == "grpc":
-        return f"{host}:{port}", insecure
-    path = url.path.rstrip("/")
-    if not path.endswith(f"/v1/{signal}"):
-        path = f"{path}/v1/{signal}"
-    scheme = "http" if insecure else "https"
-    default_port = url.port is None and not bare and scheme == url.scheme
-    return f"{scheme}://{host}{'' if default_port else f':{port}'}{path}", None
-
-
-def _grpc_credentials(certificate_file: str | None):
-    if certificate_file is None:
-        return None
-    import grpc
-
-    with open(certificate_file, "rb") as f:
-        return grpc.ssl_channel_credentials(root_certificates=f.read())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# identity
-
-
-def current_rank() -> int:
-    """The global rank: Lightning's once the strategy set it, else the launcher's environment, else 0."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    rank = getattr(rank_zero_only, "rank", None)
-    if rank is not None:
-        return int(rank)
-    for key in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "LOCAL_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
-
-
-def default_run_id() -> str:
-    """``ALIGN_RUN_ID`` when set, else a new ``YYYYmmdd-HHMMSS-xxxxxx``.
-
-    Under Lightning's DDP launcher the worker processes are started from rank 0's environment after the logger is
-    built, so rank 0 publishes its id in ``ALIGN_RUN_ID`` for them; the tracing callback also broadcasts it.
-    """
-    env = os.environ.get(RUN_ID_ENV)
-    if env and os.environ.get("LOCAL_RANK", "0") != "0":
-        return env  # a launched worker: take rank 0's
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
-
-
-def publish_run_id(run_id: str) -> None:
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        os.environ[RUN_ID_ENV] = run_id
-
-
-def build_resource(
-    *, run_id: str, rank: int, service_name: str | None, resource_attributes: Mapping[str, Any] | None,
-    algorithm: str | None, model_name: str | None,
-) -> Resource:
-    """``service.name`` ``align`` < ``OTEL_RESOURCE_ATTRIBUTES``/``OTEL_SERVICE_NAME`` (read by the SDK) < arguments
-    < the run's identity."""
-    from align.observability.attributes import attribute_value
-
-    attrs: dict[str, Any] = {k: attribute_value(v) for k, v in (resource_attributes or {}).items()}
-    if service_name:
-        attrs["service.name"] = service_name
-    attrs.update({"service.instance.id": f"{run_id}-rank{rank}", "align.run_id": run_id, "align.rank": rank})
-    if algorithm:
-        attrs["align.algorithm"] = algorithm
-    if model_name:
-        attrs["align.model"] = model_name
-    resource = Resource.create(attrs)
-    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({"service.name": "align"}))
-    return resource
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# failure handling
 
 # Collector address -> failures (of any signal: failed exports, SDK retry messages) since its last successful export.
 _failures: collections.Counter[str] = collections.Counter()

@@ -34,17 +34,9 @@ from align.observability.attributes import (
     metric_name,
     model_name_of,
 )
-from align.observability.export import (
-    SCOPE,
-    ExportPipeline,
-    ExportSettings,
-    ObservabilityConfigError,
-    build_resource,
-    current_rank,
-    default_run_id,
-    publish_run_id,
-)
-
+from align.observability.export import SCOPE, ExportPipeline
+from align.observability.identity import build_resource, current_rank, default_run_id, publish_run_id
+from align.observability.settings import ExportSettings, ObservabilityConfigError
 
 
 class OTLPLogger(Logger):
@@ -281,4 +273,3 @@ def _as_float(value: Any) -> float | None:
         except (ValueError, RuntimeError):
             return None
     return None
-

@@ -34,16 +34,9 @@ from align.observability.attributes import (
     metric_name,
     model_name_of,
 )
-from align.observability.export import (
-    CountingSpanProcessor,
-    SCOPE,
-    ExportPipeline,
-    ExportSettings,
-    ObservabilityConfigError,
-    build_resource,
-    current_rank,
-    default_run_id,
-)
+from align.observability.export import SCOPE, CountingSpanProcessor, ExportPipeline
+from align.observability.identity import build_resource, current_rank, default_run_id
+from align.observability.settings import ExportSettings, ObservabilityConfigError
 
 # Logged metrics copied onto each step span when present (names in docs/observability.md, "Metrics").
 DEFAULT_STEP_METRICS = (

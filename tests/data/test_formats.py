@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from align.data.formats import UnusedColumns, sft_record
-from align.data.preference import preference_record
+from align.data.preference_rows import preference_record
 from align.errors import AlignDataError
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731

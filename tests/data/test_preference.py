@@ -5,13 +5,8 @@ import pytest
 import torch
 
 from align.data.chat import ChatEncoder
-from align.data.preference import (
-    PreferenceCollator,
-    PreferenceDataModule,
-    UnpairedDataModule,
-    fingerprint_examples,
-    tokenize_preference_rows,
-)
+from align.data.preference import PreferenceCollator, PreferenceDataModule, UnpairedDataModule
+from align.data.preference_rows import fingerprint_examples, tokenize_preference_rows
 from align.errors import AlignDataError
 from align.hub.tiny import load_tiny_tokenizer
 

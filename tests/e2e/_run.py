@@ -18,7 +18,8 @@ torch.use_deterministic_algorithms(True)
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-import align.cli.main  # noqa: E402
+import align.cli.lightning_cli  # noqa: E402
+import align.cli.recipes  # noqa: E402
 from align.trainer.checkpointing import AtomicCheckpointIO  # noqa: E402
 
 
@@ -68,12 +69,12 @@ def main() -> None:
     if ns.kill_in_write:
         kill_in_write(ns.kill_in_write)
     if ns.kill_at is not None:
-        original = align.cli.main.AlignCLI._instantiate_trainer
+        original = align.cli.lightning_cli.AlignCLI._instantiate_trainer
 
         def instantiate(self, config, callbacks):
             return original(self, config, [*callbacks, KillAtStep(ns.kill_at)])
 
-        align.cli.main.AlignCLI._instantiate_trainer = instantiate
+        align.cli.lightning_cli.AlignCLI._instantiate_trainer = instantiate
     from align.modules.dpo import DPOModule
     from align.modules.grpo import GRPOModule
     from align.modules.sft import SFTModule
@@ -84,12 +85,12 @@ def main() -> None:
     from align.gym import ClassicRLModule
 
     if ns.algorithm == "gym":
-        align.cli.main.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml",
-                             layered=False)
+        align.cli.recipes.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml",
+                                layered=False)
         return
     classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
                "grpo": (GRPOModule, PromptDataModule)}
-    align.cli.main.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)
+    align.cli.recipes.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)
 
 
 if __name__ == "__main__":

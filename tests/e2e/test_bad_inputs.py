@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
@@ -132,6 +132,16 @@ CASES = [
      ["--config", "{tmp}/c.yaml"], ["learning_rate"]),
     ("wrong-type-yaml", "sft", {"c.yaml": "trainer:\n  max_steps: ten\n"}, ["--config", "{tmp}/c.yaml"],
      ["max_steps", "ten"]),
+    # an old module path (align.moved): one line naming the new place
+    ("moved-class-path", "sft", {}, ["--model.init_args.scheduler.class_path", "align.optim.WarmupLR"],
+     ["error: --model.scheduler: align.optim.WarmupLR moved to align.trainer.optim.WarmupLR: write "
+      "align.trainer.optim.WarmupLR"]),
+    ("moved-class-path-yaml", "sft",
+     {"c.yaml": "model:\n  init_args:\n    scheduler:\n      class_path: align.optim.WarmupLR\n"},
+     ["--config", "{tmp}/c.yaml"], ["error: --model.scheduler: align.optim.WarmupLR moved to align.trainer.optim."]),
+    ("moved-environment-path", "grpo", {}, ["--model.init_args.environment", '{"path": "align.envs.tasks.SortRounds"}'],
+     ["error: environment: align.envs.tasks.SortRounds moved to align.rollout.envs.tasks.SortRounds: write "
+      "align.rollout.envs.tasks.SortRounds"]),
     ("nonexistent-model-path", "sft", {}, ["--model.init_args.policy.init_args.model", "{tmp}/no_model"],
      ["no_model", "does not exist", "expected a local model directory"]),
     ("reward-import-path-missing", "grpo", {}, ["--model.init_args.rewards",

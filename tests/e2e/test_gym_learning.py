@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from align.cli.main import AlignCLI
+from align.cli.lightning_cli import AlignCLI
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

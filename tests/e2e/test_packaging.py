@@ -54,7 +54,7 @@ def test_align_fit_trains_from_a_shipped_config_without_a_checkout(installed, tm
 
 def test_a_recipe_finds_its_default_config_in_the_installed_package(installed, tmp_path):
     script = tmp_path / "my_recipe.py"  # a recipe script outside any checkout
-    script.write_text("from align.cli.main import run_recipe\nfrom align.data import SFTDataModule\n"
+    script.write_text("from align.cli import run_recipe\nfrom align.data import SFTDataModule\n"
                       "from align.modules import SFTModule\n\nrun_recipe('sft', SFTModule, SFTDataModule)\n")
     proc = run_installed(installed, tmp_path, str(script), "--trainer.max_steps", "1", "--eval_before_after", "false",
                          "--print_config")

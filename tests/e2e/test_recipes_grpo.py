@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.data.prompts import PromptDataModule
 from align.modules.grpo import GRPOModule
 
@@ -97,7 +97,7 @@ def test_unknown_reward_path_fails_at_configuration(tmp_path, capsys):
                    args=["--config", rewards_config(tmp_path, "align.rewards.no_such_reward"),
                          "--trainer.default_root_dir", str(tmp_path / "run")])
     assert info.value.code != 0
-    assert "module 'align.rollout.rewards' has no attribute 'no_such_reward'" in capsys.readouterr().err
+    assert "module 'align.rewards' has no attribute 'no_such_reward'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -159,7 +159,7 @@ def test_grpo_config_names_a_trained_reward_model_as_its_reward(tmp_path, capsys
 
 def test_rewards_given_as_bare_import_paths(tmp_path):
     """``--model.init_args.rewards '[a.b, {fn: c.d, weight: 0.5}]'``: a bare path is a reward of weight 1."""
-    from align.cli.main import AlignCLI
+    from align.cli.lightning_cli import AlignCLI
 
     cli = AlignCLI(args=["--config", str(ROOT / "configs" / "grpo" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path),
                          "--model.init_args.rewards",

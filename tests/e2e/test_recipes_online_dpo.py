@@ -2,7 +2,7 @@ import csv
 import math
 from pathlib import Path
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.data.prompts import PromptDataModule
 from align.modules.online_dpo import OnlineDPOModule
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.data.prompts import PromptDataModule
 from align.hub.tiny import TINY_SORT_RM_DIR
 from align.modules.ppo import PPOModule

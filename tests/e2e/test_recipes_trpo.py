@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.data.prompts import PromptDataModule
 from align.modules.trpo import TRPOModule
 

@@ -150,7 +150,7 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
 
 def test_resume_auto_starts_fresh_then_continues_from_last(tmp_path):
     """``--resume auto``: the same command line launches a run and, once it has a checkpoint, resumes it."""
-    from align.cli.main import run_recipe
+    from align.cli.recipes import run_recipe
     from align.data.sft import SFTDataModule
     from align.modules.sft import SFTModule
 

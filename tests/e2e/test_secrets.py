@@ -3,7 +3,8 @@ hparams.yaml, not the metrics, not the checkpoints."""
 
 import json
 
-from align.cli.main import REDACTED, redact_secrets, run_recipe
+from align.cli.lightning_cli import REDACTED, redact_secrets
+from align.cli.recipes import run_recipe
 from align.data.sft import SFTDataModule
 from align.modules.sft import SFTModule
 

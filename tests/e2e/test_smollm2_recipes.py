@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from align.cli.main import run_recipe
+from align.cli.recipes import run_recipe
 from align.data import SFTDataModule
 from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule

@@ -192,7 +192,7 @@ def _direct_score(scorer, prompt_ids, response_ids):
 
 
 def test_the_scorer_sees_the_whole_conversation_and_the_sampled_ids(trained):
-    from align.data.preference import encode_prompt
+    from align.data.preference_rows import encode_prompt
 
     scorer = RewardModelScorer(str(trained["export"]))
     tok = scorer.tokenizer

@@ -13,7 +13,7 @@ from align.observability.attributes import (
     is_secret_key,
     metric_name,
 )
-from align.observability.export import ExportSettings, ObservabilityConfigError
+from align.observability.settings import ExportSettings, ObservabilityConfigError
 
 
 @pytest.mark.parametrize("name, expected", [

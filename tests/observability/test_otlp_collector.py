@@ -184,7 +184,7 @@ def csv_metrics(root: Path) -> list[dict]:
 def run_recipe_with_otlp(algorithm: str, protocol: str, endpoint: str, root: Path, run_id: str) -> None:
     """The documented CLI forms, in a fresh interpreter as a user would run them."""
     spec = RUNS[algorithm]
-    code = ("import sys; from align.cli.main import run_recipe; from importlib import import_module\n"
+    code = ("import sys; from align.cli.recipes import run_recipe; from importlib import import_module\n"
             "def load(p):\n    m, _, c = p.rpartition('.'); return getattr(import_module(m), c)\n"
             f"run_recipe({algorithm!r}, load({spec.module!r}), load({spec.datamodule!r}), args=sys.argv[1:])\n")
     args = [

@@ -16,7 +16,7 @@ Select one in YAML with ``trainer.strategy``::
 
 Importing this package registers short names for ``trainer.strategy`` (``--trainer.strategy zero3``):
 ``fsdp2``, ``fsdp2_offload``, ``zero1``, ``zero2``, ``zero2_offload``, ``zero3``, ``zero3_offload``
-(``align.cli.main`` imports it, so the recipes and the ``align`` command know them).
+(``align.cli.lightning_cli`` imports it, so the recipes and the ``align`` command know them).
 
 Generation from sharded weights (:func:`generation_context`): under FSDP2 the policy's parameters are gathered
 once for the whole rollout (every decoding step then runs on full weights, with no collective per token);

@@ -1,87 +1,24 @@
-"""Reward functions: plain callables named by import path, combined with weights, checked on every call.
-
-A reward function has the signature (docs/rewards.md)::
-
-    def my_reward(prompts: list[str], completions: list[str], **columns) -> list[float]: ...
-
-and is called with keyword arguments only: ``prompts[i]`` is the i-th prompt as written in the data (for a
-list of messages, the content of its last message), ``completions[i]`` the decoded response, every extra
-dataset column arrives under its own name with one value per completion (``answer=[...]``), and so do the
-rollout's inputs ``prompt_messages``, ``completion_ids`` and ``completion_truncated``. TRL's form
-``def reward(completions, **kwargs)`` therefore works as is. A function without ``**kwargs`` receives only
-the arguments its signature names; one that requires an argument nobody provides fails before the first
-rollout. A YAML config names a function by import path::
-
-    rewards:
-      - fn: align.rewards.sort_exact_match        # a module attribute
-      - fn: my_rewards.brevity                    # ./my_rewards.py: the working directory is importable
-        weight: 0.1
-      - fn: checks/style.py:politeness            # a function in a file (relative to the working directory)
-
-The total reward of a completion is ``sum(weight * reward)``; each reward is also logged on its own as
-``rollout/reward/<name>``. Any value that is NaN or infinite, a result of the wrong length, or an exception
-raised inside a reward function stops the run with a one-line :class:`RewardError` that names the reward,
-and for an exception also the file and line in the user's code and the first failing sample. An import path
-that does not resolve fails when the module is built, before training.
-
-Built-in rewards: :func:`sort_exact_match`, :func:`sort_format` and the graded :func:`sort_position_match` for the
-bundled sort task
-(:mod:`align.data.sort_task`), and :func:`math_answer` for GSM8K-style math answers. A trained reward model
-is a reward too: :class:`RewardModelScorer` (defined in :mod:`align.models.reward`).
+"""Calling rewards: :class:`RewardFunction` calls one with keyword arguments and checks what it returns,
+:class:`CombinedReward` weighs several, and :func:`training_rewards` builds an RL run's list (the reward model, the
+rewards, the eval-only rewards); :func:`reward_inputs` is what every reward receives for a rollout.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import re
-import sys
-import sysconfig
-import traceback
 from dataclasses import dataclass, field
-from fractions import Fraction
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from align.data import sort_task
 from align.data.prompts import REWARD_INPUTS
 from align.errors import AlignConfigError, AlignError
 from align.models.reward import RewardModelScorer
-
-__all__ = [
-    "RewardError",
-    "RewardSpec",
-    "RewardFunction",
-    "CombinedReward",
-    "RewardModelSpec",
-    "LazyRewardModel",
-    "training_rewards",
-    "reward_inputs",
-    "resolve_reward",
-    "sort_exact_match",
-    "sort_format",
-    "sort_position_match",
-    "math_answer",
-    "extract_final_number",
-    "RewardModelScorer",
-    "error_location",
-    "one_line",
-]
-
-RewardFn = Callable[..., Sequence[float]]
+from align.rollout.rewards.resolve import RewardFn, _qualname, _target, error_location, one_line, resolve_reward
 
 
 class RewardError(AlignError):
     """A reward function failed: it raised, returned a non-finite value or a result of the wrong length."""
-
-
-# ----------------------------------------------------------------------------
-# resolving and combining
-# ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -101,158 +38,14 @@ class RewardSpec:
     arguments and the instance is the reward."""
 
 
-def _load_file(path_text: str, attr: str, spec_text: str, what: str = "reward") -> Any:
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise AlignConfigError(f"{what} '{spec_text}': file '{path}' does not exist (paths are relative to the "
-                               f"working directory {Path.cwd()})")
-    module_name = f"_align_{what.replace(' ', '_')}_{abs(hash(str(path.resolve())))}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as err:  # noqa: BLE001 - user code may raise anything on import
-            raise AlignConfigError(f"{what} '{spec_text}': importing '{path}' failed: {type(err).__name__}: {err}") from err
-        sys.modules[module_name] = module
-    if not hasattr(module, attr):
-        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise AlignConfigError(f"{what} '{spec_text}': '{path}' has no attribute '{attr}' (callables there: {public})")
-    return getattr(module, attr)
-
-
-def _cwd_importable() -> None:
-    """Make modules in the working directory importable, as ``python -m`` would: ``python recipes/grpo.py`` and
-    the ``align`` script put their own folder on ``sys.path``, not the working directory. It goes last, so a
-    file there never shadows an installed package. The extra ranks of ``--trainer.devices N`` re-run the same
-    command in the same working directory and come through here too."""
-    cwd = os.getcwd()
-    if not any(os.path.realpath(p or os.curdir) == os.path.realpath(cwd) for p in sys.path):
-        sys.path.append(cwd)
-
-
-def _load_dotted(path: str, what: str = "reward") -> Any:
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise AlignConfigError(f"{what} '{path}': expected an import path such as 'align.rewards.sort_exact_match' "
-                               "or 'my_rewards.py:my_fn'")
-    _cwd_importable()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise AlignConfigError(f"{what} '{path}': cannot import module '{module_name}' ({err}; searched the "
-                               f"installed packages and the working directory {os.getcwd()})") from err
-    except Exception as err:  # noqa: BLE001 - user code may raise anything on import
-        raise AlignConfigError(f"{what} '{path}': importing module '{module_name}' failed: "
-                               f"{type(err).__name__}: {err}{error_location(err, None)}") from err
-    if not hasattr(module, attr):
-        raise AlignConfigError(f"{what} '{path}': module '{module_name}' has no attribute '{attr}'")
-    return getattr(module, attr)
-
-
-def resolve_import(fn: str | Any, what: str = "reward") -> Any:
-    """The object named by an import path (``pkg.mod.name`` or ``file.py:name``); a non-string is returned as is.
-    Errors name the path as ``<what> '<path>'``.
-
-    A dotted path also finds modules in the working directory (``my_rewards.fn`` for ``./my_rewards.py``)."""
-    if not isinstance(fn, str):
-        return fn
-    text = fn.strip()
-    if not text:
-        raise AlignConfigError(f"{what}: expected an import path string, got {fn!r}")
-    if ":" in text:
-        module_part, _, attr = text.rpartition(":")
-        if module_part.endswith(".py"):
-            return _load_file(module_part, attr, text, what)
-        return _load_dotted(f"{module_part}.{attr}", what)
-    return _load_dotted(text, what)
-
-
-def resolve_reward(fn: str | RewardFn) -> RewardFn:
-    """The callable named by an import path (``pkg.mod.fn`` or ``file.py:fn``); a callable is returned as is.
-
-    A dotted path also finds modules in the working directory (``my_rewards.fn`` for ``./my_rewards.py``)."""
-    if callable(fn):
-        return fn
-    if not isinstance(fn, str) or not fn.strip():
-        raise AlignConfigError(f"reward: expected an import path string or a callable, got {fn!r}")
-    target = resolve_import(fn)
-    if not callable(target):
-        raise AlignConfigError(f"reward '{fn.strip()}': resolves to a {type(target).__name__}, not a callable")
-    return target
-
-
 def _preview(text: Any, limit: int = 60) -> str:
     text = repr(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# ----------------------------------------------------------------------------
-# calling a reward: keyword arguments, filtered by its signature
-# ----------------------------------------------------------------------------
-
 BASE_INPUTS = ("prompts", "completions")
 """Keyword arguments every reward receives first; the rollout's own inputs (``REWARD_INPUTS``) and the data's
 columns follow."""
-
-
-def _target(fn: Any) -> Any:
-    """The Python function whose code runs when ``fn`` is called: through partials, bound methods and ``__call__``."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if inspect.isroutine(fn):
-        return inspect.unwrap(getattr(fn, "__func__", fn))
-    call = getattr(type(fn), "__call__", None)
-    return inspect.unwrap(call) if call is not None else fn
-
-
-def _qualname(fn: Any) -> str:
-    """``module-level name`` of a function, ``Class.__call__`` of an instance, ``partial(fn)`` of a partial."""
-    if isinstance(fn, functools.partial):
-        return f"partial({_qualname(fn.func)})"
-    if isinstance(fn, type) or inspect.isroutine(fn):
-        return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
-    return f"{type(fn).__qualname__}.__call__"
-
-
-def _source_file(fn: Any) -> str | None:
-    code = getattr(_target(fn), "__code__", None)
-    return os.path.realpath(code.co_filename) if code is not None else None
-
-
-def _shown_path(filename: str) -> str:
-    """A path relative to the working directory when it lies below it, else absolute."""
-    path = os.path.realpath(filename)
-    rel = os.path.relpath(path, os.getcwd())
-    return path if rel.startswith(os.pardir) else rel
-
-
-_LIBRARY_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "")
-                       for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-                      | {os.path.join(os.path.realpath(Path(__file__).parent), "")})
-"""Folders whose frames are not the user's code: the standard library, installed packages and align itself."""
-
-
-def error_location(err: BaseException, fn: Any) -> str:
-    """`` at FILE, line N`` where ``err`` was raised in the user's code: the innermost frame of its traceback
-    outside the standard library, installed packages and align itself, else the innermost frame in the reward's
-    own file (a built-in reward), else nothing."""
-    frames = traceback.extract_tb(err.__traceback__)
-    own = _source_file(fn) if fn is not None else None
-
-    def is_user(frame) -> bool:
-        path = os.path.realpath(frame.filename)
-        return not frame.filename.startswith("<") and not path.startswith(_LIBRARY_DIRS)
-
-    chosen = (next((f for f in reversed(frames) if is_user(f)), None)
-              or next((f for f in reversed(frames) if own and os.path.realpath(f.filename) == own), None))
-    if chosen is None:
-        return ""
-    # A comprehension has its own frame (``<listcomp>``): name the function it runs in.
-    outer = frames[: frames.index(chosen) + 1]
-    name = next((f.name for f in reversed(outer) if f.filename == chosen.filename and not f.name.startswith("<")), None)
-    return f" at {_shown_path(chosen.filename)}, line {chosen.lineno}" + (f" in {name}()" if name else "")
 
 
 class RewardFunction:
@@ -405,11 +198,6 @@ class RewardFunction:
                           + (f", {', '.join(columns)}" if columns else ""))
 
 
-def one_line(err: Exception) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def _is_iterable(values: Any) -> bool:
     return isinstance(values, (list, tuple))
 
@@ -537,84 +325,3 @@ def training_rewards(rewards: Sequence[RewardSpec | str] | None, reward_model: R
              if isinstance(s, RewardSpec) else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
     combined = CombinedReward([*specs, *evals], allow_empty=environment)
     return combined, combined.names[len(specs):]
-
-
-# ----------------------------------------------------------------------------
-# built-in rewards
-# ----------------------------------------------------------------------------
-
-
-def sort_exact_match(prompts: list[str], completions: list[str], answer: Sequence[str] | None = None,
-                     **_: Any) -> list[float]:
-    """1.0 when the completion is exactly the sorted letters, else 0.0 (the bundled sort task).
-
-    Uses the ``answer`` column when the data has one, else solves the prompt.
-    """
-    answers = list(answer) if answer is not None else [sort_task.solve(p) for p in prompts]
-    return [1.0 if sort_task.is_correct(c, a) else 0.0 for c, a in zip(completions, answers)]
-
-
-def sort_format(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-    """1.0 when the completion is as many single letters as the prompt, separated by spaces, right or wrong."""
-    return [1.0 if sort_task.is_well_formed(c, p) else 0.0 for p, c in zip(prompts, completions)]
-
-
-def sort_position_match(prompts: list[str], completions: list[str], answer: Sequence[str] | None = None,
-                        **_: Any) -> list[float]:
-    """Share of the sorted answer's positions that the completion gets right, over the longer of the two; 0.0 when
-    the completion is not single letters separated by spaces. Graded, so two wrong completions can still be ranked
-    (online DPO, where the binary exact match leaves most pairs tied). 1.0 exactly when ``sort_exact_match`` is 1.
-
-    Uses the ``answer`` column when the data has one, else solves the prompt.
-    """
-    answers = list(answer) if answer is not None else [sort_task.solve(p) for p in prompts]
-    out = []
-    for completion, reference in zip(completions, answers):
-        got, expected = sort_task.parse_answer(completion), reference.split()
-        hits = sum(a == b for a, b in zip(got or [], expected))
-        out.append(hits / max(len(got), len(expected)) if got else 0.0)
-    return out
-
-
-_NUMBER = r"-?[\d,]*\.?\d+(?:/\d+)?"
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_HASHES = re.compile(r"####\s*(" + _NUMBER + ")")
-_ANY_NUMBER = re.compile(_NUMBER)
-
-
-def extract_final_number(text: str) -> Fraction | None:
-    """The final numeric answer of a solution: after ``####``, else inside the last ``\\boxed{}``, else the
-    last number in the text. Thousands separators and a trailing period are ignored; ``3/4`` is a fraction.
-    Returns ``None`` when there is no number."""
-    match = _HASHES.search(text)
-    candidate = match.group(1) if match else None
-    if candidate is None:
-        boxed = _BOXED.findall(text)
-        if boxed:
-            numbers = _ANY_NUMBER.findall(boxed[-1])
-            candidate = numbers[-1] if numbers else None
-    if candidate is None:
-        numbers = _ANY_NUMBER.findall(text)
-        candidate = numbers[-1] if numbers else None
-    if candidate is None:
-        return None
-    try:
-        return Fraction(candidate.replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def math_answer(prompts: list[str], completions: list[str], answer: Sequence[str] | None = None,
-                **_: Any) -> list[float]:
-    """1.0 when the completion's final number equals the reference answer's, numerically, else 0.0.
-
-    The ``answer`` column may be a bare number or a full GSM8K solution ending in ``#### <number>``.
-    """
-    if answer is None:
-        raise ValueError("math_answer needs an 'answer' column in the prompt data")
-    out = []
-    for completion, reference in zip(completions, answer):
-        expected = extract_final_number(str(reference))
-        got = extract_final_number(completion)
-        out.append(1.0 if expected is not None and got is not None and got == expected else 0.0)
-    return out

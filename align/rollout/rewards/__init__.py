@@ -1,0 +1,66 @@
+"""Reward functions: plain callables named by import path, combined with weights, checked on every call.
+
+A reward function has the signature (docs/rewards.md)::
+
+    def my_reward(prompts: list[str], completions: list[str], **columns) -> list[float]: ...
+
+and is called with keyword arguments only: ``prompts[i]`` is the i-th prompt as written in the data (for a
+list of messages, the content of its last message), ``completions[i]`` the decoded response, every extra
+dataset column arrives under its own name with one value per completion (``answer=[...]``), and so do the
+rollout's inputs ``prompt_messages``, ``completion_ids`` and ``completion_truncated``. TRL's form
+``def reward(completions, **kwargs)`` therefore works as is. A function without ``**kwargs`` receives only
+the arguments its signature names; one that requires an argument nobody provides fails before the first
+rollout. A YAML config names a function by import path::
+
+    rewards:
+      - fn: align.rewards.sort_exact_match        # a module attribute
+      - fn: my_rewards.brevity                    # ./my_rewards.py: the working directory is importable
+        weight: 0.1
+      - fn: checks/style.py:politeness            # a function in a file (relative to the working directory)
+
+The total reward of a completion is ``sum(weight * reward)``; each reward is also logged on its own as
+``rollout/reward/<name>``. Any value that is NaN or infinite, a result of the wrong length, or an exception
+raised inside a reward function stops the run with a one-line :class:`RewardError` that names the reward,
+and for an exception also the file and line in the user's code and the first failing sample. An import path
+that does not resolve fails when the module is built, before training.
+
+Built-in rewards (:mod:`align.rollout.rewards.builtin`): :func:`sort_exact_match`, :func:`sort_format` and the
+graded :func:`sort_position_match` for the bundled sort task (:mod:`align.data.sort_task`), and :func:`math_answer`
+for GSM8K-style math answers. A trained reward model is a reward too: :class:`RewardModelScorer` (defined in
+:mod:`align.models.reward`).
+
+The package: :mod:`~align.rollout.rewards.resolve` turns import paths into objects and points an exception back
+into the user's code; :mod:`~align.rollout.rewards.combine` calls a reward with its checks, combines several with
+weights and builds an RL run's reward list; :mod:`~align.rollout.rewards.builtin` holds the built-in rewards.
+"""
+
+# Besides ``__all__``, ``resolve_import`` (environments and tools use it), ``BASE_INPUTS`` and ``RewardFn`` are
+# importable from here.
+from align.models.reward import RewardModelScorer
+from align.rollout.rewards.builtin import (extract_final_number, math_answer, sort_exact_match, sort_format,
+                                           sort_position_match)
+from align.rollout.rewards.combine import (BASE_INPUTS, CombinedReward, LazyRewardModel,  # noqa: F401
+                                           RewardError, RewardFunction, RewardModelSpec, RewardSpec, reward_inputs,
+                                           training_rewards)
+from align.rollout.rewards.resolve import (RewardFn, error_location, one_line, resolve_import,  # noqa: F401
+                                           resolve_reward)
+
+__all__ = [
+    "RewardError",
+    "RewardSpec",
+    "RewardFunction",
+    "CombinedReward",
+    "RewardModelSpec",
+    "LazyRewardModel",
+    "training_rewards",
+    "reward_inputs",
+    "resolve_reward",
+    "sort_exact_match",
+    "sort_format",
+    "sort_position_match",
+    "math_answer",
+    "extract_final_number",
+    "RewardModelScorer",
+    "error_location",
+    "one_line",
+]
