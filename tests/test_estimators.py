@@ -24,9 +24,11 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1]]).bool()
 
 
 def test_the_tables_hold_the_documented_rows():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"}
-    assert VALUE_ESTIMATORS == {"gae"} and set(POLICY_LOSSES) == {"clip", "gspo"}
-    assert SEQUENCE_LEVEL_LOSSES <= set(POLICY_LOSSES)
+    # Rows may be added; these are documented and must stay, each with a docstring.
+    assert {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"} <= set(ADVANTAGE_ESTIMATORS)
+    assert VALUE_ESTIMATORS <= set(ADVANTAGE_ESTIMATORS) and "gae" in VALUE_ESTIMATORS
+    assert {"clip", "gspo"} <= set(POLICY_LOSSES) and SEQUENCE_LEVEL_LOSSES <= set(POLICY_LOSSES)
+    assert all(fn.__doc__ for fn in POLICY_LOSSES.values())
 
 
 def test_group_rows_by_hand():

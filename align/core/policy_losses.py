@@ -1,8 +1,10 @@
 """Policy losses of the RL algorithms: the ``POLICY_LOSSES`` table, its rows, and the importance ratio.
 
 A row is one function with one signature, ``loss(x: PolicyLossInputs, p: PolicyLossSettings) -> (loss,
-PolicyLossStats)``, chosen by name from a module's ``policy_loss.name`` option (docs/architecture.md, "Add a policy
-loss"). Rows:
+PolicyLossStats)``, chosen by name from a module's ``policy_loss.name`` option (docs/architecture.md, "How to add",
+"A policy loss"). A row starts from :func:`prepare_inputs` (shape check, detached targets, padding replaced) and
+:func:`clip_range`, takes its ratio from :func:`importance_ratio` (clamped log-ratio), reduces its per-token terms with
+:func:`align.core.losses.aggregate` and reports :func:`policy_loss_stats`. Rows:
 
 * ``clip``: PPO's clipped surrogate on token ratios, Schulman et al. 2017 (arXiv 1707.06347), with DAPO's decoupled
   clip range ``clip_low``/``clip_high`` (Yu et al. 2025, arXiv 2503.14476).
@@ -27,8 +29,8 @@ from align.core.losses import Normaliser, aggregate
 from align.core.masks import fill_masked, masked_mean
 
 __all__ = ["IMPORTANCE_LEVELS", "POLICY_LOSSES", "SEQUENCE_LEVEL_LOSSES", "PolicyLossInputs", "PolicyLossSettings",
-           "PolicyLossStats", "importance_ratio", "ppo_policy_loss", "policy_gradient_loss", "clipped_token_loss",
-           "clipped_sequence_loss"]
+           "PolicyLossStats", "PreparedInputs", "clip_range", "importance_ratio", "policy_loss_stats", "prepare_inputs",
+           "ppo_policy_loss", "policy_gradient_loss", "clipped_token_loss", "clipped_sequence_loss"]
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -61,10 +63,11 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: O
 
 
 class PolicyLossStats(NamedTuple):
-    """Detached scalar diagnostics of :func:`ppo_policy_loss`, means over valid tokens.
+    """Detached scalar diagnostics of a policy loss, means over valid tokens (:func:`policy_loss_stats`); the
+    modules log ``clipfrac`` (``train/clipfrac``) and ``approx_kl`` (``train/approx_kl``).
 
-    * ``clipfrac``: fraction of tokens whose gradient the clipping removed
-      (ratio clip or dual clip).
+    * ``clipfrac``: fraction of tokens where the loss's clip acted: for PPO's clip, the tokens whose gradient it
+      removed (ratio clip or dual clip); for a loss that clips a weight instead, the tokens whose weight it clipped.
     * ``approx_kl``: k3 estimate of KL(pi_old || pi_theta) from tokens sampled
       by pi_old: ``exp(log_r) - 1 - log_r`` with ``log_r = logprobs - old_logprobs``.
     * ``ratio_mean``: mean importance ratio ``pi_theta / pi_old``.
@@ -73,6 +76,53 @@ class PolicyLossStats(NamedTuple):
     clipfrac: torch.Tensor
     approx_kl: torch.Tensor
     ratio_mean: torch.Tensor
+
+
+class PreparedInputs(NamedTuple):
+    """A policy loss's tensors after the input handling every row shares (:func:`prepare_inputs`), ``(B, T)``."""
+
+    logprobs: torch.Tensor  # with grad; 0 at padding
+    old_logprobs: torch.Tensor  # detached; 0 at padding
+    advantages: torch.Tensor  # detached, expanded to (B, T); 0 at padding
+    valid: Optional[torch.Tensor]  # bool response mask; None: every token is valid
+
+
+def prepare_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   mask: Optional[torch.Tensor], fn: str = "policy loss") -> PreparedInputs:
+    """The input handling every policy loss shares: the advantages must be ``(B, T)`` like the log-probs (a
+    ``(B,)`` tensor would broadcast along T, silently pairing row b with token b); old log-probs and advantages are
+    detached (targets, never differentiated through); padding is *replaced* by 0, not multiplied away, so a NaN there
+    reaches neither the loss nor any gradient."""
+    if advantages.dim() != logprobs.dim():
+        raise ValueError(
+            f"{fn}: advantages must be (B, T) like logprobs {tuple(logprobs.shape)}, got "
+            f"{tuple(advantages.shape)}; pass per-sequence advantages as adv[:, None]"
+        )
+    valid = None if mask is None else mask.bool()
+    old_logprobs = fill_masked(old_logprobs.detach(), valid)
+    logprobs = fill_masked(logprobs, valid)
+    advantages = fill_masked(advantages.detach().expand_as(logprobs), valid)
+    return PreparedInputs(logprobs, old_logprobs, advantages, valid)
+
+
+def clip_range(clip_low: float, clip_high: Optional[float], fn: str = "policy loss") -> Tuple[float, float]:
+    """``(clip_low, clip_high)`` with ``clip_high=None`` read as ``clip_low`` (a symmetric range), both ``>= 0``."""
+    if clip_high is None:
+        clip_high = clip_low
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"{fn}: clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    return clip_low, clip_high
+
+
+@torch.no_grad()
+def policy_loss_stats(x: PreparedInputs, ratio: torch.Tensor, clipped: torch.Tensor) -> PolicyLossStats:
+    """:class:`PolicyLossStats` of a loss over the prepared inputs ``x``, its ``(B, T)`` ``ratio`` and the tokens
+    where its clip acted (``clipped``, bool)."""
+    return PolicyLossStats(
+        clipfrac=masked_mean(clipped.to(ratio.dtype), x.valid),
+        approx_kl=masked_mean(kl_estimate(x.old_logprobs, x.logprobs.detach(), "k3", _LOG_RATIO_CLAMP), x.valid),
+        ratio_mean=masked_mean(ratio.detach(), x.valid),
+    )
 
 
 def ppo_policy_loss(
@@ -114,42 +164,21 @@ def ppo_policy_loss(
     Returns:
         ``(loss, PolicyLossStats)``; the loss is a scalar.
     """
-    if clip_high is None:
-        clip_high = clip_low
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"ppo_policy_loss: clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    clip_low, clip_high = clip_range(clip_low, clip_high, "ppo_policy_loss")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"ppo_policy_loss: dual_clip must be > 1, got {dual_clip}")
-    if advantages.dim() != logprobs.dim():
-        # A (B,) tensor would broadcast along T, silently pairing row b with token b.
-        raise ValueError(
-            f"ppo_policy_loss: advantages must be (B, T) like logprobs {tuple(logprobs.shape)}, got "
-            f"{tuple(advantages.shape)}; pass per-sequence advantages as adv[:, None]"
-        )
-    # Padding is replaced, not multiplied away, so a NaN there reaches neither
-    # the loss nor any gradient.
-    valid = None if mask is None else mask.bool()
-    old_logprobs = fill_masked(old_logprobs.detach(), valid)
-    logprobs = fill_masked(logprobs, valid)
-    advantages = fill_masked(advantages.detach().expand_as(logprobs), valid)
-    ratio = importance_ratio(logprobs, old_logprobs, valid, level)  # (B, T)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    x = prepare_inputs(logprobs, old_logprobs, advantages, mask, "ppo_policy_loss")
+    ratio = importance_ratio(x.logprobs, x.old_logprobs, x.valid, level)  # (B, T)
+    unclipped = -x.advantages * ratio
+    clipped = -x.advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)  # (B, T)
     was_clipped = clipped > unclipped
     if dual_clip is not None:
-        cap = -dual_clip * advantages
-        dual = (advantages < 0) & (per_token > cap)
+        cap = -dual_clip * x.advantages
+        dual = (x.advantages < 0) & (per_token > cap)
         per_token = torch.where(dual, cap, per_token)
         was_clipped = was_clipped | dual
-    loss = aggregate(per_token, mask, agg, normaliser)
-    with torch.no_grad():
-        stats = PolicyLossStats(
-            clipfrac=masked_mean(was_clipped.to(ratio.dtype), mask),
-            approx_kl=masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3", _LOG_RATIO_CLAMP), mask),
-            ratio_mean=masked_mean(ratio.detach(), mask),
-        )
-    return loss, stats
+    return aggregate(per_token, mask, agg, normaliser), policy_loss_stats(x, ratio, was_clipped)
 
 
 def policy_gradient_loss(

@@ -195,7 +195,8 @@ def policy_loss_terms(module, micro: RLBatch, normaliser: torch.Tensor, out, pol
     mask, agg = micro.response_mask, module.updates.loss_aggregation
     old = out.logprobs.detach() if module.on_policy else micro.old_logprobs
     loss, stats = POLICY_LOSSES[policy_loss.name](PolicyLossInputs(out.logprobs, old, micro.advantages, mask),
-                                                  PolicyLossSettings(clip.low, clip.high, agg, normaliser))
+                                                  PolicyLossSettings(clip_low=clip.low, clip_high=clip.high, agg=agg,
+                                                                     normaliser=normaliser))
     metrics = {"train/policy_loss": module.as_token_mean(loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
                "train/approx_kl": stats.approx_kl}
     if out.entropy is not None:
