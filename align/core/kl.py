@@ -25,7 +25,7 @@ with ``x ~ pi_theta``, the per-sample gradients are
   direction of the KL. It vanishes at q = p and still pulls the policy towards
   the reference, but it is not the gradient of the value it estimates.
 
-``tests/test_kl.py`` checks all three by exact expectation over a
+``tests/core/test_kl.py`` checks all three by exact expectation over a
 categorical distribution. What ``align`` does about it: PPO shapes ``k1`` into
 the per-token reward (Ziegler et al. 2019, arXiv 1909.08593; Ouyang et al.
 2022, arXiv 2203.02155), where the policy gradient makes it correct in

@@ -23,7 +23,7 @@ from align.rollout.sampler import Sampler
 from align.rollout.sampling import SampleOutput, SamplingConfig
 from align.rollout.source import FilteredSource, InlineSource
 
-sys.path.insert(0, str(Path(__file__).parent / "modules"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone  # noqa: E402
 
 

@@ -240,7 +240,7 @@ def test_a_raising_reward_names_itself_the_users_line_and_the_first_failing_samp
     message = str(info.value)
     line = _score.__code__.co_firstlineno + 2
     assert message == (f"reward 'exact' (test_a_raising_reward_names_itself_the_users_line_and_the_first_failing_sample"
-                       f".<locals>.exact) raised ZeroDivisionError: empty completion at tests/test_rewards.py, "
+                       f".<locals>.exact) raised ZeroDivisionError: empty completion at tests/rollout/test_rewards.py, "
                        f"line {line} in _score(); first failing sample 1 of 3: prompt 'p1', completion '', answer='b'")
 
 
@@ -256,7 +256,7 @@ def test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so():
     message = str(info.value)
     assert message.startswith("reward 'four' (test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so"
                               ".<locals>.AtMostTwo.__call__) raised ValueError: at most 2 completions, got 3 at "
-                              "tests/test_rewards.py, line ")
+                              "tests/rollout/test_rewards.py, line ")
     assert message.endswith("in __call__(); every sample passes on its own, the batch of 3 fails as a whole")
 
 

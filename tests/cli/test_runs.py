@@ -18,7 +18,7 @@ from align.errors import AlignConfigError
 from align.modules import SFTModule
 from align.cli.runs import RunLogger, latest_run, run_of_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1"]
 
 

@@ -16,7 +16,7 @@ from align.data import SFTDataModule
 from align.hub.gguf import is_packaged
 from align.modules import SFTModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 
