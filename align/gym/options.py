@@ -19,6 +19,7 @@ from typing import Literal, TypeVar
 
 from align.errors import AlignConfigError
 from align.gym.networks import Activation
+from align.modules.options import GAE
 
 Schedule = Literal["constant", "linear"]
 
@@ -37,9 +38,10 @@ def as_group(cls: type[Group], value: Group | dict) -> Group:
 
 
 @dataclass(frozen=True)
-class GymGAE:
+class GymGAE(GAE):
     """Generalised advantage estimation over environment steps (Schulman et al. 2016): terminations end the
-    bootstrap, time-limit truncations bootstrap from the value of the state the episode was cut off in."""
+    bootstrap, time-limit truncations bootstrap from the value of the state the episode was cut off in. The
+    language-model modules' ``gae`` group (the same checks) with per-step defaults."""
 
     gamma: float = 0.99
     """Discount per environment step."""
@@ -47,10 +49,6 @@ class GymGAE:
     """Lambda: 0 is the one-step TD error, 1 the return to the window's end minus the value (REINFORCE: 1 only)."""
     whiten_advantages: bool = True
     """Whiten the advantages of each minibatch (A2C and REINFORCE: of the iteration's one update)."""
-
-    def __post_init__(self) -> None:
-        _check(0.0 <= self.gamma <= 1.0, "gae.gamma", "a value in [0, 1]", self.gamma)
-        _check(0.0 <= self.lam <= 1.0, "gae.lam", "a value in [0, 1]", self.lam)
 
 
 @dataclass(frozen=True)
