@@ -48,6 +48,7 @@ from align.errors import AlignConfigError
 from align.hub import check_model_source
 from align.hub.tiny import is_tiny_sort_rm
 from align.core.masks import last_valid_index
+from align.models.checkpoints import load_checkpoint, policy_from_checkpoint
 from align.models.loading import LEGACY_HEAD_FILE, DType, is_sequence_classifier, torch_dtype
 from align.models.policy import PolicyModel, position_ids_from_mask
 from align.core.packing import pack_scored_rows
@@ -268,8 +269,6 @@ def _load_legacy_export(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
 
 
 def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
-    from align.models.export import load_checkpoint, policy_from_checkpoint
-
     checkpoint = load_checkpoint(path)
     if "reward" not in (checkpoint.get("align") or {}):
         raise AlignConfigError(f"reward model path: '{path}' is not a reward-model checkpoint (no align reward "
