@@ -1,5 +1,10 @@
 """Reading align's training checkpoints (``.ckpt``): their metadata, and the policy rebuilt from the spec stored in
-them (``checkpoint["align"]["policy"]``, :attr:`PolicyModel.spec`) with its weights."""
+them (``checkpoint["align"]["policy"]``, :attr:`PolicyModel.spec`) with its weights.
+
+Checkpoints written before the policy's ``critic:`` block still load: their spec's ``value_head``, ``critic_model``
+and ``critic_head_from_reward_model`` become the block (:func:`~align.models.critic.legacy_critic_spec`), and the
+critic's parameters their new names (:func:`~align.models.critic.upgrade_critic_keys`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from pathlib import Path
 import torch
 
 from align.errors import AlignConfigError
+from align.models.critic import CriticSettings, critic_settings, legacy_critic_spec, upgrade_critic_keys
 from align.models.loading import DType, LoraSettings
 from align.models.policy import PolicyModel
 
@@ -25,30 +31,38 @@ def is_reward_checkpoint(checkpoint: dict) -> bool:
     return "reward" in (checkpoint.get("align") or {})
 
 
+def policy_settings(spec: dict) -> dict:
+    """:class:`PolicyModel` arguments from a saved :attr:`PolicyModel.spec`, one written before the ``critic:``
+    block included."""
+    settings = legacy_critic_spec(dict(spec))
+    if settings.get("lora"):
+        settings["lora"] = LoraSettings(**settings["lora"])
+    settings["critic"] = critic_settings(settings.get("critic"))
+    return settings
+
+
 def policy_from_checkpoint(path: str | Path, checkpoint: dict | None = None, reward_head: bool = False,
                            dtype: DType | None = None) -> PolicyModel:
     """Rebuild the run's ``PolicyModel`` from the spec stored in the checkpoint and load its weights.
 
-    ``reward_head``: keep the scalar head (``value_head="shared"``) and load it too. ``checkpoint``: the already
-    loaded ``path``. ``dtype``: override the run's weight dtype.
+    ``reward_head``: keep the scalar head (a shared critic) and load it too. ``checkpoint``: the already loaded
+    ``path``. ``dtype``: override the run's weight dtype.
     """
     checkpoint = checkpoint if checkpoint is not None else load_checkpoint(path)
     meta = checkpoint.get("align")
     if not meta or "policy" not in meta:
         raise AlignConfigError(f"ckpt_path: '{path}' was not written by an align module (no 'align' metadata)")
-    spec = dict(meta["policy"])
-    if spec.get("lora"):
-        spec["lora"] = LoraSettings(**spec["lora"])
+    spec = policy_settings(meta["policy"])
     if dtype is not None:
         spec["dtype"] = dtype
-    # The reference and critic are not exported; skip loading them.
+    # The reference and a separate critic are not exported; skip loading them.
     spec["reference_model"] = None
-    spec["critic_model"] = None
-    spec["value_head"] = "shared" if reward_head else None
+    spec["critic"] = CriticSettings(kind="shared") if reward_head else None
     policy = PolicyModel(**spec)
-    kept = ("model.", "value_head.") if reward_head else ("model.",)
+    kept = ("model.", "critic.head.") if reward_head else ("model.",)
     prefix = "policy."
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    upgrade_critic_keys(state)
     state = {k: v for k, v in state.items() if k.startswith(kept)}
     missing, unexpected = policy.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.startswith(kept)]

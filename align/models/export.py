@@ -37,7 +37,8 @@ class ExportCallback(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        if hasattr(pl_module, "encoding_spec") and pl_module.policy.value_head is not None:
+        critic = pl_module.policy.critic
+        if hasattr(pl_module, "encoding_spec") and critic is not None and not critic.separate:
             save_reward_model(pl_module.policy, self.output_dir, pl_module.encoding_spec(), dtype=self.dtype)
         else:
             pl_module.policy.save_pretrained(self.output_dir, dtype=self.dtype)

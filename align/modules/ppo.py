@@ -32,10 +32,10 @@ AdaptiveKLController`, Ziegler et al.), updated after every rollout with the mea
 over all ranks, ``n_steps`` = sequences on all ranks (:meth:`align.modules.rl.RLModule.update_kl_controller`).
 Its state is saved in checkpoints.
 
-Value model: ``PolicyModel(value_head="shared")`` puts a scalar head on the policy backbone;
-``value_head="separate"`` gives a critic with its own backbone loaded from ``critic_model`` (for example the
+Value model: the policy's ``critic`` block. ``critic: {kind: shared}`` puts a scalar head on the policy backbone;
+``critic: {kind: separate}`` gives a critic with its own backbone loaded from ``critic.model`` (for example the
 reward model; the policy when unset). When the critic backbone is a reward-model export, the critic's head
-starts from the reward head (``policy.critic_head_from_reward_model``), so the critic starts by predicting the
+starts from the reward head (``policy.critic.head_from_reward_model``), so the critic starts by predicting the
 reward model's score of the prefix instead of 0.
 
 Subclassing (TRPO and friends): :meth:`make_batch` (rollout to advantages and returns), :meth:`policy_loss`,
@@ -58,6 +58,7 @@ from align.core.kl import kl_estimate
 from align.core.masks import masked_mean, masked_sum
 from align.core.losses import aggregate, value_loss
 from align.core.policy_losses import ppo_policy_loss
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.base import param_groups
 from align.modules.critic_pass import KeptCriticPass
@@ -129,7 +130,7 @@ class PPOModule(RLModule):
     ):
         """
         Args:
-            policy: The model to train, with ``value_head`` set; null means the shipped SFT-warmed tiny model
+            policy: The model to train, with ``critic`` set; null means the shipped SFT-warmed tiny model
                 (``tiny-sort``) with a separate critic started from the shipped reward model (``tiny-sort-rm``).
             rewards: Further training rewards, functions or classes with weights (docs/rewards.md), added to the
                 reward-model score.
@@ -156,10 +157,10 @@ class PPOModule(RLModule):
         if eval_rewards is None:
             eval_rewards = [RewardSpec("align.rewards.sort_exact_match")] if default_rm else []
         if policy is None:
-            policy = PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm")
-        if policy.spec["value_head"] is None:
-            raise AlignConfigError("model.policy.value_head: PPO needs a value model; set 'shared' (a head on the "
-                                   "policy backbone) or 'separate' (a critic, e.g. with critic_model: <reward model>)")
+            policy = PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm"))
+        if policy.critic is None:
+            raise AlignConfigError("model.policy.critic: PPO needs a value model; set {kind: shared} (a head on the "
+                                   "policy backbone) or {kind: separate} (a critic, e.g. with model: <reward model>)")
         if kl.placement != "reward":
             raise AlignConfigError("model.kl.placement: PPO shapes the KL into the per-token rewards; expected 'reward'")
         if entropy_coef < 0:
@@ -177,8 +178,7 @@ class PPOModule(RLModule):
         """One optimizer; the value head / critic parameters get ``value.lr_scale`` times the learning rate."""
         if self.value.lr_scale == 1.0:
             return super().configure_optimizers()
-        value_ids = {id(p) for m in (self.policy.value_head, self.policy.critic, self.policy.critic_head)
-                     if m is not None for p in m.parameters()}
+        value_ids = {id(p) for p in self.policy.critic.parameters()}
         groups = []
         for group in param_groups(self):  # each weight-decay group split into policy and value parameters
             options = {k: v for k, v in group.items() if k != "params"}
