@@ -2,7 +2,8 @@
 
 Head choice: the reward model is trained as the shared :class:`~align.models.policy.PolicyModel` with the scalar
 head of a shared critic (``critic: {kind: shared}``) read at the last real token
-(:func:`align.models.reward.sequence_scores`), and exported as a standard ``*ForSequenceClassification`` checkpoint. Reasons:
+(:func:`align.models.reward.sequence_scores`), and exported as a standard ``*ForSequenceClassification``
+checkpoint. Reasons:
 
 * One loading path: LoRA, QLoRA, dtype, gradient checkpointing, the tiny default and checkpoint metadata all come
   from the policy wrapper.
