@@ -51,6 +51,10 @@ RENAMED_SETTINGS = {
     "model.gradient_steps": "model.updates.gradient_steps",
     "model.n_steps": "model.steps_per_iteration",
     "model.train_freq": "model.steps_per_iteration",
+    "model.policy.value_head": "model.policy.critic.kind (value_head: shared is critic: {kind: shared}, value_head: "
+                               "separate is critic: {kind: separate})",
+    "model.policy.critic_model": "model.policy.critic.model (critic: {kind: separate, model: ...})",
+    "model.policy.critic_head_from_reward_model": "model.policy.critic.head_from_reward_model",
 }
 """``{old setting: what to write instead}``: settings of a module or model that were renamed or regrouped. A config
 that still uses one fails on one line naming the new setting (:mod:`align.cli.config_errors`)."""

@@ -66,14 +66,14 @@ def build_module(spec: dict):
     """The PPO module of an align trial: every setting the comparison fixes, in one place."""
     import torch
 
-    from align.models.policy import PolicyModel
+    from align.models import CriticSettings, PolicyModel
     from align.modules.options import GAE, ClipRange, KLPenalty, Updates, ValueTraining
     from align.modules.ppo import PPOModule
     from align.rollout.rewards import RewardModelSpec
     from align.rollout.sampling import SamplingConfig
 
     return PPOModule(
-        policy=PolicyModel(spec["model_dir"], value_head="separate", critic_model=spec["rm_dir"]),
+        policy=PolicyModel(spec["model_dir"], critic=CriticSettings(kind="separate", model=spec["rm_dir"])),
         reward_model=RewardModelSpec(spec["rm_dir"], batch_size=spec["prompts"]), eval_rewards=[],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0),
         kl=KLPenalty(coef=KL_COEF, estimator="k1", placement="reward"), gae=GAE(gamma=1.0, lam=0.95),
@@ -201,15 +201,15 @@ def save_reward_models(model_dir: str, rm_dir: Path, trl_rm_dir: Path) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from align.models.policy import PolicyModel
+    from align.models import CriticSettings, PolicyModel
     from align.models.reward import save_reward_model
 
-    rm = PolicyModel(model_dir, value_head="shared")
-    torch.nn.init.normal_(rm.value_head.proj.weight, std=0.05)
+    rm = PolicyModel(model_dir, critic=CriticSettings())
+    torch.nn.init.normal_(rm.critic.head.proj.weight, std=0.05)
     save_reward_model(rm, rm_dir)
     trl_rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
     with torch.no_grad():
-        trl_rm.score.weight.copy_(rm.value_head.proj.weight)
+        trl_rm.score.weight.copy_(rm.critic.head.proj.weight)
     trl_rm.config.pad_token_id = rm.tokenizer.pad_token_id
     trl_rm.save_pretrained(trl_rm_dir)
 

@@ -42,7 +42,7 @@ bundled preferences): a reward-model export directory (see :mod:`align.models.re
 
 TINY_SORT_RM = "tiny-sort-rm"
 """The id of the shipped sort-task reward model (:data:`TINY_SORT_RM_DIR`): a reward for PPO, and a critic
-backbone (``critic_model: tiny-sort-rm``)."""
+backbone (``critic: {kind: separate, model: tiny-sort-rm}``)."""
 
 
 def is_tiny_sort_rm(name: Any) -> bool:

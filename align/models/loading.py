@@ -178,13 +178,13 @@ def quantization_config(quantization: Quantization, dtype: DType = "bfloat16"):
 
 
 def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
-    """The scalar head of a reward model directory as a :class:`~align.models.policy.ValueHead` state dict
+    """The scalar head of a reward model directory as a :class:`~align.models.critic.ValueHead` state dict
     (``proj.weight`` (1, H), ``proj.bias`` (1,)), or None when ``source`` is not a reward model (a plain causal LM)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     try:
-        path = Path(check_model_source(source, what="critic_model"))
+        path = Path(check_model_source(source, what="policy.critic.model"))
     except AlignConfigError:
         return None
     if not path.is_dir():
@@ -202,5 +202,5 @@ def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
             return None
         weight = f.get_tensor("score.weight").float()
     if weight.shape[0] != 1:
-        raise AlignConfigError(f"critic_model: '{source}' has {weight.shape[0]} labels; a reward model has one")
+        raise AlignConfigError(f"policy.critic.model: '{source}' has {weight.shape[0]} labels; a reward model has one")
     return {"proj.weight": weight, "proj.bias": torch.zeros(1)}

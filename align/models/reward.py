@@ -1,8 +1,9 @@
 """Reward models: scoring the last token, the export format, and :class:`RewardModelScorer` (a reward callable).
 
-A reward model is trained as a :class:`~align.models.policy.PolicyModel` with ``value_head="shared"``: the causal
-LM's decoder (LoRA / QLoRA and every loading option of the policy wrapper apply) and a scalar linear head read at
-the last real token of each sequence (:func:`sequence_scores`). The LM head is never run.
+A reward model is trained as a :class:`~align.models.policy.PolicyModel` with a shared critic (``critic: {kind:
+shared}``): the causal LM's decoder (LoRA / QLoRA and every loading option of the policy wrapper apply) and the
+critic's scalar linear head, read at the last real token of each sequence (:func:`sequence_scores`). The LM head
+is never run.
 
 Export format (a directory, written by :func:`save_reward_model`): a standard Hugging Face sequence-classification
 checkpoint, as TRL's ``RewardTrainer`` and the hub's reward models write it::
@@ -30,7 +31,7 @@ brought from elsewhere) is dropped at export with a notice (every score shifts b
 
 Also loaded, read-only: a training checkpoint (``.ckpt``) and the format of align before version 2 (a causal LM
 directory with ``reward_head.safetensors``). The PPO critic can start from any of these
-(``PolicyModel(critic_head_from_reward_model=True)``).
+(``critic: {kind: separate, model: <reward model>}``, :class:`~align.models.critic.CriticSettings`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ from align.errors import AlignConfigError
 from align.hub import check_model_source
 from align.hub.tiny import is_tiny_sort_rm
 from align.core.masks import last_valid_index
+from align.models.checkpoints import load_checkpoint, policy_from_checkpoint
+from align.models.critic import CriticSettings, ValueHead
 from align.models.loading import LEGACY_HEAD_FILE, DType, is_sequence_classifier, torch_dtype
-from align.models.policy import PolicyModel, position_ids_from_mask
+from align.models.policy import PolicyModel
+from align.models.scoring import position_ids_from_mask
 from align.core.packing import pack_scored_rows
 
 log = logging.getLogger(__name__)
@@ -96,15 +100,20 @@ def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, 
     return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
 
 
+def score_head(policy: PolicyModel, what: str = "reward model") -> ValueHead:
+    """The reward model's scalar head: the head of ``policy``'s shared critic."""
+    if policy.critic is None or policy.critic.separate:
+        raise AlignConfigError(f"{what}: the policy needs a shared critic (critic: {{kind: shared}}, the scalar head)")
+    return policy.critic.head
+
+
 def sequence_scores(policy: PolicyModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     padding_free: bool = False) -> torch.Tensor:
     """Scalar score of each sequence, read at its last real token. ``(N, T) -> (N,)`` float32.
 
     Only the decoder and the head run; ``padding_free`` as in :func:`pooled_scores`.
     """
-    if policy.value_head is None:
-        raise AlignConfigError("reward model: the policy needs value_head='shared' (the scalar head)")
-    return pooled_scores(policy.model.get_decoder(), policy.value_head, input_ids, attention_mask,
+    return pooled_scores(policy.model.get_decoder(), score_head(policy), input_ids, attention_mask,
                          padding_free=padding_free)
 
 
@@ -134,7 +143,7 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: PolicyModel) -> "RewardModel":
-        return cls(policy.model.get_decoder(), policy.value_head, policy.tokenizer)
+        return cls(policy.model.get_decoder(), score_head(policy), policy.tokenizer)
 
     @classmethod
     def from_sequence_classifier(cls, model: nn.Module, tokenizer) -> "RewardModel":
@@ -147,7 +156,7 @@ class RewardModel(nn.Module):
 
 def init_reward_head(policy: PolicyModel, generator: torch.Generator | None = None) -> None:
     """Small random head weights, so an untrained model ranks pairs at chance instead of tying every pair at 0."""
-    head = policy.value_head.proj
+    head = score_head(policy).proj
     with torch.no_grad():
         head.weight.normal_(0.0, 1.0 / (head.in_features + 1) ** 0.5, generator=generator)
         head.bias.zero_()
@@ -172,8 +181,7 @@ def sequence_classifier(policy: PolicyModel, dtype: DType | None = None) -> tupl
     LoRA merged, the trained head as ``score``, and a tokenizer whose pad token is not the EOS."""
     from transformers import AutoModelForSequenceClassification
 
-    if policy.value_head is None:
-        raise AlignConfigError("reward model export: the policy needs value_head='shared' (the scalar head)")
+    head = score_head(policy, "reward model export").proj
     tokenizer = copy.deepcopy(policy.tokenizer)
     pad = scoring_pad_token(tokenizer)
     if pad is None:
@@ -187,7 +195,6 @@ def sequence_classifier(policy: PolicyModel, dtype: DType | None = None) -> tupl
     config.pad_token_id = tokenizer.pad_token_id
     model = AutoModelForSequenceClassification.from_config(config, dtype=next(merged.parameters()).dtype)
     getattr(model, model.base_model_prefix).load_state_dict(merged.get_decoder().state_dict())
-    head = policy.value_head.proj
     bias = float(head.bias.detach().float().item()) if head.bias is not None else 0.0
     if bias != 0.0:
         log.warning("reward model export: the head's bias %.3g is dropped (a sequence classifier has none); every "
@@ -262,14 +269,12 @@ def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, di
 def _load_legacy_export(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
     from safetensors.torch import load_file
 
-    policy = PolicyModel(model=str(path), dtype=dtype, value_head="shared")
-    policy.value_head.load_state_dict(load_file(str(path / LEGACY_HEAD_FILE)))
+    policy = PolicyModel(model=str(path), dtype=dtype, critic=CriticSettings(kind="shared"))
+    policy.critic.head.load_state_dict(load_file(str(path / LEGACY_HEAD_FILE)))
     return RewardModel.from_policy(policy), _encoding(path)
 
 
 def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
-    from align.models.export import load_checkpoint, policy_from_checkpoint
-
     checkpoint = load_checkpoint(path)
     if "reward" not in (checkpoint.get("align") or {}):
         raise AlignConfigError(f"reward model path: '{path}' is not a reward-model checkpoint (no align reward "

@@ -18,9 +18,9 @@ Building a batch (:meth:`ActorCriticModule.make_batch`), from a scored rollout o
    unwhitened advantages + values. Advantages (only) are whitened over the valid tokens of every rank
    (``gae.whiten_advantages``).
 
-The value model: ``policy.value_head: shared`` puts a scalar head on the policy backbone; ``separate`` gives a critic
-with its own backbone loaded from ``critic_model`` (for example the reward model, whose head then starts the
-critic's). During the first ``value.warmup_rollouts`` rollouts only the value loss is optimised
+The value model is the policy's ``critic`` block (:class:`~align.models.critic.Critic`): ``critic: {kind: shared}``
+puts a scalar head on the policy backbone; ``{kind: separate}`` gives a critic with its own backbone loaded from
+``critic.model`` (for example the reward model, whose head then starts the critic's, ``head_from_reward_model``). During the first ``value.warmup_rollouts`` rollouts only the value loss is optimised
 (:meth:`ActorCriticModule.update_value`); a shared value head then trains alone, so the policy does not move.
 """
 
@@ -82,9 +82,9 @@ class ActorCriticModule(RLModule):
         value: ValueTraining = ValueTraining(),
         **kwargs,
     ):
-        if policy.spec["value_head"] is None:
-            raise AlignConfigError("model.policy.value_head: this algorithm needs a value model; set 'shared' (a head "
-                                   "on the policy backbone) or 'separate' (a critic, e.g. with critic_model: <reward "
+        if policy.critic is None:
+            raise AlignConfigError("model.policy.critic: this algorithm needs a value model; set {kind: shared} (a head "
+                                   "on the policy backbone) or {kind: separate} (a critic, e.g. with model: <reward "
                                    "model>)")
         if kl.placement != "reward":
             raise AlignConfigError("model.kl.placement: PPO and TRPO shape the KL into the per-token rewards; "
@@ -97,8 +97,7 @@ class ActorCriticModule(RLModule):
 
     def value_parameters(self) -> list[torch.nn.Parameter]:
         """The value model's parameters: the separate critic and its head, or the shared head."""
-        modules = (self.policy.value_head, self.policy.critic, self.policy.critic_head)
-        return [p for m in modules if m is not None for p in m.parameters()]
+        return list(self.policy.critic.parameters())
 
     @property
     def warming_up(self) -> bool:

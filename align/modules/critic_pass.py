@@ -40,7 +40,7 @@ class KeptCriticPass:
         values_of = lambda ids, mask, width: policy.values(ids, mask, response_length=width, padding_free=padding_free)
         self._kept = None
         one_process = module._trainer is None or isinstance(module.trainer.strategy, SingleDeviceStrategy)
-        if not (keep and policy.critic is not None and one_process):
+        if not (keep and policy.critic is not None and policy.critic.separate and one_process):
             return values_of(rollout.input_ids, rollout.attention_mask, R)
         first = module.learner.plan(len(rollout))[0][0]
         width = RLBatch.selected_width(rollout.attention_mask, R, first)

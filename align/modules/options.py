@@ -199,7 +199,7 @@ class ScoreShaping:
 
 @dataclass(frozen=True)
 class ValueTraining:
-    """How the value model (``policy.value_head``) is trained."""
+    """How the value model (``policy.critic``) is trained."""
 
     coef: float = 0.1
     """Weight of the value loss in PPO's joint loss."""

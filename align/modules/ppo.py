@@ -23,6 +23,7 @@ import torch
 
 from align.core.losses import aggregate
 from align.errors import AlignConfigError
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.actor_critic import ActorCriticModule, GAEBatch
 from align.modules.base import param_groups
@@ -72,7 +73,7 @@ class PPOModule(ActorCriticModule):
     ):
         """
         Args:
-            policy: The model to train, with ``value_head`` set; null means the shipped SFT-warmed tiny model
+            policy: The model to train, with ``critic`` set; null means the shipped SFT-warmed tiny model
                 (``tiny-sort``) with a separate critic started from the shipped reward model (``tiny-sort-rm``).
             rewards: Further training rewards, functions or classes with weights (docs/rewards.md), added to the
                 reward-model score.
@@ -101,7 +102,7 @@ class PPOModule(ActorCriticModule):
         if eval_rewards is None:
             eval_rewards = [RewardSpec("align.rewards.sort_exact_match")] if default_rm else []
         if policy is None:
-            policy = PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm")
+            policy = PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm"))
         if entropy_coef < 0:
             raise AlignConfigError(f"model.entropy_coef: expected >= 0, got {entropy_coef}")
         super().__init__(policy, rewards=rewards, reward_model=reward_model, eval_rewards=eval_rewards,

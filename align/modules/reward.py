@@ -1,8 +1,9 @@
 """Reward-model training: a Bradley-Terry loss on pairwise preferences (Ouyang et al. 2022, arXiv 2203.02155).
 
-Head choice: the reward model is trained as the shared :class:`~align.models.policy.PolicyModel` with its scalar
-``value_head="shared"`` read at the last real token (:func:`align.models.reward.sequence_scores`), and exported
-as a standard ``*ForSequenceClassification`` checkpoint. Reasons:
+Head choice: the reward model is trained as the shared :class:`~align.models.policy.PolicyModel` with the scalar
+head of a shared critic (``critic: {kind: shared}``) read at the last real token
+(:func:`align.models.reward.sequence_scores`), and exported as a standard ``*ForSequenceClassification``
+checkpoint. Reasons:
 
 * One loading path: LoRA, QLoRA, dtype, gradient checkpointing, the tiny default and checkpoint metadata all come
   from the policy wrapper.
@@ -36,7 +37,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.preference import PreferenceBatch
 from align.core.preference_losses import bradley_terry_loss
-from align.models.policy import PolicyModel, ValueHead
+from align.models.critic import CriticSettings
+from align.models.policy import PolicyModel
 from align.models.reward import init_reward_head, save_reward_model, sequence_scores
 from align.modules.base import AlignModule, PairMetrics
 
@@ -58,7 +60,7 @@ class RewardModule(AlignModule):
     ):
         """
         Args:
-            policy: The backbone; a scalar head (``value_head: shared``) is added when missing. Null means the
+            policy: The backbone; a scalar head (``critic: {kind: shared}``) is added when missing. Null means the
                 embedded tiny model.
             optimizer: Optimizer callable (parameters -> optimizer); matrices get weight decay, vectors do not.
             scheduler: Learning-rate schedule callable (optimizer -> scheduler), stepped every optimizer step.
@@ -69,15 +71,14 @@ class RewardModule(AlignModule):
             padding_free: Run each micro-batch with its sequences laid end to end in rows no longer than the padded
                 ones, so no arithmetic is spent on padding (same scores to float rounding; pays when lengths vary).
         """
-        policy = policy if policy is not None else PolicyModel(value_head="shared")
-        if policy.value_head is None:
-            if policy.critic is not None:
-                raise ValueError("RewardModule: the policy has a separate critic; use value_head 'shared' or null")
-            policy.value_head = ValueHead(policy.config.hidden_size)
-            policy.spec["value_head"] = "shared"
-        if not bool(policy.value_head.proj.weight.any()):  # a fresh (zero) head; a trained one is kept
+        policy = policy if policy is not None else PolicyModel(critic=CriticSettings(kind="shared"))
+        if policy.critic is None:
+            policy.add_critic(CriticSettings(kind="shared"))
+        if policy.critic.separate:
+            raise ValueError("RewardModule: the policy has a separate critic; use critic {kind: shared} or null")
+        if not bool(policy.critic.head.proj.weight.any()):  # a fresh (zero) head; a trained one is kept
             init_reward_head(policy)
-        policy.value_head.proj.bias.requires_grad_(False)
+        policy.critic.head.proj.bias.requires_grad_(False)
         super().__init__(policy, optimizer, scheduler, disable_dropout)
         self.use_margin = use_margin
         self.padding_free = padding_free

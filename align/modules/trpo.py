@@ -21,7 +21,7 @@ adapter's parameter space, see docs/algorithms.md). The value model is never par
 The value model trains with its own optimizer (``optimizer``, built by :meth:`configure_optimizers` over the
 value parameters only): ``updates.epochs`` x ``updates.minibatches`` steps on the squared-error value loss per
 rollout, after the policy step. ``trainer.max_steps`` therefore counts value-optimizer steps. With a separate
-critic (``policy.value_head: separate``, the default) policy and value share nothing. With a shared value
+critic (``policy.critic: {kind: separate}``, the default) policy and value share nothing. With a shared value
 head, only the head is trained by the value optimizer and the backbone is frozen for it: a value update that
 moved the shared backbone would move the policy outside the trust region the line search just certified.
 
@@ -60,6 +60,7 @@ from align.core.masks import masked_sum
 from align.core.policy_losses import importance_ratio
 from align.core.trust_region import fisher_vector_product_fn, flat_grad, trpo_step
 from align.errors import AlignConfigError
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.actor_critic import ActorCriticModule, GAEBatch
 from align.modules.base import param_groups
@@ -99,7 +100,7 @@ class TRPOModule(ActorCriticModule):
     ):
         """
         Args:
-            policy: The model to train, with ``value_head`` set; null means the shipped SFT-warmed tiny model
+            policy: The model to train, with ``critic`` set; null means the shipped SFT-warmed tiny model
                 (``tiny-sort``) with a separate critic started from the same weights.
             rewards: Reward functions with weights (docs/rewards.md), added to the reward-model score; null with no
                 ``reward_model``: exact match on the sort task.
@@ -122,7 +123,7 @@ class TRPOModule(ActorCriticModule):
         if rewards is None and reward_model is None and kwargs.get("environment") is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         if policy is None:
-            policy = PolicyModel("tiny-sort", value_head="separate")
+            policy = PolicyModel("tiny-sort", critic=CriticSettings(kind="separate"))
         super().__init__(policy, rewards=rewards, reward_model=reward_model, kl=kl, gae=gae, scores=scores,
                          value=value, **kwargs)
         self.trust_region = trust_region

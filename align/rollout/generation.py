@@ -4,7 +4,7 @@ run (docs/generation.md).
 Everything goes through the parts training uses, so a number printed here is the number training would print:
 
 * the model is a :class:`~align.models.PolicyModel` rebuilt from an align checkpoint (as ``align export`` does,
-  :func:`align.models.export.policy_from_checkpoint`), or built from an exported folder or a model id;
+  :func:`align.models.checkpoints.policy_from_checkpoint`), or built from an exported folder or a model id;
 * prompts are read and encoded by the training reader (:func:`align.data.io.read_rows`,
   :func:`align.data.prompts.encode_prompt_rows`), so they get the same chat template and the same one-line errors;
 * completions are sampled by the training generation engine (:mod:`align.rollout.engine`, ``sampling.engine``);
@@ -47,7 +47,7 @@ def _is_checkpoint(source: str) -> bool:
 
 
 def _checkpoint(source: str, what: str) -> dict:
-    from align.models.export import is_reward_checkpoint, load_checkpoint
+    from align.models.checkpoints import is_reward_checkpoint, load_checkpoint
 
     path = Path(source).expanduser()
     if not path.exists():
@@ -76,7 +76,7 @@ def load_policy(source: str, device: str | None = None, dtype: str | None = None
     spec stored in it, LoRA included), an exported Hugging Face folder (``align export``), or a model id
     :class:`~align.models.PolicyModel` accepts (``tiny-sort``, ``smollm2-135m-instruct``, a ``.gguf`` file, a hub
     id). ``dtype`` overrides the weight dtype (default: the run's for a checkpoint, float32 otherwise)."""
-    from align.models.export import policy_from_checkpoint
+    from align.models.checkpoints import policy_from_checkpoint
 
     if _is_checkpoint(source):
         checkpoint = _checkpoint(source, what)

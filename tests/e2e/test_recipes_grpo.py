@@ -136,10 +136,10 @@ def test_tiny_sort_loads_by_id_and_the_script_reproduces_it(tmp_path):
 
 
 def test_grpo_config_names_a_trained_reward_model_as_its_reward(tmp_path, capsys):
-    from align.models import PolicyModel
+    from align.models import CriticSettings, PolicyModel
     from align.models.reward import init_reward_head, save_reward_model
 
-    rm = PolicyModel(value_head="shared")
+    rm = PolicyModel(critic=CriticSettings())
     init_reward_head(rm, torch.Generator().manual_seed(0))
     export = save_reward_model(rm, tmp_path / "rm-export")
     config = tmp_path / "rm_reward.yaml"

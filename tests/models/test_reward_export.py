@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
-from align.models import LoraSettings, PolicyModel
+from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.models.reward import (
     LEGACY_HEAD_FILE,
     RewardModelScorer,
@@ -23,7 +23,7 @@ EOS = 2
 
 
 def reward_policy(seed=0, **kwargs):
-    policy = PolicyModel(value_head="shared", seed=seed, **kwargs).eval()
+    policy = PolicyModel(critic=CriticSettings(), seed=seed, **kwargs).eval()
     init_reward_head(policy, torch.Generator().manual_seed(seed))
     return policy
 
@@ -60,7 +60,7 @@ def test_export_loads_in_transformers_with_its_head_and_scores_as_align(tmp_path
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and model.config.num_labels == 1
     # The trained head, not a fresh one; the pad token is never the EOS, so transformers pools on the EOS.
-    torch.testing.assert_close(model.score.weight, policy.value_head.proj.weight)
+    torch.testing.assert_close(model.score.weight, policy.critic.head.proj.weight)
     assert model.config.pad_token_id == tokenizer.pad_token_id != tokenizer.eos_token_id == EOS
     for left in (False, True):
         ids, mask = padded(ROWS, tokenizer.pad_token_id, left)
@@ -88,7 +88,7 @@ def test_lora_is_merged_into_the_export(tmp_path):
     ids, mask = padded(ROWS, model.config.pad_token_id)
     with torch.no_grad():
         ours = sequence_scores(policy, ids, mask)
-        without_adapter = sequence_scores(PolicyModel(value_head="shared").eval().requires_grad_(False), ids, mask)
+        without_adapter = sequence_scores(PolicyModel(critic=CriticSettings()).eval().requires_grad_(False), ids, mask)
     # Merged weights round differently from base + adapter: agreement to float32 rounding of the merge.
     torch.testing.assert_close(hf_scores(model, ids, mask), ours, atol=2e-4, rtol=2e-4)
     assert not torch.allclose(ours - ours.mean(), without_adapter - without_adapter.mean(), atol=1e-3)
@@ -122,9 +122,9 @@ def test_scored_token_is_the_last_real_one_that_is_not_the_models_pad():
 def test_the_version_1_format_still_loads(tmp_path):
     policy = reward_policy()
     with torch.no_grad():
-        policy.value_head.proj.bias.fill_(0.5)  # version 1 kept a bias; it loads with it
+        policy.critic.head.proj.bias.fill_(0.5)  # version 1 kept a bias; it loads with it
     policy.save_pretrained(tmp_path / "v1")
-    head = {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}
+    head = {k: v.contiguous() for k, v in policy.critic.head.state_dict().items()}
     save_file(head, str(tmp_path / "v1" / LEGACY_HEAD_FILE))
     (tmp_path / "v1" / "reward_model.json").write_text(json.dumps(
         {"format": "align-reward-model", "version": 1, "encoding": {"max_length": 48}}))
@@ -140,8 +140,9 @@ def test_the_version_1_format_still_loads(tmp_path):
 def test_a_separate_critic_starts_from_the_reward_model(tmp_path):
     """Critic backbone and head from an export: its value of a sequence's end state is the reward model's score."""
     export = save_reward_model(reward_policy(seed=4), tmp_path / "rm")
-    policy = PolicyModel(value_head="separate", critic_model=str(export)).eval()  # the head is loaded at build
-    assert policy.critic_head.proj.weight.any() and policy.init_critic_head_from_reward_model()
+    # The head is loaded at build.
+    policy = PolicyModel(critic=CriticSettings(kind="separate", model=str(export))).eval()
+    assert policy.critic.head.proj.weight.any() and policy.critic.init_head_from_reward_model()
     scorer = RewardModelScorer(str(export))
     prompt_ids, response_ids = scorer.encode("sort: b a", "a b")
     ids = torch.tensor([prompt_ids + response_ids + [EOS]])  # the value at the last token sees everything before it
@@ -149,5 +150,5 @@ def test_a_separate_critic_starts_from_the_reward_model(tmp_path):
         value = policy.values(ids, torch.ones_like(ids), response_length=1)  # (1, 1)
     assert value.item() == pytest.approx(scorer(["sort: b a"], ["a b"])[0], abs=1e-5)
     # A plain causal LM as the critic backbone has no reward head: the critic head stays at zero.
-    plain = PolicyModel(value_head="separate")
-    assert not plain.init_critic_head_from_reward_model() and not plain.critic_head.proj.weight.any()
+    plain = PolicyModel(critic=CriticSettings(kind="separate"))
+    assert not plain.critic.init_head_from_reward_model() and not plain.critic.head.proj.weight.any()

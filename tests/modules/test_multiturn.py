@@ -14,6 +14,7 @@ from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
 from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 from align.errors import AlignConfigError
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.online_dpo import OnlineDPOModule
@@ -81,7 +82,7 @@ def test_group_estimators_train_on_episodes_and_log_the_episode_metrics(tmp_path
 
 def test_ppo_places_each_turns_reward_on_its_last_token_before_gae(tmp_path):
     torch.manual_seed(1)
-    module = PPOModule(policy=PolicyModel("tiny-sort", value_head="shared"), group_size=2,
+    module = PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings()), group_size=2,
                        kl=KLPenalty(coef=0.0, placement="reward"), gae=GAE(gamma=1.0, lam=1.0, whiten_advantages=False),
                        updates=Updates(max_grad_norm=None), **COMMON)
     assert module.reward.names == [] and module.needs_reference is False
@@ -103,7 +104,7 @@ def test_ppo_places_each_turns_reward_on_its_last_token_before_gae(tmp_path):
 
 def test_trpo_and_online_dpo_train_on_episodes(tmp_path):
     torch.manual_seed(2)
-    trpo = TRPOModule(policy=PolicyModel("tiny-sort", value_head="separate"), group_size=2, **COMMON)
+    trpo = TRPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings(kind="separate")), group_size=2, **COMMON)
     rows = fit(trpo, tmp_path / "trpo", steps=1)
     assert any(r.get("rollout/turns") for r in rows)
     online = OnlineDPOModule(policy=PolicyModel("tiny-sort"), group_size=4, **COMMON)
@@ -122,5 +123,5 @@ def test_environment_and_reward_names_and_budget():
     with pytest.raises(AlignConfigError, match="model.overlong: the overlong penalty is per completion"):
         GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, overlong=OverlongPenalty(buffer=4), **COMMON)
     with pytest.raises(AlignConfigError, match="set reward_model, rewards or environment"):
-        PPOModule(policy=PolicyModel("tiny-sort", value_head="shared"), rewards=[], reward_model=None,
+        PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings()), rewards=[], reward_model=None,
                   eval_rewards=[])

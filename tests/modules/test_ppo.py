@@ -10,6 +10,7 @@ from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch, PromptDataModule
 from align.core.kl import AdaptiveKLController
 from align.core.masks import masked_mean, response_mask, truncated
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.actor_critic import GAEBatch
 from align.modules.ppo import PPOModule
@@ -26,7 +27,7 @@ def row_reward(prompts, completions, **kw):
 
 
 def make_module(policy=None, **kw):
-    defaults = {"policy": policy or PolicyModel("tiny", seed=2, value_head="shared"), "rewards": [length_reward],
+    defaults = {"policy": policy or PolicyModel("tiny", seed=2, critic=CriticSettings()), "rewards": [length_reward],
                 "sampling": SamplingConfig(max_new_tokens=6), "group_size": 2,
                 "updates": Updates(max_grad_norm=None), "log_entropy": False}
     return PPOModule(**{**defaults, **kw})
@@ -52,7 +53,7 @@ def hand_rollout(policy, responses, max_new_tokens):
 
 
 def test_terminal_reward_on_eos_when_pad_equals_eos_and_on_last_token_when_truncated():
-    policy = PolicyModel("tiny", seed=2, value_head="shared", pad_equals_eos=True)
+    policy = PolicyModel("tiny", seed=2, critic=CriticSettings(), pad_equals_eos=True)
     eos = policy.tokenizer.eos_token_id
     assert policy.tokenizer.pad_token_id == eos
     # Row 0 stops at its EOS (index 2), then padding that is also EOS; row 1 never stops (truncated at 5).
@@ -73,7 +74,7 @@ def test_make_batch_shapes_returns_and_whitened_advantages():
     module.setup("fit")
     torch.manual_seed(0)
     with torch.no_grad():
-        module.policy.value_head.proj.bias.fill_(0.5)
+        module.policy.critic.head.proj.bias.fill_(0.5)
     data = module.make_batch(module.sampler.sample(prompt_batch(module.policy)))
     assert isinstance(data, GAEBatch)
     n, r = len(data), data.response_length
@@ -94,7 +95,7 @@ def test_make_batch_shapes_returns_and_whitened_advantages():
 
 
 def test_explained_variance_rises_during_critic_warmup_on_a_fixed_rollout():
-    policy = PolicyModel("tiny", seed=2, value_head="separate")
+    policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate"))
     module = make_module(policy, rewards=[row_reward], kl=KLPenalty(placement="reward"),
                          value=ValueTraining(warmup_rollouts=25, clip=None), updates=Updates(epochs=2, max_grad_norm=None),
                          group_size=1)
@@ -120,11 +121,11 @@ def test_critic_warmup_with_a_shared_head_trains_the_head_alone():
     module = make_module(value=ValueTraining(warmup_rollouts=1), kl=KLPenalty(placement="reward"))
     standalone(module, torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-2))
     backbone = [p.detach().clone() for p in module.policy.model.parameters()]
-    head = [p.detach().clone() for p in module.policy.value_head.parameters()]
+    head = [p.detach().clone() for p in module.policy.critic.head.parameters()]
     torch.manual_seed(0)
     module.training_step(prompt_batch(module.policy), 0)
     assert all(torch.equal(a, b) for a, b in zip(backbone, module.policy.model.parameters()))
-    assert any(not torch.equal(a, b) for a, b in zip(head, module.policy.value_head.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(head, module.policy.critic.head.parameters()))
     assert module.warming_up and module.rl_counters["rollouts"] == 1  # the next rollout trains the policy
 
 
@@ -160,7 +161,7 @@ def test_score_options_penalty_whitening_scaling_clipping():
 
 
 def test_no_value_model_is_an_error_naming_the_setting():
-    with pytest.raises(Exception, match="value_head"):
+    with pytest.raises(Exception, match="model.policy.critic"):
         make_module(PolicyModel("tiny", seed=2))
 
 
@@ -179,7 +180,7 @@ METRICS = ["train/loss", "train/policy_loss", "train/value_loss", "train/entropy
 
 
 def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_controller(tmp_path):
-    module = PPOModule(policy=PolicyModel("tiny", seed=2, value_head="shared"),
+    module = PPOModule(policy=PolicyModel("tiny", seed=2, critic=CriticSettings()),
                        rewards=[RewardSpec("align.rewards.sort_format")],
                        eval_rewards=[length_reward],
                        group_size=2, sampling=SamplingConfig(max_new_tokens=6),
@@ -207,7 +208,7 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
 
     ckpt = tmp_path / "ppo.ckpt"
     trainer.save_checkpoint(ckpt)
-    fresh = PPOModule(policy=PolicyModel("tiny", seed=2, value_head="shared"),
+    fresh = PPOModule(policy=PolicyModel("tiny", seed=2, critic=CriticSettings()),
                       rewards=[RewardSpec("align.rewards.sort_format")],
                       kl=KLPenalty(coef=0.1, target=0.5, placement="reward"))
     fresh.on_load_checkpoint(torch.load(ckpt, weights_only=False))
@@ -218,10 +219,10 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
 def test_value_lr_scale_gives_the_value_parameters_their_own_learning_rate():
     from functools import partial
 
-    module = make_module(PolicyModel("tiny", seed=2, value_head="separate"), value=ValueTraining(lr_scale=10.0),
-                         optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    module = make_module(PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
+                         value=ValueTraining(lr_scale=10.0), optimizer=partial(torch.optim.AdamW, lr=1e-3))
     optimizer = module.configure_optimizers()
-    value_ids = {id(p) for p in [*module.policy.critic.parameters(), *module.policy.critic_head.parameters()]}
+    value_ids = {id(p) for p in module.policy.critic.parameters()}
     seen = set()
     for group in optimizer.param_groups:
         ids = {id(p) for p in group["params"]}
@@ -234,14 +235,14 @@ def test_value_lr_scale_gives_the_value_parameters_their_own_learning_rate():
 @pytest.mark.parametrize("from_rm", [True, False])
 def test_critic_head_starts_from_the_shipped_reward_models_head(from_rm):
     """The default critic's backbone is ``tiny-sort-rm`` (a sequence-classification export): its head starts as the
-    reward model's ``score`` (bias 0), or at zero when ``policy.critic_head_from_reward_model`` is off."""
+    reward model's ``score`` (bias 0), or at zero when ``policy.critic.head_from_reward_model`` is off."""
     from safetensors.torch import load_file
 
     from align.hub.tiny import TINY_SORT_RM_DIR
 
-    policy = PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm",
-                         critic_head_from_reward_model=from_rm)
-    head = PPOModule(policy=policy).policy.critic_head.proj
+    policy = PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm",
+                                                           head_from_reward_model=from_rm))
+    head = PPOModule(policy=policy).policy.critic.head.proj
     score = load_file(str(TINY_SORT_RM_DIR / "model.safetensors"))["score.weight"]
     if from_rm:
         torch.testing.assert_close(head.weight.detach(), score)
@@ -254,7 +255,7 @@ def test_critic_head_starts_from_the_shipped_reward_models_head(from_rm):
 def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
     # updates.padding_free: the reference log-probs and values of make_batch (hence rewards, returns and
     # advantages), and the gradients of every PPO step, are those of the padded rows.
-    policy = PolicyModel("tiny", seed=2, value_head=kind)
+    policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind=kind))
     eos = policy.tokenizer.eos_token_id
     responses = [[40, 41, eos, 0, 0], [40, 41, 42, 43, 44], [40, eos, 0, 0, 0], [40, 41, 42, eos, 0]]
     module = make_module(policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1,
@@ -262,7 +263,7 @@ def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
     module.setup("fit")
     module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     with torch.no_grad():
-        head = policy.value_head if kind == "shared" else policy.critic_head
+        head = policy.critic.head
         head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
     batches, grads = {}, {}
     for free in (False, True):
@@ -288,7 +289,7 @@ def test_the_critics_rollout_pass_serves_the_update_first_micro_batch(micro_batc
     # With a separate critic, make_batch keeps the graph of the critic's pass over the update's first micro-batch
     # (the first epoch's minibatches are drawn then), and the first step reads it instead of running the critic
     # again: the same values, and every gradient of every step, as running it again.
-    policy = PolicyModel("tiny", seed=2, value_head="separate")
+    policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate"))
     eos = policy.tokenizer.eos_token_id
     responses = [[40, 41, eos, 0, 0], [40, 41, 42, 43, 44], [40, eos, 0, 0, 0], [40, 41, 42, eos, 0]]
     module = make_module(policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1,
@@ -296,9 +297,9 @@ def test_the_critics_rollout_pass_serves_the_update_first_micro_batch(micro_batc
     module.setup("fit")
     module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     with torch.no_grad():
-        policy.critic_head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
+        policy.critic.head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
     critic_calls = []
-    policy.critic.register_forward_pre_hook(lambda m, a, kw: critic_calls.append(torch.is_grad_enabled()),
+    policy.critic.backbone.register_forward_pre_hook(lambda m, a, kw: critic_calls.append(torch.is_grad_enabled()),
                                             with_kwargs=True)
     batches, grads, calls = {}, {}, {}
     for keep in (True, False):

@@ -8,7 +8,7 @@ from _helpers import cpu_trainer, first_eval_batch, nudged_trainables, write_var
 from align.data.io import read_rows
 from align.data.preference import PreferenceDataModule
 from align.errors import AlignConfigError
-from align.models import LoraSettings, PolicyModel
+from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.models.reward import (
     RewardModelScorer,
     load_reward_model,
@@ -66,8 +66,8 @@ def test_accumulating_8x1_equals_one_batch_of_8(varied_pairs, lora):
 
 
 def test_head_reads_the_last_real_token_whatever_the_padding():
-    policy = PolicyModel(value_head="shared").eval()
-    torch.nn.init.normal_(policy.value_head.proj.weight)
+    policy = PolicyModel(critic=CriticSettings()).eval()
+    torch.nn.init.normal_(policy.critic.head.proj.weight)
     ids = torch.tensor([[1, 5, 6, 7, 2]])
     with torch.no_grad():
         alone = sequence_scores(policy, ids, torch.ones_like(ids))
@@ -135,7 +135,7 @@ def test_checkpoint_loads_like_the_export(trained):
 
 def test_the_head_bias_stays_zero_so_the_export_scores_as_trained(trained):
     # Bradley-Terry does not depend on a constant offset, and a sequence classifier's head has none.
-    bias = trained["module"].policy.value_head.proj.bias
+    bias = trained["module"].policy.critic.head.proj.bias
     assert not bias.requires_grad and float(bias) == 0.0
 
 
@@ -159,8 +159,8 @@ def test_align_export_of_an_rm_checkpoint_is_a_sequence_classifier(trained, tmp_
 
 def test_lora_reward_model_round_trips(tmp_path):
     L.seed_everything(0)
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8), value_head="shared")
-    torch.nn.init.normal_(policy.value_head.proj.weight)
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8), critic=CriticSettings())
+    torch.nn.init.normal_(policy.critic.head.proj.weight)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -235,7 +235,7 @@ def test_export_callback_on_a_reward_model_run_writes_the_reward_model(trained, 
 @pytest.mark.parametrize("lora", [False, True])
 def test_padding_free_scores_and_gradients_equal_the_padded_rows(varied_pairs, lora):
     torch.manual_seed(0)
-    module = RewardModule(PolicyModel(value_head="shared", lora=LoraSettings(r=4, alpha=8) if lora else None))
+    module = RewardModule(PolicyModel(critic=CriticSettings(), lora=LoraSettings(r=4, alpha=8) if lora else None))
     params = nudged_trainables(module)
     batch = first_eval_batch(data(varied_pairs, batch_size=8), module.tokenizer)
     assert float(batch.attention_mask.float().mean()) < 0.8  # padding to save

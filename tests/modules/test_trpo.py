@@ -10,6 +10,7 @@ from align.data.prompts import PromptBatch, PromptDataModule
 from align.core.kl import kl_estimate
 from align.core.masks import masked_mean
 from align.models.loading import LoraSettings
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.trpo import TRPOModule
 from align.errors import AlignConfigError
@@ -19,8 +20,8 @@ from align.rollout.sampling import SamplingConfig
 from _helpers import length_reward, prompt_batch, standalone
 
 def make_module(policy=None, trust_region=None, **kw):
-    defaults = dict(policy=policy or PolicyModel("tiny", seed=2, value_head="separate"), rewards=[length_reward],
-                    sampling=SamplingConfig(max_new_tokens=6), group_size=2, log_entropy=False)
+    defaults = dict(policy=policy or PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
+                    rewards=[length_reward], sampling=SamplingConfig(max_new_tokens=6), group_size=2, log_entropy=False)
     region = TrustRegion(**{"max_kl": 0.01, "cg_iters": 4, **(trust_region or {})})
     return TRPOModule(trust_region=region, **{**defaults, **kw})
 
@@ -92,9 +93,10 @@ def test_micro_batches_and_the_fisher_subsample_give_the_step_they_should():
     assert metrics["trpo/accepted"] == 0.0 or measured_kl(sub, data, old) <= sub.trust_region.max_kl
 
 
-@pytest.mark.parametrize("value_head", ["separate", "shared"])
-def test_value_optimizer_owns_the_value_model_and_never_moves_the_policy(value_head):
-    module = make_module(policy=PolicyModel("tiny", seed=2, value_head=value_head), updates=Updates(minibatches=2))
+@pytest.mark.parametrize("kind", ["separate", "shared"])
+def test_value_optimizer_owns_the_value_model_and_never_moves_the_policy(kind):
+    module = make_module(policy=PolicyModel("tiny", seed=2, critic=CriticSettings(kind=kind)),
+                         updates=Updates(minibatches=2))
     optimizer = standalone(module, module.configure_optimizers())
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized and not optimized & {id(p) for p in module.policy_parameters()}
@@ -112,7 +114,7 @@ def test_value_optimizer_owns_the_value_model_and_never_moves_the_policy(value_h
 
 
 def test_lora_trust_region_is_the_adapter():
-    policy = PolicyModel("tiny", seed=2, value_head="separate", lora=LoraSettings(r=2, alpha=4))
+    policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate"), lora=LoraSettings(r=2, alpha=4))
     module = make_module(policy=policy, trust_region=dict(cg_iters=2), group_size=1)
     params = module.policy_parameters()
     assert params and all("lora_" in name for name, p in policy.model.named_parameters() if p.requires_grad)
@@ -127,7 +129,7 @@ def test_lora_trust_region_is_the_adapter():
 
 
 def test_bad_settings_are_rejected():
-    policy = PolicyModel("tiny", seed=2, value_head="separate")
+    policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate"))
     for kwargs, match in (({"max_kl": 0.0}, "max_kl"), ({"backtrack_ratio": 1.0}, "backtrack_ratio"),
                           ({"cg_iters": 0}, "cg_iters"), ({"fisher_fraction": 0.0}, "fisher_fraction")):
         with pytest.raises(AlignConfigError, match=rf"^model\.trust_region\.{match}: expected"):
@@ -142,7 +144,7 @@ METRICS = ["trpo/kl", "trpo/max_kl", "trpo/surrogate_improvement", "trpo/line_se
 
 
 def test_trains_a_few_steps_with_lightning_and_every_accepted_step_respects_the_bound(tmp_path):
-    module = TRPOModule(policy=PolicyModel("tiny", seed=2, value_head="separate"),
+    module = TRPOModule(policy=PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
                         rewards=[length_reward],
                         sampling=SamplingConfig(max_new_tokens=6), group_size=2,
                         trust_region=TrustRegion(max_kl=0.005, cg_iters=4), updates=Updates(epochs=2))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from align.errors import AlignConfigError
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.online_dpo import OnlineDPOModule
@@ -120,7 +121,7 @@ def half_reward(prompts, completions, **kw):
 @pytest.mark.parametrize("make", [
     lambda policy, source: OnlineDPOModule(policy=policy, rewards=[half_reward], group_size=2, source=source,
                                            log_entropy=False, sampling=SamplingConfig(max_new_tokens=6)),
-    lambda policy, source: PPOModule(policy=PolicyModel("tiny-sort", value_head="shared"), rewards=[half_reward],
+    lambda policy, source: PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings(kind="shared")), rewards=[half_reward],
                                      group_size=2, source=source, log_entropy=False,
                                      sampling=SamplingConfig(max_new_tokens=6)),
 ], ids=["online_dpo", "ppo"])

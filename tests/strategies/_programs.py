@@ -16,6 +16,7 @@ from align.data import SFTDataModule
 from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule
 from align.core.kl import AdaptiveKLController
+from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules import SFTModule
 from align.modules.dpo import DPOModule
@@ -56,7 +57,7 @@ def grpo_setup():
 def ppo_setup():
     # A separate critic (the shipped reward model's backbone) and a live reference, all sharded under ZeRO-3. The
     # first rollout trains the critic alone: a backward in which no policy parameter takes part.
-    module = PPOModule(PolicyModel("tiny-sort", value_head="separate", critic_model="tiny-sort-rm"),
+    module = PPOModule(PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm")),
                        rewards=[RewardSpec("align.rewards.sort_exact_match")], group_size=2,
                        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), value=ValueTraining(warmup_rollouts=1),
                        updates=Updates(epochs=1), log_entropy=False, optimizer=partial(torch.optim.AdamW, lr=1e-4))
@@ -148,7 +149,7 @@ class FixedRowsGRPO(GRPOModule):
         self.kl_seen: list[float] = []
         # The RL modules' own controller update, fed the same per-token KL (its input is the per-sequence KL over
         # all ranks).
-        self.ppo = [PPOModule(PolicyModel("tiny", value_head="shared", seed=1), rewards=[RewardSpec(_zero_reward)],
+        self.ppo = [PPOModule(PolicyModel("tiny", critic=CriticSettings(), seed=1), rewards=[RewardSpec(_zero_reward)],
                               kl=KLPenalty(coef=0.1, target=0.5, horizon=100.0, placement="reward"))]  # not a submodule
 
     def training_step(self, batch, batch_idx: int) -> None:

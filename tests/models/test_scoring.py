@@ -1,25 +1,11 @@
+"""Scoring: align's chunked head, the model's own forward and the padding-free path give the same numbers."""
+
 import pytest
 import torch
 
-from align.errors import AlignConfigError
-from align.hub.tiny import build_tiny_model
-from align.models import LoraSettings, PolicyModel
+from _tiny_batches import batch, naive_logprobs
+from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.models.shared_pass import layout_mask_kind
-
-
-def batch(policy, texts=("sort: b a", "sort: d c b a")):
-    tok = policy.tokenizer
-    tok.padding_side = "left"
-    enc = tok(list(texts), return_tensors="pt", padding=True)
-    tok.padding_side = "right"
-    return enc["input_ids"], enc["attention_mask"]
-
-
-def naive_logprobs(model, ids, mask, R):
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return lp[:, -R:]
 
 
 def test_logprobs_equal_naive_log_softmax_gather():
@@ -56,148 +42,17 @@ def test_left_padding_does_not_change_logprobs():
                                atol=1e-5, rtol=1e-4)
 
 
-def test_lora_reference_is_the_adapter_disabled_base():
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8))
-    policy.setup_reference()
-    assert policy.ref_model is None  # no second copy
-    ids, mask = batch(policy)
-    base = build_tiny_model(seed=0)
-    with torch.no_grad():
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.5)  # move the adapter away from its zero init
-        ref = policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs
-        pol = policy.token_logprobs(ids, mask, response_length=3).logprobs
-    torch.testing.assert_close(ref, naive_logprobs(base, ids, mask, 3))
-    assert not torch.allclose(ref, pol)
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-
-
-@pytest.mark.parametrize("settings", [
-    dict(target_modules=["q_proj", "v_proj"]),
-    dict(modules_to_save=["lm_head"]),
-    dict(modules_to_save=["embed_tokens", "lm_head"], use_rslora=True),
-    dict(use_dora=True),
-    dict(target_modules=["q_proj", "down_proj"], extra={"layers_to_transform": [1], "trainable_token_indices": [3, 5]}),
-], ids=["some-targets", "modules_to_save", "embed+head+rslora", "dora", "layers+trainable-tokens"])
-def test_lora_reference_equals_the_base_model_for_every_option(settings):
-    # Every trainable tensor moved: LoRA factors, modules trained in full beside them, trainable token rows.
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8, **settings))
-    policy.setup_reference()
-    ids, mask = batch(policy)
-    trained = [p for p in policy.model.parameters() if p.requires_grad]
-    assert trained
-    with torch.no_grad():
-        for p in trained:
-            p.add_(0.3 * torch.randn_like(p))
-        ref = policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs
-        pol = policy.token_logprobs(ids, mask, response_length=3).logprobs
-    torch.testing.assert_close(ref, naive_logprobs(build_tiny_model(seed=0), ids, mask, 3))
-    assert not torch.allclose(ref, pol, atol=1e-3)
-    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3).logprobs, pol)  # switched back on
-    # With gradients on, peft's own switch runs (it also toggles requires_grad); both ways leave every flag as it was.
-    flags = {n: p.requires_grad for n, p in policy.named_parameters()}
-    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs.detach(),
-                               ref)
-    assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
-    assert not any(layer.disable_adapters for layer in policy._adapter_switches)
-    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3).logprobs.detach(), pol)
-
-
-@pytest.mark.parametrize("bias", ["all", "lora_only"])
-def test_trained_biases_refuse_the_adapter_disabled_reference(bias, tiny_model_dir):
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8, bias=bias))
-    with pytest.raises(AlignConfigError, match="policy.lora.bias: .* set policy.reference_model"):
-        policy.setup_reference()
-    separate = PolicyModel(lora=LoraSettings(r=4, alpha=8, bias=bias), reference_model=tiny_model_dir)
-    separate.setup_reference()
-    assert separate.ref_model is not None
-
-
-def test_frozen_copy_reference_stays_at_initial_weights():
-    policy = PolicyModel()
-    policy.setup_reference()
-    ids, mask = batch(policy)
-    before = policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.mul_(1.1)
-    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs, before)
-    assert all(not p.requires_grad for p in policy.ref_model.parameters())
-    policy.train()
-    assert not policy.ref_model.training
-
-
-@pytest.mark.parametrize("kind", ["shared", "separate"])
-def test_value_head_shapes_and_gradients(kind):
-    policy = PolicyModel(value_head=kind)
-    ids, mask = batch(policy)
-    out = policy.token_logprobs(ids, mask, response_length=3, return_values=True)
-    assert out.values.shape == (2, 3)
-    out.values.sum().backward()
-    head = policy.value_head if kind == "shared" else policy.critic_head
-    assert head.proj.weight.grad is not None
-
-
-def test_local_directory_and_bad_paths(tiny_model_dir, tmp_path):
-    policy = PolicyModel(model=tiny_model_dir)
-    ref = build_tiny_model(seed=3)
-    ids, mask = batch(policy)
-    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=2).logprobs, naive_logprobs(ref, ids, mask, 2))
-    with pytest.raises(AlignConfigError, match="does not exist"):
-        PolicyModel(model=str(tmp_path / "nope"))
-    with pytest.raises(AlignConfigError, match="without config.json"):
-        PolicyModel(model=str(tmp_path))
-    with pytest.raises(AlignConfigError, match="also set policy.lora"):
-        PolicyModel(model=tiny_model_dir, quantization="4bit")
-
-
-def test_qlora_forward_and_backward_on_cpu(tiny_model_dir):
-    pytest.importorskip("bitsandbytes")
-    policy = PolicyModel(model=tiny_model_dir, quantization="4bit", lora=LoraSettings(r=4, alpha=8))
-    ids, mask = batch(policy)
-    out = policy.token_logprobs(ids, mask, response_length=3)
-    assert torch.isfinite(out.logprobs).all()
-    out.logprobs.sum().backward()
-    grads = [p.grad for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad]
-    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
-    assert any(g.abs().sum() > 0 for g in grads)
-
-
-@pytest.mark.parametrize("use_lora", [False, True])
-def test_export_loads_with_plain_transformers_and_generates(tmp_path, use_lora):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if use_lora else None)
-    with torch.no_grad():
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name or not use_lora:
-                p.add_(0.01 * torch.randn_like(p))
-    out = policy.save_pretrained(tmp_path / "export")
-    model = AutoModelForCausalLM.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(out)
-    ids, mask = batch(policy)
-    torch.testing.assert_close(naive_logprobs(model, ids, mask, 3), policy.token_logprobs(ids, mask, response_length=3).logprobs,
-                               atol=1e-5, rtol=1e-4)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "sort: b a"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
-    gen = model.generate(**prompt, max_new_tokens=5, do_sample=False)
-    assert gen.shape[1] > prompt["input_ids"].shape[1]
-    assert policy.has_adapter == use_lora  # exporting did not merge the training model in place
-
-
 # ---------------------------------------------------------------- the chunked output head
 
 
 def _paths_agree(policy, run, monkeypatch):
     """``run(policy)`` -> (outputs, loss) through align's chunked head and through the model's own forward:
     the outputs and every parameter gradient agree to float rounding."""
-    import align.models.policy as policy_module
+    import align.models.scoring as scoring
 
     results = []
     for unsupported in (lambda model: None, lambda model: "forced for the test"):
-        monkeypatch.setattr(policy_module, "chunked_head_unsupported", unsupported)
+        monkeypatch.setattr(scoring, "chunked_head_unsupported", unsupported)
         policy.zero_grad(set_to_none=True)
         outputs, loss = run(policy)
         loss.backward()
@@ -215,7 +70,7 @@ def _paths_agree(policy, run, monkeypatch):
 def test_chunked_head_equals_the_models_own_logits_forward_and_backward(lora, monkeypatch):
     # Left padding, a temperature, entropy and a shared value head: every output and every gradient (the tied
     # embedding and head included) is the one the full (B, R, V) logits give.
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head="shared")
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, critic=CriticSettings())
     ids, mask = batch(policy)
     weights = torch.linspace(-1, 1, 3 * ids.shape[0]).view(ids.shape[0], 3)
 
@@ -250,10 +105,10 @@ def test_chunked_head_keeps_no_vocabulary_sized_tensor(head, monkeypatch):
     # activation has a vocabulary dimension; when the scored positions fit in one chunk, that chunk's (B * R, V)
     # log-probabilities are kept instead of recomputed; through the model's own forward, (B, R, V) logits and more.
     import align.core.logprobs as logprobs_module
-    import align.models.policy as policy_module
+    import align.models.scoring as scoring
 
     if head == "model forward":
-        monkeypatch.setattr(policy_module, "chunked_head_unsupported", lambda model: "forced for the test")
+        monkeypatch.setattr(scoring, "chunked_head_unsupported", lambda model: "forced for the test")
     if head == "chunks":
         monkeypatch.setattr(logprobs_module, "_rows_per_chunk", lambda vocab: 2)
     policy = PolicyModel()
@@ -272,13 +127,13 @@ def test_chunked_head_keeps_no_vocabulary_sized_tensor(head, monkeypatch):
 
 
 def test_unsupported_heads_fall_back_to_the_models_forward_and_say_so_once(caplog):
-    from align.models.policy import chunked_head_unsupported
+    from align.models.scoring import chunked_head_unsupported
 
     policy = PolicyModel()
     assert chunked_head_unsupported(policy.model) is None
     policy.model.config.model_type = "gemma2"  # softcapped logits: only the model's forward computes them
     ids, mask = batch(policy)
-    with caplog.at_level("INFO", logger="align.models.policy"):
+    with caplog.at_level("INFO", logger="align.models.scoring"):
         full = policy.token_logprobs(ids, mask, response_length=3).logprobs
         policy.token_logprobs(ids, mask, response_length=3)
     assert [r.getMessage() for r in caplog.records if "full-vocabulary" in r.getMessage()] == [
@@ -317,7 +172,7 @@ def test_shared_prompts_run_once_and_score_as_one_pass_over_every_row(lora, path
     if path == "prompt cache":
         monkeypatch.setattr(shared_pass, "layout_mask_kind", lambda decoder: None)
         monkeypatch.setattr(shared_pass, "_MIN_SHARED_PREFIX_WORK", 0)  # the tiny model is below the threshold
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head="shared")
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, critic=CriticSettings())
     ids, mask = _groups(policy)
     weights = torch.linspace(-1, 1, ids.shape[0] * 5).view(ids.shape[0], 5)
     calls = _decoder_calls(policy.model.get_decoder() if not lora else policy.base_model.get_decoder())
@@ -460,9 +315,9 @@ def _scored_everything(policy, ids, mask, R):
 
 
 @pytest.mark.parametrize("path", ["one call", "prefix cache"])
-@pytest.mark.parametrize("value_head", ["shared", "separate"])
+@pytest.mark.parametrize("kind", ["shared", "separate"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_prefix_every_prompt_starts_with_runs_once(path, value_head, lora, monkeypatch):
+def test_a_prefix_every_prompt_starts_with_runs_once(path, kind, lora, monkeypatch):
     # Three different left-padded prompts that start alike ("sort:", as a chat template's system prompt would):
     # those tokens run once for the policy, its reference and the critic, in one call over a laid-out row or in a
     # pass whose keys and values the rows' continuations read. Every output and every gradient equals one pass
@@ -470,7 +325,7 @@ def test_a_prefix_every_prompt_starts_with_runs_once(path, value_head, lora, mon
     from align.models import shared_pass
 
     torch.manual_seed(0)
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head=value_head)
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, critic=CriticSettings(kind=kind))
     policy.setup_reference()
     for name, p in policy.named_parameters():
         if "lora_B" in name:
@@ -486,7 +341,7 @@ def test_a_prefix_every_prompt_starts_with_runs_once(path, value_head, lora, mon
     first = ids.gather(1, starts[:, None] + torch.arange(3))
     assert starts.unique().numel() == 3 and (first[:, :2] == first[0, :2]).all() and first[:, 2].unique().numel() == 3
     C = 2  # "sort", ":"
-    decoders = [policy.base_model.get_decoder()] + ([policy.critic] if policy.critic is not None else [])
+    decoders = [policy.base_model.get_decoder()] + ([policy.critic.backbone] if policy.critic.separate else [])
     calls = [_decoder_calls(d) for d in decoders]
 
     with monkeypatch.context() as plain_rows:  # no layout, and the tiny model is below the cache's threshold
@@ -534,11 +389,11 @@ def test_padding_free_scoring_equals_the_padded_rows(lora, kind, monkeypatch):
     # Log-probs, entropies, values (shared head or separate critic) and every gradient of the real response tokens
     # are those of the padded rows, through align's chunked head and through the model's own logits; the padded
     # response positions read 0; and the rows really share packed rows.
-    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, value_head=kind)
+    policy = PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None, critic=CriticSettings(kind=kind))
     ids, mask, real = _ragged(policy)
     weights = torch.linspace(-1, 1, 48).view(8, 6)
     with torch.no_grad():
-        for p in (policy.value_head or policy.critic_head).parameters():
+        for p in policy.critic.head.parameters():
             p.normal_(0.0, 0.1)  # a zero-initialised head would make the values' gradients trivial
     shapes = []
     decoder = policy.model.get_decoder() if not lora else policy.base_model.get_decoder()
@@ -558,7 +413,7 @@ def test_padding_free_scoring_equals_the_padded_rows(lora, kind, monkeypatch):
     results = {}
     for free in (False, True):
         for unsupported in (lambda model: None, lambda model: "forced for the test"):
-            monkeypatch.setattr("align.models.policy.chunked_head_unsupported", unsupported)
+            monkeypatch.setattr("align.models.scoring.chunked_head_unsupported", unsupported)
             policy.zero_grad(set_to_none=True)
             outputs, loss = run(free)(policy)
             loss.backward()
