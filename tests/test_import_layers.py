@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
+
 import align
 
 ROOT = Path(align.__file__).parent
@@ -249,3 +251,16 @@ def test_the_policy_wrapper_stays_small():
     from align.models.policy import PolicyModel
 
     assert _class_lines(PolicyModel) <= MAX_LIGHTNING_MODULE_LINES
+
+
+@pytest.mark.parametrize("path", [
+    "align.modules.grpo.GRPOModule", "align.modules.ppo.PPOModule", "align.modules.SFTModule", "align.models.PolicyModel",
+    "align.data.prompts.PromptDataModule", "align.data.preference.PreferenceDataModule", "align.rewards.math_answer",
+    "align.rewards.sort_exact_match", "align.rewards.RewardModelScorer", "align.strategies.FSDP2Strategy",
+    "align.strategies.DeepSpeedZeROStrategy", "align.rollout.source.FilteredSource", "align.gym.PPOGymModule",
+])
+def test_the_paths_users_write_in_configs_import(path):
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is not None
