@@ -73,7 +73,7 @@ def test_a_renamed_setting_names_what_to_write_instead_on_one_line(capsys, tmp_p
 
 def test_without_a_renamed_row_an_unknown_setting_lists_the_accepted_ones(capsys, tmp_path):
     assert recipe_error(capsys, tmp_path, "grpo", "--model.clip.no_such", "x") == [
-        "error: --model.clip.no_such: GRPOModule.clip has no setting 'no_such'; accepted: low, high, level"]
+        "error: --model.clip.no_such: GRPOModule.clip has no setting 'no_such'; accepted: low, high"]
     line, = recipe_error(capsys, tmp_path, "sft", "--model.no_such_group.x", "1")
     assert line.startswith("error: --model.no_such_group.x: SFTModule has no setting 'no_such_group.x'; accepted: ")
 
