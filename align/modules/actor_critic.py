@@ -43,7 +43,6 @@ from align.modules.learner import RLBatch
 from align.modules.options import GAE, KLPenalty, ScoreShaping, ValueTraining
 from align.modules.rl import RLModule
 from align.observability.timing import Timer
-from align.rollout.rewards import RewardModelSpec, RewardSpec
 from align.rollout.types import Scored
 
 __all__ = ["ActorCriticModule", "GAEBatch"]
@@ -180,18 +179,16 @@ class ActorCriticModule(RLModule):
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         scored = self.next_scored(batch)
-        if scored is None:
-            self.no_update("dynamic sampling: no update could be filled with groups whose rewards differ")
-            return self.log_nothing()
-        data = self.make_batch(scored)
+        if scored is None:  # a filtered source: the next batch adds to this update's groups
+            return
+        data = self.make_batch(scored)  # adds its passes to the rollout's time/scoring_s
+        self.timings = dict(scored.timings)
         warmup = self.warming_up
-        timings = dict(scored.timings)
-        with Timer(timings, "time/update_s"):
+        with Timer(self.timings, "time/update_s"):
             updates = self.update_value(data) if warmup else self.update_policy(data)
         self.critic_pass.clear()  # an update that did not read them leaves no graph behind
         self.update_kl_controller(data.kl, data.response_mask)
-        self.timings = timings
-        self.log_metrics({**data.metrics, **updates, **timings, "train/critic_warmup": float(warmup)})
+        self.log_metrics({**data.metrics, **updates, **self.timings, "train/critic_warmup": float(warmup)})
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:

@@ -121,8 +121,7 @@ class GRPOModule(RLModule):
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         scored = self.next_scored(batch)
         if scored is None:  # a filtered source: the next batch adds to this update's groups
-            self.no_update("dynamic sampling: no update could be filled with groups whose rewards differ")
-            return self.log_nothing()
+            return
         rollout, rewards = scored.rollout, scored.rewards  # rewards (N,)
         with Timer(self.timings, "time/update_s"):
             ref_logprobs = self.sampler.reference_logprobs(rollout)

@@ -208,12 +208,16 @@ class RLModule(AlignModule):
 
     # ------------------------------------------------------------------ a training step's parts
     def next_scored(self, batch: PromptBatch) -> Scored | None:
-        """The source's scored rollout for this step (None: no update on this step); its timings become
-        :attr:`timings`."""
+        """The source's scored rollout for this step, its timings become :attr:`timings`; None when the source
+        yields none on this step (a filtered source filling up): the step is counted as one without an update
+        (:meth:`no_update`, with the source's reason) and logs nothing, so the caller just returns."""
         self.sampler.policy_version = self.learner.steps
         scored = self.source.next(batch)
-        if scored is not None:
-            self.timings = dict(scored.timings)
+        if scored is None:
+            self.no_update(self.source.no_update_reason)
+            self.log_nothing()
+            return None
+        self.timings = dict(scored.timings)
         return scored
 
     def token_logprobs(self, data, reference: bool = False, **kwargs) -> TokenLogprobs:
@@ -239,18 +243,17 @@ class RLModule(AlignModule):
         """Run :meth:`update` without a trainer: it steps ``optimizer`` (and ``scheduler``) itself."""
         self._standalone = (optimizer, scheduler)
 
-    def optimization(self, optimizer=None, scheduler=None) -> Optimization:
-        """The trainer's optimizer (or ``optimizer``) and hooks for the learner; plain torch without a trainer."""
+    def optimization(self) -> Optimization:
+        """The trainer's optimizer and hooks for the learner; plain torch's without a trainer."""
         if self._trainer is None:
-            if optimizer is None and self._standalone is None:
+            if self._standalone is None:
                 raise RuntimeError("RLModule.update without a trainer: call use_optimizer(optimizer) first")
-            optimizer, scheduler = (optimizer, scheduler) if optimizer is not None else self._standalone
+            optimizer, scheduler = self._standalone
             return Optimization(optimizer, scheduler, lambda loss: loss.backward(),
                                 lambda norm: torch.nn.utils.clip_grad_norm_(self.parameters(), norm))
         from align.trainer.strategies import accumulation_boundary
 
-        optimizer = optimizer if optimizer is not None else self.optimizers()
-        scheduler = scheduler if scheduler is not None else self.lr_schedulers()
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         clip = lambda norm: self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")  # noqa: E731
         return Optimization(optimizer, scheduler, self.manual_backward, clip,
                             lambda last: accumulation_boundary(self, last), self.gradient_scale(), self.ranks)

@@ -37,6 +37,8 @@ class RolloutSource:
     rollout per training step (:meth:`next`)."""
 
     sampler: Sampler
+    no_update_reason = "the rollout source yielded no rollout to update on"
+    """What the module's stop after too many steps without an update names as missing (:meth:`next` gave None)."""
 
     def bind(self, sampler: Sampler) -> None:
         """Sample with ``sampler``; checks that this source can serve it (raises :class:`AlignConfigError`)."""
@@ -86,6 +88,8 @@ class FilteredSource(RolloutSource):
     Metrics, logged once per update: ``rollout/sampling_batches``, ``rollout/kept_groups``, ``rollout/kept_frac``;
     the reward metrics are then over the groups trained on, the timings summed over the batches sampled for it.
     """
+
+    no_update_reason = "dynamic sampling: no update could be filled with groups whose rewards differ"
 
     def __init__(self, max_batches: int = 4, reward: str | None = None):
         """
