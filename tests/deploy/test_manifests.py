@@ -5,13 +5,15 @@ nodes and pods, the rendezvous and its Service, the collector's ports, the expor
 from __future__ import annotations
 
 import copy
+import re
+import shlex
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
-from _render import (DEPLOY, OVERLAYS, env_of, expand, kubernetes_versions, named, of_kind, pod_spec, render,
-                     validate_strictly)
+from _render import (DEPLOY, OVERLAYS, ROOT, env_of, expand, kubernetes_versions, named, of_kind, pod_spec,
+                     render, validate_strictly)
 
 WORKLOADS = ("Deployment", "Job")
 
@@ -245,6 +247,7 @@ def test_the_multi_node_job_is_indexed_one_pod_per_node_with_node_zero_as_rendez
 def test_the_job_s_config_and_arguments_build_the_run(name, tiny_model_dir, tmp_path):
     """``align fit`` as the Job runs it (its config, its arguments), with the hub model swapped for the tiny one and
     the run on one CPU process."""
+    from align.cli.arguments import resolve_config_args
     from align.cli.lightning_cli import AlignCLI
     from align.models.export import ExportCallback
     from align.observability import OTLPLogger
@@ -255,7 +258,7 @@ def test_the_job_s_config_and_arguments_build_the_run(name, tiny_model_dir, tmp_
     local = tmp_path / "config.yaml"
     local.write_text(yaml.safe_dump(config))
     settings.update({"config": str(local), "trainer.default_root_dir": str(tmp_path / "runs")})
-    args = [f"--{key}={value}" for key, value in settings.items()]
+    args = resolve_config_args([f"--{key}={value}" for key, value in settings.items()])
     cli = AlignCLI(args=[*args, "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1"],
                    run=False)
     assert cli.config["resume"] == "auto" and cli.trainer.max_steps > 0
@@ -297,3 +300,23 @@ def test_the_server_serves_the_model_the_single_node_run_exports_with_probes_and
     assert named(resources, "Service", "align-serve")["spec"]["ports"][0]["targetPort"] == "http"
     assert f"--otlp-traces-endpoint={env['OTEL_EXPORTER_OTLP_ENDPOINT']}" in args
     otlp_target(resources, server)
+
+
+# ------------------------------------------------------------------------------------------------------- the docs
+
+
+def documented(program: str) -> list[str]:
+    """The words of the command line that starts with ``program`` in docs/deployment.md (continuations joined)."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    match = re.search(rf"^{re.escape(program)} (?:.*\\\n)*.*$", text, flags=re.MULTILINE)
+    assert match, f"docs/deployment.md shows no '{program} ...' line"
+    return shlex.split(match.group(0).replace("\\\n", " "))
+
+
+def test_the_docs_show_the_commands_the_pods_run():
+    _, _, container, _, _ = training("train-single-node")
+    env = env_of(container)
+    assert documented("torchrun --standalone") == [*container["command"], *(expand(a, env) for a in container["args"])]
+    server = pod_spec(named(overlay("serve"), "Deployment", "align-serve"))["containers"][0]
+    env = env_of(server)
+    assert documented("vllm serve") == [*server["command"], *(expand(a, env) for a in server["args"])]
