@@ -320,3 +320,19 @@ def test_the_docs_show_the_commands_the_pods_run():
     server = pod_spec(named(overlay("serve"), "Deployment", "align-serve"))["containers"][0]
     env = env_of(server)
     assert documented("vllm serve") == [*server["command"], *(expand(a, env) for a in server["args"])]
+
+
+def test_the_docs_overlay_of_your_own_names_your_image_and_storage_class(tmp_path):
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    (example,) = re.findall(r"^# my-cluster/train/kustomization.yaml\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    (tmp_path / "align").symlink_to(ROOT)
+    mine = tmp_path / "my-cluster" / "train"
+    mine.mkdir(parents=True)
+    (mine / "kustomization.yaml").write_text(example)
+    resources = render(mine)
+    settings = yaml.safe_load(example)
+    (image,) = settings["images"]
+    container = pod_spec(named(resources, "Job", "align-train"))["containers"][0]
+    assert container["image"] == f"{image['newName']}:{image['newTag']}"
+    claim = named(resources, "PersistentVolumeClaim", "align-runs")
+    assert claim["spec"]["storageClassName"] == yaml.safe_load(settings["patches"][0]["patch"])[0]["value"]
