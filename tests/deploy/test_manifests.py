@@ -336,3 +336,14 @@ def test_the_docs_overlay_of_your_own_names_your_image_and_storage_class(tmp_pat
     assert container["image"] == f"{image['newName']}:{image['newTag']}"
     claim = named(resources, "PersistentVolumeClaim", "align-runs")
     assert claim["spec"]["storageClassName"] == yaml.safe_load(settings["patches"][0]["patch"])[0]["value"]
+
+
+@pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: p.name)
+def test_pods_of_the_align_image_run_as_the_image_s_user(path):
+    (uid, gid) = re.findall(r"^USER (\d+):(\d+)$", (DEPLOY / "Containerfile.cuda").read_text(), flags=re.MULTILINE)[-1]
+    pods = [pod_spec(r) for r in render(path) if r["kind"] in WORKLOADS and r["metadata"]["name"] != "otel-collector"]
+    assert pods
+    for pod in pods:
+        assert all("align-cuda" in c["image"] for c in [*pod.get("initContainers", []), *pod["containers"]])
+        context = pod["securityContext"]
+        assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (int(uid), int(gid), int(gid))
