@@ -1,14 +1,18 @@
 """Policy losses of the RL algorithms: the ``POLICY_LOSSES`` table, its rows, and the importance ratio.
 
 A row is one function with one signature, ``loss(x: PolicyLossInputs, p: PolicyLossSettings) -> (loss,
-PolicyLossStats)``, chosen by name from a module's ``policy_loss.name`` option (docs/architecture.md, "How to add",
-"A policy loss"). A row starts from :func:`prepare_inputs` (shape check, detached targets, padding replaced) and
-:func:`clip_range`, takes its ratio from :func:`importance_ratio` (clamped log-ratio), reduces its per-token terms with
-:func:`align.core.losses.aggregate` and reports :func:`policy_loss_stats`. Rows:
+PolicyLossStats)``, with its default clip range, chosen by name from a module's ``policy_loss.name`` option
+(docs/architecture.md, "How to add", "A policy loss"). A row starts from :func:`prepare_inputs` (shape check, detached
+targets, padding replaced) and :func:`clip_range`, takes its ratio from :func:`importance_ratio` (clamped log-ratio),
+reduces its per-token terms with :func:`align.core.losses.aggregate` and reports :func:`policy_loss_stats`. Rows:
 
 * ``clip``: PPO's clipped surrogate on token ratios, Schulman et al. 2017 (arXiv 1707.06347), with DAPO's decoupled
   clip range ``clip_low``/``clip_high`` (Yu et al. 2025, arXiv 2503.14476).
 * ``gspo``: the same clip on GSPO's sequence ratio, Zheng et al. 2025 (arXiv 2507.18071).
+* ``cispo``: CISPO's clipped, detached importance weight times the token's log-prob, MiniMax 2025 (arXiv 2506.13585).
+* ``sapo``: SAPO's soft, temperature-controlled gate on the token ratio, Gao et al. 2025 (arXiv 2511.20347).
+* ``gmpo``: GMPO's geometric mean of the sequence's token ratios, clipped in log space, Zhao et al. 2025
+  (arXiv 2507.20673).
 
 Also here: the plain policy-gradient loss (REINFORCE, Williams 1992) and dual clip (Ye et al. 2020,
 arXiv 1912.09729) of :func:`ppo_policy_loss`.
@@ -20,6 +24,7 @@ advantage without dual clip, where the unclamped gradient would be ``e**20``-siz
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -28,9 +33,10 @@ from align.core.kl import kl_estimate
 from align.core.losses import Normaliser, aggregate
 from align.core.masks import fill_masked, masked_mean
 
-__all__ = ["IMPORTANCE_LEVELS", "POLICY_LOSSES", "SEQUENCE_LEVEL_LOSSES", "PolicyLossInputs", "PolicyLossSettings",
-           "PolicyLossStats", "PreparedInputs", "clip_range", "importance_ratio", "policy_loss_stats", "prepare_inputs",
-           "ppo_policy_loss", "policy_gradient_loss", "clipped_token_loss", "clipped_sequence_loss"]
+__all__ = ["IMPORTANCE_LEVELS", "POLICY_LOSSES", "SEQUENCE_LEVEL_LOSSES", "PolicyLossInputs", "PolicyLossRow",
+           "PolicyLossSettings", "PolicyLossStats", "PreparedInputs", "clip_range", "importance_ratio",
+           "policy_loss_stats", "prepare_inputs", "ppo_policy_loss", "policy_gradient_loss", "clipped_token_loss",
+           "clipped_sequence_loss", "cispo_loss", "sapo_loss", "gmpo_loss"]
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -226,12 +232,15 @@ class PolicyLossInputs(NamedTuple):
 
 
 class PolicyLossSettings(NamedTuple):
-    """What a policy loss may read besides the tensors: the clip range and the step's aggregation."""
+    """What a policy loss may read besides the tensors: its clip range, SAPO's temperatures and the step's
+    aggregation."""
 
     clip_low: float = 0.2
     clip_high: Optional[float] = None  # None: clip_low
     agg: str = "token_mean"  # see align.core.losses.aggregate
     normaliser: Normaliser = None  # the optimizer step's count, in the unit of agg
+    tau_pos: float = 1.0  # sapo: the gate's temperature where the advantage is > 0
+    tau_neg: float = 1.05  # sapo: where it is <= 0
 
 
 PolicyLoss = Callable[[PolicyLossInputs, PolicyLossSettings], Tuple[torch.Tensor, PolicyLossStats]]
@@ -250,12 +259,92 @@ def clipped_sequence_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[t
                            normaliser=p.normaliser, level="sequence")
 
 
-POLICY_LOSSES: Dict[str, PolicyLoss] = {
-    "clip": clipped_token_loss,
-    "gspo": clipped_sequence_loss,
+def cispo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): per token ``-sg(w) * A * log pi`` with the importance weight clipped,
+    ``w = clip(r, 1 - clip_low, 1 + clip_high)``, and detached. Unlike PPO's clip, no token's gradient is dropped: a
+    token outside the range keeps ``-w * A * grad log pi`` with its weight capped. The row's defaults follow the paper
+    (no lower bound: ``clip_low`` 1) and ScaleRL's cap of 5 (``clip_high`` 4, arXiv 2510.13786).
+
+    Departure: the per-token term is ``-sg(w) * A * (1 + log pi - sg(log pi))``, whose gradient is the paper's and
+    whose value is ``-w * A`` (the paper's ``-w * A * log pi`` differs by a term with no gradient), so
+    ``train/policy_loss`` reads on the scale of the other rows. ``clipfrac``: the tokens whose weight was clipped."""
+    low, high = clip_range(p.clip_low, p.clip_high, "cispo")
+    y = prepare_inputs(x.logprobs, x.old_logprobs, x.advantages, x.mask, "cispo")
+    ratio = importance_ratio(y.logprobs.detach(), y.old_logprobs)
+    weight = ratio.clamp(1.0 - low, 1.0 + high)
+    per_token = -y.advantages * weight * (1.0 + y.logprobs - y.logprobs.detach())
+    clipped = (ratio < 1.0 - low) | (ratio > 1.0 + high)
+    return aggregate(per_token, x.mask, p.agg, p.normaliser), policy_loss_stats(y, ratio, clipped)
+
+
+def sapo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+    """SAPO (arXiv 2511.20347): per token ``-A * f(r)`` with the soft gate ``f(r) = (4 / tau) * sigmoid(tau * (r - 1))``
+    in place of the hard clip, ``tau = tau_pos`` where ``A > 0`` and ``tau_neg`` elsewhere (the paper's larger
+    ``tau_neg`` damps negative updates faster). Its gradient is ``-A * g * r * grad log pi`` with the gate weight
+    ``g = 4 * s * (1 - s)``, ``s = sigmoid(tau * (r - 1))``: 1 on-policy (``r = 1``), falling smoothly off it. No clip
+    range. ``clipfrac``: the mean of ``1 - g``, the share of the gradient the gate removed (a hard clip's fraction
+    when ``g`` is 0 or 1)."""
+    if not (p.tau_pos > 0 and p.tau_neg > 0):
+        raise ValueError(f"sapo: temperatures must be > 0, got tau_pos={p.tau_pos}, tau_neg={p.tau_neg}")
+    y = prepare_inputs(x.logprobs, x.old_logprobs, x.advantages, x.mask, "sapo")
+    ratio = importance_ratio(y.logprobs, y.old_logprobs)
+    tau = torch.where(y.advantages > 0, p.tau_pos, p.tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    per_token = -y.advantages * gate * (4.0 / tau)
+    with torch.no_grad():
+        attenuation = 1.0 - 4.0 * gate * (1.0 - gate)
+    stats = policy_loss_stats(y, ratio, torch.zeros_like(ratio, dtype=torch.bool))
+    return aggregate(per_token, x.mask, p.agg, p.normaliser), stats._replace(
+        clipfrac=masked_mean(attenuation, y.valid))
+
+
+def gmpo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+    """GMPO (arXiv 2507.20673): each sequence's importance weight is the geometric mean of its token ratios, every
+    token's log-ratio first clipped to ``[-clip_low, clip_high]`` on the side its advantage makes pessimistic (PPO's
+    min, in log space: the paper's range ``(e^-0.4, e^0.4)`` is the row's default 0.4). Per token the term is
+    ``-A * sg(s) * (1 + l - sg(l))`` with ``l`` the clipped log-ratio and ``s = exp(mean l)`` over the sequence, so a
+    sequence's mean term has the value ``-A * s`` and the gradient of ``-A * s``: with per-sequence advantages and
+    ``seq_mean`` aggregation the loss and gradient are the paper's.
+
+    Departure: with per-token advantages (GAE, REINFORCE++) each token's clip side follows its own advantage and the
+    sequence's geometric mean weights ``-A_t * grad l_t`` (the paper defines one advantage per sequence).
+    ``clipfrac``: the tokens whose log-ratio was clipped (their gradient removed)."""
+    low, high = clip_range(p.clip_low, p.clip_high, "gmpo")
+    y = prepare_inputs(x.logprobs, x.old_logprobs, x.advantages, x.mask, "gmpo")
+    log_ratio = (y.logprobs - y.old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    bounded = log_ratio.clamp(-low, high)
+    pessimistic = torch.where(y.advantages >= 0, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+    seq = torch.exp(masked_mean(pessimistic.detach(), y.valid, dim=-1))[:, None].expand_as(log_ratio)
+    per_token = -y.advantages * seq * (1.0 + pessimistic - pessimistic.detach())
+    clipped = torch.where(y.advantages >= 0, log_ratio > high, log_ratio < -low)
+    return aggregate(per_token, x.mask, p.agg, p.normaliser), policy_loss_stats(y, seq, clipped)
+
+
+@dataclass(frozen=True)
+class PolicyLossRow:
+    """A row of :data:`POLICY_LOSSES`: the loss and what a module needs to know to call it."""
+
+    loss: PolicyLoss
+    clip_low: Optional[float]
+    """The row's default ``clip_low`` (a module's ``clip.low: null``); None: the loss has no clip range."""
+    clip_high: Optional[float] = None
+    """The row's default ``clip_high``; None: equal to the clip low in use."""
+    sequence_level: bool = False
+    """Whether the ratio is one per sequence, so it needs one advantage per sequence (not GAE's per-token)."""
+
+    def __call__(self, x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+        return self.loss(x, p)
+
+
+POLICY_LOSSES: Dict[str, PolicyLossRow] = {
+    "clip": PolicyLossRow(clipped_token_loss, 0.2),
+    "gspo": PolicyLossRow(clipped_sequence_loss, 0.2, sequence_level=True),
+    "cispo": PolicyLossRow(cispo_loss, 1.0, 4.0),
+    "sapo": PolicyLossRow(sapo_loss, None),
+    "gmpo": PolicyLossRow(gmpo_loss, 0.4),
 }
 """The policy losses by name: ``POLICY_LOSSES[name](inputs, settings) -> (loss, stats)``, the loss a scalar share of
 the optimizer step's loss (``settings.normaliser``)."""
 
-SEQUENCE_LEVEL_LOSSES = frozenset({"gspo"})
+SEQUENCE_LEVEL_LOSSES = frozenset(name for name, row in POLICY_LOSSES.items() if row.sequence_level)
 """Rows whose ratio is per sequence: they need one advantage per sequence (not GAE's per-token advantages)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from align.core.advantages import has_signal
 from align.core.estimators import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from align.core.kl import kl_estimate
 from align.core.losses import aggregate
@@ -85,10 +86,12 @@ class GRPOModule(RLModule):
             reward_model: A trained reward model, scored as the training reward named ``rm``: a path, or
                 ``{path, weight, batch_size}``.
             group_size: Completions sampled per prompt (G); advantages are relative to the group.
-            clip: Clip range of the importance ratio (``low``, and DAPO's ``high``).
-            policy_loss: The policy loss (``name``: ``clip``, or GSPO's ``gspo``).
+            clip: Clip range of the policy loss (``low``, and DAPO's ``high``); null: the loss's own.
+            policy_loss: The policy loss (``name``: ``clip``, ``gspo``, ``cispo``, ``sapo`` or ``gmpo``; SAPO's
+                ``tau_pos``, ``tau_neg``).
             advantages: How rewards become advantages (``estimator``, and ``std_scale`` for ``grpo``).
         """
+        policy_loss.clip_bounds(clip)  # a clip range set for a loss without one fails here
         if group_size < advantages.min_group_size:
             raise AlignConfigError(f"model.group_size: expected >= 2 for the group baseline of advantages.estimator "
                                    f"{advantages.estimator}, got {group_size}")
@@ -130,7 +133,7 @@ class GRPOModule(RLModule):
             advantages = self.estimate_advantages(rewards, kl, rollout.response_mask)  # (N,) or (N, R)
             stats = self.update(RLBatch.from_rollout(rollout, advantages, ref_logprobs), self._loss)
         metrics = self.sampler.rollout_metrics(scored)
-        metrics["rollout/zero_std_frac"] = float((rewards.view(-1, self.group_size).std(dim=1) <= 1e-6).float().mean())
+        metrics["rollout/zero_std_frac"] = float((~has_signal(rewards, self.group_size)).float().mean())
         if ref_logprobs is not None:
             metrics["train/kl_coef"] = float(self.kl_controller.value)
             self.update_kl_controller(kl, rollout.response_mask)

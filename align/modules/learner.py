@@ -194,9 +194,10 @@ def policy_loss_terms(module, micro: RLBatch, normaliser: torch.Tensor, out, pol
     (detached), so the ratio is exactly 1."""
     mask, agg = micro.response_mask, module.updates.loss_aggregation
     old = out.logprobs.detach() if module.on_policy else micro.old_logprobs
-    loss, stats = POLICY_LOSSES[policy_loss.name](PolicyLossInputs(out.logprobs, old, micro.advantages, mask),
-                                                  PolicyLossSettings(clip_low=clip.low, clip_high=clip.high, agg=agg,
-                                                                     normaliser=normaliser))
+    low, high = policy_loss.clip_bounds(clip)
+    settings = PolicyLossSettings(clip_low=low, clip_high=high, agg=agg, normaliser=normaliser,
+                                  tau_pos=policy_loss.tau_pos, tau_neg=policy_loss.tau_neg)
+    loss, stats = POLICY_LOSSES[policy_loss.name](PolicyLossInputs(out.logprobs, old, micro.advantages, mask), settings)
     metrics = {"train/policy_loss": module.as_token_mean(loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
                "train/approx_kl": stats.approx_kl}
     if out.entropy is not None:

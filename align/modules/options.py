@@ -64,35 +64,59 @@ class KLPenalty:
 
 @dataclass(frozen=True)
 class ClipRange:
-    """Clipping of the importance ratio in the surrogate loss to ``[1 - low, 1 + high]``."""
+    """The clip range of the policy loss: ``[1 - low, 1 + high]`` on the importance ratio (``clip``, ``gspo``), on
+    CISPO's importance weight (``cispo``), or ``[-low, high]`` on GMPO's log-ratios (``gmpo``). Null takes the
+    policy loss's own default (:meth:`PolicyLoss.clip_bounds`)."""
 
-    low: float = 0.2
-    """Lower clip range (``1 - low``)."""
+    low: float | None = None
+    """Lower clip range; null: the loss's default (``clip``, ``gspo``: 0.2; ``cispo``: 1, no lower bound on the
+    weight; ``gmpo``: 0.4, the paper's ``e^-0.4``)."""
     high: float | None = None
-    """Upper clip range (``1 + high``); null: equal to ``low``. DAPO uses 0.28 (clip-higher)."""
+    """Upper clip range; null: the loss's default (``cispo``: 4, a cap of 5 on the weight), else equal to ``low``.
+    DAPO uses 0.28 (clip-higher)."""
 
     def __post_init__(self) -> None:
-        _check(self.low >= 0, "clip.low", ">= 0", self.low)
+        _check(self.low is None or self.low >= 0, "clip.low", ">= 0 or null", self.low)
         _check(self.high is None or self.high >= 0, "clip.high", ">= 0 or null", self.high)
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
     """Which policy loss the update minimises: a row of :data:`align.core.policy_losses.POLICY_LOSSES`, with the
-    clip range of ``clip``."""
+    clip range of ``clip`` (docs/algorithms.md, "Policy losses")."""
 
     name: str = "clip"
     """``clip``: PPO's clipped surrogate on each token's ratio (with DAPO's ``clip.high``); ``gspo``: the clip on
     GSPO's sequence ratio, whole sequences clipped or not (GRPO's estimators only; the paper pairs it with
-    ``updates.loss_aggregation: seq_mean`` and clip ranges of about 3e-4 / 4e-4)."""
+    ``updates.loss_aggregation: seq_mean`` and clip ranges of about 3e-4 / 4e-4); ``cispo``: CISPO's clipped,
+    detached importance weight times the log-prob, no token's gradient dropped; ``sapo``: SAPO's soft gate on the
+    ratio (``tau_pos``, ``tau_neg``; no clip range); ``gmpo``: GMPO's geometric mean of the sequence's token ratios,
+    clipped in log space (the paper pairs it with ``seq_mean``)."""
+    tau_pos: float = 1.0
+    """``sapo``: temperature of the gate where the advantage is positive (the paper's 1.0)."""
+    tau_neg: float = 1.05
+    """``sapo``: temperature where it is not (the paper's 1.05: negative updates damped faster off-policy)."""
 
     def __post_init__(self) -> None:
         _check(self.name in POLICY_LOSSES, "policy_loss.name", f"one of {sorted(POLICY_LOSSES)}", self.name)
+        _check(self.tau_pos > 0, "policy_loss.tau_pos", "> 0", self.tau_pos)
+        _check(self.tau_neg > 0, "policy_loss.tau_neg", "> 0", self.tau_neg)
 
     @property
     def sequence_level(self) -> bool:
         """Whether the loss's ratio is per sequence (it needs one advantage per sequence)."""
         return self.name in SEQUENCE_LEVEL_LOSSES
+
+    def clip_bounds(self, clip: ClipRange) -> tuple[float, float | None]:
+        """``(low, high)`` of ``clip`` for this loss, nulls replaced by the row's defaults (``high`` None: equal to
+        ``low``). A loss without a clip range (``sapo``) refuses a set ``clip`` on one line."""
+        row = POLICY_LOSSES[self.name]
+        if row.clip_low is None:
+            if clip.low is not None or clip.high is not None:
+                raise AlignConfigError(f"model.clip: policy_loss.name {self.name} has no clip range; remove clip.low "
+                                       f"and clip.high (its gate is set by policy_loss.tau_pos and tau_neg)")
+            return 1.0, None  # unused
+        return (row.clip_low if clip.low is None else clip.low), (row.clip_high if clip.high is None else clip.high)
 
 
 @dataclass(frozen=True)

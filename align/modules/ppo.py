@@ -85,14 +85,15 @@ class PPOModule(ActorCriticModule):
             updates: Passes over each rollout (default 4), optimizer steps per pass, micro-batches, clipping.
             kl: KL penalty to the reference, shaped into the per-token rewards (``placement: reward``); a
                 ``target`` makes the coefficient adaptive.
-            clip: Clip range of the importance ratio (``low``; ``high``: null for symmetric).
+            clip: Clip range of the policy loss (``low``, ``high``); null: the loss's own.
             policy_loss: The policy loss (``name``); a per-sequence ratio (``gspo``) does not fit GAE's per-token
-                advantages and is refused.
+                advantages and is refused; ``cispo``, ``sapo`` and ``gmpo`` are per-token.
             gae: Discount, lambda and advantage whitening.
             scores: Penalty, whitening, scaling and clipping of the sequence scores.
             value: Value loss weight and clipping, the value learning-rate scale and critic warm-up.
             entropy_coef: Weight of the entropy bonus (subtracted from the loss); 0: none.
         """
+        policy_loss.clip_bounds(clip)  # a clip range set for a loss without one fails here
         if policy_loss.sequence_level:
             raise AlignConfigError(f"model.policy_loss.name: {policy_loss.name!r} takes one advantage per sequence, "
                                    "but GAE gives each token its own; expected a per-token loss such as 'clip'")

@@ -71,6 +71,25 @@ def test_ppo_refuses_a_sequence_level_policy_loss_on_one_line():
         PPOModule(policy_loss=PolicyLoss(name="gspo"))
 
 
+@pytest.mark.parametrize("name, clip, bounds", [
+    ("clip", ClipRange(), (0.2, None)), ("gspo", ClipRange(low=3e-4, high=4e-4), (3e-4, 4e-4)),
+    ("cispo", ClipRange(), (1.0, 4.0)), ("cispo", ClipRange(low=0.2), (0.2, 4.0)), ("gmpo", ClipRange(), (0.4, None)),
+])
+def test_a_null_clip_takes_the_losses_own_range(name, clip, bounds):
+    assert PolicyLoss(name=name).clip_bounds(clip) == bounds
+
+
+def test_the_2025_losses_parse_from_the_command_line_and_sapo_refuses_a_clip_range():
+    grpo = parse(GRPOModule, "--model.policy_loss.name", "sapo", "--model.policy_loss.tau_neg", "2.0")
+    assert (grpo.policy_loss.name, grpo.policy_loss.tau_pos, grpo.policy_loss.tau_neg) == ("sapo", 1.0, 2.0)
+    ppo = parse(PPOModule, "--model.policy_loss.name", "cispo", "--model.clip.high", "1.0")
+    assert bounds(ppo) == (1.0, 1.0)
+    with pytest.raises(AlignConfigError, match=r"^model\.clip: policy_loss\.name sapo has no clip range"):
+        GRPOModule(policy_loss=PolicyLoss(name="sapo"), clip=ClipRange(low=0.1))
+    with pytest.raises(AlignConfigError, match=r"^model\.policy_loss\.tau_pos: expected > 0"):
+        PolicyLoss(name="sapo", tau_pos=0.0)
+
+
 def test_an_adaptive_controller_needs_a_positive_start():
     with pytest.raises(AlignConfigError, match=r"^model\.kl\.coef: the adaptive controller \(kl\.target 0\.5\)"):
         KLPenalty(coef=0.0, target=0.5)
@@ -89,12 +108,18 @@ def parse(module_class, *args):
     return parser.parse_args(list(args)).model
 
 
+def bounds(model):
+    """The clip bounds of a parsed ``model`` namespace."""
+    return PolicyLoss(**vars(model.policy_loss)).clip_bounds(ClipRange(**vars(model.clip)))
+
+
 def test_a_nested_block_changes_only_the_fields_it_names_on_the_modules_own_defaults():
     ppo = parse(PPOModule, "--model.kl.target", "6")
     assert (ppo.kl.coef, ppo.kl.placement, ppo.kl.target) == (0.05, "reward", 6.0)  # PPO's defaults kept
     assert ppo.updates.epochs == 4 and ppo.group_size == 1
     grpo = parse(GRPOModule, "--model.kl", '{"coef": 0.04}', "--model.clip.high", "0.28")
-    assert (grpo.kl.coef, grpo.kl.placement, grpo.clip.low, grpo.clip.high) == (0.04, "loss", 0.2, 0.28)
+    assert (grpo.kl.coef, grpo.kl.placement, grpo.clip.low, grpo.clip.high) == (0.04, "loss", None, 0.28)
+    assert bounds(grpo) == (0.2, 0.28)  # null low: the clip row's 0.2
     assert grpo.updates.epochs == 1 and grpo.group_size == 8
     trpo = parse(TRPOModule, "--model.trust_region.max_kl", "0.05")
     assert trpo.trust_region.max_kl == 0.05 and trpo.trust_region.cg_iters == 10 and trpo.value.clip is None
@@ -116,4 +141,4 @@ def test_advantage_estimators_keep_grpo_as_the_default_and_parse_from_the_comman
     assert GroupAdvantages(std_scale="none").scale == "none"
     grpo = parse(GRPOModule, "--model.advantages.estimator", "rloo", "--model.policy_loss.name", "gspo")
     assert (grpo.advantages.estimator, grpo.advantages.std_scale, grpo.policy_loss.name, grpo.clip.low) == (
-        "rloo", None, "gspo", 0.2)
+        "rloo", None, "gspo", None)
