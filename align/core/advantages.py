@@ -231,7 +231,31 @@ def _unbiased_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Ten
     return (centered.square().sum(dim, keepdim=keepdim) / max(n - 1, 1)).sqrt()
 
 
+def _global_unbiased_std(x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+    # _unbiased_std of x laid end to end over every rank: the shift is the mean of the ranks' first elements, the
+    # same on every rank (one process: x's first element, as in _unbiased_std).
+    world, first = all_reduce(torch.stack([torch.ones((), dtype=x.dtype, device=x.device), x.reshape(-1)[0]]))
+    x = x - first / world
+    total, n = all_reduce(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)]))
+    squares = all_reduce((x - total / n).square().sum())
+    return (squares / (n - 1).clamp(min=1)).sqrt()
+
+
 GROUP_SCALES = ("group", "batch", "none")
+
+SIGNAL_EPS = 1e-6
+"""A group carries a learning signal when its rewards differ by more than this: GRPO's advantages are exactly 0 for a
+group whose std is at most it, and dynamic sampling keeps only groups with a signal (:func:`has_signal`)."""
+
+
+def has_signal(rewards: torch.Tensor, group_size: int, eps: float = SIGNAL_EPS) -> torch.Tensor:
+    """``(B,)`` bool: whether each group of ``group_size`` consecutive rewards ``(B*G,)`` carries a learning signal,
+    i.e. whether its unbiased std (computed as :func:`group_advantages` computes it) exceeds ``eps``. A group this
+    rejects gets exactly zero advantage from :func:`group_advantages`, and one it keeps a non-zero one."""
+    grouped = _shift(_group_view(rewards, group_size, "has_signal"))
+    return _unbiased_std(grouped, dim=1) > eps
+
+
 
 
 @torch.no_grad()
@@ -239,19 +263,21 @@ def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
     scale: str = "group",
-    eps: float = 1e-6,
+    eps: float = SIGNAL_EPS,
+    all_reduce: AllReduce = identity,
 ) -> torch.Tensor:
     """Group-relative advantages of GRPO (arXiv 2402.03300).
 
     ``A_i = (r_i - mean_group(r)) / s`` where ``s`` is, by ``scale``:
 
     * ``"group"``: the unbiased std of the group (GRPO);
-    * ``"batch"``: the unbiased std of all rewards passed in (this call's batch;
-      all-reduce first for a global one);
+    * ``"batch"``: the unbiased std of the whole batch: the rewards passed in on every data-parallel rank
+      (``all_reduce`` sums over the ranks; the default is one process);
     * ``"none"``: 1, no scaling (Dr. GRPO, arXiv 2503.20783).
 
     A group whose unbiased std is ``<= eps`` gets exactly 0 for every scale,
-    never NaN. Likewise when the batch std is ``<= eps`` under ``"batch"``.
+    never NaN. Likewise when the batch std is ``<= eps`` under ``"batch"``. ``eps`` is
+    :data:`SIGNAL_EPS`, the same test as dynamic sampling's (:func:`has_signal`).
 
     Args:
         rewards: ``(B*G,)``, the G completions of each prompt consecutive.
@@ -270,7 +296,7 @@ def group_advantages(
     if scale == "group":
         scaled = centered / group_std.clamp(min=eps)
     elif scale == "batch":
-        batch_std = _unbiased_std(raw)
+        batch_std = _global_unbiased_std(raw, all_reduce)
         scaled = torch.where(batch_std > eps, centered / batch_std.clamp(min=eps), torch.zeros_like(centered))
     else:
         scaled = centered

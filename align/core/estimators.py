@@ -67,7 +67,7 @@ def _with_sequence_kl(x: AdvantageInputs) -> torch.Tensor:
 
 
 def grpo(x: AdvantageInputs) -> Advantages:
-    return Advantages(group_advantages(_with_sequence_kl(x), x.group_size, x.std_scale))
+    return Advantages(group_advantages(_with_sequence_kl(x), x.group_size, x.std_scale, all_reduce=x.all_reduce))
 
 
 def rloo(x: AdvantageInputs) -> Advantages:

@@ -12,9 +12,9 @@ Departures from the paper and from TRL's ``OnlineDPOTrainer``:
 * The ranking comes from rewards, not an LLM annotator (the paper) or a judge: what GRPO trains on ranks here too.
 * A prompt whose completions all score the same (a tie) states no preference. Its pair is left out of the loss and
   counted in ``rollout/tie_frac``; TRL keeps it with the first completion as chosen, which trains on noise. When
-  a rollout has no decisive pair on any rank, no optimizer step is taken. A rank without one keeps
-  ``updates.minibatches`` tied pairs with an empty response mask (weight 0), so that every rank runs the same
-  passes.
+  a rollout has no decisive pair on any rank, no optimizer step is taken. Every rank keeps as many pairs as the
+  rank with the most decisive ones (at least ``updates.minibatches``), filling up with tied pairs whose response mask
+  is empty (weight 0), so that every rank runs the same forward and backward passes.
 * ``group_size`` may exceed the paper's 2: the pair is then the best against the worst of the group, a wider
   reward gap at the cost of sampling more.
 * Log-probs are the policy's own (temperature 1, as TRL computes them), whatever ``sampling.temperature`` draws
@@ -159,10 +159,16 @@ class OnlineDPOModule(RLModule):
         metrics = {"rollout/tie_frac": float(1.0 - decisive.float().mean()),
                    "rollout/reward_chosen": float(rewards[pairs.chosen].mean()),
                    "rollout/reward_rejected": float(rewards[pairs.rejected].mean())}
-        if float(self.all_reduce_sum(decisive.sum().float())) == 0:
+        ranks = self.ranks
+        counts = torch.zeros(ranks.size, device=rewards.device)
+        counts[ranks.rank] = decisive.sum()
+        counts = ranks.all_reduce(counts)  # every rank's decisive pairs
+        if float(counts.sum()) == 0:
             return None, metrics
-        # Decisive pairs first; ties fill up to one pair per minibatch and weigh nothing (empty response mask).
-        order = torch.argsort((~decisive).int(), stable=True)[: max(int(decisive.sum()), self.updates.minibatches)]
+        # Decisive pairs first; ties fill up to the most decisive pairs of any rank (at least one pair per minibatch)
+        # and weigh nothing (empty response mask), so every rank splits as many pairs into as many micro-batches.
+        keep = min(max(int(counts.max()), self.updates.minibatches), len(decisive))
+        order = torch.argsort((~decisive).int(), stable=True)[:keep]
         rows = torch.cat([pairs.chosen[order], pairs.rejected[order]])  # (2P,)
         response_mask = rollout.response_mask[rows] & decisive[order].repeat(2)[:, None]
         data = PairBatch(rollout.input_ids[rows], rollout.attention_mask[rows], response_mask,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from align.core.advantages import SIGNAL_EPS, has_signal
 from align.rollout.types import Rollout
 
 __all__ = ["GroupFilter", "Filled", "informative_groups", "select_groups", "concat_rollouts"]
@@ -31,11 +32,11 @@ __all__ = ["GroupFilter", "Filled", "informative_groups", "select_groups", "conc
 log = logging.getLogger(__name__)
 
 
-def informative_groups(values: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """``(N,) -> (N / group_size,)`` bool: whether the values of a group of consecutive rows differ (their
-    range exceeds ``eps``), i.e. whether the group carries a learning signal."""
-    grouped = values.view(-1, group_size)  # (B, G)
-    return (grouped.max(dim=1).values - grouped.min(dim=1).values) > eps
+def informative_groups(values: torch.Tensor, group_size: int, eps: float = SIGNAL_EPS) -> torch.Tensor:
+    """``(N,) -> (N / group_size,)`` bool: whether a group of consecutive rows carries a learning signal, by the
+    test GRPO's advantages use (:func:`align.core.advantages.has_signal`): a group kept here gets a non-zero
+    advantage, a group dropped here would get exactly zero."""
+    return has_signal(values, group_size, eps)
 
 
 def select_groups(rollout: Rollout, groups: torch.Tensor) -> Rollout:
@@ -123,7 +124,7 @@ class GroupFilter:
     group_size: int
     max_batches: int = 4
     reward: Optional[str] = None  # the reward part whose values must differ; None: the total
-    eps: float = 1e-6
+    eps: float = SIGNAL_EPS
     batches: int = 0
     sampled_groups: int = 0
     sampled_tokens: float = 0.0

@@ -423,3 +423,32 @@ def test_reinforce_pp_rejects_bad_shapes():
         reinforce_pp_advantages(torch.zeros(3), torch.ones(2, 4))
     with pytest.raises(ValueError, match="kl must be"):
         reinforce_pp_advantages(torch.zeros(2), torch.ones(2, 4), torch.zeros(2, 3), 0.1)
+
+
+def test_batch_std_is_over_every_rank():
+    # Rank 0 holds groups [0, 1] and [0, 1], rank 1 [0, 4] and [0, 4]. The batch of 8 rewards has mean 1.25 and
+    # unbiased std sqrt(((-1.25)^2 * 4 + (-0.25)^2 * 2 + 2.75^2 * 2) / 7) = sqrt(21.5 / 7); each rank's own std
+    # (0.5774 and 2.3094) would scale its rank's advantages differently.
+    from test_stats import on_two_ranks
+
+    shard0, shard1 = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([0.0, 4.0, 0.0, 4.0])
+    out0, out1 = on_two_ranks(lambda r, reduce: group_advantages(r, 2, "batch", all_reduce=reduce), (shard0,),
+                              (shard1,))
+    std = math.sqrt(21.5 / 7)
+    torch.testing.assert_close(out0, torch.tensor([-0.5, 0.5, -0.5, 0.5]) / std)
+    torch.testing.assert_close(out1, torch.tensor([-2.0, 2.0, -2.0, 2.0]) / std)
+    torch.testing.assert_close(torch.cat([out0, out1]), group_advantages(torch.cat([shard0, shard1]), 2, "batch"))
+
+
+def test_the_filter_and_the_advantages_share_one_signal_test():
+    # A group of 2 whose rewards differ by 1.2e-6 has a range above 1e-6 but an unbiased std of 0.85e-6, at most
+    # 1e-6: its advantages are 0, so dynamic sampling must not keep it either. Every group the filter keeps has a
+    # non-zero advantage, and every group it drops has none.
+    from align.rollout.filter import informative_groups
+
+    rewards = torch.tensor([0.0, 1.2e-6, 0.0, 2e-6, 5.0, 5.0, 123.456, 123.456, 0.0, 1.0])
+    kept = informative_groups(rewards, 2)
+    assert kept.tolist() == [False, True, False, False, True]
+    for scale in ("group", "batch", "none"):
+        nonzero = (group_advantages(rewards, 2, scale).view(-1, 2) != 0).any(dim=1)
+        assert torch.equal(kept, nonzero), scale

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from align.errors import AlignConfigError, NoLearningSignalError
 from align.core.preference_losses import dpo_loss
 from align.models.policy import PolicyModel, TokenLogprobs
+from align.modules.learner import minibatch_indices
 from align.modules.online_dpo import OnlineDPOModule, PairBatch
 from align.modules.options import KLPenalty, Updates
 from align.rollout.rewards import RewardSpec
@@ -59,6 +60,21 @@ def test_a_rank_with_too_few_decisive_pairs_keeps_weightless_ties():
     assert len(data) == 2  # one decisive pair, one tie to fill the second minibatch
     assert data.response_mask[[0, 2]].any() and not data.response_mask[[1, 3]].any()
     assert float(module.learner.normaliser(data.response_mask[:2], module.ranks)) == 1.0
+
+
+def test_every_rank_keeps_as_many_pairs_as_the_rank_with_the_most_decisive_ones(monkeypatch):
+    # This rank (0 of 2) has one decisive pair; the other rank has three. With micro-batches of one pair, both must
+    # run three passes: this rank keeps its decisive pair and two weightless ties.
+    from align.rollout.types import Ranks
+
+    other = torch.tensor([0.0, 3.0])
+    monkeypatch.setattr(OnlineDPOModule, "ranks", property(lambda self: Ranks(0, 2, lambda t: t + other)))
+    module = make_module(updates=Updates(micro_batch_size=1, max_grad_norm=None))
+    data, _ = module.pair_batch(sampled(module), torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]))
+    assert len(data) == 3
+    assert data.response_mask[:3].any(dim=1).tolist() == [True, False, False]
+    passes = [len(mb) for mb in minibatch_indices(len(data), module.updates.minibatches, 1)]
+    assert passes == [3]
 
 
 def hand_built(module, logps, refs, decisive=(True, True)):

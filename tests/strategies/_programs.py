@@ -6,6 +6,7 @@ Imported by ``_worker.py`` (in each rank) and by the tests (for the 1-process re
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import lightning as L
@@ -21,8 +22,9 @@ from align.models.policy import PolicyModel
 from align.modules import SFTModule
 from align.modules.dpo import DPOModule
 from align.modules.grpo import GRPOModule
+from align.modules.online_dpo import OnlineDPOModule
 from align.modules.ppo import PPOModule
-from align.modules.options import KLPenalty, Updates, ValueTraining
+from align.modules.options import GroupAdvantages, KLPenalty, Updates, ValueTraining
 from align.modules.learner import RLBatch
 from align.rollout.rewards import RewardSpec
 from align.rollout.sampling import SamplingConfig
@@ -77,15 +79,33 @@ def episodes_setup():
                                     val_files="align:sort/rounds/validation.jsonl", batch_size=2, val_batch_size=4)
 
 
-SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup, "ppo": ppo_setup, "episodes": episodes_setup}
-RL = ("grpo", "ppo", "episodes")
+def _uneven_preferences(prompts, completions, **columns):
+    """Rank 1 ranks the completions of every prompt; rank 0 only those of its first prompt (the rest tie)."""
+    group = len(completions) // len(set(prompts))
+    decisive = len(completions) if os.environ.get("RANK", "0") == "1" else group
+    return [float(i % group) if i < decisive else 0.0 for i in range(len(completions))]
+
+
+def online_dpo_setup():
+    # The ranks keep different numbers of decisive pairs (1 and 4) and update in micro-batches of one pair: every
+    # rank must still run the same passes.
+    module = OnlineDPOModule(PolicyModel("tiny-sort"), rewards=[RewardSpec(_uneven_preferences)], group_size=2,
+                             sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
+                             updates=Updates(micro_batch_size=1), log_entropy=False,
+                             optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=4, val_batch_size=4)
+
+
+SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup, "ppo": ppo_setup, "episodes": episodes_setup,
+          "online_dpo": online_dpo_setup}
+RL = ("grpo", "ppo", "episodes", "online_dpo")
 
 
 def algorithms(strategy: str) -> tuple[str, ...]:
     """What a strategy's job trains: every strategy SFT, DPO and GRPO; ZeRO-3 also PPO; DDP and ZeRO-3 also
-    multi-turn GRPO (ZeRO-3: ranks kept in step across turns)."""
+    multi-turn GRPO (ZeRO-3: ranks kept in step across turns) and online DPO (ranks with uneven pairs)."""
     return (("sft", "dpo", "grpo") + (("ppo",) if strategy == "zero3" else ())
-            + (("episodes",) if strategy in ("ddp", "zero3") else ()))
+            + (("episodes", "online_dpo") if strategy in ("ddp", "zero3") else ()))
 
 
 # ---------------------------------------------------------------------------------------------------- SFT equivalence
@@ -170,7 +190,15 @@ class FixedRowsGRPO(GRPOModule):
         self.kl_seen = [global_kl, self.kl_controller.value, ppo.kl_controller.value]
         # Whitening over every rank's valid tokens (PPO advantages): this rank's rows of the global result.
         self.whitened = stats.whiten(kl * 3.0 - 0.2, data.response_mask, all_reduce=self.all_reduce_sum).tolist()
+        # GRPO's advantages with std_scale batch: this rank's groups scaled by the std of every rank's rewards.
+        rewards = BATCH_REWARDS.view(world, -1)[rank].to(self.device)
+        self.advantages = GroupAdvantages(std_scale="batch")
+        self.batch_scaled = self.estimate_advantages(rewards, None, torch.ones(len(rewards), 1)).tolist()
         self.update(data, self._loss)
+
+
+BATCH_REWARDS = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 4.0, 0.0, 4.0])
+"""Rewards of groups of 2 split between ranks in contiguous halves: each rank's own std differs from the batch's."""
 
 
 def _zero_reward(prompts, completions, **columns):

@@ -109,6 +109,7 @@ def main() -> None:
         module = P.grpo_equivalence_run(t, micro_batch_size=None if name == "ddp" else 1)
         results["kl_seen"] = module.kl_seen
         results["whitened"] = module.whitened
+        results["batch_scaled"] = module.batch_scaled
         if rank == 0:
             torch.save(P.flat_params(module), out / "grpo_equivalence.pt")
     assert all(math.isfinite(v) for algo in algos for v in results[algo]["losses"])

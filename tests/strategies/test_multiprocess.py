@@ -1,5 +1,5 @@
 """SFT, DPO and GRPO on 2 CPU processes (gloo) under DDP, FSDP2, ZeRO-2 and ZeRO-3 (PPO too under ZeRO-3, multi-turn
-GRPO under DDP and ZeRO-3); equivalence with 1 process.
+GRPO and online DPO under DDP and ZeRO-3); equivalence with 1 process.
 
 One ``torchrun`` job per strategy runs every algorithm in sequence (see ``_worker.py``) and writes what each rank
 saw; the tests read it. The 1-process references run here, in the test process.
@@ -112,3 +112,13 @@ def test_advantage_whitening_uses_every_ranks_tokens(tmp_path_factory):
     for rank, r in enumerate(ranks):
         got = torch.tensor(r["whitened"])
         torch.testing.assert_close(got, expected[rank::2][:, : got.shape[1]], atol=1e-5, rtol=1e-5)
+
+
+def test_grpo_batch_std_scale_uses_every_ranks_rewards(tmp_path_factory):
+    """``advantages.std_scale: batch`` on 2 ranks equals one process's advantages over all the rewards."""
+    from align.core.advantages import group_advantages
+
+    _, ranks = job("ddp", tmp_path_factory)
+    expected = group_advantages(P.BATCH_REWARDS, 2, "batch").view(2, -1)
+    for rank, r in enumerate(ranks):
+        torch.testing.assert_close(torch.tensor(r["batch_scaled"]), expected[rank])
