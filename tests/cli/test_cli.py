@@ -25,7 +25,7 @@ def localise(node, tiny_model_dir):
     tier (``smollm2-135m-instruct``) is local and stays: its configs name layers the tiny model does not have."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("model", "reference_model", "tokenizer") and isinstance(value, str) and \
+            if key in ("model", "reference_model", "teacher", "tokenizer") and isinstance(value, str) and \
                     value != "tiny" and not is_packaged(value):
                 node[key] = tiny_model_dir
             else:

@@ -210,7 +210,8 @@ def test_kl_in_the_loss_leaves_the_rewards_alone():
 
 
 @pytest.mark.parametrize("estimator, loss", [("rloo", "clip"), ("reinforce_pp", "gspo"),
-                                             ("reinforce_pp_baseline", "clip"), ("grpo", "gspo")])
+                                             ("reinforce_pp_baseline", "clip"), ("grpo", "gspo"), ("grpo", "cispo"),
+                                             ("rloo", "sapo"), ("reinforce_pp", "gmpo")])
 def test_each_estimator_and_policy_loss_runs_one_update(estimator, loss):
     module = make_module(kl=KLPenalty(coef=0.1, placement="reward"), updates=dict(minibatches=2),
                          advantages=GroupAdvantages(estimator=estimator), policy_loss=PolicyLoss(name=loss))
