@@ -18,10 +18,12 @@ from align.errors import AlignConfigError
 from align.hub.gguf import converted_dir, is_gguf_source
 from align.hub.tiny import (
     TINY_SORT_DIR,
+    TINY_SORT_GRPO_DIR,
     TINY_SORT_RM_DIR,
     has_tiny_sort_weights,
     is_tiny,
     is_tiny_sort,
+    is_tiny_sort_grpo,
     is_tiny_sort_rm,
     load_tiny_tokenizer,
 )
@@ -44,6 +46,11 @@ def check_model_source(name: str, what: str = "model") -> str:
             raise AlignConfigError(f"{what}: 'tiny-sort' weights are missing from {TINY_SORT_DIR}; "
                                    "run scripts/make_tiny_sort.py to rebuild them")
         return str(TINY_SORT_DIR)
+    if is_tiny_sort_grpo(name):
+        if not (TINY_SORT_GRPO_DIR / "config.json").is_file():
+            raise AlignConfigError(f"{what}: 'tiny-sort-grpo' weights are missing from {TINY_SORT_GRPO_DIR}; "
+                                   "run scripts/make_tiny_sort_grpo.py to rebuild them")
+        return str(TINY_SORT_GRPO_DIR)
     if is_tiny_sort_rm(name):
         # The shipped sort-task reward model: a sequence-classification export directory.
         if not (TINY_SORT_RM_DIR / "config.json").is_file():

@@ -45,6 +45,19 @@ TINY_SORT_RM = "tiny-sort-rm"
 backbone (``critic: {kind: separate, model: tiny-sort-rm}``)."""
 
 
+TINY_SORT_GRPO_DIR = ASSETS_DIR / "tiny-sort-grpo"
+"""``tiny-sort`` after the GRPO recipe's default run (made by ``scripts/make_tiny_sort_grpo.py``), a Hugging Face
+model directory addressed by the id :data:`TINY_SORT_GRPO`: the distillation recipe's default teacher."""
+
+TINY_SORT_GRPO = "tiny-sort-grpo"
+"""The id of the shipped GRPO-trained sort model (:data:`TINY_SORT_GRPO_DIR`)."""
+
+
+def is_tiny_sort_grpo(name: Any) -> bool:
+    """Whether a model id names the shipped GRPO-trained sort model (case and surrounding spaces ignored)."""
+    return isinstance(name, str) and name.strip().lower() == TINY_SORT_GRPO
+
+
 def is_tiny_sort_rm(name: Any) -> bool:
     """Whether a model id names the shipped sort-task reward model (case and surrounding spaces ignored)."""
     return isinstance(name, str) and name.strip().lower() == TINY_SORT_RM

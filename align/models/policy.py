@@ -211,6 +211,13 @@ class PolicyModel(nn.Module):
         return scoring.next_token_logprobs(self, input_ids, targets, attention_mask, position_ids, ignore_index,
                                            reference)
 
+    def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                        response_length: int, reference: bool = False) -> torch.Tensor:
+        """``(B, R, V)`` logits predicting the last ``response_length`` tokens: see
+        :func:`align.models.scoring.response_logits`."""
+        return scoring.response_logits(self, input_ids, attention_mask, response_length=response_length,
+                                       reference=reference)
+
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, response_length: int,
                position_ids: torch.Tensor | None = None, detach_backbone: bool = False,
                padding_free: bool = False) -> torch.Tensor:

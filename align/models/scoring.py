@@ -294,3 +294,26 @@ def next_token_logprobs(
     with ctx as lm:
         return scores_at(policy, lm, input_ids, attention_mask, position_ids, keep.flatten().nonzero().squeeze(1),
                          targets[keep])[0]
+
+
+def response_logits(
+    policy: nn.Module,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor | None = None,
+    *,
+    response_length: int,
+    reference: bool = False,
+) -> torch.Tensor:
+    """``(B, R, V)`` logits of the positions that predict the last ``R = response_length`` tokens (position
+    ``T-R-1+j`` predicts token ``T-R+j``), for losses over whole next-token distributions (GKD). Only those
+    positions go through the output head (``logits_to_keep``); the full ``(B, R, V)`` tensor is materialised, so
+    keep micro-batches small on large vocabularies. ``reference=True``: with the reference model."""
+    T = input_ids.shape[1]
+    if not 0 < response_length < T:
+        raise ValueError(f"response_length must be in [1, {T - 1}], got {response_length}")
+    position_ids = position_ids_from_mask(attention_mask) if attention_mask is not None else None
+    ctx = reference_context(policy) if reference else nullcontext(policy.model)
+    with ctx as lm:
+        out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 logits_to_keep=response_length + 1, use_cache=False)
+    return out.logits[:, :-1]

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FORWARD_METHODS = ("token_logprobs", "next_token_logprobs", "values", "generate")
+FORWARD_METHODS = ("token_logprobs", "next_token_logprobs", "response_logits", "values", "generate")
 """``PolicyModel`` methods other than ``forward`` that run the model (tests/strategies pins that they exist)."""
 
 
