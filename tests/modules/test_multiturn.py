@@ -18,7 +18,7 @@ from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.online_dpo import OnlineDPOModule
-from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenalty, Updates
+from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenalty, PolicyLoss, Updates
 from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
 from align.rollout.rewards import RewardSpec
@@ -62,11 +62,12 @@ def fit(module, tmp_path, steps=2):
 COMMON = dict(environment=SPEC, sampling=SamplingConfig(max_new_tokens=8), log_entropy=False)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
-def test_group_estimators_train_on_episodes_and_log_the_episode_metrics(tmp_path, estimator):
+@pytest.mark.parametrize("estimator, loss", [("grpo", "clip"), ("rloo", "cispo"), ("reinforce_pp_baseline", "gmpo")])
+def test_group_estimators_train_on_episodes_and_log_the_episode_metrics(tmp_path, estimator, loss):
     torch.manual_seed(0)
     module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=4, kl=KLPenalty(coef=0.05),
-                        advantages=GroupAdvantages(estimator=estimator), **COMMON)
+                        advantages=GroupAdvantages(estimator=estimator), policy_loss=PolicyLoss(name=loss),
+                        **COMMON)
     before = [p.detach().clone() for p in module.policy.parameters()]
     rows = fit(module, tmp_path)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))

@@ -1,4 +1,5 @@
 import csv
+import math
 
 import lightning as L
 import pytest
@@ -15,7 +16,7 @@ from align.models.policy import PolicyModel
 from align.modules.actor_critic import GAEBatch
 from align.modules.ppo import PPOModule
 from align.rollout.rewards import RewardSpec
-from align.modules.options import GAE, KLPenalty, ScoreShaping, Updates, ValueTraining
+from align.modules.options import GAE, KLPenalty, PolicyLoss, ScoreShaping, Updates, ValueTraining
 from align.rollout.sampling import SamplingConfig
 from align.rollout.types import Rollout
 
@@ -148,6 +149,18 @@ def test_joint_update_steps_and_accumulation_matches_one_micro_batch():
     assert any(g.abs().sum() > 0 for g in grads[None])
     for full, accumulated in zip(grads[None], grads[1]):
         torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["cispo", "sapo", "gmpo"])
+def test_each_per_token_policy_loss_takes_gaes_advantages(name):
+    module = make_module(updates=Updates(minibatches=2, max_grad_norm=None), policy_loss=PolicyLoss(name=name))
+    module.setup("fit")
+    torch.manual_seed(0)
+    data = module.make_batch(module.sampler.sample(prompt_batch(module.policy)))
+    opt = standalone(module, lr=1e-2)
+    stats = module.update_policy(data)
+    assert opt.steps == 2 and any(g.abs().sum() > 0 for g in opt.grads[1] if g is not None)
+    assert 0.0 <= stats["train/clipfrac"] <= 1.0 and all(math.isfinite(v) for v in stats.values())
 
 
 def test_score_options_penalty_whitening_scaling_clipping():
