@@ -62,6 +62,22 @@ def greedy_exact_match(model_dir: Path, limit: int | None = None) -> float:
     return sum(is_correct(text, r["answer"]) for text, r in zip(rollout.texts, rows)) / len(rows)
 
 
+def train_and_export(recipe: str, args, output: Path, work_dir: Path | None, checkpoint: str = "*.ckpt") -> Path:
+    """Run ``recipes/<recipe>`` with ``args(work_dir)`` (a temporary folder when ``work_dir`` is None) and export its
+    newest checkpoint named like ``checkpoint`` with ``align export`` semantics into ``output``; returns it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = work_dir or Path(tmp)
+        cmd = [sys.executable, str(ROOT / "recipes" / recipe), *args(work)]
+        print("running:", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        checkpoints = sorted(work.rglob(checkpoint), key=lambda p: p.stat().st_mtime)
+        if not checkpoints:
+            raise SystemExit(f"no checkpoint written under {work}")
+        from align.models.export import export_checkpoint
+
+        return export_checkpoint(checkpoints[-1], output)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS, help="SFT optimizer steps.")
@@ -70,17 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval_limit", type=int, default=None, help="Evaluate on the first N held-out prompts.")
     ns = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        work = ns.work_dir or Path(tmp)
-        cmd = [sys.executable, str(ROOT / "recipes" / "sft.py"), *sft_args(ns.steps, work)]
-        print("running:", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT)
-        checkpoints = sorted(work.rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not checkpoints:
-            raise SystemExit(f"no checkpoint written under {work}")
-        from align.models.export import export_checkpoint
-
-        out = export_checkpoint(checkpoints[-1], ns.output)
+    out = train_and_export("sft.py", lambda work: sft_args(ns.steps, work), ns.output, ns.work_dir)
     accuracy = greedy_exact_match(out, ns.eval_limit)
     (out / "training_args.json").write_text(json.dumps({"recipe": "recipes/sft.py", "steps": ns.steps,
                                                         "args": sft_args(ns.steps, Path("<work_dir>")),

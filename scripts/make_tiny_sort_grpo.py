@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_tiny_sort import greedy_exact_match  # noqa: E402
+from make_tiny_sort import greedy_exact_match, train_and_export  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "align" / "hub" / "assets" / "tiny-sort-grpo"
@@ -45,17 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval_limit", type=int, default=None, help="Evaluate on the first N held-out prompts.")
     ns = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        work = ns.work_dir or Path(tmp)
-        cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *grpo_args(work, ns.max_steps)]
-        print("running:", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT)
-        checkpoints = sorted(work.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not checkpoints:
-            raise SystemExit(f"no last.ckpt written under {work}")
-        from align.models.export import export_checkpoint
-
-        out = export_checkpoint(checkpoints[-1], ns.output)
+    out = train_and_export("grpo.py", lambda work: grpo_args(work, ns.max_steps), ns.output, ns.work_dir, "last.ckpt")
     accuracy = greedy_exact_match(out, ns.eval_limit)
     (out / "training_args.json").write_text(json.dumps({
         "recipe": "recipes/grpo.py", "args": grpo_args(Path("<work_dir>"), ns.max_steps),
