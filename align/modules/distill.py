@@ -16,7 +16,8 @@ Two objectives (``objective``), both on the student's own samples (:mod:`align.c
 The teacher is any causal LM that shares the student's tokenizer. It is loaded as the policy's reference model
 (:mod:`align.models.reference`: frozen, in eval mode, on the policy's device and dtype, sharded like the policy under
 FSDP2 and ZeRO-3), so ``policy.reference_model`` must be unset or name the teacher, and the RL base's ``kl`` block
-stays off (the teacher takes the reference's place). The task's ``rewards`` are only scored and logged
+stays off (the teacher takes the reference's place). Checkpoints leave the teacher out (it is loaded from
+``teacher`` again on resume), so they are the size of a student's. The task's ``rewards`` are only scored and logged
 (``rollout/reward_mean``, ``val/accuracy``): nothing is trained on them. The teacher's own held-out numbers are
 measured once, in the first held-out pass, and logged with every pass as ``val/teacher_reward_mean`` and
 ``val/teacher_accuracy`` (not under FSDP2 or ZeRO-3, where the teacher's weights are sharded).
@@ -48,6 +49,9 @@ from align.rollout.given import given_rollout
 from align.rollout.rewards import RewardSpec
 
 Objective = Literal["reverse_kl", "gkd"]
+
+TEACHER_PREFIX = "policy.ref_model."
+"""Where the teacher's weights sit in the module's state dict (left out of checkpoints)."""
 
 
 class _Teacher(nn.Module):
@@ -134,6 +138,23 @@ class DistillModule(RLModule):
         if student != teacher:
             raise AlignConfigError(f"model.teacher: {self.teacher!r} has a vocabulary of {teacher} tokens and the "
                                    f"student {student}; expected a teacher that shares the student's tokenizer")
+
+    # ------------------------------------------------------------------ checkpoints without the teacher
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The teacher is frozen and loaded from model.teacher: a checkpoint does not carry a copy of it.
+        super().on_save_checkpoint(checkpoint)
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            for key in [k for k in state if k.startswith(TEACHER_PREFIX)]:
+                del state[key]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Before Lightning loads the state: the teacher's weights are the ones loaded from model.teacher.
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("state_dict")
+        if state is not None and self.policy.ref_model is not None:
+            for key, value in self.policy.ref_model.state_dict().items():
+                state.setdefault(TEACHER_PREFIX + key, value)
 
     # ------------------------------------------------------------------ a step
     def on_student_samples(self) -> bool:

@@ -75,6 +75,7 @@ def main() -> None:
             return original(self, config, [*callbacks, KillAtStep(ns.kill_at)])
 
         align.cli.lightning_cli.AlignCLI._instantiate_trainer = instantiate
+    from align.modules.distill import DistillModule
     from align.modules.dpo import DPOModule
     from align.modules.grpo import GRPOModule
     from align.modules.sft import SFTModule
@@ -89,7 +90,7 @@ def main() -> None:
                                 layered=False)
         return
     classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
-               "grpo": (GRPOModule, PromptDataModule)}
+               "grpo": (GRPOModule, PromptDataModule), "distill": (DistillModule, PromptDataModule)}
     align.cli.recipes.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)
 
 
