@@ -13,6 +13,11 @@ Two objectives (``objective``), both on the student's own samples (:mod:`align.c
   reference completions (``completion_column``) instead of the student's samples (GKD's mixed data); the draw is
   seeded by the step, so it is the same on every rank and after a resume.
 
+Both are compared at the sampling temperature (``sampling.temperature``; 1 for greedy): the student's and the
+teacher's log-probs are divided by it, as the sampler draws, so the student learns the teacher's tempered
+distribution, the one the teacher was trained and is used at (the tiny GRPO teacher, trained at 0.3, has 0.22 nats of
+entropy per token there and 6.14 untempered: matching the untempered one flattens the student).
+
 The teacher is any causal LM that shares the student's tokenizer. It is loaded as the policy's reference model
 (:mod:`align.models.reference`: frozen, in eval mode, on the policy's device and dtype, sharded like the policy under
 FSDP2 and ZeRO-3), so ``policy.reference_model`` must be unset or name the teacher, and the RL base's ``kl`` block
@@ -71,7 +76,6 @@ class DistillModule(RLModule):
     headline_metrics = ("val/reward_mean", "val/accuracy", "val/teacher_accuracy")
     progress_metrics = ("distill/reverse_kl", "distill/jsd", "train/loss", "rollout/reward_mean")
     needs_reference = True  # the teacher is loaded and scored as the reference
-    policy_temperature = 1.0  # the student and the teacher as they are, whatever temperature samples
 
     def __init__(
         self,
@@ -165,14 +169,6 @@ class DistillModule(RLModule):
         generator = torch.Generator().manual_seed(1_000_003 * self.learner.steps + 7)
         return float(torch.rand((), generator=generator)) < self.lmbda
 
-    @torch.no_grad()
-    def student_logprobs(self, rollout) -> torch.Tensor:
-        """``(N, R)`` the student's own log-probs of the sampled tokens (temperature 1, like the teacher's): the
-        sampling log-probs when the samples were drawn at temperature 1, else a scoring pass."""
-        if (self.sampler.engine.sampling.temperature or 1.0) == 1.0:
-            return rollout.old_logprobs
-        return self.token_logprobs(rollout).logprobs
-
     def _reverse_kl_loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.token_logprobs(micro, return_entropy=self.log_entropy)
         loss, metrics = policy_loss_terms(self, micro, normaliser, out, self.policy_loss, self.clip)
@@ -186,7 +182,7 @@ class DistillModule(RLModule):
         with torch.no_grad():
             teacher = self.policy.response_logits(micro.input_ids, micro.attention_mask, response_length=R,
                                                   reference=True)
-        per_token = generalized_jsd(student, teacher, self.beta)  # (n, R)
+        per_token = generalized_jsd(student, teacher, self.beta, self.logprob_temperature)  # (n, R)
         loss = aggregate(per_token, mask, self.updates.loss_aggregation, normaliser)
         return loss, {"train/loss": self.as_token_mean(loss, normaliser, mask),
                       "distill/jsd": masked_mean(per_token.detach(), mask)}
@@ -206,11 +202,8 @@ class DistillModule(RLModule):
                 stats = self.update(data, self._gkd_loss)
             else:
                 teacher = self.sampler.reference_logprobs(rollout)  # (N, R) the teacher's log-probs of the samples
-                student = self.student_logprobs(rollout)
-                advantages = reverse_kl_advantages(student, teacher, rollout.response_mask)
-                data = RLBatch.from_rollout(rollout, advantages, teacher)
-                data.old_logprobs = student
-                stats = self.update(data, self._reverse_kl_loss)
+                advantages = reverse_kl_advantages(rollout.old_logprobs, teacher, rollout.response_mask)
+                stats = self.update(RLBatch.from_rollout(rollout, advantages, teacher), self._reverse_kl_loss)
         self.log_metrics({**metrics, **stats, **self.timings})
 
     # ------------------------------------------------------------------ the teacher's held-out numbers
