@@ -136,15 +136,18 @@ class TrainingModule(L.LightningModule):
             self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in prog_bar, batch_size=1)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """After the run's last optimizer step, say the run stops: the loggers write a stopping step's row, so a run
-        shorter than ``log_every_n_steps`` (or one whose last step falls between two rows) ends with its last row.
-        (Lightning then also runs an in-training validation there, which the command line reuses as its "after".)"""
+        """After the run's last optimizer step, write its row when the loggers would skip it: a run shorter than
+        ``log_every_n_steps`` (or one whose last step falls between two rows) still ends with its last row.
+        Lightning writes a step's row right after this hook, and only every ``log_every_n_steps`` steps."""
         trainer = self.trainer
         loop = trainer.fit_loop
-        if (0 < trainer.max_steps <= trainer.global_step) or (
-                loop.max_epochs and loop.max_epochs > 0 and trainer.current_epoch + 1 >= loop.max_epochs
-                and loop.epoch_loop.batch_progress.is_last_batch):
-            trainer.should_stop = True
+        last = (0 < trainer.max_steps <= trainer.global_step) or bool(
+            loop.max_epochs and loop.max_epochs > 0 and trainer.current_epoch + 1 >= loop.max_epochs
+            and loop.epoch_loop.batch_progress.is_last_batch)
+        connector = getattr(trainer, "_logger_connector", None)
+        if last and connector is not None and trainer.log_every_n_steps > 0 and not (
+                connector.should_update_logs or trainer.fast_dev_run):
+            connector.log_metrics(connector.metrics["log"])
 
     def log_nothing(self) -> None:
         """Forget the on-step values the current hook logged so far: Lightning's result collection keeps them
