@@ -122,6 +122,20 @@ def test_the_final_validation_is_not_repeated_after_fit(tmp_path, capsys):
     assert float(rows[-1]["val/loss"]) == pytest.approx(after, abs=5e-5)
 
 
+def test_a_save_writes_one_full_checkpoint_and_last_ckpt_is_the_same_file(tmp_path):
+    """The default checkpoint callback keeps the step's checkpoint and ``last.ckpt``: one file on disk (a hard
+    link), and a run continued from it keeps writing ``last.ckpt`` (no ``last-v1.ckpt``)."""
+    root = tmp_path / "runs"
+    sft(root, "--trainer.max_steps", "2", "--eval_before_after", "false")
+    folder = root / "version_0" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert os.path.samefile(folder / "epoch=0-step=2.ckpt", folder / "last.ckpt")
+    sft(root, "--trainer.max_steps", "4", "--eval_before_after", "false", "--resume", "auto")
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert os.path.samefile(folder / "epoch=0-step=4.ckpt", folder / "last.ckpt")
+    assert global_step(folder / "last.ckpt") == 4
+
+
 # ------------------------------------------------------------------------------------------------ pieces
 def test_latest_run_skips_folders_without_a_checkpoint(tmp_path):
     assert latest_run(tmp_path / "missing") is None
