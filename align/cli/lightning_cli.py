@@ -123,6 +123,10 @@ class AlignCLI(LightningCLI):
         _checkpoint_defaults(config, callbacks)
         _progress_bar_default(config, callbacks)
         logger = config.get("logger")
+        self._fresh_run = self.subcommand == "fit" and version is None
+        if self.subcommand == "validate" and logger in (None, True):
+            # A held-out evaluation is printed, not a run: no version_N folder, no config.yaml, no metrics.csv.
+            config["logger"], logger, self.save_config_callback = False, False, None
         if logger is not False:
             loggers: list[Logger] = [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
             csv_loggers = [lg for lg in loggers if isinstance(lg, CSVLogger)]
@@ -172,13 +176,16 @@ class AlignCLI(LightningCLI):
         except BaseException:
             # The logger's own folder, not ``trainer.log_dir``: that one is a collective, and other ranks may be gone.
             loggers = getattr(self.trainer, "loggers", None) or []
-            _remove_if_empty(loggers[0].log_dir if loggers and isinstance(loggers[0], CSVLogger) else None)
+            run_dir = loggers[0].log_dir if loggers and isinstance(loggers[0], CSVLogger) else None
+            _remove_if_empty(run_dir, its_setup_files=getattr(self, "_fresh_run", False))
             if subcommand == "fit" and self.trainer.is_global_zero:
                 self._write_curves()  # the curves up to the failure; Lightning has flushed the CSV
             raise
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand == "validate":
+            kwargs["verbose"] = False  # after_validate prints the metrics, one line each
         if subcommand == "fit":
             # "last" is resolved here: Lightning would look for it in the new run's (empty) checkpoint folder.
             kwargs["ckpt_path"] = self._ckpt_path
@@ -245,6 +252,19 @@ class AlignCLI(LightningCLI):
         if last:
             print(f"last checkpoint: {last}")
 
+    def after_validate(self) -> None:
+        """``align validate``: the held-out metrics, one line each, and which weights they are of."""
+        if not self.trainer.is_global_zero:
+            return
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        if not metrics:
+            print("held-out: nothing to evaluate (the config has no validation data)")
+            return
+        weights = self.config["validate"].get("ckpt_path") or "the config's model (no --ckpt_path)"
+        for name, value in self._headline([metrics]).items() or metrics.items():
+            print(f"held-out {name}: {value:.4f}")
+        print(f"weights: {weights}")
+
     def _write_curves(self) -> str | None:
         """Draw the run's ``metrics.csv`` into ``<run dir>/curves.png`` (call on rank 0 only) and return its path.
         ``None`` without a run CSV logger or metrics; a failure to draw is one warning, never the run's failure."""
@@ -303,14 +323,27 @@ def _require_tensorboard(loggers) -> None:
                                f"installed; install it with {TENSORBOARD_EXTRA}")
 
 
-def _remove_if_empty(directory: str | None) -> None:
-    """A run that failed before writing anything (bad data, a reward that cannot be called) leaves no empty
-    ``version_N`` behind, so the next run takes its number. A folder with anything in it is kept."""
-    if directory:
-        try:
-            os.rmdir(directory)
-        except OSError:
-            pass
+SETUP_FILES = frozenset({"config.yaml", "hparams.yaml"})
+"""What a fresh run writes into its folder before its first step (its config, its module's arguments)."""
+
+
+def _remove_if_empty(directory: str | None, its_setup_files: bool = False) -> None:
+    """A run that failed before writing anything (bad data, a reward or an environment that fails on the first
+    rollout) leaves no ``version_N`` behind, so the next run takes its number. With ``its_setup_files`` (a fresh
+    run: the folder is its own), a folder holding only the :data:`SETUP_FILES` the run wrote at its start goes too;
+    a folder with anything else in it (metrics, checkpoints, a file of the user's) is kept whole."""
+    if not directory:
+        return
+    folder = Path(directory)
+    try:
+        if its_setup_files:
+            names = {p.name for p in folder.iterdir()}
+            if names and names <= SETUP_FILES and all((folder / n).is_file() for n in names):
+                for name in names:
+                    (folder / name).unlink()
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def _continuing_a_run() -> None:

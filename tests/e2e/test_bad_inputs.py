@@ -227,6 +227,7 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
         assert part in err, f"{case}: {part!r} not in {err[-2000:]}"
     assert "Traceback" not in err
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*.safetensors"))
+    assert not list(root.glob("version_*"))  # no run folder holding only the config of a run that never stepped
 
 
 def test_a_raising_reward_prints_one_error_line_through_the_recipe_script(tmp_path):
