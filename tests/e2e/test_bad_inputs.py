@@ -142,6 +142,14 @@ CASES = [
     ("moved-environment-path", "grpo", {}, ["--model.init_args.environment", '{"path": "align.envs.tasks.SortRounds"}'],
      ["error: environment: align.envs.tasks.SortRounds moved to align.rollout.envs.tasks.SortRounds: write "
       "align.rollout.envs.tasks.SortRounds"]),
+    # a class_path that does not import: the path, why, and the nearest importable one
+    ("misspelt-module-class-path", "grpo", {}, ["--model.class_path", "align.modules.grpo.GRPOModul"],
+     ["error: --model: cannot import 'align.modules.grpo.GRPOModul'", "did you mean align.modules.grpo.GRPOModule?"]),
+    ("misspelt-data-class-path-yaml", "grpo", {"c.yaml": "data:\n  class_path: align.data.PromptDataModul\n"},
+     ["--config", "{tmp}/c.yaml"], ["error: --data: cannot import 'align.data.PromptDataModul'",
+                                    "did you mean align.data.prompts.PromptDataModule?"]),
+    ("misspelt-policy-class-path", "sft", {}, ["--model.policy.class_path", "align.models.PolicyModl"],
+     ["error: --model.policy: cannot import 'align.models.PolicyModl'", "did you mean align.models.PolicyModel?"]),
     ("nonexistent-model-path", "sft", {}, ["--model.init_args.policy.init_args.model", "{tmp}/no_model"],
      ["no_model", "does not exist", "expected a local model directory"]),
     ("reward-import-path-missing", "grpo", {}, ["--model.init_args.rewards",
