@@ -150,6 +150,13 @@ CASES = [
                                     "did you mean align.data.prompts.PromptDataModule?"]),
     ("misspelt-policy-class-path", "sft", {}, ["--model.policy.class_path", "align.models.PolicyModl"],
      ["error: --model.policy: cannot import 'align.models.PolicyModl'", "did you mean align.models.PolicyModel?"]),
+    ("misspelt-model-id", "sft", {}, ["--model.init_args.policy.init_args.model", "smollm2-135m"],
+     ["model: 'smollm2-135m' is not a local path or an id align ships", "HF_HUB_OFFLINE is set",
+      "did you mean 'smollm2-135m-instruct'?", "align's own ids: smollm2-135m-instruct, tiny"]),
+    ("run-folder-as-model", "sft", {"old/version_0/checkpoints/last.ckpt": "not read"},
+     ["--model.init_args.policy.init_args.model", "{tmp}/old/version_0"],
+     ["is an align run folder, not a model folder; its checkpoint is ", "old/version_0/checkpoints/last.ckpt",
+      "align export --ckpt_path"]),
     ("nonexistent-model-path", "sft", {}, ["--model.init_args.policy.init_args.model", "{tmp}/no_model"],
      ["no_model", "does not exist", "expected a local model directory"]),
     ("reward-import-path-missing", "grpo", {}, ["--model.init_args.rewards",
@@ -224,7 +231,9 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
         else:
             (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root = tmp_path / "run"
+    given = set(tmp_path.rglob("*.ckpt"))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     with pytest.raises(SystemExit) as info:
         run_recipe(recipe, *RECIPES[recipe], args=[*QUICK[recipe], *argv, "--trainer.default_root_dir", str(root),
@@ -234,7 +243,7 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
     for part in expected:
         assert part in err, f"{case}: {part!r} not in {err[-2000:]}"
     assert "Traceback" not in err
-    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*.safetensors"))
+    assert not set(tmp_path.rglob("*.ckpt")) - given and not list(tmp_path.rglob("*.safetensors"))
     assert not list(root.glob("version_*"))  # no run folder holding only the config of a run that never stepped
 
 
