@@ -122,3 +122,11 @@ def test_a_class_path_that_does_not_import_is_named_with_the_nearest_one(capsys,
 def test_a_class_path_with_nothing_near_it_is_named_with_why_it_does_not_import(capsys, tmp_path):
     assert recipe_error(capsys, tmp_path, "sft", "--model.class_path", "no_such_pkg_x.Module") == [
         "error: --model: cannot import 'no_such_pkg_x.Module' (ModuleNotFoundError: No module named 'no_such_pkg_x')"]
+
+
+def test_a_config_file_that_is_not_yaml_is_named_with_its_line_and_column(capsys, tmp_path):
+    bad = tmp_path / "syntax.yaml"
+    bad.write_text("trainer:\n  max_steps: 3\n   bad: [\n")
+    assert recipe_error(capsys, tmp_path, "sft", "--config", str(bad)) == [
+        f"error: --config: '{bad}', line 3, column 7: not valid YAML: mapping values are not allowed here"]
+    assert recipe_error(capsys, tmp_path, "sft", f"--config={bad}")[0].startswith(f"error: --config: '{bad}', line 3")

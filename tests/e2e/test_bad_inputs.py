@@ -130,6 +130,8 @@ CASES = [
       "--data.init_args.val_size", "2"], ["d.jsonl", "data.val_size=2", "2 rows"]),
     ("unknown-yaml-key", "sft", {"c.yaml": "model:\n  init_args:\n    learning_rate: 0.1\n"},
      ["--config", "{tmp}/c.yaml"], ["learning_rate"]),
+    ("yaml-syntax-error", "sft", {"c.yaml": "trainer:\n  max_steps: 3\n   bad: [\n"}, ["--config", "{tmp}/c.yaml"],
+     ["c.yaml', line 3, column 7: not valid YAML: mapping values are not allowed here"]),
     ("wrong-type-yaml", "sft", {"c.yaml": "trainer:\n  max_steps: ten\n"}, ["--config", "{tmp}/c.yaml"],
      ["max_steps", "ten"]),
     # an old module path (align.moved): one line naming the new place
