@@ -194,7 +194,22 @@ class AlignCLI(LightningCLI):
     def _headline(self, results: list[dict]) -> dict[str, float]:
         merged = {k: float(v) for r in results for k, v in r.items()}
         names = getattr(self.model, "headline_metrics", ()) or tuple(sorted(merged))
+        reward = getattr(self.model, "accuracy_reward", None)  # kept for the accuracy's stand-in, see after_fit
+        names = (*names, f"val/reward/{reward}") if isinstance(reward, str) else names
         return {k: merged[k] for k in names if k in merged}
+
+    def _printed(self, metrics: dict[str, float]) -> list[tuple[str, str]]:
+        """The headline metrics to print, each with a note: an accuracy that no held-out completion could reach
+        (its reward never got to the threshold) gives its place to the accuracy reward's mean, named as such."""
+        stand_in = getattr(self.model, "accuracy_stand_in", lambda: None)()
+        listed = getattr(self.model, "headline_metrics", ()) or tuple(metrics)
+        out = []
+        for name in metrics:
+            if stand_in is not None and name == "val/accuracy" and stand_in[0] in metrics:
+                out.append((stand_in[0], f" ({stand_in[1]})"))
+            elif name in listed and not (stand_in is not None and name == stand_in[0] and name not in listed):
+                out.append((name, ""))
+        return list(dict.fromkeys(out))
 
     def _wants_eval(self) -> bool:
         """Evaluate before and after fit unless switched off or there is nothing to evaluate on (no data module,
@@ -236,13 +251,15 @@ class AlignCLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         before = self.record.before
-        for name, value in after.items():
+        for name, note in self._printed(after):
+            value = after[name]
             if before is not None and name in before:
-                print(f"held-out {name}: {before[name]:.4f} -> {value:.4f}")
+                print(f"held-out {name}: {before[name]:.4f} -> {value:.4f}{note}")
             elif self._ckpt_path is not None:
-                print(f"held-out {name}: {value:.4f} (resumed from {self._ckpt_path}, which holds no earlier value)")
+                print(f"held-out {name}: {value:.4f} (resumed from {self._ckpt_path}, which holds no earlier value)"
+                      f"{note}")
             else:
-                print(f"held-out {name}: {value:.4f}")
+                print(f"held-out {name}: {value:.4f}{note}")
         if log_dir is not None:
             print(f"run directory: {log_dir}")
         curves = self._write_curves()
@@ -261,8 +278,9 @@ class AlignCLI(LightningCLI):
             print("held-out: nothing to evaluate (the config has no validation data)")
             return
         weights = self.config["validate"].get("ckpt_path") or "the config's model (no --ckpt_path)"
-        for name, value in self._headline([metrics]).items() or metrics.items():
-            print(f"held-out {name}: {value:.4f}")
+        headline = self._headline([metrics]) or metrics
+        for name, note in self._printed(headline):
+            print(f"held-out {name}: {headline[name]:.4f}{note}")
         print(f"weights: {weights}")
 
     def _write_curves(self) -> str | None:
@@ -291,8 +309,8 @@ class AlignCLI(LightningCLI):
         the final step (validating again would repeat it), otherwise a fresh validation."""
         done = self.record.last_validation
         if done is not None and done[0] == self.trainer.global_step:
-            names = getattr(self.model, "headline_metrics", ()) or [k for k in done[1] if k.startswith("val")]
-            reused = {k: done[1][k] for k in names if k in done[1]}
+            reused = (self._headline([done[1]]) if getattr(self.model, "headline_metrics", ()) else
+                      {k: v for k, v in done[1].items() if k.startswith("val")})
             if reused:
                 return reused
         return self._validate("after training")

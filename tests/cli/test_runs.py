@@ -307,3 +307,21 @@ def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
     printed = capsys.readouterr().out
     assert "accuracy_reward: null" in printed and "missing_eos_penalty: null" in printed
     assert "accuracy_threshold: 1.0" in printed and "whiten: true" in printed  # the shipped config's neighbours
+
+
+def test_an_accuracy_no_held_out_completion_could_reach_gives_its_place_to_the_rewards_mean(tmp_path, monkeypatch,
+                                                                                             capsys):
+    (tmp_path / "half_reward.py").write_text("def half(completions, **kw):\n    return [0.5 for c in completions]\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "sort: b a"}\n{"prompt": "sort: c a"}\n')
+    monkeypatch.chdir(tmp_path)
+    run_recipe("grpo", GRPOModule, PromptDataModule, args=[
+        *QUIET, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.max_steps", "1",
+        "--data.init_args.train_files", "p.jsonl", "--data.init_args.val_files", "p.jsonl",
+        "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
+        "--model.init_args.sampling.max_new_tokens", "4", "--model.init_args.rewards", '[{"fn": "half_reward.half"}]',
+        "--model.init_args.eval_rewards", "[]"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("held-out val/")]
+    assert lines == ["held-out val/reward_mean: 0.5000 -> 0.5000",
+                     "held-out val/reward/half: 0.5000 -> 0.5000 (mean of reward 'half', printed instead of "
+                     "val/accuracy: no held-out completion reached half >= 1 (highest 0.5000; "
+                     "model.evaluation.accuracy_threshold sets it))"]
