@@ -203,13 +203,13 @@ class AlignCLI(LightningCLI):
         (its reward never got to the threshold) gives its place to the accuracy reward's mean, named as such."""
         stand_in = getattr(self.model, "accuracy_stand_in", lambda: None)()
         listed = getattr(self.model, "headline_metrics", ()) or tuple(metrics)
-        out = []
+        out: dict[str, str] = {}
         for name in metrics:
             if stand_in is not None and name == "val/accuracy" and stand_in[0] in metrics:
-                out.append((stand_in[0], f" ({stand_in[1]})"))
-            elif name in listed and not (stand_in is not None and name == stand_in[0] and name not in listed):
-                out.append((name, ""))
-        return list(dict.fromkeys(out))
+                out[stand_in[0]] = f" ({stand_in[1]})"
+            elif name in listed and name not in out:
+                out[name] = ""
+        return list(out.items())
 
     def _wants_eval(self) -> bool:
         """Evaluate before and after fit unless switched off or there is nothing to evaluate on (no data module,
@@ -239,7 +239,8 @@ class AlignCLI(LightningCLI):
         if self._wants_eval() and self._ckpt_path is None:
             self.record.before = self._validate("before training")
             if self.record.before:
-                say("held-out before training: " + ", ".join(f"{k} {v:.4f}" for k, v in self.record.before.items()))
+                shown = [name for name, _ in self._printed(self.record.before)]
+                say("held-out before training: " + ", ".join(f"{k} {self.record.before[k]:.4f}" for k in shown))
 
     def after_fit(self) -> None:
         if self.trainer.interrupted:

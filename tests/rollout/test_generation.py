@@ -317,6 +317,7 @@ def test_the_report_says_when_no_completion_could_reach_the_accuracy_threshold()
                         reward_mean=0.4, rewards={"half": 0.4}, accuracy=0.0, accuracy_reward="half",
                         accuracy_threshold=1.0, response_length=3.0, truncated_frac=0.0, accuracy_reward_highest=0.5)
     table = _report_table(report, None, SamplingConfig())
-    assert "accuracy         n/a: no completion reached half >= 1 (highest 0.5000); its mean is reward/half" in table
+    assert ("accuracy         0.0000 (no completion reached half >= 1, highest 0.5000: read reward/half, its mean; "
+            "--accuracy_threshold sets the bar)") in table
     report.accuracy_reward_highest = 1.0
     assert "accuracy         0.0000 (half >= 1)" in _report_table(report, None, SamplingConfig())
