@@ -201,7 +201,7 @@ class AlignCLI(LightningCLI):
     def _printed(self, metrics: dict[str, float]) -> list[tuple[str, str]]:
         """The headline metrics to print, each with a note: an accuracy that no held-out completion could reach
         (its reward never got to the threshold) gives its place to the accuracy reward's mean, named as such."""
-        stand_in = getattr(self.model, "accuracy_stand_in", lambda: None)()
+        stand_in = _accuracy_stand_in(self.model)
         listed = getattr(self.model, "headline_metrics", ()) or tuple(metrics)
         out: dict[str, str] = {}
         for name in metrics:
@@ -315,6 +315,20 @@ class AlignCLI(LightningCLI):
             if reused:
                 return reused
         return self._validate("after training")
+
+
+def _accuracy_stand_in(model) -> tuple[str, str] | None:
+    """When no held-out completion of an RL run reached ``evaluation.accuracy_threshold`` (its accuracy reward's
+    highest value, ``accuracy_reward_highest``, stayed below it), ``val/accuracy`` is 0 by construction and says
+    nothing: the metric to print instead (the accuracy reward's mean) and why; else None."""
+    highest = getattr(model, "accuracy_reward_highest", None)
+    threshold = getattr(model, "accuracy_threshold", None)
+    name = getattr(model, "accuracy_reward", None)
+    if highest is None or threshold is None or not isinstance(name, str) or highest >= threshold:
+        return None
+    return f"val/reward/{name}", (f"mean of reward '{name}', printed instead of val/accuracy: no held-out completion "
+                                  f"reached {name} >= {threshold:g} (highest {highest:.4f}; "
+                                  "model.evaluation.accuracy_threshold sets it)")
 
 
 def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:

@@ -319,17 +319,6 @@ class RLModule(AlignModule):
     def _val_add(self, name: str, value: torch.Tensor) -> None:
         self._val[name] = self._val.get(name, torch.zeros((), device=self.device)) + value.detach().float().sum()
 
-    def accuracy_stand_in(self) -> tuple[str, str] | None:
-        """When no held-out completion of this run reached ``accuracy_threshold``, ``val/accuracy`` is 0 by
-        construction and says nothing: the metric to print instead (the accuracy reward's mean) and why."""
-        highest = getattr(self, "accuracy_reward_highest", None)
-        if highest is None or highest >= self.accuracy_threshold:
-            return None
-        name = self.accuracy_reward
-        return f"val/reward/{name}", (f"mean of reward '{name}', printed instead of val/accuracy: no held-out "
-                                      f"completion reached {name} >= {self.accuracy_threshold:g} (highest "
-                                      f"{highest:.4f}; model.evaluation.accuracy_threshold sets it)")
-
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         rollout = self.sampler.rollout(batch, 1, self.sampler.eval_engine)
         rewards, parts = self.sampler.score(batch, rollout)
@@ -347,9 +336,11 @@ class RLModule(AlignModule):
     def on_validation_epoch_end(self) -> None:
         if not self._val:
             return
-        highest = self._val.pop("highest")
-        if self._trainer is not None and self.trainer.world_size > 1:
+        highest = self._val.pop("highest", torch.tensor(-torch.inf, device=self.device))
+        if self._trainer is not None and self.trainer.world_size > 1:  # every rank joins, with or without rows
             highest = self.trainer.strategy.all_gather(highest).max()
+        # The highest accuracy reward of the run's held-out passes: below the threshold, val/accuracy is 0 by
+        # construction, and the command line prints the reward's mean instead.
         self.accuracy_reward_highest = max(getattr(self, "accuracy_reward_highest", -float("inf")), float(highest))
         totals = {k: self.all_reduce_sum(v) for k, v in self._val.items()}
         count = totals.pop("count").clamp(min=1.0)
