@@ -104,3 +104,23 @@ def test_manual_optimization_counts_a_step_between_the_optimizers_step_callbacks
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Module())
     assert seen == {0: (0, 1), 1: (1, 2)}, f"LightningOptimizer._on_before_step/_on_after_step: {used_by}"
+
+
+def test_logger_connector_writes_the_collected_on_step_values(private_api):
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+
+    used_by = "align.modules.base.TrainingModule.on_train_batch_end (the row of a run's last step)"
+    private_api.require(_LoggerConnector, "log_metrics", ("self", "metrics", "step"), used_by=used_by)
+    assert isinstance(getattr(_LoggerConnector, "metrics", None), property), f"_LoggerConnector.metrics: {used_by}"
+
+
+def test_model_checkpoint_saves_through_the_methods_align_checkpoint_overrides(private_api):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    used_by = "align.trainer.checkpointing.AlignCheckpoint (last.ckpt a hard link to the step's checkpoint)"
+    private_api.require(ModelCheckpoint, "_save_topk_checkpoint", ("self", "trainer", "monitor_candidates"),
+                        used_by=used_by)
+    private_api.require(ModelCheckpoint, "_save_checkpoint", ("self", "trainer", "filepath"), used_by=used_by)
+    checkpoint = ModelCheckpoint()
+    for name in ("_last_checkpoint_saved", "_last_global_step_saved", "_enable_version_counter"):
+        private_api.require(checkpoint, name, used_by=used_by)

@@ -1,7 +1,7 @@
 """The command line's arguments before jsonargparse reads them: ``--config align:<algorithm>/<name>.yaml`` names a
 config shipped inside the package (``align/configs``), so an installed ``align`` runs them without a checkout; a
 nested setting set to null becomes the block form jsonargparse reads; a TensorBoardLogger added on the command line
-writes into the run's own folder.
+writes into the run's own folder; a config file that is not valid YAML fails naming the file, line and column.
 """
 
 from __future__ import annotations
@@ -39,8 +39,35 @@ def resolve_config_args(args: list[str]) -> list[str]:
         elif arg == "null" and i > 0 and out and out[-1] == args[i - 1] and (block := _nested_null(args[i - 1])):
             out[-1:] = block
             continue
+        if eq and key == "--config":
+            check_yaml_file(arg.partition("=")[2])
+        elif i > 0 and args[i - 1] == "--config":
+            check_yaml_file(arg)
         out.append(arg)
     return out
+
+
+def check_yaml_file(value: str) -> None:
+    """A ``--config`` file that is not valid YAML fails on one line naming the file, line and column (jsonargparse
+    names ``<unicode string>``). A value that is no file (YAML text given inline) is left to jsonargparse."""
+    import yaml
+
+    path = Path(value).expanduser()
+    try:
+        if not path.is_file():
+            return
+        text = path.read_text()
+    except (OSError, ValueError):  # a YAML text too long for a file name, an unreadable file: jsonargparse says so
+        return
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        raise AlignConfigError(f"--config: '{value}'{where}: not valid YAML: {problem}"
+                               + (f" ({context})" if context else "")) from None
 
 
 def _names_tensorboard(args: list[str], i: int) -> bool:

@@ -5,6 +5,7 @@ the model or data class, a nest of union-subtype attempts. :func:`one_line` turn
 names the setting, says what was expected, and for an unknown key lists the nearest accepted keys. A value that names
 a module path that moved (:data:`align.moved.MOVED`) or a setting that was renamed (:data:`align.moved.RENAMED_SETTINGS`)
 gets the line that names the new place instead.
+A ``class_path`` that does not import is named with the reason and the nearest importable path (:func:`nearest_path`).
 :class:`AlignArgumentParser` prints that line (``error: ...`` on stderr, exit status 2) instead of the usage, and
 :func:`guarded` does the same for align's own errors (:class:`~align.errors.AlignError`) raised while a command runs.
 """
@@ -202,12 +203,86 @@ def _bad_value(key: str, detail: str) -> str:
     return f"--{key}: " + " ".join(detail.strip(" :\n").split())
 
 
+_NAMED_PATH = re.compile(r"class_path '([\w.]+)'|class_path='([\w.]+)'|val='([\w.]+)'")
+
+
+def _resolves(path: str) -> bool:
+    module_name, _, name = path.rpartition(".")
+    try:
+        return bool(module_name) and hasattr(importlib.import_module(module_name), name)
+    except Exception:  # noqa: BLE001  (a module that fails to import is a path that does not resolve)
+        return False
+
+
+def _import_failure(path: str) -> str:
+    """Why ``path`` does not import, on one line."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return f"module '{module.__name__}' has no attribute '{name}'"
+
+
+def nearest_path(path: str) -> str | None:
+    """The importable dotted path closest in spelling to ``path``: in the deepest module of it that imports, the
+    nearest class (also among the classes of its submodules, for a package that does not export them all), else
+    the nearest name or submodule with the rest of ``path`` under it."""
+    import pkgutil
+
+    parts = path.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:depth]))
+        except Exception:  # noqa: BLE001
+            continue
+        wanted, rest, prefix = parts[depth], parts[depth + 1:], ".".join(parts[:depth])
+        subs = [m.name for m in pkgutil.iter_modules(getattr(module, "__path__", []))]
+        pools: list[dict[str, str]] = []
+        if not rest:  # the class itself is misspelt: its module's classes and its submodules'
+            deeper = {n: f"{prefix}.{n}" for n in dir(module) if inspect.isclass(getattr(module, n, None))}
+            for sub in subs:
+                try:
+                    members = vars(importlib.import_module(f"{prefix}.{sub}"))
+                except Exception:  # noqa: BLE001
+                    continue
+                deeper.update({n: f"{prefix}.{sub}.{n}" for n, v in members.items()
+                               if inspect.isclass(v) and v.__module__ == f"{prefix}.{sub}" and n not in deeper})
+            pools.append(deeper)
+        names = [n for n in dir(module) if not n.startswith("_")] + subs
+        pools.append({n: ".".join([prefix, n, *rest]) for n in names})
+        for pool in pools:
+            for match in difflib.get_close_matches(wanted, list(pool), n=3, cutoff=0.6):
+                if _resolves(pool[match]):
+                    return pool[match]
+        return None
+    return None
+
+
+def _unimportable(message: str) -> str | None:
+    """``--<setting>: cannot import 'a.b.C' (module 'a.b' has no attribute 'C'); did you mean a.b.D?`` for the
+    innermost class path in ``message`` that does not import, else None."""
+    found = [m for m in _NAMED_PATH.finditer(message) if "." in (m.group(1) or m.group(2) or m.group(3))]
+    for match in reversed(found):
+        path = match.group(1) or match.group(2) or match.group(3)
+        if _resolves(path):
+            continue
+        key = ".".join(filter(None, map(setting_key, _PARSER_KEY.findall(message[:match.start()]))))
+        close = nearest_path(path)
+        hint = f"; did you mean {close}?" if close else ""
+        return f"--{key}: cannot import '{path}' ({_import_failure(path)}){hint}"
+    return None
+
+
 def one_line(message: str, accepted: Iterable[str] = ()) -> str:
     """jsonargparse's error ``message`` as one line; ``accepted``: the parser's keys, for unknown-key hints."""
     accepted = list(accepted)
     moved = _moved(message)
     if moved:
         return moved
+    unimportable = _unimportable(message) if "class_path" in message else None
+    if unimportable:
+        return unimportable
     if _NESTED_CLASS in message:
         return _class_error(message)
     found = _SUBCOMMAND_OPTION.search(message)

@@ -169,7 +169,13 @@ def _report_table(report, baseline_name: str | None, sampling) -> str:
              ("prompts", f"{report.prompts} ({report.num_prompts} prompts x {samples}, {_sampling_words(sampling)})"),
              ("reward_mean", f"{report.reward_mean:.4f}")]
     lines += [(f"reward/{name}", f"{value:.4f}") for name, value in report.rewards.items()]
-    lines.append(("accuracy", f"{report.accuracy:.4f} ({report.accuracy_reward} >= {report.accuracy_threshold:g})"))
+    accuracy = f"{report.accuracy:.4f} ({report.accuracy_reward} >= {report.accuracy_threshold:g})"
+    highest = report.accuracy_reward_highest
+    if highest is not None and highest < report.accuracy_threshold:  # 0 by construction: say so, and what to read
+        accuracy = (f"{report.accuracy:.4f} (no completion reached {report.accuracy_reward} >= "
+                    f"{report.accuracy_threshold:g}, highest {highest:.4f}: read reward/{report.accuracy_reward}, "
+                    "its mean; --accuracy_threshold sets the bar)")
+    lines.append(("accuracy", accuracy))
     lines += [(f"pass@{k}", f"{value:.4f}") for k, value in report.pass_at_k.items()]
     lines.append(("response_length", f"{report.response_length:.2f} tokens ({report.truncated_frac:.1%} truncated, "
                                      f"{report.tokens_per_s:.0f} tokens/s)"))

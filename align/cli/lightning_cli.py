@@ -123,6 +123,10 @@ class AlignCLI(LightningCLI):
         _checkpoint_defaults(config, callbacks)
         _progress_bar_default(config, callbacks)
         logger = config.get("logger")
+        self._fresh_run = self.subcommand == "fit" and version is None
+        if self.subcommand == "validate" and logger in (None, True):
+            # A held-out evaluation is printed, not a run: no version_N folder, no config.yaml, no metrics.csv.
+            config["logger"], logger, self.save_config_callback = False, False, None
         if logger is not False:
             loggers: list[Logger] = [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
             csv_loggers = [lg for lg in loggers if isinstance(lg, CSVLogger)]
@@ -172,13 +176,16 @@ class AlignCLI(LightningCLI):
         except BaseException:
             # The logger's own folder, not ``trainer.log_dir``: that one is a collective, and other ranks may be gone.
             loggers = getattr(self.trainer, "loggers", None) or []
-            _remove_if_empty(loggers[0].log_dir if loggers and isinstance(loggers[0], CSVLogger) else None)
+            run_dir = loggers[0].log_dir if loggers and isinstance(loggers[0], CSVLogger) else None
+            _remove_if_empty(run_dir, its_setup_files=getattr(self, "_fresh_run", False))
             if subcommand == "fit" and self.trainer.is_global_zero:
                 self._write_curves()  # the curves up to the failure; Lightning has flushed the CSV
             raise
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand == "validate":
+            kwargs["verbose"] = False  # after_validate prints the metrics, one line each
         if subcommand == "fit":
             # "last" is resolved here: Lightning would look for it in the new run's (empty) checkpoint folder.
             kwargs["ckpt_path"] = self._ckpt_path
@@ -187,7 +194,22 @@ class AlignCLI(LightningCLI):
     def _headline(self, results: list[dict]) -> dict[str, float]:
         merged = {k: float(v) for r in results for k, v in r.items()}
         names = getattr(self.model, "headline_metrics", ()) or tuple(sorted(merged))
+        reward = getattr(self.model, "accuracy_reward", None)  # kept for the accuracy's stand-in, see after_fit
+        names = (*names, f"val/reward/{reward}") if isinstance(reward, str) else names
         return {k: merged[k] for k in names if k in merged}
+
+    def _printed(self, metrics: dict[str, float]) -> list[tuple[str, str]]:
+        """The headline metrics to print, each with a note: an accuracy that no held-out completion could reach
+        (its reward never got to the threshold) gives its place to the accuracy reward's mean, named as such."""
+        stand_in = _accuracy_stand_in(self.model)
+        listed = getattr(self.model, "headline_metrics", ()) or tuple(metrics)
+        out: dict[str, str] = {}
+        for name in metrics:
+            if stand_in is not None and name == "val/accuracy" and stand_in[0] in metrics:
+                out[stand_in[0]] = f" ({stand_in[1]})"
+            elif name in listed and name not in out:
+                out[name] = ""
+        return list(out.items())
 
     def _wants_eval(self) -> bool:
         """Evaluate before and after fit unless switched off or there is nothing to evaluate on (no data module,
@@ -217,7 +239,8 @@ class AlignCLI(LightningCLI):
         if self._wants_eval() and self._ckpt_path is None:
             self.record.before = self._validate("before training")
             if self.record.before:
-                say("held-out before training: " + ", ".join(f"{k} {v:.4f}" for k, v in self.record.before.items()))
+                shown = [name for name, _ in self._printed(self.record.before)]
+                say("held-out before training: " + ", ".join(f"{k} {self.record.before[k]:.4f}" for k in shown))
 
     def after_fit(self) -> None:
         if self.trainer.interrupted:
@@ -229,13 +252,15 @@ class AlignCLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         before = self.record.before
-        for name, value in after.items():
+        for name, note in self._printed(after):
+            value = after[name]
             if before is not None and name in before:
-                print(f"held-out {name}: {before[name]:.4f} -> {value:.4f}")
+                print(f"held-out {name}: {before[name]:.4f} -> {value:.4f}{note}")
             elif self._ckpt_path is not None:
-                print(f"held-out {name}: {value:.4f} (resumed from {self._ckpt_path}, which holds no earlier value)")
+                print(f"held-out {name}: {value:.4f} (resumed from {self._ckpt_path}, which holds no earlier value)"
+                      f"{note}")
             else:
-                print(f"held-out {name}: {value:.4f}")
+                print(f"held-out {name}: {value:.4f}{note}")
         if log_dir is not None:
             print(f"run directory: {log_dir}")
         curves = self._write_curves()
@@ -244,6 +269,20 @@ class AlignCLI(LightningCLI):
         last = _last_checkpoint_path(self.trainer)
         if last:
             print(f"last checkpoint: {last}")
+
+    def after_validate(self) -> None:
+        """``align validate``: the held-out metrics, one line each, and which weights they are of."""
+        if not self.trainer.is_global_zero:
+            return
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        if not metrics:
+            print("held-out: nothing to evaluate (the config has no validation data)")
+            return
+        weights = self.config["validate"].get("ckpt_path") or "the config's model (no --ckpt_path)"
+        headline = self._headline([metrics]) or metrics
+        for name, note in self._printed(headline):
+            print(f"held-out {name}: {headline[name]:.4f}{note}")
+        print(f"weights: {weights}")
 
     def _write_curves(self) -> str | None:
         """Draw the run's ``metrics.csv`` into ``<run dir>/curves.png`` (call on rank 0 only) and return its path.
@@ -271,11 +310,25 @@ class AlignCLI(LightningCLI):
         the final step (validating again would repeat it), otherwise a fresh validation."""
         done = self.record.last_validation
         if done is not None and done[0] == self.trainer.global_step:
-            names = getattr(self.model, "headline_metrics", ()) or [k for k in done[1] if k.startswith("val")]
-            reused = {k: done[1][k] for k in names if k in done[1]}
+            reused = (self._headline([done[1]]) if getattr(self.model, "headline_metrics", ()) else
+                      {k: v for k, v in done[1].items() if k.startswith("val")})
             if reused:
                 return reused
         return self._validate("after training")
+
+
+def _accuracy_stand_in(model) -> tuple[str, str] | None:
+    """When no held-out completion of an RL run reached ``evaluation.accuracy_threshold`` (its accuracy reward's
+    highest value, ``accuracy_reward_highest``, stayed below it), ``val/accuracy`` is 0 by construction and says
+    nothing: the metric to print instead (the accuracy reward's mean) and why; else None."""
+    highest = getattr(model, "accuracy_reward_highest", None)
+    threshold = getattr(model, "accuracy_threshold", None)
+    name = getattr(model, "accuracy_reward", None)
+    if highest is None or threshold is None or not isinstance(name, str) or highest >= threshold:
+        return None
+    return f"val/reward/{name}", (f"mean of reward '{name}', printed instead of val/accuracy: no held-out completion "
+                                  f"reached {name} >= {threshold:g} (highest {highest:.4f}; "
+                                  "model.evaluation.accuracy_threshold sets it)")
 
 
 def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:
@@ -303,14 +356,27 @@ def _require_tensorboard(loggers) -> None:
                                f"installed; install it with {TENSORBOARD_EXTRA}")
 
 
-def _remove_if_empty(directory: str | None) -> None:
-    """A run that failed before writing anything (bad data, a reward that cannot be called) leaves no empty
-    ``version_N`` behind, so the next run takes its number. A folder with anything in it is kept."""
-    if directory:
-        try:
-            os.rmdir(directory)
-        except OSError:
-            pass
+SETUP_FILES = frozenset({"config.yaml", "hparams.yaml"})
+"""What a fresh run writes into its folder before its first step (its config, its module's arguments)."""
+
+
+def _remove_if_empty(directory: str | None, its_setup_files: bool = False) -> None:
+    """A run that failed before writing anything (bad data, a reward or an environment that fails on the first
+    rollout) leaves no ``version_N`` behind, so the next run takes its number. With ``its_setup_files`` (a fresh
+    run: the folder is its own), a folder holding only the :data:`SETUP_FILES` the run wrote at its start goes too;
+    a folder with anything else in it (metrics, checkpoints, a file of the user's) is kept whole."""
+    if not directory:
+        return
+    folder = Path(directory)
+    try:
+        if its_setup_files:
+            names = {p.name for p in folder.iterdir()}
+            if names and names <= SETUP_FILES and all((folder / n).is_file() for n in names):
+                for name in names:
+                    (folder / name).unlink()
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def _continuing_a_run() -> None:

@@ -45,9 +45,29 @@ def check_val_size(val_size: int | float) -> None:
         raise AlignDataError("data.val_size", None, None, "a row count >= 0 or a fraction between 0 and 1", val_size)
 
 
+MIN_HELD_OUT = 8
+"""A fraction ``val_size`` holds out at least this many rows (at most a fifth of the data): 5% of a small file is
+one or two rows, whose held-out numbers move in steps of a half or a whole."""
+
+
 def held_out_count(val_size: int | float, rows: int) -> int:
-    """Rows ``val_size`` holds out of ``rows``: a count, or a fraction (at least one row)."""
-    return val_size if isinstance(val_size, int) else max(1, round(val_size * rows))
+    """Rows ``val_size`` holds out of ``rows``: a count, or a fraction, raised to :data:`MIN_HELD_OUT` rows but not
+    past a fifth of ``rows`` (and at least one row)."""
+    if isinstance(val_size, int):
+        return val_size
+    return max(1, round(val_size * rows), min(MIN_HELD_OUT, rows // 5))
+
+
+def held_out_line(count: int, rows: int, files: str, val_size: int | float, seed: int) -> str:
+    """The one line that says what was held out, how the count came about, and when it is too few to trust."""
+    how = f"data.val_size {val_size}"
+    if isinstance(val_size, float) and count > max(1, round(val_size * rows)):
+        how += f", raised to {count} rows (at least {MIN_HELD_OUT}, at most a fifth of the data)"
+    line = f"validation: {count} of {rows} rows held out of {files} ({how}, data.seed {seed})"
+    if count < MIN_HELD_OUT:
+        line += (f"; {count} row{'s' if count > 1 else ''} make a noisy held-out number: give data.val_files or a "
+                 "larger data.val_size for a steadier one")
+    return line
 
 
 def hold_out(items: list, count: int, seed: int) -> tuple[list, list]:
@@ -114,9 +134,8 @@ class TokenizerDataModule(L.LightningDataModule):
                     raise AlignDataError(", ".join(train_files), None, None, f"more than the {count} rows "
                                          f"data.val_size={hp.val_size} holds out for validation (or set "
                                          "data.val_size 0, or give data.val_files)", f"{len(train)} rows")
+                line = held_out_line(count, len(train), ", ".join(train_files), hp.val_size, hp.seed)
                 train, val = hold_out(train, count, hp.seed)
-                line = (f"validation: {count} of {count + len(train)} rows held out of {', '.join(train_files)} "
-                        f"(data.val_size {hp.val_size}, data.seed {hp.seed})")
             else:
                 line = "validation: none (" + ("data.val_size is 0" if hp.val_files == AUTO
                                                else "data.val_files is null") + ")"

@@ -2,7 +2,9 @@
 file or packaged GGUF id (:mod:`align.hub.gguf`), a local Hugging Face directory, or a hub id.
 
 A hub id needs network access. Local paths are checked before anything is loaded, so a typo fails with a
-message naming the path rather than a hub lookup error. A ``.gguf`` file or a packaged model id such as
+message naming the path rather than a hub lookup error; so are hub ids (in the local cache, or by one hub request
+when online), so a misspelt id fails at once with the nearest id align ships rather than after the hub client's
+retries. A run folder given as a model names its checkpoint. A ``.gguf`` file or a packaged model id such as
 ``smollm2-135m-instruct`` is converted once into a cached Hugging Face folder and loaded from there.
 
 The bottom of the stack: the data modules load a tokenizer by name here, and :mod:`align.models` loads weights
@@ -61,6 +63,13 @@ def check_model_source(name: str, what: str = "model") -> str:
         return str(converted_dir(name))
     path = Path(name).expanduser()
     if path.exists():
+        if path.is_dir() and not (path / "config.json").exists() and what in ("model", "tokenizer"):
+            run_checkpoint = _run_checkpoint(path)
+            if run_checkpoint is not None:
+                raise AlignConfigError(
+                    f"{what}: '{name}' is an align run folder, not a model folder; its checkpoint is {run_checkpoint}: "
+                    "align generate, evaluate and chat take it as --model, and align export --ckpt_path "
+                    f"{run_checkpoint} --output_dir DIR writes a model folder any --model takes")
         if path.is_dir() and not (path / "config.json").exists() and what == "model":
             raise AlignConfigError(f"{what}: '{name}' is a directory without config.json; expected a Hugging Face model directory")
         return str(path)
@@ -69,7 +78,84 @@ def check_model_source(name: str, what: str = "model") -> str:
             f"{what}: '{name}' does not exist; expected a local model directory, a hub id such as "
             "'Qwen/Qwen2.5-0.5B-Instruct', a .gguf file, 'smollm2-135m-instruct' or 'tiny'"
         )
+    _check_hub_id(name, what)
     return name
+
+
+def _run_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint to name for an align run folder (``version_N/``, or a root holding them): its newest
+    ``checkpoints/last.ckpt``, else its newest ``.ckpt``; None for a folder that is not one."""
+    runs = [folder] if (folder / "checkpoints").is_dir() else sorted(
+        (p for p in folder.glob("version_*") if (p / "checkpoints").is_dir()),
+        key=lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1)
+    for run in reversed(runs):
+        last = run / "checkpoints" / "last.ckpt"
+        found = [last] if last.exists() else sorted((run / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1]
+    return None
+
+
+def known_ids() -> list[str]:
+    """The model ids align knows without a hub: the packaged GGUF ids and the embedded tiny models."""
+    from align.hub.gguf import PACKAGED
+    from align.hub.tiny import TINY, TINY_SORT, TINY_SORT_RM
+
+    return sorted({*PACKAGED, TINY, TINY_SORT, TINY_SORT_RM})
+
+
+def _offline() -> bool:
+    import huggingface_hub
+
+    return bool(huggingface_hub.is_offline_mode())
+
+
+def _in_hub_cache(name: str) -> bool:
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}").is_dir()
+
+
+_HUB_CHECKED: set[str] = set()
+
+
+def _check_hub_id(name: str, what: str) -> None:
+    """A name that is neither a local path nor an id align knows is a hub id: fail on one line, at once, when it
+    cannot be loaded (offline and not cached, no such model, or no hub reachable), instead of the hub client's
+    retries and warnings. One request per id and process."""
+    if name in _HUB_CHECKED or _in_hub_cache(name):
+        return
+    if _offline():
+        raise AlignConfigError(_unknown_id(name, what, "HF_HUB_OFFLINE is set and it is not in the local Hugging Face "
+                                                       "cache, so no hub lookup is made"))
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=10)
+    except GatedRepoError:  # it exists; access is the hub's to grant, and the loader says so
+        pass
+    except RepositoryNotFoundError:
+        raise AlignConfigError(_unknown_id(name, what, "the Hugging Face hub has no model of that id (or it is "
+                                                       "private and no token is set)")) from None
+    except HFValidationError as err:
+        raise AlignConfigError(_unknown_id(name, what, f"it is not a valid hub id ({err})")) from None
+    except Exception as err:  # noqa: BLE001  (no network, DNS, timeout, proxy: one line, not the client's retries)
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise AlignConfigError(_unknown_id(name, what, f"the Hugging Face hub could not be reached "
+                                                       f"({type(err).__name__}: {reason})")) from None
+    _HUB_CHECKED.add(name)
+
+
+def _unknown_id(name: str, what: str, reason: str) -> str:
+    import difflib
+
+    ids = known_ids()
+    close = difflib.get_close_matches(name.strip().lower(), ids, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return (f"{what}: '{name}' is not a local path or an id align ships, and cannot be loaded from the hub: {reason}; "
+            f"{hint}align's own ids: {', '.join(ids)}. A local model folder or .gguf file loads offline; a hub id "
+            "needs network access (HF_HUB_OFFLINE unset)")
 
 
 def load_tokenizer(name: str, *, trust_remote_code: bool = False, revision: str | None = None, pad_equals_eos: bool = False):

@@ -131,15 +131,31 @@ class TrainingModule(L.LightningModule):
         """Log one optimizer step's metrics; callers compute them only when :meth:`logs_this_step`. The
         ``prog_bar`` ones (by default :attr:`progress_metrics`) are shown on the progress bar."""
         prog_bar = self.progress_metrics if prog_bar is None else prog_bar
+        self.log_nothing()  # a name logged on an earlier step and absent from this one is absent from its row
         for name, value in metrics.items():
             self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in prog_bar, batch_size=1)
 
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """After the run's last optimizer step, write its row when the loggers would skip it: a run shorter than
+        ``log_every_n_steps`` (or one whose last step falls between two rows) still ends with its last row.
+        Lightning writes a step's row right after this hook, and only every ``log_every_n_steps`` steps."""
+        trainer = self.trainer
+        loop = trainer.fit_loop
+        last = (0 < trainer.max_steps <= trainer.global_step) or bool(
+            loop.max_epochs and loop.max_epochs > 0 and trainer.current_epoch + 1 >= loop.max_epochs
+            and loop.epoch_loop.batch_progress.is_last_batch)
+        connector = getattr(trainer, "_logger_connector", None)
+        if last and connector is not None and trainer.log_every_n_steps > 0 and not (
+                connector.should_update_logs or trainer.fast_dev_run):
+            connector.log_metrics(connector.metrics["log"])
+
     def log_nothing(self) -> None:
-        """Forget the on-step values logged so far: Lightning's result collection keeps them until they are
-        logged anew, so it would write them again in the row of a step that took no update, and recompute them
-        after every batch. Rows already written and ``trainer.callback_metrics`` keep them."""
+        """Forget the on-step values the current hook logged so far: Lightning's result collection keeps them
+        until they are logged anew, so it would write them again in the row of a step that took no update (or,
+        for a name this step does not log, such as an environment's ``info`` key no episode reported), and
+        recompute them after every batch. Rows already written and ``trainer.callback_metrics`` keep them."""
         if self._trainer is not None and self.trainer._results is not None:
-            self.trainer._results.reset(metrics=False, fx="training_step")
+            self.trainer._results.reset(metrics=False, fx=self._current_fx_name or "training_step")
 
     def with_scheduler(self, optimizer: torch.optim.Optimizer):
         """``configure_optimizers``' return value for ``optimizer`` and the module's scheduler, stepped every

@@ -325,6 +325,8 @@ class RLModule(AlignModule):
         self._val_add("count", torch.tensor(float(len(rollout)), device=self.device))
         self._val_add("reward_mean", rewards)
         self._val_add("accuracy", (parts[self.accuracy_reward] >= self.accuracy_threshold).float())
+        self._val["highest"] = torch.maximum(self._val.get("highest", torch.tensor(-torch.inf, device=self.device)),
+                                             parts[self.accuracy_reward].detach().float().max())
         self._val_add("response_length", rollout.response_lengths)
         if rollout.episodes is not None:
             self._val_add("turns", torch.tensor([float(e["turns"]) for e in rollout.episodes], device=self.device))
@@ -334,6 +336,12 @@ class RLModule(AlignModule):
     def on_validation_epoch_end(self) -> None:
         if not self._val:
             return
+        highest = self._val.pop("highest", torch.tensor(-torch.inf, device=self.device))
+        if self._trainer is not None and self.trainer.world_size > 1:  # every rank joins, with or without rows
+            highest = self.trainer.strategy.all_gather(highest).max()
+        # The highest accuracy reward of the run's held-out passes: below the threshold, val/accuracy is 0 by
+        # construction, and the command line prints the reward's mean instead.
+        self.accuracy_reward_highest = max(getattr(self, "accuracy_reward_highest", -float("inf")), float(highest))
         totals = {k: self.all_reduce_sum(v) for k, v in self._val.items()}
         count = totals.pop("count").clamp(min=1.0)
         self.log_dict({f"val/{k}": float(v / count) for k, v in totals.items()}, batch_size=1)

@@ -109,6 +109,29 @@ def _names(message: str, address: str) -> bool:
 
 
 SDK_LOGS = _SdkLogCapture()
+SHUTDOWN_TIMEOUT = "the collector did not answer before the shutdown timeout"
+_CAUSES = (("connection refused", "the connection was refused: nothing listens at {address}"),
+           ("name or service not known", "the collector's host name does not resolve"),
+           ("nodename nor servname", "the collector's host name does not resolve"),
+           ("name resolution", "the collector's host name does not resolve"),
+           ("deadline_exceeded", "the collector did not answer in time"),
+           ("timed out", "the collector did not answer in time"),
+           ("certificate", "the TLS handshake failed (certificate)"),
+           ("unauthenticated", "the collector refused the credentials"),
+           ("unauthorized", "the collector refused the credentials"),
+           ("permission_denied", "the collector refused the credentials"),
+           ("forbidden", "the collector refused the credentials"))
+
+
+def condensed(message: str, address: str) -> str:
+    """What an SDK export message says went wrong, in a few words (a refused connection, an unknown host, a timeout,
+    refused credentials), else its first line, shortened."""
+    lowered = message.lower()
+    for needle, cause in _CAUSES:
+        if needle in lowered:
+            return cause.format(address=address)
+    first = (message.strip().splitlines() or [""])[0]
+    return first if len(first) <= 200 else first[:197] + "..."
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
@@ -130,11 +153,14 @@ class DropCounter:
     def ok(self) -> None:
         _failures.pop(self.settings.address, None)
 
-    def fail(self, n: int, reason: str | None = None) -> None:
+    def fail(self, n: int, reason: str | None = None, fallback: str = "no answer from the collector") -> None:
+        """Count ``n`` dropped items. The warning's reason: ``reason`` (an exception), else what the SDK said about
+        this collector (a refused connection, an unknown host), else ``fallback``."""
         with self.lock:
             self.failed += n
         _failures[self.settings.address] += 1
-        self.warn_once(reason or SDK_LOGS.reason_for(self.settings.address) or "no answer from the collector")
+        said = SDK_LOGS.reason_for(self.settings.address)
+        self.warn_once(reason or (condensed(said, self.settings.address) if said else fallback))
 
     def queue_overflow(self, n: int = 1) -> None:
         with self.lock:
@@ -178,7 +204,7 @@ class CountingExporter(MetricExporter, SpanExporter):
         self.seen += n
         failure = self.failure
         if self.abandoned:
-            self.counter.fail(n, "the collector did not answer before the shutdown timeout")
+            self.counter.fail(n, fallback=SHUTDOWN_TIMEOUT)
             return failure
         self.in_flight = n
         try:
@@ -195,7 +221,7 @@ class CountingExporter(MetricExporter, SpanExporter):
         ends the SDK's retry backoff)."""
         self.abandoned = True
         if self.in_flight:
-            self.counter.fail(self.in_flight, "the collector did not answer before the shutdown timeout")
+            self.counter.fail(self.in_flight, fallback=SHUTDOWN_TIMEOUT)
         self.inner.shutdown()
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:

@@ -219,6 +219,7 @@ class EvalReport:
     pass_at_k: dict[int, float] = field(default_factory=dict)
     baseline: dict | None = None
     tokens_per_s: float = 0.0
+    accuracy_reward_highest: float | None = None  # the accuracy reward's highest value over the completions
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -309,6 +310,7 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
     sums, seconds, tokens = _Sums(), 0.0, 0.0
     base_batches = (generate_batches(baseline, (baseline_prompts or prompts).examples, sampling, n, batch_size, seed)
                     if baseline is not None else None)
+    highest = -float("inf")
     for batch, rollout in generate_batches(policy, prompts.examples, sampling, n, batch_size, seed):
         total, parts = reward(**reward_inputs(batch, rollout))
         sums.count += len(rollout)
@@ -318,6 +320,7 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
         for name, values in parts.items():
             sums.add(f"reward/{name}", values)
         correct = torch.tensor(parts[acc_name]) >= accuracy_threshold  # (B*n,)
+        highest = max(highest, max(map(float, parts[acc_name]), default=highest))
         sums.add("accuracy", correct)
         sums.add("response_length", rollout.response_lengths)
         sums.add("truncated", rollout.truncated)
@@ -331,8 +334,10 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
                 sums.add("kl", _sequence_log_ratio(policy, baseline, rollout))
         if on_batch is not None:
             on_batch(sums.count // n, len(prompts.examples))
-    return _report(sums, reward, prompts, n, ks, sampling, acc_name, accuracy_threshold, model_name,
-                   baseline is not None, kl_ok, judge is not None, tokens / max(seconds, 1e-9))
+    report = _report(sums, reward, prompts, n, ks, sampling, acc_name, accuracy_threshold, model_name,
+                     baseline is not None, kl_ok, judge is not None, tokens / max(seconds, 1e-9))
+    report.accuracy_reward_highest = highest if sums.count else None
+    return report
 
 
 def _compare_with_baseline(sums: _Sums, reward: CombinedReward, judge: CombinedReward | None, batch: PromptBatch,

@@ -6,7 +6,8 @@
   the temporary file under ``/tmp`` and moves it, which is a copy, not a rename, across filesystems.) It loads
   with ``torch.load(weights_only=True)`` unless told otherwise: no code runs while a checkpoint loads.
 * :class:`AlignCheckpoint` is Lightning's ``ModelCheckpoint`` with the defaults a long run needs: a ``last``
-  checkpoint, step-based frequency and top-k retention. Under the command line it writes to the run's own
+  checkpoint, step-based frequency and top-k retention; ``last.ckpt`` is a hard link to the step's checkpoint,
+  so a save writes one full copy. Under the command line it writes to the run's own
   ``<default_root_dir>/version_N/checkpoints`` (``align.cli.runs``), where ``--resume auto`` finds it.
 * :class:`ExactResume` (attached by every :class:`~align.modules.base.AlignModule`) saves the RNG states
   (python, numpy, torch and CUDA, per rank) with each checkpoint and restores them just before the first
@@ -167,6 +168,55 @@ class AlignCheckpoint(ModelCheckpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         install_atomic_io(trainer)
         super().setup(trainer, pl_module, stage)
+
+    def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        # The step's file becomes last.ckpt too (a hard link): it must already name last.ckpt as the last path, or a
+        # run continued from it would write last-v1.ckpt beside last.ckpt. The same name Lightning then picks.
+        if self.save_last and self.save_top_k != 0:
+            path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+            version = self.STARTING_VERSION
+            while self._enable_version_counter and self.file_exists(path, trainer) and path != self.last_model_path:
+                path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST, ver=version)
+                version += 1
+            self.last_model_path = path
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """One full write per save: the second file of a save (``last.ckpt`` beside the step's own checkpoint, the
+        same state) is a hard link to the first, so a save costs the disk one copy, and removing either name later
+        leaves the other whole. Where no link can be made (a checkpoint folder of a sharded strategy, a remote or
+        link-less filesystem) it is written in full, as Lightning does."""
+        twin = self._last_checkpoint_saved if self._last_global_step_saved == trainer.global_step else ""
+        linked = False
+        if twin and twin != filepath:
+            linked = bool(trainer.strategy.broadcast(_hard_link(twin, filepath) if trainer.is_global_zero else False))
+        if not linked:
+            return super()._save_checkpoint(trainer, filepath)
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
+
+
+def _hard_link(source: str, target: str) -> bool:
+    """Make ``target`` a hard link to the file ``source``, replacing ``target`` atomically; False where it cannot."""
+    if "://" in source or "://" in target or not os.path.isfile(source):
+        return False
+    tmp = Path(target).parent / f".{Path(target).name}.tmp.{os.getpid()}"
+    try:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            tmp.unlink()
+        os.link(source, tmp)
+        os.replace(tmp, target)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return False
+    _fsync_dir(Path(target).parent)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- RNG states

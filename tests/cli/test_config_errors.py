@@ -96,3 +96,37 @@ def test_the_tables_own_rows_in_the_messages_jsonargparse_gives():
 def test_setting_keys_are_written_as_a_user_writes_them():
     assert setting_key("--model.init_args.clip.init_args.level=sequence") == "model.clip.level"
     assert setting_key("init_args.scheduler") == "scheduler"
+
+
+@pytest.mark.parametrize("recipe, args, expected", [
+    ("grpo", ["--model.class_path", "align.modules.grpo.GRPOModul"],
+     "error: --model: cannot import 'align.modules.grpo.GRPOModul' (module 'align.modules.grpo' has no attribute "
+     "'GRPOModul'); did you mean align.modules.grpo.GRPOModule?"),
+    ("grpo", ["--data.class_path", "align.data.PromptDataModul"],
+     "error: --data: cannot import 'align.data.PromptDataModul' (module 'align.data' has no attribute "
+     "'PromptDataModul'); did you mean align.data.prompts.PromptDataModule?"),
+    ("sft", ["--model.policy.class_path", "align.models.PolicyModl"],
+     "error: --model.policy: cannot import 'align.models.PolicyModl' (module 'align.models' has no attribute "
+     "'PolicyModl'); did you mean align.models.PolicyModel?"),
+    ("sft", ["--model.scheduler.class_path", "align.trainer.optim.WarmupRL"],
+     "error: --model.scheduler: cannot import 'align.trainer.optim.WarmupRL' (module 'align.trainer.optim' has no "
+     "attribute 'WarmupRL'); did you mean align.trainer.optim.WarmupLR?"),
+    ("grpo", ["--model.class_path", "align.modulez.grpo.GRPOModule"],
+     "error: --model: cannot import 'align.modulez.grpo.GRPOModule' (ModuleNotFoundError: No module named "
+     "'align.modulez'); did you mean align.modules.grpo.GRPOModule?"),
+], ids=["module-class", "data-class-in-a-submodule", "nested-policy", "scheduler", "module-path"])
+def test_a_class_path_that_does_not_import_is_named_with_the_nearest_one(capsys, tmp_path, recipe, args, expected):
+    assert recipe_error(capsys, tmp_path, recipe, *args) == [expected]
+
+
+def test_a_class_path_with_nothing_near_it_is_named_with_why_it_does_not_import(capsys, tmp_path):
+    assert recipe_error(capsys, tmp_path, "sft", "--model.class_path", "no_such_pkg_x.Module") == [
+        "error: --model: cannot import 'no_such_pkg_x.Module' (ModuleNotFoundError: No module named 'no_such_pkg_x')"]
+
+
+def test_a_config_file_that_is_not_yaml_is_named_with_its_line_and_column(capsys, tmp_path):
+    bad = tmp_path / "syntax.yaml"
+    bad.write_text("trainer:\n  max_steps: 3\n   bad: [\n")
+    assert recipe_error(capsys, tmp_path, "sft", "--config", str(bad)) == [
+        f"error: --config: '{bad}', line 3, column 7: not valid YAML: mapping values are not allowed here"]
+    assert recipe_error(capsys, tmp_path, "sft", f"--config={bad}")[0].startswith(f"error: --config: '{bad}', line 3")

@@ -14,8 +14,10 @@ from align.cli.arguments import CONFIG_DIR, resolve_config_args
 from align.cli.main import main
 from align.cli.recipes import run_recipe
 from align.data import SFTDataModule
+from align.data.prompts import PromptDataModule
 from align.errors import AlignConfigError
 from align.modules import SFTModule
+from align.modules.grpo import GRPOModule
 from align.cli.runs import RunLogger, latest_run, run_of_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +122,57 @@ def test_the_final_validation_is_not_repeated_after_fit(tmp_path, capsys):
     rows = val_rows(root / "version_0")
     assert len(rows) == 2, rows  # before fit, and the one in training; none after
     assert float(rows[-1]["val/loss"]) == pytest.approx(after, abs=5e-5)
+
+
+def test_a_save_writes_one_full_checkpoint_and_last_ckpt_is_the_same_file(tmp_path):
+    """The default checkpoint callback keeps the step's checkpoint and ``last.ckpt``: one file on disk (a hard
+    link), and a run continued from it keeps writing ``last.ckpt`` (no ``last-v1.ckpt``)."""
+    root = tmp_path / "runs"
+    sft(root, "--trainer.max_steps", "2", "--eval_before_after", "false")
+    folder = root / "version_0" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert os.path.samefile(folder / "epoch=0-step=2.ckpt", folder / "last.ckpt")
+    sft(root, "--trainer.max_steps", "4", "--eval_before_after", "false", "--resume", "auto")
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert os.path.samefile(folder / "epoch=0-step=4.ckpt", folder / "last.ckpt")
+    assert global_step(folder / "last.ckpt") == 4
+
+
+def test_validate_prints_the_held_out_metrics_and_makes_no_run_folder(tmp_path, capsys):
+    root = tmp_path / "runs"
+    for _ in range(2):
+        run_recipe("sft", SFTModule, SFTDataModule, args=["validate", *QUIET, "--trainer.default_root_dir", str(root)])
+    out = capsys.readouterr().out
+    assert not root.exists() or not list(root.iterdir())
+    assert "Validate metric" not in out and "DataLoader 0" not in out  # Lightning's table
+    lines = [line for line in out.splitlines() if line.startswith(("held-out", "weights:"))]
+    assert [line.split(":")[0] for line in lines] == ["held-out val/loss", "held-out val/ppl", "weights"] * 2
+    assert lines[-1] == "weights: the config's model (no --ckpt_path)"
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder_holding_only_its_config(tmp_path, monkeypatch):
+    (tmp_path / "boom_reward.py").write_text("def exact(completions, **kw):\n    raise RuntimeError('boom')\n")
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "runs"
+    with pytest.raises(SystemExit):
+        run_recipe("grpo", GRPOModule, PromptDataModule, args=[
+            *QUIET, "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1", "--data.init_args.val_files",
+            "null", "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
+            "--model.init_args.sampling.max_new_tokens", "4", "--model.init_args.rewards", '[{"fn": "boom_reward.exact"}]'])
+    assert not list(root.glob("version_*"))
+    # A folder with anything else in it is kept, and a continued run's folder is never removed.
+    from align.cli.lightning_cli import _remove_if_empty
+
+    (root / "version_3").mkdir(parents=True)
+    for name in ("config.yaml", "notes.txt"):
+        (root / "version_3" / name).write_text("x")
+    _remove_if_empty(str(root / "version_3"), its_setup_files=True)
+    (root / "version_4").mkdir()
+    (root / "version_4" / "config.yaml").write_text("x")
+    _remove_if_empty(str(root / "version_4"), its_setup_files=False)
+    assert sorted(p.name for p in root.iterdir()) == ["version_3", "version_4"]
+    _remove_if_empty(str(root / "version_4"), its_setup_files=True)
+    assert sorted(p.name for p in root.iterdir()) == ["version_3"]
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -254,3 +307,21 @@ def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
     printed = capsys.readouterr().out
     assert "accuracy_reward: null" in printed and "missing_eos_penalty: null" in printed
     assert "accuracy_threshold: 1.0" in printed and "whiten: true" in printed  # the shipped config's neighbours
+
+
+def test_an_accuracy_no_held_out_completion_could_reach_gives_its_place_to_the_rewards_mean(tmp_path, monkeypatch,
+                                                                                             capsys):
+    (tmp_path / "half_reward.py").write_text("def half(completions, **kw):\n    return [0.5 for c in completions]\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "sort: b a"}\n{"prompt": "sort: c a"}\n')
+    monkeypatch.chdir(tmp_path)
+    run_recipe("grpo", GRPOModule, PromptDataModule, args=[
+        *QUIET, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.max_steps", "1",
+        "--data.init_args.train_files", "p.jsonl", "--data.init_args.val_files", "p.jsonl",
+        "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
+        "--model.init_args.sampling.max_new_tokens", "4", "--model.init_args.rewards", '[{"fn": "half_reward.half"}]',
+        "--model.init_args.eval_rewards", "[]"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("held-out val/")]
+    assert lines == ["held-out val/reward_mean: 0.5000 -> 0.5000",
+                     "held-out val/reward/half: 0.5000 -> 0.5000 (mean of reward 'half', printed instead of "
+                     "val/accuracy: no held-out completion reached half >= 1 (highest 0.5000; "
+                     "model.evaluation.accuracy_threshold sets it))"]

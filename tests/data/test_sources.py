@@ -144,7 +144,7 @@ def test_validation_data_is_the_bundled_tasks_or_held_out_of_the_users_never_ano
 
     path = write(tmp_path / "my.jsonl", rows)
     dm, line = setup_module_(cls, tokenizer, caplog, train_files=path, val_size=4, seed=3)
-    assert line == f"validation: 4 of 20 rows held out of {path} (data.val_size 4, data.seed 3)"
+    assert line.startswith(f"validation: 4 of 20 rows held out of {path} (data.val_size 4, data.seed 3); 4 rows make")
     assert (len(dm.train_set), len(dm.val_set)) == (16, 4)
     again, _ = setup_module_(cls, tokenizer, caplog, train_files=path, val_size=4, seed=3)
     other, _ = setup_module_(cls, tokenizer, caplog, train_files=path, val_size=4, seed=4)
@@ -152,7 +152,11 @@ def test_validation_data_is_the_bundled_tasks_or_held_out_of_the_users_never_ano
     assert rows_of(again) == rows_of(dm) != rows_of(other)
 
     dm, line = setup_module_(cls, tokenizer, caplog, train_files=path)  # the default, a fraction: 5% of 20
-    assert (len(dm.train_set), len(dm.val_set)) == (19, 1) and "(data.val_size 0.05, data.seed 0)" in line
+    # is one row: raised to a fifth of the data (the minimum of 8 rows would leave too little to train on), and said
+    assert (len(dm.train_set), len(dm.val_set)) == (16, 4)
+    assert line == (f"validation: 4 of 20 rows held out of {path} (data.val_size 0.05, raised to 4 rows (at least 8, at "
+                    "most a fifth of the data), data.seed 0); 4 rows make a noisy held-out number: give "
+                    "data.val_files or a larger data.val_size for a steadier one")
 
     dm, line = setup_module_(cls, tokenizer, caplog, train_files=path, val_size=0)
     assert line == "validation: none (data.val_size is 0)" and dm.val_set is None and dm.val_dataloader() == []
@@ -213,5 +217,12 @@ def test_sft_recipe_on_a_users_file_holds_out_its_rows_and_never_reads_the_sort_
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    assert f"validation: 4 of 20 rows held out of {path} (data.val_size 4, data.seed 0)" in out
+    assert f"validation: 4 of 20 rows held out of {path} (data.val_size 4, data.seed 0); 4 rows make" in out
     assert "held-out val/loss:" in out and "sort/sft/validation" not in out
+
+
+def test_a_fraction_holds_out_at_least_eight_rows_but_not_past_a_fifth():
+    from align.data.base import held_out_count
+
+    assert [held_out_count(0.05, rows) for rows in (1, 4, 20, 40, 100, 1000)] == [1, 1, 4, 8, 8, 50]
+    assert held_out_count(3, 100) == 3  # a count is taken as given

@@ -130,6 +130,8 @@ CASES = [
       "--data.init_args.val_size", "2"], ["d.jsonl", "data.val_size=2", "2 rows"]),
     ("unknown-yaml-key", "sft", {"c.yaml": "model:\n  init_args:\n    learning_rate: 0.1\n"},
      ["--config", "{tmp}/c.yaml"], ["learning_rate"]),
+    ("yaml-syntax-error", "sft", {"c.yaml": "trainer:\n  max_steps: 3\n   bad: [\n"}, ["--config", "{tmp}/c.yaml"],
+     ["c.yaml', line 3, column 7: not valid YAML: mapping values are not allowed here"]),
     ("wrong-type-yaml", "sft", {"c.yaml": "trainer:\n  max_steps: ten\n"}, ["--config", "{tmp}/c.yaml"],
      ["max_steps", "ten"]),
     # an old module path (align.moved): one line naming the new place
@@ -142,6 +144,21 @@ CASES = [
     ("moved-environment-path", "grpo", {}, ["--model.init_args.environment", '{"path": "align.envs.tasks.SortRounds"}'],
      ["error: environment: align.envs.tasks.SortRounds moved to align.rollout.envs.tasks.SortRounds: write "
       "align.rollout.envs.tasks.SortRounds"]),
+    # a class_path that does not import: the path, why, and the nearest importable one
+    ("misspelt-module-class-path", "grpo", {}, ["--model.class_path", "align.modules.grpo.GRPOModul"],
+     ["error: --model: cannot import 'align.modules.grpo.GRPOModul'", "did you mean align.modules.grpo.GRPOModule?"]),
+    ("misspelt-data-class-path-yaml", "grpo", {"c.yaml": "data:\n  class_path: align.data.PromptDataModul\n"},
+     ["--config", "{tmp}/c.yaml"], ["error: --data: cannot import 'align.data.PromptDataModul'",
+                                    "did you mean align.data.prompts.PromptDataModule?"]),
+    ("misspelt-policy-class-path", "sft", {}, ["--model.policy.class_path", "align.models.PolicyModl"],
+     ["error: --model.policy: cannot import 'align.models.PolicyModl'", "did you mean align.models.PolicyModel?"]),
+    ("misspelt-model-id", "sft", {}, ["--model.init_args.policy.init_args.model", "smollm2-135m"],
+     ["model: 'smollm2-135m' is not a local path or an id align ships", "HF_HUB_OFFLINE is set",
+      "did you mean 'smollm2-135m-instruct'?", "align's own ids: smollm2-135m-instruct, tiny"]),
+    ("run-folder-as-model", "sft", {"old/version_0/checkpoints/last.ckpt": "not read"},
+     ["--model.init_args.policy.init_args.model", "{tmp}/old/version_0"],
+     ["is an align run folder, not a model folder; its checkpoint is ", "old/version_0/checkpoints/last.ckpt",
+      "align export --ckpt_path"]),
     ("nonexistent-model-path", "sft", {}, ["--model.init_args.policy.init_args.model", "{tmp}/no_model"],
      ["no_model", "does not exist", "expected a local model directory"]),
     ("reward-import-path-missing", "grpo", {}, ["--model.init_args.rewards",
@@ -216,7 +233,9 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
         else:
             (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root = tmp_path / "run"
+    given = set(tmp_path.rglob("*.ckpt"))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     with pytest.raises(SystemExit) as info:
         run_recipe(recipe, *RECIPES[recipe], args=[*QUICK[recipe], *argv, "--trainer.default_root_dir", str(root),
@@ -226,7 +245,8 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
     for part in expected:
         assert part in err, f"{case}: {part!r} not in {err[-2000:]}"
     assert "Traceback" not in err
-    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*.safetensors"))
+    assert not set(tmp_path.rglob("*.ckpt")) - given and not list(tmp_path.rglob("*.safetensors"))
+    assert not list(root.glob("version_*"))  # no run folder holding only the config of a run that never stepped
 
 
 def test_a_raising_reward_prints_one_error_line_through_the_recipe_script(tmp_path):

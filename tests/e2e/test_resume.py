@@ -108,9 +108,9 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
         kill_at = random.choice([s for s in range(every + 1, steps) if s % every])
         killed = run(algorithm, cut_root, args, kill_at=kill_at)
         restart = (kill_at // every) * every  # the last checkpoint written before the kill
-    else:  # each save writes epoch=E-step=S.ckpt, then last.ckpt: tear one of them at a random save after the first
+    else:  # each save writes epoch=E-step=S.ckpt and links last.ckpt to it: tear it at a random save after the first
         save = random.randrange(2, steps // every + 1)
-        write = 2 * save - random.randrange(2)
+        write = save
         killed = run(algorithm, cut_root, args, kill_in_write=write)
         kill_at, restart = save * every, (save - 1) * every
     case = f"{algorithm}: killed at step {kill_at}, resumed from step {restart}"

@@ -126,3 +126,27 @@ def test_environment_and_reward_names_and_budget():
     with pytest.raises(AlignConfigError, match="set reward_model, rewards or environment"):
         PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings()), rewards=[], reward_model=None,
                   eval_rewards=[])
+
+
+class FirstStepBonus:
+    """Reports ``info={"bonus": 1}`` in the first training step's episodes only (one step is 4 prompts x 2)."""
+
+    resets = 0
+
+    def reset(self, row):
+        FirstStepBonus.resets += 1
+        return row["messages"]
+
+    def step(self, message):
+        return EnvStep([], 1.0, True, {"bonus": 1} if FirstStepBonus.resets <= 8 else {})
+
+
+def test_an_info_key_no_episode_of_a_step_reports_is_absent_from_that_steps_row(tmp_path):
+    FirstStepBonus.resets = 0
+    torch.manual_seed(3)
+    module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, log_entropy=False,
+                        environment=EnvironmentSpec(FirstStepBonus, max_turns=1, max_tokens=16),
+                        sampling=SamplingConfig(max_new_tokens=4))
+    rows = fit(module, tmp_path)
+    train = [r for r in rows if r.get("rollout/reward_mean")]
+    assert [(r["step"], r["rollout/bonus"]) for r in train] == [("0", "1.0"), ("1", "")]

@@ -54,7 +54,7 @@ def test_written_rows_are_those_of_logging_every_step(pairs, tmp_path):
     gated, gated_steps, trainer = run(pairs, tmp_path / "b")
     assert every_steps == [0, 1, 2, 3, 4]
     assert gated_steps == [1, 3, 4]  # the loggers' steps (every 2nd), and the run's last step
-    assert [r["step"] for r in gated] == ["1", "3"] and gated == every
+    assert [r["step"] for r in gated] == ["1", "3", "4"] and gated == every  # the last step's row is written too
     # The final values reach callback_metrics although step 4 is not a logging step.
     assert {"train/loss", "dpo/accuracy", "train/pairs_per_s"} <= set(trainer.callback_metrics)
 
@@ -87,3 +87,37 @@ def test_align_progress_bar_reads_every_step_only_when_drawn(pairs, tmp_path, dr
 
 def test_without_a_trainer_nothing_is_logged():
     assert AlignModule(torch.nn.Linear(1, 1)).logs_this_step() is False
+
+
+
+SHORT_RUN_ROWS = {
+    "sft": [{"prompt": f"sort: {a} {b}", "completion": f"{min(a, b)} {max(a, b)}"} for a, b in zip("dbca", "acdb")],
+    "dpo": [{"prompt": f"sort: {a} {b}", "chosen": f"{min(a, b)} {max(a, b)}", "rejected": f"{max(a, b)} {min(a, b)}"}
+            for a, b in zip("dbca", "acdb")],
+    "kto": [{"prompt": f"sort: {a} {b}", "completion": f"{a} {b}", "label": a < b} for a, b in zip("dbca", "acdb")],
+}
+
+
+@pytest.mark.parametrize("recipe", ["sft", "dpo", "kto"])
+def test_a_run_shorter_than_log_every_n_steps_writes_its_last_steps_row(tmp_path, recipe):
+    """A 3-step run at the default log_every_n_steps (10) still writes a training row: its last step's."""
+    import json
+
+    from align.cli.recipes import run_recipe
+    from align.data.preference import UnpairedDataModule
+    from align.data.sft import SFTDataModule
+    from align.modules.kto import KTOModule
+    from align.modules.sft import SFTModule
+
+    classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
+               "kto": (KTOModule, UnpairedDataModule)}
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in SHORT_RUN_ROWS[recipe]))
+    cli = run_recipe(recipe, *classes[recipe], args=[
+        "--trainer.max_steps", "3", "--trainer.default_root_dir", str(tmp_path / "run"), "--data.init_args.train_files",
+        str(data), "--data.init_args.val_files", "null", "--data.init_args.batch_size", "2",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
+        *(["--model.init_args.precompute_reference", "false"] if recipe == "dpo" else [])])
+    rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
+    assert cli.trainer.global_step == (2 if recipe == "dpo" else 3)  # DPO: one epoch of two batches
+    assert [r["step"] for r in rows if r.get("train/loss")] == [str(cli.trainer.global_step - 1)]

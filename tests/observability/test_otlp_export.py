@@ -383,3 +383,29 @@ def test_final_flush_to_a_refusing_collector_stops_at_the_first_retry(protocol):
     retries = [m for m in SDK_LOGS.recent if "retrying" in m and _names(m, f"127.0.0.1:{port}")]
     assert len(retries) == 1, retries  # no second retry was scheduled
     assert _failures[f"127.0.0.1:{port}"]  # the next stage's flush waits at most one second
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_warning_for_a_refusing_collector_says_the_connection_was_refused(protocol, caplog):
+    """A closed port is given up at the first retry, at shutdown: the warning names the refused connection (what the
+    SDK said), not a shutdown timeout that never ran out."""
+    port = closed_port()
+    endpoint = f"127.0.0.1:{port}" if protocol == "grpc" else f"http://127.0.0.1:{port}"
+    logger = OTLPLogger(endpoint=endpoint, protocol=protocol, timeout=10, export_interval=60)
+    logger.log_metrics({"train/loss": 1.0}, step=0)
+    with caplog.at_level("WARNING", logger="align.observability"):
+        logger.finalize("success")
+    warnings = [r.getMessage() for r in caplog.records if "is failing" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"(the connection was refused: nothing listens at 127.0.0.1:{port})" in warnings[0]
+    assert "shutdown timeout" not in warnings[0]
+
+
+def test_sdk_messages_are_condensed_to_their_cause():
+    from align.observability.export import condensed
+
+    assert condensed("Transient error HTTPConnectionPool(host='h', port=1): ... [Errno -2] Name or service not "
+                     "known", "h:1") == "the collector's host name does not resolve"
+    assert condensed("Transient error StatusCode.DEADLINE_EXCEEDED encountered while exporting metrics to h:1, "
+                     "retrying in 1s.", "h:1") == "the collector did not answer in time"
+    assert condensed("something else\nsecond line", "h:1") == "something else"

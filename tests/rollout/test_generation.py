@@ -306,3 +306,18 @@ def test_a_reward_model_checkpoint_is_refused_as_the_policy(capsys, tmp_path, pr
 def test_test_and_predict_are_not_subcommands(capsys, name):
     assert set(AlignCLI.subcommands()) == {"fit", "validate"}
     assert "use 'align evaluate'" in fails(capsys, name, "--config", "align:grpo/tiny.yaml")
+
+
+def test_the_report_says_when_no_completion_could_reach_the_accuracy_threshold():
+    from align.cli.generation import _report_table
+    from align.rollout.generation import EvalReport
+    from align.rollout.sampling import SamplingConfig
+
+    report = EvalReport(model="m", prompts="p.jsonl", num_prompts=2, samples_per_prompt=1, sampling={},
+                        reward_mean=0.4, rewards={"half": 0.4}, accuracy=0.0, accuracy_reward="half",
+                        accuracy_threshold=1.0, response_length=3.0, truncated_frac=0.0, accuracy_reward_highest=0.5)
+    table = _report_table(report, None, SamplingConfig())
+    assert ("accuracy         0.0000 (no completion reached half >= 1, highest 0.5000: read reward/half, its mean; "
+            "--accuracy_threshold sets the bar)") in table
+    report.accuracy_reward_highest = 1.0
+    assert "accuracy         0.0000 (half >= 1)" in _report_table(report, None, SamplingConfig())

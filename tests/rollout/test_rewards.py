@@ -12,6 +12,7 @@ from align.rollout.rewards import (
     RewardSpec,
     extract_final_number,
     math_answer,
+    resolve_import,
     resolve_reward,
     sort_exact_match,
     sort_format,
@@ -214,6 +215,25 @@ def test_dotted_path_imports_from_the_working_directory(tmp_path, monkeypatch):
     fn = RewardFunction(RewardSpec("cwd_rewards_a1.brevity"))
     assert fn(["p"], ["abc"]) == [0.25]
     assert sys.path[-1] == str(tmp_path)  # searched last: never shadows an installed package
+
+
+def test_a_file_path_imports_the_modules_beside_it_and_in_the_working_directory(tmp_path, monkeypatch):
+    """``my_envs.py:Game`` (in the working directory) and ``envs/game.py:Game`` (in a folder) import their sibling
+    modules, as the dotted form can, from a script whose own folder is first on sys.path (python recipes/grpo.py)."""
+    (tmp_path / "sibling_helpers_c3.py").write_text("BONUS = 2.0\n")
+    (tmp_path / "my_envs_c3.py").write_text("from sibling_helpers_c3 import BONUS\nclass Game:\n    bonus = BONUS\n")
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "nested_helpers_c3.py").write_text("VALUE = 3\n")
+    (tmp_path / "envs" / "game_c3.py").write_text("from nested_helpers_c3 import VALUE\n"
+                                                  "from sibling_helpers_c3 import BONUS\n"
+                                                  "class Game:\n    value = VALUE * BONUS\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    for name in ("sibling_helpers_c3", "nested_helpers_c3"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert resolve_import("my_envs_c3.py:Game", what="environment").bonus == 2.0
+    assert resolve_import("envs/game_c3.py:Game", what="environment").value == 6.0
+    assert sys.path[-2:] == [str(tmp_path), str(tmp_path / "envs")]  # searched last
 
 
 def test_a_module_that_fails_to_import_names_the_error_and_line(tmp_path, monkeypatch):

@@ -35,6 +35,10 @@ def _load_file(path_text: str, attr: str, spec_text: str, what: str = "reward") 
     module_name = f"_align_{what.replace(' ', '_')}_{abs(hash(str(path.resolve())))}"
     module = sys.modules.get(module_name)
     if module is None:
+        # The file imports its sibling modules as it would when run as a script, and the working directory's
+        # modules as the dotted form does (both appended: neither shadows an installed package).
+        _importable(str(path.resolve().parent))
+        _cwd_importable()
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         try:
@@ -53,9 +57,13 @@ def _cwd_importable() -> None:
     the ``align`` script put their own folder on ``sys.path``, not the working directory. It goes last, so a
     file there never shadows an installed package. The extra ranks of ``--trainer.devices N`` re-run the same
     command in the same working directory and come through here too."""
-    cwd = os.getcwd()
-    if not any(os.path.realpath(p or os.curdir) == os.path.realpath(cwd) for p in sys.path):
-        sys.path.append(cwd)
+    _importable(os.getcwd())
+
+
+def _importable(folder: str) -> None:
+    """Append ``folder`` to ``sys.path`` unless it is there already."""
+    if not any(os.path.realpath(p or os.curdir) == os.path.realpath(folder) for p in sys.path):
+        sys.path.append(folder)
 
 
 def _load_dotted(path: str, what: str = "reward") -> Any:
@@ -84,7 +92,9 @@ def resolve_import(fn: str | Any, what: str = "reward") -> Any:
     """The object named by an import path (``pkg.mod.name`` or ``file.py:name``); a non-string is returned as is.
     Errors name the path as ``<what> '<path>'``.
 
-    A dotted path also finds modules in the working directory (``my_rewards.fn`` for ``./my_rewards.py``)."""
+    A dotted path also finds modules in the working directory (``my_rewards.fn`` for ``./my_rewards.py``). A file
+    path's module imports the modules beside it (``from helpers import x`` in ``envs/game.py`` finds
+    ``envs/helpers.py``) and those of the working directory, as the dotted form does."""
     if not isinstance(fn, str):
         return fn
     text = fn.strip()
