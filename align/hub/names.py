@@ -99,9 +99,9 @@ def _run_checkpoint(folder: Path) -> Path | None:
 def known_ids() -> list[str]:
     """The model ids align knows without a hub: the packaged GGUF ids and the embedded tiny models."""
     from align.hub.gguf import PACKAGED
-    from align.hub.tiny import TINY, TINY_SORT, TINY_SORT_RM
+    from align.hub.tiny import TINY, TINY_SORT, TINY_SORT_GRPO, TINY_SORT_RM
 
-    return sorted({*PACKAGED, TINY, TINY_SORT, TINY_SORT_RM})
+    return sorted({*PACKAGED, TINY, TINY_SORT, TINY_SORT_GRPO, TINY_SORT_RM})
 
 
 def _offline() -> bool:

@@ -21,7 +21,7 @@ def test_an_unknown_id_offline_fails_without_a_lookup_naming_the_nearest_shipped
     assert "\n" not in message
     assert message.startswith("model: 'smollm2-135m' is not a local path or an id align ships")
     assert "HF_HUB_OFFLINE is set" in message and "did you mean 'smollm2-135m-instruct'?" in message
-    assert "align's own ids: smollm2-135m-instruct, tiny, tiny-sort, tiny-sort-rm" in message
+    assert "align's own ids: smollm2-135m-instruct, tiny, tiny-sort, tiny-sort-grpo, tiny-sort-rm" in message
     with pytest.raises(AlignConfigError, match="tokenizer: 'smollm2-135m' is not a local path"):
         load_tokenizer("smollm2-135m")
 
