@@ -34,9 +34,6 @@ from align.cli.runs import RunLogger, RunRecord, latest_run, next_version, run_o
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("fit", "validate")
-REMOVED_SUBCOMMANDS = ("test", "predict")
-"""LightningCLI subcommands ``align`` does not offer: the modules have no ``test_step``/``predict_step``;
-``align evaluate`` and ``align generate`` do that work."""
 TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
 
 
@@ -103,7 +100,7 @@ class AlignCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit`` and ``validate`` only (:data:`REMOVED_SUBCOMMANDS`)."""
+        """``fit`` and ``validate`` only (:data:`~align.cli.commands.REMOVED_SUBCOMMANDS`)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser) -> None:
