@@ -34,7 +34,10 @@ from align.cli.runs import RunLogger, RunRecord, latest_run, next_version, run_o
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("fit", "validate")
-TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
+# Lightning's model table is off (its FLOPs column reads 0 for align's modules); a run prints
+# :func:`parameter_count` instead, and ``--trainer.enable_model_summary true`` brings the table back.
+TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0,
+                    "enable_model_summary": False}
 
 
 # Settings whose values are credentials: never written to the run directory's config.yaml.
@@ -210,6 +213,10 @@ class AlignCLI(LightningCLI):
         log_dir = self.trainer.log_dir  # a broadcast under several processes: every rank asks
         if log_dir is not None:
             say(f"run directory: {log_dir}")
+        from lightning.pytorch.callbacks import ModelSummary
+
+        if not any(isinstance(cb, ModelSummary) for cb in self.trainer.callbacks):
+            say(parameter_count(self.model))
         # A continued run takes its "before" from the checkpoint (RunRecord): its starting weights are trained.
         if self._wants_eval() and self._ckpt_path is None:
             self.record.before = self._validate("before training")
@@ -273,6 +280,17 @@ class AlignCLI(LightningCLI):
             if reused:
                 return reused
         return self._validate("after training")
+
+
+def parameter_count(model) -> str:
+    """``parameters: 853 K trainable, 1.7 M in all``: the line that stands for Lightning's model table (frozen
+    copies, such as a reference model, count in all). DeepSpeed ZeRO-3's placeholders count at their full size."""
+    from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    trainable = sum(n for n, grad in sizes if grad)
+    return (f"parameters: {get_human_readable_count(trainable).strip()} trainable, "
+            f"{get_human_readable_count(sum(n for n, _ in sizes)).strip()} in all")
 
 
 def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:

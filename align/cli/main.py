@@ -69,6 +69,10 @@ def main(args: list[str] | None = None) -> None:
         return not_a_subcommand(args[0])
     if args[0] not in COMMANDS and args[0].partition("=")[0] not in TOP_LEVEL_OPTIONS:
         return not_a_command(args[0])
+    # Lightning before the root logger's handler: its packages print their own lines (plain, once) only when the root
+    # logger has none at import.
+    import lightning.pytorch  # noqa: F401
+
     logging.basicConfig(level=os.environ.get("ALIGN_LOG_LEVEL", "WARNING"))
     from align.cli.quiet import quiet_known_noise
 
