@@ -23,12 +23,12 @@ QUIET = ["--trainer.limit_val_batches", "0", "--eval_before_after", "false", "--
 # Rows x fed tokens x hidden width of each pass is above torch's CPU grain size (32768 elements), where the
 # gradient of advanced indexing adds in parallel with atomics.
 RUNS = {
-    "grpo": (GRPOModule, PromptDataModule, "prompts", ["--trainer.max_steps", "3", "--data.batch_size", "4",
-                                                       "--model.group_size", "8"]),
+    "grpo": (GRPOModule, PromptDataModule, "prompts", ["--trainer.max_steps", "2", "--data.batch_size", "4",
+                                                       "--model.group_size", "8", "--model.sampling.max_new_tokens", "12"]),
     "ppo": (PPOModule, PromptDataModule, "prompts", ["--trainer.max_steps", "2", "--data.batch_size", "8",
                                                      "--model.updates.epochs", "1", "--model.updates.minibatches", "1",
                                                      "--model.value.warmup_rollouts", "0"]),
-    "dpo": (DPOModule, PreferenceDataModule, "preference", ["--trainer.max_steps", "3", "--data.batch_size", "16"]),
+    "dpo": (DPOModule, PreferenceDataModule, "preference", ["--trainer.max_steps", "2", "--data.batch_size", "16"]),
 }
 
 
@@ -50,7 +50,7 @@ def two_threads():
 def test_two_runs_at_one_seed_log_the_same_values_at_two_threads(algorithm, tmp_path, monkeypatch, two_threads):
     module, data, task, args = RUNS[algorithm]
     train = tmp_path / "train.jsonl"  # the first rows: no reference pass over the whole file
-    train.write_text("".join((SORT / task / "train.jsonl").read_text().splitlines(keepends=True)[:48]))
+    train.write_text("".join((SORT / task / "train.jsonl").read_text().splitlines(keepends=True)[:32]))
     args = [*args, "--data.train_files", str(train), "--data.val_files", "null"]
     monkeypatch.setattr(sys, "argv", [sys.argv[0]])
     runs = []
