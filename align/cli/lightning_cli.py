@@ -34,10 +34,10 @@ from align.cli.runs import RunLogger, RunRecord, latest_run, next_version, run_o
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("fit", "validate")
-REMOVED_SUBCOMMANDS = ("test", "predict")
-"""LightningCLI subcommands ``align`` does not offer: the modules have no ``test_step``/``predict_step``;
-``align evaluate`` and ``align generate`` do that work."""
-TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0}
+# Lightning's model table is off (its FLOPs column reads 0 for align's modules); a run prints
+# :func:`parameter_count` instead, and ``--trainer.enable_model_summary true`` brings the table back.
+TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0,
+                    "enable_model_summary": False}
 
 
 # Settings whose values are credentials: never written to the run directory's config.yaml.
@@ -103,7 +103,7 @@ class AlignCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit`` and ``validate`` only (:data:`REMOVED_SUBCOMMANDS`)."""
+        """``fit`` and ``validate`` only (:data:`~align.cli.commands.REMOVED_SUBCOMMANDS`)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -235,6 +235,10 @@ class AlignCLI(LightningCLI):
         log_dir = self.trainer.log_dir  # a broadcast under several processes: every rank asks
         if log_dir is not None:
             say(f"run directory: {log_dir}")
+        from lightning.pytorch.callbacks import ModelSummary
+
+        if not any(isinstance(cb, ModelSummary) for cb in self.trainer.callbacks):
+            say(parameter_count(self.model))
         # A continued run takes its "before" from the checkpoint (RunRecord): its starting weights are trained.
         if self._wants_eval() and self._ckpt_path is None:
             self.record.before = self._validate("before training")
@@ -329,6 +333,17 @@ def _accuracy_stand_in(model) -> tuple[str, str] | None:
     return f"val/reward/{name}", (f"mean of reward '{name}', printed instead of val/accuracy: no held-out completion "
                                   f"reached {name} >= {threshold:g} (highest {highest:.4f}; "
                                   "model.evaluation.accuracy_threshold sets it)")
+
+
+def parameter_count(model) -> str:
+    """``parameters: 853 K trainable, 1.7 M in all``: the line that stands for Lightning's model table (frozen
+    copies, such as a reference model, count in all). DeepSpeed ZeRO-3's placeholders count at their full size."""
+    from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    trainable = sum(n for n, grad in sizes if grad)
+    return (f"parameters: {get_human_readable_count(trainable).strip()} trainable, "
+            f"{get_human_readable_count(sum(n for n, _ in sizes)).strip()} in all")
 
 
 def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:

@@ -2,13 +2,21 @@
 the user can act on.
 
 Each entry names the text it drops and why it is noise for an align user. Warnings that a user can act on are
-left alone; so are Lightning's device lines (``GPU available: ...``), which say what the run uses.
+kept, on one line that names the module that raised them instead of the file it is installed in. Lightning's
+device lines are dropped for the devices a machine lacks (``GPU available: False``, ``TPU available: False``);
+a line that names a device present (``GPU available: True (cuda), used: True``) stays. Lightning's model table
+is off by default (``enable_model_summary``, :data:`align.cli.lightning_cli.TRAINER_DEFAULTS`); a run prints a
+one-line parameter count instead.
+
+``ALIGN_LOG_LEVEL=INFO`` (or ``DEBUG``) turns all of this off: every line and warning the libraries print comes back,
+in their own format; ``--trainer.enable_model_summary true`` brings back Lightning's table.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 # (warning message regex, why it is dropped)
@@ -31,6 +39,9 @@ LOG_LINES = (
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip:", "an advertisement for a hosted logging service"),
     ("lightning.pytorch.utilities.rank_zero", "Loading `train_dataloader` to estimate number of stepping batches",
      "internal bookkeeping of Lightning"),
+    ("lightning.pytorch.utilities.rank_zero", "GPU available: False", "a device the machine lacks, on every run"),
+    ("lightning.pytorch.utilities.rank_zero", "TPU available: False", "a device the machine lacks, on every run"),
+    ("lightning.pytorch.utilities.rank_zero", "HPU available: False", "a device the machine lacks, on every run"),
     ("DeepSpeed", "Setting accelerator to CPU",
      "DeepSpeed's notice on import on a machine without a GPU; align uses DeepSpeed only with a ZeRO strategy"),
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community",
@@ -52,9 +63,32 @@ class _DropPrefixes(logging.Filter):
         return not message.startswith(self.prefixes)
 
 
+def verbose() -> bool:
+    """Whether the user asked for the libraries' own output (``ALIGN_LOG_LEVEL`` INFO or DEBUG)."""
+    return os.environ.get("ALIGN_LOG_LEVEL", "WARNING").upper() in ("INFO", "DEBUG", "NOTSET")
+
+
+def where_raised(filename: str, lineno: int) -> str:
+    """``module:line`` for a warning raised in an imported module (no install path), else ``file:line``."""
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == filename:
+            return f"{name}:{lineno}"
+    return f"{filename}:{lineno}"
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as ``<Category>: <message> (<module>:<line>)``: Python's own format starts with the file's install
+    path and adds the line of source that raised it."""
+    return f"{category.__name__}: {message} ({where_raised(filename, lineno)})\n"
+
+
 def quiet_known_noise(progress_bars: bool | None = None) -> None:
-    """Install the filters (idempotent). ``progress_bars``: whether transformers may draw its own loading bars
-    (``Loading weights``); by default only in a terminal outside CI, like the run's progress bar."""
+    """Install the filters (idempotent; nothing under :func:`verbose`). ``progress_bars``: whether transformers may
+    draw its own loading bars (``Loading weights``); by default only in a terminal outside CI, like the run's
+    progress bar."""
+    if verbose():
+        return
+    warnings.formatwarning = one_line_warning
     for pattern, _ in WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     by_logger: dict[str, list[str]] = {}

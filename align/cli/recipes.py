@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from align.cli.arguments import CONFIG_DIR, SHIPPED, resolve_config_args
-from align.cli.commands import not_a_subcommand
+from align.cli.commands import REMOVED_SUBCOMMANDS, not_a_subcommand
 from align.cli.config_errors import guarded
-from align.cli.lightning_cli import REMOVED_SUBCOMMANDS, SUBCOMMANDS, TRAINER_DEFAULTS, AlignCLI
+from align.cli.lightning_cli import SUBCOMMANDS, TRAINER_DEFAULTS, AlignCLI
 
 
 def _with_subcommand(args: list[str]) -> list[str]:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +151,53 @@ def _laid_out_hidden(decoder: nn.Module, mask_kind: str, input_ids, attention_ma
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     hidden = decoder(input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids,
                      use_cache=False).last_hidden_state  # (pieces, L, H)
-    return hidden[rows.group[:, None], rows.index]
+    return rows_of(hidden, rows.group[:, None] * hidden.shape[1] + rows.index)
+
+
+def rows_of(hidden: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+    """``(*I, H)``: ``hidden`` ``(N, L, H)`` at the positions ``flat_index`` ``(*I)`` of its flattened ``(N * L)``
+    positions, which repeat where rows share a position; its gradient sums the repeats in the same order every time.
+
+    The gradient of indexing (``hidden[n, l]``) sums repeated positions with ``index_put_(accumulate=True)``. On a
+    CPU, in float32 and past 32768 elements, that kernel adds from every thread with atomics, in an order that changes
+    from call to call: two runs at one seed drifted apart in the 7th digit at 2 threads. :class:`_RowsOf` runs the
+    same kernel in torch's deterministic mode, which on a CPU is its serial loop (as fast here; ``index_select``'s
+    own gradient, also deterministic, took 2 to 3 times as long). On CUDA the kernel sorts the indices and is
+    deterministic as it is."""
+    H = hidden.shape[-1]
+    flat = hidden.reshape(-1, H)
+    if hidden.device.type != "cpu":
+        return flat[flat_index]
+    return _RowsOf.apply(flat, flat_index.reshape(-1)).reshape(*flat_index.shape, H)
+
+
+class _RowsOf(torch.autograd.Function):
+    """``flat[index]`` for ``flat`` ``(M, H)`` and ``index`` ``(K,)``, with a gradient summed in index order."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.shape = flat.shape
+        return flat.index_select(0, index)  # (K, H)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.shape)
+        with deterministic_algorithms():
+            out.index_put_((index,), grad, accumulate=True)
+        return out, None
+
+
+@contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """torch's deterministic mode for the ops inside, then the mode as it was."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _cached_prefix_hidden(decoder: nn.Module, cache_kwarg: str, input_ids, attention_mask, position_ids, C: int,
@@ -167,8 +215,9 @@ def _cached_prefix_hidden(decoder: nn.Module, cache_kwarg: str, input_ids, atten
                    attention_mask=None if attention_mask is None else attention_mask[:, : T - 1],
                    position_ids=None if position_ids is None else position_ids[:, C : T - 1],
                    use_cache=True, **{cache_kwarg: cache}).last_hidden_state  # (B, T - 1 - C, H)
-    return torch.cat([prefix.last_hidden_state[group, C - 1 : C], rest], dim=1)
+    last = prefix.last_hidden_state  # (groups, C, H)
+    return torch.cat([rows_of(last, group[:, None] * C + C - 1), rest], dim=1)
 
 
-__all__ = ["DecoderFacts", "best_piece_size", "decoder_facts", "layout_mask_kind", "pass_cost", "plain_hidden",
-           "scoring_hidden"]
+__all__ = ["DecoderFacts", "best_piece_size", "decoder_facts", "deterministic_algorithms", "layout_mask_kind", "pass_cost",
+           "plain_hidden", "rows_of", "scoring_hidden"]

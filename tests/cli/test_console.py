@@ -2,7 +2,10 @@
 the progress bar's names and numbers, and known library noise filtered at its source."""
 
 import logging
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,8 @@ from align.data import SFTDataModule
 from align.modules import SFTModule
 from align.trainer.progress import AlignProgressBar, format_value, interactive, short_name
 from align.cli.quiet import quiet_known_noise
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def recipe_error(capsys, *args) -> list[str]:
@@ -102,4 +107,47 @@ def test_known_noise_is_filtered_and_other_messages_pass(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         rank_zero.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing litlogger")
         rank_zero.info("GPU available: False, used: False")
-    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+        rank_zero.info("TPU available: False, using: 0 TPU cores")
+        rank_zero.info("GPU available: True (cuda), used: True")
+    # A device the machine lacks is noise on every run; one that is there says what the run uses.
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: True (cuda), used: True"]
+
+
+def test_a_warning_is_one_line_naming_the_module_not_its_install_path(monkeypatch):
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # put back afterwards
+    quiet_known_noise(progress_bars=True)
+    line = warnings.formatwarning("the dataloader has few workers", UserWarning, logging.__file__, 12, "source")
+    assert line == "UserWarning: the dataloader has few workers (logging:12)\n"
+    assert warnings.formatwarning("x", UserWarning, "/my/reward.py", 3) == "UserWarning: x (/my/reward.py:3)\n"
+
+
+def test_align_log_level_info_keeps_the_libraries_own_output(monkeypatch):
+    def library_format(*args, **kwargs):
+        return "the library's format"
+
+    monkeypatch.setattr(warnings, "formatwarning", library_format)
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    monkeypatch.setenv("ALIGN_LOG_LEVEL", "INFO")
+    before = list(warnings.filters)
+    quiet_known_noise(progress_bars=True)
+    assert warnings.formatwarning is library_format and warnings.filters == before
+
+
+def test_a_run_prints_what_matters_and_no_device_lines_model_table_or_install_paths(tmp_path):
+    sort = ROOT / "align" / "data" / "assets" / "sort" / "sft"
+    for name, rows in (("train", 64), ("validation", 16)):
+        (tmp_path / f"{name}.jsonl").write_text("".join((sort / f"{name}.jsonl").read_text().splitlines(True)[:rows]))
+    done = subprocess.run([sys.executable, "-m", "align", "fit", "--config", "align:sft/tiny.yaml",
+                           "--trainer.max_steps", "2", "--data.train_files", str(tmp_path / "train.jsonl"),
+                           "--data.val_files", str(tmp_path / "validation.jsonl"),
+                           "--trainer.default_root_dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, cwd=tmp_path, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    for noise in ("GPU available: False", "TPU available: False", "Total FLOPs", "┃", "site-packages", "INFO:"):
+        assert noise not in out, (noise, out)
+    lines = out.splitlines()
+    assert "parameters: 853 K trainable, 853 K in all" in lines
+    assert f"run directory: {tmp_path / 'runs' / 'version_0'}" in lines
+    assert any(line.startswith("held-out val/loss: ") and " -> " in line for line in lines), out
+    assert lines.count("Seed set to 0") == 1  # Lightning's own lines print once

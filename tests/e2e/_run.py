@@ -1,7 +1,7 @@
-"""Run a recipe in this process the way the resume tests need it: one thread, deterministic kernels, and
-optionally a SIGKILL of the process itself right after optimizer step ``--kill-at`` (before that step's
-checkpoint, so the run must go back to the previous one) or in the middle of writing checkpoint file number
-``--kill-in-write``.
+"""Run a recipe in this process the way the resume tests need it: ``OMP_NUM_THREADS`` threads (1 unless set),
+torch's default kernels (a run must repeat itself without ``torch.use_deterministic_algorithms``), and optionally
+a SIGKILL of the process itself right after optimizer step ``--kill-at`` (before that step's checkpoint, so the
+run must go back to the previous one) or in the middle of writing checkpoint file number ``--kill-in-write``.
 
     python tests/e2e/_run.py sft [--kill-at K] [--kill-in-write N] -- <recipe arguments>
 """
@@ -13,8 +13,7 @@ import sys
 
 import torch
 
-torch.set_num_threads(1)
-torch.use_deterministic_algorithms(True)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 

@@ -2,7 +2,7 @@
 one) and resumed with ``--ckpt_path last`` logs the same metrics, bit for bit, as a run that was never
 interrupted, in the same run folder (``version_0``).
 
-Each run is its own process (``_run.py``: one thread, deterministic kernels). The kill lands after an
+Each run is its own process (``_run.py``), at 2 threads with torch's default kernels. The kill lands after an
 optimizer step whose checkpoint is not written yet, so the resumed run repeats the steps since the previous
 checkpoint: the data position, the RNG streams (rollout sampling included), the optimizer, the schedule and
 the loop counters must all come back for the numbers to match. Every setting crosses an epoch boundary.
@@ -41,7 +41,7 @@ def run(algorithm: str, root: Path, args: list[str], *extra: str, kill_at: int |
     if kill_in_write is not None:
         cmd += ["--kill-in-write", str(kill_in_write)]
     cmd += ["--", "--trainer.default_root_dir", str(root), *args, *extra]
-    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="2")
     return subprocess.run(cmd, cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -81,10 +81,12 @@ def settings(algorithm: str, tmp: Path) -> tuple[list[str], int, int]:
         data = first_rows(DATA / "preference" / "train.jsonl", tmp / "pairs.jsonl", 24)
         return [*common(8, 2), "--trainer.max_epochs", "3", "--data.init_args.batch_size", "4",
                 "--data.init_args.train_files", data, "--data.init_args.val_files", "null"], 8, 2
-    # grpo: 10 prompts / 4 = 2 rollouts per epoch (last partial batch dropped); sampling at temperature 1
+    # grpo: 10 prompts / 4 = 2 rollouts per epoch (last partial batch dropped); sampling at temperature 1. 32 rows of
+    # 12 new tokens: the scoring pass's shared-prompt gradient (32 x 11 x 128 values) is past the size at which
+    # torch's CPU kernels split work between the 2 threads (align.models.shared_pass.rows_of).
     data = first_rows(DATA / "prompts" / "train.jsonl", tmp / "prompts.jsonl", 10)
-    rl = ["--data.init_args.batch_size", "4", "--model.init_args.group_size", "2",
-          "--model.init_args.sampling.max_new_tokens", "8", "--model.init_args.sampling.temperature", "1.0",
+    rl = ["--data.init_args.batch_size", "4", "--model.init_args.group_size", "8",
+          "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.sampling.temperature", "1.0",
           "--data.init_args.train_files", data, "--data.init_args.val_files", "null"]
     if algorithm == "distill":  # GKD with mixed data: the draw of each step must come out the same after a resume
         return [*common(6, 2), *rl, "--model.init_args.objective", "gkd", "--model.init_args.lmbda", "0.5"], 6, 2
