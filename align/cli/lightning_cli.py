@@ -28,14 +28,14 @@ from align.cli.arguments import RUN_FOLDER
 from align.cli.config_errors import AlignArgumentParser
 from align.errors import AlignConfigError
 from align.trainer.progress import say
-from align.cli.quiet import quiet_known_noise
+from align.cli.quiet import parameter_count, quiet_known_noise
 from align.cli.runs import RunLogger, RunRecord, latest_run, next_version, run_of_checkpoint
 
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("fit", "validate")
 # Lightning's model table is off (its FLOPs column reads 0 for align's modules); a run prints
-# :func:`parameter_count` instead, and ``--trainer.enable_model_summary true`` brings the table back.
+# :func:`align.cli.quiet.parameter_count` instead, and ``--trainer.enable_model_summary true`` brings the table back.
 TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0,
                     "enable_model_summary": False}
 
@@ -333,17 +333,6 @@ def _accuracy_stand_in(model) -> tuple[str, str] | None:
     return f"val/reward/{name}", (f"mean of reward '{name}', printed instead of val/accuracy: no held-out completion "
                                   f"reached {name} >= {threshold:g} (highest {highest:.4f}; "
                                   "model.evaluation.accuracy_threshold sets it)")
-
-
-def parameter_count(model) -> str:
-    """``parameters: 853 K trainable, 1.7 M in all``: the line that stands for Lightning's model table (frozen
-    copies, such as a reference model, count in all). DeepSpeed ZeRO-3's placeholders count at their full size."""
-    from lightning.pytorch.utilities.model_summary import get_human_readable_count
-
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
-    trainable = sum(n for n, grad in sizes if grad)
-    return (f"parameters: {get_human_readable_count(trainable).strip()} trainable, "
-            f"{get_human_readable_count(sum(n for n, _ in sizes)).strip()} in all")
 
 
 def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:

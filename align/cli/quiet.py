@@ -110,3 +110,14 @@ def quiet_known_noise(progress_bars: bool | None = None) -> None:
             hf_logging.disable_progress_bar()
         except ImportError:
             pass
+
+
+def parameter_count(model) -> str:
+    """``parameters: 853 K trainable, 1.7 M in all``: the line that stands for Lightning's model table (frozen
+    copies, such as a reference model, count in all). DeepSpeed ZeRO-3's placeholders count at their full size."""
+    from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    trainable = sum(n for n, grad in sizes if grad)
+    return (f"parameters: {get_human_readable_count(trainable).strip()} trainable, "
+            f"{get_human_readable_count(sum(n for n, _ in sizes)).strip()} in all")
