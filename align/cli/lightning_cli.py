@@ -199,16 +199,17 @@ class AlignCLI(LightningCLI):
         return {k: merged[k] for k in names if k in merged}
 
     def _printed(self, metrics: dict[str, float]) -> list[tuple[str, str]]:
-        """The headline metrics to print, each with a note: an accuracy that no held-out completion could reach
-        (its reward never got to the threshold) gives its place to the accuracy reward's mean, named as such."""
+        """The headline metrics to print, each with a note for the line below it (empty: none). An accuracy that
+        no held-out completion could reach (its reward never got to the threshold) is followed by the accuracy
+        reward's mean, whose note says why to read that instead."""
         stand_in = _accuracy_stand_in(self.model)
         listed = getattr(self.model, "headline_metrics", ()) or tuple(metrics)
         out: dict[str, str] = {}
         for name in metrics:
-            if stand_in is not None and name == "val/accuracy" and stand_in[0] in metrics:
-                out[stand_in[0]] = f" ({stand_in[1]})"
-            elif name in listed and name not in out:
+            if name in listed and name not in out:
                 out[name] = ""
+            if stand_in is not None and name == "val/accuracy" and stand_in[0] in metrics:
+                out[stand_in[0]] = stand_in[1]
         return list(out.items())
 
     def _wants_eval(self) -> bool:
@@ -259,12 +260,13 @@ class AlignCLI(LightningCLI):
         for name, note in self._printed(after):
             value = after[name]
             if before is not None and name in before:
-                print(f"held-out {name}: {before[name]:.4f} -> {value:.4f}{note}")
+                print(f"held-out {name}: {before[name]:.4f} -> {value:.4f}")
             elif self._ckpt_path is not None:
-                print(f"held-out {name}: {value:.4f} (resumed from {self._ckpt_path}, which holds no earlier value)"
-                      f"{note}")
+                print(f"held-out {name}: {value:.4f} (resumed from {self._ckpt_path}, which holds no earlier value)")
             else:
-                print(f"held-out {name}: {value:.4f}{note}")
+                print(f"held-out {name}: {value:.4f}")
+            if note:
+                print(f"  {note}")
         if log_dir is not None:
             print(f"run directory: {log_dir}")
         curves = self._write_curves()
@@ -285,7 +287,7 @@ class AlignCLI(LightningCLI):
         weights = self.config["validate"].get("ckpt_path") or "the config's model (no --ckpt_path)"
         headline = self._headline([metrics]) or metrics
         for name, note in self._printed(headline):
-            print(f"held-out {name}: {headline[name]:.4f}{note}")
+            print(f"held-out {name}: {headline[name]:.4f}" + (f"\n  {note}" if note else ""))
         print(f"weights: {weights}")
 
     def _write_curves(self) -> str | None:
@@ -330,9 +332,9 @@ def _accuracy_stand_in(model) -> tuple[str, str] | None:
     name = getattr(model, "accuracy_reward", None)
     if highest is None or threshold is None or not isinstance(name, str) or highest >= threshold:
         return None
-    return f"val/reward/{name}", (f"mean of reward '{name}', printed instead of val/accuracy: no held-out completion "
-                                  f"reached {name} >= {threshold:g} (highest {highest:.4f}; "
-                                  "model.evaluation.accuracy_threshold sets it)")
+    return f"val/reward/{name}", (f"val/accuracy is 0 by construction: no held-out completion reached {name} >= "
+                                  f"{threshold:g} (highest {highest:.4f}; model.evaluation.accuracy_threshold sets "
+                                  f"it); read val/reward/{name}, the reward's mean, instead")
 
 
 def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:
