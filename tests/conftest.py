@@ -14,6 +14,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def two_threads():
+    """torch computes on 2 threads for the test (the thread count is restored after it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def load_script():
     """Import a file from scripts/ in-process (a fresh interpreter would spend most of a test importing torch)."""

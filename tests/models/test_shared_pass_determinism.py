@@ -1,18 +1,9 @@
 """The hidden states a shared-prompt scoring pass hands to each row (:func:`align.models.shared_pass.rows_of`)
 have the same gradient on every call at 2 threads."""
 
-import pytest
 import torch
 
 from align.models.shared_pass import rows_of
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_rows_of_is_the_indexed_positions():

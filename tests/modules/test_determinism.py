@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from align.cli.recipes import run_recipe
 from align.data.preference import PreferenceDataModule
@@ -36,14 +35,6 @@ def logged(root) -> list[dict[str, str]]:
     (path,) = root.rglob("metrics.csv")
     rows = list(csv.DictReader(path.read_text().splitlines()))
     return [{k: v for k, v in row.items() if v != "" and not any(t in k for t in TIMING)} for row in rows]
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("algorithm", list(RUNS))
