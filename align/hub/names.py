@@ -18,17 +18,7 @@ from pathlib import Path
 
 from align.errors import AlignConfigError
 from align.hub.gguf import converted_dir, is_gguf_source
-from align.hub.tiny import (
-    TINY_SORT_DIR,
-    TINY_SORT_GRPO_DIR,
-    TINY_SORT_RM_DIR,
-    has_tiny_sort_weights,
-    is_tiny,
-    is_tiny_sort,
-    is_tiny_sort_grpo,
-    is_tiny_sort_rm,
-    load_tiny_tokenizer,
-)
+from align.hub.tiny import is_tiny, load_tiny_tokenizer, shipped_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +32,13 @@ def check_model_source(name: str, what: str = "model") -> str:
     """Fail early, naming the setting, when a local model path does not exist."""
     if is_tiny(name):
         return name
-    if is_tiny_sort(name):
-        # The shipped SFT-warmed tiny model: a plain Hugging Face directory inside the package.
-        if not has_tiny_sort_weights():
-            raise AlignConfigError(f"{what}: 'tiny-sort' weights are missing from {TINY_SORT_DIR}; "
-                                   "run scripts/make_tiny_sort.py to rebuild them")
-        return str(TINY_SORT_DIR)
-    if is_tiny_sort_grpo(name):
-        if not (TINY_SORT_GRPO_DIR / "config.json").is_file():
-            raise AlignConfigError(f"{what}: 'tiny-sort-grpo' weights are missing from {TINY_SORT_GRPO_DIR}; "
-                                   "run scripts/make_tiny_sort_grpo.py to rebuild them")
-        return str(TINY_SORT_GRPO_DIR)
-    if is_tiny_sort_rm(name):
-        # The shipped sort-task reward model: a sequence-classification export directory.
-        if not (TINY_SORT_RM_DIR / "config.json").is_file():
-            raise AlignConfigError(f"{what}: 'tiny-sort-rm' weights are missing from {TINY_SORT_RM_DIR}; "
-                                   "run scripts/make_tiny_sort_rm.py to rebuild them")
-        return str(TINY_SORT_RM_DIR)
+    shipped = shipped_dir(name)
+    if shipped is not None:
+        # A model whose weights ship inside the package (tiny-sort, tiny-sort-grpo, tiny-sort-rm): a plain folder.
+        if not (shipped / "config.json").is_file():
+            raise AlignConfigError(f"{what}: '{shipped.name}' weights are missing from {shipped}; "
+                                   f"run scripts/make_{shipped.name.replace('-', '_')}.py to rebuild them")
+        return str(shipped)
     if is_gguf_source(name):
         return str(converted_dir(name))
     path = Path(name).expanduser()
@@ -99,9 +79,9 @@ def _run_checkpoint(folder: Path) -> Path | None:
 def known_ids() -> list[str]:
     """The model ids align knows without a hub: the packaged GGUF ids and the embedded tiny models."""
     from align.hub.gguf import PACKAGED
-    from align.hub.tiny import TINY, TINY_SORT, TINY_SORT_GRPO, TINY_SORT_RM
+    from align.hub.tiny import SHIPPED_DIRS, TINY
 
-    return sorted({*PACKAGED, TINY, TINY_SORT, TINY_SORT_GRPO, TINY_SORT_RM})
+    return sorted({*PACKAGED, TINY, *SHIPPED_DIRS})
 
 
 def _offline() -> bool:

@@ -53,9 +53,15 @@ TINY_SORT_GRPO = "tiny-sort-grpo"
 """The id of the shipped GRPO-trained sort model (:data:`TINY_SORT_GRPO_DIR`)."""
 
 
-def is_tiny_sort_grpo(name: Any) -> bool:
-    """Whether a model id names the shipped GRPO-trained sort model (case and surrounding spaces ignored)."""
-    return isinstance(name, str) and name.strip().lower() == TINY_SORT_GRPO
+SHIPPED_DIRS: dict[str, Path] = {TINY_SORT: TINY_SORT_DIR, TINY_SORT_GRPO: TINY_SORT_GRPO_DIR,
+                                 TINY_SORT_RM: TINY_SORT_RM_DIR}
+"""The model ids whose weights ship inside the package, with their folders; each folder is rebuilt by
+``scripts/make_<id with underscores>.py``."""
+
+
+def shipped_dir(name: Any) -> Path | None:
+    """The package folder of a shipped model id (case and surrounding spaces ignored), else None."""
+    return SHIPPED_DIRS.get(name.strip().lower()) if isinstance(name, str) else None
 
 
 def is_tiny_sort_rm(name: Any) -> bool:
