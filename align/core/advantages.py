@@ -220,20 +220,17 @@ def _shift(grouped: torch.Tensor) -> torch.Tensor:
     return grouped - grouped[:, :1]
 
 
-def _unbiased_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    # Bessel-corrected std that is 0 (not NaN) for a single element.
-    n = x.numel() if dim is None else x.shape[dim]
-    if dim is None:
-        x = x - x.reshape(-1)[:1]  # shifted, as in _shift: exactly 0 for constant input
-        centered = x - x.mean()
-        return (centered.square().sum() / max(n - 1, 1)).sqrt()
+def _unbiased_std(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    # Bessel-corrected std along ``dim`` that is 0 (not NaN) for a single element.
+    n = x.shape[dim]
     centered = x - x.mean(dim, keepdim=True)
     return (centered.square().sum(dim, keepdim=keepdim) / max(n - 1, 1)).sqrt()
 
 
 def _global_unbiased_std(x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
-    # _unbiased_std of x laid end to end over every rank: the shift is the mean of the ranks' first elements, the
-    # same on every rank (one process: x's first element, as in _unbiased_std).
+    # The Bessel-corrected std of x laid end to end over every rank. x is shifted first, as _shift shifts a group,
+    # so a constant batch gives exactly 0: by the mean of the ranks' first elements, the same on every rank (one
+    # process: x's first element).
     world, first = all_reduce(torch.stack([torch.ones((), dtype=x.dtype, device=x.device), x.reshape(-1)[0]]))
     x = x - first / world
     total, n = all_reduce(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)]))
@@ -254,8 +251,6 @@ def has_signal(rewards: torch.Tensor, group_size: int, eps: float = SIGNAL_EPS) 
     rejects gets exactly zero advantage from :func:`group_advantages`, and one it keeps a non-zero one."""
     grouped = _shift(_group_view(rewards, group_size, "has_signal"))
     return _unbiased_std(grouped, dim=1) > eps
-
-
 
 
 @torch.no_grad()
