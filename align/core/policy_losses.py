@@ -123,7 +123,7 @@ def clip_range(clip_low: float, clip_high: Optional[float], fn: str = "policy lo
 @torch.no_grad()
 def policy_loss_stats(x: PreparedInputs, ratio: torch.Tensor, clipped: torch.Tensor) -> PolicyLossStats:
     """:class:`PolicyLossStats` of a loss over the prepared inputs ``x``, its ``(B, T)`` ``ratio`` and the tokens
-    where its clip acted (``clipped``, bool)."""
+    where its clip acted (``clipped``: bool, or for a soft gate the share of each token's gradient it removed)."""
     return PolicyLossStats(
         clipfrac=masked_mean(clipped.to(ratio.dtype), x.valid),
         approx_kl=masked_mean(kl_estimate(x.old_logprobs, x.logprobs.detach(), "k3", _LOG_RATIO_CLAMP), x.valid),
@@ -291,11 +291,8 @@ def sapo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor,
     tau = torch.where(y.advantages > 0, p.tau_pos, p.tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -y.advantages * gate * (4.0 / tau)
-    with torch.no_grad():
-        attenuation = 1.0 - 4.0 * gate * (1.0 - gate)
-    stats = policy_loss_stats(y, ratio, torch.zeros_like(ratio, dtype=torch.bool))
-    return aggregate(per_token, x.mask, p.agg, p.normaliser), stats._replace(
-        clipfrac=masked_mean(attenuation, y.valid))
+    attenuation = 1.0 - 4.0 * gate.detach() * (1.0 - gate.detach())  # the share of each token's gradient removed
+    return aggregate(per_token, x.mask, p.agg, p.normaliser), policy_loss_stats(y, ratio, attenuation)
 
 
 def gmpo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
