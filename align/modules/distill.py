@@ -60,7 +60,8 @@ TEACHER_PREFIX = "policy.ref_model."
 
 
 class _Teacher(nn.Module):
-    """The teacher as the engines see a policy: its model and the student's tokenizer (for held-out sampling)."""
+    """The teacher as the engines see a policy: its model and the student's tokenizer (for held-out sampling, single
+    completions or environment episodes)."""
 
     def __init__(self, model: nn.Module, tokenizer):
         super().__init__()
@@ -211,7 +212,7 @@ class DistillModule(RLModule):
         super().validation_step(batch, batch_idx)
         if self.teacher_scores is None and self._teacher_is_whole():
             view = _Teacher(self.policy.ref_model, self.policy.tokenizer)
-            rollout = self.sampler.eval_engine.generate(view, batch.prompt_ids, 1)
+            rollout = self.sampler.rollout(batch, 1, self.sampler.eval_engine, policy=view)
             rewards, parts = self.sampler.score(batch, rollout)
             self._val_add("teacher_count", torch.tensor(float(len(rollout)), device=self.device))
             self._val_add("teacher_reward_mean", rewards)

@@ -101,17 +101,19 @@ class Sampler:
 
     # ------------------------------------------------------------------ rollouts
     def rollout(self, batch: PromptBatch, group_size: int | None = None, engine: GenerationEngine | None = None,
-                ) -> Rollout:
+                policy=None) -> Rollout:
         """``group_size`` (default: the sampler's) completions or episodes per prompt, by ``engine`` (default: the
-        training engine)."""
+        training engine), from ``policy`` (default: the sampler's; another model with ``model`` and ``tokenizer``,
+        such as a distillation teacher whose weights are whole on every rank)."""
         self.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
         engine = engine or self.engine
         group_size = group_size or self.group_size
+        policy = self.policy if policy is None else policy
         with self.generation_context() as sync_stop:
             if self.environment is None:
-                rollout = engine.generate(self.policy, batch.prompt_ids, group_size, sync_stop=sync_stop)
+                rollout = engine.generate(policy, batch.prompt_ids, group_size, sync_stop=sync_stop)
             else:
-                rollout = play_episodes(self.policy, engine, batch, group_size, self.environment, sync_stop=sync_stop)
+                rollout = play_episodes(policy, engine, batch, group_size, self.environment, sync_stop=sync_stop)
                 self.trace_environment(rollout)
         rollout.policy_version = self.policy_version
         return rollout
