@@ -53,9 +53,10 @@ PANELS = (
     Panel("exploration", ("rollout/epsilon",)),
     Panel("episodes", ("rollout/turns", "rollout/tool_calls", "rollout/tool_errors", "val/turns")),
     Panel("KL to the reference", ("train/kl", "val/kl")),
+    Panel("distance to the teacher", ("distill/reverse_kl", "distill/jsd")),
     Panel("loss", ("train/loss", "val/loss")),
     Panel("accuracy", ("dpo/accuracy", "online_dpo/accuracy", "rm/accuracy", "kto/accuracy", "val/accuracy",
-                       "val/dpo_accuracy", "val/rm_accuracy", "val/kto_accuracy")),
+                       "val/teacher_accuracy", "val/dpo_accuracy", "val/rm_accuracy", "val/kto_accuracy")),
     Panel("margin", ("dpo/margin", "online_dpo/margin", "rm/margin", "kto/margin", "val/dpo_margin",
                      "val/rm_margin", "val/kto_margin")),
 )

@@ -63,6 +63,14 @@ def test_dpo_run_gets_loss_accuracy_and_margin_panels_and_no_empty_ones(tmp_path
     assert png_size(curves.path)[0] > 0
 
 
+def test_distillation_run_gets_a_teacher_distance_panel_and_the_teachers_accuracy(tmp_path):
+    run = write_run(tmp_path / "distill" / "version_0", ("rollout/reward_mean", "distill/reverse_kl", "train/loss"),
+                    ("val/reward_mean", "val/accuracy", "val/teacher_accuracy"))
+    panels = dict(plot_runs([run], tmp_path / "out.png").panels)
+    assert panels["distance to the teacher"] == ("distill/reverse_kl",)
+    assert panels["accuracy"] == ("val/accuracy", "val/teacher_accuracy")
+
+
 def test_validation_only_csv_draws_its_held_out_columns(tmp_path):
     run = write_run(tmp_path / "sft" / "version_0", (), ("val/loss", "val/ppl"))
     assert plot_runs([run], tmp_path / "out.png").panels == (("loss", ("val/loss",)),)
