@@ -30,6 +30,9 @@ WARNINGS = (
      "frozen reference, reward and critic-initialising copies are kept in eval mode on purpose"),
     (r"The progress bar already tracks a metric with the name",
      "align's progress bar shows no version number, so nothing is overwritten"),
+    (r"It is recommended to use `self.log\('(val|test)/.*sync_dist=True\)` when logging on epoch level",
+     "align sums held-out metrics over ranks itself before logging them (RLModule.on_validation_epoch_end); an "
+     "in-process vLLM engine also sets up a one-process group that makes Lightning say this on one process"),
     (r"`is_gradient_checkpointing` is deprecated",
      "peft reads transformers' old attribute name when it wraps a model; nothing a user can change"),
 )

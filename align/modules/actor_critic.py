@@ -39,7 +39,7 @@ from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.critic_pass import KeptCriticPass
-from align.modules.learner import RLBatch
+from align.modules.learner import RLBatch, corrected
 from align.modules.options import GAE, KLPenalty, ScoreShaping, ValueTraining
 from align.modules.rl import RLModule
 from align.observability.timing import Timer
@@ -148,7 +148,8 @@ class ActorCriticModule(RLModule):
         metrics["train/advantages_mean"] = float(masked_mean(out.raw, mask))
         metrics["train/score_mean"] = float(scores.mean())
         metrics["rollout/truncated_frac"] = float(rollout.truncated.float().mean())
-        return GAEBatch(rollout.input_ids, rollout.attention_mask, mask, old_logprobs, out.advantages, ref_logprobs,
+        return GAEBatch(rollout.input_ids, rollout.attention_mask, mask, old_logprobs, corrected(out.advantages, rollout),
+                        ref_logprobs,
                         values=values, returns=out.returns, rewards=out.token_rewards, kl=kl, scores=scores,
                         metrics=metrics)
 

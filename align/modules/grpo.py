@@ -100,6 +100,7 @@ class GRPOModule(RLModule):
         super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
                          reward_model=reward_model, group_size=group_size, **kwargs)
         self.clip, self.policy_loss, self.advantages = clip, policy_loss, advantages
+        policy_loss.check_correction(self.sampler.engine)
 
     def _loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.token_logprobs(micro, return_entropy=self.log_entropy)

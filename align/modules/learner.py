@@ -26,7 +26,7 @@ from align.core.policy_losses import POLICY_LOSSES, PolicyLossInputs, PolicyLoss
 from align.modules.options import ClipRange, PolicyLoss, Updates
 from align.rollout.types import Ranks, Rollout
 
-__all__ = ["LossFn", "Learner", "Optimization", "RLBatch", "minibatch_indices", "policy_loss_terms"]
+__all__ = ["LossFn", "Learner", "Optimization", "RLBatch", "corrected", "minibatch_indices", "policy_loss_terms"]
 
 
 @dataclass
@@ -77,10 +77,20 @@ class RLBatch:
     @classmethod
     def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None,
                      ) -> "RLBatch":
-        if advantages.dim() == 1:
-            advantages = advantages[:, None].expand_as(rollout.old_logprobs)  # (N,) -> (N, R)
         return cls(rollout.input_ids, rollout.attention_mask, rollout.response_mask, rollout.old_logprobs,
-                   advantages, ref_logprobs)
+                   corrected(advantages, rollout), ref_logprobs)
+
+
+def corrected(advantages: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """``(N, R)`` advantages of the rollout's tokens (``(N,)`` broadcast), times the rollout's importance weights for
+    the engine mismatch when it has them (:meth:`align.rollout.sampler.Sampler.correct`). Every policy loss is
+    positively homogeneous in the advantage of a token (a row's, for the sequence-level ``gspo`` and ``gmpo`` at
+    ``correction.level: sequence``), so this weighs each token's (row's) term by ``w >= 0``, detached."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(rollout.old_logprobs)  # (N,) -> (N, R)
+    if rollout.correction_weights is not None:
+        advantages = advantages * rollout.correction_weights
+    return advantages
 
 
 def minibatch_indices(n: int, num_minibatches: int, micro_batch_size: Optional[int], shuffle: bool = True,

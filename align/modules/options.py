@@ -118,6 +118,15 @@ class PolicyLoss:
             return 1.0, None  # unused
         return (row.clip_low if clip.low is None else clip.low), (row.clip_high if clip.high is None else clip.high)
 
+    def check_correction(self, engine) -> None:
+        """A sequence-level loss under an engine-mismatch correction needs one weight per sequence: refuse
+        ``sampling.correction.level: token`` with it, on one line."""
+        correction = engine.sampling.correction
+        if (self.sequence_level and correction.level == "token"
+                and correction.resolve(engine.exact_logprobs) != "none"):
+            raise AlignConfigError(f"model.sampling.correction.level: policy_loss.name {self.name} has one ratio per "
+                                   "sequence, so its engine-mismatch weights must be too: set level: sequence")
+
 
 @dataclass(frozen=True)
 class Updates:

@@ -7,6 +7,10 @@ contexts, as many times as a rollout needs: once for single-turn prompts (:meth:
 also repeats each prompt ``group_size`` times, builds the response mask and decodes the texts), once per turn for
 multi-turn episodes (:func:`align.rollout.episodes.play_episodes`). Nothing here scores or trains.
 
+* ``vllm`` (:class:`align.rollout.vllm_engine.VLLMEngine`): vLLM in the training process, the policy's weights (or
+  LoRA adapter) sent to it before each rollout that follows an update. Its log-probs are not the trainer's
+  (:attr:`GenerationEngine.exact_logprobs` false), so the sampler recomputes the trainer's and the update weighs
+  the difference (``sampling.correction``).
 * ``native`` (:class:`NativeEngine`): align's own loop (:func:`align.rollout.sampling.sample`) over the model's
   computation; Llama-family models are decoded by :class:`~align.models.decoding.FastDecoder` (fused projections,
   LoRA merged into a per-rollout copy, a preallocated KV cache), other models through their own forward. The prompt
@@ -45,10 +49,16 @@ class GenerationEngine:
     """Draws continuations of token contexts from a policy with the settings ``sampling`` (temperature, top-p, top-k,
     token limits). Subclasses implement :meth:`decoding`."""
 
+    exact_logprobs = True
+    """Whether the log-probs it records are the trainer's own (computed as :mod:`align.models.scoring` does); if
+    not, the sampler recomputes them for training rollouts and weighs the update (``sampling.correction``)."""
+
     def __init__(self, sampling: SamplingConfig | None = None, **overrides):
         """``overrides`` replace fields of ``sampling`` (e.g. ``NativeEngine(temperature=0)``)."""
         base = sampling or SamplingConfig()
         self.sampling = SamplingConfig(**{**base.__dict__, **overrides})
+        self.decoding_metrics: dict[str, float] = {}
+        """What the last :meth:`decoding` did besides decoding (an engine's weight sync: ``time/engine_sync_s``)."""
 
     def stop_ids(self, tokenizer) -> list[int]:
         """The tokens that end a response (kept in it)."""
@@ -79,6 +89,7 @@ class GenerationEngine:
         ids, mask = ids[prompt_index].to(device), mask[prompt_index].to(device)
         stop = self.stop_ids(tok)
         started = time.perf_counter()
+        self.decoding_metrics = {}
         with self.decoding(policy, ids.shape[1] + s.max_new_tokens) as decode:
             out = decode(ids, mask, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
                          generator=generator, sync_stop=sync_stop, shared_prefix=group_size if s.shared_prefill else 1)
@@ -96,6 +107,7 @@ class GenerationEngine:
             "rollout/tokens_per_s": float(lengths.sum()) / seconds,
             "rollout/response_length": float(lengths.mean()),
             "rollout/truncated_frac": float(is_truncated.float().mean()),
+            **self.decoding_metrics,
         }
         return Rollout(ids, mask, out.response_ids, resp_mask, out.logprobs, is_truncated, texts,
                        prompt_index.to(device), group_size, seconds, metrics)
@@ -128,8 +140,14 @@ class NativeEngine(GenerationEngine):
             policy.train(was_training)
 
 
-ENGINES: dict[str, type[GenerationEngine]] = {"native": NativeEngine}
-"""The generation engines by name (``sampling.engine``)."""
+def _vllm(sampling: SamplingConfig) -> GenerationEngine:
+    from align.rollout.vllm_engine import VLLMEngine  # imports vLLM only when asked for
+
+    return VLLMEngine(sampling)
+
+
+ENGINES: dict[str, Callable[[SamplingConfig], GenerationEngine]] = {"native": NativeEngine, "vllm": _vllm}
+"""The generation engines by name (``sampling.engine``): each a class or a function of the sampling settings."""
 
 
 def make_engine(sampling: SamplingConfig | None = None, **overrides) -> GenerationEngine:

@@ -66,7 +66,7 @@ def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
 
 
 _RIGHT_PADDED = {"response_ids": None, "response_mask": False, "old_logprobs": 0.0, "context_mask": 0,
-                 "token_rewards": 0.0}
+                 "token_rewards": 0.0, "engine_logprobs": 0.0, "correction_weights": 0.0}
 """Per-token fields of a rollout padded on the right when rollouts are joined, and their fill (None: the pad id)."""
 
 

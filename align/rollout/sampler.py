@@ -22,6 +22,7 @@ import torch
 from align.data.prompts import PromptBatch
 from align.observability.timing import Timer, record_span
 from align.core.advantages import overlong_penalty
+from align.core.mismatch import correction_weights
 from align.rollout.engine import GenerationEngine, make_engine
 from align.rollout.envs.chat import EnvironmentPool
 from align.rollout.episodes import play_episodes
@@ -162,7 +163,33 @@ class Sampler:
             rollout = self.rollout(batch)
         with Timer(timings, "time/scoring_s"):
             rewards, parts = self.score(batch, rollout)
+        with Timer(timings, "time/correction_s"):
+            self.correct(rollout)
         return Scored(rollout, rewards, parts, timings)
+
+    @torch.no_grad()
+    def correct(self, rollout: Rollout) -> None:
+        """For an engine whose log-probs are not the trainer's (or with ``sampling.correction`` set): recompute the
+        trainer's log-probs of the sampled tokens into ``old_logprobs`` (the update's behaviour policy is then the
+        trainer's view of the sampling weights), keep the engine's in ``engine_logprobs``, put the importance weights
+        of ``sampling.correction`` in ``correction_weights`` (:func:`align.core.mismatch.correction_weights`) and log
+        ``rollout/engine_logprob_diff``, ``rollout/engine_kl``, ``rollout/correction_clipped_frac`` and
+        ``rollout/correction_masked_frac``. The native engine's log-probs are the trainer's: nothing to do."""
+        correction = self.engine.sampling.correction
+        mode = correction.resolve(self.engine.exact_logprobs)
+        if self.engine.exact_logprobs and mode == "none":
+            return
+        mask = rollout.response_mask
+        trainer = self.token_logprobs(rollout).logprobs.float()  # (N, R)
+        trainer = torch.where(mask, trainer, torch.zeros_like(trainer))
+        weights, stats = correction_weights(trainer, rollout.old_logprobs, mask, mode=mode, level=correction.level,
+                                            cap=correction.cap, low=correction.low, high=correction.high)
+        rollout.engine_logprobs, rollout.old_logprobs = rollout.old_logprobs, trainer
+        rollout.correction_weights = None if mode == "none" else weights
+        rollout.metrics.update({"rollout/engine_logprob_diff": float(stats.logprob_diff),
+                                "rollout/engine_kl": float(stats.kl),
+                                "rollout/correction_clipped_frac": float(stats.clipped_frac),
+                                "rollout/correction_masked_frac": float(stats.masked_frac)})
 
     # ------------------------------------------------------------------ reference
     def token_logprobs(self, data, reference: bool = False, **kwargs):

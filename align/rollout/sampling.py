@@ -21,14 +21,89 @@ appended (docs/algorithms.md, "Response mask").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["SamplingConfig", "SampleOutput", "sample", "left_pad", "filter_logits"]
+__all__ = ["EngineCorrection", "SamplingConfig", "SampleOutput", "VLLMSettings", "sample", "left_pad", "filter_logits"]
 
 TokenIds = Union[int, Sequence[int]]
+
+
+@dataclass
+class VLLMSettings:
+    """The vLLM engine's own settings (``sampling.vllm``, used with ``sampling.engine: vllm``; docs/generation.md).
+    The engine runs in the training process and shares its devices (colocated)."""
+
+    dtype: str = "auto"
+    """The engine's weights and activations: ``auto`` (the policy's dtype), ``float32``, ``bfloat16`` or ``float16``.
+    Below float32 its log-probs drift from the trainer's (``rollout/engine_kl``), which the correction weighs."""
+    kv_cache_gb: float = 1.0
+    """KV cache size in GiB on a CPU (``VLLM_CPU_KVCACHE_SPACE``); on a GPU ``gpu_memory_utilization`` applies."""
+    gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory the engine may take for weights and KV cache (the rest is the trainer's)."""
+    max_model_len: Optional[int] = None
+    """Longest context (prompt and response) a request may reach; null: the longest a rollout can need, capped by
+    the model's ``max_position_embeddings``."""
+    tensor_parallel_size: int = 1
+    """Devices each engine splits the model over (GPU only)."""
+    enforce_eager: bool = True
+    """Run without CUDA graphs or compilation (faster start; false captures graphs on a GPU)."""
+    max_num_seqs: int = 256
+    """Most sequences the engine decodes at once."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of a shared prompt (a group's rows); reset at every weight update."""
+    sleep: bool = True
+    """On a GPU, release the KV cache and weights while the trainer updates (vLLM's sleep mode) and wake for the
+    next rollout; ignored where the platform has no sleep mode (CPU)."""
+    seed: int = 0
+    """The engine's own seed; each request also gets a seed drawn from the rollout's generator."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"sampling.vllm.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"sampling.vllm.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("sampling.vllm.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("sampling.vllm.tensor_parallel_size and max_num_seqs must be >= 1")
+
+
+@dataclass
+class EngineCorrection:
+    """How an update corrects for the engine's log-probs differing from the trainer's (:mod:`align.core.mismatch`;
+    docs/generation.md, "The sampler/trainer mismatch")."""
+
+    mode: str = "auto"
+    """``auto`` (``tis`` on an engine whose log-probs are not the trainer's, such as vLLM; ``none`` on the native
+    engine, whose are), ``tis`` (truncated importance sampling), ``mis`` (masked importance sampling) or ``none``."""
+    level: str = "token"
+    """``token``: each token its own weight; ``sequence``: a row's product of ratios (for ``gspo``/``gmpo``)."""
+    cap: float = 2.0
+    """``tis``: the largest weight."""
+    low: float = 0.5
+    """``mis``: ratios below are masked."""
+    high: float = 2.0
+    """``mis``: ratios above are masked."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "none", "tis", "mis"):
+            raise ValueError(f"sampling.correction.mode must be auto, none, tis or mis, got {self.mode!r}")
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"sampling.correction.level must be token or sequence, got {self.level!r}")
+        if self.cap < 1:
+            raise ValueError(f"sampling.correction.cap must be >= 1, got {self.cap}")
+        if not 0 <= self.low <= 1 <= self.high:
+            raise ValueError(f"sampling.correction: expected low <= 1 <= high, got low={self.low} high={self.high}")
+
+    def resolve(self, exact_logprobs: bool) -> str:
+        """The mode in effect for an engine whose log-probs are (``exact_logprobs``) or are not the trainer's."""
+        if self.mode == "auto":
+            return "none" if exact_logprobs else "tis"
+        return self.mode
 
 
 @dataclass
@@ -52,7 +127,12 @@ class SamplingConfig:
     """Encode each prompt once for its whole group and repeat its KV cache for the group's completions
     (the same numbers as encoding every copy, up to float rounding); false encodes every copy."""
     engine: str = "native"
-    """The generation engine (:data:`align.rollout.engine.ENGINES`): ``native``, align's own decoding loop."""
+    """The generation engine (:data:`align.rollout.engine.ENGINES`): ``native``, align's own decoding loop, or
+    ``vllm`` (docs/generation.md)."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    """The vLLM engine's settings (``engine: vllm``)."""
+    correction: EngineCorrection = field(default_factory=EngineCorrection)
+    """The importance correction of training rollouts for the engine's log-probs (``mode: auto``: on for vLLM)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -25,6 +25,10 @@ class Rollout:
     ``end``, ``env_reward``, ``info``, ``completion_ids`` of the last turn, and ``calls``, the timed
     environment calls). ``texts`` are the last assistant turns. A single-turn rollout leaves the three None.
 
+    An engine whose log-probs are not the trainer's (vLLM) leaves its own in ``engine_logprobs`` once the sampler
+    has recomputed the trainer's into ``old_logprobs`` (:meth:`align.rollout.sampler.Sampler.correct`), and
+    ``correction_weights`` holds each token's importance weight for the update (:mod:`align.core.mismatch`).
+
     ``policy_version`` names the policy that sampled the rows: the number of optimizer steps it had taken. A source
     that runs ahead of training produces rows of an older version than the one being updated; the update's
     importance ratio then takes the sampling log-probs (``old_logprobs``) as the behaviour policy.
@@ -45,6 +49,8 @@ class Rollout:
     token_rewards: Optional[torch.Tensor] = None  # (N, R) float32, environment rewards at turn ends (multi-turn)
     episodes: Optional[list[dict]] = None  # N plain dicts (multi-turn)
     policy_version: int = 0  # optimizer steps the sampling policy had taken (the oldest, for joined rollouts)
+    engine_logprobs: Optional[torch.Tensor] = None  # (N, R) float32, the engine's own log-probs (0 where masked)
+    correction_weights: Optional[torch.Tensor] = None  # (N, R) float32, detached importance weights (0 where masked)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

