@@ -33,6 +33,8 @@ WARNINGS = (
     (r"It is recommended to use `self.log\('(val|test)/.*sync_dist=True\)` when logging on epoch level",
      "align sums held-out metrics over ranks itself before logging them (RLModule.on_validation_epoch_end); an "
      "in-process vLLM engine also sets up a one-process group that makes Lightning say this on one process"),
+    (r"`torch.distributed.reduce_op` is deprecated",
+     "vLLM's import touches a deprecated torch attribute; nothing a user can change"),
     (r"`is_gradient_checkpointing` is deprecated",
      "peft reads transformers' old attribute name when it wraps a model; nothing a user can change"),
 )

@@ -119,6 +119,7 @@ def play_episodes(
     stop, pad = set(engine.stop_ids(tok)), tok.pad_token_id
     width = max(len(e.prompt_ids) for e in episodes)
     sampling_seconds = env_seconds = 0.0
+    engine.decoding_metrics = {}
     with engine.decoding(policy, width + spec.max_tokens + sampling.max_new_tokens) as decode:
         for turn in range(1, spec.max_turns + 1):
             active = [e for e in episodes if e.end is None]
@@ -167,8 +168,10 @@ def play_episodes(
                 e.assistant += [False] * len(reply)
                 e.logprobs += [0.0] * len(reply)
                 e.messages += step.messages
-    return _rollout(episodes, batch, group_size, pad, device, time.perf_counter() - started, sampling_seconds,
-                    env_seconds)
+    rollout = _rollout(episodes, batch, group_size, pad, device, time.perf_counter() - started, sampling_seconds,
+                       env_seconds)
+    rollout.metrics.update(engine.decoding_metrics)  # what the engine did besides decoding (a weight sync)
+    return rollout
 
 
 def _assistant_message(tok, context_ids: list[int], turn_ids: list[int], text: str) -> dict:

@@ -163,9 +163,16 @@ class Sampler:
             rollout = self.rollout(batch)
         with Timer(timings, "time/scoring_s"):
             rewards, parts = self.score(batch, rollout)
-        with Timer(timings, "time/correction_s"):
-            self.correct(rollout)
+        if self.corrects:
+            with Timer(timings, "time/correction_s"):
+                self.correct(rollout)
         return Scored(rollout, rewards, parts, timings)
+
+    @property
+    def corrects(self) -> bool:
+        """Whether training rollouts get the trainer's log-probs recomputed (:meth:`correct`)."""
+        engine = self.engine
+        return not engine.exact_logprobs or engine.sampling.correction.resolve(True) != "none"
 
     @torch.no_grad()
     def correct(self, rollout: Rollout) -> None:
@@ -177,7 +184,7 @@ class Sampler:
         ``rollout/correction_masked_frac``. The native engine's log-probs are the trainer's: nothing to do."""
         correction = self.engine.sampling.correction
         mode = correction.resolve(self.engine.exact_logprobs)
-        if self.engine.exact_logprobs and mode == "none":
+        if not self.corrects:
             return
         mask = rollout.response_mask
         trainer = self.token_logprobs(rollout).logprobs.float()  # (N, R)

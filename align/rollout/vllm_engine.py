@@ -84,14 +84,7 @@ class _Handle:
         vllm = import_vllm()
         from vllm import LLM
 
-        base = policy.base_model
-        if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
-            raise AlignConfigError("sampling.engine vllm: the policy's base is quantized (policy.quantization); "
-                                   "vLLM cannot take a bitsandbytes model: use the native engine")
         self.lora = policy.has_adapter
-        if self.lora and (policy.lora.use_dora or policy.lora.modules_to_save or policy.lora.bias != "none"):
-            raise AlignConfigError("policy.lora: vLLM serves plain LoRA adapters only (no use_dora, modules_to_save "
-                                   "or bias); use the native engine or drop those settings")
         self.dtype = _engine_dtype(policy, settings)
         self.workdir = tempfile.mkdtemp(prefix="align-vllm-")
         model_dir = os.path.join(self.workdir, "model")
@@ -114,8 +107,12 @@ class _Handle:
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             # Every rank runs its own engine over the existing process group (each its own prompts).
+            rank = torch.distributed.get_rank()
             kwargs["distributed_executor_backend"] = "external_launcher"
-            kwargs["seed"] = settings.seed + torch.distributed.get_rank()
+            kwargs["seed"] = settings.seed + rank
+            os.environ.setdefault("RANK", str(rank))  # what a torchrun launch sets; Lightning's launcher may not
+            os.environ.setdefault("LOCAL_RANK", str(rank))
+            os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it for the whole process
         started = time.perf_counter()
         try:
@@ -267,7 +264,19 @@ def _fingerprint(policy, adapter: bool) -> tuple:
                  if _is_adapter(name) == adapter)
 
 
+def _check_supported(policy) -> None:
+    base = policy.base_model
+    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+        raise AlignConfigError("sampling.engine vllm: the policy's base is quantized (policy.quantization); "
+                               "vLLM cannot take a bitsandbytes model: use the native engine")
+    lora = policy.lora
+    if lora is not None and (lora.use_dora or lora.modules_to_save or lora.bias != "none"):
+        raise AlignConfigError("policy.lora: vLLM serves plain LoRA adapters only (no use_dora, modules_to_save "
+                               "or bias); use the native engine or drop those settings")
+
+
 def _handle(policy, settings: VLLMSettings, capacity: int) -> _Handle:
+    _check_supported(policy)
     config = policy.base_model.config
     limit = getattr(config, "max_position_embeddings", None) or capacity
     max_model_len = settings.max_model_len or limit

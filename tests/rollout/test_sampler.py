@@ -94,8 +94,8 @@ def test_a_new_engine_is_a_class_and_a_row_of_the_table(policy, monkeypatch):
 
 
 def test_an_unknown_engine_fails_naming_the_setting():
-    with pytest.raises(ValueError, match=r"^sampling\.engine must be one of \['native'\], got 'vllm'"):
-        make_engine(SamplingConfig(engine="vllm"))
+    with pytest.raises(ValueError, match=r"^sampling\.engine must be one of \['native', 'vllm'\], got 'sglang'"):
+        make_engine(SamplingConfig(engine="sglang"))
 
 
 def test_the_inline_source_samples_every_step(policy):
