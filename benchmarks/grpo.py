@@ -8,6 +8,8 @@ Usage::
     python benchmarks/grpo.py --model smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 32 --threads 2
     python benchmarks/grpo.py --estimator rloo          # align's advantages.estimator: rloo vs TRL's RLOOTrainer
     python benchmarks/grpo.py --level sequence          # GSPO: policy_loss gspo vs importance_sampling_level
+    python benchmarks/grpo.py --engine vllm             # align on vLLM and on its own decoder, TRL on generate
+    python benchmarks/grpo.py --engine vllm --trl-vllm  # ... and TRL with use_vllm=True (colocate)
 
 What happens:
 
@@ -38,6 +40,11 @@ decoder contributes); TRL ``transformers.generate``.
 
 Variants (the rest as above):
 
+* ``--engine vllm``: align samples with its vLLM engine (``sampling.engine: vllm``, float32, the correction on, so
+  each step also recomputes the trainer's log-probs: ``time/correction_s``, counted in the update's share) in the
+  trials named ``align``, and with its own decoder in those named ``native``; ``--trl-vllm`` adds TRL's
+  ``use_vllm=True, vllm_mode="colocate"`` (trials ``trl-vllm``). The ratio printed is align (vLLM) over TRL
+  (``generate``), then vLLM over native.
 * ``--estimator rloo``: align's ``advantages.estimator: rloo`` against TRL's ``RLOOTrainer`` (``RLOOConfig``, no
   advantage normalisation). TRL's RLOO clips one ratio per sequence (of summed log-probs) and averages per
   sequence; on policy the ratio is 1 either way, so both take the same REINFORCE step up to the loss weighting.
@@ -82,7 +89,7 @@ def build_module(spec: dict):
         policy=PolicyModel(spec["model_dir"], lora=lora, gradient_checkpointing=spec["gradient_checkpointing"]),
         rewards=[length_reward], group_size=spec["group"],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
-                                fast_decoder=spec["fast_decoder"]),
+                                fast_decoder=spec["fast_decoder"], engine=spec.get("engine", "native")),
         kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2),
         policy_loss=PolicyLoss(name="gspo" if spec["level"] == "sequence" else "clip"),
         advantages=GroupAdvantages(estimator=spec["estimator"]),
@@ -96,6 +103,14 @@ def build_module(spec: dict):
 def run_align(spec: dict) -> dict:
     h.set_threads(spec["threads"])
     return h.rl_align_trial(spec, build_module(spec), PHASES, max_steps=spec["steps"])
+
+
+def run_native(spec: dict) -> dict:
+    return run_align({**spec, "engine": "native"})
+
+
+def run_trl_vllm(spec: dict) -> dict:
+    return run_trl({**spec, "trl_vllm": True})
 
 
 def run_trl(spec: dict) -> dict:
@@ -117,6 +132,8 @@ def run_trl(spec: dict) -> dict:
         dataloader_num_workers=0, shuffle_dataset=False, disable_tqdm=True,
         gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's own default is on; align's is off
     )
+    if spec.get("trl_vllm"):
+        common.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False)
     if spec["estimator"] == "rloo":
         trainer_class, config = RLOOTrainer, RLOOConfig(**common, normalize_advantages=False)
     else:
@@ -146,7 +163,7 @@ def run_trl(spec: dict) -> dict:
     return h.rl_step_summary(meter, PHASES)
 
 
-CHILDREN = {"align": run_align, "trl": run_trl}
+CHILDREN = {"align": run_align, "trl": run_trl, "native": run_native, "trl-vllm": run_trl_vllm}
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
@@ -171,6 +188,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="rloo: align's advantages.estimator rloo against TRL's RLOOTrainer")
     parser.add_argument("--level", choices=("token", "sequence"), default="token",
                         help="sequence: GSPO's ratio (policy_loss.name gspo / importance_sampling_level), per-sequence mean")
+    parser.add_argument("--engine", choices=("native", "vllm"), default="native",
+                        help="vllm: align samples with its vLLM engine, and also runs with its own decoder (native)")
+    parser.add_argument("--trl-vllm", action="store_true",
+                        help="with --engine vllm: also TRL with use_vllm=True in colocate mode")
     h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
     parser.add_argument("--json", type=Path, default=None)
     h.add_child_args(parser, CHILDREN)
@@ -186,16 +207,22 @@ def main(argv: list[str] | None = None) -> None:
         spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
                 "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder,
-                "estimator": ns.estimator, "level": ns.level, "gradient_checkpointing": ns.gradient_checkpointing}
+                "estimator": ns.estimator, "level": ns.level, "gradient_checkpointing": ns.gradient_checkpointing,
+                "engine": ns.engine}
+        kinds = ("align", "trl") if ns.engine == "native" else \
+            ("align", "native", "trl") + (("trl-vllm",) if ns.trl_vllm else ())
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
-            ("align", "trl"), ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
+            kinds, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
     name = {"rloo": "RLOO"}.get(ns.estimator, "GSPO" if ns.level == "sequence" else "GRPO")
     h.rl_report(ns, f"\n{name} full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
                     f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
                     f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, gradient "
-                    f"checkpointing {'on' if ns.gradient_checkpointing else 'off'}, medians of "
-                    f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
+                    f"checkpointing {'on' if ns.gradient_checkpointing else 'off'}, align engine {ns.engine}, medians "
+                    f"of {ns.trials} trials:", results, model_dir, n_params, PHASES)
+    if ns.engine == "vllm":
+        med = h.medians(results)
+        print(f"throughput ratio align vLLM/native: {med['align']['tokens_per_s'] / med['native']['tokens_per_s']:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -256,7 +256,8 @@ class Evaluation:
     """Held-out evaluation of the RL modules (each validation prompt answered once)."""
 
     sampling: SamplingConfig | None = None
-    """How held-out completions are drawn; null: greedy with the training ``sampling.max_new_tokens``."""
+    """How held-out completions are drawn; null: greedy with the training ``sampling.max_new_tokens``, on the
+    training engine (``sampling.engine`` and its settings)."""
     accuracy_reward: str | None = None
     """Reward whose value counts for ``val/accuracy``; null: the first eval reward, else the first reward."""
     accuracy_threshold: float = 1.0

@@ -71,8 +71,9 @@ class Sampler:
         """
         self.policy, self.reward, self.group_size = policy, reward, group_size
         self.engine: GenerationEngine = make_engine(sampling or SamplingConfig())
+        train = self.engine.sampling
         self.eval_engine: GenerationEngine = make_engine(eval_sampling or SamplingConfig(
-            max_new_tokens=self.engine.sampling.max_new_tokens, temperature=0.0))
+            max_new_tokens=train.max_new_tokens, temperature=0.0, engine=train.engine, vllm=train.vllm))
         self.environment, self.overlong = environment, overlong
         temperature = self.engine.sampling.temperature or 1.0
         self.logprob_temperature = temperature if logprob_temperature is None else logprob_temperature

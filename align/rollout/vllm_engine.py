@@ -16,8 +16,9 @@ policy's weights sent to it whenever they changed.
 * **Sleep.** On a GPU with ``sampling.vllm.sleep``, the engine releases its KV cache (and, with full fine-tuning,
   its weights, which the next rollout sends anyway) between rollouts, so the update has the memory.
 
-Not supported: a quantized (QLoRA) base, which vLLM cannot take from a bitsandbytes model; models vLLM does not
-implement. Both fail on one line when the engine starts.
+Not supported: a quantized (QLoRA) base, which vLLM cannot take from a bitsandbytes model; DoRA or other non-plain
+adapters; DeepSpeed ZeRO-3 (its partitioned weights); models vLLM does not implement. Each fails on one line at the
+first rollout.
 """
 
 from __future__ import annotations
@@ -117,9 +118,11 @@ class _Handle:
         started = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
-        except (ValueError, NotImplementedError) as err:
-            raise AlignConfigError(f"sampling.engine vllm: vLLM cannot run this model ({str(err).splitlines()[0]})"
-                                   ) from None
+            self._first_token()  # kernels that refuse the model's shape do so on the first forward, not at load
+        except (ValueError, NotImplementedError, RuntimeError) as err:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise AlignConfigError(f"sampling.engine vllm: vLLM cannot run this model here "
+                                   f"({str(err).strip().splitlines()[-1]}); use the native engine") from None
         finally:
             torch.set_num_threads = set_threads
         self.start_seconds = time.perf_counter() - started
@@ -129,6 +132,13 @@ class _Handle:
         self.adapter = None  # the current LoRARequest
         self.adapter_count = 0
         self.asleep = False
+
+    def _first_token(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0, 0])], SamplingParams(max_tokens=1, detokenize=False),
+                          use_tqdm=False)
 
     # ------------------------------------------------------------------ the model the engine starts from
     def _write_model(self, policy, model_dir: str) -> None:
@@ -266,6 +276,9 @@ def _fingerprint(policy, adapter: bool) -> tuple:
 
 def _check_supported(policy) -> None:
     base = policy.base_model
+    if any(hasattr(p, "ds_id") for p in base.parameters()):
+        raise AlignConfigError("sampling.engine vllm: DeepSpeed ZeRO-3 partitions the weights the engine is sent; "
+                               "use DDP, ZeRO-1/2 or FSDP2 (trainer.strategy) with the vLLM engine")
     if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
         raise AlignConfigError("sampling.engine vllm: the policy's base is quantized (policy.quantization); "
                                "vLLM cannot take a bitsandbytes model: use the native engine")

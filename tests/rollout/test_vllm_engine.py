@@ -140,3 +140,17 @@ def test_settings_are_checked_when_read():
         EngineCorrection(low=1.5)
     assert EngineCorrection().resolve(exact_logprobs=False) == "tis"
     assert EngineCorrection().resolve(exact_logprobs=True) == "none"
+
+
+def test_a_model_the_engines_kernels_refuse_fails_on_one_line_at_start(tmp_path):
+    from align.hub.tiny import build_tiny_model
+
+    model = build_tiny_model(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128)  # head_dim 16: no CPU attention kernel for it
+    model.save_pretrained(tmp_path / "m")
+    PolicyModel("tiny-sort").tokenizer.save_pretrained(tmp_path / "m")
+    policy = PolicyModel(str(tmp_path / "m"))
+    if torch.cuda.is_available():
+        pytest.skip("the CPU kernels' limit")
+    with pytest.raises(AlignConfigError, match=r"^sampling\.engine vllm: vLLM cannot run this model here \(.*\); use"):
+        greedy().generate(policy, prompt_ids(policy)[:1], 1)
