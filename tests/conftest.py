@@ -14,6 +14,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run on CUDA, or on the device ``ALIGN_TEST_DEVICE`` names (``cpu`` checks them on any
+    machine); without either they are skipped."""
+    if os.environ.get("ALIGN_TEST_DEVICE"):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (or ALIGN_TEST_DEVICE=cpu to run it on the CPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def two_threads():
     """torch computes on 2 threads for the test (the thread count is restored after it)."""
