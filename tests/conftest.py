@@ -7,6 +7,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ def load_script():
     def load(name: str):
         spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO / "scripts" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
         spec.loader.exec_module(module)
         return module
 
