@@ -407,7 +407,13 @@ def run_benchmarks(args, env, deadline, workdir, report, record) -> None:
     shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 192} if args.quick else dict(SHAPE)
     model_dir = workdir / "model"
-    config = save_model(model_dir, shape, tokenizer, max_positions=512 if args.quick else 2048)
+    try:
+        config = save_model(model_dir, shape, tokenizer, max_positions=512 if args.quick else 2048)
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - recorded as the benchmarks' failure, the report kept
+        report["steps"].append({"name": "benchmark/model", "status": "failed", "seconds": time.monotonic() - started,
+                                "rc": None, "why": f"{type(err).__name__}: {err}"})
+        write(args.out, report)
+        return
     report["model"] = {**config, "tokenizer": tokenizer or "the shipped tiny tokenizer", "folder": str(model_dir),
                        "seconds": time.monotonic() - started}
     write(args.out, report)
@@ -422,7 +428,8 @@ def run_benchmarks(args, env, deadline, workdir, report, record) -> None:
 
         def done(step, rc, output, name=name, out=out):
             if rc != 0 or not out.is_file():
-                return record(step, rc, output, **({} if rc is None else {"status": "failed", "why": f"exit {rc}"}))
+                why = f"exit {rc}" if rc else f"exit 0 without {out.name}"
+                return record(step, rc, output, **({} if rc is None else {"status": "failed", "why": why}))
             result = json.loads(out.read_text())
             report["benchmarks"] += benchmark_rows(name, result, config, peak)
             record(step, rc, output, status="ok")
