@@ -18,9 +18,9 @@ rewritten after every step, so a run cut short still leaves what it measured.
    (full fine-tune) with ``--device`` against TRL, all on one saved random-init Llama of :data:`SHAPE` (``--quick``:
    the benchmarks' tiny shape) with the SmolLM2 tokenizer when it is at hand (``--tokenizer``).
 
-The table: per benchmark and framework, throughput, median step time, generation share, MFU (model FLOPs over the
-measured GEMM peak; formulas in the JSON), peak memory (CUDA's on a GPU, else RSS) and align/TRL. The exit status is
-1 when a recipe misses its threshold, a test fails, or a step crashed or ran out of time; else 0.
+The table: per benchmark and framework, throughput, step time, generation share, MFU (over the measured GEMM peak),
+peak memory (CUDA's on a GPU, else RSS) and align/TRL. Exit status 1 when a recipe misses its threshold, a test
+fails, or a step crashed or ran out of time; else 0.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def judge_recipe(name: str, stdout: str, rc: int, quick: bool) -> dict:
     out = {"metric": recipe.metric, "rule": rule, "before": None, "after": None}
     if rc != 0 or values is None:
         return {**out, "status": "failed", "why": f"exit {rc}" if rc else f"no 'held-out {recipe.metric}' line"}
-    out.update(before=values[0], after=values[1])
-    return {**out, "status": "ok" if passes(*values) else "failed",
-            **({} if passes(*values) else {"why": f"{recipe.metric} {values[0]} -> {values[1]}: not {rule}"})}
+    ok = passes(*values)
+    why = {} if ok else {"why": f"{recipe.metric} {values[0]} -> {values[1]}: not {rule}"}
+    return {**out, "before": values[0], "after": values[1], "status": "ok" if ok else "failed", **why}
 
 
 def judge_tests(junit: Path, rc: int) -> dict:
@@ -133,28 +133,39 @@ def run_steps(steps: list[Step], jobs: int, deadline: float, workdir: Path,
     """Run ``steps``, at most ``jobs`` at a time; each is stopped (its whole process group) when its box or the
     ``deadline`` passes. ``done(step, rc, output)`` after each; rc is None for a step stopped or never started."""
     waiting, running = list(steps), []
-    while waiting or running:
-        while waiting and len(running) < jobs:
-            step = waiting.pop(0)
-            if deadline - time.monotonic() < 5:
-                done(step, None, "not started: out of time")
-                continue
-            step.log = workdir / f"{step.name.replace('/', '-')}.log"
-            step.started = time.monotonic()
-            step.proc = subprocess.Popen(step.command, cwd=REPO, env=step.env, stdout=step.log.open("w"),
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-            running.append(step)
-        time.sleep(0.2)
-        for step in list(running):
-            rc = step.proc.poll()
-            over = time.monotonic() > min(step.started + step.box, deadline)
-            if rc is None and not over:
-                continue
-            if rc is None:
-                os.killpg(step.proc.pid, signal.SIGKILL)
-                step.proc.wait()
-            running.remove(step)
-            done(step, rc, step.log.read_text(errors="replace"))
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                step = waiting.pop(0)
+                if deadline - time.monotonic() < 5:
+                    done(step, None, "not started: out of time")
+                    continue
+                step.log = workdir / f"{step.name.replace('/', '-')}.log"
+                step.started = time.monotonic()
+                with step.log.open("w") as log:
+                    step.proc = subprocess.Popen(step.command, cwd=REPO, env=step.env, stdout=log,
+                                                 stderr=subprocess.STDOUT, start_new_session=True)
+                running.append(step)
+            time.sleep(0.2)
+            for step in list(running):
+                rc = step.proc.poll()
+                over = time.monotonic() > min(step.started + step.box, deadline)
+                if rc is None and not over:
+                    continue
+                if rc is None:
+                    _stop(step.proc)
+                running.remove(step)
+                done(step, rc, step.log.read_text(errors="replace"))
+    finally:  # interrupted: no step outlives the check
+        for step in running:
+            _stop(step.proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and every process it started (its own session)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -240,7 +251,8 @@ def table(report: dict) -> str:
         detail = step.get("why") or (f"{step['metric']} {step['before']} -> {step['after']} ({step['rule']})"
                                      if "metric" in step else "")
         if step.get("tests"):
-            detail = f"{step['tests']} tests, {step['failures']} failed, {step['errors']} errors, {step['skipped']} skipped"
+            detail = (f"{step['tests']} tests, {step['failures']} failed, {step['errors']} errors, "
+                      f"{step['skipped']} skipped")
         lines.append(f"{step['name']:18s}{step['status']:>10s}{step['seconds']:8.0f} s  {detail}")
     memory = "CUDA peak MB" if report["device"] == "cuda" else "peak RSS MB"
     lines += ["", f"{'benchmark':10s}{'':6s}{'throughput':>12s}{'':18s}{'step s':>8s}{'gen %':>7s}{'MFU':>7s}"
@@ -249,14 +261,15 @@ def table(report: dict) -> str:
     for r in report["benchmarks"]:
         lines.append(f"{r['benchmark']:10s}{r['framework']:6s}{r['throughput']:12.1f} {r['unit']:17s}"
                      f"{r['step_s']:8.2f}{fmt(r['generation_share'], '.0%'):>7s}{fmt(r['mfu'], '.1%'):>7s}"
-                     f"{r['memory_mb']:14.0f}{fmt(r['align_over_trl'], '.2f'):>10s}{'x' if r['align_over_trl'] else ''}")
+                     f"{r['memory_mb']:14.0f}{fmt(r['align_over_trl'], '.2f'):>10s}"
+                     f"{'x' if r['align_over_trl'] else ''}")
     return "\n".join(lines)
 
 
 def write(path: Path | None, report: dict) -> None:
     if path is None:
         return
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + ".tmp")  # replaced in one step: a reader never sees half a file
     tmp.write_text(json.dumps(report, indent=2, default=str))
     os.replace(tmp, path)
 
@@ -266,21 +279,17 @@ def write(path: Path | None, report: dict) -> None:
 
 PROBE = """
 import json, platform, sys
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import distributions
 sys.path.insert(0, "benchmarks")
 import torch
 import _harness as h
 
-def v(name):
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
+installed = {(d.metadata["Name"] or "").lower(): d.version for d in distributions()}
 device, threads, peak = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "peak"
 out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
        "cuda_available": torch.cuda.is_available(),
-       **{n: v(n) for n in ("lightning", "transformers", "peft", "trl", "accelerate", "datasets", "pytest")}}
+       **{n: installed.get(n) for n in ("lightning", "transformers", "peft", "trl", "accelerate", "datasets",
+                                         "pytest")}}
 if device == "cuda":
     out["gpu"] = torch.cuda.get_device_name()
 if peak:  # the denominator of the benchmarks' MFU
@@ -320,7 +329,8 @@ def parse_args(argv):
     args.budget = args.budget or (450.0 if cuda else 900.0)
     args.jobs = args.jobs or (4 if cuda else 1)
     args.threads = args.threads or (4 if cuda else 1)
-    for name, known in (("phases", ("recipes", "tests", "benchmarks")), ("recipes", RECIPES), ("benchmarks", BENCHMARKS)):
+    for name, known in (("phases", ("recipes", "tests", "benchmarks")), ("recipes", RECIPES),
+                        ("benchmarks", BENCHMARKS)):
         chosen = [x for x in getattr(args, name).split(",") if x]
         if not set(chosen) <= set(known):
             p.error(f"--{name}: expected some of {','.join(known)}, got {getattr(args, name)!r}")
@@ -336,7 +346,6 @@ def main(argv=None) -> int:
     env = environment(args.threads, args.device)
     report = {"device": args.device, "quick": args.quick, "budget_s": args.budget, "workdir": str(workdir),
               "environment": {}, "steps": [], "benchmarks": [], "model": None}
-    precision = "bf16-mixed"
 
     def record(step: Step, rc, output: str, **verdict) -> dict:
         seconds = time.monotonic() - step.started if step.started else 0.0
@@ -369,7 +378,7 @@ def main(argv=None) -> int:
         accelerator = "gpu" if args.device == "cuda" else "cpu"
         for name in args.recipes:
             command = [sys.executable, f"recipes/{name}.py", "--trainer.accelerator", accelerator,
-                       "--trainer.precision", precision, "--model.optimizer.init_args.fused", "true",
+                       "--trainer.precision", "bf16-mixed", "--model.optimizer.init_args.fused", "true",
                        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(workdir / name),
                        *(RECIPES[name].quick_args if args.quick else ())]
             steps.append(Step(f"recipe/{name}", command, 300 if args.quick else 170, env))
@@ -392,11 +401,8 @@ def main(argv=None) -> int:
 
     if "benchmarks" in args.phases and args.benchmarks:
         run_benchmarks(args, env, deadline, workdir, report, record)
-    print()
-    print(table(report))
+    print("\n" + table(report) + (f"\n\nwrote {args.out}" if args.out else ""))
     write(args.out, report)
-    if args.out:
-        print(f"\nwrote {args.out}")
     return 0 if all(s["status"] == "ok" for s in report["steps"]) else 1
 
 
@@ -421,10 +427,9 @@ def run_benchmarks(args, env, deadline, workdir, report, record) -> None:
     for name in args.benchmarks:
         full, quick, box, quick_box = BENCHMARKS[name]
         out = workdir / f"bench-{name}.json"
-        command = [sys.executable, f"benchmarks/{name}.py", "--device", args.device, "--model", str(model_dir),
-                   "--trials", "1", "--threads", str(args.threads), "--json", str(out), *(quick if args.quick else full)]
-        if args.device == "cpu":
-            command += ["--precision", "bf16-mixed"]
+        command = [sys.executable, f"benchmarks/{name}.py", "--device", args.device, "--precision", "bf16-mixed",
+                   "--model", str(model_dir), "--trials", "1", "--threads", str(args.threads), "--json", str(out),
+                   *(quick if args.quick else full)]
 
         def done(step, rc, output, name=name, out=out):
             if rc != 0 or not out.is_file():

@@ -56,7 +56,8 @@ def groups(policy, device, group=3):
     tok.padding_side = "right"
     prompts = enc["input_ids"].repeat_interleave(group, 0)
     prompt_mask = enc["attention_mask"].repeat_interleave(group, 0)
-    responses = torch.randint(5, policy.config.vocab_size, (prompts.shape[0], 5), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(5, policy.config.vocab_size, (prompts.shape[0], 5), generator=g)
     response_mask = torch.ones_like(responses)
     response_mask[1, 3:] = 0  # a response that ended early, then padding
     response_mask[4, 1:] = 0
