@@ -1,7 +1,10 @@
 """What every benchmark in this folder shares, so that each script holds only its own workload.
 
-- **Machine:** torch threads, peak and current memory, the load average, and the dense fp32 matmul peak that
-  model FLOP/s are compared against.
+- **Machine:** torch threads, peak and current memory, the load average, and the dense matmul peak that model
+  FLOP/s are compared against (fp32 on a CPU, bf16 on CUDA).
+- **Device:** ``--device cpu`` (the default) or ``cuda`` and ``--precision`` (``32-true`` on a CPU, ``bf16-mixed``
+  on CUDA by default), the same on both sides: Lightning's accelerator and precision for align, ``use_cpu`` and
+  ``bf16`` for TRL; on CUDA each trial also reports its peak of allocated CUDA memory and the GPU's name.
 - **Model:** ``--model`` (a local Hugging Face folder, a ``.gguf`` file or a packaged id such as
   ``smollm2-135m-instruct``) or the synthetic tiny Llama built from the size flags, saved once to a folder from
   which every trial process of both frameworks loads it.
@@ -27,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from _device import add_device_args, device_memory, device_spec, device_sync, lightning_device, trl_device  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,20 +63,27 @@ def load_average() -> float:
 
 
 def matmul_peak(spec: dict) -> dict:
-    """Best GFLOP/s of 1024-4096 square fp32 GEMMs at ``spec["threads"]`` threads, by wall and by CPU time: the
-    machine's practical peak that a benchmark's model FLOP/s are a share of (a child kind, run between trials)."""
+    """Best GFLOP/s of square GEMMs, by wall and by CPU time: the machine's practical peak that a benchmark's model
+    FLOP/s are a share of (a child kind, run between trials). On a CPU fp32 GEMMs of 1024-4096 at
+    ``spec["threads"]`` threads; on CUDA (``spec["device"]``) bf16 GEMMs of 2048-8192, timed to the device's end."""
     import torch
 
     set_threads(spec["threads"])
+    cuda = spec.get("device") == "cuda"
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sizes = ((2048, 20), (4096, 20), (8192, 10)) if cuda else ((1024, 20), (2048, 10), (4096, 3))
     per_size, per_size_cpu = {}, {}
-    for n, reps in ((1024, 20), (2048, 10), (4096, 3)):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        c = torch.empty(n, n)
-        torch.mm(a, b, out=c)  # warm up MKL's buffers and threads
+    for n, reps in sizes:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        c = torch.empty(n, n, device=device, dtype=dtype)
+        torch.mm(a, b, out=c)  # warm up the library's buffers and threads
+        sync()
         fastest = fastest_cpu = float("inf")
         for _ in range(reps):
             t, t_cpu = time.perf_counter(), time.process_time()
             torch.mm(a, b, out=c)
+            sync()
             fastest = min(fastest, time.perf_counter() - t)
             fastest_cpu = min(fastest_cpu, time.process_time() - t_cpu)
         per_size[n] = 2 * n**3 / fastest / 1e9
@@ -109,7 +121,7 @@ MODEL_HELP = ("a real model instead of the synthetic tiny Llama: a local Hugging
 # (command-line flag, config field) of the tiny Llama's size
 TINY_SIZE_FLAGS = (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers"),
                    ("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
-                   ("kv_heads", "num_key_value_heads"))
+                   ("kv_heads", "num_key_value_heads"), ("vocab_size", "vocab_size"))
 
 
 def add_model_args(parser: argparse.ArgumentParser, group=None, tiny_defaults: dict | None = None,
@@ -125,6 +137,9 @@ def add_model_args(parser: argparse.ArgumentParser, group=None, tiny_defaults: d
     tiny = parser.add_argument_group(title)
     for flag, _ in TINY_SIZE_FLAGS:
         tiny.add_argument("--" + flag.replace("_", "-"), type=int, default=(tiny_defaults or {}).get(flag))
+    tiny.add_argument("--tokenizer", default=None,
+                      help="a tokenizer folder saved with the tiny Llama instead of the shipped tiny tokenizer (its "
+                           "vocabulary must fit --vocab-size; its special tokens become the model's)")
 
 
 def resolve_model_dir(name: str) -> str:
@@ -168,9 +183,21 @@ def prepare_model(ns, folder: Path, seed: int = 0, **config: Any) -> tuple[str, 
         return (model_dir, *model_config_and_parameters(model_dir))
     from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
+    tokenizer = load_tiny_tokenizer()
+    if getattr(ns, "tokenizer", None):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        config = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                  "pad_token_id": tokenizer.pad_token_id, **config}
     model = build_tiny_model(seed=seed, **tiny_overrides(ns), **config)
+    if len(tokenizer) > model.config.vocab_size:
+        raise SystemExit(f"--tokenizer {ns.tokenizer}: {len(tokenizer)} tokens do not fit --vocab-size "
+                         f"{model.config.vocab_size}")
     model.save_pretrained(folder)
-    load_tiny_tokenizer().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return str(folder), model.config, sum(p.numel() for p in model.parameters())
 
 
@@ -247,8 +274,9 @@ class StepMeter:
     last mark (the step's own start where the trainer reports one, else the previous step's end), and named counts
     per step: what :meth:`add` gathered during the step plus what :meth:`end` is given."""
 
-    def __init__(self, warmup: int):
+    def __init__(self, warmup: int, sync: Callable[[], None] | None = None):
         self.warmup = warmup
+        self.sync = sync  # waits for the device's queued work before the clock is read (CUDA)
         self.steps_ended = 0
         self.step_seconds: list[float] = []
         self.step_cpu_seconds: list[float] = []
@@ -276,6 +304,8 @@ class StepMeter:
 
     def begin(self) -> None:
         """A step starts (its time then excludes what ran between steps)."""
+        if self.sync is not None:
+            self.sync()
         self._mark = self._now()
 
     def add(self, **counts: float) -> None:
@@ -285,6 +315,8 @@ class StepMeter:
     def end(self, read: Callable[[], dict] | None = None, **counts: float) -> None:
         """A step ends: its seconds and ``counts``, and what ``read()`` returns, called after the clock stopped
         (reading metrics is the benchmark's cost, not the step's)."""
+        if self.sync is not None:
+            self.sync()
         now = self._now()
         self.add(**counts, **(read() if read else {}))
         if self.timing:
@@ -448,11 +480,11 @@ def write_prompts(spec: dict) -> str:
 
 def rl_model(ns, tmp: str) -> tuple[str, str, int]:
     """``(folder, description, parameter count)`` of the policy both frameworks load (:func:`prepare_model`)."""
-    model_dir, _, n_params = prepare_model(ns, Path(tmp) / "model")
+    model_dir, config, n_params = prepare_model(ns, Path(tmp) / "model")
     if ns.model:
         return model_dir, ns.model, n_params
     return model_dir, (f"tiny (hidden {ns.hidden_size}, {ns.layers} layers, intermediate {ns.intermediate}, "
-                       f"heads {ns.heads}/{ns.kv_heads})"), n_params
+                       f"heads {ns.heads}/{ns.kv_heads}, vocabulary {config.vocab_size})"), n_params
 
 
 def add_rl_step_args(parser: argparse.ArgumentParser, children, prompts: int = 8, max_new_tokens: int = 32) -> None:
@@ -465,6 +497,7 @@ def add_rl_step_args(parser: argparse.ArgumentParser, children, prompts: int = 8
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    add_device_args(parser)
     add_model_args(parser, tiny_defaults=RL_TINY_DEFAULTS)
     parser.add_argument("--json", type=Path, default=None)
     add_child_args(parser, children)
@@ -476,7 +509,8 @@ def rl_step_spec(ns, tmp: str, **extra) -> tuple[dict, str, int]:
     model_dir, model_name, n_params = rl_model(ns, tmp)
     print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
     spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "max_new_tokens": ns.max_new_tokens,
-            "steps": ns.steps + ns.warmup, "warmup": ns.warmup, "lora": ns.lora, "threads": ns.threads, **extra}
+            "steps": ns.steps + ns.warmup, "warmup": ns.warmup, "lora": ns.lora, "threads": ns.threads,
+            **device_spec(ns), **extra}
     return spec, model_name, n_params
 
 
@@ -490,26 +524,37 @@ def rl_align_trial(spec: dict, module, phases: tuple[str, ...], max_steps: int) 
 
     data = PromptDataModule(train_files=write_prompts(spec), val_files=None, batch_size=spec["prompts"],
                             shuffle=False)
-    meter = StepMeter(spec["warmup"])
+    meter = StepMeter(spec["warmup"], sync=device_sync(spec))
     names = {"tokens": "rollout/completion_tokens", **{f"{p}_s": f"time/{p}_s" for p in phases}}
-    callback = lightning_meter(meter, lambda trainer, pl_module, batch: logged(pl_module, **names), interval="step")
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+
+    def counts(trainer, pl_module, batch) -> dict:
+        # The prompt tokens the update reads beside the completions: each prompt once per completion.
+        prompt_tokens = sum(len(ids) for ids in batch.prompt_ids) * pl_module.group_size
+        return {**logged(pl_module, **names), "prompt_tokens": prompt_tokens}
+
+    callback = lightning_meter(meter, counts, interval="step")
+    trainer = L.Trainer(max_steps=max_steps, **lightning_device(spec), logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], max_epochs=-1)
     trainer.fit(module, datamodule=data)
-    return rl_step_summary(meter, phases)
+    return rl_step_summary(meter, phases, device_memory(spec))
 
 
-def rl_step_summary(meter: StepMeter, phases: tuple[str, ...]) -> dict:
+def rl_step_summary(meter: StepMeter, phases: tuple[str, ...], extra: dict | None = None) -> dict:
     """Throughput of full steps: completion tokens/s, median step time, the share of each phase
-    (``<phase>_share``) and of the rest (``update_share``), and the peak RSS."""
+    (``<phase>_share``) and of the rest (``update_share``), the tokens an update reads (prompts and completions,
+    when the trial counted ``prompt_tokens``), the peak RSS, and ``extra`` (:func:`device_memory`)."""
     shares = {f"{p}_share": meter.total(f"{p}_s") / meter.seconds for p in phases}
+    prompt_tokens = meter.per_step("prompt_tokens")
     return {
         "tokens_per_s": meter.rate("tokens"),
         "step_s": statistics.median(meter.step_seconds),
         **shares,
         "update_share": 1.0 - sum(shares.values()),
         "completion_tokens_per_step": statistics.mean(meter.per_step("tokens")),
+        **({"update_tokens_per_step": statistics.mean(p + t for p, t in zip(prompt_tokens, meter.per_step("tokens")))}
+           if any(prompt_tokens) else {}),
         "peak_rss_mb": peak_rss_mb(),
+        **(extra or {}),
     }
 
 
@@ -525,19 +570,22 @@ def rl_report(ns, title: str, results: dict[str, list[dict]], model_dir: str, n_
     ``extra`` to ``--json``."""
     med = medians(results)
     columns = {"generation": ("gen %", 8), "scoring": ("score %", 9)}
+    cuda = all("cuda_peak_mb" in m for m in med.values())
     print(title)
     print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}" + "".join(f"{columns[p][0]:>{columns[p][1]}s}" for p in phases)
-          + f"{'update %':>10s}{'peak RSS MB':>13s}")
+          + f"{'update %':>10s}{'peak RSS MB':>13s}" + (f"{'CUDA peak MB':>14s}" if cuda else ""))
     for fw, m in med.items():
         print(f"{fw:8s}{m['tokens_per_s']:10.1f}{m['step_s']:9.2f}"
               + "".join(f"{m[f'{p}_share']:{columns[p][1]}.0%}" for p in phases)
-              + f"{m['update_share']:10.0%}{m['peak_rss_mb']:13.0f}")
+              + f"{m['update_share']:10.0%}{m['peak_rss_mb']:13.0f}" + (f"{m['cuda_peak_mb']:14.0f}" if cuda else ""))
     result = {}
     if "trl" in med:
-        result = {f"{name}_align_over_trl": value for name, value in
-                  zip(("throughput", "peak_rss"), ratios(med, ("tokens_per_s", "peak_rss_mb")).values())}
+        names = ("throughput", "peak_rss", "cuda_peak")[: 3 if cuda else 2]
+        keys = ("tokens_per_s", "peak_rss_mb", "cuda_peak_mb")[: len(names)]
+        result = {f"{name}_align_over_trl": value for name, value in zip(names, ratios(med, keys).values())}
         print(f"throughput ratio align/TRL: {result['throughput_align_over_trl']:.2f}x; "
-              f"peak memory ratio align/TRL: {result['peak_rss_align_over_trl']:.2f}")
+              f"peak memory ratio align/TRL: {result['peak_rss_align_over_trl']:.2f}"
+              + (f"; CUDA peak ratio align/TRL: {result['cuda_peak_align_over_trl']:.2f}" if cuda else ""))
     write_json(ns.json, {"model": ns.model or "tiny", "model_dir": model_dir if ns.model else None,
                          "parameters": n_params, "settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
                          "medians": med, "ratios": result, **extra})

@@ -12,6 +12,7 @@ Usage::
     python benchmarks/dpo.py --loss kto                         # KTO: each pair read as two unpaired examples
     python benchmarks/dpo.py --padding-free                     # align without padding (model.padding_free)
     python benchmarks/dpo.py --model smollm2-135m-instruct --batch-size 4 --steps 10 --warmup 2 --threads 2
+    python benchmarks/dpo.py --device cuda --full --batch-size 16 --max-length 256   # one GPU, bf16 autocast
 
 What happens:
 
@@ -35,7 +36,8 @@ What happens:
 Same on both sides: model and weights, data, batch size, max_length, LoRA (rank, alpha, dropout 0, every linear layer
 of the decoder), the reference (with LoRA: the adapter-disabled policy, no copy, on both sides), sigmoid loss with
 beta 0.1 (ORPO: lambda = beta; KTO: beta, both weights 1), live reference log-probs (no precomputation), AdamW (lr, betas, eps, no weight decay), constant learning
-rate, gradient clipping at 1.0, fp32, no gradient checkpointing, no evaluation, no checkpoints, metrics logged every
+rate, gradient clipping at 1.0, fp32 (``--device cuda``: fp32 weights under bf16 autocast unless ``--precision
+32-true``), no gradient checkpointing, no evaluation, no checkpoints, metrics logged every
 ``--log-every`` steps, ``--threads`` torch threads. Each framework's own choices are printed, not changed: align scores
 only the response positions through the LM head (``logits_to_keep``) and runs chosen+rejected as one batch; TRL runs
 its chunked fused LM head (which also computes entropy, mean logits and top-1 accuracy each step).
@@ -89,13 +91,13 @@ def child_align(spec: dict) -> dict:
 
     from align.data.preference import PreferenceDataModule, UnpairedDataModule
 
-    meter = h.StepMeter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     L.seed_everything(spec["seed"], verbose=False)
     policy, module = build_module(spec)
     data = (UnpairedDataModule if spec["loss"] == "kto" else PreferenceDataModule)(train_files=spec["train_file"], val_files=None, max_length=spec["max_length"],
                                 batch_size=spec["batch_size"], shuffle=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, precision="32-true", max_steps=spec["steps"], gradient_clip_val=1.0,
+        **h.lightning_device(spec), max_steps=spec["steps"], gradient_clip_val=1.0,
         logger=CSVLogger(spec["workdir"], name="align_logs"), log_every_n_steps=spec["log_every"],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=spec["workdir"],
@@ -103,7 +105,8 @@ def child_align(spec: dict) -> dict:
                                                                             "tokens": batch.num_tokens})],
     )
     trainer.fit(module, data)
-    return dpo_result(meter, reference_copy=policy.ref_model is not None, threads=torch.get_num_threads())
+    return dpo_result(meter, reference_copy=policy.ref_model is not None, threads=torch.get_num_threads(),
+                      **h.device_memory(spec))
 
 
 def child_trl(spec: dict) -> dict:
@@ -114,7 +117,7 @@ def child_trl(spec: dict) -> dict:
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    meter = h.StepMeter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     rows = [json.loads(line) for line in open(spec["train_file"])]
     dataset = Dataset.from_list(rows)
     Trainer, Config = {"sigmoid": (DPOTrainer, DPOConfig), "orpo": (ORPOTrainer, ORPOConfig),
@@ -151,7 +154,7 @@ def child_trl(spec: dict) -> dict:
         per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=1.0,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, beta=spec["beta"],
+        **h.trl_device(spec), gradient_checkpointing=False, beta=spec["beta"],
         max_length=spec["max_length"], **per_loss, logging_steps=spec["log_every"], report_to="none", disable_tqdm=True,
         save_strategy="no", eval_strategy="no", dataloader_num_workers=0, seed=spec["seed"],
     )
@@ -159,7 +162,7 @@ def child_trl(spec: dict) -> dict:
                                  peft_config=peft_config, callbacks=[h.trl_meter(meter)])
     trainer.train()
     return dpo_result(meter, reference_copy=getattr(trainer, "ref_model", None) is not None,
-                      threads=torch.get_num_threads())
+                      threads=torch.get_num_threads(), **h.device_memory(spec))
 
 
 CHILDREN = {"align": child_align, "trl": child_trl}
@@ -194,11 +197,14 @@ def summarise(results: dict[str, list[dict]]) -> dict:
             "step_median_pairs_per_s": h.median(r["step_median_pairs_per_s"] for r in trials),
             "best_pairs_per_s": max(r["pairs_per_s"] for r in trials),
             "tokens_per_pair": trials[0]["tokens"] / max(trials[0]["pairs"], 1),
+            "step_s": h.median(h.median(r["step_seconds"]) for r in trials),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in trials),
+            **({"cuda_peak_mb": max(r["cuda_peak_mb"] for r in trials)} if "cuda_peak_mb" in trials[0] else {}),
         }
     if "trl" in summary:
-        summary["ratio_align_over_trl"] = h.ratios(summary, ("pairs_per_s", "step_median_pairs_per_s",
-                                                             "best_pairs_per_s", "peak_rss_mb"))
+        summary["ratio_align_over_trl"] = h.ratios(summary, (
+            "pairs_per_s", "step_median_pairs_per_s", "best_pairs_per_s", "peak_rss_mb",
+            *(("cuda_peak_mb",) if "cuda_peak_mb" in summary["align"] else ())))
     return summary
 
 
@@ -241,6 +247,7 @@ def main(argv=None) -> int:
     g.add_argument("--trials", type=int, default=2, help="trials per framework, alternating")
     g.add_argument("--threads", type=int, default=os.cpu_count())
     g.add_argument("--no-trl", dest="trl", action="store_false", help="skip the TRL trials")
+    h.add_device_args(g)
     g.add_argument("--json", type=Path, default=None, help="write the results here")
     g.add_argument("--verbose", action="store_true", help="show the trials' own output")
     h.add_child_args(p, CHILDREN)
@@ -259,7 +266,7 @@ def main(argv=None) -> int:
                     seed=args.seed, full=args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                     batch_size=args.batch_size, max_length=args.max_length, steps=args.steps, warmup=args.warmup,
                     lr=args.lr, beta=args.beta, loss=args.loss, log_every=args.log_every, workdir=str(tmp / "work"),
-                    padding_free=args.padding_free)
+                    padding_free=args.padding_free, **h.device_spec(args))
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters; "
               f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} "
               f"{'examples' if args.loss == 'kto' else 'pairs'}; loss {args.loss}; batch {args.batch_size}; {args.steps} steps ({args.warmup} warmup); {args.threads} threads"

@@ -5,6 +5,8 @@ Usage::
     python benchmarks/grpo.py                          # tiny Llama, 8 prompts x 4 completions, 32 new tokens
     python benchmarks/grpo.py --lora --trials 3 --json grpo-bench.json
     python benchmarks/grpo.py --hidden-size 256 --layers 4 --prompts 16 --group 8
+    python benchmarks/grpo.py --device cuda --hidden-size 896 --layers 24 --heads 14 --kv-heads 2 \
+        --intermediate 4864 --vocab-size 49152 --prompts 16 --group 8 --max-new-tokens 192   # one GPU, bf16 autocast
     python benchmarks/grpo.py --model smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 32 --threads 2
     python benchmarks/grpo.py --estimator rloo          # align's advantages.estimator: rloo vs TRL's RLOOTrainer
     python benchmarks/grpo.py --level sequence          # GSPO: policy_loss gspo vs importance_sampling_level
@@ -25,14 +27,16 @@ What happens:
 4. Reported per framework: completion tokens per second of full steps (completion tokens generated / wall time of
    the step; align: the logged ``rollout/completion_tokens``), the share of the step spent generating (align: the
    logged ``time/generation_s``; TRL: ``_generate_and_score_completions``,
-   which also scores rewards) and updating, and the process's peak RSS (``ru_maxrss``: imports, model and
-   activations; the benchmark has no GPU). Then the align/TRL ratios.
+   which also scores rewards) and updating, the tokens an update reads (prompts and completions), and the
+   process's peak RSS (``ru_maxrss``: imports, model and activations); with ``--device cuda`` also the peak of
+   allocated CUDA memory. Then the align/TRL ratios.
 
 Settings that are the same on both sides: model and weights, prompts, group size (``num_generations``), new-token
 limit (``max_completion_length``), temperature 1, no top-k/top-p, one policy iteration per rollout
 (``num_iterations`` = mu = 1), one optimizer step per rollout (no minibatching or accumulation), beta = 0 (no
 reference model), clip 0.2, token-mean loss over the step (TRL ``loss_type="dapo"``), AdamW (torch's fused kernel,
-TRL's default) with a constant learning rate, gradient clipping at 1.0, fp32, LoRA on or off (r 16, alpha 32, all
+TRL's default) with a constant learning rate, gradient clipping at 1.0, fp32 (``--device cuda``: fp32 weights
+under bf16 autocast unless ``--precision 32-true``), LoRA on or off (r 16, alpha 32, all
 linear layers), ``--threads`` torch threads, no checkpoints, no evaluation. Each framework keeps its own generation
 loop: align its KV-cache sampler that stops when all rows are done, through
 :class:`align.models.decoding.FastDecoder` (``--no-fast-decoder``: through the model's own forward, to see what the
@@ -128,7 +132,7 @@ def run_trl(spec: dict) -> dict:
         lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused", max_grad_norm=1.0, beta=0.0,
         num_iterations=1,
         epsilon=0.2, gradient_accumulation_steps=1, temperature=1.0, top_p=1.0,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        logging_steps=1, report_to="none", save_strategy="no", **h.trl_device(spec), seed=0,
         dataloader_num_workers=0, shuffle_dataset=False, disable_tqdm=True,
         gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's own default is on; align's is off
     )
@@ -148,19 +152,21 @@ def run_trl(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     trainer = trainer_class(model=spec["model_dir"], reward_funcs=length_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config)
-    meter = h.StepMeter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     original = trainer._generate_and_score_completions
 
     def timed(inputs):
         start = time.perf_counter()
         out = original(inputs)
-        meter.add(generation_s=time.perf_counter() - start, tokens=int(out["completion_mask"].sum()))
+        prompt_mask = out.get("prompt_mask")
+        meter.add(generation_s=time.perf_counter() - start, tokens=int(out["completion_mask"].sum()),
+                  prompt_tokens=int(prompt_mask.sum()) if prompt_mask is not None else 0)
         return out
 
     trainer._generate_and_score_completions = timed
     trainer.add_callback(h.trl_meter(meter, interval="step"))
     trainer.train()
-    return h.rl_step_summary(meter, PHASES)
+    return h.rl_step_summary(meter, PHASES, h.device_memory(spec))
 
 
 CHILDREN = {"align": run_align, "trl": run_trl, "native": run_native, "trl-vllm": run_trl_vllm}
@@ -192,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="vllm: align samples with its vLLM engine, and also runs with its own decoder (native)")
     parser.add_argument("--trl-vllm", action="store_true",
                         help="with --engine vllm: also TRL with use_vllm=True in colocate mode")
+    h.add_device_args(parser)
     h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
     parser.add_argument("--json", type=Path, default=None)
     h.add_child_args(parser, CHILDREN)
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
                 "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder,
                 "estimator": ns.estimator, "level": ns.level, "gradient_checkpointing": ns.gradient_checkpointing,
-                "engine": ns.engine}
+                "engine": ns.engine, **h.device_spec(ns)}
         kinds = ("align", "trl") if ns.engine == "native" else \
             ("align", "native", "trl") + (("trl-vllm",) if ns.trl_vllm else ())
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
@@ -217,9 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     name = {"rloo": "RLOO"}.get(ns.estimator, "GSPO" if ns.level == "sequence" else "GRPO")
     h.rl_report(ns, f"\n{name} full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
                     f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
-                    f"{ns.threads} threads, align fast decoder {'on' if ns.fast_decoder else 'off'}, gradient "
-                    f"checkpointing {'on' if ns.gradient_checkpointing else 'off'}, align engine {ns.engine}, medians "
-                    f"of {ns.trials} trials:", results, model_dir, n_params, PHASES)
+                    f"{spec['device']} {spec['precision']}, {ns.threads} threads, align fast decoder "
+                    f"{'on' if ns.fast_decoder else 'off'}, gradient checkpointing "
+                    f"{'on' if ns.gradient_checkpointing else 'off'}, align engine {ns.engine}, medians of "
+                    f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
     if ns.engine == "vllm":
         med = h.medians(results)
         print(f"throughput ratio align vLLM/native: {med['align']['tokens_per_s'] / med['native']['tokens_per_s']:.2f}x")

@@ -93,7 +93,7 @@ def run_trl(spec: dict) -> dict:
         lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused", max_grad_norm=1.0, beta=[0.1],
         loss_type="sigmoid",
         gradient_accumulation_steps=1, temperature=1.0, top_p=1.0, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        save_strategy="no", **h.trl_device(spec), seed=0, dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False,  # as align (TRL's own default is on)
     )
     peft_config = None
@@ -104,7 +104,7 @@ def run_trl(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     trainer = OnlineDPOTrainer(model=spec["model_dir"], reward_funcs=length_reward, args=config,
                                train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
-    meter = h.StepMeter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     original = trainer._generate
 
     def timed(*args, **kwargs):
@@ -116,7 +116,7 @@ def run_trl(spec: dict) -> dict:
     trainer._generate = timed
     trainer.add_callback(h.trl_meter(meter, interval="step"))
     trainer.train()
-    return with_pairs(h.rl_step_summary(meter, PHASES), spec["prompts"])
+    return with_pairs(h.rl_step_summary(meter, PHASES, h.device_memory(spec)), spec["prompts"])
 
 
 CHILDREN = {"align": run_align, "trl": run_trl}

@@ -126,7 +126,7 @@ def run_trl(spec: dict) -> dict:
         cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, whiten_rewards=False,
         learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused",
         max_grad_norm=1.0, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, num_sample_generations=0,
+        report_to="none", save_strategy="no", **h.trl_device(spec), seed=0, num_sample_generations=0,
         dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False,  # as align (TRL's own default is on)
     )
@@ -140,7 +140,7 @@ def run_trl(spec: dict) -> dict:
         raise SystemExit(f"TRL's PPO derived a rollout of {config.local_batch_size} prompts in minibatches of "
                          f"{config.local_mini_batch_size}; the comparison needs {n} in minibatches of "
                          f"{n // spec['minibatches']}")
-    meter = h.StepMeter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
 
     def timed(fn, phase):
         def wrapper(*args, **kwargs):
@@ -159,7 +159,7 @@ def run_trl(spec: dict) -> dict:
     ppo_module.get_reward = timed(ppo_module.get_reward, "scoring")
     trainer.add_callback(h.trl_meter(meter))
     trainer.train()
-    return h.rl_step_summary(meter, PHASES)
+    return h.rl_step_summary(meter, PHASES, h.device_memory(spec))
 
 
 def distinct_pad_token(tokenizer, rows: list[dict]) -> str:

@@ -7,6 +7,7 @@ Usage::
     python benchmarks/sft.py --trials 3 --steps 40 --json sft-bench.json
     python benchmarks/sft.py --no-trl                          # align and the matmul peak only
     python benchmarks/sft.py --model smollm2-135m-instruct --batch-size 2 --steps 6 --warmup 2 --threads 2
+    python benchmarks/sft.py --device cuda --max-length 1024 --batch-size 16   # one GPU, bf16 autocast, bf16 GEMM peak
 
 What happens:
 
@@ -49,7 +50,8 @@ Norms, activations, softmax and the optimizer are not counted. The conventional 
 
 Settings that are the same on both sides: model and weights, token ids and labels, max_length, packing (align's
 first-fit-decreasing packer; TRL ``packing=True`` with its default ``bfd`` strategy), per-device batch size, optimizer
-steps, AdamW (lr, betas, eps, weight decay, fused kernel), constant learning rate, gradient clipping at 1.0, fp32, no
+steps, AdamW (lr, betas, eps, weight decay, fused kernel), constant learning rate, gradient clipping at 1.0, fp32
+(``--device cuda``: fp32 weights under bf16 autocast unless ``--precision 32-true``), no
 gradient checkpointing (``SFTConfig`` turns it on by default, and bf16 too: both are set off here), no evaluation, no
 checkpoints, no progress bar, metrics logged every ``--log-every`` steps (align: a CSV logger; TRL: its in-memory log
 history with ``report_to=none``), shuffled rows, ``--threads`` torch threads (and ``OMP_NUM_THREADS``).
@@ -119,7 +121,7 @@ def child_align(spec: dict) -> dict:
 
     from align.data import SFTDataModule
 
-    meter = h.StepMeter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
 
     def counts(trainer, module, batch):
         return {"tokens": batch.num_tokens, "loss_tokens": int((batch.labels[:, 1:] != -100).sum()),
@@ -130,7 +132,7 @@ def child_align(spec: dict) -> dict:
     data = SFTDataModule(train_files=spec["train_file"], val_files=None, max_length=spec["max_length"],
                          batch_size=spec["batch_size"], packing=True, completion_only=True, shuffle=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, precision="32-true", max_steps=spec["steps"], gradient_clip_val=1.0,
+        **h.lightning_device(spec), max_steps=spec["steps"], gradient_clip_val=1.0,
         logger=CSVLogger(spec["workdir"], name="align_logs"), log_every_n_steps=spec["log_every"],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[h.lightning_meter(meter, counts)],
@@ -138,7 +140,7 @@ def child_align(spec: dict) -> dict:
     )
     trainer.fit(module, data)
     return sft_result(meter, attn_implementation=policy.config._attn_implementation, rows=len(data.train_set),
-                      threads=torch.get_num_threads())
+                      threads=torch.get_num_threads(), **h.device_memory(spec))
 
 
 def child_trl(spec: dict) -> dict:
@@ -148,7 +150,7 @@ def child_trl(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    meter = h.StepMeter(spec["warmup"])
+    meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     examples = _load_examples(spec)
     dataset = Dataset.from_dict({"input_ids": [ex.input_ids for ex in examples],
                                  "labels": [ex.labels for ex in examples]})
@@ -169,7 +171,7 @@ def child_trl(spec: dict) -> dict:
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=spec["weight_decay"],
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         optim="adamw_torch_fused" if spec["fused_adamw"] else "adamw_torch", max_grad_norm=1.0,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        **h.trl_device(spec), gradient_checkpointing=False,
         max_length=spec["max_length"], packing=True, packing_strategy="bfd",
         logging_steps=spec["log_every"], report_to="none", disable_tqdm=True,
         save_strategy="no", eval_strategy="no", dataloader_num_workers=0, seed=spec["seed"],
@@ -179,7 +181,7 @@ def child_trl(spec: dict) -> dict:
     trainer.train()
     return sft_result(meter, attn_implementation=model.config._attn_implementation, rows=len(trainer.train_dataset),
                       padding_free=bool(trainer.padding_free), optim=getattr(config.optim, "value", str(config.optim)),
-                      threads=torch.get_num_threads())
+                      threads=torch.get_num_threads(), **h.device_memory(spec))
 
 
 CHILDREN = {"matmul": h.matmul_peak, "align": child_align, "trl": child_trl}
@@ -236,7 +238,9 @@ def summarise(results: dict[str, list[dict]], flops_per_token: float, peak: floa
             "loss_tokens_per_s": h.median([r["loss_tokens"] / r["seconds"] for r in trials]),
             "tokens_per_cpu_s": summary_cpu(trials),
             "real_fraction_of_positions": h.median([r["tokens"] / r["positions"] for r in trials]),
+            "step_s": h.median(h.median(r["step_seconds"]) for r in trials),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in trials),
+            **({"cuda_peak_mb": max(r["cuda_peak_mb"] for r in trials)} if "cuda_peak_mb" in trials[0] else {}),
             "pre_train_rss_mb": max(r["pre_train_rss_mb"] for r in trials),
             "training_rss_mb": h.median([r["peak_rss_mb"] - r["pre_train_rss_mb"] for r in trials]),
             "model_gflops": tps * flops_per_token / 1e9,
@@ -247,7 +251,8 @@ def summarise(results: dict[str, list[dict]], flops_per_token: float, peak: floa
     if "trl" in summary:
         summary["ratio_align_over_trl"] = h.ratios(summary, (
             "tokens_per_s", "step_median_tokens_per_s", "best_tokens_per_s", "fastest_quarter_tokens_per_s",
-            "tokens_per_cpu_s", "peak_rss_mb", "pre_train_rss_mb", "training_rss_mb"))
+            "tokens_per_cpu_s", "peak_rss_mb", "pre_train_rss_mb", "training_rss_mb",
+            *(("cuda_peak_mb",) if "cuda_peak_mb" in summary["align"] else ())))
     return summary
 
 
@@ -267,7 +272,8 @@ def print_table(summary, peak, n_probes, args, flops, stats, results) -> None:
         ("fraction of matmul peak", "fraction_of_matmul_peak", "{:.1%}"),
         ("  same, fastest quarter of steps", "fraction_of_matmul_peak_fastest_quarter", "{:.1%}"),
         ("  same, CPU-time basis", "fraction_of_matmul_peak_cpu_time", "{:.1%}")], width=34)
-    print(f"\nmatmul peak: {peak / 1e9:.1f} GFLOP/s (best fp32 GEMM over {n_probes} probes, {args.threads} threads); "
+    gemm = "bf16 GEMM on the GPU" if args.device == "cuda" else f"fp32 GEMM, {args.threads} threads"
+    print(f"\nmatmul peak: {peak / 1e9:.1f} GFLOP/s (best {gemm}, over {n_probes} probes); "
           f"align SFT reaches {summary['align']['fraction_of_matmul_peak']:.1%} of it over whole trials, "
           f"{summary['align']['fraction_of_matmul_peak_fastest_quarter']:.1%} in its fastest quarter of steps")
     print(f"model FLOPs per token: {flops['flops_per_token'] / 1e6:.2f}M = 6 x {flops['n_layers_linear'] / 1e6:.3f}M "
@@ -304,6 +310,7 @@ def main(argv=None) -> int:
     g.add_argument("--trials", type=int, default=2, help="trials per framework, alternating")
     g.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in every trial")
     g.add_argument("--no-trl", dest="trl", action="store_false", help="skip the TRL trials")
+    h.add_device_args(g)
     g.add_argument("--json", type=Path, default=None, help="write the results here")
     g.add_argument("--verbose", action="store_true", help="show the trials' own output")
     h.add_child_args(p, CHILDREN)
@@ -326,7 +333,7 @@ def main(argv=None) -> int:
         spec = dict(model_dir=model_dir, train_file=str(tmp / "train.jsonl"), workdir=str(tmp),
                     max_length=args.max_length, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
                     lr=args.lr, weight_decay=args.weight_decay, fused_adamw=args.fused_adamw,
-                    log_every=args.log_every, threads=args.threads, seed=args.seed)
+                    log_every=args.log_every, threads=args.threads, seed=args.seed, **h.device_spec(args))
         stats = data_stats(spec)
         flops = h.training_flops_per_token(config, stats["loss_fraction"], stats["mean_context"], args.max_length)
         print(f"model: {model_name}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, intermediate "

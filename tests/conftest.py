@@ -7,11 +7,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run on CUDA, or on the device ``ALIGN_TEST_DEVICE`` names (``cpu`` checks them on any
+    machine); without either they are skipped."""
+    if os.environ.get("ALIGN_TEST_DEVICE"):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (or ALIGN_TEST_DEVICE=cpu to run it on the CPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture
@@ -32,6 +48,7 @@ def load_script():
     def load(name: str):
         spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO / "scripts" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
         spec.loader.exec_module(module)
         return module
 

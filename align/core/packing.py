@@ -6,6 +6,9 @@ mask of its own, so no token attends across a boundary and every sequence gets t
 padded row, to float rounding. What is saved is the arithmetic of the padding: a padded batch costs its longest
 row times its row count.
 
+:func:`token_budget_chunks` groups padded rows into micro-batches of at most a number of tokens (the RL
+update's ``updates.max_tokens_per_microbatch``).
+
 :func:`first_fit_decreasing` chooses which sequences share a row; SFT packs its dataset with it once
 (:func:`align.data.sft.pack`), and :func:`pack_scored_rows` packs a padded batch at every step, for the preference
 losses' sequence log-probs, the reward model's scores and the RL update's per-token log-probs and values
@@ -43,6 +46,23 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
             bins.append([i])
             room.append(capacity - n)
     return sorted((sorted(members) for members in bins), key=min)
+
+
+def token_budget_chunks(widths: Sequence[int], budget: int, max_rows: int | None = None) -> list[list[int]]:
+    """Indices of ``widths`` (each row's padded width) grouped into micro-batches that each cost at most ``budget``
+    tokens, counted as a padded micro-batch costs: its row count times its widest row. Widest rows first; each
+    micro-batch takes the next rows while the cost of adding one stays within the budget (and, with ``max_rows``,
+    its rows within that count). A row wider than the budget is a micro-batch of its own. Each micro-batch lists
+    its indices in increasing order; micro-batches come widest first."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    chunks: list[list[int]] = []
+    for i in order:
+        chunk = chunks[-1] if chunks else None
+        if chunk is None or (len(chunk) + 1) * widths[chunk[0]] > budget or (max_rows and len(chunk) >= max_rows):
+            chunks.append([i])
+        else:
+            chunk.append(i)
+    return [sorted(chunk) for chunk in chunks]
 
 
 @dataclass

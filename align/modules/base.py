@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from align.trainer.clipping import clip_gradients
 from align.trainer.host_memory import keep_freed_host_memory
 from align.models.policy import PolicyModel
 from align.rollout.types import Ranks
@@ -156,6 +157,12 @@ class TrainingModule(L.LightningModule):
         recompute them after every batch. Rows already written and ``trainer.callback_metrics`` keep them."""
         if self._trainer is not None and self.trainer._results is not None:
             self.trainer._results.reset(metrics=False, fx=self._current_fx_name or "training_step")
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """``trainer.gradient_clip_val`` under any precision and optimizer: bf16 gradients carry no loss scale, so
+        they are clipped even for a fused optimizer, which Lightning's mixed-precision plugin refuses
+        (:func:`align.trainer.clipping.clip_gradients`)."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def with_scheduler(self, optimizer: torch.optim.Optimizer):
         """``configure_optimizers``' return value for ``optimizer`` and the module's scheduler, stepped every

@@ -42,7 +42,9 @@ class KeptCriticPass:
         one_process = module._trainer is None or isinstance(module.trainer.strategy, SingleDeviceStrategy)
         if not (keep and policy.critic is not None and policy.critic.separate and one_process):
             return values_of(rollout.input_ids, rollout.attention_mask, R)
-        first = module.learner.plan(len(rollout))[0][0]
+        widths = (RLBatch.row_widths(rollout.attention_mask, R)
+                  if module.updates.max_tokens_per_microbatch is not None else None)
+        first = module.learner.plan(len(rollout), widths)[0][0]
         width = RLBatch.selected_width(rollout.attention_mask, R, first)
         columns = rollout.input_ids.shape[1] - (R - width)  # trimmed as RLBatch.select trims the micro-batch
         rest = torch.ones(len(rollout), dtype=torch.bool, device=rollout.input_ids.device)

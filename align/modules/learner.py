@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from align.core.masks import masked_mean
+from align.core.packing import token_budget_chunks
 from align.core.policy_losses import POLICY_LOSSES, PolicyLossInputs, PolicyLossSettings
 from align.modules.options import ClipRange, PolicyLoss, Updates
 from align.rollout.types import Ranks, Rollout
@@ -50,6 +51,15 @@ class RLBatch:
     @property
     def response_length(self) -> int:
         return self.response_mask.shape[1]
+
+    @staticmethod
+    def row_widths(attention_mask: torch.Tensor, response_length: int) -> list[int]:
+        """Each row's width when :meth:`select` takes it alone: the prompt columns and its response's up to its
+        last token (at least one)."""
+        prompt = attention_mask.shape[1] - response_length
+        used = attention_mask[:, prompt:].bool()
+        last = response_length - used.flip(1).int().argmax(dim=1)  # one past the last used column
+        return (prompt + torch.where(used.any(dim=1), last, 1)).tolist()
 
     @staticmethod
     def selected_width(attention_mask: torch.Tensor, response_length: int, index: torch.Tensor) -> int:
@@ -94,16 +104,22 @@ def corrected(advantages: torch.Tensor, rollout: Rollout) -> torch.Tensor:
 
 
 def minibatch_indices(n: int, num_minibatches: int, micro_batch_size: Optional[int], shuffle: bool = True,
-                      generator: Optional[torch.Generator] = None) -> list[list[torch.Tensor]]:
+                      generator: Optional[torch.Generator] = None, widths: Optional[list[int]] = None,
+                      max_tokens: Optional[int] = None) -> list[list[torch.Tensor]]:
     """Split ``n`` rows into ``num_minibatches`` (one optimizer step each), each into micro-batches of at
-    most ``micro_batch_size`` rows (``None``: one micro-batch). Returns ``[[indices, ...], ...]``."""
+    most ``micro_batch_size`` rows (``None``: one micro-batch), or, with ``max_tokens``, into micro-batches of at
+    most that many padded tokens given each row's width ``widths`` (:func:`align.core.packing.token_budget_chunks`,
+    within ``micro_batch_size`` rows too when set). Returns ``[[indices, ...], ...]``."""
     if not 1 <= num_minibatches <= n:
         raise ValueError(f"updates.minibatches must be in [1, {n}] (rows per rollout), got {num_minibatches}")
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
     out = []
     for mb in torch.tensor_split(order, num_minibatches):
-        size = micro_batch_size or len(mb)
-        out.append(list(torch.split(mb, size)))
+        if max_tokens is not None:
+            chunks = token_budget_chunks([widths[i] for i in mb.tolist()], max_tokens, micro_batch_size)
+            out.append([mb[torch.tensor(chunk, dtype=torch.long)] for chunk in chunks])
+        else:
+            out.append(list(torch.split(mb, micro_batch_size or len(mb))))
     return out
 
 
@@ -130,7 +146,8 @@ that are means over the micro-batch's valid tokens."""
 
 class Learner:
     """``updates.epochs`` passes over a batch, ``updates.minibatches`` optimizer steps per pass, each minibatch in
-    micro-batches of ``updates.micro_batch_size`` rows. ``count(response_mask) -> ()`` is this rank's count of loss
+    micro-batches of ``updates.micro_batch_size`` rows or of ``updates.max_tokens_per_microbatch`` padded tokens.
+    ``count(response_mask) -> ()`` is this rank's count of loss
     terms in a minibatch (:func:`align.core.losses.loss_count`, or online DPO's decisive pairs)."""
 
     def __init__(self, updates: Updates, count: Callable[[torch.Tensor], torch.Tensor]):
@@ -141,11 +158,18 @@ class Learner:
         """The rows of the batch that the micro-batch being scored in :meth:`update` holds."""
         self._planned: list[list[torch.Tensor]] | None = None
 
-    def plan(self, n: int) -> list[list[torch.Tensor]]:
-        """Draw the first epoch's minibatches of the next :meth:`update` of ``n`` rows now (the same random draw
-        that update would make), so that the rollout's scoring can prepare for its first micro-batch."""
+    def split(self, n: int, widths: Optional[list[int]] = None) -> list[list[torch.Tensor]]:
+        """One pass's minibatches and micro-batches of ``n`` rows of widths ``widths`` (needed with
+        ``updates.max_tokens_per_microbatch``; see :meth:`RLBatch.row_widths`), in a fresh random order."""
         u = self.updates
-        self._planned = minibatch_indices(n, u.minibatches, u.micro_batch_size)
+        return minibatch_indices(n, u.minibatches, u.micro_batch_size, widths=widths,
+                                 max_tokens=u.max_tokens_per_microbatch)
+
+    def plan(self, n: int, widths: Optional[list[int]] = None) -> list[list[torch.Tensor]]:
+        """Draw the first epoch's minibatches of the next :meth:`update` of ``n`` rows (of widths ``widths``) now,
+        the same random draw that update would make, so that the rollout's scoring can prepare for its first
+        micro-batch."""
+        self._planned = self.split(n, widths)
         return self._planned
 
     def normaliser(self, response_mask: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -165,9 +189,10 @@ class Learner:
         planned, self._planned = self._planned, None
         if planned is not None and sum(len(i) for mb in planned for i in mb) != len(data):
             planned = None  # drawn for other rows
+        widths = (RLBatch.row_widths(data.attention_mask, data.response_length)
+                  if u.max_tokens_per_microbatch is not None else None)
         for epoch in range(u.epochs):
-            minibatches = (planned if epoch == 0 and planned is not None
-                           else minibatch_indices(len(data), u.minibatches, u.micro_batch_size))
+            minibatches = planned if epoch == 0 and planned is not None else self.split(len(data), widths)
             for micro_indices in minibatches:
                 normaliser = self.normaliser(data.response_mask[torch.cat(micro_indices)], ranks)
                 for j, index in enumerate(micro_indices):

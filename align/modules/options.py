@@ -138,6 +138,10 @@ class Updates:
     """Optimizer steps per pass; the rollout's rows are split evenly between them."""
     micro_batch_size: int | None = None
     """Rows per forward/backward pass (gradient accumulation); null: a whole minibatch."""
+    max_tokens_per_microbatch: int | None = None
+    """Tokens per forward/backward pass, counted as padded (rows x the widest row): a minibatch's rows, widest
+    first, are grouped into micro-batches within this budget (and within ``micro_batch_size`` rows when that is
+    set too); a row wider than the budget is a micro-batch of its own. Null: micro-batches by row count only."""
     max_grad_norm: float | None = 1.0
     """Clip the gradient norm of every optimizer step; null: no clipping."""
     loss_aggregation: Aggregation = "token_mean"
@@ -153,6 +157,8 @@ class Updates:
         _check(self.minibatches >= 1, "updates.minibatches", ">= 1", self.minibatches)
         _check(self.micro_batch_size is None or self.micro_batch_size >= 1, "updates.micro_batch_size",
                ">= 1 or null", self.micro_batch_size)
+        _check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
+               "updates.max_tokens_per_microbatch", ">= 1 or null", self.max_tokens_per_microbatch)
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "updates.max_grad_norm", "> 0 or null",
                self.max_grad_norm)
         _check(self.loss_aggregation in ("token_mean", "seq_mean", "constant"), "updates.loss_aggregation",

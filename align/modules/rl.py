@@ -17,6 +17,7 @@ advantages and batch, ``self.update(batch, loss_fn)``, ``self.log_metrics(...)``
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -251,11 +252,11 @@ class RLModule(AlignModule):
             optimizer, scheduler = self._standalone
             return Optimization(optimizer, scheduler, lambda loss: loss.backward(),
                                 lambda norm: torch.nn.utils.clip_grad_norm_(self.parameters(), norm))
+        from align.trainer.clipping import clip_gradients
         from align.trainer.strategies import accumulation_boundary
 
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        clip = lambda norm: self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")  # noqa: E731
-        return Optimization(optimizer, scheduler, self.manual_backward, clip,
+        return Optimization(optimizer, scheduler, self.manual_backward, partial(clip_gradients, self, optimizer),
                             lambda last: accumulation_boundary(self, last), self.gradient_scale(), self.ranks)
 
     def update(self, data: RLBatch, loss_fn: LossFn) -> dict[str, float]:

@@ -161,7 +161,13 @@ class TRPOModule(ActorCriticModule):
     # ------------------------------------------------------------------ the policy step
     def _micro_batches(self, data: GAEBatch, rows: torch.Tensor | None = None) -> list[GAEBatch]:
         n = len(data) if rows is None else len(rows)
-        [chunks] = minibatch_indices(n, 1, self.updates.micro_batch_size, shuffle=False)
+        u = self.updates
+        widths = None
+        if u.max_tokens_per_microbatch is not None:
+            widths = data.row_widths(data.attention_mask, data.response_length)
+            widths = widths if rows is None else [widths[i] for i in rows.tolist()]
+        [chunks] = minibatch_indices(n, 1, u.micro_batch_size, shuffle=False, widths=widths,
+                                     max_tokens=u.max_tokens_per_microbatch)
         device = data.input_ids.device
         return [data.select((chunk if rows is None else rows[chunk]).to(device)) for chunk in chunks]
 

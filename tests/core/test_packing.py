@@ -4,7 +4,8 @@ pinned by hand."""
 import pytest
 import torch
 
-from align.core.packing import common_prefix, first_fit_decreasing, pack_scored_rows, share_prompts, split_groups
+from align.core.packing import (common_prefix, first_fit_decreasing, pack_scored_rows, share_prompts, split_groups,
+                                token_budget_chunks)
 
 
 def test_first_fit_decreasing_pinned():
@@ -12,6 +13,16 @@ def test_first_fit_decreasing_pinned():
     assert first_fit_decreasing([5, 3, 4, 2, 6], 8) == [[0, 1], [2], [3, 4]]
     assert first_fit_decreasing([9, 1], 8) == [[0], [1]]  # too long for any bin: one of its own
     assert first_fit_decreasing([], 8) == []
+
+
+def test_token_budget_chunks_pinned():
+    # widest first: 6 alone (6 + 5 would cost 2 x 6 = 12), then 5 and 4 (2 x 5 = 10), then 3 and 2 (2 x 3 = 6)
+    assert token_budget_chunks([5, 3, 4, 2, 6], 10) == [[4], [0, 2], [1, 3]]
+    assert token_budget_chunks([5, 3, 4, 2, 6], 10, max_rows=1) == [[4], [0], [2], [1], [3]]
+    assert token_budget_chunks([5, 3, 4, 2, 6], 100) == [[0, 1, 2, 3, 4]]
+    assert token_budget_chunks([5, 3, 4, 2, 6], 100, max_rows=2) == [[0, 4], [1, 2], [3]]
+    assert token_budget_chunks([9, 1], 8) == [[0], [1]]  # wider than the budget: a micro-batch of its own
+    assert token_budget_chunks([], 8) == []
 
 
 def test_pack_scored_rows_pinned():

@@ -51,6 +51,36 @@ def test_one_minibatch_of_8_equals_8_accumulated_micro_steps_of_1(agg):
         torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("micro_batch_size, sizes", [(None, [2, 3, 3]), (2, [2, 2, 2, 2])])
+def test_micro_batches_by_token_budget_give_the_gradient_of_the_whole_minibatch(micro_batch_size, sizes):
+    module = make_module()
+    data = fixed_batch(module)  # 8 rows: a 12-column prompt and 6 response columns
+    for row, length in enumerate([1, 2, 3, 4, 5, 6, 1, 2]):  # responses that ended early, then padding
+        data.response_mask[row, length:] = False
+        data.attention_mask[row, 12 + length:] = 0
+    widths = RLBatch.row_widths(data.attention_mask, data.response_length)
+    assert widths == [13, 14, 15, 16, 17, 18, 13, 14]
+    # A budget of 53 tokens, widest first: 18 + 17 (2 x 18 = 36), 16 + 15 + 14 (3 x 16 = 48), 14 + 13 + 13; with
+    # at most 2 rows: 18 + 17, 16 + 15, 14 + 14, 13 + 13.
+    budget = 53
+    grads, seen = {}, {}
+    for name, updates in (("whole", Updates(max_grad_norm=None)),
+                          ("budget", Updates(max_tokens_per_microbatch=budget, micro_batch_size=micro_batch_size,
+                                             max_grad_norm=None))):
+        module.updates = updates
+        seen[name] = []
+        loss_fn = lambda micro, normaliser: (seen[name].append(micro), module._loss(micro, normaliser))[1]  # noqa: E731
+        opt = standalone(module)
+        module.update(data, loss_fn)
+        assert len(opt.grads) == 1
+        grads[name] = opt.grads[0]
+    assert [len(m) for m in seen["whole"]] == [8] and [len(m) for m in seen["budget"]] == sizes
+    assert all(len(m) * m.input_ids.shape[1] <= budget for m in seen["budget"])  # padded as selected
+    assert any(g.abs().sum() > 0 for g in grads["whole"])
+    for whole, budgeted in zip(grads["whole"], grads["budget"]):
+        torch.testing.assert_close(whole, budgeted, atol=1e-6, rtol=1e-4)
+
+
 def test_minibatches_and_epochs_give_one_step_each():
     idx = minibatch_indices(8, num_minibatches=2, micro_batch_size=3)
     assert [[len(m) for m in mb] for mb in idx] == [[3, 1], [3, 1]]

@@ -33,6 +33,7 @@ from align.modules.trpo import TRPOModule
     (lambda: Updates(epochs=0), "updates.epochs"),
     (lambda: Updates(minibatches=0), "updates.minibatches"),
     (lambda: Updates(micro_batch_size=0), "updates.micro_batch_size"),
+    (lambda: Updates(max_tokens_per_microbatch=0), "updates.max_tokens_per_microbatch"),
     (lambda: Updates(max_grad_norm=0.0), "updates.max_grad_norm"),
     (lambda: Updates(loss_aggregation="sum"), "updates.loss_aggregation"),
     (lambda: GroupAdvantages(std_scale="rank"), "advantages.std_scale"),
