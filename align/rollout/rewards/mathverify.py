@@ -1,0 +1,101 @@
+"""``math_verify``: a math answer checked by the math-verify library (``pip install 'align[rewards]'``).
+
+The gold answer comes from a data column (``answer`` by default): a bare number, LaTeX (``\\frac{3}{4}``,
+``$\\sqrt{2}$``), or a GSM8K solution ending in ``#### <number>`` (the text after the last ``####`` is the gold). A
+reply is parsed the same way: its boxed answer first, else its last expression, and the text after its last ``####``
+when it has one. math-verify then compares them symbolically, so ``0.75`` equals ``3/4`` and ``\\boxed{\\frac34}``, and
+``1,000`` equals ``1000``.
+
+math-verify bounds each parse and comparison with ``signal.alarm``, which works on the main thread only. On the main
+thread (a reward that runs in the calling thread, :mod:`align.rollout.rewards.concurrent`) each check gets
+``timeout`` seconds; on any other thread the checks run without that bound, and the reward's own ``timeout``
+(``RewardSpec.timeout``) bounds the whole batch instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+MATH_VERIFY_EXTRA = "pip install 'align[rewards]' (math-verify)"
+_warned_off_main = False
+
+
+def _library():
+    try:
+        from math_verify import parse, verify
+    except ImportError as err:
+        raise ImportError(f"align.rewards.math_verify needs the math-verify package: {MATH_VERIFY_EXTRA}") from err
+    return parse, verify
+
+
+def answer_text(text: Any) -> str:
+    """The part of a gold answer or a reply that holds the answer: the text after the last ``####`` (GSM8K's
+    marker) when there is one, else the whole text, stripped."""
+    text = str(text)
+    return (text.rsplit("####", 1)[1] if "####" in text else text).strip()
+
+
+def check_timeout(seconds: float) -> int | None:
+    """math-verify's timeout for this thread: ``seconds`` rounded up to whole seconds (``signal.alarm``'s unit) on
+    the main thread; None (no alarm) on any other thread, with a warning the first time."""
+    global _warned_off_main
+    if threading.current_thread() is threading.main_thread():
+        return max(1, math.ceil(seconds))
+    if not _warned_off_main:
+        _warned_off_main = True
+        log.warning("align.rewards.math_verify runs off the main thread (a reward with concurrency or a timeout, or "
+                    "a second plain reward), where math-verify's per-check timeouts cannot work: its checks run "
+                    "unbounded; set the reward's timeout to bound a batch")
+    return None
+
+
+def parse_gold(text: Any, timeout: int | None = None) -> list:
+    """math-verify's parse of a gold answer (:func:`answer_text` of it); LaTeX commands without ``$`` delimiters
+    (``\\sqrt{2}/2``) are read as math. Raises ValueError when nothing in it parses: a gold answer must hold one."""
+    parse, _ = _library()
+    body = answer_text(text)
+    parsed = parse(body, parsing_timeout=timeout)
+    if not parsed and "\\" in body and "$" not in body:  # LaTeX commands without delimiters
+        parsed = parse(f"${body}$", parsing_timeout=timeout)
+    if not parsed:
+        raise ValueError(f"the gold answer {str(text)[-80:]!r} holds no number or expression math-verify can parse")
+    return parsed
+
+
+def math_verify(prompts: list[str], completions: list[str], gold_column: str = "answer", timeout: float = 5.0,
+                **columns: Any) -> list[float]:
+    """1.0 when math-verify finds the completion's answer equal to the gold answer of column ``gold_column``, else
+    0.0 (also for a reply with nothing to parse).
+
+    ``timeout``: seconds for each parse and comparison when run on the main thread (rounded up to whole seconds;
+    math-verify uses ``signal.alarm``). A gold answer that does not parse stops the run naming the sample: it is a
+    data error, not a wrong reply.
+    """
+    if gold_column not in columns:
+        data = sorted(k for k in columns if k not in ("prompt_messages", "completion_ids", "completion_truncated",
+                                                       "conversation"))
+        raise ValueError(f"math_verify reads the gold answer from the column {gold_column!r}, which the prompt data "
+                         f"does not have (its columns: {data or 'none'}); set kwargs.gold_column")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"math_verify: timeout must be > 0 seconds, got {timeout!r}")
+    parse, verify = _library()
+    seconds = check_timeout(timeout)
+    golds: dict[str, list] = {}
+    out = []
+    for completion, gold in zip(completions, _as_list(columns[gold_column])):
+        key = str(gold)
+        if key not in golds:
+            golds[key] = parse_gold(key, seconds)
+        reply = parse(answer_text(completion), parsing_timeout=seconds)
+        right = bool(reply) and verify(golds[key], reply, timeout_seconds=seconds)
+        out.append(1.0 if right else 0.0)
+    return out
+
+
+def _as_list(values: Sequence[Any] | Any) -> list:
+    return list(values) if isinstance(values, (list, tuple)) else [values]
