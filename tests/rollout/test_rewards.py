@@ -66,6 +66,12 @@ def test_math_answer_compares_numerically():
         ("48 + 24 = 72\n#### 72", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", 1.0),  # GSM8K on both sides
         ("3 boxes of 250 and 250 more: 3 * 250 + 250 = 1,000\n#### 1,000", "#### 1000", 1.0),
         ("7 + 12 = 19", "19", 1.0),  # the arithmetic task's worked equation
+        ("To compute 4 * 7 + 8, we need to add", "36", 0.0),  # the question restated is arithmetic left to compute
+        ("$\\frac{1}{2} + \\frac{1}{3}$", "5/6", 0.0),
+        ("Let's break the equation: 8 * 7 + 6.", "62", 0.0),  # "6." reads as a decimal: still arithmetic
+        ("$\\frac{5}{6}$", "5/6", 1.0),
+        ("-3/4", "-0.75", 1.0),
+        ("$2\\sqrt{2}$", "\\sqrt{8}", 1.0),  # irrational forms compare symbolically
         ("The total is 71.", "72", 0.0),  # a wrong answer
         ("I do not know.", "72", 0.0),  # nothing to parse
         ("", "72", 0.0),
@@ -73,6 +79,11 @@ def test_math_answer_compares_numerically():
 )
 def test_math_verify(completion, gold, score):
     assert math_verify(["q"], [completion], answer=[gold]) == [score]
+
+
+def test_math_verify_can_compare_uncomputed_arithmetic_by_value():
+    assert math_verify(["q"] * 2, ["4 * 7 + 8", "$10^{3}$"], answer=["36", "1000"], require_computed=False) == [1.0, 1.0]
+    assert math_verify(["q"] * 2, ["4 * 7 + 8", "$10^{3}$"], answer=["36", "1000"]) == [0.0, 0.0]
 
 
 def test_math_verify_reads_another_column_and_refuses_a_gold_it_cannot_parse():

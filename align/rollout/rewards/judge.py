@@ -113,8 +113,8 @@ class Judge(ServiceReward):
                          model=model, system_prompt=system_prompt, extra_body=extra_body or {})
         try:
             import openai  # noqa: F401
-        except ImportError as err:
-            raise ImportError(f"align.rewards.Judge needs the openai package: {REWARDS_EXTRA}") from err
+        except ImportError:
+            raise AlignConfigError(f"{self.what} needs the openai package; install it with: {REWARDS_EXTRA}") from None
         if parser not in TEMPLATES:
             raise AlignConfigError(f"{self.what}: parser must be one of {list(TEMPLATES)}, got {parser!r}")
         if parser == "number" and not (math.isfinite(low) and math.isfinite(high) and low < high):

@@ -6,6 +6,13 @@ reply is parsed the same way: its boxed answer first, else its last expression, 
 when it has one. math-verify then compares them symbolically, so ``0.75`` equals ``3/4`` and ``\\boxed{\\frac34}``, and
 ``1,000`` equals ``1000``.
 
+One departure from math-verify's own equality: a reply whose answer is arithmetic on numbers left to compute
+(``4 * 7 + 8``, ``\\frac12 + \\frac13``, ``10^3``) scores 0 even when its value is right (``require_computed``).
+math-verify evaluates such an expression, so restating the question would earn the point, a shortcut a policy under
+RL can find: on the bundled arithmetic task, 112 of 1,224 replies sampled from SmolLM2-135M-Instruct would have
+earned a point that way. A number, a fraction ``p/q``, a decimal or a percentage, and any irrational or symbolic form
+(``2\\sqrt{2}``, ``\\pi/2``, ``x^2+1``) count as they are.
+
 math-verify bounds each parse and comparison with ``signal.alarm``, which works on the main thread only. On the main
 thread (a reward that runs in the calling thread, :mod:`align.rollout.rewards.concurrent`) each check gets
 ``timeout`` seconds; on any other thread the checks run without that bound, and the reward's own ``timeout``
@@ -19,17 +26,20 @@ import math
 import threading
 from typing import Any, Sequence
 
+from align.errors import AlignConfigError
+from align.rollout.rewards.service import REWARDS_EXTRA
+
 log = logging.getLogger(__name__)
 
-MATH_VERIFY_EXTRA = "pip install 'align[rewards]' (math-verify)"
 _warned_off_main = False
 
 
 def _library():
     try:
         from math_verify import parse, verify
-    except ImportError as err:
-        raise ImportError(f"align.rewards.math_verify needs the math-verify package: {MATH_VERIFY_EXTRA}") from err
+    except ImportError:
+        raise AlignConfigError("align.rewards.math_verify needs the math-verify package; install it with: "
+                               f"{REWARDS_EXTRA}") from None
     return parse, verify
 
 
@@ -67,14 +77,36 @@ def parse_gold(text: Any, timeout: int | None = None) -> list:
     return parsed
 
 
+def is_computed(answer: Any) -> bool:
+    """False for a parsed answer that is arithmetic on numbers left to compute (``4*7 + 8``, ``1/2 + 1/3``,
+    ``10**3``, ``8*7 + 6.``); True for a number, a fraction ``p/q`` (``-p/q``), a percentage, an irrational or
+    symbolic value (``2*sqrt(2)``, ``pi/2``, ``x**2 + 1``), a set or an interval."""
+    import sympy
+
+    if not isinstance(answer, sympy.Expr) or isinstance(answer, sympy.Number):
+        return True
+    leaves = answer.atoms()
+    if not all(isinstance(leaf, sympy.Number) for leaf in leaves):  # a symbol or a constant such as pi
+        return True
+    if not any(isinstance(leaf, sympy.Float) for leaf in leaves) and answer.is_rational is not True:
+        return True  # irrational (2*sqrt(2)), or sympy cannot tell: a form of its own
+    factors = answer.args if isinstance(answer, sympy.Mul) else (answer,)
+    if any(isinstance(f, sympy.UnevaluatedExpr) and f.args[0] == sympy.Rational(1, 100) for f in factors):
+        return len(factors) == 2 and any(isinstance(f, sympy.Number) for f in factors)  # a percentage: 3.5%
+    inverse = [f for f in factors if isinstance(f, sympy.Pow) and isinstance(f.base, sympy.Integer) and f.exp == -1]
+    whole = [f for f in factors if isinstance(f, sympy.Integer)]
+    return len(inverse) == 1 and len(inverse) + len(whole) == len(factors) and sum(w != -1 for w in whole) <= 1
+
+
 def math_verify(prompts: list[str], completions: list[str], gold_column: str = "answer", timeout: float = 5.0,
-                **columns: Any) -> list[float]:
+                require_computed: bool = True, **columns: Any) -> list[float]:
     """1.0 when math-verify finds the completion's answer equal to the gold answer of column ``gold_column``, else
     0.0 (also for a reply with nothing to parse).
 
     ``timeout``: seconds for each parse and comparison when run on the main thread (rounded up to whole seconds;
-    math-verify uses ``signal.alarm``). A gold answer that does not parse stops the run naming the sample: it is a
-    data error, not a wrong reply.
+    math-verify uses ``signal.alarm``). ``require_computed``: a reply whose answer is arithmetic left to compute
+    scores 0 (:func:`is_computed`); false compares it by value. A gold answer that does not parse stops the run
+    naming the sample: it is a data error, not a wrong reply.
     """
     if gold_column not in columns:
         data = sorted(k for k in columns if k not in ("prompt_messages", "completion_ids", "completion_truncated",
@@ -92,9 +124,18 @@ def math_verify(prompts: list[str], completions: list[str], gold_column: str = "
         if key not in golds:
             golds[key] = parse_gold(key, seconds)
         reply = parse(answer_text(completion), parsing_timeout=seconds)
-        right = bool(reply) and verify(golds[key], reply, timeout_seconds=seconds)
+        right = (bool(reply) and (not require_computed or is_computed(reply[0]))
+                 and verify(golds[key], reply, timeout_seconds=seconds))
         out.append(1.0 if right else 0.0)
     return out
+
+
+def _check_installed(available: list[str]) -> None:
+    """Before the first rollout: math-verify must be installed (the check hook of :class:`RewardFunction`)."""
+    _library()
+
+
+math_verify.check_columns = _check_installed
 
 
 def _as_list(values: Sequence[Any] | Any) -> list:

@@ -78,8 +78,8 @@ class Remote(ServiceReward):
         super().__init__(api_key_env, url, default, max_concurrency, timeout, retries, backoff, api_key)
         try:
             import aiohttp  # noqa: F401
-        except ImportError as err:
-            raise ImportError(f"align.rewards.Remote needs the aiohttp package: {REWARDS_EXTRA}") from err
+        except ImportError:
+            raise AlignConfigError(f"{self.what} needs the aiohttp package; install it with: {REWARDS_EXTRA}") from None
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise AlignConfigError(f"{self.what}: batch_size must be an integer >= 1, got {batch_size!r}")
         unknown = sorted(set(inputs or []) - set(REWARD_INPUTS))
