@@ -82,6 +82,7 @@ class Loopback:
             def log_message(self, *args):
                 pass
 
+        ThreadingHTTPServer.request_queue_size = 256  # connections waiting to be accepted (the default 5 drops some)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.server.block_on_close = False

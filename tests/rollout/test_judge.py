@@ -4,6 +4,7 @@ configs."""
 
 import logging
 import re
+import socket
 
 import pytest
 from _loopback import Loopback, Reply, chat_reply, user_message
@@ -91,6 +92,15 @@ def test_a_timeout_is_retried_and_then_scores_the_default():
         judge = RewardFunction(judge_spec(server, timeout=0.2, retries=1))
         assert judge(["q"], ["a"]) == [0.0]
     assert len(server.requests) == 2 and judge.take_errors() == 1
+
+
+def test_a_refused_connection_is_retried_and_then_scores_the_default():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    judge = RewardFunction(RewardSpec("align.rewards.Judge", init_kwargs={
+        "model": "m", "base_url": f"http://127.0.0.1:{port}/v1", "retries": 1, **FAST}))
+    assert judge(["q"], ["a"]) == [0.0] and judge.take_errors() == 1
 
 
 def test_a_garbage_reply_scores_the_default_and_is_counted_in_the_metrics():

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -387,7 +388,7 @@ def training_rewards(rewards: Sequence[RewardSpec | str] | None, reward_model: R
     if not specs and not environment:
         raise AlignConfigError("model.rewards: an RL run needs a training reward; set reward_model, rewards or "
                                "environment")
-    evals = [RewardSpec(fn=s.fn, weight=0.0, name=s.name, kwargs=dict(s.kwargs), init_kwargs=s.init_kwargs)
-             if isinstance(s, RewardSpec) else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
+    evals = [dataclasses.replace(s, weight=0.0, kwargs=dict(s.kwargs)) if isinstance(s, RewardSpec)
+             else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
     combined = CombinedReward([*specs, *evals], allow_empty=environment)
     return combined, combined.names[len(specs):]

@@ -12,8 +12,8 @@ hosted API), and the reply is parsed into a score:
   ``B`` (``[[A]]`` is read first), and the preferred completion scores 1.0, the other 0.0. With ``both_orders``
   each pair is asked twice, swapped, and a judge that changes its mind with the order scores both 0.5 (a tie).
 
-A call that times out or gets HTTP 429 or a 5xx is retried (``retries``, exponential ``backoff``); one that still
-fails, or whose reply does not parse, scores ``default`` (None: not applicable) and is counted
+A call that times out, fails to connect, or gets HTTP 429 or a 5xx is retried (``retries``, exponential
+``backoff``); one that still fails, or whose reply does not parse, scores ``default`` (None: not applicable) and is counted
 (``rollout/reward_errors/<name>``). The key is read from the environment variable named by ``api_key_env``.
 """
 
@@ -105,7 +105,7 @@ class Judge(ServiceReward):
             default: The score of a call that failed or a reply that did not parse; None: not applicable.
             max_concurrency: Requests in flight at once.
             timeout: Seconds per request.
-            retries: Further tries of a request that timed out or got HTTP 429 or 5xx.
+            retries: Further tries of a request that timed out, failed to connect or got HTTP 429 or 5xx.
             backoff: Seconds before the first retry, doubled for each next one.
             api_key: Refused: keys come from ``api_key_env``.
         """
@@ -154,7 +154,7 @@ class Judge(ServiceReward):
     def retryable(self, err: BaseException) -> bool:
         import openai
 
-        if isinstance(err, openai.APITimeoutError):
+        if isinstance(err, openai.APIConnectionError):  # a timeout (APITimeoutError) or a failed connection
             return True
         if isinstance(err, openai.APIStatusError):
             return err.status_code == 429 or err.status_code >= 500

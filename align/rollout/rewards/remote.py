@@ -8,10 +8,10 @@ as JSON::
 ``columns`` holds the data's columns, and the rollout's inputs named in ``inputs`` (``prompt_messages``,
 ``completion_ids``, ``completion_truncated``, ``conversation``). The reply is the list of scores, one per completion
 in order, or ``{"scores": [...]}``; a ``null`` score means the reward does not apply to that completion. A request
-that times out or gets HTTP 429 or a 5xx is retried with backoff; one that still fails, or whose reply is not such a
-list, scores ``default`` for its completions, which are counted (``rollout/reward_errors/<name>``). The key, when
-the service needs one, is read from the environment variable named by ``api_key_env`` and sent as
-``Authorization: Bearer <key>``.
+that times out, fails to connect, or gets HTTP 429 or a 5xx is retried with backoff; one that still fails, or whose
+reply is not such a list, scores ``default`` for its completions, which are counted
+(``rollout/reward_errors/<name>``). The key, when the service needs one, is read from the environment variable named
+by ``api_key_env`` and sent as ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Remote(ServiceReward):
             default: The score of the completions of a request that failed; None: not applicable.
             max_concurrency: Requests in flight at once.
             timeout: Seconds per request.
-            retries: Further tries of a request that timed out or got HTTP 429 or 5xx.
+            retries: Further tries of a request that timed out, failed to connect or got HTTP 429 or 5xx.
             backoff: Seconds before the first retry, doubled for each next one.
             api_key: Refused: keys come from ``api_key_env``.
         """
@@ -96,9 +96,11 @@ class Remote(ServiceReward):
         return f"remote reward at {self.url}"
 
     def retryable(self, err: BaseException) -> bool:
+        import aiohttp
+
         if isinstance(err, HTTPStatusError):
             return err.status == 429 or err.status >= 500
-        return super().retryable(err)
+        return isinstance(err, aiohttp.ClientConnectionError) or super().retryable(err)
 
     def _session(self):
         import aiohttp

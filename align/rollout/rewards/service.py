@@ -1,7 +1,7 @@
 """What rewards served over the network share (:class:`align.rewards.Judge`, :class:`align.rewards.Remote`): the key
 from an environment variable named in the config (never the key itself), bounded concurrency, retries with backoff
-on the failures worth retrying, a default score for a call that still fails, and the count of such failures
-(``take_errors``, logged as ``rollout/reward_errors/<name>``).
+on the failures worth retrying (a timeout, a failed connection, HTTP 429 or 5xx), a default score for a call that
+still fails, and the count of such failures (``take_errors``, logged as ``rollout/reward_errors/<name>``).
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ class ServiceReward:
         return mine[name]
 
     def retryable(self, err: BaseException) -> bool:
-        """Whether a failed call is worth trying again: a timeout, HTTP 429 or a 5xx (subclasses say which)."""
-        return isinstance(err, (asyncio.TimeoutError, TimeoutError))
+        """Whether a failed call is worth trying again: a timeout, a failed connection, HTTP 429 or a 5xx (subclasses
+        say which of their errors are which); never another 4xx or a reply that does not parse."""
+        return isinstance(err, (asyncio.TimeoutError, TimeoutError, ConnectionError))
 
     async def attempt(self, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` under the concurrency bound, tried again ``retries`` times with exponential backoff
