@@ -8,15 +8,20 @@ instead (``inline``), after the others have started: it costs no thread, and a l
 past it is cancelled when it is async (its HTTP requests are dropped) and abandoned when it is a thread (a daemon
 thread: it cannot keep the process alive after the run stops on it).
 
-:func:`split_rows` cuts a batch's inputs into contiguous parts, for a reward whose ``concurrency`` is above 1.
+:func:`split_rows` cuts a batch's inputs into contiguous parts, for a reward whose ``concurrency`` is above 1;
+:func:`evaluate` runs a batch's rewards this way, and :class:`RewardCounts` counts the rows they did not apply to or
+scored by default. Clients that async rewards keep on the loop are closed when the process exits
+(:func:`close_at_exit`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import threading
 import time
+import weakref
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -25,6 +30,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_thread: threading.Thread | None = None
 _loop_lock = threading.Lock()
+_closers: list[weakref.WeakMethod] = []
 
 
 def reward_loop() -> asyncio.AbstractEventLoop:
@@ -36,7 +42,33 @@ def reward_loop() -> asyncio.AbstractEventLoop:
             _loop = asyncio.new_event_loop()
             _loop_thread = threading.Thread(target=_loop.run_forever, name="align-rewards-loop", daemon=True)
             _loop_thread.start()
+            atexit.register(_close_loop, _loop)
         return _loop
+
+
+def close_at_exit(close: Callable[[], Any]) -> None:
+    """Await ``close()`` (a bound method, such as an HTTP client's) on the reward loop when the process exits, so
+    that its connections are closed while the interpreter still runs; forgotten when its object is."""
+    _closers.append(weakref.WeakMethod(close))
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    async def close_all() -> None:
+        for ref in _closers:
+            close = ref()
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # noqa: BLE001 - closing at exit: nothing is left to report to
+                    pass
+
+    if loop.is_closed() or _loop_thread is None or not _loop_thread.is_alive():
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(close_all(), loop).result(5)
+    except Exception:  # noqa: BLE001 - closing at exit: nothing is left to report to
+        pass
+    loop.call_soon_threadsafe(loop.stop)
 
 
 def on_reward_loop() -> bool:
@@ -193,5 +225,5 @@ def evaluate(rewards: Sequence[Any], inputs: dict[str, Any]) -> dict[str, list[f
     return out
 
 
-__all__ = ["Job", "JobTimeout", "RewardCounts", "evaluate", "on_reward_loop", "reward_loop", "run_jobs", "run_now", "split_rows",
+__all__ = ["Job", "JobTimeout", "RewardCounts", "close_at_exit", "evaluate", "on_reward_loop", "reward_loop", "run_jobs", "run_now", "split_rows",
            "start"]

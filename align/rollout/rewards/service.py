@@ -7,6 +7,7 @@ still fails, and the count of such failures (``take_errors``, logged as ``rollou
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit
 
 from align.errors import AlignConfigError
 from align.observability.attributes import looks_secret
+from align.rollout.rewards.concurrent import close_at_exit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,10 +108,13 @@ class ServiceReward:
         return errors
 
     def per_loop(self, name: str, make: Callable[[], T]) -> T:
-        """An object bound to the running event loop (a semaphore, an HTTP client), made once per loop."""
+        """An object bound to the running event loop (a semaphore, an HTTP client), made once per loop; one with an
+        async ``close`` is closed when the process exits."""
         mine = self._per_loop.setdefault(asyncio.get_running_loop(), {})
         if name not in mine:
-            mine[name] = make()
+            mine[name] = made = make()
+            if inspect.iscoroutinefunction(getattr(made, "close", None)):
+                close_at_exit(made.close)
         return mine[name]
 
     def retryable(self, err: BaseException) -> bool:
