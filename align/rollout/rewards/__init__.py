@@ -21,10 +21,10 @@ rollout. A YAML config names a function by import path::
 The total reward of a completion is ``sum(weight * reward)`` over the rewards that apply to it (a reward returns
 ``None`` for a row it does not apply to); each reward is also logged on its own as ``rollout/reward/<name>``. The
 rewards of a batch are evaluated together (:mod:`~align.rollout.rewards.concurrent`: async functions awaited
-together, plain ones on threads; ``concurrency`` and ``timeout`` per reward). Any value that is NaN or infinite, a result of the wrong length, or an exception
-raised inside a reward function stops the run with a one-line :class:`RewardError` that names the reward,
-and for an exception also the file and line in the user's code and the first failing sample. An import path
-that does not resolve fails when the module is built, before training.
+together, plain ones on threads; ``concurrency`` and ``timeout`` per reward). Any value that is NaN or infinite, a
+result of the wrong length, or an exception raised inside a reward function stops the run with a one-line
+:class:`RewardError` that names the reward, and for an exception also the file and line in the user's code and the
+first failing sample. An import path that does not resolve fails when the module is built, before training.
 
 Built-in rewards (:mod:`align.rollout.rewards.builtin`): :func:`sort_exact_match`, :func:`sort_format` and the
 graded :func:`sort_position_match` for the bundled sort task (:mod:`align.data.sort_task`), :func:`math_answer`

@@ -101,7 +101,8 @@ class RewardFunction:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise AlignConfigError(f"{self.where}: concurrency must be an integer >= 1, got {self.concurrency!r}")
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
-            raise AlignConfigError(f"{self.where}: timeout must be a number of seconds > 0 or null, got {self.timeout!r}")
+            raise AlignConfigError(f"{self.where}: timeout must be a number of seconds > 0 or null, got "
+                                   f"{self.timeout!r}")
         self.is_async = inspect.iscoroutinefunction(target)
         """An ``async`` function (or ``async def __call__``): awaited on the reward loop, together with the others."""
         self._read_signature()
@@ -213,7 +214,8 @@ class RewardFunction:
         except (TypeError, ValueError) as err:
             bad = next((i for i, v in enumerate(values) if v is not None and not _is_number(v)),
                        None) if _is_iterable(values) else None
-            sample = f" (sample {offset + bad}: {_preview(values[bad])})" if bad is not None and bad < len(values) else ""
+            shown = bad is not None and bad < len(values)
+            sample = f" (sample {offset + bad}: {_preview(values[bad])})" if shown else ""
             raise RewardError(f"{self.where} must return a list of numbers, got "
                               f"{_preview(values)}{sample}") from err
         if len(values) != len(completions):
@@ -248,7 +250,8 @@ class RewardFunction:
             return message + f"{tried} passes on its own, the batch of {n} fails as a whole"
         columns = [f"{k}={_preview(v[first], 40)}" for k, v in inputs.items()
                    if k not in BASE_INPUTS and k not in REWARD_INPUTS and isinstance(v, (list, tuple)) and len(v) == n]
-        return message + (f"first failing sample {offset + first} of {total}: prompt {_preview(inputs['prompts'][first])}, "
+        return message + (f"first failing sample {offset + first} of {total}: "
+                          f"prompt {_preview(inputs['prompts'][first])}, "
                           f"completion {_preview(inputs['completions'][first])}"
                           + (f", {', '.join(columns)}" if columns else ""))
 

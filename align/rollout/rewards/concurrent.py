@@ -225,5 +225,5 @@ def evaluate(rewards: Sequence[Any], inputs: dict[str, Any]) -> dict[str, list[f
     return out
 
 
-__all__ = ["Job", "JobTimeout", "RewardCounts", "close_at_exit", "evaluate", "on_reward_loop", "reward_loop", "run_jobs", "run_now", "split_rows",
-           "start"]
+__all__ = ["Job", "JobTimeout", "RewardCounts", "close_at_exit", "evaluate", "on_reward_loop", "reward_loop", "run_jobs",
+           "run_now", "split_rows", "start"]

@@ -13,8 +13,8 @@ hosted API), and the reply is parsed into a score:
   each pair is asked twice, swapped, and a judge that changes its mind with the order scores both 0.5 (a tie).
 
 A call that times out, fails to connect, or gets HTTP 429 or a 5xx is retried (``retries``, exponential
-``backoff``); one that still fails, or whose reply does not parse, scores ``default`` (None: not applicable) and is counted
-(``rollout/reward_errors/<name>``). The key is read from the environment variable named by ``api_key_env``.
+``backoff``); one that still fails, or whose reply does not parse, scores ``default`` (None: not applicable) and is
+counted (``rollout/reward_errors/<name>``). The key is read from the environment variable named by ``api_key_env``.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 The gold answer comes from a data column (``answer`` by default): a bare number, LaTeX (``\\frac{3}{4}``,
 ``$\\sqrt{2}$``), or a GSM8K solution ending in ``#### <number>`` (the text after the last ``####`` is the gold). A
-reply is parsed the same way: its boxed answer first, else its last expression, and the text after its last ``####``
-when it has one. math-verify then compares them symbolically, so ``0.75`` equals ``3/4`` and ``\\boxed{\\frac34}``, and
-``1,000`` equals ``1000``.
+reply is read the same way, from the text after its last ``####`` when it has one: math-verify takes its boxed
+answer first, else one after "the answer is", else its last expression. math-verify then compares them symbolically,
+so ``0.75`` equals ``3/4`` and ``\\boxed{\\frac34}``, and ``1,000`` equals ``1000``.
 
 One departure from math-verify's own equality: a reply whose answer is arithmetic on numbers left to compute
 (``4 * 7 + 8``, ``\\frac12 + \\frac13``, ``10^3``) scores 0 even when its value is right (``require_computed``).
