@@ -81,6 +81,19 @@ def test_math_verify(completion, gold, score):
     assert math_verify(["q"], [completion], answer=[gold]) == [score]
 
 
+def test_math_verify_keeps_an_alarm_set_before_it():
+    import signal
+
+    before = signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 60.0)
+        assert math_verify(["q"], ["\\boxed{2}"], answer=["2"]) == [1.0]  # its own alarms cancel the timer...
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 60.0  # ...which is set again for the time it had left
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
 def test_math_verify_can_compare_uncomputed_arithmetic_by_value():
     assert math_verify(["q"] * 2, ["4 * 7 + 8", "$10^{3}$"], answer=["36", "1000"], require_computed=False) == [1.0, 1.0]
     assert math_verify(["q"] * 2, ["4 * 7 + 8", "$10^{3}$"], answer=["36", "1000"]) == [0.0, 0.0]

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import threading
+import time
+from contextlib import contextmanager
 from typing import Any, Sequence
 
+from align.data.prompts import REWARD_INPUTS
 from align.errors import AlignConfigError
 from align.rollout.rewards.service import REWARDS_EXTRA
 
@@ -109,8 +113,7 @@ def math_verify(prompts: list[str], completions: list[str], gold_column: str = "
     naming the sample: it is a data error, not a wrong reply.
     """
     if gold_column not in columns:
-        data = sorted(k for k in columns if k not in ("prompt_messages", "completion_ids", "completion_truncated",
-                                                       "conversation"))
+        data = sorted(k for k in columns if k not in REWARD_INPUTS)
         raise ValueError(f"math_verify reads the gold answer from the column {gold_column!r}, which the prompt data "
                          f"does not have (its columns: {data or 'none'}); set kwargs.gold_column")
     if not (timeout > 0 and math.isfinite(timeout)):
@@ -119,15 +122,28 @@ def math_verify(prompts: list[str], completions: list[str], gold_column: str = "
     seconds = check_timeout(timeout)
     golds: dict[str, list] = {}
     out = []
-    for completion, gold in zip(completions, _as_list(columns[gold_column])):
-        key = str(gold)
-        if key not in golds:
-            golds[key] = parse_gold(key, seconds)
-        reply = parse(answer_text(completion), parsing_timeout=seconds)
-        right = (bool(reply) and (not require_computed or is_computed(reply[0]))
-                 and verify(golds[key], reply, timeout_seconds=seconds))
-        out.append(1.0 if right else 0.0)
+    with _outer_alarm_kept(seconds is not None):
+        for completion, gold in zip(completions, _as_list(columns[gold_column])):
+            key = str(gold)
+            if key not in golds:
+                golds[key] = parse_gold(key, seconds)
+            reply = parse(answer_text(completion), parsing_timeout=seconds)
+            right = (bool(reply) and (not require_computed or is_computed(reply[0]))
+                     and verify(golds[key], reply, timeout_seconds=seconds))
+            out.append(1.0 if right else 0.0)
     return out
+
+
+@contextmanager
+def _outer_alarm_kept(on: bool):
+    """Around math-verify's alarms (``on``): a timer that was already set (``SIGALRM``, e.g. pytest-timeout's) is
+    cancelled by them; it is set again afterwards for the time it had left (its handler math-verify restores)."""
+    left, start = (signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()) if on else (0.0, 0.0)
+    try:
+        yield
+    finally:
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - start), 1e-3))
 
 
 def _check_installed(available: list[str]) -> None:
