@@ -20,17 +20,51 @@ from typing import Callable, ContextManager, NamedTuple, Optional
 import torch
 
 from align.data.prompts import PromptBatch
+from align.errors import AlignError
 from align.observability.timing import Timer, record_span
 from align.core.advantages import overlong_penalty
 from align.core.mismatch import correction_weights
 from align.rollout.engine import GenerationEngine, make_engine
 from align.rollout.envs.chat import EnvironmentPool
 from align.rollout.episodes import play_episodes
-from align.rollout.rewards import CombinedReward, LazyRewardModel, reward_inputs
+from align.rollout.rewards import CombinedReward, LazyRewardModel, RewardCounts, RewardError, reward_inputs
 from align.rollout.sampling import SamplingConfig
 from align.rollout.types import Ranks, Rollout, Scored
 
-__all__ = ["OverlongShaping", "Sampler"]
+__all__ = ["OverlongShaping", "Sampler", "stop_together"]
+
+MESSAGE_BYTES = 1024
+"""Longest failure message (UTF-8 bytes) that :func:`stop_together` hands to the other ranks."""
+
+
+def stop_together(error: BaseException | None, ranks: Ranks, device: torch.device | str = "cpu") -> None:
+    """Raise on every rank when ``error`` (what scoring raised on this rank, or None) is set on any rank, so that a
+    reward failing on one rank stops them all at the same point instead of leaving the others waiting at their next
+    collective. Every rank raises the same line, the first failing rank's message with its rank; a failing rank
+    keeps its own error as the cause. One all-reduce of ``ranks.size`` numbers per call (a second, of the message,
+    only when something failed); on one process ``error`` is simply raised."""
+    if ranks.size <= 1:
+        if error is not None:
+            raise error
+        return
+    failed = torch.zeros(ranks.size, device=device)
+    failed[ranks.rank] = float(error is not None)
+    failed = ranks.all_reduce(failed)
+    ranks_failed = [r for r in range(ranks.size) if float(failed[r]) > 0]
+    if not ranks_failed:
+        return
+    first = ranks_failed[0]
+    message = torch.zeros(MESSAGE_BYTES, device=device)
+    if ranks.rank == first:
+        text = (str(error) if isinstance(error, RewardError) else f"{type(error).__name__}: {error}").encode()
+        raw = text[:MESSAGE_BYTES]
+        message[: len(raw)] = torch.tensor(list(raw), dtype=torch.float32, device=device)
+    raw = bytes(int(b) for b in ranks.all_reduce(message).round().clamp(0, 255).tolist() if b)
+    if error is not None and not isinstance(error, AlignError):
+        raise error  # not a reward's failure but a bug: its own traceback (the other ranks name it on one line)
+    where = f"rank {first}" + (f" (and {len(ranks_failed) - 1} more)" if len(ranks_failed) > 1 else "")
+    raise RewardError(f"{raw.decode(errors='ignore')} [scoring failed on {where} of {ranks.size}; every rank "
+                      "stops]") from error
 
 
 class OverlongShaping(NamedTuple):
@@ -86,6 +120,9 @@ class Sampler:
         """Optimizer steps the policy has taken: recorded on every rollout (set by the module after each update)."""
         self.rollouts = 0
         """Training rollouts sampled (:meth:`sample`), saved in checkpoints by the module."""
+        self.reward_counts = self._no_counts()
+        """Rows the rewards did not apply to, or scored by default after a failed call, over the training rollouts
+        since :meth:`rollout_metrics` last logged them."""
 
     @property
     def max_response_tokens(self) -> int:
@@ -142,8 +179,13 @@ class Sampler:
         stop token included), and the total adds ``overlong.coef`` times it. A multi-turn rollout adds the part
         ``env``, each episode's summed environment rewards, with weight ``environment.weight``.
         """
-        total, parts = self.reward(**reward_inputs(batch, rollout))
         device = rollout.response_ids.device
+        failure = None
+        try:
+            total, parts = self.reward(**reward_inputs(batch, rollout))
+        except Exception as err:  # noqa: BLE001 - every rank learns of it and stops (stop_together)
+            failure = err
+        stop_together(failure, self.ranks(), device)
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
         total, parts = to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
         if rollout.episodes is not None:
@@ -164,10 +206,16 @@ class Sampler:
             rollout = self.rollout(batch)
         with Timer(timings, "time/scoring_s"):
             rewards, parts = self.score(batch, rollout)
+        self.reward_counts.add(self.reward.last_counts)
         if self.corrects:
             with Timer(timings, "time/correction_s"):
                 self.correct(rollout)
         return Scored(rollout, rewards, parts, timings)
+
+    def _no_counts(self) -> RewardCounts:
+        """Zero counts with every name present, so that every rank logs the same metrics."""
+        return RewardCounts(0, {r.name: 0 for r in self.reward.rewards},
+                            {r.name: 0 for r in self.reward.rewards if r.counts_errors})
 
     @property
     def corrects(self) -> bool:
@@ -212,13 +260,16 @@ class Sampler:
         """``(N, R)`` reference log-probs of the rows of ``data``, or None when no reference is needed."""
         return self.token_logprobs(data, reference=True).logprobs if self.needs_reference else None
 
-    @staticmethod
-    def rollout_metrics(scored: Scored) -> dict[str, float]:
-        """The rollout's own metrics (lengths, throughput, ...) and the reward means of ``scored``."""
+    def rollout_metrics(self, scored: Scored) -> dict[str, float]:
+        """The rollout's own metrics (lengths, throughput, ...), the reward means of ``scored``, and the shares of
+        the rows sampled since the last call that each reward did not apply to (``rollout/reward_na/<name>``) or
+        scored by default after a failed call (``rollout/reward_errors/<name>``, judge and remote rewards)."""
         rollout, rewards = scored.rollout, scored.rewards
         metrics = dict(rollout.metrics)
         metrics["rollout/reward_mean"] = float(rewards.mean())
         metrics["rollout/reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
         for name, values in scored.parts.items():
             metrics[f"rollout/reward/{name}"] = float(values.mean())
+        metrics.update(self.reward_counts.metrics())
+        self.reward_counts = self._no_counts()
         return metrics

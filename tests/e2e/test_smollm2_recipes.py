@@ -117,5 +117,5 @@ def test_ppo_on_the_trained_reward_model(reward_model_export, tmp_path, capsys):
                "--model.init_args.value.warmup_rollouts", "1")
     finite(rows, "rollout/reward_mean")
     out = capsys.readouterr().out
-    held_out(out, "val/reward/math_answer")
+    held_out(out, "val/reward/math_verify")
     held_out(out, "val/kl")

@@ -187,3 +187,31 @@ def test_one_step_of_four_pairs_equals_four_accumulated_micro_steps_of_one():
     assert any(g.abs().sum() > 0 for g in grads[None])
     for full, accumulated in zip(grads[None], grads[1]):
         torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
+
+
+def test_a_pairwise_judge_ranks_the_pairs():
+    """align.rewards.Judge with parser pairwise (an OpenAI-compatible server on loopback that prefers the shorter
+    completion) as online DPO's ranking: one request per pair, each pair decisive, one DPO step."""
+    import re
+
+    from _loopback import Loopback, user_message
+
+    def shorter(request):
+        a, b = (re.search(rf"Response {x}:\n(.*?)(\n\nResponse B|\n\nWhich|$)", user_message(request), re.S).group(1)
+                for x in "AB")
+        return "[[A]]" if len(a) <= len(b) else "[[B]]"
+
+    with Loopback(shorter) as server:
+        judge = RewardSpec("align.rewards.Judge", name="judge",
+                           init_kwargs={"model": "m", "base_url": server.base_url, "parser": "pairwise",
+                                        "template": "Prompt:\n{prompt}\n\nResponse A:\n{completion_a}\n\nResponse B:\n"
+                                                    "{completion_b}\n\nWhich is better? Reply A or B.",
+                                        "backoff": 0.0})
+        module = make_module(rewards=[judge])
+        opt = standalone(module)
+        torch.manual_seed(0)
+        module.training_step(prompt_batch(module.policy), 0)
+    assert len(server.requests) == len(PROMPTS)  # 4 prompts x group_size 2: one request per pair
+    assert module.last_metrics["rollout/tie_frac"] == 0.0 and opt.steps == 1
+    assert module.last_metrics["rollout/reward/judge"] == 0.5  # one of each pair preferred
+    assert module.last_metrics["rollout/reward_errors/judge"] == 0.0

@@ -18,20 +18,25 @@ rollout. A YAML config names a function by import path::
         weight: 0.1
       - fn: checks/style.py:politeness            # a function in a file (relative to the working directory)
 
-The total reward of a completion is ``sum(weight * reward)``; each reward is also logged on its own as
-``rollout/reward/<name>``. Any value that is NaN or infinite, a result of the wrong length, or an exception
-raised inside a reward function stops the run with a one-line :class:`RewardError` that names the reward,
-and for an exception also the file and line in the user's code and the first failing sample. An import path
-that does not resolve fails when the module is built, before training.
+The total reward of a completion is ``sum(weight * reward)`` over the rewards that apply to it (a reward returns
+``None`` for a row it does not apply to); each reward is also logged on its own as ``rollout/reward/<name>``. The
+rewards of a batch are evaluated together (:mod:`~align.rollout.rewards.concurrent`: async functions awaited
+together, plain ones on threads; ``concurrency`` and ``timeout`` per reward). Any value that is NaN or infinite, a
+result of the wrong length, or an exception raised inside a reward function stops the run with a one-line
+:class:`RewardError` that names the reward, and for an exception also the file and line in the user's code and the
+first failing sample. An import path that does not resolve fails when the module is built, before training.
 
 Built-in rewards (:mod:`align.rollout.rewards.builtin`): :func:`sort_exact_match`, :func:`sort_format` and the
-graded :func:`sort_position_match` for the bundled sort task (:mod:`align.data.sort_task`), and :func:`math_answer`
-for GSM8K-style math answers. A trained reward model is a reward too: :class:`RewardModelScorer` (defined in
-:mod:`align.models.reward`).
+graded :func:`sort_position_match` for the bundled sort task (:mod:`align.data.sort_task`), :func:`math_answer`
+for GSM8K-style math answers, and :func:`math_verify` (:mod:`~align.rollout.rewards.mathverify`), math answers
+checked by the math-verify library. A trained reward model is a reward too: :class:`RewardModelScorer` (defined in
+:mod:`align.models.reward`); so is a judge model behind an OpenAI-compatible endpoint, :class:`Judge`
+(:mod:`~align.rollout.rewards.judge`), and a service over HTTP, :class:`Remote` (:mod:`~align.rollout.rewards.remote`).
 
 The package: :mod:`~align.rollout.rewards.resolve` turns import paths into objects and points an exception back
 into the user's code; :mod:`~align.rollout.rewards.combine` calls a reward with its checks, combines several with
-weights and builds an RL run's reward list; :mod:`~align.rollout.rewards.builtin` holds the built-in rewards.
+weights and builds an RL run's reward list; :mod:`~align.rollout.rewards.builtin` holds the built-in rewards;
+:mod:`~align.rollout.rewards.service` what the judge and remote rewards share (keys, retries, error counts).
 """
 
 # Besides ``__all__``, ``resolve_import`` (environments and tools use it), ``BASE_INPUTS`` and ``RewardFn`` are
@@ -42,6 +47,10 @@ from align.rollout.rewards.builtin import (extract_final_number, math_answer, so
 from align.rollout.rewards.combine import (BASE_INPUTS, CombinedReward, LazyRewardModel,  # noqa: F401
                                            RewardError, RewardFunction, RewardModelSpec, RewardSpec, reward_inputs,
                                            training_rewards)
+from align.rollout.rewards.concurrent import RewardCounts
+from align.rollout.rewards.judge import Judge
+from align.rollout.rewards.mathverify import math_verify
+from align.rollout.rewards.remote import Remote
 from align.rollout.rewards.resolve import (RewardFn, error_location, one_line, resolve_import,  # noqa: F401
                                            resolve_reward)
 
@@ -59,7 +68,11 @@ __all__ = [
     "sort_format",
     "sort_position_match",
     "math_answer",
+    "math_verify",
     "extract_final_number",
+    "Judge",
+    "Remote",
+    "RewardCounts",
     "RewardModelScorer",
     "error_location",
     "one_line",

@@ -1,19 +1,22 @@
 """Calling rewards: :class:`RewardFunction` calls one with keyword arguments and checks what it returns,
-:class:`CombinedReward` weighs several, and :func:`training_rewards` builds an RL run's list (the reward model, the
-rewards, the eval-only rewards); :func:`reward_inputs` is what every reward receives for a rollout.
+:class:`CombinedReward` weighs several (evaluated together, :mod:`align.rollout.rewards.concurrent`), and
+:func:`training_rewards` builds an RL run's list (the reward model, the rewards, the eval-only rewards);
+:func:`reward_inputs` is what every reward receives for a rollout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from align.data.prompts import REWARD_INPUTS
 from align.errors import AlignConfigError, AlignError
 from align.models.reward import RewardModelScorer
+from align.rollout.rewards.concurrent import Job, JobTimeout, RewardCounts, evaluate, run_now
 from align.rollout.rewards.resolve import RewardFn, _qualname, _target, error_location, one_line, resolve_reward
 
 
@@ -36,6 +39,12 @@ class RewardSpec:
     init_kwargs: dict | None = None
     """When ``fn`` names a class (such as ``align.rewards.RewardModelScorer``), it is built once with these
     arguments and the instance is the reward."""
+    concurrency: int = 1
+    """Calls at once: the batch is cut into this many parts, called together (plain functions on threads, async
+    functions awaited together); 1: one call on the whole batch."""
+    timeout: float | None = None
+    """Seconds a batch of this reward may take (all its parts); past it the run stops naming the reward. None: no
+    limit."""
 
 
 def _preview(text: Any, limit: int = 60) -> str:
@@ -88,6 +97,14 @@ class RewardFunction:
         self.name = spec.name or (getattr(target, "__name__", None) if inspect.isroutine(self.fn)
                                   or isinstance(self.fn, functools.partial) else type(self.fn).__name__)
         self.kwargs = dict(spec.kwargs)
+        self.concurrency, self.timeout = spec.concurrency, spec.timeout
+        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
+            raise AlignConfigError(f"{self.where}: concurrency must be an integer >= 1, got {self.concurrency!r}")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
+            raise AlignConfigError(f"{self.where}: timeout must be a number of seconds > 0 or null, got "
+                                   f"{self.timeout!r}")
+        self.is_async = inspect.iscoroutinefunction(target)
+        """An ``async`` function (or ``async def __call__``): awaited on the reward loop, together with the others."""
         self._read_signature()
         self._checked: tuple | None = None
 
@@ -137,7 +154,23 @@ class RewardFunction:
                 f"{self.where} requires {', '.join(repr(m) for m in missing)}, which no data "
                 f"column or input provides (available: {', '.join(available)}; data columns: "
                 f"{', '.join(columns) or 'none'})")
+        check = getattr(self.fn, "check_columns", None)  # a reward object's own check (a judge's template fields)
+        if callable(check):
+            try:
+                check(available)
+            except AlignConfigError as err:
+                raise AlignConfigError(f"{self.where}: {err}") from None
         self._checked = key
+
+    @property
+    def counts_errors(self) -> bool:
+        """Whether the reward object counts its failed calls (``take_errors()``, as :class:`align.rewards.Judge`
+        and :class:`align.rewards.Remote` do): they are logged as ``rollout/reward_errors/<name>``."""
+        return callable(getattr(self.fn, "take_errors", None))
+
+    def take_errors(self) -> int:
+        """Completions scored by default after a failed call since the last time asked (0 when not counted)."""
+        return int(self.fn.take_errors()) if self.counts_errors else 0
 
     def _call(self, inputs: dict[str, Any]) -> Any:
         inputs = {**inputs, **self.kwargs}
@@ -146,43 +179,67 @@ class RewardFunction:
         args = [inputs.pop(name) for name in self.positional_only if name in inputs]
         return self.fn(*args, **inputs)
 
-    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
-        """The function's values for a batch, checked. ``columns`` holds the data's columns and the rollout's
-        inputs (``REWARD_INPUTS``), one value per completion."""
+    def bound(self, inputs: dict[str, Any]) -> Callable[[], Any]:
+        """The call of the function on ``inputs`` (a coroutine's maker for an async function)."""
+        return functools.partial(self._call, inputs)
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+        """The function's values for a batch, checked (``None`` where it does not apply). ``columns`` holds the
+        data's columns and the rollout's inputs (``REWARD_INPUTS``), one value per completion."""
         self.check_inputs([k for k in columns if k not in REWARD_INPUTS])
-        inputs = {"prompts": prompts, "completions": completions, **columns}
+        return evaluate([self], {"prompts": prompts, "completions": completions, **columns})[self.name]
+
+    def failure(self, err: BaseException, inputs: dict[str, Any], offset: int = 0, n: int | None = None) -> RewardError:
+        """The :class:`RewardError` of a call on ``inputs`` (rows ``offset``... of a batch of ``n``) that raised
+        ``err`` or ran past the timeout."""
+        if isinstance(err, RewardError):
+            return err
+        rows = len(inputs["completions"])
+        n = rows if n is None else n
+        if isinstance(err, JobTimeout):
+            part = f" (rows {offset}-{offset + rows - 1}, one of {self.concurrency} parts)" if rows < n else ""
+            error = RewardError(f"{self.where} {err} on a batch of {n} completions{part}; raise the reward's "
+                                "timeout if it is only slow")
+        else:
+            error = RewardError(self._describe_failure(err, inputs, offset, n))
+        error.__cause__ = err
+        return error
+
+    def checked(self, values: Any, inputs: dict[str, Any], offset: int = 0) -> list[float | None]:
+        """``values`` returned for ``inputs`` (rows ``offset``... of the batch) as floats (``None`` kept: the reward
+        does not apply to that row), or a :class:`RewardError` naming the first bad value."""
+        prompts, completions = inputs["prompts"], inputs["completions"]
         try:
-            values = self._call(inputs)
-        except RewardError:
-            raise
-        except Exception as err:  # noqa: BLE001 - user code; re-raised with context
-            raise RewardError(self._describe_failure(err, inputs)) from err
-        try:
-            values = [float(v) for v in values]
+            values = [None if v is None else float(v) for v in values]
         except (TypeError, ValueError) as err:
-            bad = next((i for i, v in enumerate(values) if not _is_number(v)), None) if _is_iterable(values) else None
-            sample = f" (sample {bad}: {_preview(values[bad])})" if bad is not None and bad < len(values) else ""
-            raise RewardError(f"{self.where} must return a list of numbers, got {_preview(values)}{sample}") from err
+            bad = next((i for i, v in enumerate(values) if v is not None and not _is_number(v)),
+                       None) if _is_iterable(values) else None
+            shown = bad is not None and bad < len(values)
+            sample = f" (sample {offset + bad}: {_preview(values[bad])})" if shown else ""
+            raise RewardError(f"{self.where} must return a list of numbers, got "
+                              f"{_preview(values)}{sample}") from err
         if len(values) != len(completions):
             raise RewardError(f"{self.where} returned {len(values)} values for {len(completions)} completions; "
                               "return one float per completion")
         for i, v in enumerate(values):
-            if not math.isfinite(v):
-                raise RewardError(f"{self.where} returned {v} for sample {i} (prompt {_preview(prompts[i])}, "
+            if v is not None and not math.isfinite(v):
+                raise RewardError(f"{self.where} returned {v} for sample {offset + i} (prompt {_preview(prompts[i])}, "
                                   f"completion {_preview(completions[i])}); rewards must be finite")
         return values
 
-    def _describe_failure(self, err: Exception, inputs: dict[str, Any]) -> str:
+    def _describe_failure(self, err: BaseException, inputs: dict[str, Any], offset: int = 0,
+                          total: int | None = None) -> str:
         """One line: the reward, the exception and where the user's code raised it, and the first failing sample.
 
         The first failing sample is found by calling the function again on single samples, in order (at most
         :attr:`MAX_SINGLE_RETRIES`); a function that fails only on the whole batch is reported as such."""
         n = len(inputs["completions"])
+        total = n if total is None else total
         first = None
         for i in range(min(n, self.MAX_SINGLE_RETRIES)):
             single = {k: ([v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in inputs.items()}
             try:
-                self._call(single)
+                run_now(Job(self.bound(single), self.is_async, self.timeout))
             except Exception:  # noqa: BLE001 - looking for the first sample that raises on its own
                 first = i
                 break
@@ -193,7 +250,8 @@ class RewardFunction:
             return message + f"{tried} passes on its own, the batch of {n} fails as a whole"
         columns = [f"{k}={_preview(v[first], 40)}" for k, v in inputs.items()
                    if k not in BASE_INPUTS and k not in REWARD_INPUTS and isinstance(v, (list, tuple)) and len(v) == n]
-        return message + (f"first failing sample {first} of {n}: prompt {_preview(inputs['prompts'][first])}, "
+        return message + (f"first failing sample {offset + first} of {total}: "
+                          f"prompt {_preview(inputs['prompts'][first])}, "
                           f"completion {_preview(inputs['completions'][first])}"
                           + (f", {', '.join(columns)}" if columns else ""))
 
@@ -211,7 +269,12 @@ def _is_number(value: Any) -> bool:
 
 
 class CombinedReward:
-    """The weighted sum of several rewards, with each one's values kept for metrics."""
+    """The weighted sum of several rewards, with each one's values kept for metrics.
+
+    The rewards of a batch are evaluated together (:func:`align.rollout.rewards.concurrent.evaluate`). A reward that
+    returns None for a row does not apply to it: the row's total is the weighted sum of the rewards that do apply,
+    not renormalised over them, and the reward's part holds 0 there (what it adds to the total); :attr:`last_counts`
+    counts such rows, and the rows a judge or remote reward scored by default."""
 
     def __init__(self, rewards: Sequence[RewardSpec | str | RewardFn], allow_empty: bool = False):
         """``allow_empty``: no reward functions at all is allowed (an environment rewards the episodes); the
@@ -222,6 +285,7 @@ class CombinedReward:
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
             raise AlignConfigError(f"rewards: metric names must be unique, got {names}; set 'name' on duplicates")
+        self.last_counts = RewardCounts()
 
     @property
     def names(self) -> list[str]:
@@ -234,10 +298,16 @@ class CombinedReward:
             reward.check_inputs(columns)
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> tuple[list[float], dict[str, list[float]]]:
-        """``(total, {name: values})``: the weighted total and each reward's own values, per completion."""
-        parts = {r.name: r(prompts, completions, **columns) for r in self.rewards}
-        total = [float(sum(r.weight * parts[r.name][i] for r in self.rewards)) for i in range(len(completions))]
-        return total, parts
+        """``(total, {name: values})``: the weighted total and each reward's own values, per completion (0 where a
+        reward does not apply; :attr:`last_counts` counts those rows)."""
+        self.check_inputs([k for k in columns if k not in REWARD_INPUTS])
+        values = evaluate(self.rewards, {"prompts": prompts, "completions": completions, **columns})
+        self.last_counts = RewardCounts(len(completions), {r.name: sum(v is None for v in values[r.name])
+                                                           for r in self.rewards},
+                                        {r.name: r.take_errors() for r in self.rewards if r.counts_errors})
+        total = [float(sum(r.weight * values[r.name][i] for r in self.rewards if values[r.name][i] is not None))
+                 for i in range(len(completions))]
+        return total, {name: [0.0 if v is None else v for v in vals] for name, vals in values.items()}
 
 
 def reward_inputs(batch, rollout) -> dict[str, Any]:
@@ -321,7 +391,7 @@ def training_rewards(rewards: Sequence[RewardSpec | str] | None, reward_model: R
     if not specs and not environment:
         raise AlignConfigError("model.rewards: an RL run needs a training reward; set reward_model, rewards or "
                                "environment")
-    evals = [RewardSpec(fn=s.fn, weight=0.0, name=s.name, kwargs=dict(s.kwargs), init_kwargs=s.init_kwargs)
-             if isinstance(s, RewardSpec) else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
+    evals = [dataclasses.replace(s, weight=0.0, kwargs=dict(s.kwargs)) if isinstance(s, RewardSpec)
+             else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
     combined = CombinedReward([*specs, *evals], allow_empty=environment)
     return combined, combined.names[len(specs):]
