@@ -2,22 +2,16 @@
 against OpenEnv's own classes, played in this process and served by OpenEnv's HTTP server on loopback; scripted
 replies give the observations, rewards and ends worked out by hand, the same on both."""
 
-import socket
-import threading
-import time
 from typing import Optional
 
 import pytest
+from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
-pytest.importorskip("openenv.core.env_server")
-
-from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app  # noqa: E402
-
-from align.errors import AlignConfigError, AlignEnvError  # noqa: E402
-from align.moved import moved_message  # noqa: E402
-from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec  # noqa: E402
-from align.rollout.envs.openenv import (InvalidAction, OpenEnvEnvironment, observation_text,  # noqa: E402
-                                        read_action, text_fields)
+from align.errors import AlignConfigError, AlignEnvError
+from align.moved import moved_message
+from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
+from align.rollout.envs.openenv import InvalidAction, OpenEnvEnvironment, observation_text, read_action, text_fields
+from align.rollout.envs.openenv_tasks import serve
 
 
 class GuessAction(Action):
@@ -84,30 +78,14 @@ def parse_guess(text: str) -> dict:
     return {"guess": text.split()[-1]}
 
 
-def serve(app) -> tuple[str, object, threading.Thread]:
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the OpenEnv server did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
-
-
 @pytest.fixture(scope="module")
 def servers():
     """GuessNumber and Echo, each served by OpenEnv's HTTP server on a loopback port of its own."""
     started = [serve(create_fastapi_app(GuessNumber, GuessAction, GuessObservation, max_concurrent_envs=64)),
                serve(create_fastapi_app(Echo, EchoAction, EchoObservation, max_concurrent_envs=8))]
     yield {"guess": started[0][0], "echo": started[1][0]}
-    for _, server, thread in started:
-        server.should_exit = True
-        thread.join(10)
+    for _, stop in started:
+        stop()
 
 
 def make(kind: str, where: str, servers, **kwargs) -> OpenEnvEnvironment:
@@ -230,7 +208,7 @@ def test_the_shipped_letter_sort_environment_in_process_and_served():
     from align.data import sort_task
     from align.rollout.envs.openenv_tasks import LetterSortEnv, make_app
 
-    url, server, thread = serve(make_app(4, rounds=2))
+    url, stop = serve(make_app(4, rounds=2))
     try:
         local = OpenEnvEnvironment(env_class=LetterSortEnv, init_kwargs={"rounds": 2})
         served = OpenEnvEnvironment(url=url)
@@ -249,5 +227,4 @@ def test_the_shipped_letter_sort_environment_in_process_and_served():
         assert played.step(say("b a"))[1:3] == (0.0, True)
         served.close()
     finally:
-        server.should_exit = True
-        thread.join(10)
+        stop()

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import random
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
 from align.data import sort_task
 
-__all__ = ["SortAction", "SortObservation", "LetterSortEnv", "make_app"]
+__all__ = ["SortAction", "SortObservation", "LetterSortEnv", "make_app", "serve"]
 
 
 class SortAction(Action):
@@ -77,6 +77,33 @@ def make_app(max_concurrent_envs: int = 256, **env_kwargs: Any):
     """The FastAPI app of an OpenEnv server for :class:`LetterSortEnv` (one environment per session)."""
     return create_fastapi_app(lambda: LetterSortEnv(**env_kwargs), SortAction, SortObservation,
                               max_concurrent_envs=max_concurrent_envs)
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Callable[[], None]]:
+    """Serve ``app`` with uvicorn on a thread of this process: ``(base URL, stop)``; port 0 takes a free one."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="openenv-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the OpenEnv server on {host}:{sock.getsockname()[1]} did not start")
+        time.sleep(0.02)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+    return f"http://{host}:{sock.getsockname()[1]}", stop
 
 
 def main(argv: list[str] | None = None) -> None:
