@@ -6,9 +6,12 @@ import logging
 
 import pytest
 
-from align.errors import AlignConfigError
-from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
-from align.rollout.envs.verifiers import VerifiersEnvironment, classic_verifiers, tools_prompt
+pytest.importorskip("verifiers", reason="verifiers is not in align[dev] (it cannot install beside TRL 1.x and vLLM "
+                                         "0.32, see pyproject.toml); pip install 'align[verifiers]' to run these")
+
+from align.errors import AlignConfigError  # noqa: E402
+from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec  # noqa: E402
+from align.rollout.envs.verifiers import VerifiersEnvironment, classic_verifiers, tools_prompt  # noqa: E402
 
 vf = classic_verifiers()
 

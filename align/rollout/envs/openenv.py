@@ -208,9 +208,12 @@ class _Remote:
     def step(self, action: dict) -> dict:
         return loop.run(self._step(action), self.timeout)
 
+    async def _close(self) -> None:
+        await self.client.close()  # called inside the loop: openenv 0.10's client runs it synchronously elsewhere
+
     def close(self) -> None:
         if self.connected:
-            loop.run(self.client.close(), self.timeout)
+            loop.run(self._close(), self.timeout)
             self.connected = False
 
 
