@@ -10,7 +10,8 @@ from openenv.core.env_server import Action, Environment, Observation, State, cre
 from align.errors import AlignConfigError, AlignEnvError
 from align.moved import moved_message
 from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
-from align.rollout.envs.openenv import InvalidAction, OpenEnvEnvironment, observation_text, read_action, text_fields
+from align.rollout.envs.openenv import (InvalidAction, OpenEnvEnvironment, check_fields, observation_text, read_action,
+                                        text_fields)
 from align.rollout.envs.openenv_tasks import serve
 
 
@@ -116,6 +117,11 @@ def test_the_mapping_helpers_by_hand():
     for text, parser in (("no object", "json"), ("[1, 2]", "json"), ("no call", "tool_call")):
         with pytest.raises(InvalidAction):
             read_action(say(text), None, parser)
+    schema = GuessAction.model_json_schema()
+    check_fields({"guess": 1}, schema)
+    with pytest.raises(InvalidAction, match=r"fields missing \['guess'\], unknown \['gues'\] \(its fields: "
+                                            r"\['guess', 'metadata'\]\)"):
+        check_fields({"gues": 1}, schema)
     assert observation_text({"echoed": "hi", "metadata": {}}, None) == "hi"
     assert observation_text({"feedback": "higher", "guesses": 2, "metadata": {"x": 1}}, None) == \
         "feedback: higher\nguesses: 2"
@@ -127,15 +133,16 @@ def test_scripted_guesses_give_the_hand_worked_replies_rewards_and_end(where, se
     env = make("guess", where, servers, action_parser="json", observation_field="feedback")
     assert env.reset(row(seed=13)) == [{"role": "user", "content": "Guess a number from 0 to 9."}]
     steps = [env.step(say(text)) for text in ('{"guess": 5}', "seven", '{"guess": "x"}', '{"guess": 1}',
-                                              '{"guess": 3}')]
+                                              '{"gues": 3}', '{"guess": 3}')]
     assert [(s.messages, s.reward, s.done) for s in steps[:2]] == [
         ([{"role": "user", "content": "lower"}], 0.0, False),
         ([{"role": "user", "content": 'error: expected a JSON object ({"field": value, ...}) in the reply'}], 0.0,
          False)]
     assert steps[2].messages[0]["content"].startswith("error: ") and steps[2].info == {"invalid_actions": 1}
     assert (steps[3].messages, steps[3].reward) == ([{"role": "user", "content": "higher"}], 0.0)
+    assert steps[4].messages[0]["content"].startswith("error: not a valid ") and steps[4].info["invalid_actions"] == 1
     # the third valid guess is right: 1 / 3, and no reply
-    assert (steps[4].messages, steps[4].reward, steps[4].done, steps[4].info) == ([], pytest.approx(1 / 3), True,
+    assert (steps[5].messages, steps[5].reward, steps[5].done, steps[5].info) == ([], pytest.approx(1 / 3), True,
                                                                                  {"invalid_actions": 0})
     # reset clears the episode: the same environment plays the next one from the start
     env.reset(row(seed=4))
@@ -192,6 +199,9 @@ def test_settings_that_cannot_work_fail_on_one_line(servers, tmp_path):
                                                     r"\['message'\]\)"),
         (dict(env_class=GuessNumber), r"the action has 0 text fields \(\[\]\); set action_field or action_parser"),
         (dict(env_class=dict), "env_class must be a subclass of openenv's Environment"),
+        (dict(env_class=type("Bare", (Environment,), {})), "cannot tell its Action and Observation classes"),
+        (dict(env_class=Echo, observation_field="text"), r"observation_field 'text' is not a field of the "
+                                                         r"observation \(fields: \['echoed'\]\)"),
         (dict(url=servers["echo"], init_kwargs={"a": 1}), "init_kwargs are for env_class"),
         (dict(url="http://127.0.0.1:9"), "cannot read the OpenEnv server's schema at http://127.0.0.1:9/schema"),
         (dict(env_class=Echo, token_env="ALIGN_TEST_UNSET_TOKEN"), "'ALIGN_TEST_UNSET_TOKEN', which is not set"),

@@ -38,7 +38,8 @@ from align.rollout.envs.chat import Environment, EnvStep
 from align.rollout.envs.tools import message_tool_calls
 from align.rollout.rewards import resolve_import
 
-__all__ = ["OpenEnvEnvironment", "text_fields", "read_action", "observation_text", "InvalidAction"]
+__all__ = ["OpenEnvEnvironment", "text_fields", "read_action", "observation_text", "check_fields", "InvalidAction",
+           "declared_classes"]
 
 _BASE_FIELDS = {"metadata", "reward", "done"}  # what every OpenEnv Action/Observation has besides its own fields
 _PROMPTS = ("observation", "row", "both")
@@ -133,15 +134,28 @@ def _accepted(fn: Callable, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def action_class_of(env_cls: type) -> type | None:
-    """The Action class an OpenEnv environment class declares (``Environment[MyAction, MyObservation, State]``)."""
+def declared_classes(env_cls: type) -> tuple[type, type] | None:
+    """The Action and Observation classes an OpenEnv environment class declares
+    (``Environment[MyAction, MyObservation, MyState]``), or None."""
     base = _openenv().Environment
     for klass in env_cls.__mro__:
         for orig in klass.__dict__.get("__orig_bases__", ()):
             origin, args = typing.get_origin(orig), typing.get_args(orig)
-            if isinstance(origin, type) and issubclass(origin, base) and args and isinstance(args[0], type):
-                return args[0]
+            if isinstance(origin, type) and issubclass(origin, base) and len(args) >= 2 and \
+                    all(isinstance(a, type) for a in args[:2]):
+                return args[0], args[1]
     return None
+
+
+def check_fields(action: dict, schema: dict) -> None:
+    """InvalidAction naming the fields an action lacks or should not have, by its JSON schema (a server's own
+    rejection does not say which)."""
+    fields = set(schema.get("properties") or {})
+    missing = [f for f in schema.get("required", []) if f not in action]
+    unknown = [f for f in action if f not in fields] if schema.get("additionalProperties") is False else []
+    if missing or unknown:
+        said = [f"missing {missing}"] * bool(missing) + [f"unknown {unknown}"] * bool(unknown)
+        raise InvalidAction(f"not a valid action: fields {', '.join(said)} (its fields: {sorted(fields)})")
 
 
 class _Local:
@@ -181,12 +195,12 @@ def _validation_text(err) -> str:
 class _Remote:
     """One session (a WebSocket) on a running OpenEnv server, through OpenEnv's generic client."""
 
-    def __init__(self, url: str, timeout: float, headers: dict | None):
+    def __init__(self, url: str, timeout: float, headers: dict | None, action_schema: dict):
         from openenv.core import GenericEnvClient
 
         kwargs = {"headers": headers} if headers else {}
         self.client = GenericEnvClient(base_url=url, message_timeout_s=timeout, **kwargs)
-        self.timeout, self.connected = timeout, False
+        self.timeout, self.connected, self.action_schema = timeout, False, action_schema
 
     async def _reset(self, kwargs: dict) -> dict:
         if not self.connected:
@@ -206,6 +220,7 @@ class _Remote:
         return loop.run(self._reset(kwargs), self.timeout)
 
     def step(self, action: dict) -> dict:
+        check_fields(action, self.action_schema)
         return loop.run(self._step(action), self.timeout)
 
     async def _close(self) -> None:
@@ -281,24 +296,28 @@ class OpenEnvEnvironment(Environment):
         if url is not None:
             schemas = _schema(url, timeout, headers)
             action_schema, observation_schema = schemas.get("action", {}), schemas.get("observation", {})
-            self.backend: _Local | _Remote = _Remote(url, timeout, headers)
+            self.backend: _Local | _Remote = _Remote(url, timeout, headers, action_schema)
         else:
             cls = resolve_import(env_class, what="OpenEnv environment")
             if not (isinstance(cls, type) and issubclass(cls, env_server.Environment)):
                 raise AlignConfigError(f"{self.where}: env_class must be a subclass of openenv's Environment, got "
                                        f"{cls!r}")
-            action_cls = action_class_of(cls)
-            if action_cls is None:
-                raise AlignConfigError(f"{self.where}: cannot tell its Action class; declare it as "
-                                       "Environment[MyAction, MyObservation, MyState]")
-            self.backend = _Local(cls, dict(init_kwargs or {}), action_cls)
-            action_schema, observation_schema = action_cls.model_json_schema(), {}
+            declared = declared_classes(cls)
+            if declared is None:
+                raise AlignConfigError(f"{self.where}: cannot tell its Action and Observation classes; declare them "
+                                       "as Environment[MyAction, MyObservation, MyState]")
+            self.backend = _Local(cls, dict(init_kwargs or {}), declared[0])
+            action_schema, observation_schema = (c.model_json_schema() for c in declared)
         if init_kwargs and url is not None:
             raise AlignConfigError(f"{self.where}: init_kwargs are for env_class; a server builds its own environments")
         self.parser = action_parser if action_parser in (None, "json", "tool_call") else resolve_import(
             action_parser, what="action parser")
         if action_parser is None:
-            action_field = action_field or self._only_text_field(action_schema, "action", "action_field")
+            texts = text_fields(action_schema)
+            if action_field is None and len(texts) != 1:
+                raise AlignConfigError(f"{self.where}: the action has {len(texts)} text fields ({texts}); set "
+                                       "action_field or action_parser")
+            action_field = action_field or texts[0]
             if action_field not in _own_fields(action_schema):
                 raise AlignConfigError(f"{self.where}: action_field {action_field!r} is not a field of the action "
                                        f"(fields: {_own_fields(action_schema)})")
@@ -310,13 +329,6 @@ class OpenEnvEnvironment(Environment):
             observation_role
         self.prompt, self.reset_columns = prompt, None if reset_columns is None else list(reset_columns)
         self.invalid_action_reward = float(invalid_action_reward)
-
-    def _only_text_field(self, schema: dict, what: str, setting: str) -> str:
-        fields = text_fields(schema)
-        if len(fields) != 1:
-            raise AlignConfigError(f"{self.where}: the {what} has {len(fields)} text fields ({fields}); set {setting}"
-                                   + (" or action_parser" if what == "action" else ""))
-        return fields[0]
 
     def reset(self, row: dict) -> list[dict]:
         if self.reset_columns is None:
