@@ -75,7 +75,9 @@ class Echo(Environment[EchoAction, EchoObservation, State]):
 
 
 def parse_guess(text: str) -> dict:
-    """A parser for tests: the last word of the reply is the guess."""
+    """A parser for tests: the last word of the reply is the guess (ValueError: an empty reply holds none)."""
+    if not text.split():
+        raise ValueError("an empty reply")
     return {"guess": text.split()[-1]}
 
 
@@ -177,7 +179,8 @@ def test_an_action_the_model_cannot_build_is_a_reply_and_a_broken_environment_on
     step = env.step(say("my guess is two"))
     assert step.messages[0]["content"].startswith("error: not a valid GuessAction: guess: Input should be a valid "
                                                   "integer") and step.info == {"invalid_actions": 1}
-    assert env.step(say("it is 2"))[1:3] == (1.0, True)
+    assert env.step(say(" ")).messages == [{"role": "user", "content": "error: an empty reply"}]
+    assert env.step(say("it is 2"))[1:3] == (1.0, True)  # the invalid replies never reached the environment
     pool = EnvironmentPool(EnvironmentSpec(OpenEnvEnvironment, init_kwargs={"env_class": Echo}, workers=2))
     first = pool.reset([row(), row()], ["episode 0", "episode 1"])
     assert first[0] == [{"role": "user", "content": "Say something about anything."}]

@@ -98,7 +98,10 @@ def read_action(message: dict, field: str | None, parser: str | Callable | None)
         if "error" in calls[0]:
             raise InvalidAction(calls[0]["error"])
         return dict(calls[0]["arguments"])
-    value = parser(text)
+    try:
+        value = parser(text)
+    except ValueError as err:  # the parser's way to say the reply holds no action
+        raise InvalidAction(" ".join(str(err).split())[:300] or type(err).__name__) from None
     if not isinstance(value, dict):
         raise InvalidAction(f"the action parser returned a {type(value).__name__}, not a dict of action fields")
     return value
@@ -264,7 +267,7 @@ class OpenEnvEnvironment(Environment):
                 episodes of a rollout (batch size x group size).
             action_field: The action field that receives the reply's text; null: the action's only text field.
             action_parser: Instead of ``action_field``: ``json``, ``tool_call``, or the import path of a function
-                ``text -> dict`` of action fields.
+                ``text -> dict`` of action fields (raising ValueError for a reply that holds no action).
             observation_field: The observation field shown to the policy; null: the only text field, else every
                 field as ``name: value`` lines.
             observation_role: Role of the messages that carry observations.
@@ -293,6 +296,8 @@ class OpenEnvEnvironment(Environment):
                                        "which is not set")
             headers = {"Authorization": f"Bearer {os.environ[token_env]}"}
         self.where = f"OpenEnvEnvironment({url or getattr(env_class, '__name__', env_class)})"
+        if init_kwargs and url is not None:
+            raise AlignConfigError(f"{self.where}: init_kwargs are for env_class; a server builds its own environments")
         if url is not None:
             schemas = _schema(url, timeout, headers)
             action_schema, observation_schema = schemas.get("action", {}), schemas.get("observation", {})
@@ -308,8 +313,6 @@ class OpenEnvEnvironment(Environment):
                                        "as Environment[MyAction, MyObservation, MyState]")
             self.backend = _Local(cls, dict(init_kwargs or {}), declared[0])
             action_schema, observation_schema = (c.model_json_schema() for c in declared)
-        if init_kwargs and url is not None:
-            raise AlignConfigError(f"{self.where}: init_kwargs are for env_class; a server builds its own environments")
         self.parser = action_parser if action_parser in (None, "json", "tool_call") else resolve_import(
             action_parser, what="action parser")
         if action_parser is None:
@@ -343,7 +346,7 @@ class OpenEnvEnvironment(Environment):
         if self.prompt == "row":
             return messages
         text = self._text(first["observation"])
-        if self.prompt == "both" and messages and messages[-1]["role"] != "assistant":
+        if self.prompt == "both":  # a prompt row's conversation ends with its user message
             messages[-1]["content"] = f"{messages[-1]['content']}\n\n{text}"
             return messages
         system = [m for m in messages[:1] if m["role"] == "system"]
