@@ -62,7 +62,8 @@ MAX_ROOT_FILES = 7
 MAX_LINES = 450
 
 # Third-party packages only some layers may import: {package: layers}.
-THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}, "matplotlib": {"cli"}, "gymnasium": {"gym"}}
+THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}, "matplotlib": {"cli"}, "gymnasium": {"gym"},
+                       "openenv": {"rollout"}, "verifiers": {"rollout"}}
 # The math imports nothing but these, the standard library and itself.
 MATH_THIRD_PARTY = {"torch"}
 

@@ -43,7 +43,8 @@ from align.rollout.envs.chat import Environment, EnvStep, check_messages
 from align.errors import AlignConfigError
 from align.rollout.rewards import resolve_import
 
-__all__ = ["ToolEnvironment", "calculator", "PythonSandbox", "python", "parse_tool_calls", "ToolCall"]
+__all__ = ["ToolEnvironment", "calculator", "PythonSandbox", "python", "parse_tool_calls", "message_tool_calls",
+           "ToolCall"]
 
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _SHORT = re.compile(r"^([A-Za-z_][\w.-]*)\s*\((.*)\)$", re.DOTALL)
@@ -108,6 +109,13 @@ def _template_calls(message: dict) -> list[ToolCall] | None:
         else:
             calls.append(ToolCall(error=f"could not read the tool call {call!r}"[:200]))
     return calls
+
+
+def message_tool_calls(message: dict) -> list[ToolCall]:
+    """The tool calls of an assistant message: those its tokenizer's response template parsed into
+    ``tool_calls``, else those written in its text (:func:`parse_tool_calls`)."""
+    calls = _template_calls(message)
+    return parse_tool_calls(message["content"]) if calls is None else calls
 
 
 # ----------------------------------------------------------------------------------------------- the calculator
@@ -372,9 +380,7 @@ class ToolEnvironment(Environment):
         return [*system, *(dict(m) for m in self.examples), *messages]
 
     def step(self, message: dict) -> EnvStep:
-        calls = _template_calls(message)
-        if calls is None:
-            calls = parse_tool_calls(message["content"])
+        calls = message_tool_calls(message)
         if not calls:
             return EnvStep([], 0.0, True, {"tool_calls": 0, "tool_errors": 0})
         replies, errors = [], 0
