@@ -8,7 +8,8 @@ policy's weights sent to it whenever they changed.
 * **Weights follow the policy.** Before each rollout the engine compares the policy's parameters with those it last
   received (each parameter's identity and in-place version counter, which every optimizer step and checkpoint load
   bumps) and sends what changed: the full weights in checkpoint form, layer by layer, through the worker's own
-  ``reload_weights``; with LoRA only the adapter, as a new adapter version (the base weights stay). The prefix cache
+  ``reload_weights``; with LoRA only the adapter, as a new adapter version (the base weights stay), or, with
+  ``sampling.vllm.lora: merged`` (the default on a CPU), the weights with the adapter added. The prefix cache
   is reset after every weight update, or a cached prompt would keep the old weights' keys and values.
 * **Log-probs.** Each sampled token's log-prob is vLLM's ``processed_logprobs``: after temperature, top-k and top-p,
   the behaviour policy the tokens were really drawn from. They are not the trainer's: the sampler recomputes the
@@ -85,12 +86,14 @@ class _Handle:
         vllm = import_vllm()
         from vllm import LLM
 
-        self.lora = policy.has_adapter
+        on_cpu = not torch.cuda.is_available()
+        mode = settings.lora if settings.lora != "auto" else ("merged" if on_cpu else "adapter")
+        self.merge = policy.has_adapter and mode == "merged"  # the adapter is added into the weights sent
+        self.lora = policy.has_adapter and not self.merge  # the adapter is sent as a vLLM LoRA adapter
         self.dtype = _engine_dtype(policy, settings)
         self.workdir = tempfile.mkdtemp(prefix="align-vllm-")
         model_dir = os.path.join(self.workdir, "model")
         self._write_model(policy, model_dir)
-        on_cpu = not torch.cuda.is_available()
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gb)))
         kwargs = dict(model=model_dir, dtype=self.dtype, seed=settings.seed, max_model_len=max_model_len,
@@ -127,7 +130,7 @@ class _Handle:
             torch.set_num_threads = set_threads
         self.start_seconds = time.perf_counter() - started
         self.version = vllm.__version__
-        self.base_fingerprint = _fingerprint(policy, adapter=False)
+        self.base_fingerprint = self._base_fingerprint(policy)
         self.adapter_fingerprint = None
         self.adapter = None  # the current LoRARequest
         self.adapter_count = 0
@@ -152,7 +155,7 @@ class _Handle:
             json.dump(config, f)
         policy.tokenizer.save_pretrained(model_dir)
         tensors = {name: t.detach().to("cpu", _torch_dtype(self.dtype)).contiguous()
-                   for name, t in _checkpoint_weights(policy)}
+                   for name, t in _checkpoint_weights(policy, self.merge)}
         save_file(tensors, os.path.join(model_dir, "model.safetensors"))
 
     # ------------------------------------------------------------------ weight updates
@@ -160,10 +163,10 @@ class _Handle:
         """Send the policy's weights that changed since the last sync; returns timing metrics."""
         started, metrics = time.perf_counter(), {}
         self.wake()
-        base = _fingerprint(policy, adapter=False)
+        base = self._base_fingerprint(policy)
         if base != self.base_fingerprint:
             dtype = _torch_dtype(self.dtype)
-            weights = ((name, t.detach().to(dtype)) for name, t in _checkpoint_weights(policy))
+            weights = ((name, t.detach().to(dtype)) for name, t in _checkpoint_weights(policy, self.merge))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
             self.llm.collective_rpc(_retie_output_layer)
@@ -178,6 +181,11 @@ class _Handle:
                 metrics["rollout/engine_adapter_sync"] = 1.0
         metrics["time/engine_sync_s"] = time.perf_counter() - started
         return metrics
+
+    def _base_fingerprint(self, policy) -> tuple:
+        """What the weights sent depend on: the base parameters, and the adapter's when it is merged into them."""
+        base = _fingerprint(policy, adapter=False)
+        return base + _fingerprint(policy, adapter=True) if self.merge else base
 
     def _send_adapter(self, policy) -> None:
         from peft import get_peft_model_state_dict
@@ -257,14 +265,24 @@ def _lora_rank(r: int) -> int:
     raise AlignConfigError(f"policy.lora.r: vLLM serves adapters up to rank 512, got {r}")
 
 
-def _checkpoint_weights(policy) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base model's weights as its checkpoint names them (no adapter; a tied output layer left to the tie)."""
+def _checkpoint_weights(policy, merge: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's weights as its checkpoint names them (a tied output layer left to the tie); ``merge``: each
+    LoRA layer's weight with its active adapters' product added (peft's ``get_delta_weight``), else no adapter."""
     model = policy.base_model
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    deltas: dict[str, torch.Tensor] = {}
+    if merge:
+        for module_name, module in model.named_modules():
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+                for adapter in module.active_adapters:
+                    delta = module.get_delta_weight(adapter)
+                    key = f"{module_name}.base_layer.weight"
+                    deltas[key] = delta if key not in deltas else deltas[key] + delta
     for name, param in model.named_parameters():
         if _is_adapter(name) or (tied and name == "lm_head.weight"):
             continue
-        yield _checkpoint_name(name), _full(param)
+        weight = _full(param)
+        yield _checkpoint_name(name), (weight + deltas[name].to(weight.dtype) if name in deltas else weight)
 
 
 def _fingerprint(policy, adapter: bool) -> tuple:

@@ -7,7 +7,7 @@ import torch
 
 from align.models import LoraSettings, PolicyModel
 from align.rollout.engine import make_engine
-from align.rollout.sampling import SamplingConfig
+from align.rollout.sampling import SamplingConfig, VLLMSettings
 
 from test_smollm2_model import prompt_ids
 
@@ -22,10 +22,10 @@ def _close_engines():
     vllm_engine.close_engines()
 
 
-def compare(policy):
+def compare(policy, **vllm):
     ids = prompt_ids(policy.tokenizer)
     sampling = dict(temperature=0.0, max_new_tokens=12)
-    a = make_engine(SamplingConfig(engine="vllm", **sampling)).generate(policy, ids, 1)
+    a = make_engine(SamplingConfig(engine="vllm", vllm=VLLMSettings(**vllm), **sampling)).generate(policy, ids, 1)
     b = make_engine(SamplingConfig(engine="native", **sampling)).generate(policy, ids, 1)
     assert a.texts == b.texts and torch.equal(a.response_ids, b.response_ids)
     trainer = policy.token_logprobs(a.input_ids, a.attention_mask, response_length=a.response_ids.shape[1]).logprobs
@@ -50,13 +50,15 @@ def test_full_weights_and_their_update_give_the_trainers_tokens_and_logprobs(smo
     assert after.metrics.get("rollout/engine_weight_sync") == 1.0
 
 
-def test_a_lora_adapter_update_gives_the_trainers_tokens_and_logprobs(smollm2_dir):
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_a_lora_adapter_update_gives_the_trainers_tokens_and_logprobs(smollm2_dir, mode):
     policy = PolicyModel(smollm2_dir, lora=LoraSettings(r=8, alpha=16, target_modules=["q_proj", "v_proj"])).eval()
-    compare(policy)
+    compare(policy, lora=mode)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    after = compare(policy)
-    assert after.metrics.get("rollout/engine_adapter_sync") == 1.0
+    after = compare(policy, lora=mode)
+    sent = "rollout/engine_adapter_sync" if mode == "adapter" else "rollout/engine_weight_sync"
+    assert after.metrics.get(sent) == 1.0

@@ -42,9 +42,10 @@ def trainer_logprobs(policy, rollout):
     return torch.where(rollout.response_mask, out.logprobs, torch.zeros_like(out.logprobs))
 
 
-def assert_same_as_native(policy, group_size=1):
+def assert_same_as_native(policy, group_size=1, **vllm):
     ids = prompt_ids(policy)
-    a, b = greedy().generate(policy, ids, group_size), greedy("native").generate(policy, ids, group_size)
+    engine = greedy(vllm=VLLMSettings(**vllm)) if vllm else greedy()
+    a, b = engine.generate(policy, ids, group_size), greedy("native").generate(policy, ids, group_size)
     assert torch.equal(a.response_ids, b.response_ids) and a.texts == b.texts
     assert torch.equal(a.response_mask, b.response_mask)
     assert (a.old_logprobs - trainer_logprobs(policy, a)).abs().max() < 1e-4
@@ -77,12 +78,21 @@ def test_full_weights_follow_the_policy_and_are_sent_only_when_changed():
 
 def test_a_lora_adapter_is_sent_as_a_new_version_and_the_base_stays():
     policy = PolicyModel("tiny-sort", lora=LoraSettings(r=8, alpha=16))
-    assert_same_as_native(policy)
+    assert_same_as_native(policy, lora="adapter")
     for step in range(2):
         perturb(policy, lambda name: "lora_B" in name, scale=0.3, seed=step)
-        rollout = assert_same_as_native(policy)
+        rollout = assert_same_as_native(policy, lora="adapter")
         assert rollout.metrics.get("rollout/engine_adapter_sync") == 1.0
         assert "rollout/engine_weight_sync" not in rollout.metrics
+
+
+def test_a_merged_lora_adapter_is_sent_inside_the_weights():
+    policy = PolicyModel("tiny-sort", lora=LoraSettings(r=8, alpha=16))
+    assert_same_as_native(policy, lora="merged")
+    perturb(policy, lambda name: "lora_B" in name, scale=0.3)
+    rollout = assert_same_as_native(policy, lora="merged")
+    assert rollout.metrics.get("rollout/engine_weight_sync") == 1.0
+    assert "rollout/engine_adapter_sync" not in rollout.metrics
 
 
 def test_seeded_sampling_repeats_and_each_row_draws_its_own_completion():
