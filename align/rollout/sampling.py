@@ -39,8 +39,8 @@ class VLLMSettings:
     dtype: str = "auto"
     """The engine's weights and activations: ``auto`` (the policy's dtype), ``float32``, ``bfloat16`` or ``float16``.
     Below float32 its log-probs drift from the trainer's (``rollout/engine_kl``), which the correction weighs."""
-    kv_cache_gb: float = 1.0
-    """KV cache size in GiB on a CPU (``VLLM_CPU_KVCACHE_SPACE``); on a GPU ``gpu_memory_utilization`` applies."""
+    kv_cache_gb: int = 1
+    """KV cache size in whole GiB on a CPU (``VLLM_CPU_KVCACHE_SPACE``); on a GPU ``gpu_memory_utilization`` applies."""
     gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory the engine may take for weights and KV cache (the rest is the trainer's)."""
     max_model_len: Optional[int] = None
@@ -68,8 +68,8 @@ class VLLMSettings:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"sampling.vllm.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"sampling.vllm.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.kv_cache_gb < 1:
+            raise ValueError(f"sampling.vllm.kv_cache_gb must be >= 1, got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("sampling.vllm.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")

@@ -95,7 +95,7 @@ class _Handle:
         model_dir = os.path.join(self.workdir, "model")
         self._write_model(policy, model_dir)
         if on_cpu:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gb)))
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gb)
         kwargs = dict(model=model_dir, dtype=self.dtype, seed=settings.seed, max_model_len=max_model_len,
                       enforce_eager=settings.enforce_eager, max_num_seqs=settings.max_num_seqs,
                       enable_prefix_caching=settings.enable_prefix_caching, logprobs_mode="processed_logprobs",
