@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import logging
+import marshal
 import os
 import pathlib
 import re
@@ -184,7 +184,7 @@ def unshare_command(steps: Sequence[Step], workdir: str, argv: Sequence[str], in
     empty host folder)."""
     plan = {"uid": INSIDE_ID, "host_uid": INSIDE_ID, "parent": os.getpid(), "root": root, "workdir": workdir,
             "argv": list(argv), "steps": [list(s) for s in steps], "info_fd": info_fd}
-    return [sys.executable, "-I", "-S", "-c", _launcher_source(), json.dumps(plan)]
+    return [sys.executable, "-I", "-S", "-c", _launcher_source(), marshal.dumps(plan).hex()]
 
 
 @functools.lru_cache(maxsize=1)

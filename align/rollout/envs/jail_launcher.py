@@ -1,5 +1,7 @@
 """The ``unshare`` jail's launcher: a standalone script (standard library only) that the python tool runs as
-``python -I -S -c <this file> <plan>`` to put one call's code into new kernel namespaces.
+``python -I -S -c <this file> <plan>`` to put one call's code into new kernel namespaces (``plan``: a
+``marshal``-ed dict in hex, as :func:`align.rollout.envs.jail.unshare_command` writes it; nothing is imported that
+the interpreter does not start with but ``ctypes``).
 
 It does what ``unshare(1)`` and bubblewrap do, with the ``unshare(2)``, ``mount(2)`` and ``pivot_root(2)`` system
 calls through ``ctypes``:
@@ -20,9 +22,8 @@ A step that fails prints ``jail: <step>: <reason>`` and exits with status 125 be
 """
 
 import ctypes
-import json
+import marshal
 import os
-import platform
 import resource
 import signal
 import stat
@@ -162,9 +163,9 @@ def build_root(plan: dict, sources: dict[str, int]) -> None:
             raise SetupError(f"unknown step {kind!r}")
     for fd in sources.values():
         os.close(fd)
-    number = PIVOT_ROOT.get(platform.machine())
+    number = PIVOT_ROOT.get(os.uname().machine)
     if number is None:
-        raise SetupError(f"pivot_root: unknown system call number on {platform.machine()}")
+        raise SetupError(f"pivot_root: unknown system call number on {os.uname().machine}")
     os.chdir(root)
     call("pivot_root", libc.syscall(ctypes.c_long(number), b".", b"."))
     call("umount the old root", libc.umount2(b".", MNT_DETACH))
@@ -217,7 +218,7 @@ def init(plan: dict, status_fd: int, alive_fd: int) -> None:
 
 
 def main() -> None:
-    plan = json.loads(sys.argv[1])
+    plan = marshal.loads(bytes.fromhex(sys.argv[1]))
     call("die with the caller", libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
     if os.getppid() != plan["parent"]:
         os._exit(SETUP_FAILED)
@@ -242,7 +243,7 @@ def main() -> None:
             print(f"jail: {err}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
     os.close(status_write)
-    os.write(plan["info_fd"], json.dumps({"child-pid": pid}).encode())  # for the caller to stop the jail by
+    os.write(plan["info_fd"], b'{"child-pid": %d}' % pid)  # for the caller to stop the jail by
     os.close(plan["info_fd"])
     _, status = os.waitpid(pid, 0)
     packed = os.read(status_read, 4)

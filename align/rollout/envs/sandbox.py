@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,21 @@ def network_namespace() -> list[str]:
                         break
             _NET_NAMESPACE = found
         return _NET_NAMESPACE
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> int:
+    """``process.wait(timeout)``, woken when the process exits (a pidfd) rather than by ``Popen.wait``'s polling,
+    whose growing sleeps would add up to 30 ms to a call."""
+    try:
+        fd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3
+        return process.wait(timeout=timeout)
+    try:
+        if not select.select([fd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(process.args, timeout)
+    finally:
+        os.close(fd)
+    return process.wait()
 
 
 class PythonSandbox:
@@ -125,8 +141,9 @@ class PythonSandbox:
                 f"{nproc if jailed else ''}"
                 f"{_NO_NETWORK if network_guard else ''}\n"
                 f"{clear_pwd if jailed else ''}"
-                "import runpy, sys\nsys.argv = ['main.py']\ndel resource\n"
-                "runpy.run_path('main.py', run_name='__main__')\n")
+                "import sys\nsys.argv = ['main.py']\ndel resource\n"
+                "with open('main.py', 'rb') as _f:\n    _code = compile(_f.read(), 'main.py', 'exec')\n"
+                "del _f\nexec(_code, {'__name__': '__main__', '__file__': 'main.py', '__builtins__': __builtins__})\n")
 
     @property
     def output_cap_bytes(self) -> int:
@@ -171,7 +188,7 @@ class PythonSandbox:
                 if backend:
                     os.close(info_write)
                 try:
-                    status = process.wait(timeout=self.timeout)
+                    status = _wait(process, self.timeout)
                 except subprocess.TimeoutExpired:
                     if backend:
                         jails.stop(process, info_read)
