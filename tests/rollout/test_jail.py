@@ -24,8 +24,8 @@ from align.rollout.envs import jail as jails
 from align.rollout.envs.sandbox import PythonSandbox
 
 SNIPPETS = {
-    # Every file it can see that is not its Python (the interpreter, the standard library, shared libraries), its
-    # working folder, /proc or /dev; and the host files it tries by name.
+    # Every file it can see that is not its Python (the interpreter, the standard library without site-packages, a
+    # shared library, the C.UTF-8 locale), in its working folder, /proc or /dev; and the host files it tries by name.
     "files": """
 import json, os
 seen, stray = 0, []
@@ -36,7 +36,9 @@ for top, dirs, files in os.walk('/'):
     for name in files:
         path = os.path.join(top, name)
         seen += 1
-        if not (path.startswith(tuple($allowed)) or path.startswith(os.getcwd() + '/')) or 'site-packages/' in path:
+        python = path.startswith($stdlib + '/') and '/site-packages/' not in path
+        if not (python or '.so' in name or os.path.realpath(path) in $python_files or path.startswith(os.getcwd() + '/')
+                or path.startswith('/usr/lib/locale/C.utf8/')):
             stray.append(path)
 tried = {}
 for path in ('/etc/passwd', '/etc/shadow', '/etc/hostname', $secret, os.path.expanduser('~/.bashrc')):
@@ -110,7 +112,8 @@ if os.fork() == 0:
                  'time.sleep(120)', $marker])
     os._exit(0)
 for _ in range(200):
-    running = [p for p in os.listdir('/proc') if p.isdigit() and $marker.encode() in open(f'/proc/{p}/cmdline', 'rb').read()]
+    running = [p for p in os.listdir('/proc')
+               if p.isdigit() and $marker.encode() in open(f'/proc/{p}/cmdline', 'rb').read()]
     if running:
         print('daemon running', len(running))
         break
@@ -215,7 +218,8 @@ print(json.dumps(result))
     "identity": """
 import json, os, sys
 status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())
-print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(), 'fds': sorted(os.listdir('/proc/self/fd')),
+print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(),
+                  'fds': sorted(os.listdir('/proc/self/fd')),
                   **{k: status[k].strip() for k in ('CapEff', 'CapPrm', 'CapAmb', 'NoNewPrivs')}}), flush=True)
 os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(1)', $marker])  # seen from the host
 """,
@@ -268,8 +272,9 @@ def test_some_jail_works_on_this_linux_machine():
 def test_host_files_are_not_there(jailed, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("the trainer's secret")
-    allowed = sorted({sys.base_prefix + "/", sys.prefix + "/", "/usr/lib/", "/usr/lib64/", "/lib/", "/lib64/"})
-    out = json.loads(jailed(timeout=60)(snippet("files", allowed=allowed, secret=str(secret))))
+    python_files = [os.path.realpath(sys.executable), os.path.join(sys.prefix, "pyvenv.cfg")]
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    out = json.loads(jailed(timeout=60)(snippet("files", stdlib=stdlib, python_files=python_files, secret=str(secret))))
     assert out["seen"] > 100 and out["stray"] == []  # the walk saw the standard library, and nothing else
     assert out["tried"] == {"/etc/passwd": "FileNotFoundError", "/etc/shadow": "FileNotFoundError",
                             "/etc/hostname": "FileNotFoundError", str(secret): "FileNotFoundError",
@@ -493,14 +498,16 @@ def test_bubblewrap_gets_every_step_in_order(monkeypatch):
 def test_installed_packages_are_hidden_unless_named(jailed):
     with pytest.raises(RuntimeError, match="ModuleNotFoundError: No module named 'packaging'"):
         jailed()("import packaging")
-    assert jailed(packages=["packaging"])("import packaging.version\nprint(packaging.version.Version('1.2'))") == "1.2\n"
+    code = "import packaging.version\nprint(packaging.version.Version('1.2'))"
+    assert jailed(packages=["packaging"])(code) == "1.2\n"
 
 
 def test_calls_from_several_threads_at_once_each_get_their_own_jail(jailed):
     sandbox, results = jailed(), {}
 
     def call(k):
-        results[k] = sandbox(f"import os\nopen('mine', 'w').write('{k}')\nprint(open('mine').read(), sorted(os.listdir('.')))")
+        results[k] = sandbox(f"import os\nopen('mine', 'w').write('{k}')\n"
+                             "print(open('mine').read(), sorted(os.listdir('.')))")
 
     threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
     for thread in threads:

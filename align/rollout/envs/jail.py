@@ -9,9 +9,9 @@ A jailed call sees a new root holding only
 - its working folder: a tmpfs of ``disk_mb`` holding ``main.py`` (read-only);
 
 in its own PID namespace (it sees and signals only its own processes; when its first process exits the kernel
-kills the rest), network namespace (no interface up), IPC and UTS namespaces, as an unprivileged user without
-capabilities: user 65534 inside, mapped to the caller's own user, or to ``nobody`` on the host when the caller is
-root. Two ways to build it:
+kills the rest), network namespace (no interface but its own loopback), IPC and UTS namespaces, as an
+unprivileged user without capabilities: user 65534 inside, mapped to the caller's own user, or to ``nobody`` on
+the host when the caller is root. Two ways to build it:
 
 - ``bwrap``: bubblewrap (``apt-get install bubblewrap``), run as that unprivileged user; preferred where it works;
 - ``unshare``: the same namespaces made by :mod:`align.rollout.envs.jail_launcher` with the ``unshare(2)`` system
@@ -89,7 +89,7 @@ def _covered(path: str, dirs: Sequence[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
-def _package_paths(name: str) -> list[str]:
+def package_paths(name: str) -> list[str]:
     """What importing ``name`` reads from its site-packages: the package (or module file) and its wheel's
     vendored libraries (``<name>.libs``)."""
     spec = importlib.util.find_spec(name)
@@ -112,7 +112,7 @@ def python_view(packages: Sequence[str] = ()) -> list[Step]:
     stdlib = sorted({os.path.realpath(paths["stdlib"]), os.path.realpath(paths["platstdlib"])})
     extensions = [os.path.join(d, f) for d in sys.path if d.endswith("lib-dynload") and os.path.isdir(d)
                   for f in sorted(os.listdir(d)) if f.endswith(".so") and not f.startswith("_tkinter")]
-    package_files = [p for name in packages for p in _package_paths(name)]
+    package_files = [p for name in packages for p in package_paths(name)]
     native = [os.path.join(d, f) for p in package_files if os.path.isdir(p) for d, _, fs in os.walk(p) for f in fs
               if ".so" in f]
     wanted = [sys.executable, os.path.join(sys.prefix, "pyvenv.cfg"), *stdlib, *UTF8_LOCALES,
@@ -193,11 +193,22 @@ def _launcher_source() -> str:
 
 
 def command(backend: str, steps: Sequence[Step], workdir: str, argv: Sequence[str], info_fd: int,
-            root: str) -> list[str]:
-    """The command line that runs ``argv`` in ``backend``'s jail built from ``steps``."""
-    if backend == "bwrap":
-        return bwrap_command(steps, workdir, argv, info_fd)
-    return unshare_command(steps, workdir, argv, info_fd, root)
+            root: str) -> tuple[list[str], dict]:
+    """The command line that runs ``argv`` in ``backend``'s jail built from ``steps``, and the extra options of its
+    ``Popen``. As root, bubblewrap is started as ``nobody`` through ``setpriv`` (util-linux), which, unlike
+    ``Popen(user=...)``, lets the trainer start it without copying its own memory (``vfork``)."""
+    options: dict = {"pass_fds": (info_fd,)}
+    if backend != "bwrap":
+        return unshare_command(steps, workdir, argv, info_fd, root), options
+    words = bwrap_command(steps, workdir, argv, info_fd)
+    user = host_user()
+    if user is not None:
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            words = [setpriv, f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", "--", *words]
+        else:
+            options.update(user=user[0], group=user[1], extra_groups=[])
+    return words, options
 
 
 def stop(process: subprocess.Popen, info_fd: int) -> None:
@@ -255,6 +266,8 @@ def probe(backend: str, run) -> str | None:
             why = "" if out == "jailed\n" else f"a test call printed {out[-300:]!r}"
         except Exception as err:  # noqa: BLE001 - the reason is the message
             why = " ".join(str(err).split())[-400:] or type(err).__name__
+            if backend == "bwrap" and host_user() and "Permission denied" in why:
+                why += f" (bubblewrap runs as nobody, uid {INSIDE_ID}, when the trainer is root)"
     with _LOCK:
         _WHY[backend] = why
     return why or None

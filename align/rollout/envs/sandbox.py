@@ -103,7 +103,7 @@ class PythonSandbox:
             raise AlignConfigError(f"PythonSandbox: jail must be one of {', '.join(jails.MODES)}, got {jail!r}")
         for name in packages:
             try:
-                jails._package_paths(name)
+                jails.package_paths(name)
             except (ImportError, ValueError) as err:
                 raise AlignConfigError(f"PythonSandbox: packages: cannot show '{name}' to the code: {err}") from None
         self.timeout, self.memory_mb, self.max_output_chars = timeout, memory_mb, max_output_chars
@@ -177,16 +177,13 @@ class PythonSandbox:
                 os.mkdir(root)
                 steps = jails.call_steps(jails.view(self.packages), folder, code_file, self.disk_mb * 2 ** 20)
                 inner = [sys.executable, "-I", "-c", self._runner(False, jailed=True)]
-                argv = jails.command(backend, steps, folder, inner, info_write, root)
-                options["pass_fds"] = (info_write,)
-                user = jails.host_user()
-                if backend == "bwrap" and user is not None:
-                    options.update(user=user[0], group=user[1], extra_groups=[])
+                argv, options = jails.command(backend, steps, folder, inner, info_write, root)
             with open(os.open(os.path.join(folder, "out"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
                 process = subprocess.Popen(argv, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True, **options)
                 if backend:
                     os.close(info_write)
+                    info_write = -1
                 try:
                     status = _wait(process, self.timeout)
                 except subprocess.TimeoutExpired:
@@ -198,8 +195,9 @@ class PythonSandbox:
                     raise TimeoutError(f"the code ran longer than {self.timeout:g} s") from None
             return self._reply(os.path.join(folder, "out"), status, backend)
         finally:
-            if backend:
-                os.close(info_read)
+            for fd in (info_read, info_write):
+                if fd >= 0:
+                    os.close(fd)
             shutil.rmtree(folder, ignore_errors=True)
 
     def _reply(self, out: str, status: int, backend: str | None) -> str:
@@ -215,7 +213,7 @@ class PythonSandbox:
         if backend == "unshare" and status == 125 and text.startswith("jail: "):
             raise RuntimeError(f"the jail could not be built: {text.strip()[:300]}")
         if status < 0:
-            name = signal.Signals(-status).name
+            name = signal.Signals(-status).name if -status in signal.valid_signals() else f"signal {-status}"
             why = {"SIGXCPU": "it used too much CPU time", "SIGKILL": "it was killed"}.get(name, name)
             raise RuntimeError(f"the code was stopped: {why}" + (f"; output before: {text[-200:]}" if text else ""))
         if status != 0:
