@@ -141,9 +141,11 @@ class PythonSandbox:
                 f"{nproc if jailed else ''}"
                 f"{_NO_NETWORK if network_guard else ''}\n"
                 f"{clear_pwd if jailed else ''}"
-                "import sys\nsys.argv = ['main.py']\ndel resource\n"
+                "import sys, types\nsys.argv = ['main.py']\ndel resource\n"
+                "_main = sys.modules['__main__'] = types.ModuleType('__main__')  # for pickle and multiprocessing\n"
+                "_main.__file__ = 'main.py'\n"
                 "with open('main.py', 'rb') as _f:\n    _code = compile(_f.read(), 'main.py', 'exec')\n"
-                "del _f\nexec(_code, {'__name__': '__main__', '__file__': 'main.py', '__builtins__': __builtins__})\n")
+                "del _f, sys, types\nexec(_code, _main.__dict__)\n")
 
     @property
     def output_cap_bytes(self) -> int:
