@@ -154,9 +154,9 @@ def host_user() -> tuple[int, int] | None:
     return (INSIDE_ID, INSIDE_ID) if os.geteuid() == 0 else None
 
 
-def bwrap_command(steps: Sequence[Step], workdir: str, argv: Sequence[str], info_fd: int) -> list[str]:
-    """bubblewrap's command line for ``steps``; it runs as :func:`host_user` (an unprivileged bwrap) and writes
-    ``{"child-pid": ...}`` (the jail's first process) to ``info_fd``."""
+def bwrap_command(steps: Sequence[Step], workdir: str, runner: str, info_fd: int) -> list[str]:
+    """bubblewrap's command line for ``steps``: it runs ``runner`` in a new interpreter as :func:`host_user` (an
+    unprivileged bwrap) and writes ``{"child-pid": ...}`` (the jail's first process) to ``info_fd``."""
     words = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
              "--die-with-parent", "--new-session", "--uid", str(INSIDE_ID), "--gid", str(INSIDE_ID), "--clearenv",
              "--info-fd", str(info_fd)]
@@ -176,14 +176,14 @@ def bwrap_command(steps: Sequence[Step], workdir: str, argv: Sequence[str], info
             words += ["--proc", step[1]]
         elif kind == "dir":
             words += ["--dir", step[1]]
-    return [*words, "--remount-ro", "/", "--chdir", workdir, "--", *argv]
+    return [*words, "--remount-ro", "/", "--chdir", workdir, "--", sys.executable, "-I", "-c", runner]
 
 
-def unshare_command(steps: Sequence[Step], workdir: str, argv: Sequence[str], info_fd: int, root: str) -> list[str]:
+def unshare_command(steps: Sequence[Step], workdir: str, runner: str, info_fd: int, root: str) -> list[str]:
     """The launcher's command line (the same ``info_fd``); it builds the new root on a tmpfs mounted at ``root`` (an
-    empty host folder)."""
+    empty host folder), and its interpreter goes on to run ``runner`` in the jail."""
     plan = {"uid": INSIDE_ID, "host_uid": INSIDE_ID, "parent": os.getpid(), "root": root, "workdir": workdir,
-            "argv": list(argv), "steps": [list(s) for s in steps], "info_fd": info_fd}
+            "runner": runner, "steps": [list(s) for s in steps], "info_fd": info_fd}
     return [sys.executable, "-I", "-S", "-c", _launcher_source(), marshal.dumps(plan).hex()]
 
 
@@ -192,15 +192,15 @@ def _launcher_source() -> str:
     return LAUNCHER.read_text()
 
 
-def command(backend: str, steps: Sequence[Step], workdir: str, argv: Sequence[str], info_fd: int,
+def command(backend: str, steps: Sequence[Step], workdir: str, runner: str, info_fd: int,
             root: str) -> tuple[list[str], dict]:
-    """The command line that runs ``argv`` in ``backend``'s jail built from ``steps``, and the extra options of its
-    ``Popen``. As root, bubblewrap is started as ``nobody`` through ``setpriv`` (util-linux), which, unlike
-    ``Popen(user=...)``, lets the trainer start it without copying its own memory (``vfork``)."""
+    """The command line that runs the Python source ``runner`` in ``backend``'s jail built from ``steps``, and the
+    extra options of its ``Popen``. As root, bubblewrap is started as ``nobody`` through ``setpriv`` (util-linux),
+    which, unlike ``Popen(user=...)``, lets the trainer start it without copying its own memory (``vfork``)."""
     options: dict = {"pass_fds": (info_fd,)}
     if backend != "bwrap":
-        return unshare_command(steps, workdir, argv, info_fd, root), options
-    words = bwrap_command(steps, workdir, argv, info_fd)
+        return unshare_command(steps, workdir, runner, info_fd, root), options
+    words = bwrap_command(steps, workdir, runner, info_fd)
     user = host_user()
     if user is not None:
         setpriv = shutil.which("setpriv")

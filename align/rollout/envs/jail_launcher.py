@@ -13,8 +13,9 @@ calls through ``ctypes``:
 2. it forks ``P1``, PID 1 of the new PID namespace, killed when ``P0`` dies. ``P1`` builds the new root on a tmpfs
    from the plan's steps (read-only binds of the Python it needs, a few device nodes, a ``/proc`` of the new PID
    namespace, the size-limited working folder), pivots into it and detaches the old root, forbids further user
-   namespaces, becomes the sandbox's user with no capabilities and no new privileges, and forks ``P2``, which execs
-   the interpreter that runs the code;
+   namespaces, becomes the sandbox's user with no capabilities and no new privileges, and forks ``P2``: this
+   interpreter, which goes on to run the plan's runner (the code's limits, then ``main.py``) instead of
+   starting another one;
 3. ``P1`` reaps until ``P2`` exits and hands its wait status to ``P0``, which ends the same way. When ``P1`` exits
    the kernel kills whatever is left in the PID namespace.
 
@@ -68,6 +69,7 @@ def map_ids(plan: dict, helper_pipe, uid: int, gid: int) -> None:
     inside = plan["uid"]
     if helper_pipe is not None:
         os.write(helper_pipe[1], b"go")
+        os.close(helper_pipe[1])
         _, status = os.waitpid(helper_pipe[0], 0)
         if status != 0:
             raise SetupError("the id mapping helper failed")
@@ -189,8 +191,9 @@ def drop_privileges(plan: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def init(plan: dict, status_fd: int, alive_fd: int) -> None:
-    """PID 1: die with the launcher, build the jail, run the code as PID 2, pass on how it ended."""
+def init(plan: dict, status_fd: int, alive_fd: int) -> str:
+    """PID 1: die with the launcher, build the jail, fork the code's process (PID 2, which gets the runner's
+    source back), then reap until that process exits and pass on how it ended."""
     call("die with the launcher", libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1, a signal without a handler is ignored
     os.set_blocking(alive_fd, False)
@@ -206,10 +209,10 @@ def init(plan: dict, status_fd: int, alive_fd: int) -> None:
     drop_privileges(plan)
     child = os.fork()
     if child == 0:
-        try:
-            os.execve(plan["argv"][0], plan["argv"], {})
-        finally:
-            os._exit(SETUP_FAILED)
+        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # nothing of the launcher's is inherited
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        call("dumpable", libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0))  # its own /proc/self, as after an exec
+        return plan["runner"]
     while True:
         pid, status = os.wait()
         if pid == child:
@@ -217,7 +220,8 @@ def init(plan: dict, status_fd: int, alive_fd: int) -> None:
             os._exit(0)
 
 
-def main() -> None:
+def main() -> str:
+    """The launcher; returns only in the code's process, with the runner's source."""
     plan = marshal.loads(bytes.fromhex(sys.argv[1]))
     call("die with the caller", libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
     if os.getppid() != plan["parent"]:
@@ -238,7 +242,7 @@ def main() -> None:
         os.close(status_read)
         os.close(alive_write)
         try:
-            init(plan, status_write, alive_read)
+            return init(plan, status_write, alive_read)
         except (SetupError, OSError) as err:
             print(f"jail: {err}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
@@ -259,7 +263,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     try:
-        main()
+        _runner = main()
     except (SetupError, OSError) as err:
         print(f"jail: {err}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
+    # The code's process, in the jail: this interpreter goes on as a fresh one would (site's paths and builtins,
+    # then the runner), sparing a second interpreter start; an exception or exit of the code ends it as usual.
+    import site
+
+    site.main()
+    del site
+    exec(_runner, {"__name__": "__jail__", "__builtins__": __builtins__})

@@ -178,8 +178,8 @@ class PythonSandbox:
                 root = os.path.join(folder, "root")
                 os.mkdir(root)
                 steps = jails.call_steps(jails.view(self.packages), folder, code_file, self.disk_mb * 2 ** 20)
-                inner = [sys.executable, "-I", "-c", self._runner(False, jailed=True)]
-                argv, options = jails.command(backend, steps, folder, inner, info_write, root)
+                argv, options = jails.command(backend, steps, folder, self._runner(False, jailed=True), info_write,
+                                              root)
             with open(os.open(os.path.join(folder, "out"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
                 process = subprocess.Popen(argv, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True, **options)
