@@ -517,3 +517,13 @@ def test_calls_from_several_threads_at_once_each_get_their_own_jail(jailed):
 def test_the_code_is_the_main_module(jailed):
     code = "import pickle\ndef double(x):\n    return 2 * x\nprint(__name__, pickle.loads(pickle.dumps(double))(21))"
     assert jailed()(code) == "__main__ 42\n"  # pickle finds its functions, as multiprocessing needs
+
+
+def test_how_the_code_ended_comes_back_as_it_was(jailed):
+    sandbox = jailed()
+    with pytest.raises(RuntimeError, match="the code was stopped: it used too much CPU time; output before: hi"):
+        sandbox("import os, signal\nprint('hi', flush=True)\nos.kill(os.getpid(), signal.SIGXCPU)")
+    with pytest.raises(RuntimeError, match="^the code was stopped: it was killed$"):
+        sandbox("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    with pytest.raises(RuntimeError, match="^exit status 7$"):
+        sandbox("import sys\nsys.exit(7)")
