@@ -211,17 +211,41 @@ def command(backend: str, steps: Sequence[Step], workdir: str, runner: str, info
     return words, options
 
 
-def stop(process: subprocess.Popen, info_fd: int) -> None:
-    """Kills a running jail and returns once nothing of it is left: its first process, named on ``info_fd``, is
-    killed, and the kernel kills the rest of its PID namespace before that process is reaped."""
-    ready, _, _ = select.select([info_fd], [], [], 2.0)
-    text = os.read(info_fd, 4096).decode(errors="replace") if ready else ""
-    match = re.search(r'"child-pid":\s*(\d+)', text)
-    if match:
-        try:
-            os.kill(int(match.group(1)), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def first_process(info_fd: int) -> int | None:
+    """A pidfd of the jail's first process, whose pid the jail writes to ``info_fd`` as it starts (None: it wrote
+    none, having failed before)."""
+    text = b""
+    while select.select([info_fd], [], [], 10.0)[0]:
+        chunk = os.read(info_fd, 4096)
+        if not chunk:
+            break
+        text += chunk
+    match = re.search(rb'"child-pid":\s*(\d+)', text)
+    try:
+        return os.pidfd_open(int(match.group(1))) if match else None
+    except OSError:  # it has already ended
+        return None
+
+
+def end(first: int | None) -> None:
+    """Returns once nothing of a jail is left: its first process is killed (it ends the jail as the code ends,
+    except under bubblewrap, whose own first process may outlive bubblewrap by a moment when the code left
+    processes behind), and the kernel empties its PID namespace before that process is gone."""
+    if first is None:
+        return
+    try:
+        signal.pidfd_send_signal(first, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        select.select([first], [], [], 10.0)
+    finally:
+        os.close(first)
+
+
+def stop(process: subprocess.Popen, first: int | None) -> None:
+    """Kills a jail that outlived its time limit, and returns once nothing of it is left."""
+    end(first)
     try:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:

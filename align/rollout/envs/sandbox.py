@@ -183,18 +183,21 @@ class PythonSandbox:
             with open(os.open(os.path.join(folder, "out"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
                 process = subprocess.Popen(argv, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True, **options)
+                first = None
                 if backend:
                     os.close(info_write)
                     info_write = -1
+                    first = jails.first_process(info_read)
                 try:
                     status = _wait(process, self.timeout)
                 except subprocess.TimeoutExpired:
                     if backend:
-                        jails.stop(process, info_read)
+                        jails.stop(process, first)
                     else:
                         os.killpg(process.pid, signal.SIGKILL)
                         process.wait()
                     raise TimeoutError(f"the code ran longer than {self.timeout:g} s") from None
+                jails.end(first)
             return self._reply(os.path.join(folder, "out"), status, backend)
         finally:
             for fd in (info_read, info_write):
