@@ -18,8 +18,7 @@ does), an exception becomes an ``error:`` reply, and a result is cut to ``max_ou
 malformed call and a call over ``max_calls`` are replies too, never a crash; each counts in ``info["tool_errors"]``.
 
 Shipped tools: :func:`calculator` (arithmetic, evaluated from the syntax tree, never with ``eval``) and
-:class:`PythonSandbox` (``python``: code in a separate interpreter with a time, memory and output limit, a fresh
-temporary working folder, an empty environment and no network).
+:class:`PythonSandbox` (``python``: code in a separate interpreter in a jail, :mod:`align.rollout.envs.sandbox`).
 """
 
 from __future__ import annotations
@@ -29,22 +28,17 @@ import inspect
 import json
 import math
 import operator
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 from typing import Any, Callable, Sequence
 
 from align.rollout.envs.chat import Environment, EnvStep, check_messages
+from align.rollout.envs.sandbox import PythonSandbox, network_namespace, python
 from align.errors import AlignConfigError
 from align.rollout.rewards import resolve_import
 
 __all__ = ["ToolEnvironment", "calculator", "PythonSandbox", "python", "parse_tool_calls", "message_tool_calls",
-           "ToolCall"]
+           "ToolCall", "network_namespace"]
 
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _SHORT = re.compile(r"^([A-Za-z_][\w.-]*)\s*\((.*)\)$", re.DOTALL)
@@ -171,124 +165,6 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
-# ------------------------------------------------------------------------------------------- the python sandbox
-
-_NO_NETWORK = """
-import socket as _s
-def _no_network(*a, **k):
-    raise OSError("network access is disabled in this sandbox")
-for _n in ("socket", "create_connection", "create_server", "socketpair", "getaddrinfo", "gethostbyname"):
-    setattr(_s, _n, _no_network)
-del _s, _n, _no_network
-"""
-_NET_NAMESPACE: list[str] | None = None
-_NET_LOCK = threading.Lock()
-
-
-def network_namespace() -> list[str]:
-    """The ``unshare`` command line that starts a process without network here (a new network namespace), or
-    ``[]`` where the machine allows none; probed once (when a :class:`ToolEnvironment` with the sandbox is built)."""
-    global _NET_NAMESPACE
-    with _NET_LOCK:
-        if _NET_NAMESPACE is None:
-            found: list[str] = []
-            unshare = shutil.which("unshare")
-            if unshare and sys.platform.startswith("linux"):
-                for flags in (["--net"], ["--user", "--map-root-user", "--net"]):
-                    try:
-                        ok = subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10).returncode == 0
-                    except (OSError, subprocess.SubprocessError):
-                        ok = False
-                    if ok:
-                        found = [unshare, *flags]
-                        break
-            _NET_NAMESPACE = found
-        return _NET_NAMESPACE
-
-
-class PythonSandbox:
-    """``python``: runs code in a separate Python interpreter and returns what it printed.
-
-    The child runs in isolated mode (``-I``: no user site, no environment variables read) with an empty
-    environment, in a new temporary folder that is deleted afterwards, in its own process group (killed whole at
-    the time limit), with ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (its output goes to files, so
-    printing without end stops at the cap) and ``RLIMIT_NOFILE``. The network: in a fresh network namespace
-    (``unshare --net``, which has no interface up) where the machine allows one; otherwise socket creation is
-    disabled inside the interpreter before the code runs, which stops ordinary code but not code that restores the
-    module (docs/environments.md says so). A sandbox for honest mistakes of a model, not a jail for hostile code.
-    """
-
-    def __init__(self, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000):
-        if timeout <= 0 or memory_mb < 32 or max_output_chars < 1:
-            raise AlignConfigError(f"PythonSandbox: expected timeout > 0, memory_mb >= 32 and max_output_chars >= 1, "
-                                   f"got {timeout}, {memory_mb}, {max_output_chars}")
-        self.timeout, self.memory_mb, self.max_output_chars = timeout, memory_mb, max_output_chars
-        self.__name__ = "python"
-
-    def _runner(self, network: bool) -> str:
-        """The child's first lines: its limits (set by the child itself, so no code runs between fork and exec in
-        this threaded process), the socket guard where no network namespace is used, then ``main.py``."""
-        memory, cpu, cap = self.memory_mb * 2 ** 20, int(math.ceil(self.timeout)) + 1, self.output_cap_bytes
-        return ("import resource\n"
-                f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
-                f"resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))\n"
-                f"resource.setrlimit(resource.RLIMIT_FSIZE, ({cap}, {cap}))\n"
-                "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
-                f"{'' if network else _NO_NETWORK}\n"
-                "import runpy, sys\nsys.argv = ['main.py']\ndel resource\n"
-                "runpy.run_path('main.py', run_name='__main__')\n")
-
-    @property
-    def output_cap_bytes(self) -> int:
-        """Bytes the child may write (RLIMIT_FSIZE): room for ``max_output_chars`` of UTF-8 text and a traceback;
-        output that reaches it was stopped there."""
-        return 4 * self.max_output_chars + 4096
-
-    def __call__(self, code: str) -> str:
-        """Runs Python code in a sandbox and returns its printed output (print what you want to see).
-
-        Args:
-            code: The Python source to run.
-        """
-        folder = tempfile.mkdtemp(prefix="align-python-")
-        try:
-            with open(os.path.join(folder, "main.py"), "w") as f:
-                f.write(str(code))
-            prefix = network_namespace()
-            with open(os.path.join(folder, "out"), "wb") as out:
-                process = subprocess.Popen([*prefix, sys.executable, "-I", "-c", self._runner(bool(prefix))],
-                                           cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=out,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-                try:
-                    status = process.wait(timeout=self.timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                    raise TimeoutError(f"the code ran longer than {self.timeout:g} s") from None
-            size = os.path.getsize(out.name)
-            with open(out.name, "rb") as f:
-                text = f.read(4 * self.max_output_chars).decode("utf-8", errors="replace")
-            if size >= self.output_cap_bytes:  # RLIMIT_FSIZE stopped its writes
-                raise RuntimeError(f"the output exceeded the limit of {self.max_output_chars} characters; it began: "
-                                   f"{text[:200]}")
-            if status < 0:
-                name = signal.Signals(-status).name
-                why = {"SIGXCPU": "it used too much CPU time", "SIGKILL": "it was killed"}.get(name, name)
-                raise RuntimeError(f"the code was stopped: {why}" + (f"; output before: {text[-200:]}" if text else ""))
-            if status != 0:
-                last = [line for line in text.strip().splitlines() if line.strip()][-3:]
-                raise RuntimeError("\n".join(last) or f"exit status {status}")
-            if len(text) > self.max_output_chars:
-                return text[: self.max_output_chars] + f"\n... [cut: {size} bytes of output in all]"
-            return text
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-python = PythonSandbox()
-"""The ``python`` tool with the default limits (5 s, 512 MB, 2,000 characters)."""
-
-
 # ----------------------------------------------------------------------------------------------- the environment
 
 def _describe(name: str, fn: Callable) -> str:
@@ -350,7 +226,7 @@ class ToolEnvironment(Environment):
                                        "'name' on one of them")
             self.tools[name] = target
             if isinstance(target, PythonSandbox):
-                network_namespace()  # probed now, not inside the first call's time limit
+                target.prepare()  # its jail is found now, not inside the first call's time limit
         self.system_prompt = system_prompt if system_prompt is not None else self.default_system_prompt()
         try:
             self.examples = [dict(m) for m in check_messages(list(examples or []), "examples", allow_empty=True)]
