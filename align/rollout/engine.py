@@ -23,6 +23,7 @@ A new engine (docs/architecture.md, "Add a generation engine") subclasses :class
 
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol, Sequence
@@ -140,14 +141,10 @@ class NativeEngine(GenerationEngine):
             policy.train(was_training)
 
 
-def _vllm(sampling: SamplingConfig) -> GenerationEngine:
-    from align.rollout.vllm_engine import VLLMEngine  # imports vLLM only when asked for
-
-    return VLLMEngine(sampling)
-
-
-ENGINES: dict[str, Callable[[SamplingConfig], GenerationEngine]] = {"native": NativeEngine, "vllm": _vllm}
-"""The generation engines by name (``sampling.engine``): each a class or a function of the sampling settings."""
+ENGINES: dict[str, type[GenerationEngine] | str] = {"native": NativeEngine,
+                                                    "vllm": "align.rollout.vllm_engine:VLLMEngine"}
+"""The generation engines by name (``sampling.engine``): a class, or the ``module:Class`` path of one whose module is
+imported only when it is chosen (``vllm``'s imports vLLM)."""
 
 
 def make_engine(sampling: SamplingConfig | None = None, **overrides) -> GenerationEngine:
@@ -155,4 +152,8 @@ def make_engine(sampling: SamplingConfig | None = None, **overrides) -> Generati
     sampling = SamplingConfig(**{**(sampling or SamplingConfig()).__dict__, **overrides})
     if sampling.engine not in ENGINES:
         raise ValueError(f"sampling.engine must be one of {sorted(ENGINES)}, got {sampling.engine!r}")
-    return ENGINES[sampling.engine](sampling)
+    engine = ENGINES[sampling.engine]
+    if isinstance(engine, str):
+        module, _, name = engine.partition(":")
+        engine = getattr(importlib.import_module(module), name)
+    return engine(sampling)

@@ -124,8 +124,10 @@ class _Handle:
             self._first_token()  # kernels that refuse the model's shape do so on the first forward, not at load
         except (ValueError, NotImplementedError, RuntimeError) as err:
             shutil.rmtree(self.workdir, ignore_errors=True)
-            raise AlignConfigError(f"sampling.engine vllm: vLLM cannot run this model here "
-                                   f"({str(err).strip().splitlines()[-1]}); use the native engine") from None
+            reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip()
+                              and "further information" not in line)
+            raise AlignConfigError(f"sampling.engine vllm: vLLM cannot run this model here ({reason[:400]}); use "
+                                   "the native engine") from None
         finally:
             torch.set_num_threads = set_threads
         self.start_seconds = time.perf_counter() - started
