@@ -341,8 +341,12 @@ class VLLMEngine(GenerationEngine):
 
     @contextmanager
     def decoding(self, policy, capacity: int) -> Iterator[Decode]:
-        handle = _handle(policy, self.sampling.vllm, capacity)
-        self.decoding_metrics = handle.sync(policy)
+        # The engine's tensors are created and written in inference mode: a first rollout may come from a held-out
+        # pass (Lightning validates in inference mode) and later ones from training (no_grad only), and inference
+        # tensors refuse in-place writes outside it.
+        with torch.inference_mode():
+            handle = _handle(policy, self.sampling.vllm, capacity)
+            self.decoding_metrics = handle.sync(policy)
         s, stop = self.sampling, self.stop_ids(policy.tokenizer)
         pad = policy.tokenizer.pad_token_id
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -38,5 +40,10 @@ def release_process_group_at_exit() -> bool:
 
 
 def _destroy_default_group() -> None:
+    # An in-process vLLM engine holds groups of its own over the default one: its shutdown must come first (it then
+    # ends the default group itself). Looked up, not imported: only a run that started one has the module loaded.
+    engines = sys.modules.get("align.rollout.vllm_engine")
+    if engines is not None:
+        engines.close_engines()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
