@@ -84,7 +84,8 @@ def test_a_new_engine_is_a_class_and_a_row_of_the_table(policy, monkeypatch):
     module = GRPOModule(policy=policy, rewards=[length_reward], group_size=2, log_entropy=False,
                         sampling=SamplingConfig(max_new_tokens=6, engine="scripted"))
     assert isinstance(module.sampler.engine, ScriptedEngine)
-    assert isinstance(module.sampler.eval_engine, NativeEngine)  # held out: the default engine
+    assert isinstance(module.sampler.eval_engine, ScriptedEngine)  # held out: the training engine, greedy
+    assert module.sampler.eval_engine.sampling.temperature == 0
     standalone(module)
     module.training_step(prompt_batch(policy, PROMPTS[:2]), 0)
     # Every completion is the scripted one, so every reward ties and the group advantages are 0.
