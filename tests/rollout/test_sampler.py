@@ -17,7 +17,7 @@ from align.modules.grpo import GRPOModule
 from align.modules.online_dpo import OnlineDPOModule
 from align.modules.ppo import PPOModule
 from align.rollout import engine as engines
-from align.rollout.engine import GenerationEngine, NativeEngine, make_engine
+from align.rollout.engine import GenerationEngine, make_engine
 from align.rollout.filter import concat_rollouts
 from align.rollout.rewards import training_rewards
 from align.rollout.sampler import Sampler
