@@ -2,7 +2,8 @@
 ``fit`` writes into its run folder.
 
 Panels are chosen from the columns the CSV holds (:data:`PANELS`): reward, KL, loss, accuracy and margin (and the
-episode panels of classic RL and multi-turn runs), each
+episode panels of classic RL and multi-turn runs, a distillation's distance to its teacher, and a vLLM engine's
+distance to the trainer), each
 drawing a training series next to its held-out (``val/...``) counterpart, so a gap between the two shows. A panel
 none of whose columns was logged is left out. Training series are drawn raw (faint) and smoothed by an exponential
 moving average; held-out series, logged a few times per run, are drawn as points. Several runs share the axes,
@@ -54,6 +55,7 @@ PANELS = (
     Panel("episodes", ("rollout/turns", "rollout/tool_calls", "rollout/tool_errors", "val/turns")),
     Panel("KL to the reference", ("train/kl", "val/kl")),
     Panel("distance to the teacher", ("distill/reverse_kl", "distill/jsd")),
+    Panel("engine vs trainer", ("rollout/engine_kl", "rollout/engine_logprob_diff")),
     Panel("loss", ("train/loss", "val/loss")),
     Panel("accuracy", ("dpo/accuracy", "online_dpo/accuracy", "rm/accuracy", "kto/accuracy", "val/accuracy",
                        "val/teacher_accuracy", "val/dpo_accuracy", "val/rm_accuracy", "val/kto_accuracy")),
