@@ -63,7 +63,11 @@ class VLLMSettings:
     """On a GPU, release the KV cache and weights while the trainer updates (vLLM's sleep mode) and wake for the
     next rollout; ignored where the platform has no sleep mode (CPU)."""
     seed: int = 0
-    """The engine's own seed; each request also gets a seed drawn from the rollout's generator."""
+    """The engine's own seed."""
+    request_seeds: bool = True
+    """Give each request a seed drawn from the rollout's generator, so a run at a fixed seed samples the same
+    completions again; false leaves sampling to the engine's own generator (vLLM samples seeded requests one by one,
+    which costs a few kernel launches per row and step on a GPU)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

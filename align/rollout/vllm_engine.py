@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
@@ -317,7 +318,7 @@ def _handle(policy, settings: VLLMSettings, capacity: int) -> _Handle:
         raise AlignConfigError(f"sampling.vllm.max_model_len: a rollout needs contexts of {capacity} tokens, more "
                                f"than {max_model_len}; raise it or shorten prompts/max_new_tokens")
     key = (json.dumps(config.to_dict(), sort_keys=True, default=str), len(policy.tokenizer), policy.has_adapter,
-           getattr(policy.lora, "r", None), max_model_len, repr(settings))
+           getattr(policy.lora, "r", None), max_model_len, repr(replace(settings, request_seeds=True)))
     if key not in _HANDLES:
         if not _HANDLES:
             # Runs before the exit handlers registered earlier (the trainer's process-group release among them):
@@ -357,7 +358,8 @@ class VLLMEngine(GenerationEngine):
             from vllm.inputs import TokensPrompt
 
             rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-            seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator).tolist()
+            seeds = (torch.randint(0, 2**31 - 1, (len(rows),), generator=generator).tolist()
+                     if s.vllm.request_seeds else [None] * len(rows))
             params = [SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_tokens=max_new_tokens, min_tokens=min_new_tokens, stop_token_ids=stop,
                                      logprobs=0, seed=seed, detokenize=False) for seed in seeds]

@@ -108,6 +108,17 @@ def test_seeded_sampling_repeats_and_each_row_draws_its_own_completion():
     assert (a.old_logprobs - trainer_logprobs(policy, a)).abs().max() < 1e-4
 
 
+def test_without_request_seeds_the_engine_draws_from_its_own_generator():
+    policy = PolicyModel("tiny-sort")
+    engine = make_engine(SamplingConfig(engine="vllm", temperature=1.0, max_new_tokens=8,
+                                        vllm=VLLMSettings(request_seeds=False)))
+    ids = prompt_ids(policy)[:1]
+    a = engine.generate(policy, ids, 8, generator=torch.Generator().manual_seed(1))
+    b = engine.generate(policy, ids, 8, generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(a.response_ids, b.response_ids)  # the same seed, other completions
+    assert (a.old_logprobs - trainer_logprobs(policy, a)).abs().max() < 1e-4
+
+
 def test_stop_tokens_are_kept_and_long_responses_are_truncated_without_one():
     policy = PolicyModel("tiny-sort")
     rollout = greedy(max_new_tokens=2).generate(policy, prompt_ids(policy), 1)
