@@ -324,7 +324,17 @@ def _handle(policy, settings: VLLMSettings, capacity: int) -> _Handle:
             # Runs before the exit handlers registered earlier (the trainer's process-group release among them):
             # the engine's shutdown needs its groups, and ends the default group itself.
             atexit.register(close_engines)
-        _HANDLES[key] = _Handle(policy, settings, max_model_len)
+        preload = os.environ.get("LD_PRELOAD")
+        try:
+            _HANDLES[key] = _Handle(policy, settings, max_model_len)
+        finally:
+            # vLLM's CPU platform preloads its OpenMP library for the worker processes it would start; this engine
+            # runs in the process, and processes the run starts (DDP ranks) and the allocator settings of
+            # align.trainer.host_memory must see the environment the user gave.
+            if preload is None:
+                os.environ.pop("LD_PRELOAD", None)
+            else:
+                os.environ["LD_PRELOAD"] = preload
     return _HANDLES[key]
 
 

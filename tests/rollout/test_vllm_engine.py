@@ -4,6 +4,7 @@ own decoder and the trainer, before and after full-weight and LoRA updates, seed
 The tests of this file share the process's engines (one per model shape and settings) and close them at the end, so
 that the one-process group vLLM sets up does not outlive them."""
 
+import os
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
 
 PROMPTS = ["c a b", "d b a c", "b a", "e d c b a"]
+PRELOAD_AT_IMPORT = os.environ.get("LD_PRELOAD")  # before any engine of this file (vLLM's platform sets it)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -175,3 +177,11 @@ def test_a_model_the_engines_kernels_refuse_fails_on_one_line_at_start(tmp_path)
         pytest.skip("the CPU kernels' limit")
     with pytest.raises(AlignConfigError, match=r"^sampling\.engine vllm: vLLM cannot run this model here \(.*\); use"):
         greedy().generate(policy, prompt_ids(policy)[:1], 1)
+
+
+def test_starting_an_engine_leaves_the_process_environment_as_it_was():
+    before = PRELOAD_AT_IMPORT
+    vllm_engine.close_engines()
+    policy = PolicyModel("tiny-sort")
+    greedy().generate(policy, prompt_ids(policy)[:1], 1)
+    assert os.environ.get("LD_PRELOAD") == before
