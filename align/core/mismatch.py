@@ -69,14 +69,13 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
         raise ValueError(f"correction level must be one of {CORRECTION_LEVELS}, got {level!r}")
     mask = mask.bool()
     log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask).detach()  # (N, R)
-    zero = torch.zeros((), device=log_ratio.device)
     if level == "sequence":
-        rows = mask.any(dim=1)  # (N,) rows with at least one token
-        seq = log_ratio.sum(dim=1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (N,)
-        ratio, units = seq.exp()[:, None].expand_as(log_ratio), rows  # every token takes its row's ratio
-        unit_ratio = seq.exp()
+        units = mask.any(dim=1)  # (N,) rows with at least one token
+        unit_ratio = log_ratio.sum(dim=1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (N,)
+        ratio = unit_ratio[:, None].expand_as(log_ratio)  # every token takes its row's ratio
     else:
-        ratio, units, unit_ratio = log_ratio.exp(), mask, log_ratio.exp()
+        units, unit_ratio = mask, log_ratio.exp()
+        ratio = unit_ratio
     if mode == "tis":
         weights = ratio.clamp(max=cap)
         clipped, dropped = unit_ratio > cap, torch.zeros_like(units)
@@ -89,17 +88,19 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
         clipped = dropped = torch.zeros_like(units)
     weights = torch.where(mask, weights, torch.zeros_like(weights))
     count = units.sum().clamp(min=1).float()
-    stats = mismatch_stats(trainer_logprobs, engine_logprobs, mask)
-    stats = stats._replace(clipped_frac=torch.where(units, clipped, False).sum() / count if units.any() else zero,
-                           masked_frac=torch.where(units, dropped, False).sum() / count if units.any() else zero)
-    return weights, stats
+    return weights, _stats(log_ratio, mask)._replace(clipped_frac=(clipped & units).sum() / count,
+                                                     masked_frac=(dropped & units).sum() / count)
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> MismatchStats:
     """The rollout's mean absolute log-prob difference and k3 KL(engine || trainer) per valid token of ``mask``
     (``clipped_frac`` and ``masked_frac`` 0: no correction is applied here)."""
     mask = mask.bool()
-    log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask).detach()  # log pi/mu (N, R)
+    return _stats(_log_ratio(trainer_logprobs, engine_logprobs, mask).detach(), mask)
+
+
+def _stats(log_ratio: torch.Tensor, mask: torch.Tensor) -> MismatchStats:
+    """Diagnostics of the clamped, masked ``log pi/mu`` (N, R); the correction's shares left at 0."""
     k3 = log_ratio.exp() - 1 - log_ratio  # (N, R) >= 0
     zero = torch.zeros((), device=log_ratio.device)
     return MismatchStats(masked_mean(log_ratio.abs(), mask), masked_mean(k3, mask), zero, zero)

@@ -84,7 +84,7 @@ class _Handle:
     """One vLLM engine of this process and what it last received."""
 
     def __init__(self, policy, settings: VLLMSettings, max_model_len: int):
-        vllm = import_vllm()
+        import_vllm()
         from vllm import LLM
 
         on_cpu = not torch.cuda.is_available()
@@ -119,7 +119,6 @@ class _Handle:
             os.environ.setdefault("LOCAL_RANK", str(rank))
             os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it for the whole process
-        started = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
             self._first_token()  # kernels that refuse the model's shape do so on the first forward, not at load
@@ -131,8 +130,6 @@ class _Handle:
                                    "the native engine") from None
         finally:
             torch.set_num_threads = set_threads
-        self.start_seconds = time.perf_counter() - started
-        self.version = vllm.__version__
         self.base_fingerprint = self._base_fingerprint(policy)
         self.adapter_fingerprint = None
         self.adapter = None  # the current LoRARequest
