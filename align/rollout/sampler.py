@@ -201,15 +201,24 @@ class Sampler:
         """A training rollout of ``batch`` with its rewards, timed (``time/generation_s``, ``time/scoring_s``) and
         counted in :attr:`rollouts`."""
         timings: dict[str, float] = {}
-        self.rollouts += 1
         with Timer(timings, "time/generation_s"):
             rollout = self.rollout(batch)
+        return self.finish(batch, rollout, timings)
+
+    def finish(self, batch: PromptBatch, rollout: Rollout, timings: dict[str, float],
+               exact: bool | None = None) -> Scored:
+        """The training rollout ``rollout`` of ``batch``, sampled here or elsewhere, scored (``time/scoring_s``)
+        and, when its log-probs are not the trainer's, corrected (:meth:`correct`); counted in :attr:`rollouts`.
+        ``exact``: whether its log-probs are the trainer's (default: the training engine's
+        :attr:`~align.rollout.engine.GenerationEngine.exact_logprobs`; a rollout of an older policy's are not)."""
+        self.rollouts += 1
         with Timer(timings, "time/scoring_s"):
             rewards, parts = self.score(batch, rollout)
         self.reward_counts.add(self.reward.last_counts)
-        if self.corrects:
+        exact = self.engine.exact_logprobs if exact is None else exact
+        if self.corrects_logprobs(exact):
             with Timer(timings, "time/correction_s"):
-                self.correct(rollout)
+                self.correct(rollout, exact)
         return Scored(rollout, rewards, parts, timings)
 
     def _no_counts(self) -> RewardCounts:
@@ -219,21 +228,27 @@ class Sampler:
 
     @property
     def corrects(self) -> bool:
-        """Whether training rollouts get the trainer's log-probs recomputed (:meth:`correct`)."""
-        engine = self.engine
-        return not engine.exact_logprobs or engine.sampling.correction.resolve(True) != "none"
+        """Whether training rollouts of this engine get the trainer's log-probs recomputed (:meth:`correct`)."""
+        return self.corrects_logprobs(self.engine.exact_logprobs)
+
+    def corrects_logprobs(self, exact: bool) -> bool:
+        """Whether a training rollout whose log-probs are (``exact``) or are not the trainer's is corrected."""
+        return not exact or self.engine.sampling.correction.resolve(True) != "none"
 
     @torch.no_grad()
-    def correct(self, rollout: Rollout) -> None:
+    def correct(self, rollout: Rollout, exact: bool | None = None) -> None:
         """For an engine whose log-probs are not the trainer's (or with ``sampling.correction`` set): recompute the
         trainer's log-probs of the sampled tokens into ``old_logprobs`` (the update's behaviour policy is then the
         trainer's view of the sampling weights), keep the engine's in ``engine_logprobs``, put the importance weights
         of ``sampling.correction`` in ``correction_weights`` (:func:`align.core.mismatch.correction_weights`) and log
         ``rollout/engine_logprob_diff``, ``rollout/engine_kl``, ``rollout/correction_clipped_frac`` and
-        ``rollout/correction_masked_frac``. The native engine's log-probs are the trainer's: nothing to do."""
+        ``rollout/correction_masked_frac``. The native engine's log-probs are the trainer's: nothing to do. A rollout
+        sampled by an older policy (``exact`` false: an asynchronous source's) is corrected the same way: the
+        update's ratio is then to the current policy, and the weights carry the step from the sampling policy."""
         correction = self.engine.sampling.correction
-        mode = correction.resolve(self.engine.exact_logprobs)
-        if not self.corrects:
+        exact = self.engine.exact_logprobs if exact is None else exact
+        mode = correction.resolve(exact)
+        if not self.corrects_logprobs(exact):
             return
         mask = rollout.response_mask
         trainer = self.token_logprobs(rollout).logprobs.float()  # (N, R)

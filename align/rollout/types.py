@@ -3,12 +3,12 @@ rollout (with its rewards), and the data-parallel :class:`Ranks` a sampler or a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Rollout", "Scored", "Ranks", "identity"]
+__all__ = ["Rollout", "Scored", "Ranks", "identity", "rollout_to"]
 
 
 @dataclass
@@ -70,6 +70,13 @@ class Rollout:
     def response_lengths(self) -> torch.Tensor:
         """``(N,)`` valid response tokens per row (the policy's tokens of every turn, multi-turn)."""
         return self.response_mask.sum(dim=1)
+
+
+def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
+    """``rollout`` with every tensor on ``device`` (the same object when they are there already)."""
+    changes = {f.name: value.to(device) for f in fields(rollout)
+               if isinstance(value := getattr(rollout, f.name), torch.Tensor) and value.device != torch.device(device)}
+    return replace(rollout, **changes) if changes else rollout
 
 
 @dataclass

@@ -1,0 +1,219 @@
+"""The generator of an asynchronous rollout source: a copy of the policy in its own process, placed by Ray.
+
+:class:`Generator` is a plain class: :class:`~align.rollout.async_source.AsyncSource` runs it as a Ray actor
+(:func:`start_generator`), one per training rank, and tests call it directly. It rebuilds the policy from the
+settings a checkpoint records (``PolicyModel.spec``: model id or path, dtype, LoRA, quantization), takes the
+trainable weights the trainer sends after each optimizer step (the whole model, or the LoRA adapter), and answers
+prompt batches with the training engine (``sampling.engine``: the native decoder or vLLM). Calls run one at a time,
+in the order they were sent, so a batch sent after weights is always generated with those weights.
+
+Why Ray (docs/architecture.md, "Asynchronous rollouts"): actors are started, placed and supervised by an engine that
+already runs across machines. On one machine the run starts a local Ray; with ``generator.address`` (or
+``RAY_ADDRESS``) naming a cluster, the same configuration places the generators on its nodes, with
+``generator.num_gpus`` and ``generator.num_cpus`` saying what each needs. The model must then be loadable on those
+nodes (a hub id, or a path every node sees).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from align.errors import AlignConfigError
+
+__all__ = ["Generator", "GeneratorPlacement", "connect", "rng_state", "set_rng_state", "start_generator",
+           "trainable_weights"]
+
+
+@dataclass
+class GeneratorPlacement:
+    """Where and how an asynchronous source's generators run (``model.source.init_args.generator``)."""
+
+    address: Optional[str] = None
+    """Ray cluster to place the generators on (``ray://...``, ``host:port`` or ``auto``); null: ``RAY_ADDRESS`` when
+    set, else a local Ray started by the run (shared by its ranks) and stopped with it."""
+    num_cpus: float = 1.0
+    """CPUs Ray reserves for each generator."""
+    num_gpus: Optional[float] = None
+    """GPUs Ray reserves for each generator; null: 1 when CUDA is available to the trainer, else 0. A fraction
+    (0.5) shares a GPU with other Ray work; the trainer's own processes are not Ray's and are not counted."""
+    device: str = "auto"
+    """The generator's device: ``auto`` (a GPU Ray gave it, else the CPU), ``cpu`` or ``cuda``."""
+    threads: Optional[int] = None
+    """Torch threads of a generator on a CPU; null: the trainer's (the same kernels, so that ``max_staleness: 0``
+    repeats the synchronous run)."""
+    timeout_s: float = 600.0
+    """Longest wait for a generator to start or to answer a batch before it is taken as hung and restarted."""
+    max_restarts: int = 3
+    """Generators that may die (or hang) in a run; each is replaced and its unfinished batches generated again, with
+    the same weights and random streams. One more stops the run with an error."""
+
+    def __post_init__(self):
+        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
+            raise AlignConfigError("model.source.generator: num_cpus and num_gpus must be >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise AlignConfigError(f"model.source.generator.device: expected auto, cpu or cuda, got {self.device!r}")
+        if self.timeout_s <= 0 or self.max_restarts < 0:
+            raise AlignConfigError("model.source.generator: timeout_s must be > 0 and max_restarts >= 0")
+
+
+def rng_state(device_type: str) -> torch.Tensor:
+    """The default random generator's state on ``device_type`` (``cpu``, ``cuda``: the current device)."""
+    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device_type: str, state: torch.Tensor) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def trainable_weights(policy) -> dict[str, torch.Tensor]:
+    """What a generator needs after an update: the trainable tensors of ``policy.model`` (every weight, or the LoRA
+    adapter), by name, on the CPU; the frozen ones are rebuilt from the policy's settings."""
+    return {name: p.detach().to("cpu") for name, p in policy.model.named_parameters() if p.requires_grad}
+
+
+def build_policy(spec: dict[str, Any]):
+    """The policy that ``spec`` (``PolicyModel.spec``) describes, without its critic or reference."""
+    from align.models import PolicyModel
+    from align.models.loading import LoraSettings
+
+    keep = ("model", "tokenizer", "dtype", "quantization", "attn_implementation", "trust_remote_code", "revision",
+            "pad_equals_eos", "seed")
+    lora = LoraSettings(**spec["lora"]) if spec.get("lora") else None
+    return PolicyModel(**{k: spec[k] for k in keep if k in spec}, lora=lora)
+
+
+class Generator:
+    """A copy of the policy that generates rollouts with the weights it was last sent (:meth:`load`)."""
+
+    def __init__(self, spec: dict[str, Any], sampling, device: str = "cpu", threads: int | None = None):
+        from align.rollout.engine import make_engine
+
+        if threads:
+            torch.set_num_threads(threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.policy = build_policy(spec).to(self.device)
+        self.policy.disable_dropout()
+        self.engine = make_engine(sampling)
+        self.version = -1
+        self.pid = os.getpid()
+        self._last_end: float | None = None
+
+    def ready(self) -> int:
+        """The process id, once the policy is built."""
+        return self.pid
+
+    def _idle(self, start: float) -> float:
+        idle = 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
+        return idle
+
+    @torch.no_grad()
+    def load(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Take the trainable weights of policy ``version`` (:func:`trainable_weights`)."""
+        start, start_ns = time.perf_counter(), time.time_ns()
+        params = dict(self.policy.model.named_parameters())
+        missing = sorted(set(weights) - set(params))
+        if missing:
+            raise AlignConfigError(f"generator: the policy rebuilt from its settings has no weights {missing[:3]}; "
+                                   "the trainer's model differs from what its settings describe")
+        for name, value in weights.items():
+            params[name].copy_(value.to(params[name].device, non_blocking=True))
+        self.version = version
+        idle = self._idle(start)
+        self._last_end = time.perf_counter()
+        return {"start_ns": start_ns, "end_ns": time.time_ns(), "idle_s": idle}
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seed: int | None = None,
+                 rng: torch.Tensor | None = None) -> dict[str, Any]:
+        """A rollout of ``group_size`` completions per prompt, with its random stream: a generator seeded with
+        ``seed``, or the default generator set to ``rng`` (whose state after sampling is returned, so that the
+        trainer's stream continues from it)."""
+        from align.rollout.types import rollout_to
+
+        start, start_ns = time.perf_counter(), time.time_ns()
+        idle = self._idle(start)
+        generator = None
+        if rng is not None:
+            set_rng_state(self.device.type, rng)
+        elif seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        rollout = self.engine.generate(self.policy, prompt_ids, group_size, generator=generator)
+        after = rng_state(self.device.type) if rng is not None else None
+        self._last_end = time.perf_counter()
+        return {"rollout": rollout_to(rollout, "cpu"), "rng": after, "version": self.version, "pid": self.pid,
+                "start_ns": start_ns, "end_ns": time.time_ns(), "seconds": self._last_end - start, "idle_s": idle}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- placement
+_started_here = False
+
+
+def connect(address: str | None, num_cpus: float) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), or start a local one with at least ``num_cpus``
+    logical CPUs. Under data parallelism without an address, rank 0 starts it and the other ranks join it."""
+    import ray
+    import torch.distributed as dist
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    options = dict(namespace="align", include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    address = address or os.environ.get("RAY_ADDRESS")
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    global _started_here
+    if address is None:
+        shared = [None]
+        if not distributed or dist.get_rank() == 0:
+            ray.init(num_cpus=max(int(num_cpus + 0.999), os.cpu_count() or 1), **options)
+            _started_here = True
+            shared = [ray.get_runtime_context().gcs_address]
+        if distributed:
+            dist.broadcast_object_list(shared, src=0)
+            if dist.get_rank() != 0:
+                ray.init(address=shared[0], **options)
+        return
+    try:
+        ray.init(address=address, **options)
+    except (ConnectionError, ValueError) as err:
+        raise AlignConfigError(f"model.source.generator.address: cannot join the Ray cluster at {address!r}: "
+                               f"{err}") from None
+
+
+def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str):
+    """A :class:`Generator` actor placed with ``placement`` and the type of its device; raises a one-line error when Ray cannot place or
+    start it within ``placement.timeout_s``."""
+    import ray
+
+    num_gpus = placement.num_gpus
+    if num_gpus is None:
+        num_gpus = 1.0 if torch.cuda.is_available() else 0.0
+    device = placement.device
+    if device == "auto":
+        device = "cuda" if num_gpus > 0 else "cpu"
+    actor_class = ray.remote(num_cpus=placement.num_cpus, num_gpus=num_gpus, max_restarts=0)(Generator)
+    actor = actor_class.options(name=name, lifetime=None).remote(spec, sampling, device, placement.threads or threads)
+    ready = actor.ready.remote()
+    done, _ = ray.wait([ready], timeout=placement.timeout_s)
+    if not done:
+        ray.kill(actor)
+        raise AlignConfigError(
+            f"model.source.generator: Ray did not start a generator with {placement.num_cpus} CPUs and {num_gpus} "
+            f"GPUs within {placement.timeout_s:g} s; free those resources or lower generator.num_cpus/num_gpus")
+    try:
+        ray.get(ready)
+    except ray.exceptions.RayTaskError as err:
+        raise err.as_instanceof_cause() from None
+    return actor, device
