@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -42,13 +42,18 @@ from align.rollout.generator import GeneratorPlacement, connect, rng_state, set_
     trainable_weights
 from align.rollout.sampler import Sampler
 from align.rollout.source import RolloutSource
-from align.rollout.types import Scored, rollout_to
+from align.rollout.types import Rollout, Scored, rollout_to
 
 __all__ = ["AsyncSource"]
 
 log = logging.getLogger(__name__)
 
 SEED_STRIDE = 1_000_003
+
+
+def _fields(obj) -> dict[str, Any]:
+    """A dataclass's fields as a plain dict (what a checkpoint loaded with ``weights_only`` can hold)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 @dataclass
@@ -158,7 +163,8 @@ class AsyncSource(RolloutSource):
         rollout.metrics.update({"rollout/staleness": float(staleness), "rollout/staleness_max": float(staleness),
                                 "rollout/policy_version_lag": float(staleness)})
         timings["time/generation_s"] = result["seconds"]
-        timings["time/generator_idle_s"] = result["idle_s"]
+        load = result.get("load")
+        timings["time/generator_idle_s"] = result["idle_s"] + (load["idle_s"] if load is not None else 0.0)
         self._trace(item, result)
         return sampler.finish(item.batch, rollout, timings, exact=sampler.engine.exact_logprobs and staleness == 0)
 
@@ -260,14 +266,17 @@ class AsyncSource(RolloutSource):
         batches = []
         for item in self.pipeline:
             result = self._result(item)
-            batches.append({"index": item.index, "batch": item.batch, "version": item.version, "seed": item.seed,
-                            "result": {**result, "load": None, "rollout": rollout_to(result["rollout"], "cpu")}})
+            rollout = rollout_to(result["rollout"], "cpu")
+            batches.append({"index": item.index, "batch": _fields(item.batch), "version": item.version,
+                            "seed": item.seed, "result": {**result, "load": None, "rollout": _fields(rollout)}})
         return {"sent": self.sent, "batches": batches}
 
     def load_state_dict(self, state: dict[str, Any], device=None) -> None:
         self.sent = state.get("sent", 0)
-        self.pipeline = deque(_Batch(b["index"], b["batch"], b["version"], b["seed"], result=b["result"])
-                              for b in state.get("batches", []))
+        self.pipeline = deque(
+            _Batch(b["index"], PromptBatch(**b["batch"]), b["version"], b["seed"],
+                   result={**b["result"], "rollout": Rollout(**b["result"]["rollout"])})
+            for b in state.get("batches", []))
 
     def close(self) -> None:
         if self.actor is not None:

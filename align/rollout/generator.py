@@ -175,14 +175,16 @@ def connect(address: str | None, num_cpus: float) -> None:
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     global _started_here
     if address is None:
-        shared = [None]
+        shared = [None, None]
         if not distributed or dist.get_rank() == 0:
             ray.init(num_cpus=max(int(num_cpus + 0.999), os.cpu_count() or 1), **options)
             _started_here = True
-            shared = [ray.get_runtime_context().gcs_address]
+            shared = [ray.get_runtime_context().gcs_address, _auth_token()]
         if distributed:
             dist.broadcast_object_list(shared, src=0)
             if dist.get_rank() != 0:
+                if shared[1]:  # a local Ray authenticates its clients with a token (Ray >= 2.59)
+                    _use_token(shared[1])
                 ray.init(address=shared[0], **options)
         return
     try:
@@ -190,6 +192,30 @@ def connect(address: str | None, num_cpus: float) -> None:
     except (ConnectionError, ValueError) as err:
         raise AlignConfigError(f"model.source.generator.address: cannot join the Ray cluster at {address!r}: "
                                f"{err}") from None
+
+
+def _auth_token() -> str | None:
+    """The token of the Ray this process started, where Ray keeps it (never logged)."""
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    if token:
+        return token
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _use_token(token: str) -> None:
+    """Authenticate this process's Ray client with ``token`` (Ray reads its mode once; it is read again here)."""
+    os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", token
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):  # a Ray without token authentication
+        pass
 
 
 def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str):
