@@ -40,6 +40,7 @@ from align.errors import AlignConfigError, AlignError
 from align.observability.timing import Timer, record_span
 from align.rollout.generator import GeneratorPlacement, connect, rng_state, set_rng_state, start_generator, \
     trainable_weights
+from align.rollout.partial import PARTIAL_MODES
 from align.rollout.sampler import Sampler
 from align.rollout.source import RolloutSource
 from align.rollout.types import Rollout, Scored, rollout_to
@@ -84,24 +85,34 @@ class AsyncSource(RolloutSource):
     step that used them, name the generator's process (``process.pid``).
     """
 
-    def __init__(self, max_staleness: int = 1, generator: GeneratorPlacement = GeneratorPlacement()):
+    def __init__(self, max_staleness: int = 1, generator: GeneratorPlacement = GeneratorPlacement(),
+                 interrupt: bool = False, partial: str = "discard"):
         """
         Args:
             max_staleness: Batches generated ahead of the one being trained on (``k``): every update uses rows of
                 a policy at most ``k`` optimizer steps older. 0: wait for each batch (the synchronous run).
             generator: Where the generators run (Ray cluster address, CPUs and GPUs per generator, device,
                 threads, start and answer timeout, restarts allowed).
+            interrupt: Cut the rows still being generated when an update's weights arrive (partial rollouts,
+                :mod:`align.rollout.partial`; the native engine). Off: each batch is finished with the weights it
+                started with, and a run repeats itself exactly.
+            partial: What a cut row does: ``discard`` its tokens and start again under the new weights, or
+                ``continue`` from its last token under them (tokens tagged by version).
         """
         if max_staleness < 0:
             raise AlignConfigError(f"model.source.max_staleness: expected >= 0, got {max_staleness}")
+        if partial not in PARTIAL_MODES:
+            raise AlignConfigError(f"model.source.partial: expected one of {list(PARTIAL_MODES)}, got {partial!r}")
         self.max_staleness, self.placement = max_staleness, generator
+        self.interrupt, self.partial = interrupt, partial
+        self._seq = 0  # calls sent to the current generator (it runs them in this order)
         self.actor, self._actor_device = None, "cpu"
         self.pipeline: deque[_Batch] = deque()
         self.sent = 0  # batches sent to the generator in this run (a batch's number seeds its stream)
         self.restarts = 0
         self._pushed: Optional[int] = None
         self._weights: dict[int, Any] = {}  # version -> weights in Ray's object store, while a batch needs them
-        self._loads: dict[int, Any] = {}  # version -> reference of its load call on the current actor
+        self._load: Any = None  # the last weight load sent, until the batch sent after it takes it
 
     @property
     def no_update_reason(self) -> str:
@@ -120,6 +131,10 @@ class AsyncSource(RolloutSource):
         if sampler.environment is not None:
             raise AlignConfigError("model.source: AsyncSource generates single-turn completions; multi-turn episodes "
                                    "(model.environment) run with the inline source")
+        if self.interrupt and sampler.engine.sampling.engine != "native":
+            raise AlignConfigError(f"model.source.interrupt: cutting generations at a weight update needs "
+                                   f"sampling.engine native, got {sampler.engine.sampling.engine!r}; set interrupt "
+                                   "false")
 
     # ------------------------------------------------------------------ the pipeline
     def next(self, batch: PromptBatch) -> Optional[Scored]:
@@ -155,13 +170,19 @@ class AsyncSource(RolloutSource):
         if item.rng is not None:
             set_rng_state(self._device.type, result["rng"])
         rollout = rollout_to(result["rollout"], self._device)
-        rollout.policy_version = item.version
-        staleness = sampler.policy_version - item.version
+        now, mask = sampler.policy_version, rollout.response_mask
+        versions = rollout.token_versions
+        if versions is None:
+            versions = torch.full_like(rollout.response_ids, item.version)
+        oldest = torch.where(mask, versions, now).min(dim=1).values  # (N,) each row's oldest token
+        rollout.policy_version = int(oldest.min())
+        rows, tokens = (now - oldest).float(), (now - versions)[mask].float()
+        staleness = int(rows.max())
         if staleness > self.max_staleness:  # the pipeline's construction guarantees it; a bug otherwise
-            raise AlignError(f"asynchronous source: a rollout of policy version {item.version} reached update "
-                             f"{sampler.policy_version}, beyond max_staleness {self.max_staleness}")
-        rollout.metrics.update({"rollout/staleness": float(staleness), "rollout/staleness_max": float(staleness),
-                                "rollout/policy_version_lag": float(staleness)})
+            raise AlignError(f"asynchronous source: a rollout of policy version {rollout.policy_version} reached "
+                             f"update {now}, beyond max_staleness {self.max_staleness}")
+        rollout.metrics.update({"rollout/staleness": float(rows.mean()), "rollout/staleness_max": float(staleness),
+                                "rollout/policy_version_lag": float(tokens.mean()) if tokens.numel() else 0.0})
         timings["time/generation_s"] = result["seconds"]
         load = result.get("load")
         timings["time/generator_idle_s"] = result["idle_s"] + (load["idle_s"] if load is not None else 0.0)
@@ -193,8 +214,9 @@ class AsyncSource(RolloutSource):
         connect(self.placement.address, self.placement.num_cpus * ranks.size)
         name = f"align-generator-rank{ranks.rank}-{time.time_ns()}"
         self.actor, self._actor_device = start_generator(self.placement, policy.spec, self.sampler.engine.sampling,
-                                                         torch.get_num_threads(), name)
-        self._pushed, self._loads = None, {}
+                                                         torch.get_num_threads(), name,
+                                                         self.partial if self.interrupt else None)
+        self._pushed, self._load, self._seq = None, None, 0
         for item in self.pipeline:  # batches restored from a checkpoint, or a dead generator's
             if item.result is None:
                 self._send(item, again=True)
@@ -204,17 +226,24 @@ class AsyncSource(RolloutSource):
         import ray
 
         self._weights[version] = ray.put(trainable_weights(self.sampler.policy))
-        self._loads[version] = self.actor.load.remote(version, self._weights[version])
+        if self.interrupt:  # taken at the next token of a batch being generated
+            self.actor.offer.options(concurrency_group="offers").remote(version, [self._weights[version]])
+        self._load = self._call("load", version, self._weights[version])
         self._pushed = version
 
     def _send(self, item: _Batch, again: bool = False) -> None:
         if again and self._pushed != item.version:
-            self._loads[item.version] = self.actor.load.remote(item.version, self._weights[item.version])
+            self._load = self._call("load", item.version, self._weights[item.version])
             self._pushed = item.version
-        item.load = self._loads.get(item.version)
-        item.ref = self.actor.generate.remote(item.batch.prompt_ids, self.sampler.group_size, item.seed, item.rng)
+        item.load, self._load = self._load, None
+        item.ref = self._call("generate", item.batch.prompt_ids, self.sampler.group_size, item.seed, item.rng)
         if not again:
             self.pipeline.append(item)
+
+    def _call(self, method: str, *args):
+        """Send the generator a call that runs after the ones sent before it."""
+        self._seq += 1
+        return getattr(self.actor, method).remote(*args, seq=self._seq - 1)
 
     def _result(self, item: _Batch) -> dict[str, Any]:
         """The generator's answer for ``item``, waiting for it; a generator that died or hung is replaced and the
@@ -256,7 +285,6 @@ class AsyncSource(RolloutSource):
         needed = {item.version for item in self.pipeline if item.result is None} | {self._pushed}
         for version in [v for v in self._weights if v not in needed]:
             del self._weights[version]
-            self._loads.pop(version, None)
 
     # ------------------------------------------------------------------ checkpoints and the end
     def state_dict(self) -> dict[str, Any]:
@@ -290,4 +318,4 @@ class AsyncSource(RolloutSource):
             self.actor = None
         self.pipeline.clear()
         self._weights.clear()
-        self._loads.clear()
+        self._load = None

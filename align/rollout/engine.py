@@ -81,20 +81,33 @@ class GenerationEngine:
         """``group_size`` completions for each prompt (lists of token ids, chat template applied), as a
         :class:`Rollout` whose groups are consecutive rows. ``sync_stop``: see :func:`align.rollout.sampling.sample`
         (``align.trainer.strategies.generation_context`` provides it when needed)."""
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        tok, s = policy.tokenizer, self.sampling
-        device = next(policy.parameters()).device
-        ids, mask = left_pad(prompt_ids, tok.pad_token_id)
-        prompt_index = torch.arange(len(prompt_ids)).repeat_interleave(group_size)  # (N,)
-        ids, mask = ids[prompt_index].to(device), mask[prompt_index].to(device)
-        stop = self.stop_ids(tok)
+        s = self.sampling
+        ids, mask, prompt_index = self.contexts(policy, prompt_ids, group_size)
         started = time.perf_counter()
         self.decoding_metrics = {}
         with self.decoding(policy, ids.shape[1] + s.max_new_tokens) as decode:
             out = decode(ids, mask, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
                          generator=generator, sync_stop=sync_stop, shared_prefix=group_size if s.shared_prefill else 1)
-        seconds = max(time.perf_counter() - started, 1e-9)
+        return self.rollout_of(policy, ids, mask, prompt_index, group_size, out, time.perf_counter() - started)
+
+    def contexts(self, policy, prompt_ids: Sequence[Sequence[int]], group_size: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The left-padded ``(N, P)`` contexts and mask of ``group_size`` rows per prompt on the policy's device,
+        and each row's prompt index ``(N,)`` (on the CPU)."""
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        device = next(policy.parameters()).device
+        ids, mask = left_pad(prompt_ids, policy.tokenizer.pad_token_id)
+        prompt_index = torch.arange(len(prompt_ids)).repeat_interleave(group_size)  # (N,)
+        return ids[prompt_index].to(device), mask[prompt_index].to(device), prompt_index
+
+    def rollout_of(self, policy, ids: torch.Tensor, mask: torch.Tensor, prompt_index: torch.Tensor, group_size: int,
+                   out: SampleOutput, seconds: float) -> Rollout:
+        """The :class:`Rollout` of contexts ``ids``/``mask`` and the tokens ``out`` decoded for them in ``seconds``:
+        response mask through the first stop token, truncation, texts and the rollout's metrics."""
+        tok, s = policy.tokenizer, self.sampling
+        stop = self.stop_ids(tok)
+        seconds = max(seconds, 1e-9)
         # The decoding loop runs in inference mode; clones are ordinary tensors that training may use.
         out = SampleOutput(out.response_ids.clone(), out.logprobs.clone(), out.steps)
         resp_mask = response_mask(out.response_ids, stop)  # (N, R)
@@ -111,7 +124,7 @@ class GenerationEngine:
             **self.decoding_metrics,
         }
         return Rollout(ids, mask, out.response_ids, resp_mask, out.logprobs, is_truncated, texts,
-                       prompt_index.to(device), group_size, seconds, metrics)
+                       prompt_index.to(ids.device), group_size, seconds, metrics)
 
 
 class NativeEngine(GenerationEngine):

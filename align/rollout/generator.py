@@ -17,7 +17,9 @@ nodes (a hub id, or a path every node sees).
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -93,7 +95,10 @@ def build_policy(spec: dict[str, Any]):
 class Generator:
     """A copy of the policy that generates rollouts with the weights it was last sent (:meth:`load`)."""
 
-    def __init__(self, spec: dict[str, Any], sampling, device: str = "cpu", threads: int | None = None):
+    def __init__(self, spec: dict[str, Any], sampling, device: str = "cpu", threads: int | None = None,
+                 partial: str | None = None):
+        """``partial``: cut generations when newer weights are offered (:meth:`offer`) and ``discard`` or
+        ``continue`` the cut rows (:mod:`align.rollout.partial`); null: finish each batch with its weights."""
         from align.rollout.engine import make_engine
 
         if threads:
@@ -104,22 +109,49 @@ class Generator:
         self.policy = build_policy(spec).to(self.device)
         self.policy.disable_dropout()
         self.engine = make_engine(sampling)
+        self.partial = partial
         self.version = -1
         self.pid = os.getpid()
         self._last_end: float | None = None
+        self._turn = threading.Condition()
+        self._next = 0  # the number of the next call to run (calls may arrive out of order on a threaded actor)
+        self._offered: tuple[int, Any] | None = None
 
     def ready(self) -> int:
         """The process id, once the policy is built."""
         return self.pid
 
     def _idle(self, start: float) -> float:
-        idle = 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
-        return idle
+        return 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
+
+    @contextmanager
+    def _in_order(self, seq: int | None):
+        """Run the call numbered ``seq`` after every call numbered before it (None: now)."""
+        if seq is None:
+            yield
+            return
+        with self._turn:
+            self._turn.wait_for(lambda: self._next == seq)
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._next = seq + 1
+                self._turn.notify_all()
 
     @torch.no_grad()
-    def load(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Take the trainable weights of policy ``version`` (:func:`trainable_weights`)."""
-        start, start_ns = time.perf_counter(), time.time_ns()
+    def load(self, version: int, weights: dict[str, torch.Tensor], seq: int | None = None) -> dict[str, Any]:
+        """Take the trainable weights of policy ``version`` (:func:`trainable_weights`); nothing to do when a cut
+        took them already."""
+        with self._in_order(seq):
+            start, start_ns = time.perf_counter(), time.time_ns()
+            idle = self._idle(start)
+            if version != self.version:
+                self._copy(version, weights)
+            self._last_end = time.perf_counter()
+            return {"start_ns": start_ns, "end_ns": time.time_ns(), "idle_s": idle}
+
+    def _copy(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         params = dict(self.policy.model.named_parameters())
         missing = sorted(set(weights) - set(params))
         if missing:
@@ -128,30 +160,62 @@ class Generator:
         for name, value in weights.items():
             params[name].copy_(value.to(params[name].device, non_blocking=True))
         self.version = version
-        idle = self._idle(start)
-        self._last_end = time.perf_counter()
-        return {"start_ns": start_ns, "end_ns": time.time_ns(), "idle_s": idle}
+
+    def offer(self, version: int, weights: list) -> None:
+        """Newer weights (``[weights]`` or ``[a Ray reference to them]``), taken at the next token of the batch
+        being generated when generations are cut (``partial``), else by the :meth:`load` sent with them."""
+        with self._turn:
+            if self._offered is None or version > self._offered[0]:
+                self._offered = (version, weights[0])
+
+    def _newer(self) -> bool:
+        with self._turn:
+            return self._offered is not None and self._offered[0] > self.version
+
+    @torch.no_grad()
+    def _take_newer(self) -> int:
+        with self._turn:
+            version, weights = self._offered
+        if not isinstance(weights, dict):
+            import ray
+
+            weights = ray.get(weights)
+        self._copy(version, weights)
+        return version
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], group_size: int, seed: int | None = None,
-                 rng: torch.Tensor | None = None) -> dict[str, Any]:
+                 rng: torch.Tensor | None = None, seq: int | None = None) -> dict[str, Any]:
         """A rollout of ``group_size`` completions per prompt, with its random stream: a generator seeded with
         ``seed``, or the default generator set to ``rng`` (whose state after sampling is returned, so that the
         trainer's stream continues from it)."""
+        from align.rollout.partial import decode_with_cuts
         from align.rollout.types import rollout_to
 
-        start, start_ns = time.perf_counter(), time.time_ns()
-        idle = self._idle(start)
-        generator = None
-        if rng is not None:
-            set_rng_state(self.device.type, rng)
-        elif seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        rollout = self.engine.generate(self.policy, prompt_ids, group_size, generator=generator)
-        after = rng_state(self.device.type) if rng is not None else None
-        self._last_end = time.perf_counter()
-        return {"rollout": rollout_to(rollout, "cpu"), "rng": after, "version": self.version, "pid": self.pid,
-                "start_ns": start_ns, "end_ns": time.time_ns(), "seconds": self._last_end - start, "idle_s": idle}
+        with self._in_order(seq):
+            start, start_ns = time.perf_counter(), time.time_ns()
+            idle, version = self._idle(start), self.version
+            generator = None
+            if rng is not None:
+                set_rng_state(self.device.type, rng)
+            elif seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+            if self.partial is None:
+                rollout = self.engine.generate(self.policy, prompt_ids, group_size, generator=generator)
+            else:
+                engine = self.engine
+                ids, mask, index = engine.contexts(self.policy, prompt_ids, group_size)
+                out, versions, stats = decode_with_cuts(engine, self.policy, ids, mask, group_size, generator,
+                                                        self._newer, self._take_newer, version, self.partial)
+                rollout = engine.rollout_of(self.policy, ids, mask, index, group_size, out,
+                                            time.perf_counter() - start)
+                rollout.token_versions = versions
+                rollout.metrics.update(stats)
+            after = rng_state(self.device.type) if rng is not None else None
+            self._last_end = time.perf_counter()
+            return {"rollout": rollout_to(rollout, "cpu"), "rng": after, "version": version, "pid": self.pid,
+                    "start_ns": start_ns, "end_ns": time.time_ns(), "seconds": self._last_end - start,
+                    "idle_s": idle}
 
     def close(self) -> None:
         self.engine.close()
@@ -218,7 +282,8 @@ def _use_token(token: str) -> None:
         pass
 
 
-def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str):
+def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str,
+                    partial: str | None = None):
     """A :class:`Generator` actor placed with ``placement`` and the type of its device; raises a one-line error when Ray cannot place or
     start it within ``placement.timeout_s``."""
     import ray
@@ -229,8 +294,11 @@ def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], samplin
     device = placement.device
     if device == "auto":
         device = "cuda" if num_gpus > 0 else "cpu"
-    actor_class = ray.remote(num_cpus=placement.num_cpus, num_gpus=num_gpus, max_restarts=0)(Generator)
-    actor = actor_class.options(name=name, lifetime=None).remote(spec, sampling, device, placement.threads or threads)
+    options: dict[str, Any] = dict(num_cpus=placement.num_cpus, num_gpus=num_gpus, max_restarts=0)
+    if partial is not None:  # offers of newer weights run beside the batch being generated
+        options.update(concurrency_groups={"offers": 1}, max_concurrency=8)
+    actor = ray.remote(**options)(Generator).options(name=name).remote(spec, sampling, device,
+                                                                       placement.threads or threads, partial)
     ready = actor.ready.remote()
     done, _ = ray.wait([ready], timeout=placement.timeout_s)
     if not done:

@@ -31,7 +31,9 @@ class Rollout:
 
     ``policy_version`` names the policy that sampled the rows: the number of optimizer steps it had taken. A source
     that runs ahead of training produces rows of an older version than the one being updated; the update's
-    importance ratio then takes the sampling log-probs (``old_logprobs``) as the behaviour policy.
+    importance ratio then takes the sampling log-probs (``old_logprobs``) as the behaviour policy. A row cut by a
+    weight update and continued under the new weights (:mod:`align.rollout.partial`) has tokens of several versions:
+    ``token_versions`` holds each token's, and ``policy_version`` is then the oldest.
     """
 
     prompt_ids: torch.Tensor  # (N, P) long, left-padded
@@ -51,6 +53,7 @@ class Rollout:
     policy_version: int = 0  # optimizer steps the sampling policy had taken (the oldest, for joined rollouts)
     engine_logprobs: Optional[torch.Tensor] = None  # (N, R) float32, the engine's own log-probs (0 where masked)
     correction_weights: Optional[torch.Tensor] = None  # (N, R) float32, detached importance weights (0 where masked)
+    token_versions: Optional[torch.Tensor] = None  # (N, R) long, the policy version of each token (partial rollouts)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

@@ -181,3 +181,52 @@ def test_bad_settings_fail_on_one_line():
     with pytest.raises(AlignConfigError, match=r"^model\.source: AsyncSource generates single-turn completions"):
         module(AsyncSource(), environment=EnvironmentSpec(Rounds, max_turns=2, max_tokens=40), rewards=[])
     assert math.isfinite(GeneratorPlacement().timeout_s)
+
+
+def test_the_generators_work_is_traced_as_its_own_process(monkeypatch):
+    import os
+
+    import align.rollout.async_source as async_source
+
+    spans = []
+    monkeypatch.setattr(async_source, "record_span", lambda name, start, end, attrs: spans.append((name, start, end,
+                                                                                                    attrs)))
+    m = module(AsyncSource(max_staleness=1))
+    try:
+        run(m, 3)
+        timings = m.timings
+    finally:
+        m.source.close()
+    names = [s[0] for s in spans]
+    assert names == ["weight_sync", "generation", "generation"]  # batch 1 is generated with version 0 too
+    for name, start, end, attrs in spans:
+        assert 0 < start <= end and attrs["align.process"] == "generator" and attrs["process.pid"] != os.getpid()
+    assert [s[3]["align.policy_version"] for s in spans if s[0] == "generation"] == [0, 0]
+    for key in ("time/trainer_idle_s", "time/generator_idle_s", "time/weight_sync_s", "time/generation_s",
+                "time/scoring_s", "time/correction_s"):
+        assert timings[key] >= 0, key
+
+
+@pytest.mark.parametrize("partial", ["discard", "continue"])
+def test_interrupted_generations_stay_within_the_bound_and_are_counted(partial):
+    m = module(AsyncSource(max_staleness=1, interrupt=True, partial=partial),
+               sampling=SamplingConfig(max_new_tokens=24, temperature=1.0))
+    try:
+        metrics = run(m, 5)
+    finally:
+        m.source.close()
+    assert metrics[0] is None and m.rl_counters["updates"] == 4
+    for step in metrics[1:]:
+        # Tokens sampled after a cut are newer than their row's start: the lag over tokens is at most the rows'.
+        assert 0 <= step["rollout/policy_version_lag"] <= step["rollout/staleness"] <= step["rollout/staleness_max"] <= 1
+        assert step["rollout/interrupted_rows"] >= 0 and step["rollout/discarded_tokens"] >= 0
+        if partial == "continue":
+            assert step["rollout/discarded_tokens"] == 0
+
+
+def test_interruption_needs_the_native_engine():
+    with pytest.raises(AlignConfigError, match=r"^model\.source\.interrupt: cutting generations .* needs "
+                                               r"sampling\.engine native, got 'vllm'"):
+        module(AsyncSource(interrupt=True), sampling=SamplingConfig(engine="vllm", max_new_tokens=6))
+    with pytest.raises(AlignConfigError, match=r"^model\.source\.partial: expected one of \['discard', 'continue'\]"):
+        AsyncSource(partial="keep")
