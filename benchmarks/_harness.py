@@ -528,6 +528,8 @@ def rl_align_trial(spec: dict, module, phases: tuple[str, ...], max_steps: int) 
     names = {"tokens": "rollout/completion_tokens", **{f"{p}_s": f"time/{p}_s" for p in phases}}
 
     def counts(trainer, pl_module, batch) -> dict:
+        if names["tokens"] not in pl_module.last_metrics:  # a step without an update (a source filling up)
+            return {}
         # The prompt tokens the update reads beside the completions: each prompt once per completion.
         prompt_tokens = sum(len(ids) for ids in batch.prompt_ids) * pl_module.group_size
         return {**logged(pl_module, **names), "prompt_tokens": prompt_tokens}

@@ -12,6 +12,7 @@ Usage::
     python benchmarks/grpo.py --level sequence          # GSPO: policy_loss gspo vs importance_sampling_level
     python benchmarks/grpo.py --engine vllm             # align on vLLM and on its own decoder, TRL on generate
     python benchmarks/grpo.py --engine vllm --trl-vllm  # ... and TRL with use_vllm=True (colocate)
+    python benchmarks/grpo.py --staleness 1             # align's rollouts one step ahead, and synchronous (sync)
 
 What happens:
 
@@ -49,6 +50,12 @@ Variants (the rest as above):
   trials named ``align``, and with its own decoder in those named ``native``; ``--trl-vllm`` adds TRL's
   ``use_vllm=True, vllm_mode="colocate"`` (trials ``trl-vllm``). The ratio printed is align (vLLM) over TRL
   (``generate``), then vLLM over native.
+* ``--staleness K``: align's rollouts come from an asynchronous source ``K`` batches ahead (``model.source:
+  AsyncSource``, a generator process placed by a local Ray) in the trials named ``align``, and from the inline source
+  in those named ``sync``. Generation then overlaps the update: its share can pass 100% minus the update's, and the
+  share ``trainer_idle`` is the part of the step spent waiting for the rollout. The pipeline's first ``K`` batches
+  take no update: they are inside the warm-up when ``--warmup`` >= ``K``. Ratios printed: align over TRL, then
+  asynchronous over synchronous.
 * ``--estimator rloo``: align's ``advantages.estimator: rloo`` against TRL's ``RLOOTrainer`` (``RLOOConfig``, no
   advantage normalisation). TRL's RLOO clips one ratio per sequence (of summed log-probs) and averages per
   sequence; on policy the ratio is 1 either way, so both take the same REINFORCE step up to the loss weighting.
@@ -89,6 +96,11 @@ def build_module(spec: dict):
     from align.rollout.sampling import SamplingConfig
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
+    source = None
+    if spec.get("staleness") is not None:
+        from align.rollout.async_source import AsyncSource
+
+        source = AsyncSource(max_staleness=spec["staleness"])
     return GRPOModule(
         policy=PolicyModel(spec["model_dir"], lora=lora, gradient_checkpointing=spec["gradient_checkpointing"]),
         rewards=[length_reward], group_size=spec["group"],
@@ -99,14 +111,23 @@ def build_module(spec: dict):
         advantages=GroupAdvantages(estimator=spec["estimator"]),
         updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0,
                         loss_aggregation="seq_mean" if spec["level"] == "sequence" else "token_mean"),
-        log_entropy=False,
+        log_entropy=False, source=source,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True),
     )
 
 
 def run_align(spec: dict) -> dict:
     h.set_threads(spec["threads"])
-    return h.rl_align_trial(spec, build_module(spec), PHASES, max_steps=spec["steps"])
+    phases = PHASES + (("trainer_idle",) if spec.get("staleness") is not None else ())
+    module = build_module(spec)
+    try:
+        return h.rl_align_trial(spec, module, phases, max_steps=spec["steps"])
+    finally:
+        module.source.close()
+
+
+def run_sync(spec: dict) -> dict:
+    return run_align({**spec, "staleness": None})
 
 
 def run_native(spec: dict) -> dict:
@@ -169,7 +190,7 @@ def run_trl(spec: dict) -> dict:
     return h.rl_step_summary(meter, PHASES, h.device_memory(spec))
 
 
-CHILDREN = {"align": run_align, "trl": run_trl, "native": run_native, "trl-vllm": run_trl_vllm}
+CHILDREN = {"align": run_align, "trl": run_trl, "native": run_native, "trl-vllm": run_trl_vllm, "sync": run_sync}
 
 # ---------------------------------------------------------------------------------------------------------------
 # parent
@@ -196,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="sequence: GSPO's ratio (policy_loss.name gspo / importance_sampling_level), per-sequence mean")
     parser.add_argument("--engine", choices=("native", "vllm"), default="native",
                         help="vllm: align samples with its vLLM engine, and also runs with its own decoder (native)")
+    parser.add_argument("--staleness", type=int, default=None,
+                        help="align's rollouts from an asynchronous source this many batches ahead; also runs align "
+                             "synchronously (sync)")
     parser.add_argument("--trl-vllm", action="store_true",
                         help="with --engine vllm: also TRL with use_vllm=True in colocate mode")
     h.add_device_args(parser)
@@ -205,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     if h.run_if_child(ns, CHILDREN):
         return
+    if ns.staleness is not None and ns.warmup < ns.staleness:
+        parser.error(f"--staleness {ns.staleness}: the pipeline's first {ns.staleness} batches take no update; use "
+                     f"--warmup {ns.staleness} or more")
     if ns.estimator == "rloo" and ns.level == "sequence":
         parser.error("--estimator rloo compares with TRL's RLOOTrainer, whose ratio is its own: use --level token")
 
@@ -215,9 +242,12 @@ def main(argv: list[str] | None = None) -> None:
                 "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
                 "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder,
                 "estimator": ns.estimator, "level": ns.level, "gradient_checkpointing": ns.gradient_checkpointing,
-                "engine": ns.engine, **h.device_spec(ns)}
+                "engine": ns.engine, **h.device_spec(ns),
+                **({"staleness": ns.staleness} if ns.staleness is not None else {})}
         kinds = ("align", "trl") if ns.engine == "native" else \
             ("align", "native", "trl") + (("trl-vllm",) if ns.trl_vllm else ())
+        if ns.staleness is not None:
+            kinds = ("align", "sync") + kinds[1:]
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
             kinds, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
 
@@ -226,8 +256,15 @@ def main(argv: list[str] | None = None) -> None:
                     f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
                     f"{spec['device']} {spec['precision']}, {ns.threads} threads, align fast decoder "
                     f"{'on' if ns.fast_decoder else 'off'}, gradient checkpointing "
-                    f"{'on' if ns.gradient_checkpointing else 'off'}, align engine {ns.engine}, medians of "
+                    f"{'on' if ns.gradient_checkpointing else 'off'}, align engine {ns.engine}"
+                    f"{f', align max_staleness {ns.staleness}' if ns.staleness is not None else ''}, medians of "
                     f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
+    if ns.staleness is not None:
+        med = h.medians(results)
+        print(f"step time ratio asynchronous (max_staleness {ns.staleness})/synchronous: "
+              f"{med['align']['step_s'] / med['sync']['step_s']:.2f}x; asynchronous steps waited for their rollout "
+              f"{med['align']['trainer_idle_share']:.0%} of the time, and generation ran "
+              f"{med['align']['generation_share']:.0%} of it, overlapping the update")
     if ns.engine == "vllm":
         med = h.medians(results)
         print(f"throughput ratio align vLLM/native: {med['align']['tokens_per_s'] / med['native']['tokens_per_s']:.2f}x")

@@ -14,9 +14,10 @@ rewritten after every step, so a run cut short still leaves what it measured.
 2. **recipes** and **tests**, side by side (``--jobs``): ``recipes/grpo.py``, ``sft.py`` and ``dpo.py`` on the device
    under ``bf16-mixed`` with a fused AdamW, each held to its learning threshold (:data:`RECIPES`, the end-to-end
    tests' bars; ``--quick``: fewer steps and looser bars), and ``pytest -m gpu tests/gpu`` on the device.
-3. **benchmarks**, one at a time: ``benchmarks/grpo.py`` (16 prompts x 8, 192 new tokens), ``dpo.py`` and ``sft.py``
-   (full fine-tune) with ``--device`` against TRL, all on one saved random-init Llama of :data:`SHAPE` (``--quick``:
-   the benchmarks' tiny shape) with the SmolLM2 tokenizer when it is at hand (``--tokenizer``).
+3. **benchmarks**, one at a time: ``benchmarks/grpo.py`` (16 prompts x 8, 192 new tokens; ``grpo-async``: the same
+   with rollouts one step ahead from a generator process on the same GPU, beside the synchronous step), ``dpo.py`` and
+   ``sft.py`` (full fine-tune) with ``--device`` against TRL, all on one saved random-init Llama of :data:`SHAPE`
+   (``--quick``: the benchmarks' tiny shape) with the SmolLM2 tokenizer when it is at hand (``--tokenizer``).
 
 The table: per benchmark and framework, throughput, step time, generation share, MFU (over the measured GEMM peak),
 peak memory (CUDA's on a GPU, else RSS) and align/TRL. Exit status 1 when a recipe misses its threshold, a test
@@ -85,8 +86,7 @@ def judge_recipe(name: str, stdout: str, rc: int, quick: bool) -> dict:
     out = {"metric": recipe.metric, "rule": rule, "before": None, "after": None}
     if rc != 0 or values is None:
         return {**out, "status": "failed", "why": f"exit {rc}" if rc else f"no 'held-out {recipe.metric}' line"}
-    ok = passes(*values)
-    why = {} if ok else {"why": f"{recipe.metric} {values[0]} -> {values[1]}: not {rule}"}
+    why = {} if (ok := passes(*values)) else {"why": f"{recipe.metric} {values[0]} -> {values[1]}: not {rule}"}
     return {**out, "before": values[0], "after": values[1], "status": "ok" if ok else "failed", **why}
 
 
@@ -175,10 +175,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def find_tokenizer(choice: str) -> str | None:
     """``--tokenizer``: a folder, ``tiny`` (None: the shipped tiny tokenizer), or ``auto``: the SmolLM2 tokenizer
     of a converted SmolLM2 in align's cache when there is one."""
-    if choice == "tiny":
-        return None
     if choice != "auto":
-        return choice
+        return None if choice == "tiny" else choice
     from align.hub.gguf import cache_root
 
     found = sorted((cache_root() / "models").glob("SmolLM2-*/tokenizer.json"))
@@ -208,7 +206,7 @@ def benchmark_rows(name: str, result: dict, config: dict, peak: float | None) ->
     trained once) over the update's time; DPO, 8 N per token fed (policy forward and backward, reference
     forward); SFT, the benchmark's own count (its ``fraction_of_matmul_peak``)."""
     rows = []
-    if name == "grpo":
+    if name.startswith("grpo"):
         for kind, m in result["medians"].items():
             update_s = m["step_s"] * m["update_share"]
             tokens = m.get("update_tokens_per_step")
@@ -217,7 +215,7 @@ def benchmark_rows(name: str, result: dict, config: dict, peak: float | None) ->
             fpt = flops_per_token(config, m["completion_tokens_per_step"] / tokens, tokens / (2 * rows_per_step)) \
                 if tokens else None
             mfu = fpt * tokens / update_s / peak if (fpt and peak and update_s > 0) else None
-            rows.append(dict(benchmark="grpo", framework=kind, throughput=m["tokens_per_s"], unit="completion tok/s",
+            rows.append(dict(benchmark=name, framework=kind, throughput=m["tokens_per_s"], unit="completion tok/s",
                              step_s=m["step_s"], generation_share=m["generation_share"], mfu=mfu,
                              memory_mb=m.get("cuda_peak_mb", m["peak_rss_mb"])))
         ratio = result.get("ratios", {}).get("throughput_align_over_trl")
@@ -255,11 +253,11 @@ def table(report: dict) -> str:
                       f"{step['skipped']} skipped")
         lines.append(f"{step['name']:18s}{step['status']:>10s}{step['seconds']:8.0f} s  {detail}")
     memory = "CUDA peak MB" if report["device"] == "cuda" else "peak RSS MB"
-    lines += ["", f"{'benchmark':10s}{'':6s}{'throughput':>12s}{'':18s}{'step s':>8s}{'gen %':>7s}{'MFU':>7s}"
+    lines += ["", f"{'benchmark':11s}{'':6s}{'throughput':>12s}{'':18s}{'step s':>8s}{'gen %':>7s}{'MFU':>7s}"
                   f"{memory:>14s}{'align/TRL':>11s}"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in report["benchmarks"]:
-        lines.append(f"{r['benchmark']:10s}{r['framework']:6s}{r['throughput']:12.1f} {r['unit']:17s}"
+        lines.append(f"{r['benchmark']:11s}{r['framework']:6s}{r['throughput']:12.1f} {r['unit']:17s}"
                      f"{r['step_s']:8.2f}{fmt(r['generation_share'], '.0%'):>7s}{fmt(r['mfu'], '.1%'):>7s}"
                      f"{r['memory_mb']:14.0f}{fmt(r['align_over_trl'], '.2f'):>10s}"
                      f"{'x' if r['align_over_trl'] else ''}")
@@ -302,6 +300,9 @@ print("PROBE " + json.dumps(out))
 BENCHMARKS = {
     "grpo": (["--prompts", "16", "--group", "8", "--max-new-tokens", "192", "--steps", "2", "--warmup", "1"],
              ["--prompts", "4", "--group", "2", "--max-new-tokens", "8", "--steps", "2", "--warmup", "1"], 170, 300),
+    "grpo-async": (["--prompts", "16", "--group", "8", "--max-new-tokens", "192", "--steps", "3", "--staleness",
+                    "1"], ["--prompts", "4", "--group", "2", "--max-new-tokens", "8", "--steps", "2", "--staleness",
+                           "1"], 200, 300),
     "dpo": (["--full", "--batch-size", "16", "--max-length", "256", "--steps", "8", "--warmup", "3"],
             ["--full", "--rows", "64", "--batch-size", "4", "--steps", "3", "--warmup", "1"], 110, 300),
     "sft": (["--max-length", "1024", "--batch-size", "8", "--steps", "8", "--warmup", "3"],
@@ -427,8 +428,9 @@ def run_benchmarks(args, env, deadline, workdir, report, record) -> None:
     for name in args.benchmarks:
         full, quick, box, quick_box = BENCHMARKS[name]
         out = workdir / f"bench-{name}.json"
-        command = [sys.executable, f"benchmarks/{name}.py", "--device", args.device, "--precision", "bf16-mixed",
-                   "--model", str(model_dir), "--trials", "1", "--threads", str(args.threads), "--json", str(out),
+        script = f"benchmarks/{name.partition('-')[0]}.py"
+        command = [sys.executable, script, "--device", args.device, "--precision", "bf16-mixed", "--model",
+                   str(model_dir), "--trials", "1", "--threads", str(args.threads), "--json", str(out),
                    *(quick if args.quick else full)]
 
         def done(step, rc, output, name=name, out=out):

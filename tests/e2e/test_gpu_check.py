@@ -76,7 +76,11 @@ def test_mfu_of_each_benchmark_by_hand(check):
     (row,) = check.benchmark_rows("sft", sft, CONFIG, None)
     assert row["mfu"] == 0.3 and row["align_over_trl"] is None
     text = check.table({"device": "cpu", "environment": {}, "steps": [], "benchmarks": [align, trl, row]})
-    assert "grpo      align        100.0 completion tok/s     1.00    75%  50.0%           300      2.00x" in text
+    assert "grpo       align        100.0 completion tok/s     1.00    75%  50.0%           300      2.00x" in text
+    # Rollouts one step ahead: the same rows under their own name; an overlapped step has no update time to measure.
+    ahead = {**grpo, "medians": {"align": {**grpo["medians"]["align"], "update_share": -0.5}}}
+    (row,) = check.benchmark_rows("grpo-async", ahead, CONFIG, PEAK)
+    assert row["benchmark"] == "grpo-async" and row["mfu"] is None
 
 
 def test_a_step_past_its_box_is_stopped_and_one_past_the_deadline_never_starts(check, tmp_path):
