@@ -92,9 +92,9 @@ class RLModule(AlignModule):
                 trained on, e.g. the task's true verifiable reward next to a reward model's score.
             group_size: Completions sampled per prompt in each rollout.
             sampling: How training completions are drawn (engine, temperature, top_p, top_k, max_new_tokens, ...).
-            source: Where training rollouts come from (:mod:`align.rollout.source`): null, or
-                ``align.rollout.source.InlineSource``, samples each step's prompts now;
-                ``align.rollout.source.FilteredSource`` is DAPO's dynamic sampling (``max_batches``, ``reward``).
+            source: Where training rollouts come from: null (``InlineSource``) samples each step's prompts now;
+                ``align.rollout.source.FilteredSource`` is DAPO's dynamic sampling (``max_batches``, ``reward``);
+                ``align.rollout.async_source.AsyncSource`` generates ahead of training (docs/async.md).
             evaluation: Held-out sampling (greedy by default) and what counts for ``val/accuracy``.
             updates: Passes over each rollout, optimizer steps per pass, micro-batch size, gradient clipping and
                 loss aggregation.
