@@ -3,7 +3,7 @@
 
 Panels are chosen from the columns the CSV holds (:data:`PANELS`): reward, KL, loss, accuracy and margin (and the
 episode panels of classic RL and multi-turn runs, a distillation's distance to its teacher, and a vLLM engine's
-distance to the trainer), each
+distance to the trainer, and an asynchronous source's staleness and waiting), each
 drawing a training series next to its held-out (``val/...``) counterpart, so a gap between the two shows. A panel
 none of whose columns was logged is left out. Training series are drawn raw (faint) and smoothed by an exponential
 moving average; held-out series, logged a few times per run, are drawn as points. Several runs share the axes,
@@ -56,6 +56,8 @@ PANELS = (
     Panel("KL to the reference", ("train/kl", "val/kl")),
     Panel("distance to the teacher", ("distill/reverse_kl", "distill/jsd")),
     Panel("engine vs trainer", ("rollout/engine_kl", "rollout/engine_logprob_diff")),
+    Panel("staleness", ("rollout/staleness", "rollout/policy_version_lag")),
+    Panel("waiting (s)", ("time/trainer_idle_s", "time/generator_idle_s")),
     Panel("loss", ("train/loss", "val/loss")),
     Panel("accuracy", ("dpo/accuracy", "online_dpo/accuracy", "rm/accuracy", "kto/accuracy", "val/accuracy",
                        "val/teacher_accuracy", "val/dpo_accuracy", "val/rm_accuracy", "val/kto_accuracy")),
@@ -242,6 +244,8 @@ def _draw_panel(ax, runs: Sequence[Run], panel: Panel) -> tuple[str, ...]:
     from matplotlib.ticker import MaxNLocator
 
     several, drawn = len(runs) > 1, []
+    training = [c for c in panel.columns if not c.startswith(HELD_OUT)]
+    style = {c: TRAINING_STYLES[k % len(TRAINING_STYLES)] if several else "-" for k, c in enumerate(training)}
     for i, run in enumerate(runs):
         for j, column in enumerate(panel.columns):
             if column not in run.series:
@@ -253,10 +257,10 @@ def _draw_panel(ax, runs: Sequence[Run], panel: Panel) -> tuple[str, ...]:
             if column.startswith(HELD_OUT):
                 ax.plot(steps, values, color=colour, ls="--", marker="o", ms=4, lw=1.2, label=label)
             elif len(values) >= SMOOTH_FROM:
-                ax.plot(steps, values, color=colour, lw=1.0, alpha=0.3)
-                ax.plot(steps, smooth(values), color=colour, lw=1.8, label=label)
+                ax.plot(steps, values, color=colour, lw=1.0, alpha=0.3, ls=style[column])
+                ax.plot(steps, smooth(values), color=colour, lw=1.8, label=label, ls=style[column])
             else:
-                ax.plot(steps, values, color=colour, lw=1.8, marker=".", label=label)
+                ax.plot(steps, values, color=colour, lw=1.8, marker=".", label=label, ls=style[column])
     ax.set_title(panel.title)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -264,11 +268,15 @@ def _draw_panel(ax, runs: Sequence[Run], panel: Panel) -> tuple[str, ...]:
     drawn = tuple(dict.fromkeys(c for c in panel.columns if c in drawn))
     if several:
         handles = [Line2D([], [], color="0.3", **(dict(ls="--", marker="o", ms=4) if c.startswith(HELD_OUT) else
-                                                  dict(lw=1.8))) for c in drawn]
+                                                  dict(lw=1.8, ls=style[c]))) for c in drawn]
         ax.legend(handles, drawn, fontsize="small")
     elif drawn != (panel.title,):  # a panel of one column is titled by it already
         ax.legend(fontsize="small")
     return drawn
+
+
+TRAINING_STYLES = ("-", ":", "-.")
+"""Line styles of a panel's training columns when several runs share it (held-out columns are dashed)."""
 
 
 def _colour(i: int) -> str:
