@@ -175,3 +175,27 @@ def test_align_plot_unknown_metric_lists_the_available_ones(tmp_path, capsys):
     assert info.value.code == 2
     line = one_error_line(capsys)
     assert "train/kl not logged" in line and "available: dpo/accuracy, dpo/margin" in line
+
+
+def test_an_asynchronous_runs_staleness_and_waiting_panels_tell_columns_apart_by_line_style(tmp_path, monkeypatch):
+    import align.cli.plots as plots
+
+    train = GRPO_TRAIN + ("rollout/staleness", "rollout/policy_version_lag", "time/trainer_idle_s",
+                          "time/generator_idle_s")
+    runs = [write_run(tmp_path / name / "version_0", train, GRPO_VAL) for name in ("k1", "k2")]
+    legends = {}
+    original = plots._draw_panel
+
+    def spy(ax, runs, panel):
+        drawn = original(ax, runs, panel)
+        legend = ax.get_legend()
+        legends[panel.title] = [h.get_linestyle() for h in legend.legend_handles] if legend else []
+        return drawn
+
+    monkeypatch.setattr(plots, "_draw_panel", spy)
+    curves = plot_runs(runs, tmp_path / "out.png")
+    assert ("staleness", ("rollout/staleness", "rollout/policy_version_lag")) in curves.panels
+    assert ("waiting (s)", ("time/trainer_idle_s", "time/generator_idle_s")) in curves.panels
+    # Colour is the run's: a panel's second training column is drawn dotted, in the plot and its legend.
+    assert legends["staleness"] == ["-", ":"] and legends["waiting (s)"] == ["-", ":"]
+    assert legends["reward"] == ["-", "--"]  # the held-out column stays dashed
