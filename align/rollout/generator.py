@@ -304,8 +304,9 @@ def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], samplin
     if not done:
         ray.kill(actor)
         raise AlignConfigError(
-            f"model.source.generator: Ray did not start a generator with {placement.num_cpus} CPUs and {num_gpus} "
-            f"GPUs within {placement.timeout_s:g} s; free those resources or lower generator.num_cpus/num_gpus")
+            f"model.source.generator: Ray did not start a generator with {placement.num_cpus:g} CPUs and "
+            f"{num_gpus:g} GPUs within timeout_s={placement.timeout_s:g} s; free those resources, lower "
+            "generator.num_cpus/num_gpus, or raise generator.timeout_s if the model takes longer to load")
     try:
         ray.get(ready)
     except ray.exceptions.RayTaskError as err:

@@ -232,3 +232,10 @@ def test_interruption_needs_the_native_engine():
         module(AsyncSource(interrupt=True), sampling=SamplingConfig(engine="vllm", max_new_tokens=6))
     with pytest.raises(AlignConfigError, match=r"^model\.source\.partial: expected one of \['discard', 'continue'\]"):
         AsyncSource(partial="keep")
+
+
+def test_a_generator_that_cannot_start_in_time_fails_on_one_line():
+    m = module(AsyncSource(generator=GeneratorPlacement(timeout_s=0.001)))
+    with pytest.raises(AlignConfigError, match=r"^model\.source\.generator: Ray did not start a generator with 1 CPUs "
+                                               r"and 0 GPUs within timeout_s=0\.001 s; .* raise generator\.timeout_s"):
+        m.training_step(batches(m, 1)[0], 0)
