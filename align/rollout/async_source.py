@@ -38,8 +38,8 @@ import torch
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError, AlignError
 from align.observability.timing import Timer, record_span
-from align.rollout.generator import GeneratorPlacement, connect, rng_state, set_rng_state, start_generator, \
-    trainable_weights
+from align.rollout.generator import GeneratorPlacement, connect, generator_error, rng_state, set_rng_state, \
+    start_generator, trainable_weights
 from align.rollout.partial import PARTIAL_MODES
 from align.rollout.sampler import Sampler
 from align.rollout.source import RolloutSource
@@ -257,7 +257,7 @@ class AsyncSource(RolloutSource):
                 result["load"] = ray.get(load) if load is not None else None
                 item.result = result
             except ray.exceptions.RayTaskError as err:  # the generator raised: its error, on one line
-                raise err.as_instanceof_cause() from None
+                raise generator_error(err) from None
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                 self._restart(err)
         return item.result

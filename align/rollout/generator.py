@@ -25,10 +25,10 @@ from typing import Any, Optional
 
 import torch
 
-from align.errors import AlignConfigError
+from align.errors import AlignConfigError, AlignError
 
-__all__ = ["Generator", "GeneratorPlacement", "connect", "rng_state", "set_rng_state", "start_generator",
-           "trainable_weights"]
+__all__ = ["Generator", "GeneratorPlacement", "connect", "generator_error", "rng_state", "set_rng_state",
+           "start_generator", "trainable_weights"]
 
 
 @dataclass
@@ -309,6 +309,20 @@ def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], samplin
             "generator.num_cpus/num_gpus, or raise generator.timeout_s if the model takes longer to load")
     try:
         ray.get(ready)
-    except ray.exceptions.RayTaskError as err:
-        raise err.as_instanceof_cause() from None
+    except ray.exceptions.RayError as err:
+        raise generator_error(err) from None
     return actor, device
+
+
+def generator_error(err: Exception) -> Exception:
+    """What to raise for an error of a generator's call: align's own error as it was raised there (its one line),
+    anything else with the generator's traceback."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, AlignError):
+        return cause
+    if getattr(err, "actor_init_failed", False):  # its __init__ raised: the message ends with that error's line
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        return AlignError(f"generator: could not be started on its Ray node: {lines[-1] if lines else err}")
+    if isinstance(cause, BaseException) and hasattr(err, "as_instanceof_cause"):
+        return err.as_instanceof_cause()
+    return err

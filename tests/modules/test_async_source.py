@@ -239,3 +239,23 @@ def test_a_generator_that_cannot_start_in_time_fails_on_one_line():
     with pytest.raises(AlignConfigError, match=r"^model\.source\.generator: Ray did not start a generator with 1 CPUs "
                                                r"and 0 GPUs within timeout_s=0\.001 s; .* raise generator\.timeout_s"):
         m.training_step(batches(m, 1)[0], 0)
+
+
+def test_errors_inside_the_generator_reach_the_trainer_on_one_line():
+    from align.errors import AlignError
+    from align.rollout.generator import connect, generator_error, start_generator
+
+    m = module()
+    connect(None, 1)
+    with pytest.raises(AlignError, match=r"^generator: could not be started on its Ray node: .*AlignConfigError: "
+                                         r"model: '/nowhere' does not exist"):
+        start_generator(GeneratorPlacement(), {**m.policy.spec, "model": "/nowhere"}, SamplingConfig(), 1, "bad")
+    actor, _ = start_generator(GeneratorPlacement(), m.policy.spec, SamplingConfig(), 1, "good")
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as caught:
+            ray.get(actor.load.remote(1, {"nope.weight": torch.zeros(2)}))
+        error = generator_error(caught.value)
+        assert type(error) is AlignConfigError and "\n" not in str(error)
+        assert str(error).startswith("generator: the policy rebuilt from its settings has no weights ['nope.weight']")
+    finally:
+        ray.kill(actor)
