@@ -27,6 +27,7 @@ log-probs, the update's clipped ratio is to those, and ``sampling.correction``'s
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections import deque
@@ -128,6 +129,9 @@ class AsyncSource(RolloutSource):
 
     def bind(self, sampler: Sampler) -> None:
         super().bind(sampler)
+        if importlib.util.find_spec("ray") is None:
+            raise AlignConfigError("model.source: AsyncSource places its generators with Ray, which is not "
+                                   "installed: pip install 'align[async]'")
         if sampler.environment is not None:
             raise AlignConfigError("model.source: AsyncSource generates single-turn completions; multi-turn episodes "
                                    "(model.environment) run with the inline source")

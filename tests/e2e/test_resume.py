@@ -9,6 +9,7 @@ the loop counters must all come back for the numbers to match. Every setting cro
 """
 
 import csv
+import importlib.util
 import os
 import random
 import subprocess
@@ -26,6 +27,8 @@ DATA = ROOT / "align" / "data" / "assets" / "sort"
 TIMING = ("tokens_per_s", "time/", "_s")
 
 pytestmark = pytest.mark.slow
+NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the asynchronous source needs Ray "
+                               "(pip install 'align[async]')")
 
 
 def first_rows(src: Path, dst: Path, n: int) -> str:
@@ -98,7 +101,8 @@ def settings(algorithm: str, tmp: Path) -> tuple[list[str], int, int]:
 
 
 @pytest.mark.parametrize("algorithm, kill", [("sft", "step"), ("dpo", "write"), ("grpo", "step"),
-                                             ("grpo-async", "step"), ("distill", "step")])
+                                             pytest.param("grpo-async", "step", marks=NEEDS_RAY),
+                                             ("distill", "step")])
 def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
     """``kill="step"``: SIGKILL right after a random optimizer step that is not a checkpoint step.
     ``kill="write"``: SIGKILL with half of a random checkpoint file on disk (atomicity: ``last.ckpt`` must still

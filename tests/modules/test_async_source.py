@@ -259,3 +259,13 @@ def test_errors_inside_the_generator_reach_the_trainer_on_one_line():
         assert str(error).startswith("generator: the policy rebuilt from its settings has no weights ['nope.weight']")
     finally:
         ray.kill(actor)
+
+
+def test_without_ray_the_source_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with pytest.raises(AlignConfigError, match=r"^model\.source: AsyncSource places its generators with Ray, which is "
+                                               r"not installed: pip install 'align\[async\]'$"):
+        module(AsyncSource())
