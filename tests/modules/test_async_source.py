@@ -269,3 +269,22 @@ def test_without_ray_the_source_says_what_to_install(monkeypatch):
     with pytest.raises(AlignConfigError, match=r"^model\.source: AsyncSource places its generators with Ray, which is "
                                                r"not installed: pip install 'align\[async\]'$"):
         module(AsyncSource())
+
+
+def test_staleness_counts_updates_so_ppos_several_optimizer_steps_per_rollout_count_once():
+    from align.models.critic import CriticSettings
+    from align.modules.options import Updates as U
+    from align.modules.ppo import PPOModule
+
+    torch.manual_seed(0)
+    m = PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings(kind="shared")), rewards=[length_reward],
+                  group_size=2, sampling=SamplingConfig(max_new_tokens=6), updates=U(epochs=2, minibatches=2),
+                  source=AsyncSource(max_staleness=1))
+    m.setup("fit")  # the reference of PPO's KL penalty
+    m.use_optimizer(torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05))
+    try:
+        metrics = run(m, 4)
+    finally:
+        m.source.close()
+    assert m.rl_counters["updates"] == 12  # 3 rollouts x 2 epochs x 2 minibatches
+    assert [s["rollout/staleness_max"] for s in metrics[1:]] == [0.0, 1.0, 1.0]
