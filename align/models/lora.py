@@ -70,7 +70,7 @@ def _peft_lora_linear() -> type:
     return Linear
 
 
-def _gathered_elsewhere(p: torch.Tensor) -> bool:
+def gathered_elsewhere(p: torch.Tensor) -> bool:
     """Whether ``p`` is materialised by hooks this function would bypass (DeepSpeed ZeRO-3) or is sharded."""
     return hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
 
@@ -107,7 +107,7 @@ def _make_fused_class(base: type) -> type:
                 return None
             if not (x.dtype == weight.dtype == lora_a.dtype == lora_b.dtype) or x.device != weight.device:
                 return None
-            if any(_gathered_elsewhere(p) for p in (weight, lora_a, lora_b)):
+            if any(gathered_elsewhere(p) for p in (weight, lora_a, lora_b)):
                 return None
             dropout = self.lora_dropout[name]
             if isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", 1.0) == 0:

@@ -32,31 +32,27 @@ import importlib.util
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError, AlignError
+from align.models.lora import gathered_elsewhere
 from align.observability.timing import Timer, record_span
 from align.rollout.generator import GeneratorPlacement, connect, generator_error, rng_state, set_rng_state, \
     start_generator, trainable_weights
 from align.rollout.partial import PARTIAL_MODES
 from align.rollout.sampler import Sampler
 from align.rollout.source import RolloutSource
-from align.rollout.types import Rollout, Scored, rollout_to
+from align.rollout.types import Scored, rollout_from_state, rollout_state, rollout_to
 
 __all__ = ["AsyncSource"]
 
 log = logging.getLogger(__name__)
 
 SEED_STRIDE = 1_000_003
-
-
-def _fields(obj) -> dict[str, Any]:
-    """A dataclass's fields as a plain dict (what a checkpoint loaded with ``weights_only`` can hold)."""
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 @dataclass
@@ -75,8 +71,8 @@ class _Batch:
 
 
 class AsyncSource(RolloutSource):
-    """Rollouts generated ahead of training by a generator process per rank, at most ``max_staleness`` optimizer
-    steps behind the policy they update (see the module's documentation).
+    """Rollouts generated ahead of training by a generator process per rank, at most ``max_staleness`` updates
+    behind the policy they update (see the module's documentation).
 
     Metrics, each update: ``rollout/staleness`` and ``rollout/staleness_max`` (updates between the policy that
     sampled a row and the one updated on it, mean and max over the rows; an update is a training step's optimizer
@@ -222,7 +218,7 @@ class AsyncSource(RolloutSource):
         if self.actor is not None:
             return
         policy = self.sampler.policy
-        if any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in policy.parameters()):
+        if any(gathered_elsewhere(p) for p in policy.parameters()):
             raise AlignConfigError("model.source: AsyncSource sends the policy's weights from each rank, and this "
                                    "strategy shards them (FSDP2, ZeRO-3); use ddp or deepspeed_stage_1/2")
         ranks = self.sampler.ranks()
@@ -309,9 +305,9 @@ class AsyncSource(RolloutSource):
         batches = []
         for item in self.pipeline:
             result = self._result(item)
-            rollout = rollout_to(result["rollout"], "cpu")
-            batches.append({"index": item.index, "batch": _fields(item.batch), "version": item.version,
-                            "seed": item.seed, "result": {**result, "load": None, "rollout": _fields(rollout)}})
+            batches.append({"index": item.index, "batch": asdict(item.batch), "version": item.version,
+                            "seed": item.seed, "result": {**result, "load": None,
+                                                          "rollout": rollout_state(result["rollout"])}})
         return {"sent": self.sent, "versions": list(self.versions), "batches": batches}
 
     def load_state_dict(self, state: dict[str, Any], device=None) -> None:
@@ -319,7 +315,7 @@ class AsyncSource(RolloutSource):
         self.versions = list(state.get("versions", []))
         self.pipeline = deque(
             _Batch(b["index"], PromptBatch(**b["batch"]), b["version"], b["seed"],
-                   result={**b["result"], "rollout": Rollout(**b["result"]["rollout"])})
+                   result={**b["result"], "rollout": rollout_from_state(b["result"]["rollout"])})
             for b in state.get("batches", []))
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from align.core.advantages import SIGNAL_EPS, has_signal
-from align.rollout.types import Rollout
+from align.rollout.types import Rollout, rollout_from_state, rollout_state
 
 __all__ = ["GroupFilter", "Filled", "informative_groups", "select_groups", "concat_rollouts"]
 
@@ -197,7 +197,6 @@ class GroupFilter:
         """The fill in progress (counters and buffered groups) as plain containers and CPU tensors, so a
         checkpoint written between updates resumes it."""
         cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t
-        rollout_state = lambda r: {f.name: cpu(getattr(r, f.name)) for f in fields(r)}
         return {**{k: getattr(self, k) for k in self._COUNTERS},
                 "buffer": [{"rollout": rollout_state(f.rollout), "rewards": cpu(f.rewards),
                             "parts": {k: cpu(v) for k, v in f.parts.items()}} for f in self.buffer]}
@@ -206,5 +205,5 @@ class GroupFilter:
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
         for k in self._COUNTERS:
             setattr(self, k, state[k])
-        self.buffer = [Filled(Rollout(**{k: move(v) for k, v in f["rollout"].items()}), move(f["rewards"]),
+        self.buffer = [Filled(rollout_from_state(f["rollout"], device), move(f["rewards"]),
                               {k: move(v) for k, v in f["parts"].items()}) for f in state["buffer"]]

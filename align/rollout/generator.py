@@ -222,9 +222,6 @@ class Generator:
 
 
 # ---------------------------------------------------------------------------------------------- placement
-_started_here = False
-
-
 def connect(address: str | None, num_cpus: float) -> None:
     """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), or start a local one with at least ``num_cpus``
     logical CPUs. Under data parallelism without an address, rank 0 starts it and the other ranks join it."""
@@ -237,12 +234,10 @@ def connect(address: str | None, num_cpus: float) -> None:
     options = dict(namespace="align", include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     address = address or os.environ.get("RAY_ADDRESS")
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    global _started_here
     if address is None:
         shared = [None, None]
         if not distributed or dist.get_rank() == 0:
             ray.init(num_cpus=max(int(num_cpus + 0.999), os.cpu_count() or 1), **options)
-            _started_here = True
             shared = [ray.get_runtime_context().gcs_address, _auth_token()]
         if distributed:
             dist.broadcast_object_list(shared, src=0)
@@ -284,8 +279,8 @@ def _use_token(token: str) -> None:
 
 def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str,
                     partial: str | None = None):
-    """A :class:`Generator` actor placed with ``placement`` and the type of its device; raises a one-line error when Ray cannot place or
-    start it within ``placement.timeout_s``."""
+    """A :class:`Generator` actor placed with ``placement``, and the type of its device; raises a one-line error
+    when Ray cannot place or start it within ``placement.timeout_s``."""
     import ray
 
     num_gpus = placement.num_gpus

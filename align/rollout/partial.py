@@ -85,12 +85,12 @@ def decode_with_cuts(engine, policy, ids: torch.Tensor, mask: torch.Tensor, grou
             contexts, context_mask = contexts[unfinished], context_mask[unfinished]
         active = active[unfinished]
     pad = policy.tokenizer.pad_token_id
-    width = max(sum(piece.numel() for piece in row) for row in tokens)
+    lengths = [sum(piece.numel() for piece in row) for row in tokens]
+    width = max(lengths)
     response = torch.full((n, width), pad, dtype=torch.long, device=ids.device)
     out_logprobs = torch.zeros((n, width), dtype=torch.float32, device=ids.device)
     out_versions = torch.full((n, width), version, dtype=torch.long, device=ids.device)
-    for row in range(n):
-        length = sum(piece.numel() for piece in tokens[row])
+    for row, length in enumerate(lengths):
         response[row, :length] = torch.cat(tokens[row])
         out_logprobs[row, :length] = torch.cat(logprobs[row]).float()
         out_versions[row, :length] = row_versions = torch.cat(versions[row])

@@ -226,11 +226,6 @@ class Sampler:
         return RewardCounts(0, {r.name: 0 for r in self.reward.rewards},
                             {r.name: 0 for r in self.reward.rewards if r.counts_errors})
 
-    @property
-    def corrects(self) -> bool:
-        """Whether training rollouts of this engine get the trainer's log-probs recomputed (:meth:`correct`)."""
-        return self.corrects_logprobs(self.engine.exact_logprobs)
-
     def corrects_logprobs(self, exact: bool) -> bool:
         """Whether a training rollout whose log-probs are (``exact``) or are not the trainer's is corrected."""
         return not exact or self.engine.sampling.correction.resolve(True) != "none"

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Rollout", "Scored", "Ranks", "identity", "rollout_to"]
+__all__ = ["Rollout", "Scored", "Ranks", "identity", "rollout_from_state", "rollout_state", "rollout_to"]
 
 
 @dataclass
@@ -73,6 +73,19 @@ class Rollout:
     def response_lengths(self) -> torch.Tensor:
         """``(N,)`` valid response tokens per row (the policy's tokens of every turn, multi-turn)."""
         return self.response_mask.sum(dim=1)
+
+
+def rollout_state(rollout: Rollout) -> dict:
+    """``rollout`` as plain containers with its tensors on the CPU: what a checkpoint loaded with ``weights_only``
+    holds (:func:`rollout_from_state` reads it back)."""
+    return {f.name: (value.cpu() if isinstance(value := getattr(rollout, f.name), torch.Tensor) else value)
+            for f in fields(rollout)}
+
+
+def rollout_from_state(state: dict, device: torch.device | str | None = None) -> Rollout:
+    """The :class:`Rollout` of :func:`rollout_state`, its tensors moved to ``device`` (None: left where they are)."""
+    rollout = Rollout(**state)
+    return rollout if device is None else rollout_to(rollout, device)
 
 
 def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
