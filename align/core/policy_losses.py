@@ -288,7 +288,7 @@ def sapo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor,
         raise ValueError(f"sapo: temperatures must be > 0, got tau_pos={p.tau_pos}, tau_neg={p.tau_neg}")
     y = prepare_inputs(x.logprobs, x.old_logprobs, x.advantages, x.mask, "sapo")
     ratio = importance_ratio(y.logprobs, y.old_logprobs)
-    tau = torch.where(y.advantages > 0, p.tau_pos, p.tau_neg).to(ratio.dtype)
+    tau = torch.where(y.advantages > 0, ratio.new_tensor(p.tau_pos), ratio.new_tensor(p.tau_neg))  # (B, T)
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -y.advantages * gate * (4.0 / tau)
     attenuation = 1.0 - 4.0 * gate.detach() * (1.0 - gate.detach())  # the share of each token's gradient removed

@@ -133,3 +133,27 @@ def test_every_row_ignores_padding_and_nan_there():
         assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all(), name
         assert all(torch.isfinite(v) for v in stats), name
         logprobs.grad = None
+
+
+def test_sapo_in_float64_matches_a_float64_reference():
+    # tau_neg = 1.05 has no exact float32 form (1.0499999523); float64 inputs must get the float64 temperatures, so
+    # the loss and its gradient agree with the formula written in float64 to rounding (1e-12), not to ~1e-8.
+    torch.manual_seed(3)
+    logprobs = (0.5 * torch.randn(2, 5, dtype=torch.float64)).requires_grad_()
+    old = 0.5 * torch.randn(2, 5, dtype=torch.float64)
+    adv = torch.randn(2, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]).bool()
+    loss, _ = POLICY_LOSSES["sapo"](PolicyLossInputs(logprobs, old, adv, mask),
+                                    PolicyLossSettings(tau_pos=1.0, tau_neg=1.05))
+    assert loss.dtype == torch.float64
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    n = int(mask.sum())
+    expected, expected_grad = 0.0, torch.zeros(2, 5, dtype=torch.float64)
+    for b, t in mask.nonzero().tolist():
+        r, a = math.exp(float(logprobs.detach()[b, t] - old[b, t])), float(adv[b, t])
+        tau = 1.0 if a > 0 else 1.05
+        s = sigmoid(tau * (r - 1.0))
+        expected += -a * (4.0 / tau) * s / n
+        expected_grad[b, t] = -a * 4.0 * s * (1.0 - s) * r / n  # d/dlog r of -A (4 / tau) sigmoid(tau (r - 1))
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
