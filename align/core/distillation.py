@@ -38,8 +38,13 @@ def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torc
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    # KL(p || q) over the last dimension from log-probabilities; 0 * log 0 counts as 0.
-    return torch.where(p_log > -math.inf, p_log.exp() * (p_log - q_log), torch.zeros_like(p_log)).sum(-1)
+    # KL(p || q) over the last dimension from log-probabilities; 0 * log 0 counts as 0. Where p = 0 the term is
+    # computed on the placeholder log p = log q = 0 and discarded: its inputs, not only its output, are replaced, so
+    # no 0 * inf reaches the gradient (a where over an infinite branch passes NaN back to the logits).
+    support = p_log > -math.inf  # (..., V)
+    p_safe = torch.where(support, p_log, 0.0)
+    q_safe = torch.where(support, q_log, 0.0)
+    return torch.where(support, p_safe.exp() * (p_safe - q_safe), 0.0).sum(-1)
 
 
 def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
@@ -55,6 +60,10 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     for ``0 < beta < 1``; ``beta = 0`` is the forward KL ``KL(P || Q)`` and ``beta = 1`` the reverse KL
     ``KL(Q || P)`` (the limits of ``JSD(beta) / beta`` and ``JSD(beta) / (1 - beta)``, as in the paper and TRL).
     Computed in float32 from log-softmaxes (the mixture by ``logsumexp``), so no probability underflows to ``log 0``.
+    A logit of ``-inf`` (a masked vocabulary: top-k filtered, padded) is a probability of exactly 0, whose terms
+    count as 0: the value and the student's gradient are those of the divergence over the entries with mass, and a
+    masked student logit's gradient is 0. (The divergence is infinite where one side has mass the other cannot
+    reach: a student-masked entry the teacher gives mass at ``beta = 0``, or the reverse at ``beta = 1``.)
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"generalized_jsd: beta must be in [0, 1], got {beta}")
@@ -69,5 +78,9 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         return _kl(teacher, student)
     if beta == 1.0:
         return _kl(student, teacher)
-    mixture = torch.logsumexp(torch.stack([teacher + math.log(beta), student + math.log(1.0 - beta)]), dim=0)
+    # log M, where M = 0 (both distributions masked) on the placeholder log P = log Q = 0: no KL term reads it there,
+    # and logsumexp's gradient at an all -inf entry is NaN (exp(-inf - -inf)).
+    neither = (teacher == -math.inf) & (student == -math.inf)  # (..., V)
+    mixture = torch.logsumexp(torch.stack([teacher.masked_fill(neither, 0.0) + math.log(beta),
+                                           student.masked_fill(neither, 0.0) + math.log(1.0 - beta)]), dim=0)
     return beta * _kl(teacher, mixture) + (1.0 - beta) * _kl(student, mixture)

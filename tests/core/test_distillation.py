@@ -73,3 +73,50 @@ def test_reverse_kl_advantages_by_hand():
     teacher = torch.tensor([[-0.5, -3.0], [-0.5, float("nan")]])
     mask = torch.tensor([[True, True], [True, False]])
     assert reverse_kl_advantages(student, teacher, mask).tolist() == [[0.5, -1.0], [0.0, 0.0]]
+
+
+INF = math.inf
+# (student logits, teacher logits) with -inf entries: a vocabulary masked for both (top-k filtered, padded), for the
+# student only, for the teacher only. Student-only masking at beta 0 (and teacher-only at beta 1) makes the divergence
+# infinite, a mass the other side cannot reach, and is left out.
+MASKED = {
+    "both": ([1.0, -INF, 0.5, -INF, 2.0], [0.2, -INF, 1.0, -INF, -0.3]),
+    "student": ([1.0, -INF, 0.5, 0.1, 2.0], [0.2, 0.3, 1.0, -0.5, -0.3]),
+    "teacher": ([1.0, 0.7, 0.5, 0.1, 2.0], [0.2, -INF, 1.0, -INF, -0.3]),
+}
+
+
+def jsd_over_the_support(student, teacher, beta):
+    """GKD's JSD(beta) in float64, each distribution a softmax over its own finite logits only and exactly 0 on the
+    rest, each KL summed over its first argument's support: no -inf ever enters a sum, a log or a gradient."""
+    s_keep, t_keep = torch.isfinite(student), torch.isfinite(teacher)
+    q = torch.zeros(student.shape, dtype=torch.float64).index_put((s_keep,), torch.softmax(student[s_keep], -1))
+    p = torch.zeros(teacher.shape, dtype=torch.float64).index_put((t_keep,), torch.softmax(teacher[t_keep], -1))
+
+    def kl(a, b, support):
+        return (a[support] * (a[support].log() - b[support].log())).sum()
+
+    if beta == 0.0:
+        return kl(p, q, t_keep)
+    if beta == 1.0:
+        return kl(q, p, s_keep)
+    m = beta * p + (1.0 - beta) * q
+    return beta * kl(p, m, t_keep) + (1.0 - beta) * kl(q, m, s_keep)
+
+
+@pytest.mark.parametrize("masked, beta", [("both", 0.0), ("both", 0.5), ("both", 1.0), ("student", 0.5),
+                                          ("student", 1.0), ("teacher", 0.0), ("teacher", 0.5)])
+def test_a_masked_vocabulary_gives_the_sub_vocabularys_divergence_and_a_finite_gradient(masked, beta):
+    # The value and the student's gradient are those of the divergence over the entries with mass; a masked student
+    # logit gets gradient 0 (its probability stays 0), where 0 * inf in a discarded branch used to give NaN.
+    student, teacher = (torch.tensor(v, dtype=torch.float64) for v in MASKED[masked])
+    got_logits = student.float().requires_grad_()
+    got = generalized_jsd(got_logits, teacher.float(), beta)
+    got.backward()
+    ref_logits = student.clone().requires_grad_()
+    ref = jsd_over_the_support(ref_logits, teacher, beta)
+    ref.backward()
+    assert torch.isfinite(got_logits.grad).all()
+    assert float(got.detach()) == pytest.approx(float(ref.detach()), abs=1e-6)
+    torch.testing.assert_close(got_logits.grad.double(), ref_logits.grad, rtol=0, atol=1e-6)
+    assert (got_logits.grad[~torch.isfinite(student)] == 0).all()
