@@ -19,7 +19,9 @@ arXiv 1912.09729) of :func:`ppo_policy_loss`.
 
 Departure from the papers: log-ratios are clamped to ``[-20, 20]`` before ``exp``, so one token with a collapsed
 probability cannot overflow the ratio. Such a token is clipped by the PPO objective anyway (except for a negative
-advantage without dual clip, where the unclamped gradient would be ``e**20``-sized).
+advantage without dual clip, where the unclamped gradient would be ``e**20``-sized). GMPO clamps its sequence's mean
+log-ratio instead, above only (its weight is the exponent of a mean, and a token far out on the side its clip leaves
+alone keeps its gradient there).
 """
 
 from __future__ import annotations
@@ -303,17 +305,25 @@ def gmpo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor,
     sequence's mean term has the value ``-A * s`` and the gradient of ``-A * s``: with per-sequence advantages and
     ``seq_mean`` aggregation the loss and gradient are the paper's.
 
-    Departure: with per-token advantages (GAE, REINFORCE++) each token's clip side follows its own advantage and the
-    sequence's geometric mean weights ``-A_t * grad l_t`` (the paper defines one advantage per sequence).
+    No token's log-ratio is clamped for overflow (as :func:`importance_ratio` does): a token 25 nats out on the side
+    the clip leaves alone keeps its gradient ``-A * s * grad log pi`` and its full share of ``mean l``; only
+    ``exp`` can overflow, so the mean is clamped at 20 before it. Departures: a sequence whose mean ``l`` exceeds 20
+    (only tokens with ``A < 0`` can take it there) has the weight ``s = e^20`` instead of ``e^mean``, its gradient
+    kept at that weight; with per-token advantages (GAE, REINFORCE++) each token's clip side follows its own advantage
+    and the sequence's geometric mean weights ``-A_t * grad l_t`` (the paper defines one advantage per sequence).
     ``clipfrac``: the tokens whose log-ratio was clipped (their gradient removed)."""
     low, high = clip_range(p.clip_low, p.clip_high, "gmpo")
     y = prepare_inputs(x.logprobs, x.old_logprobs, x.advantages, x.mask, "gmpo")
-    log_ratio = (y.logprobs - y.old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = (y.logprobs - y.old_logprobs).detach()  # (B, T), not clamped: only exp(mean l) below can overflow
     bounded = log_ratio.clamp(-low, high)
     pessimistic = torch.where(y.advantages >= 0, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
-    seq = torch.exp(masked_mean(pessimistic.detach(), y.valid, dim=-1))[:, None].expand_as(log_ratio)
-    per_token = -y.advantages * seq * (1.0 + pessimistic - pessimistic.detach())
-    clipped = torch.where(y.advantages >= 0, log_ratio > high, log_ratio < -low)
+    clipped = torch.where(y.advantages >= 0, log_ratio > high, log_ratio < -low)  # (B, T) l_t is the bound
+    # s = exp(mean l) per sequence, its log clamped above (overflow safety: s is detached, so this removes no gradient)
+    seq_log = masked_mean(pessimistic, y.valid, dim=-1).clamp(max=_LOG_RATIO_CLAMP)  # (B,)
+    seq = torch.exp(seq_log)[:, None].expand_as(log_ratio)  # (B, T)
+    # l - sg(l): value 0, gradient grad log pi where the clip left l_t = log r_t, 0 where it acted
+    live = torch.where(clipped, torch.zeros_like(y.logprobs), y.logprobs - y.logprobs.detach())
+    per_token = -y.advantages * seq * (1.0 + live)
     return aggregate(per_token, x.mask, p.agg, p.normaliser), policy_loss_stats(y, seq, clipped)
 
 

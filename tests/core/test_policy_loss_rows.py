@@ -157,3 +157,31 @@ def test_sapo_in_float64_matches_a_float64_reference():
         expected_grad[b, t] = -a * 4.0 * s * (1.0 - s) * r / n  # d/dlog r of -A (4 / tau) sigmoid(tau (r - 1))
     torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_gmpo_keeps_the_gradient_of_a_token_far_out_on_the_pessimistic_side(advantage):
+    # Log-ratios -25 A, 0.1 A, 0, log 2 A: the first lies 25 nats out on the side GMPO's clip leaves alone (min for
+    # A > 0, max for A < 0), the last is clipped to 0.4 A. l = -25 A, 0.1 A, 0, 0.4 A, so
+    # s = exp(mean l) = exp(-6.125 A) and the loss (seq_mean) is -A * s. Every kept token's gradient is -A * s / 4,
+    # the first's included (a per-token clamp at -20 gave it 0 and s = exp(-4.875 A)); the clipped token's is 0.
+    a = advantage
+    logprobs, x = inputs([-25.0 * a, 0.1 * a, 0.0, math.log(2.0) * a], [a] * 4)
+    loss, stats = POLICY_LOSSES["gmpo"](x, PolicyLossSettings(clip_low=0.4, agg="seq_mean"))
+    s = math.exp((-25.0 + 0.1 + 0.0 + 0.4) * a / 4)
+    torch.testing.assert_close(loss, torch.tensor(-a * s))
+    torch.testing.assert_close(stats.ratio_mean, torch.tensor(s))
+    assert float(stats.clipfrac) == pytest.approx(1 / 4)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-a * s / 4, -a * s / 4, -a * s / 4, 0.0]]))
+
+
+def test_gmpo_caps_an_overflowing_sequence_weight_at_e20_and_keeps_its_gradient():
+    # One token, A = -1, log-ratio 100: the paper's weight e^100 overflows float32. The sequence's mean log-ratio is
+    # clamped at 20 before exp, so the loss is e^20 and the token's gradient -A * e^20 (the weight is detached: the
+    # clamp caps it, it removes no gradient).
+    logprobs, x = inputs([100.0], [-1.0])
+    loss, _ = POLICY_LOSSES["gmpo"](x, PolicyLossSettings(clip_low=0.4, agg="seq_mean"))
+    torch.testing.assert_close(loss, torch.tensor(math.exp(20.0)))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[math.exp(20.0)]]))
