@@ -21,7 +21,9 @@ The diagnostics, over valid tokens: ``logprob_diff`` is ``mean |log pi - log mu|
 unbiased; J. Schulman, "Approximating KL divergence").
 
 Departure: log-ratios are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp``, so one token that either
-side found all but impossible cannot overflow a weight.
+side found all but impossible cannot overflow a weight: at ``level: token`` each token's, at ``level: sequence`` the
+row's sum (its tokens' log-ratios are summed unclamped, so two far-out tokens that cancel leave the row's ratio as it
+is). The diagnostics read the clamped per-token log-ratios.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class MismatchStats(NamedTuple):
 
 
 def _log_ratio(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    log_ratio = (trainer_logprobs.float() - engine_logprobs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # log pi/mu on the tokens of mask, 0 elsewhere (replaced, so a NaN there reaches nothing); not clamped
+    log_ratio = trainer_logprobs.float() - engine_logprobs.float()
     return torch.where(mask, log_ratio, torch.zeros_like(log_ratio))  # (N, R)
 
 
@@ -68,13 +71,14 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
     if level not in CORRECTION_LEVELS:
         raise ValueError(f"correction level must be one of {CORRECTION_LEVELS}, got {level!r}")
     mask = mask.bool()
-    log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask).detach()  # (N, R)
+    log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask).detach()  # (N, R), not clamped
     if level == "sequence":
         units = mask.any(dim=1)  # (N,) rows with at least one token
+        # the row's log-ratio summed over its tokens first, then clamped: +25 and -24 make e, not e^(20 - 20) = 1
         unit_ratio = log_ratio.sum(dim=1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (N,)
         ratio = unit_ratio[:, None].expand_as(log_ratio)  # every token takes its row's ratio
     else:
-        units, unit_ratio = mask, log_ratio.exp()
+        units, unit_ratio = mask, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
         ratio = unit_ratio
     if mode == "tis":
         weights = ratio.clamp(max=cap)
@@ -100,7 +104,8 @@ def mismatch_stats(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
 
 
 def _stats(log_ratio: torch.Tensor, mask: torch.Tensor) -> MismatchStats:
-    """Diagnostics of the clamped, masked ``log pi/mu`` (N, R); the correction's shares left at 0."""
+    """Diagnostics of the masked ``log pi/mu`` (N, R), each token's clamped first; the correction's shares left at 0."""
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     k3 = log_ratio.exp() - 1 - log_ratio  # (N, R) >= 0
     zero = torch.zeros((), device=log_ratio.device)
     return MismatchStats(masked_mean(log_ratio.abs(), mask), masked_mean(k3, mask), zero, zero)

@@ -81,3 +81,32 @@ def test_bad_mode_or_level_fails():
         correction_weights(*_pair(), mode="clip")
     with pytest.raises(ValueError, match="level"):
         correction_weights(*_pair(), level="row")
+
+
+def test_sequence_level_sums_the_raw_log_ratios_before_the_overflow_clamp():
+    # Token log-ratios +25 and -24 (each beyond the clamp of 20) sum to 1: the row's ratio is e, not the e^0 of
+    # clamping each token first. A masked third token (log-ratio +30, and NaN in a second copy) is not counted.
+    trainer = torch.tensor([[0.0, -24.0, 30.0], [0.0, -24.0, float("nan")]])
+    engine = torch.tensor([[-25.0, 0.0, 0.0], [-25.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    e = math.exp(1.0)
+    weights, stats = correction_weights(trainer, engine, mask, mode="tis", level="sequence", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 2.0, 0.0]] * 2))  # min(e, 2)
+    assert stats.clipped_frac.item() == 1.0
+    weights, stats = correction_weights(trainer, engine, mask, mode="tis", level="sequence", cap=3.0)
+    torch.testing.assert_close(weights, torch.tensor([[e, e, 0.0]] * 2))  # min(e, 3)
+    assert stats.clipped_frac.item() == 0.0
+    weights, stats = correction_weights(trainer, engine, mask, mode="mis", level="sequence", low=0.5, high=3.0)
+    torch.testing.assert_close(weights, torch.tensor([[e, e, 0.0]] * 2))  # e in [0.5, 3]: kept
+    assert stats.masked_frac.item() == 0.0
+    weights, stats = correction_weights(trainer, engine, mask, mode="mis", level="sequence", low=0.5, high=2.0)
+    assert weights.tolist() == [[0.0, 0.0, 0.0]] * 2 and stats.masked_frac.item() == 1.0  # e > 2: dropped
+
+
+def test_sequence_level_clamps_the_summed_log_ratio():
+    # Two tokens of +15 sum to 30, clamped at 20 before exp: the weight is finite (cap 1e12 lets e^20 through), and a
+    # row summing to -30 gets e^-20.
+    trainer = torch.tensor([[15.0, 15.0], [-15.0, -15.0]])
+    weights, _ = correction_weights(trainer, torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool), mode="tis",
+                                    level="sequence", cap=1e12)
+    torch.testing.assert_close(weights, torch.tensor([[math.exp(20.0)] * 2, [math.exp(-20.0)] * 2]))
