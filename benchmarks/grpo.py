@@ -93,7 +93,7 @@ def build_module(spec: dict):
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
     from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, PolicyLoss, Updates
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.engine import NativeEngine, SamplingConfig
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     source = None
@@ -105,7 +105,8 @@ def build_module(spec: dict):
         policy=PolicyModel(spec["model_dir"], lora=lora, gradient_checkpointing=spec["gradient_checkpointing"]),
         rewards=[length_reward], group_size=spec["group"],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
-                                fast_decoder=spec["fast_decoder"], engine=spec.get("engine", "native")),
+                                engine=(NativeEngine(fast_decoder=spec["fast_decoder"])
+                                        if spec.get("engine", "native") == "native" else spec["engine"])),
         kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2),
         policy_loss=PolicyLoss(name="gspo" if spec["level"] == "sequence" else "clip"),
         advantages=GroupAdvantages(estimator=spec["estimator"]),

@@ -59,7 +59,7 @@ def build_module(spec: dict):
     from align.models.policy import PolicyModel
     from align.modules.online_dpo import OnlineDPOModule
     from align.modules.options import Updates
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.engine import SamplingConfig
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     return OnlineDPOModule(

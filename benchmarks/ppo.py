@@ -70,7 +70,7 @@ def build_module(spec: dict):
     from align.modules.options import GAE, ClipRange, KLPenalty, Updates, ValueTraining
     from align.modules.ppo import PPOModule
     from align.rollout.rewards import RewardModelSpec
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.engine import SamplingConfig
 
     return PPOModule(
         policy=PolicyModel(spec["model_dir"], critic=CriticSettings(kind="separate", model=spec["rm_dir"])),

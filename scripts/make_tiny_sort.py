@@ -50,13 +50,13 @@ def greedy_exact_match(model_dir: Path, limit: int | None = None) -> float:
     from align.data.io import read_rows
     from align.data.sort_task import is_correct
     from align.models.policy import PolicyModel
-    from align.rollout.engine import NativeEngine
+    from align.rollout.engine import make_engine
 
     policy = PolicyModel(str(model_dir))
     rows = read_rows("align:sort/prompts/validation.jsonl")[:limit]
     encoder = ChatEncoder(policy.tokenizer)
     prompts = [encoder.prompt_ids([{"role": "user", "content": r["prompt"]}]) for r in rows]
-    engine = NativeEngine(max_new_tokens=16, temperature=0.0)
+    engine = make_engine(max_new_tokens=16, temperature=0.0)
     with torch.inference_mode():
         rollout = engine.generate(policy, prompts)
     return sum(is_correct(text, r["answer"]) for text, r in zip(rollout.texts, rows)) / len(rows)

@@ -219,6 +219,7 @@ def test_the_reader_sees_every_kind_of_import():
 
 MAX_LIGHTNING_MODULE_LINES = 300
 MAX_PPO_LINES = 250
+MAX_RL_MODULE_LINES = 260
 
 
 def _class_lines(cls) -> int:
@@ -266,3 +267,55 @@ def test_the_paths_users_write_in_configs_import(path):
 
     module, _, name = path.rpartition(".")
     assert getattr(importlib.import_module(module), name) is not None
+
+
+SCORING = {"token_logprobs", "next_token_logprobs", "response_logits", "values", "reference_logprobs",
+           "sequence_logps", "sequence_scores"}
+"""Ways of scoring rows: the scorer's (``align.models.scorer.Scorer``) alone, for every module."""
+
+
+def _calls(path: Path) -> list[tuple[str, str, int]]:
+    """``(receiver, attribute, line)`` of every ``receiver.attribute(...)`` call in ``path`` (the receiver's last name:
+    ``self.sampler.x()`` -> ``("sampler", "x")``, ``self.x()`` -> ``("self", "x")``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            receiver = node.func.value
+            name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+            out.append((name, node.func.attr, node.lineno))
+    return out
+
+
+def test_modules_score_through_the_scorer():
+    """A training step goes module -> scorer -> scoring -> core: no module asks the sampler (the rollout layer) or
+    the policy's scoring entry points directly for log-probs, reference log-probs or values, and the sampler offers
+    none."""
+    from align.rollout.sampler import Sampler
+
+    bad = [f"{name}:{line} {receiver}.{attr}()" for name, path in MODULES.items() if layer_of(name) == "modules"
+           for receiver, attr, line in _calls(path)
+           if attr in SCORING and receiver not in ("scorer", "self") or receiver == "sampler" and attr in SCORING]
+    assert not bad, f"modules scoring past the scorer: {bad}"
+    assert not SCORING & set(dir(Sampler)), "the sampler scores rows for the learner; the scorer does"
+
+
+def test_the_learner_takes_what_it_uses():
+    """``align/modules/learner.py`` calls nothing back but the loss function it is given: none of its functions
+    takes a module (a parameter named ``module``, or a LightningModule type), and it imports no module class."""
+    tree = ast.parse(MODULES["align.modules.learner"].read_text())
+    params = [a for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs]
+    bad = [a.arg for a in params if a.arg == "module"
+           or a.annotation is not None and any(word in ast.unparse(a.annotation)
+                                               for word in ("Module", "RLModule", "AlignModule", "LightningModule"))]
+    assert not bad, f"learner functions that take a module: {bad}"
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith(("align.modules.rl", "align.modules.base", "lightning"))
+                for alias in node.names}
+    assert not imported, f"the learner imports module classes: {imported}"
+
+
+def test_the_rl_base_module_has_headroom():
+    from align.modules.rl import RLModule
+
+    assert _class_lines(RLModule) <= MAX_RL_MODULE_LINES

@@ -1,5 +1,5 @@
 """``align generate``, ``align evaluate`` and ``align chat``: argparse entry points over :mod:`align.rollout.generation`
-(docs/generation.md). Errors are one line on stderr (``error: ...``, exit status 2), as for every align command.
+and :mod:`align.rollout.evaluation` (docs/generation.md). Errors are one line on stderr (``error: ...``, exit status 2), as for every align command.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def evaluate_main(args: list[str]) -> None:
 
 
 def _evaluate(ns) -> None:
-    from align.rollout.generation import (REFERENCE, evaluate, load_policy, parse_reward, read_prompts, reference_policy,
-                                  sampling_config)
+    from align.rollout.evaluation import evaluate, parse_reward
+    from align.rollout.generation import REFERENCE, load_policy, read_prompts, reference_policy, sampling_config
 
     sampling = sampling_config(ns.max_new_tokens, ns.temperature, ns.top_p, ns.top_k, ns.n)
     ks = ns.k if ns.k is not None else sorted({1, ns.n}) if ns.n > 1 else []

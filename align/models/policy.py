@@ -205,11 +205,12 @@ class PolicyModel(nn.Module):
 
     def next_token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor,
                             attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                            ignore_index: int = -100, reference: bool = False) -> torch.Tensor:
+                            ignore_index: int = -100, temperature: float = 1.0,
+                            reference: bool = False) -> torch.Tensor:
         """``(N,)`` log-probs of ``targets`` at the positions that have one: see
         :func:`align.models.scoring.next_token_logprobs`."""
         return scoring.next_token_logprobs(self, input_ids, targets, attention_mask, position_ids, ignore_index,
-                                           reference)
+                                           temperature, reference)
 
     def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                         response_length: int, reference: bool = False) -> torch.Tensor:

@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 import torch
 
 from align.errors import AlignConfigError
-from align.core.masks import masked_sum
 from align.models.policy import PolicyModel
-from align.core.packing import pack_scored_rows
+from align.models.scorer import Scorer
 
 if TYPE_CHECKING:
     from align.data.preference import PreferenceBatch, PreferenceDataset
@@ -42,27 +41,6 @@ def batch_to(batch: "PreferenceBatch", device: torch.device) -> "PreferenceBatch
     """``batch`` with every tensor field on ``device``."""
     return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
                                          if isinstance(getattr(batch, f.name), torch.Tensor)})
-
-
-def sequence_logps(policy: PolicyModel, batch: "PreferenceBatch", reference: bool = False,
-                   rows: slice = slice(None), padding_free: bool = False) -> torch.Tensor:
-    """Summed response log-probs of the batch's ``rows`` (all ``2B`` by default) from one forward pass. ``(rows,)``
-
-    ``padding_free`` lays the rows' real tokens end to end (:func:`align.core.packing.pack_scored_rows`, rows no longer
-    than the padded ones) instead of scoring the padded ``[prompt | response]`` rows: the same sums to float
-    rounding, without the arithmetic of the padding. The padded layout instead runs a prompt shared by a pair's two
-    rows once (on models large enough for that to pay, see ``PolicyModel.token_logprobs``); which costs less
-    depends on how much of the batch is padding.
-    """
-    ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
-    if padding_free:
-        prompt = torch.zeros_like(mask[:, :ids.shape[1] - batch.response_length])
-        packed = pack_scored_rows(ids, mask, torch.cat([prompt, batch.response_mask[rows]], dim=1))
-        logps = policy.next_token_logprobs(packed.input_ids, packed.targets, position_ids=packed.position_ids,
-                                           reference=reference)
-        return packed.row_sums(logps)
-    scores = policy.token_logprobs(ids, mask, response_length=batch.response_length, reference=reference)
-    return masked_sum(scores.logprobs, batch.response_mask[rows], dim=-1)
 
 
 def live_reference(policy: PolicyModel) -> bool:
@@ -112,18 +90,20 @@ class ReferenceCache:
 
     @classmethod
     @torch.no_grad()
-    def compute(cls, policy: PolicyModel, batches: Iterable["PreferenceBatch"], pairs: int,
+    def compute(cls, scorer: Scorer, batches: Iterable["PreferenceBatch"], pairs: int,
                 device: torch.device) -> "ReferenceCache":
         """Reference log-probs of ``pairs`` pairs from ``batches`` (each pair placed by ``batch.index``), in eval
-        mode. Without LoRA or a loaded reference, the policy itself is the reference (before its first update)."""
+        mode, scored by ``scorer``. Without LoRA or a loaded reference, the policy itself is the reference (before its
+        first update)."""
         chosen, rejected = torch.zeros(pairs), torch.zeros(pairs)
+        policy = scorer.policy
         reference = policy.has_adapter or policy.ref_model is not None
         was_training = policy.training
         policy.eval()
         try:
             for batch in batches:
                 batch = batch_to(batch, device)
-                c, r = sequence_logps(policy, batch, reference=reference).float().cpu().chunk(2)
+                c, r = scorer.sequence_logps(batch, reference=reference).float().cpu().chunk(2)
                 chosen[batch.index.cpu()], rejected[batch.index.cpu()] = c, r
         finally:
             policy.train(was_training)
@@ -185,12 +165,13 @@ class CachedReference:
             self.fingerprint = reference_fingerprint(policy)
         return self.fingerprint
 
-    def prepare(self, policy: PolicyModel, datasets: dict[str, "PreferenceDataset"],
+    def prepare(self, scorer: Scorer, datasets: dict[str, "PreferenceDataset"],
                 batches: Callable[["PreferenceDataset"], Iterable["PreferenceBatch"]], directory: str | Path, *,
                 needed: tuple[str, ...], updated: bool, device: torch.device, write: bool,
                 announce: Callable[[str], ContextManager[Any]] = contextlib.nullcontext) -> None:
         """Load or compute the caches of ``datasets`` (split name -> dataset) once one of the ``needed`` splits has
-        none: every missing split then, since later the policy may no longer be the reference.
+        none: every missing split then, since later the policy may no longer be the reference. ``scorer`` scores
+        the pairs (its policy's reference).
 
         ``batches(dataset)`` iterates a dataset's pairs; ``updated``: whether the policy has taken an optimizer step;
         ``write``: whether this process writes computed caches to ``directory`` (one process of a run);
@@ -199,6 +180,7 @@ class CachedReference:
         missing = {n: ds for n, ds in datasets.items() if n not in self.splits}
         if not any(n in missing for n in needed):
             return
+        policy = scorer.policy
         ref = self._reference_fingerprint(policy, updated)
         for name, dataset in missing.items():
             key = ReferenceCache.key(dataset.fingerprint, ref)
@@ -209,7 +191,7 @@ class CachedReference:
                     raise AlignConfigError(f"model.precompute_reference: no valid cache at {path} and "
                                            + _NO_LONGER_THE_REFERENCE)
                 with announce(f"reference log-probs of {len(dataset)} {name} pairs"):
-                    cache = ReferenceCache.compute(policy, batches(dataset), len(dataset), device)
+                    cache = ReferenceCache.compute(scorer, batches(dataset), len(dataset), device)
                 if write:
                     cache.save(path, key)
                 log.info("reference log-probs of %d %s pairs cached at %s", len(dataset), name, path)

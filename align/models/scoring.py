@@ -278,9 +278,11 @@ def next_token_logprobs(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     ignore_index: int = -100,
+    temperature: float = 1.0,
     reference: bool = False,
 ) -> torch.Tensor:
-    """``(N,)`` float32 log-probs of ``targets`` at the positions that have one, in row-major order.
+    """``(N,)`` float32 log-probs of ``targets`` at the positions that have one, in row-major order, at
+    ``temperature``.
 
     Only those positions go through the output head (prompts, padding and the last position of a packed
     segment need no logits): with align's own chunked head on the selected hidden states, otherwise through
@@ -293,7 +295,7 @@ def next_token_logprobs(
     ctx = reference_context(policy) if reference else nullcontext(policy.model)
     with ctx as lm:
         return scores_at(policy, lm, input_ids, attention_mask, position_ids, keep.flatten().nonzero().squeeze(1),
-                         targets[keep])[0]
+                         targets[keep], temperature)[0]
 
 
 def response_logits(

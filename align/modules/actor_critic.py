@@ -11,7 +11,8 @@ Building a batch (:meth:`ActorCriticModule.make_batch`), from a scored rollout o
    rollout (``whiten``, mean and std over every rank), a constant factor (``scale``) and clipping to
    ``[-clip, clip]``. A multi-turn episode's environment rewards stay on the tokens of their turns; the score
    options then apply to the other rewards only.
-2. **Values** ``V(s_t)`` of the value model at rollout time (:class:`~align.modules.critic_pass.KeptCriticPass`).
+2. **Values** ``V(s_t)`` of the value model at rollout time (:func:`~align.modules.critic_pass.critic_values`, which
+   keeps the graph of the update's first micro-batch for a separate critic on one process).
 3. **Advantages**: the ``gae`` row of :data:`align.core.estimators.ADVANTAGE_ESTIMATORS`: ``-kl.coef * KL_t`` on
    every response token (``kl.estimator``, ``k1`` by default, against the reference) and the score on the last valid
    token (docs/algorithms.md, "Response mask"), then GAE (``gae.gamma``, ``gae.lam``): advantages and returns =
@@ -27,6 +28,7 @@ puts a scalar head on the policy backbone; ``{kind: separate}`` gives a critic w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -38,8 +40,8 @@ from align.core.masks import masked_mean, masked_sum
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
-from align.modules.critic_pass import KeptCriticPass
-from align.modules.learner import RLBatch, corrected
+from align.modules.critic_pass import KeptValues, critic_values
+from align.modules.learner import Plan, RLBatch, as_token_mean, corrected
 from align.modules.options import GAE, KLPenalty, ScoreShaping, ValueTraining
 from align.modules.rl import RLModule
 from align.observability.timing import Timer
@@ -63,13 +65,15 @@ class GAEBatch(RLBatch):
     kl: torch.Tensor | None = None  # (N, R) per-token KL estimate to the reference (0 without a reference)
     scores: torch.Tensor | None = None  # (N,) sequence scores after penalty / whitening / scaling / clipping
     metrics: dict = field(default_factory=dict)  # rollout/* and train/* floats of the rollout that built it
+    plan: Plan | None = None  # the first epoch's minibatches, drawn when the values were computed
+    kept: KeptValues | None = None  # the values of plan[0][0] with their graph (critic_pass)
 
 
 class ActorCriticModule(RLModule):
     """Base of PPO and TRPO: the value model, the GAE batch and the value updates (module docstring)."""
 
     keeps_critic_pass = True
-    """Whether the critic's rollout pass keeps its graph for the update's first micro-batch
+    """Whether the critic's rollout pass may keep its graph for the update's first micro-batch
     (:mod:`align.modules.critic_pass`)."""
 
     def __init__(
@@ -90,9 +94,8 @@ class ActorCriticModule(RLModule):
                                    "expected 'reward'")
         super().__init__(policy, kl=kl, **kwargs)
         self.gae, self.scores, self.value = gae, scores, value
-        self.critic_pass = KeptCriticPass()
-        self.headline_metrics = ("val/reward_mean", *(f"val/reward/{n}" for n in self.reward.names), "val/accuracy",
-                                 "val/kl")
+        self.headline_metrics = ("val/reward_mean", *(f"val/reward/{n}" for n in self.sampler.reward.names),
+                                 "val/accuracy", "val/kl")
 
     def value_parameters(self) -> list[torch.nn.Parameter]:
         """The value model's parameters: the separate critic and its head, or the shared head."""
@@ -102,6 +105,15 @@ class ActorCriticModule(RLModule):
     def warming_up(self) -> bool:
         """Whether the current rollout (the latest one sampled) trains the value model only."""
         return self.sampler.rollouts <= self.value.warmup_rollouts
+
+    def keeps_first_values(self) -> bool:
+        """Whether the rollout's critic pass keeps its graph for the update's first micro-batch: a separate critic
+        (a shared head's values come with the policy pass) on one process (:mod:`align.modules.critic_pass`)."""
+        from lightning.pytorch.strategies import SingleDeviceStrategy
+
+        critic = self.policy.critic
+        one_process = self._trainer is None or isinstance(self.trainer.strategy, SingleDeviceStrategy)
+        return self.keeps_critic_pass and critic is not None and critic.separate and one_process
 
     def transform_scores(self, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
         """The score options (:func:`align.core.stats.transform_scores`), whitening over every rank. ``(N,) -> (N,)``;
@@ -119,14 +131,19 @@ class ActorCriticModule(RLModule):
         with Timer(scored.timings, "time/scoring_s"):
             turn_rewards = None
             if rollout.token_rewards is not None:  # multi-turn: each turn's environment reward on its last token
-                weight = self.environment.spec.weight
+                weight = self.sampler.environment.spec.weight
                 turn_rewards = weight * rollout.token_rewards  # (N, R)
                 scores = self.transform_scores(total - weight * parts["env"], rollout.truncated)
             else:
                 scores = self.transform_scores(total, rollout.truncated)
             mask, old_logprobs = rollout.response_mask, rollout.old_logprobs
-            ref_logprobs = self.sampler.reference_logprobs(rollout)
-            values = self.critic_pass.values(self, rollout, keep=self.keeps_critic_pass)  # (N, R)
+            ref_logprobs = self.reference_logprobs(rollout)
+            plan = None
+            if self.keeps_first_values():
+                widths = (RLBatch.row_widths(rollout.attention_mask, mask.shape[1])
+                          if self.updates.max_tokens_per_microbatch is not None else None)
+                plan = self.learner.plan(len(rollout), widths)
+            values, kept = critic_values(self.scorer, rollout, plan[0][0] if plan else None)  # (N, R)
             values = torch.where(mask, values, torch.zeros_like(values))
             zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
             reference = old_logprobs if ref_logprobs is None else ref_logprobs
@@ -151,7 +168,7 @@ class ActorCriticModule(RLModule):
         return GAEBatch(rollout.input_ids, rollout.attention_mask, mask, old_logprobs, corrected(out.advantages, rollout),
                         ref_logprobs,
                         values=values, returns=out.returns, rewards=out.token_rewards, kl=kl, scores=scores,
-                        metrics=metrics)
+                        metrics=metrics, plan=plan, kept=kept)
 
     # ------------------------------------------------------------------ the value model
     def value_loss(self, micro: GAEBatch, normaliser: torch.Tensor, values: torch.Tensor
@@ -160,19 +177,19 @@ class ActorCriticModule(RLModule):
         mask = micro.response_mask
         loss, clipfrac = value_loss(values, micro.values, micro.returns, mask, self.value.clip,
                                     agg=self.updates.loss_aggregation, normaliser=normaliser)
-        return loss, {"train/value_loss": self.as_token_mean(loss, normaliser, mask), "train/value_clipfrac": clipfrac}
+        return loss, {"train/value_loss": as_token_mean(loss, normaliser, mask), "train/value_clipfrac": clipfrac}
 
-    def _value_only_loss(self, micro: GAEBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _value_only_loss(self, micro: GAEBatch, normaliser: torch.Tensor, kept: KeptValues | None = None,
+                         ) -> tuple[torch.Tensor, dict]:
         # During warm-up a shared head trains alone: the policy backbone must not move before its first update.
-        values = self.critic_pass.take(self.learner.current_rows)
+        values = kept.take(micro.rows) if kept is not None else None
         if values is None:
-            values = self.policy.values(micro.input_ids, micro.attention_mask, response_length=micro.response_length,
-                                        detach_backbone=self.warming_up, padding_free=self.updates.padding_free)
+            values = self.scorer.values(micro, detach_backbone=self.warming_up)
         return self.value_loss(micro, normaliser, values)
 
     def update_value(self, data: GAEBatch) -> dict[str, float]:
         """``updates.epochs`` x ``updates.minibatches`` optimizer steps on the value loss alone."""
-        return self.update(data, self._value_only_loss)
+        return self.update(data, partial(self._value_only_loss, kept=data.kept), data.plan)
 
     def update_policy(self, data: GAEBatch) -> dict[str, float]:
         """The algorithm's own step on ``data`` (the policy, and the value model with it or after it)."""
@@ -187,7 +204,6 @@ class ActorCriticModule(RLModule):
         warmup = self.warming_up
         with Timer(self.timings, "time/update_s"):
             updates = self.update_value(data) if warmup else self.update_policy(data)
-        self.critic_pass.clear()  # an update that did not read them leaves no graph behind
         self.update_kl_controller(data.kl, data.response_mask)
         self.log_metrics({**data.metrics, **updates, **self.timings, "train/critic_warmup": float(warmup)})
 
@@ -196,6 +212,6 @@ class ActorCriticModule(RLModule):
         super().validation_step(batch, batch_idx)
         if not self.kl.enabled:
             return
-        rollout = self.sampler.rollout(batch, 1)
-        kl = kl_estimate(rollout.old_logprobs, self.sampler.reference_logprobs(rollout), self.kl.kind)
-        self._val_add("kl", masked_sum(kl, rollout.response_mask, dim=1))
+        rollout = self.sampler.rollout(batch, 1, version=self.learner.steps)
+        kl = kl_estimate(rollout.old_logprobs, self.scorer.reference_logprobs(rollout), self.kl.kind)
+        self.held_out.add_sum("kl", masked_sum(kl, rollout.response_mask, dim=1))

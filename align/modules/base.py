@@ -4,15 +4,17 @@ accumulation window (each micro-batch's exact share of an optimizer step's loss 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from align.models.policy import PolicyModel
+from align.modules.learner import Optimization
+from align.rollout.types import Ranks
 from align.trainer.clipping import clip_gradients
 from align.trainer.host_memory import keep_freed_host_memory
-from align.models.policy import PolicyModel
-from align.rollout.types import Ranks
 from align.trainer.optim import WarmupLR
 from align.trainer.strategies import release_process_group_at_exit
 
@@ -214,6 +216,7 @@ class AlignModule(TrainingModule):
         self.policy = policy
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self._standalone: tuple[torch.optim.Optimizer, object] | None = None
         if disable_dropout:
             policy.disable_dropout()
 
@@ -308,6 +311,25 @@ class AlignModule(TrainingModule):
 
     def configure_optimizers(self):
         return self.with_scheduler(self.optimizer(param_groups(self)))
+
+    # ------------------------------------------------------------------ manual optimization
+    def use_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+        """Run :meth:`update` without a trainer: it steps ``optimizer`` (and ``scheduler``) itself."""
+        self._standalone = (optimizer, scheduler)
+
+    def optimization(self) -> Optimization:
+        """The trainer's optimizer and hooks for the learner; plain torch's without a trainer."""
+        if self._trainer is None:
+            if self._standalone is None:
+                raise RuntimeError("update without a trainer: call use_optimizer(optimizer) first")
+            optimizer, scheduler = self._standalone
+            return Optimization(optimizer, scheduler, lambda loss: loss.backward(),
+                                lambda norm: torch.nn.utils.clip_grad_norm_(self.parameters(), norm))
+        from align.trainer.strategies import accumulation_boundary
+
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        return Optimization(optimizer, scheduler, self.manual_backward, partial(clip_gradients, self, optimizer),
+                            lambda last: accumulation_boundary(self, last), self.gradient_scale(), self.ranks)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Enough to rebuild the policy without the run's config (see ``align export``).

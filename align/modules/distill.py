@@ -46,10 +46,11 @@ from align.core.masks import masked_mean
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
-from align.modules.learner import RLBatch, policy_loss_terms
+from align.modules.learner import RLBatch, as_token_mean, policy_loss_terms
 from align.modules.options import ClipRange, PolicyLoss
 from align.modules.rl import RLModule
 from align.observability.timing import Timer
+from align.rollout.evaluation import Evaluator
 from align.rollout.given import given_rollout
 from align.rollout.rewards import RewardSpec
 
@@ -171,21 +172,20 @@ class DistillModule(RLModule):
         return float(torch.rand((), generator=generator)) < self.lmbda
 
     def _reverse_kl_loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        out = self.token_logprobs(micro, return_entropy=self.log_entropy)
-        loss, metrics = policy_loss_terms(self, micro, normaliser, out, self.policy_loss, self.clip)
+        out = self.scorer.logprobs(micro, entropy=self.log_entropy)
+        loss, metrics = policy_loss_terms(micro, normaliser, out, self.policy_loss, self.clip, self.updates)
         metrics["distill/reverse_kl"] = masked_mean(out.logprobs.detach() - micro.ref_logprobs, micro.response_mask)
-        metrics["train/loss"] = self.as_token_mean(loss, normaliser, micro.response_mask)
+        metrics["train/loss"] = as_token_mean(loss, normaliser, micro.response_mask)
         return loss, metrics
 
     def _gkd_loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        mask, R = micro.response_mask, micro.response_length
-        student = self.policy.response_logits(micro.input_ids, micro.attention_mask, response_length=R)
+        mask = micro.response_mask
+        student = self.scorer.response_logits(micro)
         with torch.no_grad():
-            teacher = self.policy.response_logits(micro.input_ids, micro.attention_mask, response_length=R,
-                                                  reference=True)
-        per_token = generalized_jsd(student, teacher, self.beta, self.logprob_temperature)  # (n, R)
+            teacher = self.scorer.response_logits(micro, reference=True)
+        per_token = generalized_jsd(student, teacher, self.beta, self.scorer.temperature)  # (n, R)
         loss = aggregate(per_token, mask, self.updates.loss_aggregation, normaliser)
-        return loss, {"train/loss": self.as_token_mean(loss, normaliser, mask),
+        return loss, {"train/loss": as_token_mean(loss, normaliser, mask),
                       "distill/jsd": masked_mean(per_token.detach(), mask)}
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
@@ -202,28 +202,27 @@ class DistillModule(RLModule):
                 data = RLBatch.from_rollout(rollout, torch.zeros_like(rollout.old_logprobs))
                 stats = self.update(data, self._gkd_loss)
             else:
-                teacher = self.sampler.reference_logprobs(rollout)  # (N, R) the teacher's log-probs of the samples
+                teacher = self.scorer.reference_logprobs(rollout)  # (N, R) the teacher's log-probs of the samples
                 advantages = reverse_kl_advantages(rollout.old_logprobs, teacher, rollout.response_mask)
                 stats = self.update(RLBatch.from_rollout(rollout, advantages, teacher), self._reverse_kl_loss)
         self.log_metrics({**metrics, **stats, **self.timings})
 
     # ------------------------------------------------------------------ the teacher's held-out numbers
+    def on_validation_epoch_start(self) -> None:
+        super().on_validation_epoch_start()
+        self.teacher_held_out = Evaluator(self.accuracy_reward, self.accuracy_threshold, self.device)
+
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)
         if self.teacher_scores is None and self._teacher_is_whole():
             view = _Teacher(self.policy.ref_model, self.policy.tokenizer)
             rollout = self.sampler.rollout(batch, 1, self.sampler.eval_engine, policy=view)
-            rewards, parts = self.sampler.score(batch, rollout)
-            self._val_add("teacher_count", torch.tensor(float(len(rollout)), device=self.device))
-            self._val_add("teacher_reward_mean", rewards)
-            self._val_add("teacher_accuracy", (parts[self.accuracy_reward] >= self.accuracy_threshold).float())
+            self.teacher_held_out.add(rollout, *self.sampler.score(batch, rollout))
 
     def on_validation_epoch_end(self) -> None:
-        if self._val and "teacher_count" in self._val and self.teacher_scores is None:
-            totals = {k: float(self.all_reduce_sum(self._val.pop(k)))
-                      for k in ("teacher_count", "teacher_reward_mean", "teacher_accuracy")}
-            count = max(totals.pop("teacher_count"), 1.0)
-            self.teacher_scores = {f"val/{k}": v / count for k, v in totals.items()}
+        if self.teacher_scores is None and self.teacher_held_out.count:
+            means = self.teacher_held_out.means(self.all_reduce_sum)
+            self.teacher_scores = {f"val/teacher_{k}": means[k] for k in ("reward_mean", "accuracy")}
         super().on_validation_epoch_end()
         if self.teacher_scores is not None:
             self.log_dict(self.teacher_scores, batch_size=1)

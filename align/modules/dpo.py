@@ -45,7 +45,6 @@ from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
 from align.core.preference_losses import dpo_loss, orpo_loss, simpo_loss
 from align.models.policy import PolicyModel
-from align.models.reference_cache import sequence_logps
 from align.modules.preference import PreferenceModule, pair_correct
 
 LossType = Literal["sigmoid", "conservative", "ipo", "hinge", "simpo", "orpo"]
@@ -169,7 +168,7 @@ class DPOModule(PreferenceModule):
 
     # ------------------------------------------------------------------ loss
     def pair_logps(self, batch: PreferenceBatch, split: str = "train") -> PairLogps:
-        logps = sequence_logps(self.policy, batch, padding_free=self.padding_free)  # (2B,) chosen, rejected: one pass
+        logps = self.scorer.sequence_logps(batch)  # (2B,) chosen, rejected: one pass
         tokens = batch.response_mask.sum(-1).to(logps.dtype)  # (2B,)
         chosen, rejected = logps.chunk(2)
         ref = self._reference_logps(batch, split) if self.needs_reference else (None, None)

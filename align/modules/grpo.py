@@ -43,7 +43,7 @@ from align.core.masks import masked_mean
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
-from align.modules.learner import RLBatch, policy_loss_terms
+from align.modules.learner import RLBatch, as_token_mean, policy_loss_terms
 from align.modules.options import ClipRange, GroupAdvantages, PolicyLoss
 from align.modules.rl import RLModule
 from align.observability.timing import Timer
@@ -103,15 +103,15 @@ class GRPOModule(RLModule):
         policy_loss.check_correction(self.sampler.engine)
 
     def _loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        out = self.token_logprobs(micro, return_entropy=self.log_entropy)
-        loss, metrics = policy_loss_terms(self, micro, normaliser, out, self.policy_loss, self.clip)
+        out = self.scorer.logprobs(micro, entropy=self.log_entropy)
+        loss, metrics = policy_loss_terms(micro, normaliser, out, self.policy_loss, self.clip, self.updates)
         mask = micro.response_mask
         if self.kl.enabled:
             kl = kl_estimate(out.logprobs, micro.ref_logprobs, self.kl.kind)  # (n, r)
             if self.kl.placement == "loss":
                 loss = loss + self.kl_controller.value * aggregate(kl, mask, self.updates.loss_aggregation, normaliser)
             metrics["train/kl"] = masked_mean(kl.detach(), mask)
-        metrics["train/loss"] = self.as_token_mean(loss, normaliser, mask)
+        metrics["train/loss"] = as_token_mean(loss, normaliser, mask)
         return loss, metrics
 
     def estimate_advantages(self, rewards: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ class GRPOModule(RLModule):
             return
         rollout, rewards = scored.rollout, scored.rewards  # rewards (N,)
         with Timer(self.timings, "time/update_s"):
-            ref_logprobs = self.sampler.reference_logprobs(rollout)
+            ref_logprobs = self.reference_logprobs(rollout)
             kl = None if ref_logprobs is None else kl_estimate(rollout.old_logprobs, ref_logprobs,
                                                                self.kl.kind)  # (N, R)
             advantages = self.estimate_advantages(rewards, kl, rollout.response_mask)  # (N,) or (N, R)

@@ -37,7 +37,6 @@ from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
 from align.core.preference_losses import kto_loss
 from align.models.policy import PolicyModel
-from align.models.reference_cache import sequence_logps
 from align.modules.preference import PreferenceModule
 
 
@@ -102,10 +101,9 @@ class KTOModule(PreferenceModule):
 
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:
         B = batch.num_pairs
-        free = self.padding_free
         # The completions and the mismatched ones in one pass, as the reference's: an example and its mismatched
         # completion share the prompt, which runs once, and an untrained policy scores exactly as its reference.
-        logps, kl_logps = sequence_logps(self.policy, batch, padding_free=free).split(B)  # (B,) each, with grad
+        logps, kl_logps = self.scorer.sequence_logps(batch).split(B)  # (B,) each, with grad
         kl_logps = kl_logps.detach()
         ref_logps, ref_kl_logps = self._reference_logps(batch, split)
         kl_sum = (kl_logps - ref_kl_logps).sum().float()

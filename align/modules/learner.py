@@ -7,11 +7,13 @@ by the count over the whole minibatch on all ranks (:meth:`Learner.normaliser`),
 to undo the data-parallel gradient average (``Optimization.gradient_scale``). Accumulated gradients therefore equal
 the gradient of the full minibatch loss, whatever the micro-batch size or the number of ranks.
 
-:func:`policy_loss_terms` evaluates a module's policy loss (a row of :data:`align.core.policy_losses.POLICY_LOSSES`)
-on a micro-batch, with the metrics every policy-gradient module logs.
+:func:`policy_loss_terms` evaluates a policy loss (a row of :data:`align.core.policy_losses.POLICY_LOSSES`) on a
+micro-batch, with the metrics every policy-gradient module logs.
 
-A :class:`Learner` knows nothing of Lightning: the module hands it an :class:`Optimization` (the optimizer and the
-trainer's backward, clipping and accumulation hooks, or plain torch's), so it runs in a notebook or a test as well.
+A :class:`Learner` knows nothing of Lightning nor of the module it trains: the module hands it an
+:class:`Optimization` (the optimizer and the trainer's backward, clipping and accumulation hooks, or plain torch's)
+and a loss function of a micro-batch, so it runs in a notebook or a test as well. Everything here takes what it uses
+as arguments and calls nothing back but the loss function.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from align.core.losses import loss_count
 from align.core.masks import masked_mean
 from align.core.packing import token_budget_chunks
 from align.core.policy_losses import POLICY_LOSSES, PolicyLossInputs, PolicyLossSettings
+from align.models.scoring import TokenLogprobs
 from align.modules.options import ClipRange, PolicyLoss, Updates
 from align.rollout.types import Ranks, Rollout
 
-__all__ = ["LossFn", "Learner", "Optimization", "RLBatch", "corrected", "minibatch_indices", "policy_loss_terms"]
+__all__ = ["LossFn", "Learner", "Optimization", "Plan", "RLBatch", "as_token_mean", "corrected", "minibatch_indices",
+           "policy_loss_terms"]
 
 
 @dataclass
@@ -35,7 +40,8 @@ class RLBatch:
     """Rollout rows ready for a policy update. ``N`` rows, ``T = P + R`` tokens, ``R`` response tokens.
 
     Subclasses add fields (PPO: values, returns, ...). :meth:`select` handles every tensor field by its shape:
-    ``(N, R)`` per response token, ``(N,)`` per row; other fields are per rollout and are not carried over.
+    ``(N, R)`` per response token, ``(N,)`` per row; other fields are per rollout and are not carried over. A
+    selected batch records which rows of the batch it was selected from in ``rows``.
     """
 
     input_ids: torch.Tensor  # (N, T) prompt (left-padded) + response
@@ -44,6 +50,7 @@ class RLBatch:
     old_logprobs: torch.Tensor  # (N, R) sampling log-probs: the behaviour policy of the importance ratio
     advantages: torch.Tensor  # (N, R) per-token advantages (GRPO broadcasts one per sequence)
     ref_logprobs: Optional[torch.Tensor] = None  # (N, R) reference log-probs, when a KL term needs them
+    rows: Optional[torch.Tensor] = None  # (N,) long: the rows of the batch these were selected from (None: all)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -68,7 +75,8 @@ class RLBatch:
         return int(used[-1]) + 1 if len(used) else 1
 
     def select(self, index: torch.Tensor) -> "RLBatch":
-        """The rows ``index``, with the padding columns that no selected row uses trimmed off."""
+        """The rows ``index``, with the padding columns that no selected row uses trimmed off; its ``rows`` say which
+        rows of this batch's own source they are."""
         width = self.selected_width(self.attention_mask, self.response_length, index)
         cut = self.response_length - width
         rows = {}
@@ -82,6 +90,8 @@ class RLBatch:
             elif value.dim() == 2:
                 value = value[:, :width]
             rows[f.name] = value
+        if self.rows is None:
+            rows["rows"] = index
         return type(self)(**rows)
 
     @classmethod
@@ -143,50 +153,62 @@ LossFn = Callable[[RLBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 """``loss_fn(micro, normaliser) -> (loss, {metric: value})``: the micro-batch's share of the step loss and metrics
 that are means over the micro-batch's valid tokens."""
 
+Plan = list[list[torch.Tensor]]
+"""The minibatches of one pass over a batch, each a list of micro-batches' row indices."""
+
+
+def as_token_mean(value: torch.Tensor, normaliser: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's share of a step loss (``value``, divided by the step's ``normaliser``), expressed as a mean
+    over the micro-batch's own valid tokens ``mask``: the unit of the logged ``train/*`` losses."""
+    return value.detach() * normaliser / max(float(mask.sum()), 1.0)
+
 
 class Learner:
     """``updates.epochs`` passes over a batch, ``updates.minibatches`` optimizer steps per pass, each minibatch in
     micro-batches of ``updates.micro_batch_size`` rows or of ``updates.max_tokens_per_microbatch`` padded tokens.
-    ``count(response_mask) -> ()`` is this rank's count of loss
-    terms in a minibatch (:func:`align.core.losses.loss_count`, or online DPO's decisive pairs)."""
+    ``count(response_mask) -> ()`` is this rank's count of loss terms in a minibatch (online DPO's decisive pairs);
+    by default :func:`align.core.losses.loss_count` in the unit of ``updates.loss_aggregation``, with Dr. GRPO's
+    constant normaliser counting ``max_length`` tokens per row."""
 
-    def __init__(self, updates: Updates, count: Callable[[torch.Tensor], torch.Tensor]):
-        self.updates, self.count = updates, count
+    def __init__(self, updates: Updates, max_length: int | None = None,
+                 count: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        self.updates, self.max_length = updates, max_length
+        self.count = count if count is not None else self.loss_count
         self.steps = 0
         """Optimizer steps taken: the version of the policy being trained (saved in checkpoints by the module)."""
-        self.current_rows: torch.Tensor | None = None
-        """The rows of the batch that the micro-batch being scored in :meth:`update` holds."""
-        self._planned: list[list[torch.Tensor]] | None = None
 
-    def split(self, n: int, widths: Optional[list[int]] = None) -> list[list[torch.Tensor]]:
+    def loss_count(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """This rank's count of loss terms of a minibatch's rows, in the unit of ``updates.loss_aggregation``."""
+        return loss_count(response_mask, self.updates.loss_aggregation, self.max_length)
+
+    def split(self, n: int, widths: Optional[list[int]] = None) -> Plan:
         """One pass's minibatches and micro-batches of ``n`` rows of widths ``widths`` (needed with
         ``updates.max_tokens_per_microbatch``; see :meth:`RLBatch.row_widths`), in a fresh random order."""
         u = self.updates
         return minibatch_indices(n, u.minibatches, u.micro_batch_size, widths=widths,
                                  max_tokens=u.max_tokens_per_microbatch)
 
-    def plan(self, n: int, widths: Optional[list[int]] = None) -> list[list[torch.Tensor]]:
-        """Draw the first epoch's minibatches of the next :meth:`update` of ``n`` rows (of widths ``widths``) now,
-        the same random draw that update would make, so that the rollout's scoring can prepare for its first
-        micro-batch."""
-        self._planned = self.split(n, widths)
-        return self._planned
+    def plan(self, n: int, widths: Optional[list[int]] = None) -> Plan:
+        """The first epoch's minibatches of an update of ``n`` rows (of widths ``widths``), drawn now: the same random
+        draw :meth:`update` would make first, so that a rollout's scoring can prepare for its first micro-batch. Pass
+        it to that update as ``plan``."""
+        return self.split(n, widths)
 
     def normaliser(self, response_mask: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         """The loss normaliser of one optimizer step over the minibatch rows ``response_mask`` (N_mb, R): their
         count of loss terms summed over every rank, at least 1."""
         return ranks.all_reduce(self.count(response_mask).float()).clamp(min=1.0)
 
-    def update(self, data: RLBatch, loss_fn: LossFn, opt: Optimization,
-               on_step: Callable[[], None] = lambda: None) -> dict[str, float]:
+    def update(self, data: RLBatch, loss_fn: LossFn, opt: Optimization, on_step: Callable[[], None] = lambda: None,
+               plan: Optional[Plan] = None) -> dict[str, float]:
         """Train on ``data``; returns the step metrics of ``loss_fn``, averaged over every micro-batch of every
-        rank weighted by valid tokens. The first epoch's minibatches are those drawn by :meth:`plan` when it was
-        called for these rows, else drawn here; :attr:`current_rows` names the rows of the micro-batch ``loss_fn`` is
-        given. ``on_step`` runs after every optimizer step."""
+        rank weighted by valid tokens. The first epoch's minibatches are ``plan`` (drawn by :meth:`plan` for these
+        rows) when given, else drawn here; each micro-batch ``loss_fn`` is given records its rows of ``data`` in
+        ``rows``. ``on_step`` runs after every optimizer step."""
         u, ranks = self.updates, opt.ranks
         sums: dict[str, float] = {}
         weight_total = 0.0
-        planned, self._planned = self._planned, None
+        planned = plan
         if planned is not None and sum(len(i) for mb in planned for i in mb) != len(data):
             planned = None  # drawn for other rows
         widths = (RLBatch.row_widths(data.attention_mask, data.response_length)
@@ -198,7 +220,6 @@ class Learner:
                 for j, index in enumerate(micro_indices):
                     opt.boundary(j == len(micro_indices) - 1)  # DeepSpeed: reduce on the last only
                     micro = data.select(index.to(data.input_ids.device))
-                    self.current_rows = index
                     loss, stats = loss_fn(micro, normaliser)
                     opt.backward(loss * opt.gradient_scale)
                     weight = float(micro.response_mask.sum())
@@ -213,7 +234,6 @@ class Learner:
                 on_step()
                 if opt.scheduler is not None:
                     opt.scheduler.step()
-        self.current_rows = None
         if ranks.size > 1 and sums:  # token-weighted means over every rank's micro-batches (one all-reduce)
             names = sorted(sums)
             device = data.input_ids.device
@@ -222,18 +242,19 @@ class Learner:
         return {name: value / max(weight_total, 1.0) for name, value in sums.items()}
 
 
-def policy_loss_terms(module, micro: RLBatch, normaliser: torch.Tensor, out, policy_loss: PolicyLoss,
-                      clip: ClipRange) -> tuple[torch.Tensor, dict]:
-    """``(loss share, metrics)`` of the policy loss ``policy_loss`` on the micro-batch ``micro`` whose current
-    log-probs are ``out`` (GRPO's and PPO's). With one optimizer step per rollout the old policy is the current one
+def policy_loss_terms(micro: RLBatch, normaliser: torch.Tensor, out: TokenLogprobs, policy_loss: PolicyLoss,
+                      clip: ClipRange, updates: Updates) -> tuple[torch.Tensor, dict]:
+    """``(loss share, metrics)`` of the policy loss ``policy_loss`` with the clip range ``clip`` on the micro-batch
+    ``micro`` whose current log-probs are ``out``, aggregated as ``updates.loss_aggregation`` says (GRPO's, PPO's and
+    distillation's). With one optimizer step per rollout (``updates.on_policy``) the old policy is the current one
     (detached), so the ratio is exactly 1."""
-    mask, agg = micro.response_mask, module.updates.loss_aggregation
-    old = out.logprobs.detach() if module.on_policy else micro.old_logprobs
+    mask, agg = micro.response_mask, updates.loss_aggregation
+    old = out.logprobs.detach() if updates.on_policy else micro.old_logprobs
     low, high = policy_loss.clip_bounds(clip)
     settings = PolicyLossSettings(clip_low=low, clip_high=high, agg=agg, normaliser=normaliser,
                                   tau_pos=policy_loss.tau_pos, tau_neg=policy_loss.tau_neg)
     loss, stats = POLICY_LOSSES[policy_loss.name](PolicyLossInputs(out.logprobs, old, micro.advantages, mask), settings)
-    metrics = {"train/policy_loss": module.as_token_mean(loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
+    metrics = {"train/policy_loss": as_token_mean(loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
                "train/approx_kl": stats.approx_kl}
     if out.entropy is not None:
         metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask)

@@ -73,6 +73,12 @@ class PairBatch(RLBatch):
         return super().select(torch.cat([index, index + len(self)]))
 
 
+def decisive_pairs(response_mask: torch.Tensor) -> torch.Tensor:
+    """The loss normaliser's count of a minibatch of pairs: its decisive pairs, whose chosen rows ``response_mask``
+    holds (a weightless tie's rows are empty)."""
+    return response_mask.any(dim=1).sum().float()
+
+
 class OnlineDPOModule(RLModule):
     """Online DPO on prompt data (:class:`align.data.prompts.PromptDataModule`), manual optimization.
 
@@ -81,8 +87,6 @@ class OnlineDPOModule(RLModule):
     """
 
     needs_reference = True  # the DPO loss is relative to the reference, whatever kl.coef says
-    # The loss is on the policy itself, not on its tempered sampling distribution (no ratio to the sampler here).
-    policy_temperature = 1.0
 
     def __init__(
         self,
@@ -120,17 +124,18 @@ class OnlineDPOModule(RLModule):
                                    f"0 and no kl.target, got coef {kl.coef}, target {kl.target}")
         super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
                          reward_model=reward_model, group_size=group_size, **kwargs)
-        if not any(r.weight for r in self.reward.rewards) and not (self.environment and self.environment.spec.weight):
+        environment = self.sampler.environment
+        if not any(r.weight for r in self.sampler.reward.rewards) and not (environment and environment.spec.weight):
             raise AlignConfigError("model.rewards: every training reward has weight 0, so nothing ranks the "
                                    "completions; expected a non-zero weight")
         self.beta, self.loss_type = beta, loss_type
-
-    def loss_count(self, response_mask: torch.Tensor) -> torch.Tensor:
-        """This rank's decisive pairs of a minibatch: ``response_mask`` holds the chosen rows of its pairs."""
-        return response_mask.any(dim=1).sum().float()
+        # The loss is on the policy itself, not on its tempered sampling distribution (no ratio to the sampler here),
+        # and its normaliser counts decisive pairs.
+        self.scorer.temperature = 1.0
+        self.learner.count = decisive_pairs
 
     def _loss(self, micro: PairBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        out = self.token_logprobs(micro, return_entropy=self.log_entropy)
+        out = self.scorer.logprobs(micro, entropy=self.log_entropy)
         mask = micro.response_mask  # (2p, r)
         logps, ref = masked_sum(out.logprobs, mask, dim=1), masked_sum(micro.ref_logprobs, mask, dim=1)  # (2p,)
         tokens = mask.sum(dim=1).to(logps.dtype)
@@ -173,7 +178,7 @@ class OnlineDPOModule(RLModule):
         response_mask = rollout.response_mask[rows] & decisive[order].repeat(2)[:, None]
         data = PairBatch(rollout.input_ids[rows], rollout.attention_mask[rows], response_mask,
                          rollout.old_logprobs[rows], rewards[rows, None].expand_as(response_mask))
-        data.ref_logprobs = self.sampler.reference_logprobs(data)
+        data.ref_logprobs = self.scorer.reference_logprobs(data)
         return data, metrics
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:

@@ -15,7 +15,7 @@ from align.errors import AlignConfigError
 from align.core.estimators import ADVANTAGE_ESTIMATORS, VALUE_ESTIMATORS
 from align.core.kl import KLKind
 from align.core.policy_losses import POLICY_LOSSES, SEQUENCE_LEVEL_LOSSES
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import HeldOutSampling
 
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
 
@@ -261,9 +261,9 @@ class ValueTraining:
 class Evaluation:
     """Held-out evaluation of the RL modules (each validation prompt answered once)."""
 
-    sampling: SamplingConfig | None = None
-    """How held-out completions are drawn; null: greedy with the training ``sampling.max_new_tokens``, on the
-    training engine (``sampling.engine`` and its settings)."""
+    sampling: HeldOutSampling | None = None
+    """How held-out completions are drawn; null: greedy with the training ``sampling.max_new_tokens``. Its
+    ``engine`` unset: the training engine (``sampling.engine`` and its settings)."""
     accuracy_reward: str | None = None
     """Reward whose value counts for ``val/accuracy``; null: the first eval reward, else the first reward."""
     accuracy_threshold: float = 1.0

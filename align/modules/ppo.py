@@ -19,6 +19,8 @@ Its state is saved in checkpoints.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from align.core.losses import aggregate
@@ -27,7 +29,8 @@ from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.actor_critic import ActorCriticModule, GAEBatch
 from align.modules.base import param_groups
-from align.modules.learner import policy_loss_terms
+from align.modules.critic_pass import KeptValues
+from align.modules.learner import as_token_mean, policy_loss_terms
 from align.modules.options import GAE, ClipRange, KLPenalty, PolicyLoss, ScoreShaping, Updates, ValueTraining
 from align.rollout.rewards import RewardModelSpec, RewardSpec
 
@@ -131,20 +134,21 @@ class PPOModule(ActorCriticModule):
 
     def policy_loss_of(self, micro: GAEBatch, normaliser: torch.Tensor, out) -> tuple[torch.Tensor, dict]:
         """The policy loss minus ``entropy_coef`` times the entropy: ``(loss share, metrics)``."""
-        loss, metrics = policy_loss_terms(self, micro, normaliser, out, self.policy_loss, self.clip)
+        loss, metrics = policy_loss_terms(micro, normaliser, out, self.policy_loss, self.clip, self.updates)
         if out.entropy is not None and self.entropy_coef > 0:
             loss = loss - self.entropy_coef * aggregate(out.entropy, micro.response_mask,
                                                         self.updates.loss_aggregation, normaliser)
         return loss, metrics
 
-    def _joint_loss(self, micro: GAEBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        kept = self.critic_pass.take(self.learner.current_rows)
-        out = self.token_logprobs(micro, return_entropy=self.log_entropy, return_values=kept is None)
+    def _joint_loss(self, micro: GAEBatch, normaliser: torch.Tensor, kept: KeptValues | None = None,
+                    ) -> tuple[torch.Tensor, dict]:
+        values = kept.take(micro.rows) if kept is not None else None  # the rollout pass's, for the first micro-batch
+        out = self.scorer.logprobs(micro, entropy=self.log_entropy, values=values is None)
         p_loss, p_metrics = self.policy_loss_of(micro, normaliser, out)
-        v_loss, v_metrics = self.value_loss(micro, normaliser, out.values if kept is None else kept)
+        v_loss, v_metrics = self.value_loss(micro, normaliser, out.values if values is None else values)
         loss = p_loss + self.value.coef * v_loss
-        return loss, {**p_metrics, **v_metrics, "train/loss": self.as_token_mean(loss, normaliser, micro.response_mask)}
+        return loss, {**p_metrics, **v_metrics, "train/loss": as_token_mean(loss, normaliser, micro.response_mask)}
 
     def update_policy(self, data: GAEBatch) -> dict[str, float]:
         """The PPO step: ``updates.epochs`` x ``updates.minibatches`` optimizer steps on policy + value loss."""
-        return self.update(data, self._joint_loss)
+        return self.update(data, partial(self._joint_loss, kept=data.kept), data.plan)

@@ -22,7 +22,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from align.data.preference import PreferenceBatch, PreferenceDataset
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
-from align.models.reference_cache import CachedReference, sequence_logps
+from align.models.reference_cache import CachedReference
+from align.models.scorer import Scorer
 from align.modules.base import AlignModule, PairMetrics
 from align.trainer.progress import phase
 
@@ -50,7 +51,8 @@ class PreferenceModule(AlignModule):
         padding_free: bool = False,
     ):
         super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler, disable_dropout)
-        self.padding_free = padding_free
+        self.scorer = Scorer(self.policy, padding_free=padding_free)
+        """Scores the pairs (summed response log-probs at temperature 1), the policy's and the reference's."""
         self.needs_reference = needs_reference
         self.precompute_reference = precompute_reference and needs_reference
         self.reference_cache_dir = reference_cache_dir
@@ -77,7 +79,7 @@ class PreferenceModule(AlignModule):
         """Load or compute the cached reference log-probs (:class:`CachedReference`) once a ``needed`` split lacks
         them."""
         self.cached_reference.prepare(
-            self.policy, self._datasets(), self.trainer.datamodule.eval_dataloader,
+            self.scorer, self._datasets(), self.trainer.datamodule.eval_dataloader,
             self.reference_cache_dir or Path(self.trainer.default_root_dir) / "ref_cache",
             needed=needed, updated=self.global_step > 0, device=self.device, write=self.trainer.is_global_zero,
             announce=phase)
@@ -106,7 +108,7 @@ class PreferenceModule(AlignModule):
         if self.cached_reference is not None:
             return self.cached_reference.logps(batch, split, self.device)
         with torch.no_grad():
-            return sequence_logps(self.policy, batch, reference=True, padding_free=self.padding_free).chunk(2)
+            return self.scorer.sequence_logps(batch, reference=True).chunk(2)
 
     # ------------------------------------------------------------------ loss and metrics
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:

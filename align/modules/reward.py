@@ -39,7 +39,8 @@ from align.data.preference import PreferenceBatch
 from align.core.preference_losses import bradley_terry_loss
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
-from align.models.reward import init_reward_head, save_reward_model, sequence_scores
+from align.models.reward import init_reward_head, save_reward_model
+from align.models.scorer import Scorer
 from align.modules.base import AlignModule, PairMetrics
 
 
@@ -81,7 +82,8 @@ class RewardModule(AlignModule):
         policy.critic.head.proj.bias.requires_grad_(False)
         super().__init__(policy, optimizer, scheduler, disable_dropout)
         self.use_margin = use_margin
-        self.padding_free = padding_free
+        self.scorer = Scorer(self.policy, padding_free=padding_free)
+        """Scores each sequence at its last real token (the shared critic's scalar head)."""
         self.export = export
         self.export_dtype = export_dtype
         self._window = PairMetrics()
@@ -90,7 +92,7 @@ class RewardModule(AlignModule):
     # ------------------------------------------------------------------ shared
     def pair_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chosen, rejected)`` scores, each ``(B,)``, from one forward pass over all ``2B`` rows."""
-        scores = sequence_scores(self.policy, batch.input_ids, batch.attention_mask, self.padding_free)  # (2B,)
+        scores = self.scorer.sequence_scores(batch.input_ids, batch.attention_mask)  # (2B,)
         return scores.chunk(2)
 
     def _loss_and_stats(self, batch: PreferenceBatch) -> tuple[torch.Tensor, dict]:

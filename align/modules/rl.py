@@ -1,8 +1,9 @@
-"""``RLModule``: the Lightning side of every on-policy RL algorithm, composed of a sampler, a rollout source and a
-learner (docs/architecture.md, "A step of GRPO").
+"""``RLModule``: the Lightning side of every on-policy RL algorithm, composed of a scorer, a sampler, a rollout source
+and a learner (docs/architecture.md, "A step of GRPO").
 
-* the :class:`~align.rollout.sampler.Sampler` samples and scores rollouts (engine, rewards, environment episodes,
-  reference log-probs);
+* the :class:`~align.models.scorer.Scorer` scores rows: the policy's log-probs (with entropy and values), the
+  reference's, the critic's values, at the module's temperature and packing; the losses call it directly;
+* the :class:`~align.rollout.sampler.Sampler` samples and rewards rollouts (engine, rewards, environment episodes);
 * the :class:`~align.rollout.source.RolloutSource` (``model.source``) decides which scored rollout a training step
   updates on: the inline source samples one now, the filtered source (dynamic sampling) fills an update over steps;
 * the :class:`~align.modules.learner.Learner` runs the update loop (minibatches, micro-batches, the step-wide loss
@@ -17,33 +18,63 @@ advantages and batch, ``self.update(batch, loss_fn)``, ``self.log_metrics(...)``
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.core.kl import AdaptiveKLController, FixedKLController, KLController
-from align.core.losses import loss_count
 from align.core.masks import masked_sum
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError, NoLearningSignalError
-from align.models.policy import PolicyModel, TokenLogprobs
+from align.models.policy import PolicyModel
+from align.models.scorer import Scorer
 from align.modules.base import AlignModule
-from align.modules.learner import Learner, LossFn, Optimization, RLBatch
+from align.modules.learner import Learner, LossFn, Plan, RLBatch
 from align.modules.options import Evaluation, KLPenalty, OverlongPenalty, Updates
 from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
+from align.rollout.evaluation import Evaluator
 from align.rollout.rewards import RewardModelSpec, RewardSpec, training_rewards
 from align.rollout.sampler import OverlongShaping, Sampler
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 from align.rollout.source import InlineSource, RolloutSource
 from align.rollout.types import Scored
 
-__all__ = ["NO_UPDATE_LIMIT", "RLModule"]
+__all__ = ["NO_UPDATE_LIMIT", "RLModule", "accuracy_reward", "build_sampler"]
 
 log = logging.getLogger(__name__)
 
 NO_UPDATE_LIMIT = 50
 """Training batches in a row without an update (all rewards tied) after which an RL run stops with an error."""
+
+
+def build_sampler(policy: PolicyModel, scorer: Scorer, rewards, reward_model, eval_rewards, group_size: int,
+                  sampling: SamplingConfig, eval_sampling: SamplingConfig | None, overlong: OverlongPenalty,
+                  environment) -> tuple[Sampler, list[str]]:
+    """The sampler of an RL module's settings (see :class:`RLModule`), and the names of its eval rewards; the
+    rewards, the overlong shaping and the environment are checked against each other first."""
+    environment = EnvironmentPool(environment) if environment is not None else None
+    reward, eval_names = training_rewards(rewards, reward_model, eval_rewards, environment=environment is not None)
+    if overlong.enabled and environment is not None:
+        raise AlignConfigError("model.overlong: the overlong penalty is per completion and does not apply to "
+                               "multi-turn episodes (model.environment); penalise length in the environment's "
+                               "rewards instead, or set overlong.buffer to 0")
+    shaping = (OverlongShaping(overlong.coef, overlong.buffer, overlong.resolve(sampling.max_new_tokens))
+               if overlong.enabled else None)
+    for part, taken in (("overlong", overlong.enabled), ("env", environment is not None)):
+        if taken and part in reward.names:
+            raise AlignConfigError(f"model.rewards: the name '{part}' is the {part} reward part's; rename that reward")
+    sampler = Sampler(policy, reward, group_size, sampling, eval_sampling, environment, shaping, scorer)
+    return sampler, eval_names
+
+
+def accuracy_reward(sampler: Sampler, name: str | None, eval_names: list[str]) -> str:
+    """The reward ``val/accuracy`` counts (``evaluation.accuracy_reward``): ``name``, else the first eval reward,
+    else the first reward."""
+    names = sampler.reward.names + (["env"] if sampler.environment is not None else [])
+    if name is not None and name not in names:
+        raise AlignConfigError(f"model.evaluation.accuracy_reward: {name!r} is not one of the rewards {names}; name "
+                               "one of them, or null for the first")
+    return name or (eval_names or names)[0]
 
 
 class RLModule(AlignModule):
@@ -60,8 +91,6 @@ class RLModule(AlignModule):
 
     headline_metrics = ("val/reward_mean", "val/accuracy")
     progress_metrics = ("rollout/reward_mean", "train/kl", "train/loss", "rollout/tokens_per_s")
-    policy_temperature: float | None = None
-    """Temperature of the training and reference log-probs; None: the sampling temperature (1 for greedy)."""
 
     def __init__(
         self,
@@ -118,65 +147,33 @@ class RLModule(AlignModule):
         if group_size < 1:
             raise AlignConfigError(f"model.group_size: expected >= 1, got {group_size}")
         self.automatic_optimization = False
-        environment = EnvironmentPool(environment) if environment is not None else None
-        reward, self.eval_reward_names = training_rewards(rewards, reward_model, eval_rewards,
-                                                          environment=environment is not None)
-        sampling = sampling or SamplingConfig()
-        if overlong.enabled and environment is not None:
-            raise AlignConfigError("model.overlong: the overlong penalty is per completion and does not apply to "
-                                   "multi-turn episodes (model.environment); penalise length in the environment's "
-                                   "rewards instead, or set overlong.buffer to 0")
-        shaping = (OverlongShaping(overlong.coef, overlong.buffer, overlong.resolve(sampling.max_new_tokens))
-                   if overlong.enabled else None)
-        for part, taken in (("overlong", overlong.enabled), ("env", environment is not None)):
-            if taken and part in reward.names:
-                raise AlignConfigError(f"model.rewards: the name '{part}' is the {part} reward part's; rename that "
-                                       "reward")
         self.group_size, self.kl, self.log_entropy = group_size, kl, log_entropy
-        self.sampler = Sampler(policy, reward, group_size, sampling, evaluation.sampling, environment, shaping,
-                               self.policy_temperature, updates.padding_free, self.needs_reference)
+        sampling = sampling or SamplingConfig()
+        self.scorer = Scorer(policy, temperature=sampling.temperature or 1.0, padding_free=updates.padding_free)
+        """Scores rows at the sampling temperature (the log-probs of the old and the new policy and the reference's
+        are computed alike); 1 for greedy sampling."""
+        self.sampler, self.eval_reward_names = build_sampler(
+            policy, self.scorer, rewards, reward_model, eval_rewards, group_size, sampling, evaluation.sampling,
+            overlong, environment)
         self.sampler.generation_context = self._generation_context
         self.sampler.ranks = lambda: self.ranks
         self.source = source if source is not None else InlineSource()
         self.source.bind(self.sampler)
-        self.learner = Learner(updates, self.loss_count)
+        self.learner = Learner(updates, self.sampler.max_response_tokens)
         self.kl_controller: KLController = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
                                             if kl.target is not None else FixedKLController(kl.coef))
-        names = reward.names + (["env"] if environment is not None else [])
-        if evaluation.accuracy_reward is not None and evaluation.accuracy_reward not in names:
-            raise AlignConfigError(f"model.evaluation.accuracy_reward: {evaluation.accuracy_reward!r} is not one of the "
-                                   f"rewards {names}; name one of them, or null for the first")
-        self.accuracy_reward = evaluation.accuracy_reward or (self.eval_reward_names or names)[0]
+        self.accuracy_reward = accuracy_reward(self.sampler, evaluation.accuracy_reward, self.eval_reward_names)
         self.accuracy_threshold = evaluation.accuracy_threshold
         self.timings: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
-        self._standalone: tuple[torch.optim.Optimizer, object] | None = None
         self.batches_without_update = 0
         self.max_batches_without_update = max(NO_UPDATE_LIMIT, self.source.max_steps_without_update)
 
     # ------------------------------------------------------------------ parts and their settings
     @property
     def updates(self) -> Updates:
-        """How each rollout is consumed (the learner's settings; the sampler's padding-free scoring follows them)."""
+        """How each rollout is consumed: the learner's settings."""
         return self.learner.updates
-
-    @updates.setter
-    def updates(self, value: Updates) -> None:
-        self.learner.updates = value
-        self.sampler.padding_free = value.padding_free
-
-    @property
-    def reward(self):
-        return self.sampler.reward
-
-    @property
-    def environment(self) -> EnvironmentPool | None:
-        return self.sampler.environment
-
-    @property
-    def logprob_temperature(self) -> float:
-        """Temperature of the training log-probs (:attr:`policy_temperature`, else the sampling temperature)."""
-        return self.sampler.logprob_temperature
 
     @property
     def needs_reference(self) -> bool:
@@ -185,18 +182,9 @@ class RLModule(AlignModule):
         return self.kl.enabled
 
     @property
-    def on_policy(self) -> bool:
-        """One optimizer step per rollout: the policy that sampled is the one being updated."""
-        return self.updates.on_policy
-
-    @property
     def rl_counters(self) -> dict[str, int]:
         """Training rollouts sampled and optimizer steps taken (saved in checkpoints)."""
         return {"rollouts": self.sampler.rollouts, "updates": self.learner.steps}
-
-    def loss_count(self, response_mask: torch.Tensor) -> torch.Tensor:
-        """This rank's count of loss terms of a minibatch's rows, in the unit of ``updates.loss_aggregation``."""
-        return loss_count(response_mask, self.updates.loss_aggregation, self.sampler.max_response_tokens)
 
     def _generation_context(self):
         # Sharded parameters (FSDP2, ZeRO-3) need the generation context: see align.trainer.strategies.
@@ -205,15 +193,20 @@ class RLModule(AlignModule):
         return generation_context(self)
 
     def setup(self, stage: str) -> None:
+        from align.trainer.strategies import before_process_group_release
+
         self.sampler.setup(str(self.trainer.strategy.root_device) if self._trainer is not None else None)
+        if self.needs_reference:
+            self.policy.setup_reference()
+        for engine in (self.sampler.engine, self.sampler.eval_engine):  # their process-wide state goes first
+            before_process_group_release(type(engine).shutdown)
 
     # ------------------------------------------------------------------ a training step's parts
     def next_scored(self, batch: PromptBatch) -> Scored | None:
         """The source's scored rollout for this step, its timings become :attr:`timings`; None when the source
         yields none on this step (a filtered source filling up): the step is counted as one without an update
         (:meth:`no_update`, with the source's reason) and logs nothing, so the caller just returns."""
-        self.sampler.policy_version = self.learner.steps
-        scored = self.source.next(batch)
+        scored = self.source.next(batch, self.learner.steps)
         if scored is None:
             self.no_update(self.source.no_update_reason)
             self.log_nothing()
@@ -221,10 +214,10 @@ class RLModule(AlignModule):
         self.timings = dict(scored.timings)
         return scored
 
-    def token_logprobs(self, data, reference: bool = False, **kwargs) -> TokenLogprobs:
-        """Per-token log-probs of the responses in ``data`` (and entropy or values on request), computed as the
-        sampler computes them; ``reference=True``: under the reference policy."""
-        return self.sampler.token_logprobs(data, reference=reference, **kwargs)
+    def reference_logprobs(self, rows) -> torch.Tensor | None:
+        """``(N, R)`` reference log-probs of ``rows`` (:meth:`Scorer.reference_logprobs
+        <align.models.scorer.Scorer.reference_logprobs>`) when :attr:`needs_reference`, else None."""
+        return self.scorer.reference_logprobs(rows) if self.needs_reference else None
 
     def update_kl_controller(self, kl: torch.Tensor, response_mask: torch.Tensor) -> None:
         """Feed the mean per-sequence KL ``kl`` (N, R) over all ranks to the controller; ``n_steps`` = sequences
@@ -233,35 +226,11 @@ class RLModule(AlignModule):
         seq_kl = self.all_reduce_sum(masked_sum(kl, response_mask))
         self.kl_controller.update(float(seq_kl / n.clamp(min=1)), int(n))
 
-    @staticmethod
-    def as_token_mean(value: torch.Tensor, normaliser: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's share of a step loss (``value``, divided by the step's ``normaliser``), expressed as a
-        mean over the micro-batch's own valid tokens ``mask``: the unit of the logged ``train/*`` losses."""
-        return value.detach() * normaliser / max(float(mask.sum()), 1.0)
-
     # ------------------------------------------------------------------ updates
-    def use_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
-        """Run :meth:`update` without a trainer: it steps ``optimizer`` (and ``scheduler``) itself."""
-        self._standalone = (optimizer, scheduler)
-
-    def optimization(self) -> Optimization:
-        """The trainer's optimizer and hooks for the learner; plain torch's without a trainer."""
-        if self._trainer is None:
-            if self._standalone is None:
-                raise RuntimeError("RLModule.update without a trainer: call use_optimizer(optimizer) first")
-            optimizer, scheduler = self._standalone
-            return Optimization(optimizer, scheduler, lambda loss: loss.backward(),
-                                lambda norm: torch.nn.utils.clip_grad_norm_(self.parameters(), norm))
-        from align.trainer.clipping import clip_gradients
-        from align.trainer.strategies import accumulation_boundary
-
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        return Optimization(optimizer, scheduler, self.manual_backward, partial(clip_gradients, self, optimizer),
-                            lambda last: accumulation_boundary(self, last), self.gradient_scale(), self.ranks)
-
-    def update(self, data: RLBatch, loss_fn: LossFn) -> dict[str, float]:
-        """The learner's update of ``data`` with ``loss_fn`` (:meth:`align.modules.learner.Learner.update`)."""
-        return self.learner.update(data, loss_fn, self.optimization(), self._updated)
+    def update(self, data: RLBatch, loss_fn: LossFn, plan: Plan | None = None) -> dict[str, float]:
+        """The learner's update of ``data`` with ``loss_fn`` (:meth:`align.modules.learner.Learner.update`; ``plan``:
+        its first epoch's minibatches, drawn earlier by the learner)."""
+        return self.learner.update(data, loss_fn, self.optimization(), self._updated, plan)
 
     def _updated(self) -> None:
         self.batches_without_update = 0
@@ -292,13 +261,12 @@ class RLModule(AlignModule):
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get("align") or {}
         state = dict(saved.get("rl") or {})
-        legacy = saved.get("ppo") or {}  # checkpoints written before the controller moved here
-        controller = state.pop("kl_controller", None) or legacy.get("kl_controller")
+        controller = state.pop("kl_controller", None)
         if controller:
             self.kl_controller.load_state_dict(controller)
         self.sampler.rollouts = state.get("rollouts", self.sampler.rollouts)
         self.learner.steps = state.get("updates", self.learner.steps)
-        self._saved_source = saved.get("rollout_source") or saved.get("dynamic_sampling")
+        self._saved_source = saved.get("rollout_source")
 
     def on_train_start(self) -> None:
         saved, self._saved_source = getattr(self, "_saved_source", None), None
@@ -315,34 +283,22 @@ class RLModule(AlignModule):
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_epoch_start(self) -> None:
-        self._val: dict[str, torch.Tensor] = {}
-
-    def _val_add(self, name: str, value: torch.Tensor) -> None:
-        self._val[name] = self._val.get(name, torch.zeros((), device=self.device)) + value.detach().float().sum()
+        self.held_out = Evaluator(self.accuracy_reward, self.accuracy_threshold, self.device)
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        rollout = self.sampler.rollout(batch, 1, self.sampler.eval_engine)
-        rewards, parts = self.sampler.score(batch, rollout)
-        self._val_add("count", torch.tensor(float(len(rollout)), device=self.device))
-        self._val_add("reward_mean", rewards)
-        self._val_add("accuracy", (parts[self.accuracy_reward] >= self.accuracy_threshold).float())
-        self._val["highest"] = torch.maximum(self._val.get("highest", torch.tensor(-torch.inf, device=self.device)),
-                                             parts[self.accuracy_reward].detach().float().max())
-        self._val_add("response_length", rollout.response_lengths)
-        if rollout.episodes is not None:
-            self._val_add("turns", torch.tensor([float(e["turns"]) for e in rollout.episodes], device=self.device))
-        for name, values in parts.items():
-            self._val_add(f"reward/{name}", values)
+        rollout = self.sampler.rollout(batch, 1, self.sampler.eval_engine, version=self.learner.steps)
+        self.held_out.add(rollout, *self.sampler.score(batch, rollout))
 
     def on_validation_epoch_end(self) -> None:
-        if not self._val:
-            return
-        highest = self._val.pop("highest", torch.tensor(-torch.inf, device=self.device))
-        if self._trainer is not None and self.trainer.world_size > 1:  # every rank joins, with or without rows
-            highest = self.trainer.strategy.all_gather(highest).max()
+        means = self.held_out.means(self.all_reduce_sum, self._all_max)
         # The highest accuracy reward of the run's held-out passes: below the threshold, val/accuracy is 0 by
         # construction, and the command line prints the reward's mean instead.
-        self.accuracy_reward_highest = max(getattr(self, "accuracy_reward_highest", -float("inf")), float(highest))
-        totals = {k: self.all_reduce_sum(v) for k, v in self._val.items()}
-        count = totals.pop("count").clamp(min=1.0)
-        self.log_dict({f"val/{k}": float(v / count) for k, v in totals.items()}, batch_size=1)
+        self.accuracy_reward_highest = max(getattr(self, "accuracy_reward_highest", -float("inf")),
+                                           float(self.held_out.highest))
+        if means:
+            self.log_dict({f"val/{k}": v for k, v in means.items()}, batch_size=1)
+
+    def _all_max(self, value: torch.Tensor) -> torch.Tensor:
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.all_gather(value).max()

@@ -11,6 +11,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from align.data.chat import IGNORE_INDEX
 from align.data.sft import SFTBatch
 from align.models.policy import PolicyModel
+from align.models.scorer import Scorer
 from align.modules.base import AlignModule
 
 
@@ -41,6 +42,7 @@ class SFTModule(AlignModule):
             scheduler: Learning-rate schedule callable (optimizer -> scheduler), stepped every optimizer step.
         """
         super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler)
+        self.scorer = Scorer(self.policy)
         self._reset_step_stats()
         self._val_nll = self._val_tokens = 0.0
 
@@ -51,8 +53,8 @@ class SFTModule(AlignModule):
 
     def _nll_sum(self, batch: SFTBatch) -> torch.Tensor:
         targets = torch.cat([batch.labels[:, 1:], torch.full_like(batch.labels[:, :1], IGNORE_INDEX)], dim=1)  # (B, T)
-        logprobs = self.policy.next_token_logprobs(batch.input_ids, targets, attention_mask=batch.attention_mask,
-                                                   position_ids=batch.position_ids, ignore_index=IGNORE_INDEX)
+        logprobs = self.scorer.target_logprobs(batch.input_ids, targets, attention_mask=batch.attention_mask,
+                                               position_ids=batch.position_ids)
         return -logprobs.sum()
 
     def training_step(self, batch: SFTBatch, batch_idx: int) -> torch.Tensor:

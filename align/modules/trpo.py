@@ -183,7 +183,7 @@ class TRPOModule(ActorCriticModule):
 
         def local_kl(micro: GAEBatch) -> torch.Tensor:
             with sdpa_kernel([SDPBackend.MATH]):
-                logprobs = self.token_logprobs(micro).logprobs
+                logprobs = self.scorer.logprobs(micro).logprobs
             return masked_sum(kl_estimate(micro.old_logprobs, logprobs, "k3"), micro.response_mask) / count
 
         def reduce_and_damp(local: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
@@ -207,7 +207,7 @@ class TRPOModule(ActorCriticModule):
         surrogate = torch.zeros((), device=normaliser.device)
         kl_sum = torch.zeros((), device=normaliser.device)
         for micro in micros:
-            logprobs = self.token_logprobs(micro).logprobs
+            logprobs = self.scorer.logprobs(micro).logprobs
             surrogate += self._surrogate(micro, logprobs, micro.old_logprobs, normaliser)
             kl_sum += masked_sum(kl_estimate(micro.old_logprobs, logprobs, "k3"), micro.response_mask)
         totals = self.all_reduce_sum(torch.stack([surrogate, kl_sum]))
@@ -233,7 +233,7 @@ class TRPOModule(ActorCriticModule):
             entropy_sum = torch.zeros((), device=old.device)
             offset = 0
             for micro in self._micro_batches(data):
-                out = self.token_logprobs(micro, return_entropy=self.log_entropy)
+                out = self.scorer.logprobs(micro, entropy=self.log_entropy)
                 old_logprobs = out.logprobs.detach()
                 old[offset : offset + len(micro), : micro.response_length] = old_logprobs
                 offset += len(micro)

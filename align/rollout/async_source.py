@@ -134,18 +134,17 @@ class AsyncSource(RolloutSource):
         if sampler.environment is not None:
             raise AlignConfigError("model.source: AsyncSource generates single-turn completions; multi-turn episodes "
                                    "(model.environment) run with the inline source")
-        if self.interrupt and sampler.engine.sampling.engine != "native":
-            raise AlignConfigError(f"model.source.interrupt: cutting generations at a weight update needs "
-                                   f"sampling.engine native, got {sampler.engine.sampling.engine!r}; set interrupt "
-                                   "false")
+        if self.interrupt and not sampler.engine.stops_per_token:
+            raise AlignConfigError(f"model.source.interrupt: cutting generations at a weight update needs an engine "
+                                   f"that can stop after any token (such as native), got "
+                                   f"{type(sampler.engine).__name__}; set interrupt false")
 
     # ------------------------------------------------------------------ the pipeline
-    def next(self, batch: PromptBatch) -> Optional[Scored]:
+    def next(self, batch: PromptBatch, version: int) -> Optional[Scored]:
         sampler = self.sampler
         sampler.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
         timings: dict[str, float] = {}
         self._start()
-        version = sampler.policy_version
         if not self.versions or self.versions[-1] != version:  # an update since the last step (or the first)
             self.versions = (self.versions + [version])[-(self.max_staleness + 2):]
         if self._pushed != version:
@@ -160,7 +159,7 @@ class AsyncSource(RolloutSource):
             result = self._result(item)
         self.pipeline.popleft()
         self._release()
-        return self._scored(item, result, timings)
+        return self._scored(item, result, timings, version)
 
     def _stream(self) -> tuple[Optional[int], Optional[torch.Tensor]]:
         """The next batch's random stream: the trainer's own at ``max_staleness: 0`` (handed back with the
@@ -170,12 +169,12 @@ class AsyncSource(RolloutSource):
         ranks = self.sampler.ranks()
         return (torch.initial_seed() * SEED_STRIDE + self.sent * 4099 + ranks.rank) % (2**63 - 1), None
 
-    def _scored(self, item: _Batch, result: dict[str, Any], timings: dict[str, float]) -> Scored:
+    def _scored(self, item: _Batch, result: dict[str, Any], timings: dict[str, float], now: int) -> Scored:
         sampler = self.sampler
         if item.rng is not None:
             set_rng_state(self._device.type, result["rng"])
         rollout = rollout_to(result["rollout"], self._device)
-        now, mask = sampler.policy_version, rollout.response_mask
+        mask = rollout.response_mask
         versions = rollout.token_versions
         if versions is None:
             versions = torch.full_like(rollout.response_ids, item.version)

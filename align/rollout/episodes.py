@@ -7,8 +7,8 @@ instance (:class:`align.rollout.envs.chat.EnvironmentPool`):
    its prompt ids; when they are the row's own prompt conversation, the data module's ids are used as they are.
 2. Each turn samples the next assistant message of every episode still running, in one batch, from the generation
    engine (:meth:`align.rollout.engine.GenerationEngine.decoding`, opened once for the whole rollout, over the
-   left-padded contexts; episodes that finished have left the batch). The first turn encodes each group's prompt once
-   (``sampling.shared_prefill``).
+   left-padded contexts; episodes that finished have left the batch). The first turn may encode each group's prompt
+   once (the native engine's ``shared_prefill``).
 3. ``step(message)`` of every running episode (on worker threads, time-limited) gives the reward of the turn,
    whether the episode is over, and the reply. The reply is tokenized once, as the text the template adds after the
    assistant's stop token (:meth:`align.data.chat.ChatEncoder.reply_ids`), and appended to the episode's tokens.
@@ -129,7 +129,7 @@ def play_episodes(
             limits = [spec.max_tokens - len(e.ids) for e in active]
             max_new = sampling.max_new_tokens if sync_stop is not None else min(sampling.max_new_tokens, max(limits))
             ids, mask = left_pad(contexts, pad)
-            shared = group_size if (turn == 1 and sampling.shared_prefill and len(active) == n
+            shared = group_size if (turn == 1 and len(active) == n
                                     and all(contexts[k] == contexts[k - k % group_size] for k in range(n))) else 1
             clock = time.perf_counter()
             out = decode(ids.to(device), mask.to(device), max_new_tokens=max_new,

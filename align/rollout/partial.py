@@ -59,7 +59,7 @@ def decode_with_cuts(engine, policy, ids: torch.Tensor, mask: torch.Tensor, grou
         with engine.decoding(policy, contexts.shape[1] + remaining) as decode:
             out = decode(contexts, context_mask, max_new_tokens=remaining,
                          min_new_tokens=max(s.min_new_tokens - done_so_far, 0), generator=generator, sync_stop=cut,
-                         shared_prefix=group_size if first and s.shared_prefill else 1)
+                         shared_prefix=group_size if first else 1)
         first = False
         steps = out.response_ids.shape[1]
         finished = torch.isin(out.response_ids, stop).any(dim=1) | (steps >= remaining)  # (A,)

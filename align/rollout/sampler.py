@@ -3,32 +3,36 @@
 A :class:`Sampler` is what every RL module samples and scores through (docs/architecture.md): it asks a generation
 engine (:mod:`align.rollout.engine`) for ``group_size`` completions per prompt, or plays multi-turn episodes with an
 environment (:func:`align.rollout.episodes.play_episodes`), scores them with the reward stack
-(:class:`align.rollout.rewards.CombinedReward`, DAPO's overlong shaping, the environment's rewards), and computes the
-reference log-probs the KL terms need. A rollout source (:mod:`align.rollout.source`) decides when and how often to
+(:class:`align.rollout.rewards.CombinedReward`, DAPO's overlong shaping, the environment's rewards), and, for rows
+whose log-probs are not the trainer's (another engine's, an older policy's), recomputes them with the module's
+:class:`~align.models.scorer.Scorer` and weighs them (:meth:`Sampler.correct`). It does not score rows for the
+learner: the module asks its scorer. A rollout source (:mod:`align.rollout.source`) decides when and how often to
 call it; the module's learner updates on what comes out.
 
-The module that owns a sampler tells it three things it cannot know alone: the ``generation_context`` of its
-strategy (parameters gathered from FSDP2/ZeRO-3 shards while decoding, and the cross-rank stop decision), the
-data-parallel ``ranks``, and the ``policy_version`` (optimizer steps taken), which every rollout records.
+The module that owns a sampler tells it two things it cannot know alone: the ``generation_context`` of its strategy
+(parameters gathered from FSDP2/ZeRO-3 shards while decoding, and the cross-rank stop decision) and the data-parallel
+``ranks``. Each rollout records the ``version`` of the policy that sampled it (its optimizer steps), which the
+caller passes.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager, NamedTuple, Optional
+from dataclasses import replace
+from typing import Callable, ContextManager, NamedTuple
 
 import torch
 
 from align.data.prompts import PromptBatch
 from align.errors import AlignError
+from align.models.scorer import Scorer
 from align.observability.timing import Timer, record_span
 from align.core.advantages import overlong_penalty
 from align.core.mismatch import correction_weights
-from align.rollout.engine import GenerationEngine, make_engine
+from align.rollout.engine import GenerationEngine, HeldOutSampling, SamplingConfig, engine_of, make_engine
 from align.rollout.envs.chat import EnvironmentPool
 from align.rollout.episodes import play_episodes
 from align.rollout.rewards import CombinedReward, LazyRewardModel, RewardCounts, RewardError, reward_inputs
-from align.rollout.sampling import SamplingConfig
 from align.rollout.types import Ranks, Rollout, Scored
 
 __all__ = ["OverlongShaping", "Sampler", "stop_together"]
@@ -87,37 +91,32 @@ class Sampler:
 
     def __init__(self, policy, reward: CombinedReward, group_size: int = 1, sampling: SamplingConfig | None = None,
                  eval_sampling: SamplingConfig | None = None, environment: EnvironmentPool | None = None,
-                 overlong: OverlongShaping | None = None, logprob_temperature: float | None = None,
-                 padding_free: bool = False, needs_reference: bool = False):
+                 overlong: OverlongShaping | None = None, scorer: Scorer | None = None):
         """
         Args:
-            policy: The :class:`~align.models.PolicyModel` that samples (and whose reference scores).
+            policy: The :class:`~align.models.PolicyModel` that samples.
             reward: The training rewards (weighted total and parts).
             group_size: Completions (or episodes) per prompt.
             sampling: The training engine's settings; ``eval_sampling``: the held-out engine's (greedy by default).
             environment: Multi-turn episodes instead of single completions; its rewards are the part ``env``.
             overlong: DAPO's overlong shaping (the reward part ``overlong``); None: off.
-            logprob_temperature: Temperature of the reference log-probs (default: the sampling temperature, 1 for
-                greedy), so that they compare with the sampling log-probs.
-            padding_free: Score reference passes with the rows' real tokens laid end to end.
-            needs_reference: Whether :meth:`reference_logprobs` computes anything (a KL term or a reference-relative
-                loss); otherwise it returns None and no reference is set up.
+            scorer: What recomputes the trainer's log-probs of rows whose log-probs are not the trainer's (the
+                module's scorer); default: one of ``policy`` at the sampling temperature (1 for greedy).
         """
         self.policy, self.reward, self.group_size = policy, reward, group_size
         self.engine: GenerationEngine = make_engine(sampling or SamplingConfig())
         train = self.engine.sampling
-        self.eval_engine: GenerationEngine = make_engine(eval_sampling or SamplingConfig(
-            max_new_tokens=train.max_new_tokens, temperature=0.0, engine=train.engine, vllm=train.vllm))
+        if eval_sampling is None:
+            eval_sampling = HeldOutSampling(max_new_tokens=train.max_new_tokens, temperature=0.0)
+        # The held-out engine is the training one (one object, drawing with the held-out settings) unless named.
+        eval_engine = self.engine if eval_sampling.engine is None else engine_of(eval_sampling.engine)
+        self.eval_engine: GenerationEngine = eval_engine.bound(replace(eval_sampling, engine=eval_engine))
         self.environment, self.overlong = environment, overlong
-        temperature = self.engine.sampling.temperature or 1.0
-        self.logprob_temperature = temperature if logprob_temperature is None else logprob_temperature
-        self.padding_free, self.needs_reference = padding_free, needs_reference
+        self.scorer = scorer if scorer is not None else Scorer(policy, temperature=train.temperature or 1.0)
         self.generation_context: Callable[[], ContextManager] = _no_context
         """Entered around every rollout; yields ``sync_stop`` (or None): set by the module from its strategy."""
         self.ranks: Callable[[], Ranks] = Ranks
         """The data-parallel ranks, read when needed (the module's trainer may attach after construction)."""
-        self.policy_version = 0
-        """Optimizer steps the policy has taken: recorded on every rollout (set by the module after each update)."""
         self.rollouts = 0
         """Training rollouts sampled (:meth:`sample`), saved in checkpoints by the module."""
         self.reward_counts = self._no_counts()
@@ -131,30 +130,32 @@ class Sampler:
         return self.environment.spec.max_tokens if self.environment is not None else self.engine.sampling.max_new_tokens
 
     def setup(self, device: str | None = None) -> None:
-        """Load what waits for the process's device: reward models, and the reference when one is needed."""
+        """Load what waits for the process's device: reward models."""
         for reward in self.reward.rewards:
             if isinstance(reward.fn, LazyRewardModel):
                 reward.fn.load(device)
-        if self.needs_reference:
-            self.policy.setup_reference()
 
     # ------------------------------------------------------------------ rollouts
     def rollout(self, batch: PromptBatch, group_size: int | None = None, engine: GenerationEngine | None = None,
-                policy=None) -> Rollout:
+                policy=None, version: int = 0, generator: torch.Generator | None = None) -> Rollout:
         """``group_size`` (default: the sampler's) completions or episodes per prompt, by ``engine`` (default: the
         training engine), from ``policy`` (default: the sampler's; another model with ``model`` and ``tokenizer``,
-        such as a distillation teacher whose weights are whole on every rank)."""
+        such as a distillation teacher whose weights are whole on every rank), recorded as sampled by the policy
+        ``version`` (its optimizer steps); ``generator``: the random stream of single-turn sampling (default: the
+        global one)."""
         self.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
         engine = engine or self.engine
         group_size = group_size or self.group_size
         policy = self.policy if policy is None else policy
         with self.generation_context() as sync_stop:
             if self.environment is None:
-                rollout = engine.generate(policy, batch.prompt_ids, group_size, sync_stop=sync_stop)
+                rollout = engine.generate(policy, batch.prompt_ids, group_size, generator=generator,
+                                          sync_stop=sync_stop)
             else:
-                rollout = play_episodes(policy, engine, batch, group_size, self.environment, sync_stop=sync_stop)
+                rollout = play_episodes(policy, engine, batch, group_size, self.environment, generator=generator,
+                                        sync_stop=sync_stop)
                 self.trace_environment(rollout)
-        rollout.policy_version = self.policy_version
+        rollout.policy_version = version
         return rollout
 
     def trace_environment(self, rollout: Rollout) -> None:
@@ -197,12 +198,12 @@ class Sampler:
             total = total + o.coef * parts["overlong"]
         return total, parts
 
-    def sample(self, batch: PromptBatch) -> Scored:
-        """A training rollout of ``batch`` with its rewards, timed (``time/generation_s``, ``time/scoring_s``) and
-        counted in :attr:`rollouts`."""
+    def sample(self, batch: PromptBatch, version: int = 0) -> Scored:
+        """A training rollout of ``batch`` by the policy ``version`` with its rewards, timed (``time/generation_s``,
+        ``time/scoring_s``) and counted in :attr:`rollouts`."""
         timings: dict[str, float] = {}
         with Timer(timings, "time/generation_s"):
-            rollout = self.rollout(batch)
+            rollout = self.rollout(batch, version=version)
         return self.finish(batch, rollout, timings)
 
     def finish(self, batch: PromptBatch, rollout: Rollout, timings: dict[str, float],
@@ -246,7 +247,7 @@ class Sampler:
         if not self.corrects_logprobs(exact):
             return
         mask = rollout.response_mask
-        trainer = self.token_logprobs(rollout).logprobs.float()  # (N, R)
+        trainer = self.scorer.logprobs(rollout).logprobs.float()  # (N, R)
         trainer = torch.where(mask, trainer, torch.zeros_like(trainer))
         weights, stats = correction_weights(trainer, rollout.old_logprobs, mask, mode=mode, level=correction.level,
                                             cap=correction.cap, low=correction.low, high=correction.high)
@@ -257,19 +258,7 @@ class Sampler:
                                 "rollout/correction_clipped_frac": float(stats.clipped_frac),
                                 "rollout/correction_masked_frac": float(stats.masked_frac)})
 
-    # ------------------------------------------------------------------ reference
-    def token_logprobs(self, data, reference: bool = False, **kwargs):
-        """Per-token log-probs of the responses of ``data`` (a rollout or a batch of its rows; entropy or values on
-        request), at :attr:`logprob_temperature`; ``reference=True``: under the reference policy."""
-        return self.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_mask.shape[1],
-                                          temperature=self.logprob_temperature, reference=reference,
-                                          padding_free=self.padding_free, **kwargs)
-
-    @torch.no_grad()
-    def reference_logprobs(self, data) -> Optional[torch.Tensor]:
-        """``(N, R)`` reference log-probs of the rows of ``data``, or None when no reference is needed."""
-        return self.token_logprobs(data, reference=True).logprobs if self.needs_reference else None
-
+    # ------------------------------------------------------------------ metrics
     def rollout_metrics(self, scored: Scored) -> dict[str, float]:
         """The rollout's own metrics (lengths, throughput, ...), the reward means of ``scored``, and the shares of
         the rows sampled since the last call that each reward did not apply to (``rollout/reward_na/<name>``) or

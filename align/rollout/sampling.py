@@ -5,7 +5,7 @@
 causal LM, align's :class:`~align.models.decoding.FastDecoder`, or a mock with uniform logits in the tests). It
 samples with temperature, top-k and top-p, stops a row at its first stop token and the whole batch as soon as every
 row has stopped, can forbid stopping before ``min_new_tokens``, and records the log-prob of every sampled token.
-:class:`SamplingConfig` holds the settings every generation engine (:mod:`align.rollout.engine`) reads.
+The settings every generation engine reads are :class:`align.rollout.engine.SamplingConfig`.
 
 Log-probs are computed as :meth:`align.models.policy.PolicyModel.token_logprobs` computes them in training: the
 log-softmax of ``logits / temperature`` over the *full* vocabulary, in float32. Top-k, top-p and
@@ -21,141 +21,13 @@ appended (docs/algorithms.md, "Response mask").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["EngineCorrection", "SamplingConfig", "SampleOutput", "VLLMSettings", "sample", "left_pad", "filter_logits"]
+__all__ = ["SampleOutput", "sample", "left_pad", "filter_logits"]
 
 TokenIds = Union[int, Sequence[int]]
-
-
-@dataclass
-class VLLMSettings:
-    """The vLLM engine's own settings (``sampling.vllm``, used with ``sampling.engine: vllm``; docs/generation.md).
-    The engine runs in the training process and shares its devices (colocated)."""
-
-    dtype: str = "auto"
-    """The engine's weights and activations: ``auto`` (the policy's dtype), ``float32``, ``bfloat16`` or ``float16``.
-    Below float32 its log-probs drift from the trainer's (``rollout/engine_kl``), which the correction weighs."""
-    kv_cache_gb: int = 1
-    """KV cache size in whole GiB on a CPU (``VLLM_CPU_KVCACHE_SPACE``); on a GPU ``gpu_memory_utilization`` applies."""
-    gpu_memory_utilization: float = 0.3
-    """Share of the GPU's memory the engine may take for weights and KV cache (the rest is the trainer's)."""
-    max_model_len: Optional[int] = None
-    """Longest context (prompt and response) a request may reach; null: the longest a rollout can need, capped by
-    the model's ``max_position_embeddings``."""
-    tensor_parallel_size: int = 1
-    """Devices each engine splits the model over (GPU only)."""
-    enforce_eager: bool = True
-    """Run without CUDA graphs or compilation (faster start; false captures graphs on a GPU)."""
-    max_num_seqs: int = 256
-    """Most sequences the engine decodes at once."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV cache of a shared prompt (a group's rows); reset at every weight update."""
-    lora: str = "auto"
-    """How a LoRA policy's adapter reaches the engine: ``adapter`` (a new adapter version per update, the base
-    weights sent once; vLLM's LoRA kernels), ``merged`` (the base weights with the adapter added, sent whole at every
-    update; decoding at the base model's speed) or ``auto``: ``adapter`` on a GPU, ``merged`` on a CPU, where vLLM's
-    LoRA path decoded SmolLM2 about 5x slower than its base."""
-    sleep: bool = True
-    """On a GPU, release the KV cache and weights while the trainer updates (vLLM's sleep mode) and wake for the
-    next rollout; ignored where the platform has no sleep mode (CPU)."""
-    seed: int = 0
-    """The engine's own seed."""
-    request_seeds: bool = True
-    """Give each request a seed drawn from the rollout's generator, so a run at a fixed seed samples the same
-    completions again; false leaves sampling to the engine's own generator (vLLM samples seeded requests one by one,
-    which costs a few kernel launches per row and step on a GPU)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"sampling.vllm.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_gb < 1:
-            raise ValueError(f"sampling.vllm.kv_cache_gb must be >= 1, got {self.kv_cache_gb}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("sampling.vllm.gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
-        if self.lora not in ("auto", "adapter", "merged"):
-            raise ValueError(f"sampling.vllm.lora must be auto, adapter or merged, got {self.lora!r}")
-        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
-            raise ValueError("sampling.vllm.tensor_parallel_size and max_num_seqs must be >= 1")
-
-
-@dataclass
-class EngineCorrection:
-    """How an update corrects for the engine's log-probs differing from the trainer's (:mod:`align.core.mismatch`;
-    docs/generation.md, "The sampler/trainer mismatch")."""
-
-    mode: str = "auto"
-    """``auto`` (``tis`` on an engine whose log-probs are not the trainer's, such as vLLM; ``none`` on the native
-    engine, whose are), ``tis`` (truncated importance sampling), ``mis`` (masked importance sampling) or ``none``."""
-    level: str = "token"
-    """``token``: each token its own weight; ``sequence``: a row's product of ratios (for ``gspo``/``gmpo``)."""
-    cap: float = 2.0
-    """``tis``: the largest weight."""
-    low: float = 0.5
-    """``mis``: ratios below are masked."""
-    high: float = 2.0
-    """``mis``: ratios above are masked."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("auto", "none", "tis", "mis"):
-            raise ValueError(f"sampling.correction.mode must be auto, none, tis or mis, got {self.mode!r}")
-        if self.level not in ("token", "sequence"):
-            raise ValueError(f"sampling.correction.level must be token or sequence, got {self.level!r}")
-        if self.cap < 1:
-            raise ValueError(f"sampling.correction.cap must be >= 1, got {self.cap}")
-        if not 0 <= self.low <= 1 <= self.high:
-            raise ValueError(f"sampling.correction: expected low <= 1 <= high, got low={self.low} high={self.high}")
-
-    def resolve(self, exact_logprobs: bool) -> str:
-        """The mode in effect for an engine whose log-probs are (``exact_logprobs``) or are not the trainer's."""
-        if self.mode == "auto":
-            return "none" if exact_logprobs else "tis"
-        return self.mode
-
-
-@dataclass
-class SamplingConfig:
-    """How completions are drawn."""
-
-    max_new_tokens: int = 32
-    """Longest response in tokens; a response that reaches it without a stop token is truncated."""
-    temperature: float = 1.0
-    """Softmax temperature for sampling and for the recorded log-probs; 0 means greedy decoding."""
-    top_p: float = 1.0
-    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches ``top_p`` (1 = off)."""
-    top_k: int = 0
-    """Draw from the ``top_k`` most likely tokens only (0 = off)."""
-    min_new_tokens: int = 0
-    """Stop tokens are forbidden before this many tokens have been generated."""
-    fast_decoder: bool = True
-    """Decode Llama-family models with :class:`align.models.decoding.FastDecoder` (same logits, fewer
-    operations per token); false, or a model it does not cover, samples through the model's own forward."""
-    shared_prefill: bool = True
-    """Encode each prompt once for its whole group and repeat its KV cache for the group's completions
-    (the same numbers as encoding every copy, up to float rounding); false encodes every copy."""
-    engine: str = "native"
-    """The generation engine (:data:`align.rollout.engine.ENGINES`): ``native``, align's own decoding loop, or
-    ``vllm`` (docs/generation.md)."""
-    vllm: VLLMSettings = field(default_factory=VLLMSettings)
-    """The vLLM engine's settings (``engine: vllm``)."""
-    correction: EngineCorrection = field(default_factory=EngineCorrection)
-    """The importance correction of training rollouts for the engine's log-probs (``mode: auto``: on for vLLM)."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"sampling.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
 
 
 class SampleOutput:

@@ -1,7 +1,7 @@
 """Rollout sources: where an RL module's training rollouts come from.
 
 A module pulls from its source once per training step, the way a trainer pulls batches from a data loader:
-``source.next(batch)`` turns a batch of prompts into a :class:`~align.rollout.types.Scored` rollout to update on, or
+``source.next(batch, version)`` turns a batch of prompts into a :class:`~align.rollout.types.Scored` rollout to update on, or
 ``None`` when this step yields nothing to update on (the module then takes no optimizer step). The source owns the
 policy of *when* and *how much* to sample; the :class:`~align.rollout.sampler.Sampler` it is bound to does the
 sampling and scoring. Each source is chosen in YAML with ``model.source`` (a ``class_path`` and its ``init_args``):
@@ -44,8 +44,9 @@ class RolloutSource:
         """Sample with ``sampler``; checks that this source can serve it (raises :class:`AlignConfigError`)."""
         self.sampler = sampler
 
-    def next(self, batch) -> Optional[Scored]:
-        """A scored rollout to update on for the step with prompts ``batch``, or None: no update on this step."""
+    def next(self, batch, version: int) -> Optional[Scored]:
+        """A scored rollout to update on for the step with prompts ``batch`` while the policy being trained is at
+        ``version`` (its optimizer steps), or None: no update on this step."""
         raise NotImplementedError
 
     @property
@@ -72,8 +73,8 @@ class RolloutSource:
 class InlineSource(RolloutSource):
     """One rollout of the step's prompts, sampled now by the policy being trained (synchronous RL)."""
 
-    def next(self, batch) -> Scored:
-        return self.sampler.sample(batch)
+    def next(self, batch, version: int) -> Scored:
+        return self.sampler.sample(batch, version)
 
 
 class FilteredSource(RolloutSource):
@@ -124,10 +125,10 @@ class FilteredSource(RolloutSource):
     def max_steps_without_update(self) -> int:
         return 2 * self.max_batches
 
-    def next(self, batch) -> Optional[Scored]:
+    def next(self, batch, version: int) -> Optional[Scored]:
         if not self.pending:
             self._timings = {}
-        scored = self.sampler.sample(batch)
+        scored = self.sampler.sample(batch, version)
         for key, seconds in scored.timings.items():
             self._timings[key] = self._timings.get(key, 0.0) + seconds
         ranks = self.sampler.ranks()

@@ -1,4 +1,5 @@
-"""The vLLM generation engine (``sampling.engine: vllm``): rollouts decoded by vLLM in the training process, with the
+"""The vLLM generation engine (``sampling.engine: vllm``, or its ``class_path``
+``align.rollout.vllm_engine.VLLMEngine`` with settings): rollouts decoded by vLLM in the training process, with the
 policy's weights sent to it whenever they changed.
 
 * **Colocated, one per process.** The engine is created on the first rollout, in the training process (vLLM's
@@ -9,12 +10,12 @@ policy's weights sent to it whenever they changed.
   received (each parameter's identity and in-place version counter, which every optimizer step and checkpoint load
   bumps) and sends what changed: the full weights in checkpoint form, layer by layer, through the worker's own
   ``reload_weights``; with LoRA only the adapter, as a new adapter version (the base weights stay), or, with
-  ``sampling.vllm.lora: merged`` (the default on a CPU), the weights with the adapter added. The prefix cache
+  ``lora: merged`` (the default on a CPU), the weights with the adapter added. The prefix cache
   is reset after every weight update, or a cached prompt would keep the old weights' keys and values.
 * **Log-probs.** Each sampled token's log-prob is vLLM's ``processed_logprobs``: after temperature, top-k and top-p,
   the behaviour policy the tokens were really drawn from. They are not the trainer's: the sampler recomputes the
   trainer's and weighs the update (:mod:`align.core.mismatch`, ``sampling.correction``).
-* **Sleep.** On a GPU with ``sampling.vllm.sleep``, the engine releases its KV cache (and, with full fine-tuning,
+* **Sleep.** On a GPU with ``sleep``, the engine releases its KV cache (and, with full fine-tuning,
   its weights, which the next rollout sends anyway) between rollouts, so the update has the memory.
 
 Not supported: a quantized (QLoRA) base, which vLLM cannot take from a bitsandbytes model; DoRA or other non-plain
@@ -32,14 +33,14 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import astuple, dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 
 from align.errors import AlignConfigError
 from align.rollout.engine import Decode, GenerationEngine
-from align.rollout.sampling import SampleOutput, VLLMSettings
+from align.rollout.sampling import SampleOutput
 
 __all__ = ["VLLMEngine", "close_engines"]
 
@@ -83,7 +84,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 class _Handle:
     """One vLLM engine of this process and what it last received."""
 
-    def __init__(self, policy, settings: VLLMSettings, max_model_len: int):
+    def __init__(self, policy, settings: "VLLMEngine", max_model_len: int):
         import_vllm()
         from vllm import LLM
 
@@ -246,7 +247,7 @@ def _retie_output_layer(worker) -> None:
         dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
 
-def _engine_dtype(policy, settings: VLLMSettings) -> str:
+def _engine_dtype(policy, settings: "VLLMEngine") -> str:
     if settings.dtype != "auto":
         return settings.dtype
     dtype = next(policy.base_model.parameters()).dtype
@@ -306,16 +307,16 @@ def _check_supported(policy) -> None:
                                "or bias); use the native engine or drop those settings")
 
 
-def _handle(policy, settings: VLLMSettings, capacity: int) -> _Handle:
+def _handle(policy, settings: "VLLMEngine", capacity: int) -> _Handle:
     _check_supported(policy)
     config = policy.base_model.config
     limit = getattr(config, "max_position_embeddings", None) or capacity
     max_model_len = settings.max_model_len or limit
     if capacity > max_model_len:
-        raise AlignConfigError(f"sampling.vllm.max_model_len: a rollout needs contexts of {capacity} tokens, more "
+        raise AlignConfigError(f"model.sampling.engine.max_model_len: a rollout needs contexts of {capacity} tokens, more "
                                f"than {max_model_len}; raise it or shorten prompts/max_new_tokens")
     key = (json.dumps(config.to_dict(), sort_keys=True, default=str), len(policy.tokenizer), policy.has_adapter,
-           getattr(policy.lora, "r", None), max_model_len, repr(replace(settings, request_seeds=True)))
+           getattr(policy.lora, "r", None), max_model_len, astuple(replace(settings, request_seeds=True)))
     if key not in _HANDLES:
         if not _HANDLES:
             # Runs before the exit handlers registered earlier (the trainer's process-group release among them):
@@ -342,10 +343,58 @@ def close_engines() -> None:
         _HANDLES.popitem()[1].close()
 
 
+@dataclass(eq=False)
 class VLLMEngine(GenerationEngine):
-    """Decodes with vLLM in this process (``sampling.engine: vllm``); settings in ``sampling.vllm``."""
+    """Decodes with vLLM in this process. Its settings are its own (``sampling.engine.init_args``); the engine runs
+    in the training process and shares its devices (colocated)."""
 
     exact_logprobs = False
+
+    dtype: str = "auto"
+    """The engine's weights and activations: ``auto`` (the policy's dtype), ``float32``, ``bfloat16`` or ``float16``.
+    Below float32 its log-probs drift from the trainer's (``rollout/engine_kl``), which the correction weighs."""
+    kv_cache_gb: int = 1
+    """KV cache size in whole GiB on a CPU (``VLLM_CPU_KVCACHE_SPACE``); on a GPU ``gpu_memory_utilization`` applies."""
+    gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory the engine may take for weights and KV cache (the rest is the trainer's)."""
+    max_model_len: Optional[int] = None
+    """Longest context (prompt and response) a request may reach; null: the longest a rollout can need, capped by
+    the model's ``max_position_embeddings``."""
+    tensor_parallel_size: int = 1
+    """Devices each engine splits the model over (GPU only)."""
+    enforce_eager: bool = True
+    """Run without CUDA graphs or compilation (faster start; false captures graphs on a GPU)."""
+    max_num_seqs: int = 256
+    """Most sequences the engine decodes at once."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of a shared prompt (a group's rows); reset at every weight update."""
+    lora: str = "auto"
+    """How a LoRA policy's adapter reaches the engine: ``adapter`` (a new adapter version per update, the base
+    weights sent once; vLLM's LoRA kernels), ``merged`` (the base weights with the adapter added, sent whole at every
+    update; decoding at the base model's speed) or ``auto``: ``adapter`` on a GPU, ``merged`` on a CPU, where vLLM's
+    LoRA path decoded SmolLM2 about 5x slower than its base."""
+    sleep: bool = True
+    """On a GPU, release the KV cache and weights while the trainer updates (vLLM's sleep mode) and wake for the
+    next rollout; ignored where the platform has no sleep mode (CPU)."""
+    seed: int = 0
+    """The engine's own seed."""
+    request_seeds: bool = True
+    """Give each request a seed drawn from the rollout's generator, so a run at a fixed seed samples the same
+    completions again; false leaves sampling to the engine's own generator (vLLM samples seeded requests one by one,
+    which costs a few kernel launches per row and step on a GPU)."""
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        key = "model.sampling.engine"
+        for name, ok, expected in (
+                ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
+                ("kv_cache_gb", self.kv_cache_gb >= 1, ">= 1"),
+                ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "a value in (0, 1]"),
+                ("lora", self.lora in ("auto", "adapter", "merged"), "auto, adapter or merged"),
+                ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
+                ("max_num_seqs", self.max_num_seqs >= 1, ">= 1")):
+            if not ok:
+                raise AlignConfigError(f"{key}.{name}: expected {expected}, got {getattr(self, name)!r}")
 
     @contextmanager
     def decoding(self, policy, capacity: int) -> Iterator[Decode]:
@@ -353,7 +402,7 @@ class VLLMEngine(GenerationEngine):
         # pass (Lightning validates in inference mode) and later ones from training (no_grad only), and inference
         # tensors refuse in-place writes outside it.
         with torch.inference_mode():
-            handle = _handle(policy, self.sampling.vllm, capacity)
+            handle = _handle(policy, self, capacity)
             self.decoding_metrics = handle.sync(policy)
         s, stop = self.sampling, self.stop_ids(policy.tokenizer)
         pad = policy.tokenizer.pad_token_id
@@ -366,7 +415,7 @@ class VLLMEngine(GenerationEngine):
 
             rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
             seeds = (torch.randint(0, 2**31 - 1, (len(rows),), generator=generator).tolist()
-                     if s.vllm.request_seeds else [None] * len(rows))
+                     if self.request_seeds else [None] * len(rows))
             params = [SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_tokens=max_new_tokens, min_tokens=min_new_tokens, stop_token_ids=stop,
                                      logprobs=0, seed=seed, detokenize=False) for seed in seeds]
@@ -380,7 +429,11 @@ class VLLMEngine(GenerationEngine):
             handle.sleep()
 
     def close(self) -> None:
-        """Engines are shared by the process; :func:`close_engines` releases them."""
+        """Engines are shared by the process; :meth:`shutdown` (:func:`close_engines`) releases them."""
+
+    @classmethod
+    def shutdown(cls) -> None:
+        close_engines()
 
 
 def _as_sample_output(outputs, pad_token_id: int, device) -> SampleOutput:

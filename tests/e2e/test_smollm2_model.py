@@ -12,8 +12,7 @@ from align.hub.gguf import COMPLETE, SMOLLM2
 from align.core.masks import response_mask
 from align.models import LoraSettings, PolicyModel
 from align.models.decoding import FastDecoder, fast_decoder_unsupported
-from align.rollout.engine import NativeEngine
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig, make_engine
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is 7 + 12? Reply with just the number.", "Compute 6 * 7. Answer with the number only."]
@@ -50,7 +49,7 @@ def test_a_chatml_response_ends_at_the_first_im_end_with_pad_equal_to_eos(smollm
     eos = tok.eos_token_id
     assert tok.pad_token_id == eos
     # Sampled: greedy answers stop at <|im_end|>; the mask covers it and nothing of the padding after it.
-    rollout = NativeEngine(SamplingConfig(max_new_tokens=24, temperature=0.0)).generate(smollm2_policy, prompt_ids(tok))
+    rollout = make_engine(SamplingConfig(max_new_tokens=24, temperature=0.0)).generate(smollm2_policy, prompt_ids(tok))
     # A truncated answer (the second question's greedy reply rambles past 24 tokens) gets no EOS appended.
     stopped = 0
     for ids, mask, cut in zip(rollout.response_ids, rollout.response_mask, rollout.truncated):
@@ -141,14 +140,13 @@ def test_a_chatml_episode_with_a_tool_reply_is_trained_on_the_tokens_it_sampled(
     the turn's <|im_end|>, and a training pass over the conversation gives the sampled log-probs."""
     from align.data.prompts import PromptBatch
     from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
-    from align.rollout.engine import NativeEngine
     from align.rollout.episodes import play_episodes
 
     tok = smollm2_policy.tokenizer
     messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
     batch = PromptBatch(prompt_ids(tok), list(QUESTIONS), {}, messages)
     torch.manual_seed(0)
-    rollout = play_episodes(smollm2_policy, NativeEngine(SamplingConfig(max_new_tokens=12, temperature=1.0)), batch, 1,
+    rollout = play_episodes(smollm2_policy, make_engine(SamplingConfig(max_new_tokens=12, temperature=1.0)), batch, 1,
                             EnvironmentPool(EnvironmentSpec(AlwaysTool, max_tokens=80)))
     for row, episode in enumerate(rollout.episodes):
         mask, context = rollout.response_mask[row], rollout.context_mask[row].bool()

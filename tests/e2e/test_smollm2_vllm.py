@@ -7,7 +7,8 @@ import torch
 
 from align.models import LoraSettings, PolicyModel
 from align.rollout.engine import make_engine
-from align.rollout.sampling import SamplingConfig, VLLMSettings
+from align.rollout.engine import SamplingConfig
+from align.rollout.vllm_engine import VLLMEngine
 
 from test_smollm2_model import prompt_ids
 
@@ -25,7 +26,7 @@ def _close_engines():
 def compare(policy, **vllm):
     ids = prompt_ids(policy.tokenizer)
     sampling = dict(temperature=0.0, max_new_tokens=12)
-    a = make_engine(SamplingConfig(engine="vllm", vllm=VLLMSettings(**vllm), **sampling)).generate(policy, ids, 1)
+    a = make_engine(SamplingConfig(engine=VLLMEngine(**vllm), **sampling)).generate(policy, ids, 1)
     b = make_engine(SamplingConfig(engine="native", **sampling)).generate(policy, ids, 1)
     assert a.texts == b.texts and torch.equal(a.response_ids, b.response_ids)
     trainer = policy.token_logprobs(a.input_ids, a.attention_mask, response_length=a.response_ids.shape[1]).logprobs

@@ -9,7 +9,7 @@ import torch
 
 from align.data.chat import ChatEncoder
 from align.models import CriticSettings, LoraSettings, PolicyModel
-from align.rollout.engine import NativeEngine
+from align.rollout.engine import NativeEngine, SamplingConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +31,7 @@ def test_the_samplers_logprobs_are_the_trainers(policy, device, bf16, fast_decod
     enc = ChatEncoder(policy.tokenizer)
     prompt_ids = [enc.prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
     torch.manual_seed(0)
-    engine = NativeEngine(max_new_tokens=12, temperature=0.7, fast_decoder=fast_decoder)
+    engine = NativeEngine(fast_decoder=fast_decoder).bound(SamplingConfig(max_new_tokens=12, temperature=0.7))
     with autocast(device, bf16):
         rollout = engine.generate(policy, prompt_ids, 4)
         with torch.no_grad():

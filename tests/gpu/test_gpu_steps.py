@@ -10,7 +10,7 @@ import torch
 
 from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.modules.options import Updates, ValueTraining
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 pytestmark = pytest.mark.gpu
 

@@ -181,14 +181,13 @@ def test_unsupported_models_are_named_and_fall_back_to_their_own_forward():
 
 def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
     from align.models.policy import PolicyModel
-    from align.rollout.engine import NativeEngine
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.engine import NativeEngine, SamplingConfig
 
     policy = PolicyModel("tiny")
     prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]
     rollouts = []
     for fast in (True, False):
-        engine = NativeEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast))
+        engine = NativeEngine(fast_decoder=fast).bound(SamplingConfig(max_new_tokens=10, temperature=1.0))
         rollouts.append(engine.generate(policy, prompts, group_size=2, generator=torch.Generator().manual_seed(7)))
     fast, slow = rollouts
     assert torch.equal(fast.response_ids, slow.response_ids) and fast.texts == slow.texts
@@ -198,15 +197,14 @@ def test_rollout_engine_gives_the_same_rollout_with_and_without_the_decoder():
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-decoder", "model-forward"])
 def test_a_group_shares_one_prefill_and_samples_as_if_each_copy_were_encoded(fast):
     from align.models.policy import PolicyModel
-    from align.rollout.engine import NativeEngine
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.engine import NativeEngine, SamplingConfig
 
     policy = PolicyModel("tiny")
     prompts = [[1, 40, 41, 42], [1, 50, 51], [1, 60]]
     rollouts = []
     for shared in (True, False):
-        engine = NativeEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=fast,
-                                              shared_prefill=shared))
+        engine = NativeEngine(fast_decoder=fast, shared_prefill=shared).bound(
+            SamplingConfig(max_new_tokens=10, temperature=1.0))
         rollouts.append(engine.generate(policy, prompts, group_size=3, generator=torch.Generator().manual_seed(7)))
     shared, each = rollouts
     assert torch.equal(shared.response_ids, each.response_ids) and shared.texts == each.texts

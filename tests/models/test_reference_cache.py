@@ -8,7 +8,8 @@ from safetensors.torch import save_file
 from align.data.preference import PreferenceDataModule
 from align.errors import AlignConfigError
 from align.models import PolicyModel
-from align.models.reference_cache import CachedReference, ReferenceCache, batch_to, sequence_logps
+from align.models.reference_cache import CachedReference, ReferenceCache, batch_to
+from align.models.scorer import Scorer
 
 
 def write_pairs(path, extra: str = "") -> str:
@@ -41,7 +42,7 @@ def test_concatenated_forward_equals_separate_forwards(pairs):
     B = batch.num_pairs
     assert B == 4
     with torch.no_grad():
-        together = sequence_logps(policy, batch)  # (2B,)
+        together = Scorer(policy).sequence_logps(batch)  # (2B,)
         for b, ex in enumerate(dm.train_set.examples):
             for row, response in ((b, ex.chosen_ids), (B + b, ex.rejected_ids)):
                 ids = torch.tensor([ex.prompt_ids + response])
@@ -83,7 +84,7 @@ def test_the_on_disk_format_is_pinned(tmp_path):
 def prepare(policy, path, directory, updated=False, reference=None):
     dm = train_set(path, policy, batch_size=3)
     reference = reference or CachedReference()
-    reference.prepare(policy, {"train": dm.train_set}, dm.eval_dataloader, directory, needed=("train",),
+    reference.prepare(Scorer(policy), {"train": dm.train_set}, dm.eval_dataloader, directory, needed=("train",),
                       updated=updated, device=torch.device("cpu"), write=True)
     return reference
 
@@ -94,7 +95,7 @@ def test_computed_log_probs_are_the_policys_placed_by_pair_index(pairs, tmp_path
     dm = train_set(pairs, policy)
     batch = next(iter(dm.eval_dataloader(dm.train_set)))
     with torch.no_grad():
-        live = sequence_logps(policy.eval(), batch)
+        live = Scorer(policy.eval()).sequence_logps(batch)
     chosen, rejected = reference.logps(batch, "train", torch.device("cpu"))
     torch.testing.assert_close(torch.cat([chosen, rejected]), live, atol=1e-5, rtol=1e-5)
 

@@ -16,7 +16,7 @@ from align.modules.options import Updates
 from align.rollout.async_source import AsyncSource
 from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 from align.rollout.generator import Generator, GeneratorPlacement, trainable_weights
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch
 
@@ -227,8 +227,8 @@ def test_interrupted_generations_stay_within_the_bound_and_are_counted(partial):
 
 
 def test_interruption_needs_the_native_engine():
-    with pytest.raises(AlignConfigError, match=r"^model\.source\.interrupt: cutting generations .* needs "
-                                               r"sampling\.engine native, got 'vllm'"):
+    with pytest.raises(AlignConfigError, match=r"^model\.source\.interrupt: cutting generations .* needs an engine "
+                                               r"that can stop after any token \(such as native\), got VLLMEngine"):
         module(AsyncSource(interrupt=True), sampling=SamplingConfig(engine="vllm", max_new_tokens=6))
     with pytest.raises(AlignConfigError, match=r"^model\.source\.partial: expected one of \['discard', 'continue'\]"):
         AsyncSource(partial="keep")

@@ -12,7 +12,7 @@ from align.models.policy import PolicyModel
 from align.modules.distill import DistillModule
 from align.modules.options import KLPenalty, Updates
 from align.rollout.given import given_rollout
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
@@ -42,8 +42,8 @@ def test_the_teacher_is_the_frozen_reference_and_a_reverse_kl_step_charges_each_
     # Replay the step's rollout: the logged reverse KL is the mean of log pi_S - log pi_T over the sampled tokens.
     torch.manual_seed(0)
     rollout = module.sampler.rollout(prompt_batch(module.policy))
-    student = module.token_logprobs(rollout).logprobs
-    teacher = module.token_logprobs(rollout, reference=True).logprobs
+    student = module.scorer.logprobs(rollout).logprobs
+    teacher = module.scorer.reference_logprobs(rollout)
     expected = masked_mean(student - teacher, rollout.response_mask)
     assert metrics["distill/reverse_kl"] == pytest.approx(float(expected.detach()), rel=1e-5)
     assert metrics["distill/reverse_kl"] > 0  # a random student is far from the teacher
@@ -59,9 +59,9 @@ def test_the_reverse_kl_gradient_raises_the_tokens_the_teacher_prefers():
     torch.manual_seed(0)
     rollout = module.sampler.rollout(prompt_batch(module.policy))
     mask = rollout.response_mask
-    student = module.token_logprobs(rollout).logprobs
+    student = module.scorer.logprobs(rollout).logprobs
     with torch.no_grad():
-        advantages = module.token_logprobs(rollout, reference=True).logprobs - student
+        advantages = module.scorer.reference_logprobs(rollout) - student
     surrogate = -(advantages * student)[mask].sum() / mask.sum()
     expected = torch.autograd.grad(surrogate, optimizer.params)
     for got, want in zip(optimizer.grads[0], expected):
@@ -94,7 +94,7 @@ def test_response_logits_give_the_log_probs_the_scorer_gives():
         logits = module.policy.response_logits(rollout.input_ids, rollout.attention_mask, response_length=R,
                                                reference=reference)
         picked = torch.log_softmax(logits.float(), -1).gather(-1, rollout.response_ids[..., None])[..., 0]
-        scored = module.token_logprobs(rollout, reference=reference).logprobs
+        scored = (module.scorer.reference_logprobs(rollout) if reference else module.scorer.logprobs(rollout).logprobs)
         torch.testing.assert_close(picked * rollout.response_mask, scored * rollout.response_mask, atol=1e-5,
                                    rtol=1e-5)
 

@@ -7,7 +7,7 @@ from _helpers import cpu_trainer, first_eval_batch, nudged_trainables, write_var
 
 from align.data.preference import PreferenceDataModule
 from align.models import LoraSettings, PolicyModel
-from align.models.reference_cache import sequence_logps
+from align.models.scorer import Scorer
 from align.modules.dpo import PREFERENCE_LOSSES, REFERENCE_FREE, DPOModule, PairLogps
 
 
@@ -88,8 +88,8 @@ def test_lora_reference_is_the_adapter_disabled_policy(varied_pairs):
     module.eval()
     base = PolicyModel().eval()
     with torch.no_grad():
-        torch.testing.assert_close(sequence_logps(module.policy, batch, reference=True), sequence_logps(base, batch))
-        assert not torch.allclose(sequence_logps(module.policy, batch), sequence_logps(base, batch))
+        torch.testing.assert_close(Scorer(module.policy).sequence_logps(batch, reference=True), Scorer(base).sequence_logps(batch))
+        assert not torch.allclose(Scorer(module.policy).sequence_logps(batch), Scorer(base).sequence_logps(batch))
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -109,7 +109,7 @@ def test_cached_reference_logps_equal_live_ones(varied_pairs, tmp_path, lora):
     with torch.no_grad():
         for batch in dm.eval_dataloader(dm.train_set):
             c, r = cached._reference_logps(batch, "train")
-            torch.testing.assert_close(torch.cat([c, r]), sequence_logps(live.policy, batch, reference=True),
+            torch.testing.assert_close(torch.cat([c, r]), Scorer(live.policy).sequence_logps(batch, reference=True),
                                        atol=1e-5, rtol=1e-5)
 
 
@@ -168,7 +168,7 @@ def test_orpo_is_sft_plus_the_odds_ratio_term_without_a_reference(varied_pairs):
     batch = next(iter(dm.eval_dataloader(dm.train_set)))
     loss_sum, stats = module._loss_and_stats(batch, "train")
     assert module.policy.ref_model is None  # no reference pass was needed
-    logps = sequence_logps(module.policy, batch).detach()
+    logps = Scorer(module.policy).sequence_logps(batch).detach()
     tokens = batch.response_mask.sum(-1).float()
     losses, *_, nll, log_odds = orpo_loss(*logps.chunk(2), *tokens.chunk(2), lam=0.25)
     torch.testing.assert_close(loss_sum.detach(), losses.sum())
@@ -194,10 +194,10 @@ def test_padding_free_scoring_equals_the_padded_rows(varied_pairs, lora):
     weights = torch.randn(batch.input_ids.shape[0])
     results = {}
     for free in (False, True):
-        logps = sequence_logps(policy, batch, padding_free=free)
+        logps = Scorer(policy, padding_free=free).sequence_logps(batch)
         grads = torch.autograd.grad((weights * logps).sum(), params)
         with torch.no_grad():
-            ref = sequence_logps(policy, batch, reference=True, padding_free=free)
+            ref = Scorer(policy, padding_free=free).sequence_logps(batch, reference=True)
         results[free] = logps.detach(), grads, ref
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(results[True][2], results[False][2], atol=1e-4, rtol=1e-5)

@@ -12,7 +12,7 @@ from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import GroupAdvantages, OverlongPenalty, Updates
 from align.rollout.filter import GroupFilter, concat_rollouts, informative_groups
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 from align.rollout.source import FilteredSource
 from align.rollout.types import Rollout, Scored
 

@@ -19,7 +19,7 @@ from align.modules.grpo import GRPOModule
 from align.modules.options import KLPenalty
 from align.rollout.envs.chat import EnvironmentSpec
 from align.rollout.envs.openenv_tasks import make_app, serve
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import cpu_trainer
 

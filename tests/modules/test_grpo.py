@@ -13,7 +13,7 @@ from align.modules.grpo import GRPOModule
 from align.modules.learner import RLBatch, minibatch_indices
 from align.rollout.rewards import RewardSpec
 from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, PolicyLoss, Updates
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
@@ -41,7 +41,7 @@ def test_one_minibatch_of_8_equals_8_accumulated_micro_steps_of_1(agg):
     assert len(data) == 8
     grads = {}
     for micro in (None, 1):
-        module.updates = Updates(micro_batch_size=micro, loss_aggregation=agg, max_grad_norm=None)
+        module.learner.updates = Updates(micro_batch_size=micro, loss_aggregation=agg, max_grad_norm=None)
         opt = standalone(module)
         module.update(data, module._loss)
         assert len(opt.grads) == 1
@@ -67,7 +67,7 @@ def test_micro_batches_by_token_budget_give_the_gradient_of_the_whole_minibatch(
     for name, updates in (("whole", Updates(max_grad_norm=None)),
                           ("budget", Updates(max_tokens_per_microbatch=budget, micro_batch_size=micro_batch_size,
                                              max_grad_norm=None))):
-        module.updates = updates
+        module.learner.updates = updates
         seen[name] = []
         loss_fn = lambda micro, normaliser: (seen[name].append(micro), module._loss(micro, normaliser))[1]  # noqa: E731
         opt = standalone(module)
@@ -165,7 +165,7 @@ def test_dropout_is_off_in_the_update_passes_by_default(disable):
     data = RLBatch.from_rollout(rollout, torch.zeros(len(rollout)))
     policy.train()
     with torch.no_grad():
-        first, second = module.token_logprobs(data).logprobs, module.token_logprobs(data).logprobs
+        first, second = module.scorer.logprobs(data).logprobs, module.scorer.logprobs(data).logprobs
     mask = data.response_mask
     ratio = torch.exp(first - data.old_logprobs)[mask]
     if disable:
@@ -271,10 +271,10 @@ def test_padding_free_update_equals_the_padded_rows():
     ends = torch.tensor([6, 1, 3, 6, 2, 6, 1, 4])[:, None] > torch.arange(data.response_length)
     data.response_mask &= ends
     data.attention_mask[:, -data.response_length:] *= ends
-    data.ref_logprobs = module.sampler.reference_logprobs(data)
+    data.ref_logprobs = module.scorer.reference_logprobs(data)
     grads, metrics = {}, {}
     for free in (False, True):
-        module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)
+        module.learner.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)
         opt = standalone(module)
         torch.manual_seed(1)  # the same minibatches
         metrics[free] = module.update(data, module._loss)

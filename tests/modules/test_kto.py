@@ -9,7 +9,7 @@ from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.errors import AlignConfigError
 from align.core.preference_losses import kto_loss
 from align.models import LoraSettings, PolicyModel
-from align.models.reference_cache import sequence_logps
+from align.models.scorer import Scorer
 from align.modules.dpo import DPOModule
 from align.modules.kto import KTOModule
 
@@ -39,8 +39,8 @@ def test_loss_is_kto_with_z0_from_the_mismatched_pairs(varied_pairs):
     assert batch.num_pairs == 16 and batch.label.sum() == 8  # 8 pairs: 8 desirable, 8 undesirable
     loss_sum, stats = module._loss_and_stats(batch, "train")
     with torch.no_grad():
-        logps, kl_logps = sequence_logps(module.policy, batch).chunk(2)
-        ref, ref_kl = sequence_logps(module.policy, batch, reference=True).chunk(2)
+        logps, kl_logps = Scorer(module.policy).sequence_logps(batch).chunk(2)
+        ref, ref_kl = Scorer(module.policy).sequence_logps(batch, reference=True).chunk(2)
     z0 = (kl_logps - ref_kl).mean().clamp(min=0)
     assert z0 > 0
     losses, rewards = kto_loss(logps, ref, batch.label, z0, 0.5, 1.0, 1.5)
@@ -78,7 +78,7 @@ def test_cached_reference_equals_the_live_one_and_a_few_steps_log_every_metric(v
     with torch.no_grad():
         for batch in dm.eval_dataloader(dm.train_set):
             c, kl = module.cached_reference.logps(batch, "train", torch.device("cpu"))
-            torch.testing.assert_close(torch.cat([c, kl]), sequence_logps(live, batch, reference=True),
+            torch.testing.assert_close(torch.cat([c, kl]), Scorer(live).sequence_logps(batch, reference=True),
                                        atol=1e-5, rtol=1e-5)
 
 
@@ -115,7 +115,7 @@ def test_padding_free_loss_and_gradients_equal_the_padded_ones(varied_pairs):
     batch = first_eval_batch(data(varied_pairs, batch_size=16), module.tokenizer)
     out = {}
     for free in (False, True):
-        module.padding_free = free
+        module.scorer.padding_free = free
         loss_sum, stats = module._loss_and_stats(batch, "train")
         out[free] = loss_sum.detach(), torch.autograd.grad(loss_sum, params), stats
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=1e-5)

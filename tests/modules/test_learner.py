@@ -36,7 +36,7 @@ class Recorder(torch.optim.SGD):
 def run(updates: Updates, seed: int = 0):
     w = torch.nn.Parameter(torch.tensor(1.0))
     optimizer = Recorder([w])
-    learner = Learner(updates, lambda mask: loss_count(mask, updates.loss_aggregation))
+    learner = Learner(updates)
     steps = []
 
     def loss_fn(micro: RLBatch, normaliser):  # token-sum of w * advantage over the step's tokens
@@ -75,7 +75,7 @@ def test_epochs_and_minibatches_take_one_step_each_and_clip():
 
 def test_planned_minibatches_are_the_ones_the_update_uses():
     updates = Updates(minibatches=2, micro_batch_size=2, max_grad_norm=None)
-    learner = Learner(updates, lambda mask: loss_count(mask))
+    learner = Learner(updates, count=lambda mask: loss_count(mask))
     torch.manual_seed(3)
     planned = learner.plan(N)
     torch.manual_seed(3)
@@ -85,15 +85,15 @@ def test_planned_minibatches_are_the_ones_the_update_uses():
     w = torch.nn.Parameter(torch.tensor(1.0))
 
     def loss_fn(micro, normaliser):
-        seen.append(learner.current_rows.tolist())
+        seen.append(micro.rows.tolist())
         return (w * micro.advantages).sum() * 0, {}
 
-    learner.update(batch(), loss_fn, Optimization(torch.optim.SGD([w], lr=0.0)))
-    assert seen == [i.tolist() for mb in planned for i in mb] and learner.current_rows is None
+    learner.update(batch(), loss_fn, Optimization(torch.optim.SGD([w], lr=0.0)), plan=planned)
+    assert seen == [i.tolist() for mb in planned for i in mb]
 
 
 def test_the_normaliser_sums_every_rank():
-    learner = Learner(Updates(), lambda mask: loss_count(mask))
+    learner = Learner(Updates(), count=lambda mask: loss_count(mask))
     assert float(learner.normaliser(MASK, Ranks())) == float(LENGTHS.sum())
     doubled = Ranks(0, 2, lambda x: 2 * x)  # a second rank with the same count
     assert float(learner.normaliser(MASK, doubled)) == 2 * float(LENGTHS.sum())

@@ -22,7 +22,7 @@ from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenal
 from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
 from align.rollout.rewards import RewardSpec
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import cpu_trainer
 
@@ -86,7 +86,7 @@ def test_ppo_places_each_turns_reward_on_its_last_token_before_gae(tmp_path):
     module = PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings()), group_size=2,
                        kl=KLPenalty(coef=0.0, placement="reward"), gae=GAE(gamma=1.0, lam=1.0, whiten_advantages=False),
                        updates=Updates(max_grad_norm=None), **COMMON)
-    assert module.reward.names == [] and module.needs_reference is False
+    assert module.sampler.reward.names == [] and module.needs_reference is False
     batch = next(iter(loader(module.policy, 1)))
     data = module.make_batch(module.sampler.sample(batch))
     assert data.rewards.shape == data.response_mask.shape
@@ -109,7 +109,7 @@ def test_trpo_and_online_dpo_train_on_episodes(tmp_path):
     rows = fit(trpo, tmp_path / "trpo", steps=1)
     assert any(r.get("rollout/turns") for r in rows)
     online = OnlineDPOModule(policy=PolicyModel("tiny-sort"), group_size=4, **COMMON)
-    assert online.reward.names == []
+    assert online.sampler.reward.names == []
     rows = fit(online, tmp_path / "online_dpo", steps=1)
     assert any(r.get("rollout/turns") for r in rows)
 

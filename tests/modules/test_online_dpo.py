@@ -11,7 +11,7 @@ from align.modules.learner import minibatch_indices
 from align.modules.online_dpo import OnlineDPOModule, PairBatch
 from align.modules.options import KLPenalty, Updates
 from align.rollout.rewards import RewardSpec
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
@@ -48,7 +48,7 @@ def test_pairs_put_the_higher_reward_first_and_drop_ties():
     assert metrics["rollout/reward_chosen"] == pytest.approx((1.0 + 2.0 + 0.3 + 4.0) / 4)
     # The reference is loaded with kl.coef 0 and scores exactly the selected rows (it is the initial policy).
     assert module.policy.ref_model is not None
-    torch.testing.assert_close(data.ref_logprobs, module.token_logprobs(data).logprobs.detach())
+    torch.testing.assert_close(data.ref_logprobs, module.scorer.logprobs(data).logprobs.detach())
     # select() takes pairs: pair 1 brings its chosen and its rejected row.
     assert data.select(torch.tensor([1])).input_ids.shape[0] == 2
 
@@ -83,7 +83,7 @@ def hand_built(module, logps, refs, decisive=(True, True)):
     data = PairBatch(torch.zeros(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long), mask,
                      torch.zeros(4, 2), torch.zeros(4, 2), torch.tensor(refs))
     token_logps = torch.tensor(logps, requires_grad=True)
-    module.token_logprobs = lambda micro, **kw: TokenLogprobs(token_logps, None, None)
+    module.scorer.logprobs = lambda micro, **kw: TokenLogprobs(token_logps, None, None)
     return data, token_logps
 
 
@@ -180,7 +180,7 @@ def test_one_step_of_four_pairs_equals_four_accumulated_micro_steps_of_one():
     assert len(data) == 4
     grads = {}
     for micro in (None, 1):
-        module.updates = Updates(micro_batch_size=micro, max_grad_norm=None)
+        module.learner.updates = Updates(micro_batch_size=micro, max_grad_norm=None)
         opt = standalone(module)
         module.update(data, module._loss)
         grads[micro] = opt.grads[0]

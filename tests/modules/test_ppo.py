@@ -17,7 +17,7 @@ from align.modules.actor_critic import GAEBatch
 from align.modules.ppo import PPOModule
 from align.rollout.rewards import RewardSpec
 from align.modules.options import GAE, KLPenalty, PolicyLoss, ScoreShaping, Updates, ValueTraining
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 from align.rollout.types import Rollout
 
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone
@@ -142,7 +142,7 @@ def test_joint_update_steps_and_accumulation_matches_one_micro_batch():
         assert name in stats, name
     grads = {}
     for micro in (None, 1):
-        module.updates = Updates(micro_batch_size=micro, max_grad_norm=None)
+        module.learner.updates = Updates(micro_batch_size=micro, max_grad_norm=None)
         opt = standalone(module)
         module.update_policy(data)
         grads[micro] = [g for g in opt.grads[0] if g is not None]
@@ -280,7 +280,7 @@ def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
         head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
     batches, grads = {}, {}
     for free in (False, True):
-        module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)
+        module.learner.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, padding_free=free)
         torch.manual_seed(1)  # the same minibatches (the first epoch's are drawn as the rollout is scored)
         batches[free] = data = module.make_batch(module.sampler.sample(prompt_batch(policy, PROMPTS[:4])))
         opt = standalone(module)
@@ -317,7 +317,7 @@ def test_the_critics_rollout_pass_serves_the_update_first_micro_batch(micro_batc
     batches, grads, calls = {}, {}, {}
     for keep in (True, False):
         module.keeps_critic_pass = keep
-        module.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, micro_batch_size=micro_batch_size)
+        module.learner.updates = Updates(epochs=2, minibatches=2, max_grad_norm=None, micro_batch_size=micro_batch_size)
         torch.manual_seed(1)
         critic_calls.clear()
         batches[keep] = data = module.make_batch(module.sampler.sample(prompt_batch(policy, PROMPTS[:4])))
@@ -335,4 +335,4 @@ def test_the_critics_rollout_pass_serves_the_update_first_micro_batch(micro_batc
     for step_kept, step_again in zip(grads[True], grads[False]):
         for kept, again in zip(step_kept, step_again):
             torch.testing.assert_close(kept, again, atol=1e-6 * max(1.0, float(again.abs().max())), rtol=1e-4)
-    assert module.critic_pass.take(None) is None
+    assert batches[True].kept.values is None and batches[False].kept is None  # taken by the first micro-batch

@@ -241,7 +241,7 @@ def test_padding_free_scores_and_gradients_equal_the_padded_rows(varied_pairs, l
     assert float(batch.attention_mask.float().mean()) < 0.8  # padding to save
     out = {}
     for free in (False, True):
-        module.padding_free = free
+        module.scorer.padding_free = free
         chosen, rejected = module.pair_scores(batch)
         loss, _ = module._loss_and_stats(batch)
         out[free] = torch.cat([chosen, rejected]).detach(), torch.autograd.grad(loss, params)

@@ -15,7 +15,7 @@ from align.models.policy import PolicyModel
 from align.modules.trpo import TRPOModule
 from align.errors import AlignConfigError
 from align.modules.options import TrustRegion, Updates, ValueTraining
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 from _helpers import length_reward, prompt_batch, standalone
 
@@ -39,14 +39,14 @@ def measured_kl(module, data, old):
     """Mean k3 KL(old || current) over valid tokens, computed independently of the module's step."""
     with torch.no_grad():
         new = module.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_length,
-                                  temperature=module.logprob_temperature).logprobs
+                                  temperature=module.scorer.temperature).logprobs
     return float(masked_mean(kl_estimate(old, new, "k3"), data.response_mask))
 
 
 def current_logprobs(module, data):
     with torch.no_grad():
         return module.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_length,
-                                   temperature=module.logprob_temperature).logprobs
+                                   temperature=module.scorer.temperature).logprobs
 
 
 def test_accepted_step_stays_inside_the_trust_region_and_improves_the_surrogate():
@@ -178,7 +178,7 @@ def test_padding_free_trust_region_step_equals_the_padded_rows():
     start = snapshot(params)
     after, metrics = {}, {}
     for free in (False, True):
-        module.updates = Updates(padding_free=free)
+        module.learner.updates = Updates(padding_free=free)
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s)

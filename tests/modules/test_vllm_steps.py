@@ -14,7 +14,8 @@ from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import KLPenalty, PolicyLoss, Updates
 from align.modules.ppo import PPOModule
-from align.rollout.sampling import EngineCorrection, SamplingConfig, VLLMSettings
+from align.rollout.engine import EngineCorrection, SamplingConfig
+from align.rollout.vllm_engine import VLLMEngine
 
 from _helpers import cpu_trainer, length_reward, prompt_batch, standalone
 
@@ -32,7 +33,7 @@ def _close_engines():
 
 
 def vllm(max_new_tokens=6, **kw) -> SamplingConfig:
-    return SamplingConfig(engine="vllm", max_new_tokens=max_new_tokens, **kw)
+    return SamplingConfig(**{"engine": "vllm", "max_new_tokens": max_new_tokens, **kw})
 
 
 def grpo(**kw):
@@ -54,7 +55,7 @@ def test_grpo_off_policy_minibatches_train_on_the_trainers_logprobs_and_log_the_
 
 
 def test_a_bfloat16_engine_drifts_and_the_update_is_weighted():
-    module = grpo(sampling=vllm(max_new_tokens=8, vllm=VLLMSettings(dtype="bfloat16"),
+    module = grpo(sampling=vllm(max_new_tokens=8, engine=VLLMEngine(dtype="bfloat16"),
                                 correction=EngineCorrection(mode="tis", cap=1.01)))
     torch.manual_seed(0)
     scored = module.sampler.sample(prompt_batch(module.policy))
@@ -65,7 +66,7 @@ def test_a_bfloat16_engine_drifts_and_the_update_is_weighted():
     assert (weights <= 1.01 + 1e-6).all() and (weights != 1).any()
     assert scored.rollout.metrics["rollout/engine_kl"] > 0
     # The trainer's own log-probs are what the update's ratio starts from.
-    trainer = module.token_logprobs(rollout).logprobs
+    trainer = module.scorer.logprobs(rollout).logprobs
     assert torch.allclose(rollout.old_logprobs[mask], trainer[mask], atol=1e-5)
     from align.modules.learner import RLBatch
 

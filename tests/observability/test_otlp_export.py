@@ -148,7 +148,7 @@ def test_a_grpo_step_has_the_documented_section_spans(receiver, tmp_path):
     from align.data.prompts import PromptBatch
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.engine import SamplingConfig
 
     policy = PolicyModel("tiny", seed=2)
     prompt = "sort: b a"
@@ -188,7 +188,7 @@ def test_every_environment_call_of_a_multi_turn_rollout_is_a_span_under_generati
     from align.rollout.envs.chat import EnvironmentSpec
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.engine import SamplingConfig
 
     policy = PolicyModel("tiny", seed=2)
     messages = [[{"role": "user", "content": p}] for p in ("sort: b a", "sort: d c")]

@@ -18,7 +18,7 @@ from align.errors import AlignEnvError
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.grpo import GRPOModule
 from align.modules.options import KLPenalty, Updates
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 THIS = str(Path(__file__).resolve())
 PROMPTS = ["sort: d a c", "sort: b a", "sort: c c a b", "sort: j e"]
@@ -94,16 +94,16 @@ def test_environment_tokens_are_context_without_loss_or_kl_and_trained_logprobs_
     width = rollout.prompt_ids.shape[1]
     assert torch.equal(rollout.attention_mask[:, width:], rollout.context_mask)
     # Trained log-probs (one forward pass over the whole conversation) equal the sampled ones, every turn.
-    trained = m.token_logprobs(rollout).logprobs.detach()
+    trained = m.scorer.logprobs(rollout).logprobs.detach()
     mask = rollout.response_mask
     torch.testing.assert_close(trained[mask], rollout.old_logprobs[mask], atol=2e-5, rtol=0)
     # The loss (clipped surrogate + k3 KL in the loss) has no gradient on environment tokens.
     from align.modules.learner import RLBatch
 
-    ref = m.sampler.reference_logprobs(rollout)
+    ref = m.scorer.reference_logprobs(rollout)
     data = RLBatch.from_rollout(rollout, torch.linspace(-1, 1, len(rollout)), ref)
     leaf = (trained + 0.05 * torch.randn_like(trained)).requires_grad_()  # off-policy: ratios away from 1
-    m.token_logprobs = lambda micro, **kw: TokenLogprobs(leaf[: len(micro), : micro.response_length], None, None)
+    m.scorer.logprobs = lambda micro, **kw: TokenLogprobs(leaf[: len(micro), : micro.response_length], None, None)
     loss, stats = m._loss(data.select(torch.arange(len(data))), torch.tensor(float(mask.sum())))
     loss.backward()
     assert stats["train/kl"] > 0

@@ -16,7 +16,7 @@ from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import Updates
 from align.rollout.rewards import RewardSpec
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 VALIDATION = "align:sort/prompts/validation.jsonl"
 ROWS = [
@@ -281,7 +281,7 @@ def test_one_line_errors(capsys, tmp_path, prompts):
     assert "pass@4 needs at least 4 samples per prompt, but --n is 2" in fails(
         capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards", "align.rewards.sort_format",
         "--n", "2", "--k", "4")
-    assert "--temperature must be >= 0" in fails(capsys, "generate", "--model", "tiny-sort", "--prompts", prompts,
+    assert "--temperature: expected >= 0 (0: greedy), got -1.0" in fails(capsys, "generate", "--model", "tiny-sort", "--prompts", prompts,
                                                  "--output", out, "--temperature", "-1")
     assert "only an align checkpoint records the model its run started from" in fails(
         capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards", "align.rewards.sort_format",
@@ -310,8 +310,8 @@ def test_test_and_predict_are_not_subcommands(capsys, name):
 
 def test_the_report_says_when_no_completion_could_reach_the_accuracy_threshold():
     from align.cli.generation import _report_table
-    from align.rollout.generation import EvalReport
-    from align.rollout.sampling import SamplingConfig
+    from align.rollout.evaluation import EvalReport
+    from align.rollout.engine import SamplingConfig
 
     report = EvalReport(model="m", prompts="p.jsonl", num_prompts=2, samples_per_prompt=1, sampling={},
                         reward_mean=0.4, rewards={"half": 0.4}, accuracy=0.0, accuracy_reward="half",

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from align.models.policy import PolicyModel
-from align.rollout.engine import NativeEngine
+from align.rollout.engine import NativeEngine, make_engine
 from align.rollout.partial import decode_with_cuts
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 PROMPTS = ["sort: d a c b", "sort: b a", "sort: c c a", "sort: j e f g"]
 
@@ -51,7 +51,7 @@ def logprobs_under(policy, ids, mask, response):
 
 
 def test_without_a_cut_it_is_the_engines_generation(policy):
-    engine = NativeEngine(SamplingConfig(max_new_tokens=8, temperature=1.0))
+    engine = make_engine(SamplingConfig(max_new_tokens=8, temperature=1.0))
     ids, mask, _ = contexts(policy, engine)
     out, versions, stats = decode_with_cuts(engine, policy, ids, mask, 2, torch.Generator().manual_seed(3),
                                             lambda: False, None, 5, "continue")
@@ -64,7 +64,7 @@ def test_without_a_cut_it_is_the_engines_generation(policy):
 @pytest.mark.parametrize("partial", ["continue", "discard"])
 def test_cut_rows_are_continued_or_regenerated_under_the_new_weights(policy, partial):
     torch.manual_seed(0)
-    engine = NativeEngine(SamplingConfig(max_new_tokens=10, temperature=1.0, fast_decoder=False))
+    engine = NativeEngine(fast_decoder=False).bound(SamplingConfig(max_new_tokens=10, temperature=1.0))
     ids, mask, _ = contexts(policy, engine)
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     updates = Updates(policy, at=3)

@@ -16,12 +16,11 @@ from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.online_dpo import OnlineDPOModule
 from align.modules.ppo import PPOModule
-from align.rollout import engine as engines
-from align.rollout.engine import GenerationEngine, make_engine
+from align.rollout.engine import GenerationEngine, HeldOutSampling, SamplingConfig, make_engine
 from align.rollout.filter import concat_rollouts
 from align.rollout.rewards import training_rewards
 from align.rollout.sampler import Sampler
-from align.rollout.sampling import SampleOutput, SamplingConfig
+from align.rollout.sampling import SampleOutput
 from align.rollout.source import FilteredSource, InlineSource
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
@@ -40,22 +39,20 @@ def sampler_of(policy, group_size=2, **kw) -> Sampler:
 
 def test_a_sampled_rollout_is_scored_timed_counted_and_versioned(policy):
     sampler = sampler_of(policy)
-    sampler.policy_version = 7
-    scored = sampler.sample(prompt_batch(policy, PROMPTS[:3]))
+    scored = sampler.sample(prompt_batch(policy, PROMPTS[:3]), version=7)
     assert len(scored.rollout) == 6 and scored.rewards.shape == (6,) and set(scored.parts) == {"length_reward"}
     assert set(scored.timings) == {"time/generation_s", "time/scoring_s"}
     assert scored.rollout.policy_version == 7 and sampler.rollouts == 1
     expected = torch.tensor([float(len(t) % 3) for t in scored.rollout.texts])
     assert torch.equal(scored.rewards, expected)
-    assert sampler.reference_logprobs(scored.rollout) is None  # no KL term: no reference
+    assert not hasattr(sampler, "reference_logprobs") and not hasattr(sampler, "token_logprobs")  # the scorer's
 
 
 def test_joined_rollouts_keep_the_oldest_policy_version(policy):
     sampler = sampler_of(policy)
     batch = prompt_batch(policy, PROMPTS[:2])
     first = sampler.rollout(batch)
-    sampler.policy_version = 3
-    second = sampler.rollout(batch)
+    second = sampler.rollout(batch, version=3)
     joined = concat_rollouts([second, first], policy.tokenizer.pad_token_id)
     assert (first.policy_version, second.policy_version, joined.policy_version) == (0, 3, 0)
 
@@ -76,13 +73,13 @@ class ScriptedEngine(GenerationEngine):
         yield decode
 
 
-def test_a_new_engine_is_a_class_and_a_row_of_the_table(policy, monkeypatch):
+def test_a_new_engine_is_a_class_named_by_its_path(policy):
     eos = policy.tokenizer.eos_token_id
     ScriptedEngine.tokens = policy.tokenizer.encode("a b", add_special_tokens=False) + [eos]
-    monkeypatch.setitem(engines.ENGINES, "scripted", ScriptedEngine)
-    assert isinstance(make_engine(SamplingConfig(engine="scripted")), ScriptedEngine)
+    path = f"{ScriptedEngine.__module__}.ScriptedEngine"
+    assert isinstance(make_engine(SamplingConfig(engine=path)), ScriptedEngine)
     module = GRPOModule(policy=policy, rewards=[length_reward], group_size=2, log_entropy=False,
-                        sampling=SamplingConfig(max_new_tokens=6, engine="scripted"))
+                        sampling=SamplingConfig(max_new_tokens=6, engine=ScriptedEngine()))
     assert isinstance(module.sampler.engine, ScriptedEngine)
     assert isinstance(module.sampler.eval_engine, ScriptedEngine)  # held out: the training engine, greedy
     assert module.sampler.eval_engine.sampling.temperature == 0
@@ -95,15 +92,18 @@ def test_a_new_engine_is_a_class_and_a_row_of_the_table(policy, monkeypatch):
 
 
 def test_an_unknown_engine_fails_naming_the_setting():
-    with pytest.raises(ValueError, match=r"^sampling\.engine must be one of \['native', 'vllm'\], got 'sglang'"):
-        make_engine(SamplingConfig(engine="sglang"))
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: expected native, vllm or the import path of "
+                                               r"a GenerationEngine subclass, got 'sglang'$"):
+        SamplingConfig(engine="sglang")
+    with pytest.raises(AlignConfigError, match=r"^model\.evaluation\.sampling\.engine: 'torch\.nn\.Linear' is not a subclass"):
+        HeldOutSampling(engine="torch.nn.Linear")
 
 
 def test_the_inline_source_samples_every_step(policy):
     sampler = sampler_of(policy)
     source = InlineSource()
     source.bind(sampler)
-    assert len(source.next(prompt_batch(policy, PROMPTS[:2])).rollout) == 4 and not source.pending
+    assert len(source.next(prompt_batch(policy, PROMPTS[:2]), 0).rollout) == 4 and not source.pending
     assert source.state_dict() == {} and source.max_steps_without_update == 0
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from align.core.masks import response_mask
-from align.rollout.engine import NativeEngine
-from align.rollout.sampling import SamplingConfig, filter_logits, left_pad, sample
+from align.rollout.engine import SamplingConfig, make_engine
+from align.rollout.sampling import filter_logits, left_pad, sample
 
 V, EOS, PAD = 8, 2, 0
 
@@ -131,7 +131,7 @@ def test_rollout_logprobs_match_policy_score(policy, temperature):
     enc = ChatEncoder(policy.tokenizer)
     prompt_ids = [enc.prompt_ids([{"role": "user", "content": c}]) for c in ("sort: d a c b", "sort: a b")]
     torch.manual_seed(0)
-    rollout = NativeEngine(max_new_tokens=12, temperature=temperature, top_k=50).generate(policy, prompt_ids, 3)
+    rollout = make_engine(max_new_tokens=12, temperature=temperature, top_k=50).generate(policy, prompt_ids, 3)
     n, r = rollout.response_ids.shape
     assert n == 6 and rollout.prompt_index.tolist() == [0, 0, 0, 1, 1, 1] and rollout.group_size == 3
     assert rollout.prompt_ids.shape[0] == 6 and len(rollout.texts) == 6

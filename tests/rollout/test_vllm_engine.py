@@ -13,7 +13,8 @@ import torch
 from align.errors import AlignConfigError
 from align.models import LoraSettings, PolicyModel
 from align.rollout.engine import make_engine
-from align.rollout.sampling import SamplingConfig, VLLMSettings
+from align.rollout.engine import SamplingConfig
+from align.rollout.vllm_engine import VLLMEngine
 
 pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
@@ -46,7 +47,7 @@ def trainer_logprobs(policy, rollout):
 
 def assert_same_as_native(policy, group_size=1, **vllm):
     ids = prompt_ids(policy)
-    engine = greedy(vllm=VLLMSettings(**vllm)) if vllm else greedy()
+    engine = greedy(VLLMEngine(**vllm)) if vllm else greedy()
     a, b = engine.generate(policy, ids, group_size), greedy("native").generate(policy, ids, group_size)
     assert torch.equal(a.response_ids, b.response_ids) and a.texts == b.texts
     assert torch.equal(a.response_mask, b.response_mask)
@@ -112,8 +113,7 @@ def test_seeded_sampling_repeats_and_each_row_draws_its_own_completion():
 
 def test_without_request_seeds_the_engine_draws_from_its_own_generator():
     policy = PolicyModel("tiny-sort")
-    engine = make_engine(SamplingConfig(engine="vllm", temperature=1.0, max_new_tokens=8,
-                                        vllm=VLLMSettings(request_seeds=False)))
+    engine = make_engine(SamplingConfig(engine=VLLMEngine(request_seeds=False), temperature=1.0, max_new_tokens=8))
     ids = prompt_ids(policy)[:1]
     a = engine.generate(policy, ids, 8, generator=torch.Generator().manual_seed(1))
     b = engine.generate(policy, ids, 8, generator=torch.Generator().manual_seed(1))
@@ -141,8 +141,8 @@ def test_a_quantized_base_or_dora_adapter_is_refused_on_one_line():
 
 def test_a_context_longer_than_the_engine_allows_fails_naming_the_setting():
     policy = PolicyModel("tiny-sort")
-    engine = make_engine(SamplingConfig(engine="vllm", max_new_tokens=8, vllm=VLLMSettings(max_model_len=16)))
-    with pytest.raises(AlignConfigError, match=r"^sampling\.vllm\.max_model_len: a rollout needs contexts of \d+"):
+    engine = make_engine(SamplingConfig(engine=VLLMEngine(max_model_len=16), max_new_tokens=8))
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine\.max_model_len: a rollout needs contexts of \d+"):
         engine.generate(policy, prompt_ids(policy)[:1], 1)
 
 
@@ -153,13 +153,14 @@ def test_a_missing_or_broken_vllm_says_what_to_install(monkeypatch):
 
 
 def test_settings_are_checked_when_read():
-    with pytest.raises(ValueError, match=r"sampling\.vllm\.dtype must be"):
-        VLLMSettings(dtype="fp8")
-    from align.rollout.sampling import EngineCorrection
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine\.dtype: expected auto, float32, bfloat16 or "
+                                               r"float16, got 'fp8'$"):
+        VLLMEngine(dtype="fp8")
+    from align.rollout.engine import EngineCorrection
 
-    with pytest.raises(ValueError, match=r"sampling\.correction\.mode must be"):
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.correction\.mode: expected auto, none, tis or mis"):
         EngineCorrection(mode="clip")
-    with pytest.raises(ValueError, match=r"expected low <= 1 <= high"):
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.correction\.low: expected a value in \[0, 1\]"):
         EngineCorrection(low=1.5)
     assert EngineCorrection().resolve(exact_logprobs=False) == "tis"
     assert EngineCorrection().resolve(exact_logprobs=True) == "none"

@@ -27,7 +27,7 @@ from align.modules.ppo import PPOModule
 from align.modules.options import GroupAdvantages, KLPenalty, Updates, ValueTraining
 from align.modules.learner import RLBatch
 from align.rollout.rewards import RewardSpec
-from align.rollout.sampling import SamplingConfig
+from align.rollout.engine import SamplingConfig
 
 SFT_DATA = "align:sort/sft/train.jsonl"
 PREF_DATA = "align:sort/preference/train.jsonl"

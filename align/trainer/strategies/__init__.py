@@ -33,12 +33,14 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from align.trainer.strategies.collectives import global_all, release_process_group_at_exit
+from align.trainer.strategies.collectives import (before_process_group_release, global_all,
+                                                  release_process_group_at_exit)
 from align.trainer.strategies.deepspeed import DeepSpeedZeROStrategy, accumulation_boundary
 from align.trainer.strategies.fsdp import FSDP2Strategy, apply_fsdp2, decoder_layers
 from align.trainer.strategies.gather import fsdp2_full_parameters, generation_context, parameters_sharded, unshard_root
 
-__all__ = ["DeepSpeedZeROStrategy", "FSDP2Strategy", "accumulation_boundary", "apply_fsdp2", "decoder_layers",
+__all__ = ["DeepSpeedZeROStrategy", "FSDP2Strategy", "accumulation_boundary", "apply_fsdp2",
+           "before_process_group_release", "decoder_layers",
            "fsdp2_full_parameters", "generation_context", "global_all", "parameters_sharded",
            "release_process_group_at_exit", "unshard_root"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,16 @@ def global_all(flag: bool, device: torch.device | str = "cpu") -> bool:
 
 
 _release_registered = False
+_before_release: list[Callable[[], None]] = []
+
+
+def before_process_group_release(callback: Callable[[], None]) -> None:
+    """Run ``callback`` at exit before the default process group is released (once, however often it is given):
+    for whatever holds groups of its own over the default one, such as an in-process vLLM engine
+    (:meth:`align.rollout.engine.GenerationEngine.shutdown`), whose shutdown needs them and ends the default group
+    itself."""
+    if callback not in _before_release:
+        _before_release.append(callback)
 
 
 def release_process_group_at_exit() -> bool:
@@ -40,10 +50,7 @@ def release_process_group_at_exit() -> bool:
 
 
 def _destroy_default_group() -> None:
-    # An in-process vLLM engine holds groups of its own over the default one: its shutdown must come first (it then
-    # ends the default group itself). Looked up, not imported: only a run that started one has the module loaded.
-    engines = sys.modules.get("align.rollout.vllm_engine")
-    if engines is not None:
-        engines.close_engines()
+    for callback in _before_release:
+        callback()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
