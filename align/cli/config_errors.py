@@ -178,7 +178,8 @@ def _bad_value(key: str, detail: str) -> str:
     return f"--{key}: " + " ".join(detail.strip(" :\n").split())
 
 
-_NAMED_PATH = re.compile(r"class_path '([\w.]+)'|class_path='([\w.]+)'|val='([\w.]+)'")
+# A dotted name (not a number such as 0.1, the value of an unknown setting).
+_NAMED_PATH = re.compile(r"class_path '([A-Za-z_][\w.]*)'|class_path='([A-Za-z_][\w.]*)'|val='([A-Za-z_][\w.]*)'")
 
 
 def _resolves(path: str) -> bool:
