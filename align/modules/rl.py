@@ -292,13 +292,12 @@ class RLModule(AlignModule):
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get("align") or {}
         state = dict(saved.get("rl") or {})
-        legacy = saved.get("ppo") or {}  # checkpoints written before the controller moved here
-        controller = state.pop("kl_controller", None) or legacy.get("kl_controller")
+        controller = state.pop("kl_controller", None)
         if controller:
             self.kl_controller.load_state_dict(controller)
         self.sampler.rollouts = state.get("rollouts", self.sampler.rollouts)
         self.learner.steps = state.get("updates", self.learner.steps)
-        self._saved_source = saved.get("rollout_source") or saved.get("dynamic_sampling")
+        self._saved_source = saved.get("rollout_source")
 
     def on_train_start(self) -> None:
         saved, self._saved_source = getattr(self, "_saved_source", None), None
