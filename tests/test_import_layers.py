@@ -1,9 +1,8 @@
 """The import layers of ``align``, read from the source with ``ast``.
 
 A layer is a folder of ``align/``: a module's layer is the first folder of its path, so a new file is layered by
-where it is put. The package root holds only the error types and the table of moved modules (the bottom of
-everything) and the public aliases (``align.rewards``, ``align.strategies``) that configs name and nothing inside
-``align`` imports.
+where it is put. The package root holds only the error types (the bottom of everything) and the public aliases
+(``align.rewards``, ``align.strategies``) that configs name and nothing inside ``align`` imports.
 
 Every import counts: at module level, inside a function, or under ``TYPE_CHECKING``. An import inside a function
 is still a dependency; it only hides a cycle until the function runs.
@@ -30,8 +29,7 @@ class Layer(NamedTuple):
 
 BOTTOM, ALIASES, ENTRY = "root", "aliases", "entry"
 LAYERS: dict[str, Layer] = {
-    BOTTOM: Layer((), "the package root: the user-facing error types and the table of moved modules; every layer "
-                      "raises them"),
+    BOTTOM: Layer((), "the package root: the user-facing error types; every layer raises them"),
     "core": Layer((), "pure tensor math with pinned-value tests: torch, the standard library and each other only"),
     "hub": Layer((BOTTOM,), "what a model name points to (tiny, GGUF, local folder, hub id) and its tokenizer: data "
                             "loads a tokenizer by name and models load weights by name here, so neither needs the other"),
@@ -56,9 +54,9 @@ LAYERS: dict[str, Layer] = {
     ALIASES: Layer(("rollout", "trainer"), "public import paths that configs name, aliases of their new homes"),
     ENTRY: Layer(("cli",), "python -m align: the align command, nothing of its own"),
 }
-ROOT_MODULES = {"align": BOTTOM, "align.errors": BOTTOM, "align.moved": BOTTOM,
-                "align.rewards": ALIASES, "align.strategies": ALIASES, "align.__main__": ENTRY}
-MAX_ROOT_FILES = 7
+ROOT_MODULES = {"align": BOTTOM, "align.errors": BOTTOM, "align.rewards": ALIASES, "align.strategies": ALIASES,
+                "align.__main__": ENTRY}
+MAX_ROOT_FILES = 6
 MAX_LINES = 450
 
 # Third-party packages only some layers may import: {package: layers}.
@@ -194,19 +192,26 @@ def test_no_module_cycle():
             visit(name)
 
 
-def test_moved_modules_name_their_new_place():
-    import importlib
+def test_importing_align_installs_no_import_hook():
+    # A fresh interpreter: the finders on sys.meta_path before and after ``import align``.
+    import subprocess
 
-    from align.moved import MOVED
+    code = ("import sys\nbefore = list(sys.meta_path)\nimport align\n"
+            "print([type(f).__module__ for f in sys.meta_path if f not in before])")
+    added = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert added == "[]", f"import align added finders to sys.meta_path: {added}"
+    # Nor any of align's in this process, whatever it has imported of align by now.
+    assert not [f for f in sys.meta_path if type(f).__module__.split(".")[0] == "align"], sys.meta_path
 
-    for old, new in MOVED.items():
-        assert new in MODULES, f"MOVED[{old!r}] points to {new}, which does not exist"
-    try:
-        importlib.import_module("align.optim")
-    except ModuleNotFoundError as err:
-        assert str(err).startswith("align.optim moved to align.trainer.optim: write align.trainer.optim")
-    else:
-        raise AssertionError("align.optim still imports")
+
+def test_there_is_no_table_of_moved_modules():
+    # Read from the package's folder: an editable install of another checkout could still find an align.moved.
+    assert not (ROOT / "moved.py").exists() and "align.moved" not in MODULES
+    import subprocess
+
+    code = "import sys\nimport align\nprint(sorted(m for m in sys.modules if m.startswith('align')))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "['align']", "import align must import no module of its own"
 
 
 def test_the_reader_sees_every_kind_of_import():

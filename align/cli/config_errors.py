@@ -2,9 +2,7 @@
 
 jsonargparse reports a bad value or an unknown key with the whole usage (about fifty lines) and, for a setting of
 the model or data class, a nest of union-subtype attempts. :func:`one_line` turns its message into one line that
-names the setting, says what was expected, and for an unknown key lists the nearest accepted keys. A value that names
-a module path that moved (:data:`align.moved.MOVED`) or a setting that was renamed (:data:`align.moved.RENAMED_SETTINGS`)
-gets the line that names the new place instead.
+names the setting, says what was expected, and for an unknown key lists the nearest accepted keys.
 A ``class_path`` that does not import is named with the reason and the nearest importable path (:func:`nearest_path`).
 :class:`AlignArgumentParser` prints that line (``error: ...`` on stderr, exit status 2) instead of the usage, and
 :func:`guarded` does the same for align's own errors (:class:`~align.errors.AlignError`) raised while a command runs.
@@ -22,7 +20,6 @@ from typing import Iterable, NoReturn
 from lightning.pytorch.cli import LightningArgumentParser
 
 from align.errors import AlignError
-from align.moved import moved_message, renamed_message
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
@@ -34,31 +31,12 @@ _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)", re.IGNORECASE)
 _NESTED_CLASS = "Problem with given class_path"
 _SUBTYPES = re.compile(r"Subtypes: \[(.*)\]\s*$", re.MULTILINE)
 _GIVEN = re.compile(r"Given value: (.*?)(?:\. Got value:.*)?$", re.MULTILINE)
-# A whole dotted path (the lookahead takes the longest, with no backtracking), not part of a file name.
-_ALIGN_PATH = re.compile(r"(?<![\w./-])(?=(align(?:\.\w+)+))\1(?![\w/-])")
 
 
 def setting_key(key: str) -> str:
-    """A key as jsonargparse reports it, as a user writes it: ``--model.init_args.clip.level=x`` -> ``model.clip.level``."""
+    """A key as jsonargparse reports it, as a user writes it: ``--model.init_args.clip.low=x`` -> ``model.clip.low``."""
     key = key.removeprefix("--").split("=", 1)[0]
     return ".".join(part for part in key.split(".") if part != "init_args")
-
-
-def _renamed(key: str) -> str | None:
-    """``--<key>: this setting was renamed; write ...`` for an old setting, else None."""
-    note = renamed_message(setting_key(key))
-    return f"--{note}" if note else None
-
-
-def _moved(message: str) -> str | None:
-    """``--<setting>: <old path> moved to <new path>: write <new path> ...`` when the message names a module path
-    that moved (a class_path, a callback), else None. The setting is the one jsonargparse was reading there."""
-    for found in _ALIGN_PATH.finditer(message):
-        note = moved_message(found.group(1))
-        if note:
-            key = ".".join(filter(None, map(setting_key, _PARSER_KEY.findall(message[:found.start()]))))
-            return f"--{key}: {note}" if key else note
-    return None
 
 
 def nearest(key: str, accepted: Iterable[str], n: int = 3) -> list[str]:
@@ -129,15 +107,12 @@ def _class_error(message: str) -> str:
 
 
 def _unknown_setting(key: str, option: str, owner: str) -> str:
-    """``--<key>.<option>: <Class> has no setting ...`` with the nearest accepted ones, or the renamed setting's
-    notice. ``option`` may be dotted (a setting inside one of the class's groups)."""
+    """``--<key>.<option>: <Class> has no setting ...`` with the nearest accepted ones. ``option`` may be dotted (a
+    setting inside one of the class's groups)."""
     full = f"{key}.{option}" if key else option
-    renamed = _renamed(full)
-    if renamed:
-        return renamed
     group, _, leaf = option.rpartition(".")
     fields = _group_settings(owner, group) if group and owner else []
-    if fields:  # a setting inside one of the class's option groups (clip.level)
+    if fields:  # a setting inside one of the class's option groups (clip.low)
         where, name, settings = f"{owner.rsplit('.', 1)[-1]}.{group}", leaf, fields
     else:
         where, name = owner.rsplit(".", 1)[-1] or "this class", option
@@ -203,7 +178,8 @@ def _bad_value(key: str, detail: str) -> str:
     return f"--{key}: " + " ".join(detail.strip(" :\n").split())
 
 
-_NAMED_PATH = re.compile(r"class_path '([\w.]+)'|class_path='([\w.]+)'|val='([\w.]+)'")
+# A dotted name (not a number such as 0.1, the value of an unknown setting).
+_NAMED_PATH = re.compile(r"class_path '([A-Za-z_][\w.]*)'|class_path='([A-Za-z_][\w.]*)'|val='([A-Za-z_][\w.]*)'")
 
 
 def _resolves(path: str) -> bool:
@@ -277,9 +253,6 @@ def _unimportable(message: str) -> str | None:
 def one_line(message: str, accepted: Iterable[str] = ()) -> str:
     """jsonargparse's error ``message`` as one line; ``accepted``: the parser's keys, for unknown-key hints."""
     accepted = list(accepted)
-    moved = _moved(message)
-    if moved:
-        return moved
     unimportable = _unimportable(message) if "class_path" in message else None
     if unimportable:
         return unimportable
@@ -288,13 +261,13 @@ def one_line(message: str, accepted: Iterable[str] = ()) -> str:
     found = _SUBCOMMAND_OPTION.search(message)
     if found:
         key = found.group(1)
-        return _renamed(key) or f"--{key}: no such setting{_suggest(key, accepted)}"
+        return f"--{key}: no such setting{_suggest(key, accepted)}"
     found = _UNRECOGNIZED.search(message)
     if found:
         args = found.group(1).split()
         keys = [a[2:].split("=", 1)[0] for a in args if a.startswith("--")]
         if keys:
-            return "; ".join(_renamed(k) or f"--{k}: no such setting{_suggest(k, accepted)}" for k in keys)
+            return "; ".join(f"--{k}: no such setting{_suggest(k, accepted)}" for k in keys)
         return f"unexpected arguments: {found.group(1)}"
     matches = list(_PARSER_KEY.finditer(message))
     if matches:

@@ -1,9 +1,5 @@
 """Reading align's training checkpoints (``.ckpt``): their metadata, and the policy rebuilt from the spec stored in
 them (``checkpoint["align"]["policy"]``, :attr:`PolicyModel.spec`) with its weights.
-
-Checkpoints written before the policy's ``critic:`` block still load: their spec's ``value_head``, ``critic_model``
-and ``critic_head_from_reward_model`` become the block (:func:`~align.models.critic.legacy_critic_spec`), and the
-critic's parameters their new names (:func:`~align.models.critic.upgrade_critic_keys`).
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ from pathlib import Path
 import torch
 
 from align.errors import AlignConfigError
-from align.models.critic import CriticSettings, critic_settings, legacy_critic_spec, upgrade_critic_keys
+from align.models.critic import CriticSettings, critic_settings
 from align.models.loading import DType, LoraSettings
 from align.models.policy import PolicyModel
 
@@ -32,9 +28,8 @@ def is_reward_checkpoint(checkpoint: dict) -> bool:
 
 
 def policy_settings(spec: dict) -> dict:
-    """:class:`PolicyModel` arguments from a saved :attr:`PolicyModel.spec`, one written before the ``critic:``
-    block included."""
-    settings = legacy_critic_spec(dict(spec))
+    """:class:`PolicyModel` arguments from a saved :attr:`PolicyModel.spec`."""
+    settings = dict(spec)
     if settings.get("lora"):
         settings["lora"] = LoraSettings(**settings["lora"])
     settings["critic"] = critic_settings(settings.get("critic"))
@@ -62,7 +57,6 @@ def policy_from_checkpoint(path: str | Path, checkpoint: dict | None = None, rew
     kept = ("model.", "critic.head.") if reward_head else ("model.",)
     prefix = "policy."
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    upgrade_critic_keys(state)
     state = {k: v for k, v in state.items() if k.startswith(kept)}
     missing, unexpected = policy.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.startswith(kept)]

@@ -70,36 +70,6 @@ def critic_settings(value: CriticSettings | dict | None) -> CriticSettings | Non
                            f"<reward model>}}, or null, got {value!r}")
 
 
-def legacy_critic_spec(spec: dict) -> dict:
-    """A saved policy spec with the critic settings written before the ``critic:`` block (``value_head``,
-    ``critic_model``, ``critic_head_from_reward_model``) turned into that block; other specs are returned as they
-    are."""
-    if not {"value_head", "critic_model", "critic_head_from_reward_model"} & set(spec):
-        return spec
-    spec = dict(spec)
-    kind = spec.pop("value_head", None)
-    model = spec.pop("critic_model", None)
-    from_rm = spec.pop("critic_head_from_reward_model", True)
-    spec["critic"] = None if kind is None else {
-        "kind": kind, "model": model if kind == "separate" else None, "head_from_reward_model": bool(from_rm)}
-    return spec
-
-
-def upgrade_critic_keys(state: dict, prefix: str = "") -> None:
-    """Rename, in place, the critic's entries of a policy state dict written before the critic was one module:
-    ``value_head.*`` and ``critic_head.*`` become ``critic.head.*``, a separate critic's backbone ``critic.*``
-    becomes ``critic.backbone.*``. ``prefix``: the policy's own (``policy.`` in a Lightning checkpoint)."""
-    old_separate = any(key.startswith(prefix + "critic_head.") for key in state)
-    renames = [("value_head.", "critic.head."), ("critic_head.", "critic.head.")]
-    if old_separate:
-        renames.append(("critic.", "critic.backbone."))
-    for key in list(state):
-        for old, new in renames:
-            if key.startswith(prefix + old):
-                state[prefix + new + key[len(prefix + old):]] = state.pop(key)
-                break
-
-
 class ValueHead(nn.Module):
     """A scalar per token on top of final hidden states (zero-initialised: the critic starts at V = 0)."""
 

@@ -20,8 +20,6 @@ from align.hub.tiny import build_tiny_model, is_tiny
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["4bit", "8bit"]
-LEGACY_HEAD_FILE = "reward_head.safetensors"
-"""The reward head of a version 1 reward-model export (a causal LM folder plus this file)."""
 
 
 @dataclass
@@ -181,7 +179,6 @@ def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
     """The scalar head of a reward model directory as a :class:`~align.models.critic.ValueHead` state dict
     (``proj.weight`` (1, H), ``proj.bias`` (1,)), or None when ``source`` is not a reward model (a plain causal LM)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     try:
         path = Path(check_model_source(source, what="policy.critic.model"))
@@ -189,8 +186,6 @@ def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
         return None
     if not path.is_dir():
         return None
-    if (path / LEGACY_HEAD_FILE).is_file():
-        return load_file(str(path / LEGACY_HEAD_FILE))
     if not is_sequence_classifier(path):
         return None
     index = path / "model.safetensors.index.json"

@@ -20,18 +20,13 @@ from torch import nn
 from align.errors import AlignConfigError
 from align.hub import check_model_source, load_tokenizer
 from align.models import scoring
-from align.models.critic import Critic, CriticSettings, critic_settings, upgrade_critic_keys
+from align.models.critic import Critic, CriticSettings, critic_settings
 from align.models.loading import DType, LoraSettings, Quantization, load_causal_lm, torch_dtype
 from align.models.lora import fuse_lora_layers
 from align.models.reference import AdapterSwitch, build_reference
 from align.models.scoring import TokenLogprobs, contiguous_head_input, decoder_of, position_ids_from_mask
 
 __all__ = ["PolicyModel", "TokenLogprobs", "position_ids_from_mask"]
-
-
-def _upgrade_state_dict(module, state_dict, prefix, *args) -> None:
-    # Checkpoints written before the critic was one module name its parameters value_head.*, critic.*, critic_head.*
-    upgrade_critic_keys(state_dict, prefix)
 
 
 class PolicyModel(nn.Module):
@@ -117,7 +112,6 @@ class PolicyModel(nn.Module):
         self.ref_model: nn.Module | None = None
         """The kept reference model (:meth:`setup_reference`); None before, and with LoRA."""
         self._adapter_switch: AdapterSwitch | None = None
-        self.register_load_state_dict_pre_hook(_upgrade_state_dict)
         self.train()  # transformers returns models in eval mode; a wrapper built for training starts in train mode
 
     def add_critic(self, settings: CriticSettings) -> Critic:

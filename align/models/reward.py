@@ -29,9 +29,8 @@ The head's bias: a sequence classifier's ``score`` has none. Bradley-Terry train
 offset, so :class:`~align.modules.reward.RewardModule` keeps the bias frozen at 0; a non-zero bias (a head
 brought from elsewhere) is dropped at export with a notice (every score shifts by it; pair rankings do not).
 
-Also loaded, read-only: a training checkpoint (``.ckpt``) and the format of align before version 2 (a causal LM
-directory with ``reward_head.safetensors``). The PPO critic can start from any of these
-(``critic: {kind: separate, model: <reward model>}``, :class:`~align.models.critic.CriticSettings`).
+Also loaded, read-only: a training checkpoint (``.ckpt``) of the reward-model module. The PPO critic can start
+from a reward model (``critic: {kind: separate, model: <reward model>}``, :class:`~align.models.critic.CriticSettings`).
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ from align.hub import check_model_source
 from align.hub.tiny import is_tiny_sort_rm
 from align.core.masks import last_valid_index
 from align.models.checkpoints import load_checkpoint, policy_from_checkpoint
-from align.models.critic import CriticSettings, ValueHead
-from align.models.loading import LEGACY_HEAD_FILE, DType, is_sequence_classifier, torch_dtype
+from align.models.critic import ValueHead
+from align.models.loading import DType, is_sequence_classifier, torch_dtype
 from align.models.policy import PolicyModel
 from align.models.scoring import position_ids_from_mask
 from align.core.packing import pack_scored_rows
@@ -61,7 +60,7 @@ log = logging.getLogger(__name__)
 FORMAT = "align-reward-model"
 FORMAT_VERSION = 2
 META_FILE = "reward_model.json"
-"""The head file of the version 1 export (a causal LM plus this file), still loaded."""
+"""align's sidecar in an export: the format, its version and how text was encoded in training."""
 DEFAULT_ENCODING = {"use_chat_template": None, "system_prompt": None, "max_length": 512, "max_prompt_length": None}
 
 
@@ -212,7 +211,6 @@ def save_reward_model(policy: PolicyModel, output_dir: str | Path, encoding: dic
     model, tokenizer = sequence_classifier(policy, dtype)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
-    (output_dir / LEGACY_HEAD_FILE).unlink(missing_ok=True)  # overwriting a version 1 export
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "encoding": dict(DEFAULT_ENCODING, **(encoding or {})),
             "base_model": policy.spec["model"]}
     tmp = output_dir / (META_FILE + ".tmp")
@@ -222,8 +220,8 @@ def save_reward_model(policy: PolicyModel, output_dir: str | Path, encoding: dic
 
 
 def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[RewardModel, dict]:
-    """``(reward model, encoding spec)`` from a sequence-classification checkpoint (align's export or a peer's),
-    an align ``.ckpt``, or a version 1 align export."""
+    """``(reward model, encoding spec)`` from a sequence-classification checkpoint (align's export or a peer's) or
+    an align ``.ckpt``."""
     if is_tiny_sort_rm(path):
         path = check_model_source(str(path), what="reward model path")
     path = Path(path).expanduser()
@@ -235,8 +233,6 @@ def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[Rewar
         return _load_checkpoint(path, dtype)
     if is_sequence_classifier(path):
         return _load_sequence_classifier(path, dtype)
-    if (path / LEGACY_HEAD_FILE).is_file():
-        return _load_legacy_export(path, dtype)
     raise AlignConfigError(f"reward model path: '{path}' is not a reward-model export: its config.json names no "
                            "*ForSequenceClassification architecture (a trained RM run writes one to <run dir>/export)")
 
@@ -244,9 +240,9 @@ def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[Rewar
 def _encoding(path: Path) -> dict:
     meta_path = path / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    if meta and (meta.get("format") != FORMAT or meta.get("version") not in (1, FORMAT_VERSION)):
+    if meta and (meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION):
         raise AlignConfigError(f"reward model path: '{path}': unsupported {META_FILE} format {meta.get('format')!r} "
-                               f"version {meta.get('version')!r}; expected {FORMAT!r} version <= {FORMAT_VERSION}")
+                               f"version {meta.get('version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}")
     return dict(DEFAULT_ENCODING, **meta.get("encoding", {}))
 
 
@@ -264,14 +260,6 @@ def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, di
         raise AlignConfigError(f"reward model path: '{path}' has {model.config.num_labels} labels; a reward model "
                                "has one (num_labels=1) and a linear 'score' head")
     return RewardModel.from_sequence_classifier(model, load_tokenizer(str(path))), encoding
-
-
-def _load_legacy_export(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
-    from safetensors.torch import load_file
-
-    policy = PolicyModel(model=str(path), dtype=dtype, critic=CriticSettings(kind="shared"))
-    policy.critic.head.load_state_dict(load_file(str(path / LEGACY_HEAD_FILE)))
-    return RewardModel.from_policy(policy), _encoding(path)
 
 
 def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict]:

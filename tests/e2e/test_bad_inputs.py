@@ -134,16 +134,11 @@ CASES = [
      ["c.yaml', line 3, column 7: not valid YAML: mapping values are not allowed here"]),
     ("wrong-type-yaml", "sft", {"c.yaml": "trainer:\n  max_steps: ten\n"}, ["--config", "{tmp}/c.yaml"],
      ["max_steps", "ten"]),
-    # an old module path (align.moved): one line naming the new place
-    ("moved-class-path", "sft", {}, ["--model.init_args.scheduler.class_path", "align.optim.WarmupLR"],
-     ["error: --model.scheduler: align.optim.WarmupLR moved to align.trainer.optim.WarmupLR: write "
-      "align.trainer.optim.WarmupLR"]),
-    ("moved-class-path-yaml", "sft",
-     {"c.yaml": "model:\n  init_args:\n    scheduler:\n      class_path: align.optim.WarmupLR\n"},
-     ["--config", "{tmp}/c.yaml"], ["error: --model.scheduler: align.optim.WarmupLR moved to align.trainer.optim."]),
-    ("moved-environment-path", "grpo", {}, ["--model.init_args.environment", '{"path": "align.envs.tasks.SortRounds"}'],
-     ["error: environment: align.envs.tasks.SortRounds moved to align.rollout.envs.tasks.SortRounds: write "
-      "align.rollout.envs.tasks.SortRounds"]),
+    # an environment path that does not import: the path and why
+    ("misspelt-environment-path", "grpo", {},
+     ["--model.init_args.environment", '{"path": "align.rollout.envs.tasks.SortRound"}'],
+     ["error: environment 'align.rollout.envs.tasks.SortRound': module 'align.rollout.envs.tasks' has no attribute "
+      "'SortRound'"]),
     # a class_path that does not import: the path, why, and the nearest importable one
     ("misspelt-module-class-path", "grpo", {}, ["--model.class_path", "align.modules.grpo.GRPOModul"],
      ["error: --model: cannot import 'align.modules.grpo.GRPOModul'", "did you mean align.modules.grpo.GRPOModule?"]),

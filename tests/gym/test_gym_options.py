@@ -1,6 +1,5 @@
 """The classic-RL modules' option groups: the language-model modules' names where the meaning is the same, checks
-that name their YAML key, nested blocks that change only the fields they name on each module's own defaults, and a
-notice naming the new setting for every old Stable-Baselines3-style one."""
+that name their YAML key, and nested blocks that change only the fields they name on each module's own defaults."""
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from align.gym import (
     REINFORCEGymModule,
     ReplayUpdates,
 )
-from align.moved import RENAMED_SETTINGS, renamed_message
 
 
 @pytest.mark.parametrize("build, key", [
@@ -99,17 +97,3 @@ def test_an_upper_clip_range_of_null_is_the_lower_one_and_both_follow_the_schedu
     explicit = module.loss(obs, actions, old_logprobs, advantages, zeros, zeros, 0.2, 0.2)[0]
     wider = module.loss(obs, actions, old_logprobs, advantages, zeros, zeros, 0.2, 0.6)[0]
     assert torch.equal(symmetric, explicit) and not torch.equal(symmetric, wider)
-
-
-GYM_KEYS = {"ent_coef", "vf_coef", "clip_range_vf", "clip_range", "clip_schedule", "gae_lambda", "normalize_advantages",
-            "gamma", "n_epochs", "batch_size", "max_grad_norm", "target_kl", "gradient_steps", "n_steps", "train_freq"}
-
-
-@pytest.mark.parametrize("old", sorted(GYM_KEYS))
-def test_each_old_setting_names_a_setting_the_modules_take(old):
-    message = renamed_message(f"model.{old}")
-    assert message and message.startswith(f"model.{old}: this setting was renamed; write model.") and "\n" not in message
-    new = RENAMED_SETTINGS[f"model.{old}"].split()[0].split(".")[1:]  # e.g. ["updates", "minibatch_size"]
-    parsed = [parse(cls) for cls in (PPOGymModule, A2CGymModule, REINFORCEGymModule, DQNGymModule)]
-    found = [p for p in parsed if new[0] in p and (len(new) == 1 or new[1] in p[new[0]])]
-    assert found, f"model.{'.'.join(new)} is no setting of a classic-RL module"

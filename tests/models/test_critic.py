@@ -1,4 +1,4 @@
-"""The critic: its settings, its values, and checkpoints written before the ``critic:`` block."""
+"""The critic: its settings, its values, and the policy rebuilt from a checkpoint with or without its head."""
 
 import pytest
 import torch
@@ -44,8 +44,7 @@ def test_a_separate_critic_has_its_own_backbone_and_its_parameters_are_the_value
     assert not shared.critic.separate and shared.critic.backbone is None
     assert separate.critic.separate and separate.critic.backbone is not None
     assert [n for n, _ in shared.critic.named_parameters()] == ["head.proj.weight", "head.proj.bias"]
-    # The order of the optimizer's parameters (as before the critic was one module): the language model, the
-    # critic's backbone, its head.
+    # The order of the optimizer's parameters: the language model, the critic's backbone, its head.
     parts = [".".join(n.split(".")[:2]) if n.startswith("critic.") else "model" for n, _ in separate.named_parameters()]
     assert list(dict.fromkeys(parts)) == ["model", "critic.backbone", "critic.head"]
     assert shared.spec["critic"] == {"kind": "shared", "model": None, "head_from_reward_model": True}
@@ -55,66 +54,21 @@ def test_a_separate_critic_has_its_own_backbone_and_its_parameters_are_the_value
         PolicyModel().values(ids, mask, response_length=2)
 
 
-# ---------------------------------------------------------------- checkpoints written before the critic block
-def _old_names(state: dict) -> dict:
-    """A state dict as PolicyModel wrote it before the ``critic:`` block (value_head, critic, critic_head)."""
-    renamed = {}
-    for key, value in state.items():
-        key = key.replace("critic.backbone.", "critic.").replace("critic.head.", "@HEAD@")
-        renamed[key] = value
-    shared = not any(k.startswith("policy.critic.backbone.") for k in state)
-    return {k.replace("@HEAD@", "value_head." if shared else "critic_head."): v for k, v in renamed.items()}
-
-
-@pytest.mark.parametrize("kind", ["shared", "separate"])
-def test_an_old_state_dict_loads_into_the_critic(kind):
-    # As a Lightning checkpoint nests it: the policy under ``policy.``; strict, as resuming from last.ckpt loads.
-    trained = torch.nn.Module()
-    trained.policy = PolicyModel(critic=CriticSettings(kind=kind), seed=1)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    old = _old_names(trained.state_dict())
-    assert ("policy.value_head.proj.weight" in old) == (kind == "shared")
-    assert ("policy.critic_head.proj.weight" in old) == (kind == "separate")
-    assert any(k.startswith("policy.critic.layers.") for k in old) == (kind == "separate")
-    fresh = torch.nn.Module()
-    fresh.policy = PolicyModel(critic=CriticSettings(kind=kind))
-    fresh.load_state_dict(old, strict=True)
-    for (name, a), b in zip(fresh.state_dict().items(), trained.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-
-
-def test_old_specs_become_the_critic_block():
-    from align.models.critic import legacy_critic_spec
-
-    old = {"model": "tiny-sort", "value_head": "separate", "critic_model": "tiny-sort-rm",
-           "critic_head_from_reward_model": False, "seed": 0}
-    assert legacy_critic_spec(old) == {"model": "tiny-sort", "seed": 0, "critic": {
-        "kind": "separate", "model": "tiny-sort-rm", "head_from_reward_model": False}}
-    assert legacy_critic_spec({"value_head": "shared", "critic_model": "x", "critic_head_from_reward_model": True}) == {
-        "critic": {"kind": "shared", "model": None, "head_from_reward_model": True}}
-    assert legacy_critic_spec({"value_head": None, "critic_model": None})["critic"] is None
-    new = {"model": "tiny", "critic": None}
-    assert legacy_critic_spec(new) is new
-
-
 @pytest.mark.parametrize("reward", [False, True])
-def test_an_old_checkpoint_rebuilds_its_policy(reward, tmp_path):
-    # What `align export`, `align generate` and a RewardModelScorer read: the spec and the weights of a checkpoint
-    # written before the critic block; a reward model's score head (value_head.*) is loaded too.
+def test_a_checkpoint_rebuilds_its_policy(reward, tmp_path):
+    # What `align export`, `align generate` and a RewardModelScorer read: the spec and the weights of a checkpoint;
+    # a reward model's score head (critic.head.*) is loaded too.
     from align.models.checkpoints import policy_from_checkpoint
 
     trained = PolicyModel(critic=CriticSettings(kind="shared" if reward else "separate"), seed=1)
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    spec = {k: v for k, v in trained.spec.items() if k != "critic"}
-    spec.update(value_head="shared" if reward else "separate", critic_model=None, critic_head_from_reward_model=True)
-    meta = {"policy": spec, "module": "RewardModule" if reward else "PPOModule", **({"reward": {}} if reward else {})}
-    state = _old_names({f"policy.{k}": v for k, v in trained.state_dict().items()})
-    torch.save({"align": meta, "state_dict": state}, tmp_path / "old.ckpt")
-    policy = policy_from_checkpoint(tmp_path / "old.ckpt", reward_head=reward)
+    meta = {"policy": trained.spec, "module": "RewardModule" if reward else "PPOModule",
+            **({"reward": {}} if reward else {})}
+    state = {f"policy.{k}": v for k, v in trained.state_dict().items()}
+    torch.save({"align": meta, "state_dict": state}, tmp_path / "run.ckpt")
+    policy = policy_from_checkpoint(tmp_path / "run.ckpt", reward_head=reward)
     for name, p in policy.model.state_dict().items():
         torch.testing.assert_close(p, trained.model.state_dict()[name], rtol=0, atol=0, msg=name)
     if reward:

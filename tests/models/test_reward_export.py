@@ -5,12 +5,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
 from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.models.reward import (
-    LEGACY_HEAD_FILE,
     RewardModelScorer,
     init_reward_head,
     last_scored_index,
@@ -117,24 +115,6 @@ def test_scored_token_is_the_last_real_one_that_is_not_the_models_pad():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
     assert last_scored_index(ids, mask).tolist() == [2, 4, 1]  # align's rule: the mask's last token
     assert last_scored_index(ids, mask, skip_token_id=2).tolist() == [1, 3, 1]  # transformers' with pad id 2
-
-
-def test_the_version_1_format_still_loads(tmp_path):
-    policy = reward_policy()
-    with torch.no_grad():
-        policy.critic.head.proj.bias.fill_(0.5)  # version 1 kept a bias; it loads with it
-    policy.save_pretrained(tmp_path / "v1")
-    head = {k: v.contiguous() for k, v in policy.critic.head.state_dict().items()}
-    save_file(head, str(tmp_path / "v1" / LEGACY_HEAD_FILE))
-    (tmp_path / "v1" / "reward_model.json").write_text(json.dumps(
-        {"format": "align-reward-model", "version": 1, "encoding": {"max_length": 48}}))
-    scorer = RewardModelScorer(str(tmp_path / "v1"))
-    assert scorer.encoding["max_length"] == 48
-    prompt_ids, response_ids = scorer.encode("sort: b a", "a b")
-    ids = torch.tensor([prompt_ids + response_ids])
-    with torch.no_grad():
-        expected = sequence_scores(policy, ids, torch.ones_like(ids)).item()
-    assert scorer(["sort: b a"], ["a b"])[0] == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_separate_critic_starts_from_the_reward_model(tmp_path):

@@ -8,7 +8,6 @@ import pytest
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
 from align.errors import AlignConfigError, AlignEnvError
-from align.moved import moved_message
 from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
 from align.rollout.envs.openenv import (InvalidAction, OpenEnvEnvironment, check_fields, observation_text, read_action,
                                         text_fields)
@@ -212,9 +211,6 @@ def test_settings_that_cannot_work_fail_on_one_line(servers, tmp_path):
     for kwargs, message in cases:
         with pytest.raises(AlignConfigError, match=message):
             OpenEnvEnvironment(**kwargs)
-    # the name for the class is the pre-layers path: it names the new one
-    assert moved_message("align.envs.openenv.OpenEnvEnvironment").startswith(
-        "align.envs.openenv.OpenEnvEnvironment moved to align.rollout.envs.openenv.OpenEnvEnvironment")
 
 
 def test_the_shipped_letter_sort_environment_in_process_and_served():

@@ -134,17 +134,6 @@ def test_bad_import_paths_fail_clearly(path, message):
         RewardFunction(RewardSpec(path))
 
 
-def test_an_old_module_path_names_its_new_place():
-    from align.moved import moved_message
-    from align.rollout.rewards import resolve_import
-
-    for path in ("align.envs.tools.ToolEnvironment", "align.envs.tools:ToolEnvironment"):
-        with pytest.raises(AlignConfigError) as info:
-            resolve_import(path, what="environment")
-        assert str(info.value) == f"environment: {moved_message('align.envs.tools.ToolEnvironment')}"
-        assert "align.rollout.envs.tools.ToolEnvironment" in str(info.value)
-
-
 def test_combined_weights_names_and_columns():
     seen = {}
 

@@ -1,9 +1,8 @@
 """Import paths to objects, and exceptions back to the user's code.
 
 :func:`resolve_import` finds what a config names by import path (``pkg.mod.name``, ``file.py:name``; a reward, an
-environment, a tool), the working directory included; an old path of one of align's modules fails on one line naming
-its new place (:mod:`align.moved`). :func:`error_location` names the file and line where the user's code raised, for
-one-line errors.
+environment, a tool), the working directory included. :func:`error_location` names the file and line where the
+user's code raised, for one-line errors.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from align.errors import AlignConfigError
-from align.moved import moved_message
 
 RewardFn = Callable[..., Sequence[float]]
 # The ``align`` package: its frames are never the user's code.
@@ -71,9 +69,6 @@ def _load_dotted(path: str, what: str = "reward") -> Any:
     if not module_name:
         raise AlignConfigError(f"{what} '{path}': expected an import path such as 'align.rewards.sort_exact_match' "
                                "or 'my_rewards.py:my_fn'")
-    moved = moved_message(path)
-    if moved:  # an old path of align's own (align.envs.tools.ToolEnvironment): name the new one
-        raise AlignConfigError(f"{what}: {moved}")
     _cwd_importable()
     try:
         module = importlib.import_module(module_name)
