@@ -22,7 +22,7 @@ import torch
 from align.data.prompts import PromptBatch
 from align.errors import AlignError
 from align.observability.timing import Timer, record_span
-from align.core.advantages import overlong_penalty
+from align.core.shaping import overlong_penalty
 from align.core.mismatch import correction_weights
 from align.rollout.engine import GenerationEngine, make_engine
 from align.rollout.envs.chat import EnvironmentPool
@@ -69,7 +69,7 @@ def stop_together(error: BaseException | None, ranks: Ranks, device: torch.devic
 
 class OverlongShaping(NamedTuple):
     """DAPO's soft overlong punishment as the sampler applies it: ``coef`` times
-    :func:`~align.core.advantages.overlong_penalty` of each completion's length with ``buffer`` and ``max_length``."""
+    :func:`~align.core.shaping.overlong_penalty` of each completion's length with ``buffer`` and ``max_length``."""
 
     coef: float
     buffer: int
