@@ -9,14 +9,10 @@ from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
 from align.models import CriticSettings, LoraSettings, PolicyModel
-from align.models.reward import (
-    LEGACY_HEAD_FILE,
-    RewardModelScorer,
-    init_reward_head,
-    last_scored_index,
-    save_reward_model,
-    sequence_scores,
-)
+from align.models.loading import LEGACY_HEAD_FILE
+from align.models.reward import init_reward_head, last_scored_index, sequence_scores
+from align.models.reward_export import save_reward_model
+from align.rollout.rewards import RewardModelScorer
 from align.hub.tiny import load_tiny_tokenizer, tiny_config
 
 EOS = 2

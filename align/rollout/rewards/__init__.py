@@ -29,8 +29,8 @@ first failing sample. An import path that does not resolve fails when the module
 Built-in rewards (:mod:`align.rollout.rewards.builtin`): :func:`sort_exact_match`, :func:`sort_format` and the
 graded :func:`sort_position_match` for the bundled sort task (:mod:`align.data.sort_task`), :func:`math_answer`
 for GSM8K-style math answers, and :func:`math_verify` (:mod:`~align.rollout.rewards.mathverify`), math answers
-checked by the math-verify library. A trained reward model is a reward too: :class:`RewardModelScorer` (defined in
-:mod:`align.models.reward`); so is a judge model behind an OpenAI-compatible endpoint, :class:`Judge`
+checked by the math-verify library. A trained reward model is a reward too: :class:`RewardModelScorer`
+(:mod:`~align.rollout.rewards.reward_model`); so is a judge model behind an OpenAI-compatible endpoint, :class:`Judge`
 (:mod:`~align.rollout.rewards.judge`), and a service over HTTP, :class:`Remote` (:mod:`~align.rollout.rewards.remote`).
 
 The package: :mod:`~align.rollout.rewards.resolve` turns import paths into objects and points an exception back
@@ -41,7 +41,6 @@ weights and builds an RL run's reward list; :mod:`~align.rollout.rewards.builtin
 
 # Besides ``__all__``, ``resolve_import`` (environments and tools use it), ``BASE_INPUTS`` and ``RewardFn`` are
 # importable from here.
-from align.models.reward import RewardModelScorer
 from align.rollout.rewards.builtin import (extract_final_number, math_answer, sort_exact_match, sort_format,
                                            sort_position_match)
 from align.rollout.rewards.combine import (BASE_INPUTS, CombinedReward, LazyRewardModel,  # noqa: F401
@@ -51,6 +50,7 @@ from align.rollout.rewards.concurrent import RewardCounts
 from align.rollout.rewards.judge import Judge
 from align.rollout.rewards.mathverify import math_verify
 from align.rollout.rewards.remote import Remote
+from align.rollout.rewards.reward_model import RewardModelScorer
 from align.rollout.rewards.resolve import (RewardFn, error_location, one_line, resolve_import,  # noqa: F401
                                            resolve_reward)
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from align.data.prompts import REWARD_INPUTS
 from align.errors import AlignConfigError, AlignError
-from align.models.reward import RewardModelScorer
+from align.rollout.rewards.reward_model import RewardModelScorer
 from align.rollout.rewards.concurrent import Job, JobTimeout, RewardCounts, evaluate, run_now
 from align.rollout.rewards.resolve import RewardFn, _qualname, _target, error_location, one_line, resolve_reward
 
