@@ -1,15 +1,18 @@
 """A trained reward model as a reward: :class:`RewardModelScorer` encodes each prompt and completion as the model's
 training data was encoded and scores them (the model, its export and loading: :mod:`align.models.reward`,
-:mod:`align.models.reward_export`).
+:mod:`align.models.reward_export`); an RL module's ``reward_model`` block (:class:`RewardModelSpec`) names one, loaded
+at setup or on first call (:class:`LazyRewardModel`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from align.data.prompts import REWARD_INPUTS
 from align.errors import AlignConfigError
 from align.models.loading import DType, torch_dtype
 from align.models.reward_export import load_reward_model
@@ -137,3 +140,38 @@ class RewardModelScorer:
             out = self.model(input_ids.to(self.device), attention_mask.to(self.device))
             scores += out.float().cpu().tolist()
         return scores
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """A trained reward model used as the training reward named ``rm``."""
+
+    path: str
+    """An export directory (any ``*ForSequenceClassification`` checkpoint), a reward-model ``.ckpt``, or
+    ``tiny-sort-rm``; loaded at setup, so a config instantiates without its weights."""
+    weight: float = 1.0
+    """Weight of the reward-model score in the training reward."""
+    batch_size: int = 32
+    """Sequences per reward-model forward pass."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise AlignConfigError(f"model.reward_model.batch_size: expected >= 1, got {self.batch_size}")
+
+
+class LazyRewardModel:
+    """A :class:`RewardModelScorer` built by :meth:`load` (at setup) or on first call, so that building a module
+    from a config does not need the reward model's weights."""
+
+    def __init__(self, path: str, batch_size: int = 32):
+        self.path, self.batch_size = path, batch_size
+        self.scorer: RewardModelScorer | None = None
+
+    def load(self, device: str | None = None) -> RewardModelScorer:
+        if self.scorer is None:
+            self.scorer = RewardModelScorer(self.path, batch_size=self.batch_size, device=device)
+        return self.scorer
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
+        inputs = {k: columns[k] for k in REWARD_INPUTS if k in columns}  # the data's own columns are not used
+        return self.load()(prompts, completions, **inputs)
