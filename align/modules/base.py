@@ -11,8 +11,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.trainer.clipping import clip_gradients
 from align.trainer.host_memory import keep_freed_host_memory
+from align.core.stats import Ranks
 from align.models.policy import PolicyModel
-from align.rollout.types import Ranks
 from align.trainer.optim import WarmupLR
 from align.trainer.strategies import release_process_group_at_exit
 

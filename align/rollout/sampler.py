@@ -24,12 +24,13 @@ from align.errors import AlignError
 from align.observability.timing import Timer, record_span
 from align.core.shaping import overlong_penalty
 from align.core.mismatch import correction_weights
+from align.core.stats import Ranks
 from align.rollout.engine import GenerationEngine, make_engine
 from align.rollout.envs.chat import EnvironmentPool
 from align.rollout.episodes import play_episodes
 from align.rollout.rewards import CombinedReward, LazyRewardModel, RewardCounts, RewardError, reward_inputs
 from align.rollout.sampling import SamplingConfig
-from align.rollout.types import Ranks, Rollout, Scored
+from align.rollout.types import Rollout, Scored
 
 __all__ = ["OverlongShaping", "Sampler", "stop_together"]
 
