@@ -167,7 +167,7 @@ def distinct_pad_token(tokenizer, rows: list[dict]) -> str:
     (``query_responses != pad_token_id`` as the attention mask, the first pad as a completion's end), so with
     ``pad == EOS`` (SmolLM2's tokenizer) it masks the prompt's own end-of-turn token out of every forward pass
     and ends a completion's scoring at its first EOS. align pads by attention mask and is unaffected."""
-    from align.models.reward import scoring_pad_token  # the reward-model export's choice of a pad that is not EOS
+    from align.models.reward_export import scoring_pad_token  # the reward-model export's choice of a pad that is not EOS
 
     pad = scoring_pad_token(tokenizer)
     if pad is None or tokenizer.convert_tokens_to_ids(pad) in {i for row in rows for i in row["input_ids"]}:
@@ -202,7 +202,7 @@ def save_reward_models(model_dir: str, rm_dir: Path, trl_rm_dir: Path) -> None:
     from transformers import AutoModelForSequenceClassification
 
     from align.models import CriticSettings, PolicyModel
-    from align.models.reward import save_reward_model
+    from align.models.reward_export import save_reward_model
 
     rm = PolicyModel(model_dir, critic=CriticSettings())
     torch.nn.init.normal_(rm.critic.head.proj.weight, std=0.05)

@@ -5,7 +5,7 @@
     python recipes/rm.py --print_config
 
 The trained model is exported to ``<run dir>/export``; name it as a reward with
-``align.models.reward.RewardModelScorer`` (``path: <run dir>/export``).
+``align.rewards.RewardModelScorer`` (``path: <run dir>/export``).
 """
 
 from align.cli import run_recipe

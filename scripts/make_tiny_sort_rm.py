@@ -7,7 +7,7 @@ versions) by:
 
     python scripts/make_tiny_sort_rm.py
 
-which runs the recipe, copies its export (``<run dir>/export``, see :mod:`align.models.reward`) into
+which runs the recipe, copies its export (``<run dir>/export``, see :mod:`align.models.reward_export`) into
 ``align/hub/assets/tiny-sort-rm/`` and records the settings and the held-out pair accuracy in
 ``training_args.json``. ``--max_steps`` and ``--output`` exist for tests and experiments.
 """

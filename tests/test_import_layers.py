@@ -31,6 +31,8 @@ BOTTOM, ALIASES, ENTRY = "root", "aliases", "entry"
 LAYERS: dict[str, Layer] = {
     BOTTOM: Layer((), "the package root: the user-facing error types; every layer raises them"),
     "core": Layer((), "pure tensor math with pinned-value tests: torch, the standard library and each other only"),
+    "jail": Layer((BOTTOM,), "the jail the python tool runs code in (namespaces, a read-only root, limits) and its "
+                             "standalone launcher: the standard library and the root's error types only"),
     "hub": Layer((BOTTOM,), "what a model name points to (tiny, GGUF, local folder, hub id) and its tokenizer: data "
                             "loads a tokenizer by name and models load weights by name here, so neither needs the other"),
     "data": Layer((BOTTOM, "core", "hub"), "datasets, collators, data modules: it knows tokenizers, never models"),
@@ -38,7 +40,7 @@ LAYERS: dict[str, Layer] = {
                     "the policy wrapper with its scoring, critic and reference, the reward model, loading and export"),
     "observability": Layer((BOTTOM,), "OTLP metrics and traces and the timing of a step's sections: the only code "
                                       "importing opentelemetry; math, data and models never need it"),
-    "rollout": Layer((BOTTOM, "core", "hub", "data", "models", "observability"),
+    "rollout": Layer((BOTTOM, "core", "hub", "data", "models", "observability", "jail"),
                      "prompts to scored rollouts: rollout sources, generation engines, rewards, environment episodes "
                      "and the evaluation of a trained policy; no optimizer"),
     "trainer": Layer((BOTTOM,), "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, "
@@ -64,6 +66,8 @@ THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}, "matplotlib": {"cli"}
                        "openenv": {"rollout"}, "verifiers": {"rollout"}}
 # The math imports nothing but these, the standard library and itself.
 MATH_THIRD_PARTY = {"torch"}
+# Layers that import no third-party package at all: the standard library, the root and themselves.
+STANDARD_LIBRARY_ONLY = {"jail"}
 
 
 def module_name(path: Path) -> str:
@@ -164,6 +168,9 @@ def test_imports_point_down_the_layers():
             elif layer == "core" and top not in MATH_THIRD_PARTY and top not in sys.stdlib_module_names:
                 violations.append(f"{where(path, line)}: {name} (core) imports {target}; the math imports only "
                                   f"{sorted(MATH_THIRD_PARTY)}, the standard library and itself")
+            elif layer in STANDARD_LIBRARY_ONLY and top not in sys.stdlib_module_names:
+                violations.append(f"{where(path, line)}: {name} ({layer}) imports {target}; {layer} imports only the "
+                                  "standard library, the root and itself")
     assert not violations, "imports against the layers:\n" + "\n".join(violations)
 
 

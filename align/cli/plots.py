@@ -67,8 +67,10 @@ PANELS = (
 
 
 @dataclass(frozen=True)
-class Run:
-    """One run's logged series: column -> (steps, values), both ascending by step, finite values only."""
+class RunSeries:
+    """One run's logged series, as its ``metrics.csv`` holds them: column -> (steps, values), both ascending by step,
+    finite values only; ``label`` names the run in the picture. (The run folder with a checkpoint to continue from
+    is :class:`align.cli.runs.Run`.)"""
 
     label: str
     directory: Path
@@ -113,7 +115,7 @@ def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return found
 
 
-def read_run(directory: Path, label: str | None = None) -> Run:
+def read_run(directory: Path, label: str | None = None) -> RunSeries:
     """The series of ``directory/metrics.csv``. Lightning writes training and validation rows interleaved, each
     leaving the other's columns empty; empty and non-finite cells are skipped. A step logged twice (a resumed run
     repeats the steps after its last checkpoint) keeps its last value."""
@@ -134,10 +136,10 @@ def read_run(directory: Path, label: str | None = None) -> Run:
     if not by_column:
         raise PlotError(f"{path}: no metrics logged (the file is empty or holds a header only)")
     series = {c: (sorted(v), [v[s] for s in sorted(v)]) for c, v in sorted(by_column.items())}
-    return Run(label or directory.name, directory, series)
+    return RunSeries(label or directory.name, directory, series)
 
 
-def choose_panels(runs: Sequence[Run], metrics: Sequence[str] | None = None) -> list[Panel]:
+def choose_panels(runs: Sequence[RunSeries], metrics: Sequence[str] | None = None) -> list[Panel]:
     """The default :data:`PANELS` cut down to the columns some run logged (empty panels left out), or one panel
     per name in ``metrics``. Without any default column, the first six logged columns get a panel each."""
     logged = sorted({c for r in runs for c in r.series})
@@ -191,11 +193,11 @@ def _labels(directories: list[Path]) -> list[str]:
     return [str(d) for d in directories]
 
 
-def _runs_named(runs: Sequence[Run]) -> str:
+def _runs_named(runs: Sequence[RunSeries]) -> str:
     return ", ".join(str(r.directory / METRICS) for r in runs)
 
 
-def _draw(runs: Sequence[Run], panels: Sequence[Panel], output: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def _draw(runs: Sequence[RunSeries], panels: Sequence[Panel], output: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Write the figure to ``output`` (through a temporary file, so a reader never sees half a picture) and
     return each panel's title with the columns drawn on it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -236,7 +238,7 @@ def _fixed_margins(figure, columns: int, rows: int) -> None:
                            top=1 - TOP / height, wspace=gap_x / panel_w, hspace=gap_y / panel_h)
 
 
-def _draw_panel(ax, runs: Sequence[Run], panel: Panel) -> tuple[str, ...]:
+def _draw_panel(ax, runs: Sequence[RunSeries], panel: Panel) -> tuple[str, ...]:
     """One panel: per run and column, a training series as a faint raw line under its moving average, a held-out
     one as points joined by a dashed line. One run: a colour per column; several: a colour per run and the
     columns told apart by line style in the legend. Returns the columns drawn (for at least one run)."""
@@ -310,5 +312,5 @@ def _default_output(run_dirs: Sequence[str]) -> Path:
     return Path(CURVES)
 
 
-__all__ = ["CURVES", "Curves", "PANELS", "Panel", "PlotError", "Run", "choose_panels", "find_runs", "main",
+__all__ = ["CURVES", "Curves", "PANELS", "Panel", "PlotError", "RunSeries", "choose_panels", "find_runs", "main",
            "plot_runs", "read_run", "smooth"]

@@ -10,10 +10,6 @@
   (arXiv 2503.20783).
 * :func:`rloo_advantages`: REINFORCE leave-one-out, Ahmadian et al. 2024
   (arXiv 2402.14740).
-* :func:`preference_pairs`: online DPO's ranking of sampled completions into
-  chosen/rejected pairs, Guo et al. 2024 (arXiv 2402.04792).
-* :func:`overlong_penalty`: DAPO's soft overlong punishment, Yu et al. 2025
-  (arXiv 2503.14476, eq. 13), a reward term in ``[-1, 0]`` by response length.
 * :func:`reinforce_pp_advantages`: REINFORCE++, Hu 2025 (arXiv 2501.03262),
   and its variant with a group baseline (REINFORCE++-baseline).
 
@@ -38,7 +34,7 @@ Departures and choices:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 
@@ -46,8 +42,8 @@ from align.core.kl import kl_estimate
 from align.core.masks import last_valid_index
 from align.core.stats import AllReduce, identity, whiten
 
-__all__ = ["shape_rewards", "per_token_rewards", "overlong_penalty", "gae", "group_advantages", "rloo_advantages", "reinforce_pp_advantages",
-           "returns_to_go", "preference_pairs", "PreferencePairs", "GROUP_SCALES"]
+__all__ = ["shape_rewards", "per_token_rewards", "gae", "group_view", "group_advantages", "rloo_advantages",
+           "reinforce_pp_advantages", "returns_to_go", "GROUP_SCALES"]
 
 
 @torch.no_grad()
@@ -121,36 +117,6 @@ def _add_terminal(rewards: torch.Tensor, scores: torch.Tensor, valid: torch.Tens
 
 
 @torch.no_grad()
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), per response.
-
-    With ``L_max = max_length`` and ``L_cache = buffer``::
-
-        0                                   |y| <= L_max - L_cache
-        ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
-        -1                                  |y| > L_max
-
-    The penalty falls linearly from 0 to -1 across the last ``buffer`` tokens before ``max_length``. With
-    ``buffer == 0`` it is a hard cut: 0 up to ``max_length``, -1 beyond.
-
-    Args:
-        lengths: ``(B,)`` response lengths in tokens (the response mask's sum, the stop token included).
-        max_length: ``L_max``; ``buffer``: ``L_cache``, ``0 <= buffer <= max_length``.
-
-    Returns:
-        ``(B,)`` float32 penalties in ``[-1, 0]``.
-    """
-    if not 0 <= buffer <= max_length:
-        raise ValueError(f"overlong_penalty: expected 0 <= buffer <= max_length, got buffer {buffer}, "
-                         f"max_length {max_length}")
-    lengths = lengths.to(torch.float32)
-    start = float(max_length - buffer)
-    ramp = (start - lengths) / max(buffer, 1)  # (B,) only used where start < |y| <= max_length
-    penalty = torch.where(lengths <= start, torch.zeros_like(lengths), ramp)
-    return torch.where(lengths > max_length, torch.full_like(lengths, -1.0), penalty)
-
-
-@torch.no_grad()
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -199,7 +165,9 @@ def gae(
     return advantages, returns
 
 
-def _group_view(rewards: torch.Tensor, group_size: int, fn: str) -> torch.Tensor:
+def group_view(rewards: torch.Tensor, group_size: int, fn: str) -> torch.Tensor:
+    """``(B*G,) -> (B, G)``: each prompt's ``group_size`` consecutive rewards as one row (as float), or a ValueError
+    naming ``fn`` when the rewards are not 1-D or do not split into whole groups."""
     if rewards.dim() != 1:
         raise ValueError(f"{fn}: rewards must be 1-D (B*G,), got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
@@ -249,7 +217,7 @@ def has_signal(rewards: torch.Tensor, group_size: int, eps: float = SIGNAL_EPS) 
     """``(B,)`` bool: whether each group of ``group_size`` consecutive rewards ``(B*G,)`` carries a learning signal,
     i.e. whether its unbiased std (computed as :func:`group_advantages` computes it) exceeds ``eps``. A group this
     rejects gets exactly zero advantage from :func:`group_advantages`, and one it keeps a non-zero one."""
-    grouped = _shift(_group_view(rewards, group_size, "has_signal"))
+    grouped = _shift(group_view(rewards, group_size, "has_signal"))
     return _unbiased_std(grouped, dim=1) > eps
 
 
@@ -283,7 +251,7 @@ def group_advantages(
     """
     if scale not in GROUP_SCALES:
         raise ValueError(f"group_advantages: unknown scale {scale!r}; expected one of {list(GROUP_SCALES)}")
-    raw = _group_view(rewards, group_size, "group_advantages")  # (B, G)
+    raw = group_view(rewards, group_size, "group_advantages")  # (B, G)
     grouped = _shift(raw)
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
     group_std = _unbiased_std(grouped, dim=1, keepdim=True)  # (B, 1)
@@ -319,39 +287,11 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         raise ValueError(
             f"rloo_advantages: group_size must be >= 2 for a leave-one-out baseline, got {group_size}"
         )
-    grouped = _shift(_group_view(rewards, group_size, "rloo_advantages"))  # (B, G); constant -> 0
+    grouped = _shift(group_view(rewards, group_size, "rloo_advantages"))  # (B, G); constant -> 0
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (B, G)
     return (grouped - others_mean).reshape(-1)
 
 
-class PreferencePairs(NamedTuple):
-    """One pair per prompt: row indices into the ``(B*G,)`` rollout and whether the pair carries a preference."""
-
-    chosen: torch.Tensor  # (B,) long, the row with the highest reward of each group
-    rejected: torch.Tensor  # (B,) long, the row with the lowest reward
-    decisive: torch.Tensor  # (B,) bool, False where every reward of the group is equal (a tie)
-
-
-@torch.no_grad()
-def preference_pairs(rewards: torch.Tensor, group_size: int) -> PreferencePairs:
-    """Online DPO's pairs (arXiv 2402.04792): in each group of ``group_size`` consecutive rewards the best
-    completion is chosen and the worst rejected (for G = 2, the paper's two samples). Among equal best (or worst)
-    rewards the first row wins. A group whose best and worst rewards are equal is a tie: it states no
-    preference and is marked not ``decisive``, so the caller can leave it out of the loss.
-
-    Args:
-        rewards: ``(B*G,)``.
-        group_size: G >= 2.
-
-    Returns:
-        :class:`PreferencePairs` of ``(B,)`` tensors.
-    """
-    if group_size < 2:
-        raise ValueError(f"preference_pairs: group_size must be >= 2 to form a pair, got {group_size}")
-    grouped = _group_view(rewards, group_size, "preference_pairs")  # (B, G)
-    offset = torch.arange(grouped.shape[0], device=grouped.device) * group_size  # (B,)
-    best, worst = grouped.max(dim=1), grouped.min(dim=1)
-    return PreferencePairs(offset + best.indices, offset + worst.indices, best.values > worst.values)
 @torch.no_grad()
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Undiscounted returns ``G_t = sum_{s >= t} r_s`` over the valid tokens of each row, ``(B, T) -> (B, T)``.

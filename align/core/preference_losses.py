@@ -1,5 +1,5 @@
 """Preference losses on sequence log-probs: DPO and its variants, SimPO, ORPO, KTO, and the Bradley-Terry loss
-of reward models.
+of reward models; and online DPO's pairs of sampled completions (:func:`preference_pairs`).
 
 Papers, one per variant:
 
@@ -9,6 +9,7 @@ Papers, one per variant:
 * ORPO: Hong et al. 2024 (arXiv 2403.07691).
 * KTO: Ethayarajh et al. 2024 (arXiv 2402.01306).
 * Bradley-Terry reward-model loss with the optional margin of Llama 2, Touvron et al. 2023 (arXiv 2307.09288).
+* Online DPO's pairs, the best against the worst completion of each prompt: Guo et al. 2024 (arXiv 2402.04792).
 
 Departure: ``dpo_loss`` and ``simpo_loss`` take sequence log-probs as given; whether they are sums or per-token means
 is the caller's choice (see ``dpo_loss``).
@@ -16,13 +17,15 @@ is the caller's choice (see ``dpo_loss``).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from align.core.advantages import group_view
+
 __all__ = ["DPO_LOSSES", "dpo_loss", "dpo_sigmoid_loss", "ipo_loss", "hinge_loss", "simpo_loss", "log1mexp",
-           "orpo_loss", "kto_loss", "bradley_terry_loss"]
+           "orpo_loss", "kto_loss", "bradley_terry_loss", "preference_pairs", "PreferencePairs"]
 
 
 def dpo_sigmoid_loss(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -234,3 +237,33 @@ def bradley_terry_loss(
     loss = -F.logsigmoid(logits).mean()
     accuracy = (diff.detach() > 0).float().mean()
     return loss, accuracy
+
+
+class PreferencePairs(NamedTuple):
+    """One pair per prompt: row indices into the ``(B*G,)`` rollout and whether the pair carries a preference."""
+
+    chosen: torch.Tensor  # (B,) long, the row with the highest reward of each group
+    rejected: torch.Tensor  # (B,) long, the row with the lowest reward
+    decisive: torch.Tensor  # (B,) bool, False where every reward of the group is equal (a tie)
+
+
+@torch.no_grad()
+def preference_pairs(rewards: torch.Tensor, group_size: int) -> PreferencePairs:
+    """Online DPO's pairs (arXiv 2402.04792): in each group of ``group_size`` consecutive rewards the best
+    completion is chosen and the worst rejected (for G = 2, the paper's two samples). Among equal best (or worst)
+    rewards the first row wins. A group whose best and worst rewards are equal is a tie: it states no
+    preference and is marked not ``decisive``, so the caller can leave it out of the loss.
+
+    Args:
+        rewards: ``(B*G,)``.
+        group_size: G >= 2.
+
+    Returns:
+        :class:`PreferencePairs` of ``(B,)`` tensors.
+    """
+    if group_size < 2:
+        raise ValueError(f"preference_pairs: group_size must be >= 2 to form a pair, got {group_size}")
+    grouped = group_view(rewards, group_size, "preference_pairs")  # (B, G)
+    offset = torch.arange(grouped.shape[0], device=grouped.device) * group_size  # (B,)
+    best, worst = grouped.max(dim=1), grouped.min(dim=1)
+    return PreferencePairs(offset + best.indices, offset + worst.indices, best.values > worst.values)

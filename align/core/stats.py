@@ -4,7 +4,8 @@ variance, and PPO's score options; and the unbiased pass@k of sampled evaluation
 Each function takes the cross-rank reduction as an argument, ``all_reduce``: a callable that sums a tensor
 over the ranks and returns the sum (``LightningModule``-side: :meth:`align.modules.base.AlignModule.
 all_reduce_sum`). The default, :func:`identity`, is the single-process case, so one process and several
-ranks run the same code and a two-shard test can check that they agree.
+ranks run the same code and a two-shard test can check that they agree. :class:`Ranks` carries it with this
+process's rank and the number of ranks, for the sampler, the rollout sources and the learner.
 
 Choices:
 
@@ -20,6 +21,7 @@ Choices:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import math
@@ -28,7 +30,7 @@ import torch
 
 from align.core.masks import masked_sum
 
-__all__ = ["AllReduce", "identity", "mean_var", "whiten", "explained_variance", "transform_scores", "pass_at_k"]
+__all__ = ["AllReduce", "identity", "Ranks", "mean_var", "whiten", "explained_variance", "transform_scores", "pass_at_k"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the data-parallel ranks and returns the sum (every rank gets the same value)."""
@@ -37,6 +39,16 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 def identity(x: torch.Tensor) -> torch.Tensor:
     """The all-reduce of a single process."""
     return x
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The data-parallel ranks a sampler, a rollout source or the learner works across: this process's ``rank`` of
+    ``size``, and ``all_reduce`` (sums a tensor over every rank; the identity on one process)."""
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: AllReduce = identity
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from align.data.base import AUTO, TokenizerDataModule, check_val_size
 from align.data.io import read_rows
-from align.data.preference_rows import (  # noqa: F401  (encode_prompt, encode_response, fit_prompt: align.models.reward)
+from align.data.preference_rows import (  # noqa: F401  (encode_prompt, encode_response, fit_prompt: align.rollout.rewards.reward_model)
     IdenticalPairs,
     PreferenceExample,
     PreparedSplit,

@@ -37,7 +37,7 @@ TINY_SORT = "tiny-sort"
 
 TINY_SORT_RM_DIR = ASSETS_DIR / "tiny-sort-rm"
 """A reward model for the sort task (made by ``scripts/make_tiny_sort_rm.py`` with ``recipes/rm.py`` on the
-bundled preferences): a reward-model export directory (see :mod:`align.models.reward`) addressed by the id
+bundled preferences): a reward-model export directory (see :mod:`align.models.reward_export`) addressed by the id
 :data:`TINY_SORT_RM`."""
 
 TINY_SORT_RM = "tiny-sort-rm"

@@ -40,7 +40,7 @@ class CriticSettings:
     """Backbone of a ``separate`` critic (for example a trained reward model: an export directory, a reward-model
     checkpoint or ``tiny-sort-rm``); null: the policy's ``model``."""
     head_from_reward_model: bool = True
-    """When the separate critic's backbone is a reward model (anything :class:`~align.models.reward.RewardModelScorer`
+    """When the separate critic's backbone is a reward model (anything :func:`~align.models.reward_export.load_reward_model`
     loads), start the critic's head from its reward head instead of at 0."""
 
     def __post_init__(self):

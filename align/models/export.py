@@ -2,7 +2,7 @@
 
 A policy checkpoint exports as a causal LM (``AutoModelForCausalLM`` loads it); a reward-model checkpoint (one
 written by :class:`~align.modules.reward.RewardModule`) as a sequence-classification model with its trained head
-(:func:`align.models.reward.save_reward_model`).
+(:func:`align.models.reward_export.save_reward_model`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning as L
 
 from align.models.checkpoints import is_reward_checkpoint, load_checkpoint, policy_from_checkpoint
-from align.models.reward import save_reward_model
+from align.models.reward_export import save_reward_model
 
 __all__ = ["ExportCallback", "export_checkpoint", "is_reward_checkpoint", "load_checkpoint", "policy_from_checkpoint"]
 

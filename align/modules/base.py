@@ -10,9 +10,9 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from align.core.stats import Ranks
 from align.models.policy import PolicyModel
 from align.modules.learner import Optimization
-from align.rollout.types import Ranks
 from align.trainer.clipping import clip_gradients
 from align.trainer.host_memory import keep_freed_host_memory
 from align.trainer.optim import WarmupLR

@@ -27,9 +27,10 @@ from align.core.losses import loss_count
 from align.core.masks import masked_mean
 from align.core.packing import token_budget_chunks
 from align.core.policy_losses import POLICY_LOSSES, PolicyLossInputs, PolicyLossSettings
+from align.core.stats import Ranks
 from align.models.scoring import TokenLogprobs
 from align.modules.options import ClipRange, PolicyLoss, Updates
-from align.rollout.types import Ranks, Rollout
+from align.rollout.types import Rollout
 
 __all__ = ["LossFn", "Learner", "Optimization", "Plan", "RLBatch", "as_token_mean", "corrected", "minibatch_indices",
            "policy_loss_terms"]

@@ -3,7 +3,7 @@
 Each training step takes a scored rollout from the module's source (``group_size`` completions per prompt from the
 current policy, scored by the RL reward stack: reward functions and/or a reward model, :class:`~align.rollout.sampler.
 Sampler`),
-pairs the best against the worst of every prompt (:func:`align.core.advantages.preference_pairs`) and takes a DPO step
+pairs the best against the worst of every prompt (:func:`align.core.preference_losses.preference_pairs`) and takes a DPO step
 on summed response log-probs against the reference (``loss_type`` from :data:`align.modules.dpo.PREFERENCE_LOSSES`,
 which call :func:`align.core.preference_losses.dpo_loss`). The loss of a step is the mean over its decisive pairs on all ranks.
 
@@ -43,7 +43,7 @@ from typing import Literal
 
 import torch
 
-from align.core.advantages import preference_pairs
+from align.core.preference_losses import preference_pairs
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
 from align.core.kl import kl_estimate

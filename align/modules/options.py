@@ -303,7 +303,7 @@ class TrustRegion:
 @dataclass(frozen=True)
 class OverlongPenalty:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to every completion's
-    reward (:func:`align.core.advantages.overlong_penalty`) and logged as the reward part ``overlong``."""
+    reward (:func:`align.core.shaping.overlong_penalty`) and logged as the reward part ``overlong``."""
 
     buffer: int | None = None
     """``L_cache``: the penalty falls linearly from 0 to -1 over the last ``buffer`` tokens up to ``max_length``;

@@ -9,7 +9,7 @@ checkpoint. Reasons:
   from the policy wrapper.
 * The last token is found from the attention mask, not from ``input_ids != pad_token_id``, which picks the token
   before the response's EOS when ``pad == eos``; the export names a pad token other than the EOS, so transformers
-  reads the same token (see :mod:`align.models.reward`).
+  reads the same token (see :mod:`align.models.reward` and :mod:`align.models.reward_export`).
 * Only the decoder runs; no vocabulary-sized logits are computed.
 
 Loss normalisation: the loss of an optimizer step is the mean over every pair of its accumulation window and of all
@@ -25,7 +25,7 @@ has none.
 Logged: ``train/loss``, ``rm/accuracy``, ``rm/margin`` (mean chosen - rejected score), ``rm/score_chosen``,
 ``rm/score_rejected``, ``train/pairs_per_s``; held out: ``val/loss``, ``val/rm_accuracy``, ``val/rm_margin``,
 ``val/rm_score_chosen``, ``val/rm_score_rejected``. At the end of ``fit`` the model is exported to
-``<run dir>/export`` (see :mod:`align.models.reward`), loadable by :class:`align.models.reward.RewardModelScorer`.
+``<run dir>/export`` (see :mod:`align.models.reward_export`), loadable by :class:`align.rewards.RewardModelScorer`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from align.data.preference import PreferenceBatch
 from align.core.preference_losses import bradley_terry_loss
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
-from align.models.reward import init_reward_head, save_reward_model
+from align.models.reward import init_reward_head
+from align.models.reward_export import save_reward_model
 from align.models.scorer import Scorer
 from align.modules.base import AlignModule, PairMetrics
 

@@ -27,13 +27,14 @@ from align.data.prompts import PromptBatch
 from align.errors import AlignError
 from align.models.scorer import Scorer
 from align.observability.timing import Timer, record_span
-from align.core.advantages import overlong_penalty
+from align.core.shaping import overlong_penalty
 from align.core.mismatch import correction_weights
+from align.core.stats import Ranks
 from align.rollout.engine import GenerationEngine, HeldOutSampling, SamplingConfig, engine_of, make_engine
 from align.rollout.envs.chat import EnvironmentPool
 from align.rollout.episodes import play_episodes
 from align.rollout.rewards import CombinedReward, LazyRewardModel, RewardCounts, RewardError, reward_inputs
-from align.rollout.types import Ranks, Rollout, Scored
+from align.rollout.types import Rollout, Scored
 
 __all__ = ["OverlongShaping", "Sampler", "stop_together"]
 
@@ -73,7 +74,7 @@ def stop_together(error: BaseException | None, ranks: Ranks, device: torch.devic
 
 class OverlongShaping(NamedTuple):
     """DAPO's soft overlong punishment as the sampler applies it: ``coef`` times
-    :func:`~align.core.advantages.overlong_penalty` of each completion's length with ``buffer`` and ``max_length``."""
+    :func:`~align.core.shaping.overlong_penalty` of each completion's length with ``buffer`` and ``max_length``."""
 
     coef: float
     buffer: int

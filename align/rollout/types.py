@@ -1,14 +1,14 @@
-"""What flows out of the rollout layer: a :class:`Rollout` (sampled rows with their log-probs), a :class:`Scored`
-rollout (with its rewards), and the data-parallel :class:`Ranks` a sampler or a source reduces over."""
+"""What flows out of the rollout layer: a :class:`Rollout` (sampled rows with their log-probs) and a :class:`Scored`
+rollout (with its rewards)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-__all__ = ["Rollout", "Scored", "Ranks", "identity", "rollout_from_state", "rollout_state", "rollout_to"]
+__all__ = ["Rollout", "Scored", "rollout_from_state", "rollout_state", "rollout_to"]
 
 
 @dataclass
@@ -105,18 +105,3 @@ class Scored:
     rewards: torch.Tensor
     parts: dict[str, torch.Tensor]
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def identity(x: torch.Tensor) -> torch.Tensor:
-    """The all-reduce of a single process."""
-    return x
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """The data-parallel ranks a sampler or a rollout source works across: this process's ``rank`` of ``size``, and
-    ``all_reduce`` (sums a tensor over every rank; the identity on one process)."""
-
-    rank: int = 0
-    size: int = 1
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] = identity

@@ -8,8 +8,6 @@ from hypothesis import strategies as st
 from align.core.advantages import (
     gae,
     group_advantages,
-    overlong_penalty,
-    preference_pairs,
     reinforce_pp_advantages,
     returns_to_go,
     rloo_advantages,
@@ -115,30 +113,6 @@ def test_shape_rewards_ignores_masked_inputs(case):
     r2, kl2 = shape_rewards(scores, torch.where(mask, logprobs, noise), torch.where(mask, ref, float("nan")), mask, 0.05)
     assert torch.equal(r1, r2) and torch.equal(kl1, kl2)
     assert torch.all(r1[~mask] == 0) and torch.all(kl1[~mask] == 0)
-
-
-# ---------------------------------------------------------------- overlong_penalty
-
-
-def test_overlong_penalty_pinned_at_the_boundaries():
-    # L_max 16, L_cache 4: no penalty up to 12 tokens, then -1/4 per token down to -1 at 16, -1 beyond.
-    lengths = torch.tensor([0, 11, 12, 13, 14, 15, 16, 17, 40])
-    expected = torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0])
-    torch.testing.assert_close(overlong_penalty(lengths, max_length=16, buffer=4), expected)
-
-
-def test_overlong_penalty_paper_setting_and_hard_cut():
-    # The paper's setting: L_max 16384 (expected length), L_cache 4096, generation allowed up to 20480.
-    pen = overlong_penalty(torch.tensor([12288, 13312, 16384, 20480]), max_length=16384, buffer=4096)
-    torch.testing.assert_close(pen, torch.tensor([0.0, -0.25, -1.0, -1.0]))
-    # buffer 0: a hard cut (0 up to max_length, -1 beyond); buffer == max_length: the ramp starts at 0 tokens.
-    torch.testing.assert_close(overlong_penalty(torch.tensor([8, 9]), 8, 0), torch.tensor([0.0, -1.0]))
-    torch.testing.assert_close(overlong_penalty(torch.tensor([0, 2, 8]), 8, 8), torch.tensor([0.0, -0.25, -1.0]))
-
-
-def test_overlong_penalty_rejects_a_buffer_longer_than_max_length():
-    with pytest.raises(ValueError, match="buffer <= max_length"):
-        overlong_penalty(torch.tensor([1]), max_length=4, buffer=5)
 
 
 # ---------------------------------------------------------------- GAE
@@ -324,22 +298,6 @@ def test_rloo_is_scaled_centred_reward(case):
     torch.testing.assert_close(adv.view(-1, g), expected, atol=1e-9, rtol=1e-9)
 
 
-def test_preference_pairs_pinned():
-    # G = 2: prompt 0 prefers its second sample, prompt 1 its first, prompt 2 is a tie.
-    pairs = preference_pairs(torch.tensor([0.2, 0.9, 1.0, -1.0, 0.5, 0.5]), 2)
-    assert pairs.chosen.tolist() == [1, 2, 4] and pairs.rejected.tolist() == [0, 3, 4]
-    assert pairs.decisive.tolist() == [True, True, False]
-    # G = 3: best against worst; equal best (or worst) rewards pick the first row.
-    pairs = preference_pairs(torch.tensor([1.0, 3.0, 3.0, 0.0, 0.0, 2.0]), 3)
-    assert pairs.chosen.tolist() == [1, 5] and pairs.rejected.tolist() == [0, 3]
-    assert pairs.decisive.tolist() == [True, True]
-
-
-def test_preference_pairs_needs_two_samples_per_prompt():
-    with pytest.raises(ValueError, match="group_size must be >= 2"):
-        preference_pairs(torch.tensor([1.0, 2.0]), 1)
-    with pytest.raises(ValueError, match="cannot be split into groups"):
-        preference_pairs(torch.tensor([1.0, 2.0, 3.0]), 2)
 # ---------------------------------------------------------------- REINFORCE++ (arXiv 2501.03262)
 
 NAN = float("nan")

@@ -137,7 +137,8 @@ def test_tiny_sort_loads_by_id_and_the_script_reproduces_it(tmp_path):
 
 def test_grpo_config_names_a_trained_reward_model_as_its_reward(tmp_path, capsys):
     from align.models import CriticSettings, PolicyModel
-    from align.models.reward import init_reward_head, save_reward_model
+    from align.models.reward import init_reward_head
+    from align.models.reward_export import save_reward_model
 
     rm = PolicyModel(critic=CriticSettings())
     init_reward_head(rm, torch.Generator().manual_seed(0))

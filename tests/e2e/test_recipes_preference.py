@@ -50,7 +50,7 @@ def test_dpo_recipe_raises_held_out_accuracy_from_chance(tmp_path):
 @pytest.mark.timeout(1800)
 def test_rm_recipe_reaches_90_percent_and_its_export_is_a_reward(tmp_path):
     from align.data.io import read_rows
-    from align.models.reward import RewardModelScorer
+    from align.rollout.rewards import RewardModelScorer
 
     out = run_recipe("rm", tmp_path)
     before, after = before_after(out, "val/rm_accuracy")

@@ -67,7 +67,7 @@ def test_reward_model(reward_model_export):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from align.models.reward import RewardModelScorer
+    from align.rollout.rewards import RewardModelScorer
 
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_export).eval()
     scorer = RewardModelScorer(str(reward_model_export), device="cpu")

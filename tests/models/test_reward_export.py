@@ -8,13 +8,9 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
 from align.models import CriticSettings, LoraSettings, PolicyModel
-from align.models.reward import (
-    RewardModelScorer,
-    init_reward_head,
-    last_scored_index,
-    save_reward_model,
-    sequence_scores,
-)
+from align.models.reward import init_reward_head, last_scored_index, sequence_scores
+from align.models.reward_export import save_reward_model
+from align.rollout.rewards import RewardModelScorer
 from align.hub.tiny import load_tiny_tokenizer, tiny_config
 
 EOS = 2

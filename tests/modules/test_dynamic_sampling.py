@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from align.core.advantages import overlong_penalty
+from align.core.shaping import overlong_penalty
 from align.errors import AlignConfigError, NoLearningSignalError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule

@@ -6,7 +6,7 @@ import torch
 from align.core.losses import loss_count
 from align.modules.learner import Learner, Optimization, RLBatch, minibatch_indices
 from align.modules.options import Updates
-from align.rollout.types import Ranks
+from align.core.stats import Ranks
 
 # Eight rows, response widths 3; row i has i % 3 + 1 valid tokens and advantage i on each.
 N, R = 8, 3

@@ -65,7 +65,7 @@ def test_a_rank_with_too_few_decisive_pairs_keeps_weightless_ties():
 def test_every_rank_keeps_as_many_pairs_as_the_rank_with_the_most_decisive_ones(monkeypatch):
     # This rank (0 of 2) has one decisive pair; the other rank has three. With micro-batches of one pair, both must
     # run three passes: this rank keeps its decisive pair and two weightless ties.
-    from align.rollout.types import Ranks
+    from align.core.stats import Ranks
 
     other = torch.tensor([0.0, 3.0])
     monkeypatch.setattr(OnlineDPOModule, "ranks", property(lambda self: Ranks(0, 2, lambda t: t + other)))

@@ -9,13 +9,10 @@ from align.data.io import read_rows
 from align.data.preference import PreferenceDataModule
 from align.errors import AlignConfigError
 from align.models import CriticSettings, LoraSettings, PolicyModel
-from align.models.reward import (
-    RewardModelScorer,
-    load_reward_model,
-    save_reward_model,
-    sequence_scores,
-)
+from align.models.reward import sequence_scores
+from align.models.reward_export import load_reward_model, save_reward_model
 from align.modules.reward import RewardModule
+from align.rollout.rewards import RewardModelScorer
 
 
 @pytest.fixture(scope="module")

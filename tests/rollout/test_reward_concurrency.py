@@ -159,7 +159,7 @@ import os, sys
 import torch.distributed as dist
 from align.rollout.rewards import CombinedReward, RewardError
 from align.rollout.sampler import stop_together
-from align.rollout.types import Ranks
+from align.core.stats import Ranks
 
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{sys.argv[2]}")

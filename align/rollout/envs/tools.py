@@ -18,7 +18,7 @@ does), an exception becomes an ``error:`` reply, and a result is cut to ``max_ou
 malformed call and a call over ``max_calls`` are replies too, never a crash; each counts in ``info["tool_errors"]``.
 
 Shipped tools: :func:`calculator` (arithmetic, evaluated from the syntax tree, never with ``eval``) and
-:class:`PythonSandbox` (``python``: code in a separate interpreter in a jail, :mod:`align.rollout.envs.sandbox`).
+:class:`PythonSandbox` (``python``: code in a separate interpreter in a jail, :mod:`align.jail.sandbox`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import re
 import threading
 from typing import Any, Callable, Sequence
 
-from align.rollout.envs.chat import Environment, EnvStep, check_messages
-from align.rollout.envs.sandbox import PythonSandbox, network_namespace, python
 from align.errors import AlignConfigError
+from align.jail.sandbox import PythonSandbox, network_namespace, python
+from align.rollout.envs.chat import Environment, EnvStep, check_messages
 from align.rollout.rewards import resolve_import
 
 __all__ = ["ToolEnvironment", "calculator", "PythonSandbox", "python", "parse_tool_calls", "message_tool_calls",

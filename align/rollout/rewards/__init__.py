@@ -29,28 +29,30 @@ first failing sample. An import path that does not resolve fails when the module
 Built-in rewards (:mod:`align.rollout.rewards.builtin`): :func:`sort_exact_match`, :func:`sort_format` and the
 graded :func:`sort_position_match` for the bundled sort task (:mod:`align.data.sort_task`), :func:`math_answer`
 for GSM8K-style math answers, and :func:`math_verify` (:mod:`~align.rollout.rewards.mathverify`), math answers
-checked by the math-verify library. A trained reward model is a reward too: :class:`RewardModelScorer` (defined in
-:mod:`align.models.reward`); so is a judge model behind an OpenAI-compatible endpoint, :class:`Judge`
+checked by the math-verify library. A trained reward model is a reward too: :class:`RewardModelScorer`
+(:mod:`~align.rollout.rewards.reward_model`); so is a judge model behind an OpenAI-compatible endpoint, :class:`Judge`
 (:mod:`~align.rollout.rewards.judge`), and a service over HTTP, :class:`Remote` (:mod:`~align.rollout.rewards.remote`).
 
 The package: :mod:`~align.rollout.rewards.resolve` turns import paths into objects and points an exception back
-into the user's code; :mod:`~align.rollout.rewards.combine` calls a reward with its checks, combines several with
-weights and builds an RL run's reward list; :mod:`~align.rollout.rewards.builtin` holds the built-in rewards;
+into the user's code; :mod:`~align.rollout.rewards.inputs` builds what every reward receives;
+:mod:`~align.rollout.rewards.function` calls one reward with its checks; :mod:`~align.rollout.rewards.combine`
+combines several with weights and builds an RL run's reward list; :mod:`~align.rollout.rewards.reward_model` makes a
+trained reward model a reward; :mod:`~align.rollout.rewards.builtin` holds the built-in rewards;
 :mod:`~align.rollout.rewards.service` what the judge and remote rewards share (keys, retries, error counts).
 """
 
 # Besides ``__all__``, ``resolve_import`` (environments and tools use it), ``BASE_INPUTS`` and ``RewardFn`` are
 # importable from here.
-from align.models.reward import RewardModelScorer
 from align.rollout.rewards.builtin import (extract_final_number, math_answer, sort_exact_match, sort_format,
                                            sort_position_match)
-from align.rollout.rewards.combine import (BASE_INPUTS, CombinedReward, LazyRewardModel,  # noqa: F401
-                                           RewardError, RewardFunction, RewardModelSpec, RewardSpec, reward_inputs,
-                                           training_rewards)
+from align.rollout.rewards.combine import CombinedReward, training_rewards
 from align.rollout.rewards.concurrent import RewardCounts
+from align.rollout.rewards.function import RewardError, RewardFunction, RewardSpec
+from align.rollout.rewards.inputs import BASE_INPUTS, reward_inputs  # noqa: F401
 from align.rollout.rewards.judge import Judge
 from align.rollout.rewards.mathverify import math_verify
 from align.rollout.rewards.remote import Remote
+from align.rollout.rewards.reward_model import LazyRewardModel, RewardModelScorer, RewardModelSpec
 from align.rollout.rewards.resolve import (RewardFn, error_location, one_line, resolve_import,  # noqa: F401
                                            resolve_reward)
 

@@ -1,7 +1,8 @@
-"""Hostile code in the python tool's jail: each snippet tries one way out (host files, writes outside its folder,
-signals, other processes' /proc, a process left behind, many processes, a fork bomb, symlinks, ctypes, a full
-disk, the network, the environment, privileges, inherited descriptors), and each is contained: asserted on what
-the snippet printed and on the host afterwards. Every snippet runs in every jail that works here."""
+"""The python tool's jail: which one is chosen (required, auto, off; bubblewrap, then the kernel's namespaces) and
+bubblewrap's command line; then hostile code in it: each snippet tries one way out (host files, writes outside its
+folder, signals, other processes' /proc, a process left behind, many processes, a fork bomb, symlinks, ctypes, a full
+disk, the network, the environment, privileges, inherited descriptors), and each is contained: asserted on what the
+snippet printed and on the host afterwards. Every snippet runs in every jail that works here."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import uuid
 
 import pytest
 
-from align.rollout.envs import jail as jails
-from align.rollout.envs.sandbox import PythonSandbox
+from align.jail import namespaces as jails
+from align.jail.sandbox import PythonSandbox
 
 SNIPPETS = {
     # Every file it can see that is not its Python (the interpreter, the standard library without site-packages, a
@@ -251,6 +252,50 @@ def victim():
     yield process
     process.kill()
     process.wait()
+
+
+def test_required_takes_the_first_jail_that_works_and_refuses_when_none_does(fresh, monkeypatch):
+    monkeypatch.setattr(jails.shutil, "which", lambda name: None)  # no bubblewrap
+    assert jails.find_jail("required", lambda backend: "jailed\n") == "unshare"
+    monkeypatch.setattr(jails, "_FOUND", {})
+    monkeypatch.setattr(jails, "_WHY", {})
+
+    def broken(backend):
+        raise RuntimeError("the jail could not be built: jail: unshare: Operation not permitted")
+
+    with pytest.raises(RuntimeError, match=r"jail=required, and no jail works here \(bwrap: bubblewrap is not "
+                                           r"installed .*; unshare: the jail could not be built: jail: unshare: "
+                                           r"Operation not permitted\)"):
+        jails.find_jail("required", broken)
+
+
+def test_auto_and_off_run_unjailed_and_say_so_once(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(jails.shutil, "which", lambda name: None)
+    with caplog.at_level("WARNING"):
+        assert jails.find_jail("auto", lambda backend: "no\n") is None
+        assert jails.find_jail("auto", lambda backend: "no\n") is None
+        assert jails.find_jail("off", lambda backend: "jailed\n") is None
+        assert jails.find_jail("off", lambda backend: "jailed\n") is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and all("UNJAILED" in m for m in messages)
+    assert "unshare: a test call printed 'no\\n'" in messages[0]
+
+
+def test_bubblewrap_gets_every_step_in_order(monkeypatch):
+    monkeypatch.setattr(jails.shutil, "which", lambda name: "/usr/bin/bwrap")
+    steps = [("dev", "/dev/null", "/dev/null"), ("symlink", "usr/lib", "/lib"), ("ro", "/usr/lib/x", "/usr/lib/x"),
+             ("tmpfs", 4096, 0o755, "/py/site-packages"), ("ro", "/py/site-packages/pkg", "/py/site-packages/pkg"),
+             ("remount-ro", "/py/site-packages"), ("proc", "/proc"), ("tmpfs", 2 ** 20, 0o700, "/tmp/w"),
+             ("ro", "/tmp/w/main.py", "/tmp/w/main.py")]
+    assert jails.bwrap_command(steps, "/tmp/w", "print(1)", 7) == [
+        "/usr/bin/bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+        "--uid", "65534", "--gid", "65534", "--clearenv", "--info-fd", "7",
+        "--dev-bind", "/dev/null", "/dev/null", "--symlink", "usr/lib", "/lib", "--ro-bind", "/usr/lib/x", "/usr/lib/x",
+        "--perms", "755", "--size", "4096", "--tmpfs", "/py/site-packages",
+        "--ro-bind", "/py/site-packages/pkg", "/py/site-packages/pkg", "--remount-ro", "/py/site-packages",
+        "--proc", "/proc", "--perms", "700", "--size", "1048576", "--tmpfs", "/tmp/w",
+        "--ro-bind", "/tmp/w/main.py", "/tmp/w/main.py", "--remount-ro", "/", "--chdir", "/tmp/w",
+        "--", sys.executable, "-I", "-c", "print(1)"]
 
 
 def test_some_jail_works_on_this_linux_machine():

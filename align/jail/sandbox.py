@@ -1,5 +1,6 @@
-"""The ``python`` tool: code a policy wrote, run in a jail (:mod:`align.rollout.envs.jail`) with a time, memory,
-process, disk and output limit (docs/environments.md, "The python tool's jail")."""
+"""The ``python`` tool: code a policy wrote, run in a jail (:mod:`align.jail.namespaces`) with a time, memory,
+process, disk and output limit (docs/environments.md, "The python tool's jail"); the tool environment that offers it
+is :class:`align.rollout.envs.tools.ToolEnvironment`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import threading
 from typing import Sequence
 
 from align.errors import AlignConfigError
-from align.rollout.envs import jail as jails
+from align.jail import namespaces as jails
 
 __all__ = ["PythonSandbox", "python", "network_namespace"]
 
@@ -71,7 +72,7 @@ def _wait(process: subprocess.Popen, timeout: float) -> int:
 class PythonSandbox:
     """``python``: runs code in a separate Python interpreter, in a jail, and returns what it printed.
 
-    The jail (``jail``; :mod:`align.rollout.envs.jail`): its own root holding a read-only view of this Python and a
+    The jail (``jail``; :mod:`align.jail.namespaces`): its own root holding a read-only view of this Python and a
     working folder of ``disk_mb`` (a tmpfs, gone afterwards), its own PID, network, IPC and UTS namespaces (the
     whole PID namespace is killed when the call ends), an unprivileged user without capabilities. Inside it, the
     interpreter runs in isolated mode (``-I``) with an empty environment and sets its own ``RLIMIT_AS``

@@ -1,6 +1,6 @@
 """The ``unshare`` jail's launcher: a standalone script (standard library only) that the python tool runs as
 ``python -I -S -c <this file> <plan>`` to put one call's code into new kernel namespaces (``plan``: a
-``marshal``-ed dict in hex, as :func:`align.rollout.envs.jail.unshare_command` writes it; nothing is imported that
+``marshal``-ed dict in hex, as :func:`align.jail.namespaces.unshare_command` writes it; nothing is imported that
 the interpreter does not start with but ``ctypes``).
 
 It does what ``unshare(1)`` and bubblewrap do, with the ``unshare(2)``, ``mount(2)`` and ``pivot_root(2)`` system

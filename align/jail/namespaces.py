@@ -1,5 +1,5 @@
-"""The jail the python tool runs code in: new kernel namespaces around one interpreter (docs/environments.md,
-"The python tool's jail").
+"""The jail the python tool (:mod:`align.jail.sandbox`) runs code in: new kernel namespaces around one interpreter
+(docs/environments.md, "The python tool's jail").
 
 A jailed call sees a new root holding only
 
@@ -14,7 +14,7 @@ unprivileged user without capabilities: user 65534 inside, mapped to the caller'
 the host when the caller is root. Two ways to build it:
 
 - ``bwrap``: bubblewrap (``apt-get install bubblewrap``), run as that unprivileged user; preferred where it works;
-- ``unshare``: the same namespaces made by :mod:`align.rollout.envs.jail_launcher` with the ``unshare(2)`` system
+- ``unshare``: the same namespaces made by :mod:`align.jail.launcher` with the ``unshare(2)`` system
   call, where user namespaces work (Linux, ``kernel.unprivileged_userns_clone`` or root).
 
 :func:`find_jail` probes them once per process, in that order.
@@ -47,7 +47,7 @@ UTF8_LOCALES = ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 BACKENDS = ("bwrap", "unshare")
 MODES = ("required", "auto", "bwrap", "unshare", "off")
-LAUNCHER = pathlib.Path(__file__).with_name("jail_launcher.py")
+LAUNCHER = pathlib.Path(__file__).with_name("launcher.py")
 
 Step = tuple  # ("ro", src, dest) | ("dev", src, dest) | ("symlink", target, path) | ("tmpfs", size, mode, path)
 #               | ("remount-ro", path) | ("proc", path) | ("dir", path): what the new root is built from, in order

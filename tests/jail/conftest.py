@@ -1,9 +1,9 @@
-"""The rollout tests' shared fixtures."""
+"""The jail tests' shared fixtures."""
 
 import pytest
 
-from align.rollout.envs import jail as jails
-from align.rollout.envs.sandbox import PythonSandbox
+from align.jail import namespaces as jails
+from align.jail.sandbox import PythonSandbox
 
 
 @pytest.fixture(params=jails.BACKENDS)
@@ -14,3 +14,12 @@ def jailed(request):
     if why is not None:
         pytest.skip(f"{request.param}: {why}")
     return lambda **kw: PythonSandbox(jail=request.param, **{"timeout": 20, **kw})
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No jail probed yet in this process, and no warning given."""
+    for name in ("_FOUND", "_WHY"):
+        monkeypatch.setattr(jails, name, {})
+    monkeypatch.setattr(jails, "_WARNED", set())
+    monkeypatch.setattr(jails.sys, "platform", "linux")

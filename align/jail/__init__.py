@@ -1,0 +1,1 @@
+"""The jail the python tool runs code in: kernel namespaces, a read-only root and limits, standard library only."""
