@@ -1,16 +1,16 @@
-"""Generation and evaluation with a trained policy: what ``align generate``, ``align evaluate`` and ``align chat``
-run (docs/generation.md).
+"""Generating with a trained policy: what ``align generate`` and ``align chat`` run, and the policy and prompts
+``align evaluate`` reads (its scoring is :mod:`align.rollout.evaluation`; docs/generation.md).
 
-Everything goes through the parts training uses, so a number printed here is the number training would print:
+Everything goes through the parts training uses, so a number printed is the number training would print:
 
 * the model is a :class:`~align.models.PolicyModel` rebuilt from an align checkpoint (as ``align export`` does,
   :func:`align.models.checkpoints.policy_from_checkpoint`), or built from an exported folder or a model id;
 * prompts are read and encoded by the training reader (:func:`align.data.io.read_rows`,
   :func:`align.data.prompts.encode_prompt_rows`), so they get the same chat template and the same one-line errors;
 * completions are sampled by the training generation engine (:mod:`align.rollout.engine`, ``sampling.engine``);
-* rewards are resolved and called as in training (:func:`align.rollout.rewards.training_rewards`,
-  :func:`align.rollout.rewards.reward_inputs`), and accuracy is the share of completions whose accuracy reward is at
-  least a threshold: with one greedy completion per prompt, exactly what an RL run logs as ``val/accuracy``.
+* ``align evaluate`` samples and scores through a :class:`~align.rollout.sampler.Sampler` and sums with the
+  :class:`~align.rollout.evaluation.Evaluator` of training's held-out passes: with one greedy completion per prompt,
+  its accuracy is what an RL run logs as ``val/accuracy``.
 """
 
 from __future__ import annotations
