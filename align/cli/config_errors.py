@@ -309,11 +309,28 @@ def guarded(fn):
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except ValueError as err:
-        # jsonargparse re-raises errors from class instantiation as a ValueError caused by the original one.
+        # jsonargparse re-raises errors from class instantiation as a ValueError caused by the original one; an
+        # error of a class given by class_path inside a union (``sampling.engine: str | GenerationEngine``) reaches
+        # it only as text, one line per union member it tried.
         cause = err.__cause__
         while cause is not None and not isinstance(cause, AlignError):
             cause = cause.__cause__
-        if cause is None:
+        message = str(cause) if cause is not None else _own_line(err)
+        if message is None:
             raise
-        print(f"error: {cause}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+_OWN_LINE = re.compile(r"^[ \t]*-[ \t]+((?:model|data|trainer)\.[\w.\[\]]+: .+)$", re.MULTILINE)
+
+
+def _own_line(err: BaseException) -> str | None:
+    """The one-line message of an align setting's error (``model.x.y: expected ...``) that jsonargparse kept as text
+    in a union's list of failures, anywhere in ``err``'s chain; None when there is none."""
+    while err is not None:
+        found = _OWN_LINE.search(str(err))
+        if found:
+            return found.group(1)
+        err = err.__cause__ or err.__context__
+    return None

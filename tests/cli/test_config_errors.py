@@ -115,3 +115,19 @@ def test_a_config_file_that_is_not_yaml_is_named_with_its_line_and_column(capsys
     assert recipe_error(capsys, tmp_path, "sft", "--config", str(bad)) == [
         f"error: --config: '{bad}', line 3, column 7: not valid YAML: mapping values are not allowed here"]
     assert recipe_error(capsys, tmp_path, "sft", f"--config={bad}")[0].startswith(f"error: --config: '{bad}', line 3")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model.sampling.temperature", "-1"], "model.sampling.temperature: expected >= 0 (0: greedy), got -1.0"),
+    (["--model.evaluation.sampling.top_p", "0"], "model.evaluation.sampling.top_p: expected a value in (0, 1], got 0.0"),
+    (["--model.sampling.engine", "align.rollout.vllm_engine.VLLMEngine", "--model.sampling.engine.dtype", "fp8"],
+     "model.sampling.engine.dtype: expected auto, float32, bfloat16 or float16, got 'fp8'"),
+    (["--config", "model:\n  init_args:\n    sampling:\n      engine:\n        class_path: "
+                  "align.rollout.engine.NativeEngine\n        init_args: {fast_decoder: 3}\n"],
+     "--model.sampling.engine.fast_decoder: expected bool, got '3'"),
+], ids=["sampling", "held-out-sampling", "engine-setting", "engine-setting-type"])
+def test_a_bad_value_of_a_nested_setting_or_an_engines_own_is_one_line(capsys, tmp_path, args, expected):
+    """An option class's own check (an engine given by class_path sits in a union with its short names, where
+    jsonargparse keeps the error only as text) reaches the user as its one line, not a traceback."""
+    args = [yaml_file(tmp_path, a) if a.startswith("model:") else a for a in args]
+    assert recipe_error(capsys, tmp_path, "grpo", *args) == [f"error: {expected}"]
