@@ -1,7 +1,7 @@
 """The documentation: the site builds with ``mkdocs build --strict`` (a broken link or anchor, a page missing from the
 nav, a snippet or a docstring cross reference that does not resolve is an error; mkdocs.yml), every layer of the
-package has its API page, and the relative links of README.md, which GitHub renders and the site does not check,
-point at files and headings that exist."""
+package has its API page, and the relative links of README.md and CONTRIBUTING.md, which GitHub renders and the
+site does not check, point at files and headings that exist."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def github_anchors(markdown: str) -> set[str]:
     return anchors
 
 
-@pytest.mark.parametrize("name", ["README.md"])
+@pytest.mark.parametrize("name", ["README.md", "CONTRIBUTING.md"])
 def test_the_relative_links_of_the_root_pages_resolve(name):
     pytest.importorskip("pymdownx", reason="the docs tools come with the dev extra")
     text = (ROOT / name).read_text()
