@@ -65,7 +65,8 @@ def shape_rewards(
         ref_logprobs: ``(B, T)`` reference log-probs of the same tokens.
         mask: ``(B, T)`` response mask.
         kl_coef: KL penalty coefficient (for example ``controller.value``).
-        kind, clamp: KL estimator and log-ratio clamp, see :func:`align.core.kl.kl_estimate`.
+        kind: KL estimator, see :func:`align.core.kl.kl_estimate`.
+        clamp: log-ratio clamp, see :func:`align.core.kl.kl_estimate`.
         token_rewards: ``(B, T)`` rewards already placed on tokens, added where ``mask`` is valid (a multi-turn
             episode's environment reward of each turn, at the turn's last token); None: none.
 

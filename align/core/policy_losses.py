@@ -163,7 +163,8 @@ def ppo_policy_loss(
         clip_low: lower clip range. ``clip_high``: upper clip range; ``None``
             means ``clip_low`` (symmetric). DAPO's "clip higher" sets it larger.
         dual_clip: ``c > 1`` or ``None``.
-        agg, normaliser: see :func:`aggregate`.
+        agg: see :func:`aggregate`.
+        normaliser: see :func:`aggregate`.
         level: ``"token"`` ratios, or GSPO's ``"sequence"`` ratio (arXiv 2507.18071), see
             :func:`importance_ratio`: the whole sequence is clipped or not, and with per-sequence advantages
             and ``agg="seq_mean"`` the loss and its gradient are GSPO's. With one valid token per row both
@@ -206,7 +207,8 @@ def policy_gradient_loss(
         logprobs: ``(B, T)`` log-probs of the taken actions or tokens (with grad).
         advantages: ``(B, T)`` advantages (detached here).
         mask: ``(B, T)`` valid tokens; ``None``: every element is valid.
-        agg, normaliser: see :func:`aggregate`.
+        agg: see :func:`aggregate`.
+        normaliser: see :func:`aggregate`.
 
     Returns:
         The scalar loss.

@@ -115,10 +115,10 @@ def simpo_loss(
     (beta 2.0, gamma 1.0) correspond to a ratio of 0.5.
 
     Args:
-        policy_chosen_logps, policy_rejected_logps: ``(B,)`` *summed* response
-            log-probs.
-        chosen_lengths, rejected_lengths: ``(B,)`` response token counts;
-            clamped to at least 1.
+        policy_chosen_logps: ``(B,)`` *summed* response log-probs of the chosen responses.
+        policy_rejected_logps: ``(B,)`` *summed* response log-probs of the rejected responses.
+        chosen_lengths: ``(B,)`` chosen response token counts; clamped to at least 1.
+        rejected_lengths: ``(B,)`` rejected response token counts; clamped to at least 1.
 
     Returns:
         ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``; the
@@ -162,8 +162,10 @@ def orpo_loss(
     one has infinite odds, and that term then has no gradient.
 
     Args:
-        policy_chosen_logps, policy_rejected_logps: ``(B,)`` *summed* response log-probs (with grad).
-        chosen_lengths, rejected_lengths: ``(B,)`` response token counts; clamped to at least 1.
+        policy_chosen_logps: ``(B,)`` *summed* response log-probs of the chosen responses (with grad).
+        policy_rejected_logps: ``(B,)`` *summed* response log-probs of the rejected responses (with grad).
+        chosen_lengths: ``(B,)`` chosen response token counts; clamped to at least 1.
+        rejected_lengths: ``(B,)`` rejected response token counts; clamped to at least 1.
         lam: the paper's lambda, the weight of the odds-ratio term (TRL's ``beta``).
 
     Returns:
@@ -203,7 +205,8 @@ def kto_loss(
         desirable: ``(B,)`` bool labels: True desirable, False undesirable.
         kl: scalar ``z0``.
         beta: inverse temperature of the implicit reward.
-        desirable_weight, undesirable_weight: ``lambda_D``, ``lambda_U``.
+        desirable_weight: ``lambda_D``.
+        undesirable_weight: ``lambda_U``.
 
     Returns:
         ``(losses, rewards)``, each ``(B,)``; the rewards ``beta * r`` are detached.

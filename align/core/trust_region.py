@@ -395,8 +395,11 @@ def trpo_step(
         evaluate: ``() -> (surrogate, kl)`` at the current ``params``, see :func:`backtracking_line_search`.
         surrogate_before: the surrogate at ``theta_old`` as ``evaluate`` measures it.
         max_kl: ``delta``.
-        cg_iters, cg_tol: see :func:`conjugate_gradient`.
-        backtrack_ratio, max_backtracks, accept_ratio: see :func:`backtracking_line_search`.
+        cg_iters: see :func:`conjugate_gradient`.
+        cg_tol: see :func:`conjugate_gradient`.
+        backtrack_ratio: see :func:`backtracking_line_search`.
+        max_backtracks: see :func:`backtracking_line_search`.
+        accept_ratio: see :func:`backtracking_line_search`.
     """
     params = list(params)
     grad = grad.detach()

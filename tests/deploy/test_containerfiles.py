@@ -72,7 +72,7 @@ def test_the_image_installs_the_checkout_and_runs_as_a_user_who_is_not_root(path
     steps = instructions(path)
     keywords = [key for key, _ in steps]
     copied = {source.rstrip("/") for key, rest in steps if key == "COPY" for source in copy_sources(rest)}
-    assert {"pyproject.toml", "README.md", "align"} <= copied
+    assert {"pyproject.toml", "README.md", "LICENSE", "align"} <= copied  # LICENSE: pyproject.toml's license-files
     installs = [i for i, (key, rest) in enumerate(steps) if key == "RUN" and installs_checkout(rest)]
     assert installs, f"{path.name}: no `pip install .` of the checkout"
     assert installs[0] > max(i for i, (key, rest) in enumerate(steps) if key == "COPY" and "align" in rest.split())

@@ -95,12 +95,14 @@ class Judge(ServiceReward):
             template: The rubric, with ``{prompt}``, ``{completion}`` (pairwise: ``{completion_a}``,
                 ``{completion_b}``) and data columns by name; literal braces doubled. None: the parser's default.
             parser: ``number``, ``yes_no`` or ``pairwise`` (module docstring).
-            low, high: The range of a ``number`` score; a reply outside it is a failed call.
+            low: The low end of a ``number`` score's range; a reply outside the range is a failed call.
+            high: The high end of a ``number`` score's range.
             normalize: Map a ``number`` score from ``[low, high]`` onto ``[0, 1]``; false keeps it as it is.
             both_orders: ``pairwise``: ask each pair in both orders; a judge that disagrees with itself gives a tie.
             system_prompt: A system message before the rubric; None: none.
             api_key_env: The NAME of the environment variable that holds the key; None: no key (a local server).
-            temperature, max_tokens: Sampling of the judge's reply (max_tokens None: not sent).
+            temperature: Sampling temperature of the judge's reply.
+            max_tokens: The most tokens of the judge's reply; None: not sent.
             extra_body: More fields of the request body (e.g. ``{top_k: 1}``).
             default: The score of a call that failed or a reply that did not parse; None: not applicable.
             max_concurrency: Requests in flight at once.
