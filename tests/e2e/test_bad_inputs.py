@@ -176,7 +176,8 @@ CASES = [
     ("reward-kwargs-not-a-parameter", "grpo",
      {"bad_reward_r3.py": "def exact(completions, answer):\n    return [0.0] * len(completions)\n"},
      ["--model.init_args.rewards", '[{"fn": "bad_reward_r3.exact", "kwargs": {"tolerance": 0.1}}]'],
-     ["reward 'exact' (bad_reward_r3.exact): kwargs ['tolerance'] are not parameters of the function"]),
+     ["error: model.rewards[0].kwargs: expected parameters of reward 'exact' (bad_reward_r3.exact), which takes "
+      "['answer', 'completions'] (add **kwargs to take any), got ['tolerance']"]),
     ("rloo-one-sample-per-prompt", "grpo", {},
      ["--model.init_args.advantages.estimator", "rloo", "--model.init_args.group_size", "1"],
      ["model.group_size: expected >= 2 for the group baseline of advantages.estimator rloo, got 1"]),
