@@ -245,6 +245,31 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
     assert not list(root.glob("version_*"))  # no run folder holding only the config of a run that never stepped
 
 
+@pytest.mark.parametrize("args, line", [
+    # a setting of a nested option group: these used to end in a traceback with a dump of every setting
+    (["--model.init_args.policy.init_args.lora", '{"r": 0}'], "error: model.policy.lora.r: expected an integer >= 1, got 0"),
+    (["--data.init_args.batch_size", "0"], "error: data.batch_size: expected an integer >= 1, got 0"),
+    (["--model.init_args.rewards", '[{"fn": "align.rewards.sort_format", "concurrency": 0}]'],
+     "error: model.rewards[0].concurrency: expected an integer >= 1, got 0"),
+    # one class at two places in a config: its checks name the place
+    (["--model.init_args.sampling.temperature", "-1"],
+     "error: model.sampling.temperature: expected >= 0 (0: greedy), got -1.0"),
+    (["--model.init_args.evaluation.sampling.temperature", "-1"],
+     "error: model.evaluation.sampling.temperature: expected >= 0 (0: greedy), got -1.0"),
+], ids=["lora-rank", "data-batch-size", "reward-concurrency", "sampling", "held-out-sampling"])
+def test_a_bad_nested_setting_stops_the_cli_on_one_line_naming_its_full_path(tmp_path, monkeypatch, capsys, args,
+                                                                            line):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as info:
+        run_recipe("grpo", *RECIPES["grpo"], args=[*QUICK["grpo"], *args, "--trainer.max_steps", "1",
+                                                  "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert [text for text in err.splitlines() if "error" in text.lower() or "Traceback" in text] == [line], err[-3000:]
+    assert not list((tmp_path / "run").glob("version_*"))
+
+
 def test_a_raising_reward_prints_one_error_line_through_the_recipe_script(tmp_path):
     """End to end: ``python recipes/grpo.py`` from a folder holding the user's reward module (named by dotted
     path, no PYTHONPATH entry for it) exits 2 and prints the reward's error as one line, the last on stderr,
