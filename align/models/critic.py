@@ -67,8 +67,8 @@ def critic_settings(value: CriticSettings | dict | None) -> CriticSettings | Non
             raise AlignConfigError(f"model.policy.critic.{unknown[0]}: not a setting of the critic; expected kind, "
                                    "model or head_from_reward_model")
         return CriticSettings(**value)
-    raise AlignConfigError(f"model.policy.critic: expected a block such as {{kind: shared}} or {{kind: separate, model: "
-                           f"<reward model>}}, or null, got {value!r}")
+    raise AlignConfigError(f"model.policy.critic: expected a block such as {{kind: shared}} or {{kind: separate, "
+                           f"model: <reward model>}}, or null, got {value!r}")
 
 
 class ValueHead(nn.Module):

@@ -214,8 +214,8 @@ def test_bad_length_limits_fail_on_one_line_naming_the_setting(module, settings,
 
 
 def test_a_module_without_a_tokenizer_or_a_policy_says_which_setting_gives_one():
-    with pytest.raises(AlignConfigError, match=r"^data\.tokenizer: expected a tokenizer path, or a module with a policy "
-                                               r"to take it from, got None$"):
+    with pytest.raises(AlignConfigError, match=r"^data\.tokenizer: expected a tokenizer path, or a module with a "
+                                               r"policy to take it from, got None$"):
         SFTDataModule().setup("fit")
 
 

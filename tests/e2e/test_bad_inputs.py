@@ -247,7 +247,8 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
 
 @pytest.mark.parametrize("args, line", [
     # a setting of a nested option group: these used to end in a traceback with a dump of every setting
-    (["--model.init_args.policy.init_args.lora", '{"r": 0}'], "error: model.policy.lora.r: expected an integer >= 1, got 0"),
+    (["--model.init_args.policy.init_args.lora", '{"r": 0}'],
+     "error: model.policy.lora.r: expected an integer >= 1, got 0"),
     (["--data.init_args.batch_size", "0"], "error: data.batch_size: expected an integer >= 1, got 0"),
     (["--model.init_args.rewards", '[{"fn": "align.rewards.sort_format", "concurrency": 0}]'],
      "error: model.rewards[0].concurrency: expected an integer >= 1, got 0"),

@@ -20,16 +20,19 @@ def test_values_shapes_and_gradients(kind):
 
 
 @pytest.mark.parametrize("settings,message", [
-    (lambda: CriticSettings(kind="both"), r"^model\.policy\.critic\.kind: expected 'shared' or 'separate', got 'both'$"),
+    (lambda: CriticSettings(kind="both"),
+     r"^model\.policy\.critic\.kind: expected 'shared' or 'separate', got 'both'$"),
     (lambda: CriticSettings(model="tiny-sort-rm"),
      r"^model\.policy\.critic\.model: expected null for a shared critic \(a head on the policy's backbone\), got "
      r"'tiny-sort-rm'; set model\.policy\.critic\.kind: separate to give the critic a backbone of its own$"),
-    (lambda: CriticSettings(kind="separate", model=3), r"^model\.policy\.critic\.model: expected a model path or id, got 3$"),
+    (lambda: CriticSettings(kind="separate", model=3),
+     r"^model\.policy\.critic\.model: expected a model path or id, got 3$"),
     (lambda: CriticSettings(kind="separate", head_from_reward_model="yes"),
      r"^model\.policy\.critic\.head_from_reward_model: expected true or false, got 'yes'$"),
     (lambda: PolicyModel(critic="shared"), r"^model\.policy\.critic: expected a block such as \{kind: shared\}"),
     (lambda: PolicyModel(critic={"kind": "separate", "critic_model": "x"}),
-     r"^model\.policy\.critic\.critic_model: not a setting of the critic; expected kind, model or head_from_reward_model$"),
+     r"^model\.policy\.critic\.critic_model: not a setting of the critic; expected kind, model or "
+     r"head_from_reward_model$"),
     (lambda: PolicyModel(critic=CriticSettings(kind="separate", model="/nonexistent/rm")),
      r"^model\.policy\.critic\.model: .*does not exist"),
 ])

@@ -249,6 +249,7 @@ def test_padding_free_scores_and_gradients_equal_the_padded_rows(varied_pairs, l
 
 
 def test_a_policy_with_a_separate_critic_is_refused_naming_the_setting():
-    with pytest.raises(AlignConfigError, match=r"^model\.policy\.critic\.kind: expected 'shared' or a null critic \(a "
-                                               r"reward model scores with a head on its own backbone\), got 'separate'$"):
+    with pytest.raises(AlignConfigError, match=r"^model\.policy\.critic\.kind: expected 'shared' or a null critic "
+                                               r"\(a reward model scores with a head on its own backbone\), got "
+                                               r"'separate'$"):
         RewardModule(PolicyModel(critic=CriticSettings(kind="separate")))

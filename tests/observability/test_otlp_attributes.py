@@ -109,8 +109,8 @@ def test_bad_settings_fail_with_a_clear_message(monkeypatch):
     with pytest.raises(AlignConfigError, match=r"^trainer\.logger\.protocol: expected 'grpc' or 'http/protobuf', got "
                                                r"'thrift'$"):
         ExportSettings.resolve("metrics", protocol="thrift")
-    with pytest.raises(ObservabilityConfigError, match=r"^trainer\.logger\.compression: expected none, gzip or deflate, "
-                                                       r"got 'zstd'$"):
+    with pytest.raises(ObservabilityConfigError, match=r"^trainer\.logger\.compression: expected none, gzip or "
+                                                       r"deflate, got 'zstd'$"):
         ExportSettings.resolve("metrics", compression="zstd")
     with pytest.raises(ObservabilityConfigError, match=r"^trainer\.callbacks\.timeout: expected a positive number of "
                                                        r"seconds, got 0$"):

@@ -70,7 +70,8 @@ def test_the_same_checks_name_the_training_or_the_held_out_settings():
         with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.temperature: expected >= 0 \(0: greedy\), "
                                                    r"got -1\.0$"):
             sampling(temperature=-1.0)
-        with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.top_p: expected a value in \(0, 1\], got 0$"):
+        with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.top_p: expected a value in \(0, 1\], "
+                                                   r"got 0$"):
             sampling(top_p=0)
         correction = sampling.__dataclass_fields__["correction"].default_factory
         with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.correction\.cap: expected >= 1, got 0\.5$"):

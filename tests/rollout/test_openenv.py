@@ -214,8 +214,8 @@ def test_settings_that_cannot_work_fail_on_one_line(servers, tmp_path):
                                                           r"server builds its own environments; init_kwargs are for "
                                                           r"env_class\), got \{'a': 1\}$"),
         (dict(url="http://127.0.0.1:9"), r"init_kwargs\.url: expected a running OpenEnv server, got "
-                                         r"'http://127\.0\.0\.1:9', whose schema at http://127\.0\.0\.1:9/schema cannot "
-                                         r"be read"),
+                                         r"'http://127\.0\.0\.1:9', whose schema at http://127\.0\.0\.1:9/schema "
+                                         r"cannot be read"),
         (dict(env_class=Echo, token_env="ALIGN_TEST_UNSET_TOKEN"), r"init_kwargs\.token_env: expected a set "
                                                                    r"environment variable, got "
                                                                    r"'ALIGN_TEST_UNSET_TOKEN', which is not set$"),
@@ -224,8 +224,8 @@ def test_settings_that_cannot_work_fail_on_one_line(servers, tmp_path):
         with pytest.raises(AlignConfigError, match="^" + message):
             OpenEnvEnvironment(**kwargs)
     pool = EnvironmentPool(EnvironmentSpec(OpenEnvEnvironment, init_kwargs={"env_class": Echo, "prompt": "first"}))
-    with pytest.raises(AlignConfigError, match=r"^model\.environment\.init_kwargs\.prompt: expected one of observation, "
-                                               r"row, both, got 'first'$"):
+    with pytest.raises(AlignConfigError, match=r"^model\.environment\.init_kwargs\.prompt: expected one of "
+                                               r"observation, row, both, got 'first'$"):
         pool.instance(0)
 
 

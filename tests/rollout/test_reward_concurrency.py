@@ -142,10 +142,12 @@ def test_spec_settings_are_checked():
     for settings, message in (({"concurrency": 0}, r"concurrency: expected an integer >= 1, got 0$"),
                               ({"concurrency": 1.5}, r"concurrency: expected an integer >= 1, got 1\.5$"),
                               ({"timeout": 0}, r"timeout: expected a number of seconds > 0 or null, got 0$"),
-                              ({"timeout": float("inf")}, r"timeout: expected a number of seconds > 0 or null, got inf$")):
+                              ({"timeout": float("inf")},
+                               r"timeout: expected a number of seconds > 0 or null, got inf$")):
         with pytest.raises(AlignConfigError, match=r"^model\.rewards\[2\]\." + message):
             RewardFunction(RewardSpec("align.rewards.sort_format", **settings), setting="model.rewards[2]")
-        with pytest.raises(AlignConfigError, match=r"^reward 'sort_format' \(align\.rewards\.sort_format\): " + message):
+        with pytest.raises(AlignConfigError,
+                           match=r"^reward 'sort_format' \(align\.rewards\.sort_format\): " + message):
             RewardFunction(RewardSpec("align.rewards.sort_format", **settings))
 
 

@@ -250,9 +250,9 @@ def test_kwargs_must_be_parameters_and_columns_must_not_shadow_inputs():
                                                r"function, which takes \['answer', 'completions'\] \(add \*\*kwargs to "
                                                r"take any\), got \['tolerance'\]$"):
         RewardFunction(RewardSpec(strict, kwargs={"tolerance": 0.1}))
-    with pytest.raises(AlignConfigError, match=r"^model\.rewards\[1\]\.kwargs: expected parameters of reward 'strict' "
-                                               r"\(.*strict\), which takes \['answer', 'completions'\] \(add \*\*kwargs "
-                                               r"to take any\), got \['tolerance'\]$"):
+    with pytest.raises(AlignConfigError, match=r"^model\.rewards\[1\]\.kwargs: expected parameters of reward "
+                                               r"'strict' \(.*strict\), which takes \['answer', 'completions'\] \(add "
+                                               r"\*\*kwargs to take any\), got \['tolerance'\]$"):
         RewardFunction(RewardSpec(strict, kwargs={"tolerance": 0.1}), setting="model.rewards[1]")
     with pytest.raises(AlignConfigError, match=r"^model\.rewards\[0\]\.kwargs: expected names other than the inputs "
                                                r"every reward receives, got \['completions'\]; rename them$"):
@@ -290,8 +290,8 @@ def test_the_rewards_of_a_run_are_named_by_their_list_and_index():
         training_rewards(["align.rewards.sort_format"], None,
                          ["align.rewards.sort_position_match", RewardSpec("align.rewards.sort_format", concurrency=0)])
     with pytest.raises(AlignConfigError, match=r"^model\.rewards: expected unique metric names across reward_model "
-                                               r"\('rm'\), rewards and eval_rewards, got \['sort_format', 'sort_format'\]; "
-                                               r"set 'name' on the duplicates$"):
+                                               r"\('rm'\), rewards and eval_rewards, got \['sort_format', "
+                                               r"'sort_format'\]; set 'name' on the duplicates$"):
         training_rewards(["align.rewards.sort_format"], None, ["align.rewards.sort_format"])
     with pytest.raises(AlignConfigError, match=r"^model\.reward_model\.weight: expected a finite number, got nan$"):
         RewardModelSpec("tiny-sort-rm", weight=float("nan"))

@@ -93,8 +93,8 @@ def test_calls_beyond_max_calls_are_refused_and_a_turn_without_call_ends_the_epi
 def test_tool_entries_are_checked_when_the_environment_is_built():
     from align.errors import AlignConfigError
 
-    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.tools\[1\]\.name: expected a name no other tool has, got "
-                                               r"'calculator'; set 'name' on one of them$"):
+    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.tools\[1\]\.name: expected a name no other tool has, "
+                                               r"got 'calculator'; set 'name' on one of them$"):
         ToolEnvironment(tools=["align.rollout.envs.tools.calculator", "align.rollout.envs.tools.calculator"])
     with pytest.raises(AlignConfigError, match=r"^init_kwargs\.tools\[0\]\.init_kwargs: expected null for a function "
                                                r"\(init_kwargs build a class\), got \{'x': 1\}$"):

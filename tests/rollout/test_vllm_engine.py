@@ -135,8 +135,8 @@ def test_stop_tokens_are_kept_and_long_responses_are_truncated_without_one():
 
 def test_a_quantized_base_or_dora_adapter_is_refused_on_one_line():
     policy = PolicyModel("tiny-sort", lora=LoraSettings(r=8, use_dora=True))
-    with pytest.raises(AlignConfigError, match=r"^model\.policy\.lora: expected a plain LoRA adapter with the vllm engine \(no "
-                                               r"use_dora, modules_to_save or bias\)"):
+    with pytest.raises(AlignConfigError, match=r"^model\.policy\.lora: expected a plain LoRA adapter with the vllm "
+                                               r"engine \(no use_dora, modules_to_save or bias\)"):
         greedy().generate(policy, prompt_ids(policy)[:1], 1)
 
 
