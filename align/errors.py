@@ -20,6 +20,25 @@ class AlignConfigError(AlignError, ValueError):
     """A setting is missing, unknown, of the wrong type or points at something that does not exist."""
 
 
+INIT_KWARGS = "init_kwargs"
+"""Where the classes a config builds from ``init_kwargs`` (judge and remote rewards, the reward-model scorer, the
+tool, OpenEnv and verifiers environments, the Python sandbox) say their settings are: they raise
+``AlignConfigError("init_kwargs.<setting>: expected ..., got ...")``, and what builds them places that under its
+own setting (:func:`placed`)."""
+
+
+def placed(err: AlignConfigError, where: str) -> AlignConfigError:
+    """``err`` with a setting named relative to a class's ``init_kwargs`` (``init_kwargs.timeout: ...``) placed under
+    the setting ``where`` that holds those ``init_kwargs`` (``model.rewards[0].init_kwargs.timeout: ...``); any other
+    error is returned as it is."""
+    message = str(err)
+    if not message.startswith(f"{INIT_KWARGS}.") and not message.startswith(f"{INIT_KWARGS}:"):
+        return err
+    moved = AlignConfigError(f"{where}.{message}")
+    moved.__cause__ = err.__cause__
+    return moved
+
+
 class AlignEnvError(AlignError, RuntimeError):
     """An environment broke its contract while running: an observation outside its declared space, a step that
     raised. The message names the environment and, where it matters, the space."""

@@ -20,7 +20,7 @@ from align.data.formats import notice
 from align.data.io import BUNDLED_PREFIX
 from align.data.sampling import (EpochRandomSampler, EpochSequentialSampler, ResumableBatchSampler, ResumableDataLoader,
                                  WindowBatchSampler)
-from align.errors import AlignDataError
+from align.errors import AlignConfigError, AlignDataError
 
 
 AUTO = "auto"
@@ -39,10 +39,41 @@ def bundled_validation(train_files: Sequence[str]) -> list[str] | None:
     return [f[: -len(suffix)] + "/validation.jsonl" for f in train_files]
 
 
+def check_setting(ok: bool, key: str, expected: str, got) -> None:
+    """A data module's setting ``data.<key>`` that is not ``expected``: one line naming it and what was given."""
+    if not ok:
+        raise AlignConfigError(f"data.{key}: expected {expected}, got {got!r}")
+
+
+def _integer(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def check_val_size(val_size: int | float) -> None:
-    if isinstance(val_size, bool) or not (
-            (isinstance(val_size, int) and val_size >= 0) or (isinstance(val_size, float) and 0 <= val_size < 1)):
-        raise AlignDataError("data.val_size", None, None, "a row count >= 0 or a fraction between 0 and 1", val_size)
+    check_setting(not isinstance(val_size, bool) and (
+        (isinstance(val_size, int) and val_size >= 0) or (isinstance(val_size, float) and 0 <= val_size < 1)),
+        "val_size", "a row count >= 0 or a fraction between 0 and 1", val_size)
+
+
+def check_loader_settings(hp: dict) -> None:
+    """The settings every data module shares (the ones it takes of ``batch_size``, ``val_batch_size``,
+    ``num_workers``, ``max_length``, ``max_prompt_length``, ``val_size``), checked when it is built."""
+    if "batch_size" in hp:
+        check_setting(_integer(hp["batch_size"], 1), "batch_size", "an integer >= 1", hp["batch_size"])
+    if hp.get("val_batch_size") is not None:
+        check_setting(_integer(hp["val_batch_size"], 1), "val_batch_size", "an integer >= 1 or null (batch_size)",
+                      hp["val_batch_size"])
+    if "num_workers" in hp:
+        check_setting(_integer(hp["num_workers"], 0), "num_workers", "an integer >= 0", hp["num_workers"])
+    if "max_length" in hp:
+        check_setting(_integer(hp["max_length"], 2), "max_length", "an integer >= 2 (tokens)", hp["max_length"])
+    if hp.get("max_prompt_length") is not None:
+        longest = hp.get("max_length")
+        check_setting(_integer(hp["max_prompt_length"], 1) and (longest is None or hp["max_prompt_length"] < longest),
+                      "max_prompt_length", "an integer >= 1 (tokens) or null" + (
+                          f", below max_length={longest}" if longest is not None else ""), hp["max_prompt_length"])
+    if "val_size" in hp:
+        check_val_size(hp["val_size"])
 
 
 MIN_HELD_OUT = 8
@@ -163,7 +194,8 @@ class TokenizerDataModule(L.LightningDataModule):
             elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
                 self.tokenizer = self.trainer.lightning_module.tokenizer
             else:
-                raise AlignDataError("data.tokenizer", None, None, "a tokenizer path, or a module with a policy")
+                raise AlignConfigError("data.tokenizer: expected a tokenizer path, or a module with a policy to take "
+                                       "it from, got None")
         return self.tokenizer
 
     def encoder(self) -> ChatEncoder:

@@ -29,7 +29,8 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if use_chat_template and not has_template:
-            raise AlignConfigError("data.use_chat_template is true but the tokenizer has no chat_template")
+            raise AlignConfigError("data.use_chat_template: expected false or null for a tokenizer without a "
+                                   "chat_template, got True")
         self.use_chat_template = has_template if use_chat_template is None else use_chat_template
         self._warned_no_eos = False
 

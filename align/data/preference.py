@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from align.data.base import AUTO, TokenizerDataModule, check_val_size
+from align.data.base import AUTO, TokenizerDataModule, check_loader_settings, check_setting
 from align.data.io import read_rows
 from align.data.preference_rows import (  # noqa: F401  (encode_prompt, encode_response, fit_prompt: align.rollout.rewards.reward_model)
     IdenticalPairs,
@@ -179,12 +179,11 @@ class PreferenceDataModule(TokenizerDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        if truncation not in ("left", "drop", "error"):
-            raise AlignDataError("data.truncation", None, None, "'left', 'drop' or 'error'", truncation)
-        if identical_pairs not in ("drop", "keep", "error"):
-            raise AlignDataError("data.identical_pairs", None, None, "'drop', 'keep' or 'error'", identical_pairs)
-        check_val_size(val_size)
+        check_setting(truncation in ("left", "drop", "error"), "truncation", "'left', 'drop' or 'error'", truncation)
+        check_setting(identical_pairs in ("drop", "keep", "error"), "identical_pairs", "'drop', 'keep' or 'error'",
+                      identical_pairs)
         self.save_hyperparameters()
+        check_loader_settings(self.hparams)
         self.stats: dict[str, PreparedSplit] = {}
 
     def encoding_spec(self) -> dict:

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from align.data.base import AUTO, TokenizerDataModule, check_val_size
+from align.data.base import AUTO, TokenizerDataModule, check_loader_settings
 from align.data.chat import ChatEncoder
 from align.data.formats import prompt_messages
 from align.data.io import numbered, read_rows
@@ -164,8 +164,8 @@ class PromptDataModule(TokenizerDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        check_val_size(val_size)
         self.save_hyperparameters()
+        check_loader_settings(self.hparams)
 
     def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list[PromptExample]:
         hp = self.hparams

@@ -9,7 +9,7 @@ from typing import Literal, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from align.data.base import AUTO, TokenizerDataModule, check_val_size
+from align.data.base import AUTO, TokenizerDataModule, check_loader_settings, check_setting
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.formats import UnusedColumns, sft_record
 from align.data.io import numbered, read_rows
@@ -209,10 +209,9 @@ class SFTDataModule(TokenizerDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        if truncation not in ("error", "right", "drop"):
-            raise AlignDataError("data.truncation", None, None, "'error', 'right' or 'drop'", truncation)
-        check_val_size(val_size)
+        check_setting(truncation in ("error", "right", "drop"), "truncation", "'error', 'right' or 'drop'", truncation)
         self.save_hyperparameters()
+        check_loader_settings(self.hparams)
 
     def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list[Example]:
         hp = self.hparams

@@ -140,13 +140,16 @@ class DQNGymModule(_EpsilonGreedy):
         updates = as_group(ReplayUpdates, updates)
         super().__init__(env, total_steps, evaluation, optimizer, lr_schedule, updates.max_grad_norm)
         self.num_actions = require_discrete_actions(self.env, self.action_space, "DQN")
-        for name, value in (("buffer_size", buffer_size), ("steps_per_iteration", steps_per_iteration),
-                            ("target_update_interval", target_update_interval)):
-            if value < 1:
-                raise AlignConfigError(f"model.{name}: expected >= 1, got {value}")
-        if learning_starts < 0 or not 0.0 < tau <= 1.0 or loss not in ("huber", "mse"):
-            raise AlignConfigError(f"model.learning_starts >= 0, tau in (0, 1] and loss huber or mse expected, got "
-                                   f"{learning_starts}, {tau}, {loss!r}")
+        for name, value, ok, expected in (
+                ("buffer_size", buffer_size, buffer_size >= 1, ">= 1"),
+                ("steps_per_iteration", steps_per_iteration, steps_per_iteration >= 1, ">= 1"),
+                ("target_update_interval", target_update_interval, target_update_interval >= 1, ">= 1"),
+                ("learning_starts", learning_starts, learning_starts >= 0, ">= 0"),
+                ("gamma", gamma, 0.0 <= gamma <= 1.0, "a value in [0, 1]"),
+                ("tau", tau, 0.0 < tau <= 1.0, "a value in (0, 1]"),
+                ("loss", loss, loss in ("huber", "mse"), "'huber' or 'mse'")):
+            if not ok:
+                raise AlignConfigError(f"model.{name}: expected {expected}, got {value!r}")
         self.buffer_size, self.learning_starts, self.updates = buffer_size, learning_starts, updates
         self.steps_per_iteration, self.gamma = steps_per_iteration, gamma
         self.target_update_interval, self.tau, self.double_dqn = target_update_interval, tau, double_dqn
@@ -254,9 +257,12 @@ class QLearningGymModule(_EpsilonGreedy):
         """
         super().__init__(env, total_steps, evaluation, torch.optim.SGD, "constant", None)
         self.num_actions = require_discrete_actions(self.env, self.action_space, "Q-learning")
-        if not learning_rate > 0 or steps_per_iteration < 1:
-            raise AlignConfigError(f"model.learning_rate > 0 and model.steps_per_iteration >= 1 expected, got "
-                                   f"{learning_rate} and {steps_per_iteration}")
+        for name, value, ok, expected in (
+                ("learning_rate", learning_rate, learning_rate > 0, "> 0"),
+                ("gamma", gamma, 0.0 <= gamma <= 1.0, "a value in [0, 1]"),
+                ("steps_per_iteration", steps_per_iteration, steps_per_iteration >= 1, ">= 1")):
+            if not ok:
+                raise AlignConfigError(f"model.{name}: expected {expected}, got {value!r}")
         self.learning_rate, self.gamma, self.steps_per_iteration = learning_rate, gamma, steps_per_iteration
         self.exploration = as_group(Exploration, exploration)
         self.q = QTable(self.observation_space, self.num_actions, init_value, self.env.id)

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from typing import Sequence
 
-from align.errors import AlignConfigError
+from align.errors import INIT_KWARGS, AlignConfigError
 from align.jail import namespaces as jails
 
 __all__ = ["PythonSandbox", "python", "network_namespace"]
@@ -30,6 +30,10 @@ del _s, _n, _no_network
 """
 _NET_NAMESPACE: list[str] | None = None
 _NET_LOCK = threading.Lock()
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def network_namespace() -> list[str]:
@@ -96,17 +100,22 @@ class PythonSandbox:
             packages: Installed packages the code may import besides the standard library (``numpy``, ``sympy``),
                 shown read-only; none by default.
         """
-        if timeout <= 0 or memory_mb < 32 or max_output_chars < 1 or max_processes < 2 or disk_mb < 1:
-            raise AlignConfigError(f"PythonSandbox: expected timeout > 0, memory_mb >= 32, max_output_chars >= 1, "
-                                   f"max_processes >= 2 and disk_mb >= 1, got {timeout}, {memory_mb}, "
-                                   f"{max_output_chars}, {max_processes}, {disk_mb}")
+        for key, value, ok, expected in (
+                ("timeout", timeout, _number(timeout) and timeout > 0, "a number of seconds > 0"),
+                ("memory_mb", memory_mb, _number(memory_mb) and memory_mb >= 32, ">= 32"),
+                ("max_output_chars", max_output_chars, _number(max_output_chars) and max_output_chars >= 1, ">= 1"),
+                ("max_processes", max_processes, _number(max_processes) and max_processes >= 2, ">= 2"),
+                ("disk_mb", disk_mb, _number(disk_mb) and disk_mb >= 1, ">= 1")):
+            if not ok:
+                raise AlignConfigError(f"{INIT_KWARGS}.{key}: expected {expected}, got {value!r}")
         if jail not in jails.MODES:
-            raise AlignConfigError(f"PythonSandbox: jail must be one of {', '.join(jails.MODES)}, got {jail!r}")
+            raise AlignConfigError(f"{INIT_KWARGS}.jail: expected one of {', '.join(jails.MODES)}, got {jail!r}")
         for name in packages:
             try:
                 jails.package_paths(name)
             except (ImportError, ValueError) as err:
-                raise AlignConfigError(f"PythonSandbox: packages: cannot show '{name}' to the code: {err}") from None
+                raise AlignConfigError(f"{INIT_KWARGS}.packages: expected installed packages to show the code, got "
+                                       f"'{name}', which cannot be shown: {err}") from None
         self.timeout, self.memory_mb, self.max_output_chars = timeout, memory_mb, max_output_chars
         self.jail, self.max_processes, self.disk_mb, self.packages = jail, max_processes, disk_mb, tuple(packages)
         self.__name__ = "python"
@@ -117,7 +126,7 @@ class PythonSandbox:
         try:
             backend = jails.find_jail(self.jail, self._probe)
         except RuntimeError as err:
-            raise AlignConfigError(str(err)) from None
+            raise AlignConfigError(f"{INIT_KWARGS}.jail: {err}") from None
         if backend is None:
             network_namespace()
         else:

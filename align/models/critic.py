@@ -32,7 +32,7 @@ CriticKind = Literal["shared", "separate"]
 
 @dataclass(frozen=True)
 class CriticSettings:
-    """The policy's value model (``policy.critic``), for PPO and TRPO (and the score head of a reward model)."""
+    """The policy's value model (``model.policy.critic``), for PPO and TRPO (and the score head of a reward model)."""
 
     kind: CriticKind = "shared"
     """``shared``: a scalar head on the policy backbone; ``separate``: a critic with a backbone of its own."""
@@ -45,14 +45,15 @@ class CriticSettings:
 
     def __post_init__(self):
         if self.kind not in ("shared", "separate"):
-            raise AlignConfigError(f"policy.critic.kind: expected 'shared' or 'separate', got {self.kind!r}")
+            raise AlignConfigError(f"model.policy.critic.kind: expected 'shared' or 'separate', got {self.kind!r}")
         if self.model is not None and not isinstance(self.model, str):
-            raise AlignConfigError(f"policy.critic.model: expected a model path or id, got {self.model!r}")
+            raise AlignConfigError(f"model.policy.critic.model: expected a model path or id, got {self.model!r}")
         if self.model is not None and self.kind == "shared":
-            raise AlignConfigError(f"policy.critic.model: a shared critic is a head on the policy's backbone; set "
-                                   f"policy.critic.kind: separate to give the critic the backbone {self.model!r}")
+            raise AlignConfigError(f"model.policy.critic.model: expected null for a shared critic (a head on the "
+                                   f"policy's backbone), got {self.model!r}; set model.policy.critic.kind: separate "
+                                   "to give the critic a backbone of its own")
         if not isinstance(self.head_from_reward_model, bool):
-            raise AlignConfigError(f"policy.critic.head_from_reward_model: expected true or false, got "
+            raise AlignConfigError(f"model.policy.critic.head_from_reward_model: expected true or false, got "
                                    f"{self.head_from_reward_model!r}")
 
 
@@ -63,11 +64,11 @@ def critic_settings(value: CriticSettings | dict | None) -> CriticSettings | Non
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"kind", "model", "head_from_reward_model"})
         if unknown:
-            raise AlignConfigError(f"policy.critic.{unknown[0]}: not a setting of the critic; expected kind, model "
-                                   "or head_from_reward_model")
+            raise AlignConfigError(f"model.policy.critic.{unknown[0]}: not a setting of the critic; expected kind, "
+                                   "model or head_from_reward_model")
         return CriticSettings(**value)
-    raise AlignConfigError(f"policy.critic: expected a block such as {{kind: shared}} or {{kind: separate, model: "
-                           f"<reward model>}}, or null, got {value!r}")
+    raise AlignConfigError(f"model.policy.critic: expected a block such as {{kind: shared}} or {{kind: separate, "
+                           f"model: <reward model>}}, or null, got {value!r}")
 
 
 class ValueHead(nn.Module):
@@ -96,7 +97,7 @@ class Critic(nn.Module):
         self.source = settings.model or policy_model
         self.backbone: nn.Module | None = None
         if settings.kind == "separate":
-            check_model_source(self.source, what="policy.critic.model")
+            check_model_source(self.source, what="model.policy.critic.model")
             self.backbone = load_decoder(self.source, **load_kwargs)
             hidden_size = self.backbone.config.hidden_size
         self.head = ValueHead(hidden_size)

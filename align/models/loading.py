@@ -7,10 +7,11 @@ What a model name points to, and its tokenizer, come from :mod:`align.hub`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -25,6 +26,9 @@ Quantization = Literal["4bit", "8bit"]
 @dataclass
 class LoraSettings:
     """LoRA adapter settings (Hu et al. 2021, arXiv 2106.09685), passed to peft's ``LoraConfig``."""
+
+    where: ClassVar[str] = "model.policy.lora"
+    """The settings' place in a config, named by their errors."""
 
     r: int = 16
     """Adapter rank."""
@@ -46,6 +50,24 @@ class LoraSettings:
     extra: dict = field(default_factory=dict)
     """Any other ``peft.LoraConfig`` argument."""
 
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise AlignConfigError(f"{self.where}.{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        check(_integer(self.r) and self.r >= 1, "r", "an integer >= 1")
+        check(_number(self.alpha) and self.alpha > 0, "alpha", "> 0")
+        check(_number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a value in [0, 1)")
+        check(self.target_modules == "all-linear" or (isinstance(self.target_modules, str) and self.target_modules)
+              or (isinstance(self.target_modules, (list, tuple)) and len(self.target_modules) > 0
+                  and all(isinstance(m, str) for m in self.target_modules)),
+              "target_modules", "'all-linear' or a non-empty list of module names")
+        check(self.bias in ("none", "all", "lora_only"), "bias", "'none', 'all' or 'lora_only'")
+        check(self.modules_to_save is None or (isinstance(self.modules_to_save, (list, tuple))
+                                               and all(isinstance(m, str) for m in self.modules_to_save)),
+              "modules_to_save", "a list of module names or null")
+        check(isinstance(self.extra, dict), "extra", "a mapping of further peft.LoraConfig arguments")
+
     def to_peft(self):
         from peft import LoraConfig
 
@@ -61,6 +83,14 @@ class LoraSettings:
             task_type="CAUSAL_LM",
             **self.extra,
         )
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def torch_dtype(name: DType | str | torch.dtype | None) -> torch.dtype | str | None:
@@ -95,7 +125,8 @@ def load_causal_lm(
     source = check_model_source(name)
     if is_tiny(source):
         if quantization is not None:
-            raise AlignConfigError("quantization: the embedded tiny model is not quantizable; use a real model path")
+            raise AlignConfigError(f"model.policy.quantization: expected null for the embedded tiny model (it is not "
+                                   f"quantizable; use a real model path), got {quantization!r}")
         model = build_tiny_model(seed=seed)
         td = torch_dtype(dtype)
         if isinstance(td, torch.dtype):
@@ -172,7 +203,7 @@ def quantization_config(quantization: Quantization, dtype: DType = "bfloat16"):
         )
     if quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
-    raise AlignConfigError(f"quantization: expected '4bit', '8bit' or null, got {quantization!r}")
+    raise AlignConfigError(f"model.policy.quantization: expected '4bit', '8bit' or null, got {quantization!r}")
 
 
 def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
@@ -181,7 +212,7 @@ def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
     from safetensors import safe_open
 
     try:
-        path = Path(check_model_source(source, what="policy.critic.model"))
+        path = Path(check_model_source(source, what="model.policy.critic.model"))
     except AlignConfigError:
         return None
     if not path.is_dir():
@@ -197,5 +228,6 @@ def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
             return None
         weight = f.get_tensor("score.weight").float()
     if weight.shape[0] != 1:
-        raise AlignConfigError(f"policy.critic.model: '{source}' has {weight.shape[0]} labels; a reward model has one")
+        raise AlignConfigError(f"model.policy.critic.model: expected a reward model with one label, got '{source}' "
+                               f"with {weight.shape[0]}")
     return {"proj.weight": weight, "proj.bias": torch.zeros(1)}

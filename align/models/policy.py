@@ -65,8 +65,17 @@ class PolicyModel(nn.Module):
             seed: Weight seed of the embedded tiny model (ignored for real models).
         """
         super().__init__()
+        try:
+            torch_dtype(dtype)
+        except AlignConfigError:
+            raise AlignConfigError(f"model.policy.dtype: expected auto, float32, bfloat16 or float16, got "
+                                   f"{dtype!r}") from None
+        if quantization not in (None, "4bit", "8bit"):
+            raise AlignConfigError(f"model.policy.quantization: expected '4bit', '8bit' or null, got {quantization!r}")
         if quantization is not None and lora is None:
-            raise AlignConfigError("policy.quantization: a quantized base cannot be trained in full; also set policy.lora")
+            raise AlignConfigError(f"model.policy.quantization: expected null without model.policy.lora (a quantized "
+                                   f"base cannot be trained in full), got {quantization!r}; also set "
+                                   "model.policy.lora")
         critic = critic_settings(critic)
         self.spec = {
             "model": model, "tokenizer": tokenizer, "dtype": dtype, "lora": asdict(lora) if lora else None,
@@ -83,8 +92,8 @@ class PolicyModel(nn.Module):
         base = load_causal_lm(model, quantization=quantization, **self.load_kwargs)
         if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
             raise AlignConfigError(
-                f"policy.tokenizer has {len(self.tokenizer)} tokens but the model's embedding has "
-                f"{base.get_input_embeddings().num_embeddings}; use the model's own tokenizer"
+                f"model.policy.tokenizer: expected at most the {base.get_input_embeddings().num_embeddings} tokens of "
+                f"the model's embedding, got a tokenizer of {len(self.tokenizer)}; use the model's own tokenizer"
             )
         base.config.pad_token_id = self.tokenizer.pad_token_id
         contiguous_head_input(base)

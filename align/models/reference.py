@@ -80,9 +80,10 @@ def build_reference(policy: nn.Module) -> nn.Module | None:
     if policy.has_adapter and not reference_model:
         if policy.lora.bias != "none":
             raise AlignConfigError(
-                f"policy.lora.bias: {policy.lora.bias!r} trains the base model's biases, so the adapter-disabled "
-                "model is no longer the initial one and cannot be the reference; use bias: none, or set "
-                "policy.reference_model to the base model"
+                f"model.policy.lora.bias: expected 'none' without model.policy.reference_model, got "
+                f"{policy.lora.bias!r}, which trains the base model's biases, so the adapter-disabled model is no "
+                "longer the initial one and cannot be the reference; use bias: none, or set "
+                "model.policy.reference_model to the base model"
             )
         return None
     if reference_model:

@@ -154,7 +154,8 @@ class DPOModule(PreferenceModule):
             raise AlignConfigError(f"model.label_smoothing: loss_type 'conservative' needs a value in (0, 0.5), "
                                    f"got {label_smoothing}")
         if label_smoothing and loss_type != "conservative":
-            raise AlignConfigError(f"model.label_smoothing applies to loss_type 'conservative' only, not {loss_type!r}")
+            raise AlignConfigError(f"model.label_smoothing: expected 0 with loss_type {loss_type!r} (it applies to "
+                                   f"'conservative' only), got {label_smoothing}")
         if rpo_alpha < 0:
             raise AlignConfigError(f"model.rpo_alpha: expected >= 0, got {rpo_alpha}")
         if rpo_alpha and loss_type == "orpo":

@@ -28,6 +28,7 @@ from align.core.masks import masked_mean
 from align.core.packing import token_budget_chunks
 from align.core.policy_losses import POLICY_LOSSES, PolicyLossInputs, PolicyLossSettings
 from align.core.stats import Ranks
+from align.errors import AlignConfigError
 from align.models.scoring import TokenLogprobs
 from align.modules.options import ClipRange, PolicyLoss, Updates
 from align.rollout.types import Rollout
@@ -122,7 +123,8 @@ def minibatch_indices(n: int, num_minibatches: int, micro_batch_size: Optional[i
     most that many padded tokens given each row's width ``widths`` (:func:`align.core.packing.token_budget_chunks`,
     within ``micro_batch_size`` rows too when set). Returns ``[[indices, ...], ...]``."""
     if not 1 <= num_minibatches <= n:
-        raise ValueError(f"updates.minibatches must be in [1, {n}] (rows per rollout), got {num_minibatches}")
+        raise AlignConfigError(f"model.updates.minibatches: expected a value in [1, {n}] (the rows of a rollout on "
+                               f"this rank), got {num_minibatches}")
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
     out = []
     for mb in torch.tensor_split(order, num_minibatches):

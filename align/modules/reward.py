@@ -36,6 +36,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from align.data.preference import PreferenceBatch
+from align.errors import AlignConfigError
 from align.core.preference_losses import bradley_terry_loss
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
@@ -77,7 +78,8 @@ class RewardModule(AlignModule):
         if policy.critic is None:
             policy.add_critic(CriticSettings(kind="shared"))
         if policy.critic.separate:
-            raise ValueError("RewardModule: the policy has a separate critic; use critic {kind: shared} or null")
+            raise AlignConfigError("model.policy.critic.kind: expected 'shared' or a null critic (a reward model "
+                                   "scores with a head on its own backbone), got 'separate'")
         if not bool(policy.critic.head.proj.weight.any()):  # a fresh (zero) head; a trained one is kept
             init_reward_head(policy)
         policy.critic.head.proj.bias.requires_grad_(False)

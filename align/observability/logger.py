@@ -94,13 +94,19 @@ class OTLPLogger(Logger):
         self._settings = ExportSettings.resolve(
             "metrics", endpoint=endpoint, protocol=protocol, headers=headers, insecure=insecure,
             compression=compression, timeout=timeout, certificate_file=certificate_file)
+        source = "trainer.logger.export_interval"
         if export_interval is None:
             import os
 
             env = os.environ.get("OTEL_METRIC_EXPORT_INTERVAL")
-            export_interval = float(env) / 1000.0 if env else 10.0
+            try:
+                export_interval = float(env) / 1000.0 if env else 10.0
+            except ValueError:
+                raise ObservabilityConfigError(f"OTEL_METRIC_EXPORT_INTERVAL: expected milliseconds, got "
+                                               f"{env!r}") from None
+            source = "OTEL_METRIC_EXPORT_INTERVAL" if env else source
         if not export_interval > 0:
-            raise ObservabilityConfigError(f"export_interval: expected positive seconds, got {export_interval!r}")
+            raise ObservabilityConfigError(f"{source}: expected positive seconds, got {export_interval!r}")
         self._export_interval = float(export_interval)
         self._service_name = service_name
         self._resource_attributes = dict(resource_attributes or {})

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 from opentelemetry.sdk.metrics.export import MetricExporter
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from align.errors import AlignError
+from align.errors import AlignConfigError
 
 Protocol_ = Literal["grpc", "http/protobuf"]
 Signal = Literal["metrics", "traces"]
@@ -32,7 +32,7 @@ _EXPORTERS = {  # (protocol, signal) -> (module, class) of the SDK exporter
 }
 
 
-class ObservabilityConfigError(AlignError, ValueError):
+class ObservabilityConfigError(AlignConfigError):
     """A bad OTLP setting (protocol, endpoint, compression, timeout)."""
 
 
@@ -68,18 +68,22 @@ class ExportSettings:
         compression: str | None = None,
         timeout: float | None = None,
         certificate_file: str | None = None,
+        where: str = "trainer.logger",
     ) -> "ExportSettings":
         """Check and normalise the arguments. The protocol picks the exporter class, so it is read here (argument,
         then ``OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL``); so is the timeout, in milliseconds as the specification
-        says (the SDK reads that variable in seconds), because it also bounds the final flush."""
+        says (the SDK reads that variable in seconds), because it also bounds the final flush. ``where``: the
+        setting that holds the arguments (``trainer.logger``), named by their errors; a bad environment variable is
+        named by itself."""
         env_proto = _env(signal, "PROTOCOL")
         proto = (protocol or (env_proto[1] if env_proto else "grpc")).strip().lower()
         proto = {"http": "http/protobuf", "http/proto": "http/protobuf"}.get(proto, proto)
         if proto not in DEFAULT_PORTS:
-            source = "protocol" if protocol else env_proto[0]
-            raise ObservabilityConfigError(f"OTLP {source}: expected 'grpc' or 'http/protobuf', got {proto!r}")
+            source = f"{where}.protocol" if protocol else env_proto[0]
+            raise ObservabilityConfigError(f"{source}: expected 'grpc' or 'http/protobuf', got {proto!r}")
         if compression is not None and compression.strip().lower() not in _COMPRESSION:
-            raise ObservabilityConfigError(f"OTLP compression: expected none, gzip or deflate, got {compression!r}")
+            raise ObservabilityConfigError(f"{where}.compression: expected none, gzip or deflate, got {compression!r}")
+        source = f"{where}.timeout"
         if timeout is None:
             env_timeout = _env(signal, "TIMEOUT")
             try:
@@ -87,10 +91,13 @@ class ExportSettings:
             except ValueError:
                 raise ObservabilityConfigError(
                     f"{env_timeout[0]}: expected milliseconds, got {env_timeout[1]!r}") from None
+            if env_timeout and not timeout > 0:
+                raise ObservabilityConfigError(f"{env_timeout[0]}: expected a positive number of milliseconds, got "
+                                               f"{env_timeout[1]!r}")
         if not timeout > 0:
-            raise ObservabilityConfigError(f"OTLP timeout: expected a positive number of seconds, got {timeout!r}")
+            raise ObservabilityConfigError(f"{source}: expected a positive number of seconds, got {timeout!r}")
         if endpoint is not None:
-            endpoint, insecure = _normalise_endpoint(endpoint, proto, signal, insecure)
+            endpoint, insecure = _normalise_endpoint(endpoint, proto, signal, insecure, where)
         return ExportSettings(
             signal=signal, protocol=proto, timeout=float(timeout), endpoint=endpoint, insecure=insecure,
             headers={str(k).strip().lower(): str(v) for k, v in headers.items()} if headers is not None else None,
@@ -129,13 +136,15 @@ class ExportSettings:
             raise ObservabilityConfigError(f"OTLP {self.signal} exporter: {err}") from None
 
 
-def _normalise_endpoint(raw: str, proto: str, signal: Signal, insecure: bool | None) -> tuple[str, bool | None]:
+def _normalise_endpoint(raw: str, proto: str, signal: Signal, insecure: bool | None,
+                        where: str = "trainer.logger") -> tuple[str, bool | None]:
     """An endpoint argument: ``host[:port]`` is plain text on the OTLP port, ``https://host`` is TLS on 443; for
     HTTP ``/v1/<signal>`` is appended to the base URL. Returns the SDK's form and the ``insecure`` flag."""
     bare = "://" not in raw
     url = urlparse((("https://" if insecure is False else "http://") + raw) if bare else raw)
     if url.scheme not in ("http", "https") or not url.hostname:
-        raise ObservabilityConfigError(f"OTLP endpoint: expected 'host:port' or 'http(s)://host:port', got {raw!r}")
+        raise ObservabilityConfigError(f"{where}.endpoint: expected 'host:port' or 'http(s)://host:port', got "
+                                       f"{raw!r}")
     insecure = url.scheme == "http" if insecure is None else insecure
     port = url.port or (DEFAULT_PORTS[proto] if bare else 443 if url.scheme == "https" else 80)
     host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname

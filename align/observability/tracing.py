@@ -94,11 +94,16 @@ class OTelTracingCallback(Callback):
                 mean, response length and throughput names of docs/observability.md. An empty list reads none.
         """
         super().__init__()
-        if max_queue_size < 1 or max_export_batch_size < 1 or step_every_n < 1:
-            raise ObservabilityConfigError("max_queue_size, max_export_batch_size and step_every_n must be >= 1")
+        for name, value in (("max_queue_size", max_queue_size), ("max_export_batch_size", max_export_batch_size),
+                            ("step_every_n", step_every_n)):
+            if not value >= 1:
+                raise ObservabilityConfigError(f"trainer.callbacks.{name}: expected >= 1, got {value!r}")
+        if not export_interval > 0:
+            raise ObservabilityConfigError(f"trainer.callbacks.export_interval: expected positive seconds, got "
+                                           f"{export_interval!r}")
         self._settings = ExportSettings.resolve(
             "traces", endpoint=endpoint, protocol=protocol, headers=headers, insecure=insecure,
-            compression=compression, timeout=timeout, certificate_file=certificate_file)
+            compression=compression, timeout=timeout, certificate_file=certificate_file, where="trainer.callbacks")
         self._export_interval = float(export_interval)
         self._max_queue_size = int(max_queue_size)
         self._max_export_batch_size = min(int(max_export_batch_size), self._max_queue_size)

@@ -54,8 +54,8 @@ from align.models.decoding import FastDecoder, decoder_for
 from align.rollout.sampling import SampleOutput, left_pad, sample
 from align.rollout.types import Rollout
 
-__all__ = ["ENGINE_NAMES", "Decode", "EngineCorrection", "GenerationEngine", "HeldOutSampling", "NativeEngine",
-           "SamplingConfig", "engine_of", "make_engine"]
+__all__ = ["ENGINE_NAMES", "Decode", "EngineCorrection", "GenerationEngine", "HeldOutCorrection", "HeldOutSampling",
+           "NativeEngine", "SamplingConfig", "engine_of", "make_engine"]
 
 
 def _check(ok: bool, key: str, expected: str, got) -> None:
@@ -67,6 +67,9 @@ def _check(ok: bool, key: str, expected: str, got) -> None:
 class EngineCorrection:
     """How an update corrects for the engine's log-probs differing from the trainer's (:mod:`align.core.mismatch`;
     docs/generation.md, "The sampler/trainer mismatch")."""
+
+    where: ClassVar[str] = "model.sampling.correction"
+    """The settings' place in a config, named by their errors."""
 
     mode: str = "auto"
     """``auto`` (``tis`` on an engine whose log-probs are not the trainer's, such as vLLM; ``none`` on the native
@@ -81,7 +84,7 @@ class EngineCorrection:
     """``mis``: ratios above are masked."""
 
     def __post_init__(self) -> None:
-        key = "model.sampling.correction"
+        key = self.where
         _check(self.mode in ("auto", "none", "tis", "mis"), f"{key}.mode", "auto, none, tis or mis", self.mode)
         _check(self.level in ("token", "sequence"), f"{key}.level", "token or sequence", self.level)
         _check(self.cap >= 1, f"{key}.cap", ">= 1", self.cap)
@@ -131,6 +134,14 @@ class SamplingConfig:
 
 
 @dataclass
+class HeldOutCorrection(EngineCorrection):
+    """The correction settings of held-out sampling (``evaluation.sampling.correction``); held-out completions are
+    scored, never trained on, so only the settings' checks apply."""
+
+    where: ClassVar[str] = "model.evaluation.sampling.correction"
+
+
+@dataclass
 class HeldOutSampling(SamplingConfig):
     """How held-out completions are drawn (``evaluation.sampling``): the training engine unless ``engine`` names one."""
 
@@ -138,6 +149,8 @@ class HeldOutSampling(SamplingConfig):
 
     engine: Union[str, "GenerationEngine", None] = None
     """The generation engine; null: the training engine (``sampling.engine``, with its settings)."""
+    correction: HeldOutCorrection = field(default_factory=HeldOutCorrection)
+    """Checked as the training correction is; held-out completions are never trained on."""
 
 
 class Decode(Protocol):

@@ -202,11 +202,11 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
     """
     if batch_size < 1:
         raise AlignConfigError(f"--batch_size: expected >= 1 prompts per batch, got {batch_size}")
-    reward, _ = training_rewards(list(rewards), None, None)
+    reward, _ = training_rewards(list(rewards), None, None, where=None)
     reward.check_inputs(list(prompts.examples[0].columns))
     acc_name = _accuracy_reward(reward, accuracy_reward)
     ks = _check_ks(ks, n)
-    judge = training_rewards(None, RewardModelSpec(reward_model), None)[0] if reward_model else None
+    judge = training_rewards(None, RewardModelSpec(reward_model), None, where=None)[0] if reward_model else None
     kl_ok = baseline is not None and _same_tokenizer(policy.tokenizer, baseline.tokenizer)
     ours = _Completions(policy, prompts, reward, sampling, n, batch_size, seed)
     theirs = _Completions(baseline, baseline_prompts or prompts, reward, sampling, n, batch_size, seed) \

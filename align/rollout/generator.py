@@ -55,12 +55,16 @@ class GeneratorPlacement:
     the same weights and random streams. One more stops the run with an error."""
 
     def __post_init__(self):
-        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
-            raise AlignConfigError("model.source.generator: num_cpus and num_gpus must be >= 0")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise AlignConfigError(f"model.source.generator.device: expected auto, cpu or cuda, got {self.device!r}")
-        if self.timeout_s <= 0 or self.max_restarts < 0:
-            raise AlignConfigError("model.source.generator: timeout_s must be > 0 and max_restarts >= 0")
+        key = "model.source.generator"
+        for name, ok, expected in (
+                ("num_cpus", self.num_cpus >= 0, ">= 0"),
+                ("num_gpus", self.num_gpus is None or self.num_gpus >= 0, ">= 0 or null"),
+                ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
+                ("threads", self.threads is None or self.threads >= 1, ">= 1 or null"),
+                ("timeout_s", self.timeout_s > 0, "> 0 seconds"),
+                ("max_restarts", self.max_restarts >= 0, ">= 0")):
+            if not ok:
+                raise AlignConfigError(f"{key}.{name}: expected {expected}, got {getattr(self, name)!r}")
 
 
 def rng_state(device_type: str) -> torch.Tensor:

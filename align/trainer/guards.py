@@ -26,7 +26,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from align.errors import AlignError
+from align.errors import AlignConfigError, AlignError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ class NonFiniteGuard(Callback):
     def __init__(self, policy: Policy = "error"):
         """``policy``: ``error`` (stop, naming the step) or ``skip`` (drop the update and count it)."""
         if policy not in ("error", "skip"):
-            raise ValueError(f"NonFiniteGuard policy: expected 'error' or 'skip', got {policy!r}")
+            raise AlignConfigError(f"trainer.callbacks.policy: expected 'error' or 'skip' (NonFiniteGuard's policy), "
+                                   f"got {policy!r}")
         self.policy = policy
         self.skipped = 0
         self._loss_finite: torch.Tensor | None = None

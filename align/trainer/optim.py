@@ -4,10 +4,16 @@ decay (:class:`WarmupLR`). The classic-RL wing's schedules and optimizer steps a
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
+
+from align.errors import AlignConfigError
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class WarmupLR(LambdaLR):
@@ -17,6 +23,9 @@ class WarmupLR(LambdaLR):
     configures its optimizers, so YAML need not repeat ``max_steps``.
     """
 
+    where: ClassVar[str] = "model.scheduler"
+    """The settings' place in a config, named by their errors."""
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -25,8 +34,15 @@ class WarmupLR(LambdaLR):
         decay: Literal["cosine", "linear", "constant"] = "cosine",
         min_lr_ratio: float = 0.0,
     ):
-        if decay not in ("cosine", "linear", "constant"):
-            raise ValueError(f"decay: expected 'cosine', 'linear' or 'constant', got {decay!r}")
+        for name, ok, expected, got in (
+                ("warmup_steps", _integer(warmup_steps) and warmup_steps >= 0, "an integer >= 0", warmup_steps),
+                ("total_steps", total_steps is None or (_integer(total_steps) and total_steps >= 1),
+                 "an integer >= 1 or null (the trainer's)", total_steps),
+                ("decay", decay in ("cosine", "linear", "constant"), "'cosine', 'linear' or 'constant'", decay),
+                ("min_lr_ratio", isinstance(min_lr_ratio, (int, float)) and not isinstance(min_lr_ratio, bool)
+                 and 0 <= min_lr_ratio <= 1, "a value in [0, 1]", min_lr_ratio)):
+            if not ok:
+                raise AlignConfigError(f"{self.where}.{name}: expected {expected}, got {got!r}")
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
         self.decay = decay

@@ -82,3 +82,11 @@ def test_templates_that_cannot_continue_a_sampled_turn_are_refused_on_one_line()
     plain = ChatEncoder(load_tiny_tokenizer(), use_chat_template=False)
     with pytest.raises(AlignConfigError, match="multi-turn episodes need a tokenizer with a chat_template"):
         plain.reply_ids(CONVERSATION[:2], CONVERSATION[2:3])
+
+
+def test_a_chat_template_asked_of_a_tokenizer_without_one_fails_naming_the_setting():
+    tok = copy.deepcopy(load_tiny_tokenizer())
+    tok.chat_template = None
+    with pytest.raises(AlignConfigError, match=r"^data\.use_chat_template: expected false or null for a tokenizer "
+                                               r"without a chat_template, got True$"):
+        ChatEncoder(tok, use_chat_template=True)

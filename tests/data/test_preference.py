@@ -7,7 +7,7 @@ import torch
 from align.data.chat import ChatEncoder
 from align.data.preference import PreferenceCollator, PreferenceDataModule, UnpairedDataModule
 from align.data.preference_rows import fingerprint_examples, tokenize_preference_rows
-from align.errors import AlignDataError
+from align.errors import AlignConfigError, AlignDataError
 from align.hub.tiny import load_tiny_tokenizer
 
 
@@ -84,6 +84,16 @@ def test_identical_pairs_are_counted_and_dropped_kept_or_rejected(encoder):
     assert (kept.identical, kept.dropped_identical, len(kept.examples)) == (1, 0, 2)
     with pytest.raises(AlignDataError, match="row 1: field 'rejected'"):
         tokenize(encoder, rows, identical_pairs="error")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(truncation="right"), r"^data\.truncation: expected 'left', 'drop' or 'error', got 'right'$"),
+    (dict(identical_pairs="skip"), r"^data\.identical_pairs: expected 'drop', 'keep' or 'error', got 'skip'$"),
+])
+def test_unknown_policies_fail_naming_the_setting(settings, message):
+    for module in (PreferenceDataModule, UnpairedDataModule):
+        with pytest.raises(AlignConfigError, match=message):
+            module(**settings)
 
 
 def test_long_prompts_truncate_left_drop_or_error(encoder):

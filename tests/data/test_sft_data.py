@@ -7,7 +7,7 @@ from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.io import read_rows
 from align.data.sampling import WindowBatchSampler
 from align.data.sft import SFTCollator, SFTDataModule, pack, tokenize_rows
-from align.errors import AlignDataError
+from align.errors import AlignConfigError, AlignDataError
 from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
 
 
@@ -165,6 +165,11 @@ def test_truncation_policies(tmp_path, tok):
     assert (len(kept), dropped) == (1, 1)
     cut, dropped = tokenize_rows(rows, "mem", enc, max_length=32, truncation="right")
     assert dropped == 0 and len(cut[1].input_ids) == 32
+
+
+def test_an_unknown_truncation_policy_fails_naming_the_setting():
+    with pytest.raises(AlignConfigError, match=r"^data\.truncation: expected 'error', 'right' or 'drop', got 'left'$"):
+        SFTDataModule(truncation="left")
 
 
 @pytest.mark.parametrize("suffix", ["parquet", "csv", "json"])

@@ -13,7 +13,7 @@ from align.data.io import read_rows, split_ranges
 from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
-from align.errors import AlignDataError
+from align.errors import AlignConfigError, AlignDataError
 from align.hub.tiny import load_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,8 +184,39 @@ def test_held_out_rows_never_train_and_a_too_small_file_says_what_to_do(tmp_path
     dm, line = setup_module_(SFTDataModule, tokenizer, caplog, train_files=one)  # a fraction of one row: none
     assert line == f"validation: none ({one} has 1 row, too few to hold out data.val_size 0.05)"
     assert dm.val_set is None and len(dm.train_set) == 1
-    with pytest.raises(AlignDataError, match="data.val_size: expected a row count >= 0 or a fraction"):
+    with pytest.raises(AlignConfigError, match=r"^data\.val_size: expected a row count >= 0 or a fraction between 0 "
+                                               r"and 1, got 1\.5$"):
         SFTDataModule(val_size=1.5)
+
+
+@pytest.mark.parametrize("module", [SFTDataModule, PreferenceDataModule, PromptDataModule])
+@pytest.mark.parametrize("settings, message", [
+    (dict(batch_size=0), r"^data\.batch_size: expected an integer >= 1, got 0$"),
+    (dict(val_batch_size=0), r"^data\.val_batch_size: expected an integer >= 1 or null \(batch_size\), got 0$"),
+    (dict(num_workers=-1), r"^data\.num_workers: expected an integer >= 0, got -1$"),
+    (dict(val_size=-2), r"^data\.val_size: expected a row count >= 0 or a fraction between 0 and 1, got -2$"),
+])
+def test_bad_loader_settings_fail_on_one_line_naming_the_setting(module, settings, message):
+    with pytest.raises(AlignConfigError, match=message):
+        module(**settings)
+
+
+@pytest.mark.parametrize("module, settings, message", [
+    (SFTDataModule, dict(max_length=1), r"^data\.max_length: expected an integer >= 2 \(tokens\), got 1$"),
+    (PreferenceDataModule, dict(max_length=64, max_prompt_length=64),
+     r"^data\.max_prompt_length: expected an integer >= 1 \(tokens\) or null, below max_length=64, got 64$"),
+    (PromptDataModule, dict(max_prompt_length=0), r"^data\.max_prompt_length: expected an integer >= 1 \(tokens\) or "
+                                                  r"null, got 0$"),
+])
+def test_bad_length_limits_fail_on_one_line_naming_the_setting(module, settings, message):
+    with pytest.raises(AlignConfigError, match=message):
+        module(**settings)
+
+
+def test_a_module_without_a_tokenizer_or_a_policy_says_which_setting_gives_one():
+    with pytest.raises(AlignConfigError, match=r"^data\.tokenizer: expected a tokenizer path, or a module with a "
+                                               r"policy to take it from, got None$"):
+        SFTDataModule().setup("fit")
 
 
 def test_validate_stage_reads_only_the_validation_file(tokenizer, caplog):

@@ -176,7 +176,8 @@ CASES = [
     ("reward-kwargs-not-a-parameter", "grpo",
      {"bad_reward_r3.py": "def exact(completions, answer):\n    return [0.0] * len(completions)\n"},
      ["--model.init_args.rewards", '[{"fn": "bad_reward_r3.exact", "kwargs": {"tolerance": 0.1}}]'],
-     ["reward 'exact' (bad_reward_r3.exact): kwargs ['tolerance'] are not parameters of the function"]),
+     ["error: model.rewards[0].kwargs: expected parameters of reward 'exact' (bad_reward_r3.exact), which takes "
+      "['answer', 'completions'] (add **kwargs to take any), got ['tolerance']"]),
     ("rloo-one-sample-per-prompt", "grpo", {},
      ["--model.init_args.advantages.estimator", "rloo", "--model.init_args.group_size", "1"],
      ["model.group_size: expected >= 2 for the group baseline of advantages.estimator rloo, got 1"]),
@@ -242,6 +243,32 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(tmp_pa
     assert "Traceback" not in err
     assert not set(tmp_path.rglob("*.ckpt")) - given and not list(tmp_path.rglob("*.safetensors"))
     assert not list(root.glob("version_*"))  # no run folder holding only the config of a run that never stepped
+
+
+@pytest.mark.parametrize("args, line", [
+    # a setting of a nested option group: these used to end in a traceback with a dump of every setting
+    (["--model.init_args.policy.init_args.lora", '{"r": 0}'],
+     "error: model.policy.lora.r: expected an integer >= 1, got 0"),
+    (["--data.init_args.batch_size", "0"], "error: data.batch_size: expected an integer >= 1, got 0"),
+    (["--model.init_args.rewards", '[{"fn": "align.rewards.sort_format", "concurrency": 0}]'],
+     "error: model.rewards[0].concurrency: expected an integer >= 1, got 0"),
+    # one class at two places in a config: its checks name the place
+    (["--model.init_args.sampling.temperature", "-1"],
+     "error: model.sampling.temperature: expected >= 0 (0: greedy), got -1.0"),
+    (["--model.init_args.evaluation.sampling.temperature", "-1"],
+     "error: model.evaluation.sampling.temperature: expected >= 0 (0: greedy), got -1.0"),
+], ids=["lora-rank", "data-batch-size", "reward-concurrency", "sampling", "held-out-sampling"])
+def test_a_bad_nested_setting_stops_the_cli_on_one_line_naming_its_full_path(tmp_path, monkeypatch, capsys, args,
+                                                                            line):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as info:
+        run_recipe("grpo", *RECIPES["grpo"], args=[*QUICK["grpo"], *args, "--trainer.max_steps", "1",
+                                                  "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert [text for text in err.splitlines() if "error" in text.lower() or "Traceback" in text] == [line], err[-3000:]
+    assert not list((tmp_path / "run").glob("version_*"))
 
 
 def test_a_raising_reward_prints_one_error_line_through_the_recipe_script(tmp_path):

@@ -150,6 +150,19 @@ def test_evaluation_replays_the_same_held_out_episodes():
     assert len({e.length for e in module.evaluate(episodes=6)}) > 1  # different seeds per episode
 
 
+@pytest.mark.parametrize("build, message", [
+    (lambda: DQNGymModule(env=CARTPOLE, learning_starts=-1), r"^model\.learning_starts: expected >= 0, got -1$"),
+    (lambda: DQNGymModule(env=CARTPOLE, tau=0.0), r"^model\.tau: expected a value in \(0, 1\], got 0\.0$"),
+    (lambda: DQNGymModule(env=CARTPOLE, gamma=1.5), r"^model\.gamma: expected a value in \[0, 1\], got 1\.5$"),
+    (lambda: DQNGymModule(env=CARTPOLE, buffer_size=0), r"^model\.buffer_size: expected >= 1, got 0$"),
+    (lambda: QLearningGymModule(learning_rate=0.0), r"^model\.learning_rate: expected > 0, got 0\.0$"),
+    (lambda: QLearningGymModule(steps_per_iteration=0), r"^model\.steps_per_iteration: expected >= 1, got 0$"),
+])
+def test_bad_module_settings_fail_on_one_line_naming_the_setting(build, message):
+    with pytest.raises(AlignConfigError, match=message):
+        build()
+
+
 def test_unsupported_spaces_fail_on_one_line_naming_the_environment():
     with pytest.raises(AlignConfigError) as err:
         DQNGymModule(env=EnvSpec(id="Pendulum-v1"))

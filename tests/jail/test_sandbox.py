@@ -56,12 +56,20 @@ def test_a_required_jail_that_does_not_work_stops_the_environment_being_built(fr
 
     monkeypatch.setattr(jails.shutil, "which", lambda name: None)
     monkeypatch.setattr(PythonSandbox, "_probe", staticmethod(lambda backend: "Operation not permitted\n"))
-    with pytest.raises(AlignConfigError, match="PythonSandbox: jail=unshare, and no jail works here"):
+    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.tools\[0\]\.init_kwargs\.jail: PythonSandbox: "
+                                               r"jail=unshare, and no jail works here"):
         ToolEnvironment(tools=[{"path": "align.rollout.envs.tools.PythonSandbox", "init_kwargs": {"jail": "unshare"}}])
-    with pytest.raises(AlignConfigError, match="jail must be one of required, auto, bwrap, unshare, off, got 'yes'"):
+    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.jail: expected one of required, auto, bwrap, unshare, "
+                                               r"off, got 'yes'$"):
         PythonSandbox(jail="yes")
-    with pytest.raises(AlignConfigError, match="packages: cannot show 'no_such_package' to the code"):
+    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.packages: expected installed packages to show the code, "
+                                               r"got 'no_such_package', which cannot be shown: "):
         PythonSandbox(packages=["no_such_package"])
+    for settings, message in ((dict(timeout=0), "timeout: expected a number of seconds > 0, got 0"),
+                              (dict(max_processes=1), "max_processes: expected >= 2, got 1"),
+                              (dict(disk_mb=0), "disk_mb: expected >= 1, got 0")):
+        with pytest.raises(AlignConfigError, match=rf"^init_kwargs\.{message}$"):
+            PythonSandbox(**settings)
 
 
 def test_installed_packages_are_hidden_unless_named(jailed):

@@ -20,17 +20,21 @@ def test_values_shapes_and_gradients(kind):
 
 
 @pytest.mark.parametrize("settings,message", [
-    (lambda: CriticSettings(kind="both"), "policy.critic.kind: expected 'shared' or 'separate', got 'both'"),
-    (lambda: CriticSettings(model="tiny-sort-rm"), "policy.critic.model: a shared critic is a head on the policy's "
-                                                   "backbone; set policy.critic.kind: separate"),
-    (lambda: CriticSettings(kind="separate", model=3), "policy.critic.model: expected a model path or id, got 3"),
+    (lambda: CriticSettings(kind="both"),
+     r"^model\.policy\.critic\.kind: expected 'shared' or 'separate', got 'both'$"),
+    (lambda: CriticSettings(model="tiny-sort-rm"),
+     r"^model\.policy\.critic\.model: expected null for a shared critic \(a head on the policy's backbone\), got "
+     r"'tiny-sort-rm'; set model\.policy\.critic\.kind: separate to give the critic a backbone of its own$"),
+    (lambda: CriticSettings(kind="separate", model=3),
+     r"^model\.policy\.critic\.model: expected a model path or id, got 3$"),
     (lambda: CriticSettings(kind="separate", head_from_reward_model="yes"),
-     "policy.critic.head_from_reward_model: expected true or false, got 'yes'"),
-    (lambda: PolicyModel(critic="shared"), r"policy.critic: expected a block such as \{kind: shared\}"),
+     r"^model\.policy\.critic\.head_from_reward_model: expected true or false, got 'yes'$"),
+    (lambda: PolicyModel(critic="shared"), r"^model\.policy\.critic: expected a block such as \{kind: shared\}"),
     (lambda: PolicyModel(critic={"kind": "separate", "critic_model": "x"}),
-     "policy.critic.critic_model: not a setting of the critic"),
+     r"^model\.policy\.critic\.critic_model: not a setting of the critic; expected kind, model or "
+     r"head_from_reward_model$"),
     (lambda: PolicyModel(critic=CriticSettings(kind="separate", model="/nonexistent/rm")),
-     "policy.critic.model: .*does not exist"),
+     r"^model\.policy\.critic\.model: .*does not exist"),
 ])
 def test_critic_settings_are_checked_on_one_line_naming_the_setting(settings, message):
     with pytest.raises(AlignConfigError, match=message) as err:

@@ -18,8 +18,23 @@ def test_local_directory_and_bad_paths(tiny_model_dir, tmp_path):
         PolicyModel(model=str(tmp_path / "nope"))
     with pytest.raises(AlignConfigError, match="without config.json"):
         PolicyModel(model=str(tmp_path))
-    with pytest.raises(AlignConfigError, match="also set policy.lora"):
+    with pytest.raises(AlignConfigError, match=r"^model\.policy\.quantization: expected null without "
+                                               r"model\.policy\.lora \(a quantized base cannot be trained in full\), "
+                                               r"got '4bit'; also set model\.policy\.lora$"):
         PolicyModel(model=tiny_model_dir, quantization="4bit")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(dtype="float64"), r"^model\.policy\.dtype: expected auto, float32, bfloat16 or float16, got 'float64'$"),
+    (dict(quantization="2bit", lora=LoraSettings()),
+     r"^model\.policy\.quantization: expected '4bit', '8bit' or null, got '2bit'$"),
+    (dict(quantization="4bit", lora=LoraSettings()),
+     r"^model\.policy\.quantization: expected null for the embedded tiny model \(it is not quantizable; use a "
+     r"real model path\), got '4bit'$"),
+])
+def test_bad_policy_settings_fail_on_one_line_naming_the_setting(settings, message):
+    with pytest.raises(AlignConfigError, match=message):
+        PolicyModel("tiny", **settings)
 
 
 def test_qlora_forward_and_backward_on_cpu(tiny_model_dir):

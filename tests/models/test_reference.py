@@ -61,7 +61,7 @@ def test_lora_reference_equals_the_base_model_for_every_option(settings):
 @pytest.mark.parametrize("bias", ["all", "lora_only"])
 def test_trained_biases_refuse_the_adapter_disabled_reference(bias, tiny_model_dir):
     policy = PolicyModel(lora=LoraSettings(r=4, alpha=8, bias=bias))
-    with pytest.raises(AlignConfigError, match="policy.lora.bias: .* set policy.reference_model"):
+    with pytest.raises(AlignConfigError, match=r"^model\.policy\.lora\.bias: .* set model\.policy\.reference_model"):
         policy.setup_reference()
     separate = PolicyModel(lora=LoraSettings(r=4, alpha=8, bias=bias), reference_model=tiny_model_dir)
     separate.setup_reference()

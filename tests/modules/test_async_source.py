@@ -180,6 +180,13 @@ def test_bad_settings_fail_on_one_line():
         AsyncSource(max_staleness=-1)
     with pytest.raises(AlignConfigError, match=r"^model\.source\.generator\.device: expected auto, cpu or cuda"):
         GeneratorPlacement(device="tpu")
+    for settings, message in ((dict(num_cpus=-1), r"num_cpus: expected >= 0, got -1$"),
+                              (dict(num_gpus=-0.5), r"num_gpus: expected >= 0 or null, got -0\.5$"),
+                              (dict(threads=0), r"threads: expected >= 1 or null, got 0$"),
+                              (dict(timeout_s=0), r"timeout_s: expected > 0 seconds, got 0$"),
+                              (dict(max_restarts=-1), r"max_restarts: expected >= 0, got -1$")):
+        with pytest.raises(AlignConfigError, match=r"^model\.source\.generator\." + message):
+            GeneratorPlacement(**settings)
     with pytest.raises(AlignConfigError, match=r"^model\.source: AsyncSource generates single-turn completions"):
         module(AsyncSource(), environment=EnvironmentSpec(Rounds, max_turns=2, max_tokens=40), rewards=[])
     assert math.isfinite(GeneratorPlacement().timeout_s)

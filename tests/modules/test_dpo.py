@@ -121,7 +121,8 @@ def test_bad_settings_fail_early():
         DPOModule(policy, loss_type="nope")
     with pytest.raises(AlignConfigError, match="label_smoothing"):
         DPOModule(policy, loss_type="conservative")
-    with pytest.raises(AlignConfigError, match="label_smoothing"):
+    with pytest.raises(AlignConfigError, match=r"^model\.label_smoothing: expected 0 with loss_type 'sigmoid' \(it "
+                                               r"applies to 'conservative' only\), got 0\.1$"):
         DPOModule(policy, label_smoothing=0.1)
     with pytest.raises(AlignConfigError, match="model.rpo_alpha: expected 0 with loss_type 'orpo'"):
         DPOModule(policy, loss_type="orpo", rpo_alpha=1.0)

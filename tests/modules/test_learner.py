@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from align.core.losses import loss_count
+from align.errors import AlignConfigError
 from align.modules.learner import Learner, Optimization, RLBatch, minibatch_indices
 from align.modules.options import Updates
 from align.core.stats import Ranks
@@ -101,5 +102,6 @@ def test_the_normaliser_sums_every_rank():
 
 
 def test_bad_minibatch_counts_fail_naming_the_setting():
-    with pytest.raises(ValueError, match=r"updates.minibatches must be in \[1, 8\]"):
+    with pytest.raises(AlignConfigError, match=r"^model\.updates\.minibatches: expected a value in \[1, 8\] \(the rows "
+                                               r"of a rollout on this rank\), got 9$"):
         minibatch_indices(N, 9, None)

@@ -246,3 +246,10 @@ def test_padding_free_scores_and_gradients_equal_the_padded_rows(varied_pairs, l
     assert out[False][0].std() > 1e-3  # scores that differ between rows
     for a, b in zip(out[True][1], out[False][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_policy_with_a_separate_critic_is_refused_naming_the_setting():
+    with pytest.raises(AlignConfigError, match=r"^model\.policy\.critic\.kind: expected 'shared' or a null critic "
+                                               r"\(a reward model scores with a head on its own backbone\), got "
+                                               r"'separate'$"):
+        RewardModule(PolicyModel(critic=CriticSettings(kind="separate")))

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from align.errors import AlignConfigError
+from align.observability import OTelTracingCallback, OTLPLogger
 from align.observability.attributes import (
     REDACTED,
     algorithm_of,
@@ -104,16 +106,30 @@ def test_unset_settings_are_left_to_the_sdk_exporter(monkeypatch):
 
 
 def test_bad_settings_fail_with_a_clear_message(monkeypatch):
-    with pytest.raises(ObservabilityConfigError, match="protocol"):
+    with pytest.raises(AlignConfigError, match=r"^trainer\.logger\.protocol: expected 'grpc' or 'http/protobuf', got "
+                                               r"'thrift'$"):
         ExportSettings.resolve("metrics", protocol="thrift")
-    with pytest.raises(ObservabilityConfigError, match="compression"):
+    with pytest.raises(ObservabilityConfigError, match=r"^trainer\.logger\.compression: expected none, gzip or "
+                                                       r"deflate, got 'zstd'$"):
         ExportSettings.resolve("metrics", compression="zstd")
-    with pytest.raises(ObservabilityConfigError, match="timeout"):
-        ExportSettings.resolve("metrics", timeout=0)
-    with pytest.raises(ObservabilityConfigError, match="endpoint"):
+    with pytest.raises(ObservabilityConfigError, match=r"^trainer\.callbacks\.timeout: expected a positive number of "
+                                                       r"seconds, got 0$"):
+        ExportSettings.resolve("traces", timeout=0, where="trainer.callbacks")
+    with pytest.raises(ObservabilityConfigError, match=r"^trainer\.logger\.endpoint: expected 'host:port' or "
+                                                       r"'http\(s\)://host:port', got 'ftp://collector'$"):
         ExportSettings.resolve("metrics", endpoint="ftp://collector")
+    with pytest.raises(ObservabilityConfigError, match=r"^trainer\.logger\.export_interval: expected positive seconds, "
+                                                       r"got 0$"):
+        OTLPLogger(export_interval=0)
+    for name in ("max_queue_size", "max_export_batch_size", "step_every_n"):
+        with pytest.raises(ObservabilityConfigError, match=rf"^trainer\.callbacks\.{name}: expected >= 1, got 0$"):
+            OTelTracingCallback(**{name: 0})
+    with pytest.raises(ObservabilityConfigError, match=r"^trainer\.callbacks\.compression: expected none, gzip or "
+                                                       r"deflate, got 'zstd'$"):
+        OTelTracingCallback(compression="zstd")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "thrift")
-    with pytest.raises(ObservabilityConfigError, match="OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"):
+    with pytest.raises(ObservabilityConfigError, match=r"^OTEL_EXPORTER_OTLP_METRICS_PROTOCOL: expected 'grpc' or "
+                                                       r"'http/protobuf', got 'thrift'$"):
         ExportSettings.resolve("metrics")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd")  # refused by the SDK's gRPC exporter

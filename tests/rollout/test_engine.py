@@ -3,6 +3,7 @@ settings, trains, answers the held-out passes and generates for the asynchronous
 the training and held-out engines are one object with two sampling settings."""
 
 import csv
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,8 +14,8 @@ import yaml
 
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
-from align.rollout.engine import (GenerationEngine, HeldOutSampling, NativeEngine, SamplingConfig, engine_class,
-                                  make_engine)
+from align.rollout.engine import (GenerationEngine, HeldOutCorrection, HeldOutSampling, NativeEngine, SamplingConfig,
+                                  engine_class, make_engine)
 from align.rollout.sampling import SampleOutput
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
@@ -62,6 +63,20 @@ def test_short_names_and_class_paths_name_engines():
     with pytest.raises(AlignConfigError, match=r"^model\.evaluation\.sampling\.engine: 'torch\.nn\.Linear' is not a "
                                                r"subclass of align\.rollout\.engine\.GenerationEngine$"):
         HeldOutSampling(engine="torch.nn.Linear")
+
+
+def test_the_same_checks_name_the_training_or_the_held_out_settings():
+    for sampling, where in ((SamplingConfig, "model.sampling"), (HeldOutSampling, "model.evaluation.sampling")):
+        with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.temperature: expected >= 0 \(0: greedy\), "
+                                                   r"got -1\.0$"):
+            sampling(temperature=-1.0)
+        with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.top_p: expected a value in \(0, 1\], "
+                                                   r"got 0$"):
+            sampling(top_p=0)
+        correction = sampling.__dataclass_fields__["correction"].default_factory
+        with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.correction\.cap: expected >= 1, got 0\.5$"):
+            correction(cap=0.5)
+    assert isinstance(HeldOutSampling().correction, HeldOutCorrection)
 
 
 def test_the_held_out_engine_is_the_training_engine_with_its_own_sampling():

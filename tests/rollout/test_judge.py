@@ -144,27 +144,59 @@ def test_pairwise_prefers_one_completion_of_each_pair():
 def test_a_template_field_that_nothing_provides_fails_before_any_call():
     with Loopback(lambda r: "5") as server:
         combined = CombinedReward([judge_spec(server, template="{prompt} {completion} {solution}")])
-        with pytest.raises(AlignConfigError, match=r"\{solution\} are not data columns or inputs"):
+        with pytest.raises(AlignConfigError, match=r"^reward 'judge' \(align\.rewards\.Judge, Judge\.__call__\): "
+                                                   r"init_kwargs\.template: expected fields that are data columns or "
+                                                   r"inputs \(known: answer, .*\), got \{solution\}$"):
             combined.check_inputs(["answer"])
+        placed = RewardFunction(judge_spec(server, template="{prompt} {completion} {solution}"),
+                                setting="model.rewards[0]")
+        with pytest.raises(AlignConfigError, match=r"^model\.rewards\[0\]\.init_kwargs\.template: expected fields "
+                                                   r"that are data columns or inputs \(known: .*\), got \{solution\}$"):
+            placed.check_inputs(["answer"])
         assert not server.requests
-        with pytest.raises(AlignConfigError, match=r"must have the field\(s\) \{completion\}"):
-            RewardFunction(judge_spec(server, template="{prompt}"))
+        with pytest.raises(AlignConfigError, match=r"^model\.rewards\[0\]\.init_kwargs\.template: expected the "
+                                                   r"field\(s\) \{completion\} of the number parser, got a template "
+                                                   r"without them$"):
+            RewardFunction(judge_spec(server, template="{prompt}"), setting="model.rewards[0]")
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"api_key": "sk-abcdefghijklmnopqrstuvwx"}, "api_key is not a setting"),
-    ({"api_key_env": "sk-abcdefghijklmnopqrstuvwx"}, "api_key_env takes the name of an environment variable"),
-    ({"api_key_env": "abcdef0123456789abcdef0123456789"}, "api_key_env takes the name of an environment variable"),
-    ({"api_key_env": "ALIGN_TEST_UNSET_KEY_VARIABLE"}, "ALIGN_TEST_UNSET_KEY_VARIABLE (api_key_env) is not set"),
-    ({"base_url": "http://user:pw0rdpw0rd@127.0.0.1:1/v1"}, "the URL carries credentials"),
-    ({"base_url": "http://127.0.0.1:1/v1?api_key=abc123"}, "the URL carries credentials"),
-    ({"extra_body": {"auth": "Bearer abcdefghijklmnopqrstuvwx"}}, "extra_body.auth looks like a key"),
+    ({"parser": "score"}, "parser: expected one of ['number', 'yes_no', 'pairwise'], got 'score'"),
+    ({"low": float("nan")}, "low: expected a finite number, got nan"),
+    ({"low": 5, "high": 5}, "high: expected a finite number above low=5, got 5"),
+    ({"max_tokens": 0}, "max_tokens: expected an integer >= 1 or null, got 0"),
+    ({"template": "{prompt"}, "template: expected a format string (write a literal brace as {{ or }}), got one that "
+                              "is not (expected '}' before end of string)"),
+    ({"timeout": 0}, "timeout: expected a number > 0, got 0"),
+])
+def test_bad_judge_settings_fail_naming_their_place_in_the_config(settings, message):
+    spec = RewardSpec("align.rewards.Judge", init_kwargs={"model": "m", "base_url": "http://127.0.0.1:1/v1",
+                                                          **settings})
+    with pytest.raises(AlignConfigError, match=f"^{re.escape('model.eval_rewards[1].init_kwargs.' + message)}$"):
+        RewardFunction(spec, setting="model.eval_rewards[1]")
+    with pytest.raises(AlignConfigError, match=f"^{re.escape('init_kwargs.' + message)}$"):
+        Judge(**spec.init_kwargs)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"api_key": "sk-abcdefghijklmnopqrstuvwx"}, "init_kwargs.api_key: expected no key in a config"),
+    ({"api_key_env": "sk-abcdefghijklmnopqrstuvwx"}, "init_kwargs.api_key_env: expected the name of an environment "
+                                                     "variable"),
+    ({"api_key_env": "abcdef0123456789abcdef0123456789"}, "init_kwargs.api_key_env: expected the name of an "
+                                                          "environment variable"),
+    ({"api_key_env": "ALIGN_TEST_UNSET_KEY_VARIABLE"}, "init_kwargs.api_key_env: expected a set environment variable, "
+                                                       "got ALIGN_TEST_UNSET_KEY_VARIABLE, which is not set"),
+    ({"base_url": "http://user:pw0rdpw0rd@127.0.0.1:1/v1"}, "init_kwargs.base_url: expected a URL without "
+                                                            "credentials, got one that carries them"),
+    ({"base_url": "http://127.0.0.1:1/v1?api_key=abc123"}, "init_kwargs.base_url: expected a URL without credentials"),
+    ({"extra_body": {"auth": "Bearer abcdefghijklmnopqrstuvwx"}}, "init_kwargs.extra_body.auth: expected no key in a "
+                                                                  "config, got a value that looks like one"),
 ])
 def test_a_config_that_seems_to_hold_a_key_is_refused_without_repeating_it(settings, message):
     spec = RewardSpec("align.rewards.Judge", init_kwargs={"model": "m", "base_url": "http://127.0.0.1:1/v1",
                                                           **settings})
-    with pytest.raises(AlignConfigError, match=re.escape(message)) as info:
-        RewardFunction(spec)
+    with pytest.raises(AlignConfigError, match="^" + re.escape("model.rewards[0]." + message)) as info:
+        RewardFunction(spec, setting="model.rewards[0]")
     for value in settings.values():
         for secret in (value.values() if isinstance(value, dict) else [value]):
             if "ALIGN_TEST" not in secret:

@@ -193,24 +193,40 @@ def test_an_action_the_model_cannot_build_is_a_reply_and_a_broken_environment_on
 
 def test_settings_that_cannot_work_fail_on_one_line(servers, tmp_path):
     cases = [
-        (dict(), "set exactly one of env_class"),
-        (dict(env_class=Echo, url=servers["echo"]), "set exactly one of env_class"),
-        (dict(env_class=Echo, prompt="first"), "prompt must be one of observation, row, both"),
-        (dict(env_class=Echo, action_field="message", action_parser="json"), "set action_field or action_parser"),
-        (dict(env_class=Echo, action_field="text"), r"action_field 'text' is not a field of the action \(fields: "
-                                                    r"\['message'\]\)"),
-        (dict(env_class=GuessNumber), r"the action has 0 text fields \(\[\]\); set action_field or action_parser"),
-        (dict(env_class=dict), "env_class must be a subclass of openenv's Environment"),
-        (dict(env_class=type("Bare", (Environment,), {})), "cannot tell its Action and Observation classes"),
-        (dict(env_class=Echo, observation_field="text"), r"observation_field 'text' is not a field of the "
-                                                         r"observation \(fields: \['echoed'\]\)"),
-        (dict(url=servers["echo"], init_kwargs={"a": 1}), "init_kwargs are for env_class"),
-        (dict(url="http://127.0.0.1:9"), "cannot read the OpenEnv server's schema at http://127.0.0.1:9/schema"),
-        (dict(env_class=Echo, token_env="ALIGN_TEST_UNSET_TOKEN"), "'ALIGN_TEST_UNSET_TOKEN', which is not set"),
+        (dict(), r"init_kwargs: expected exactly one of env_class \(an environment played in this process\) and url "
+                 r"\(a running OpenEnv server\), got env_class=None, url=None$"),
+        (dict(env_class=Echo, url=servers["echo"]), "init_kwargs: expected exactly one of env_class"),
+        (dict(env_class=Echo, prompt="first"), r"init_kwargs\.prompt: expected one of observation, row, both, got "
+                                               r"'first'$"),
+        (dict(env_class=Echo, action_field="message", action_parser="json"),
+         r"init_kwargs\.action_parser: expected null with action_field set \(set one of them, not both\), got 'json'$"),
+        (dict(env_class=Echo, action_field="text"), r"init_kwargs\.action_field: expected a field of the action "
+                                                    r"\(fields: \['message'\]\), got 'text'$"),
+        (dict(env_class=GuessNumber), r"init_kwargs\.action_field: expected the action's text field to fill, got null, "
+                                      r"and the action has 0 text fields \(\[\]\); set action_field or action_parser$"),
+        (dict(env_class=dict), r"init_kwargs\.env_class: expected a subclass of openenv's Environment, got "
+                               r"<class 'dict'>$"),
+        (dict(env_class=type("Bare", (Environment,), {})), r"init_kwargs\.env_class: expected an Environment that "
+                                                           r"declares its Action and Observation classes"),
+        (dict(env_class=Echo, observation_field="text"), r"init_kwargs\.observation_field: expected a field of the "
+                                                         r"observation \(fields: \['echoed'\]\), got 'text'$"),
+        (dict(url=servers["echo"], init_kwargs={"a": 1}), r"init_kwargs\.init_kwargs: expected null with url \(a "
+                                                          r"server builds its own environments; init_kwargs are for "
+                                                          r"env_class\), got \{'a': 1\}$"),
+        (dict(url="http://127.0.0.1:9"), r"init_kwargs\.url: expected a running OpenEnv server, got "
+                                         r"'http://127\.0\.0\.1:9', whose schema at http://127\.0\.0\.1:9/schema "
+                                         r"cannot be read"),
+        (dict(env_class=Echo, token_env="ALIGN_TEST_UNSET_TOKEN"), r"init_kwargs\.token_env: expected a set "
+                                                                   r"environment variable, got "
+                                                                   r"'ALIGN_TEST_UNSET_TOKEN', which is not set$"),
     ]
     for kwargs, message in cases:
-        with pytest.raises(AlignConfigError, match=message):
+        with pytest.raises(AlignConfigError, match="^" + message):
             OpenEnvEnvironment(**kwargs)
+    pool = EnvironmentPool(EnvironmentSpec(OpenEnvEnvironment, init_kwargs={"env_class": Echo, "prompt": "first"}))
+    with pytest.raises(AlignConfigError, match=r"^model\.environment\.init_kwargs\.prompt: expected one of "
+                                               r"observation, row, both, got 'first'$"):
+        pool.instance(0)
 
 
 def test_the_shipped_letter_sort_environment_in_process_and_served():

@@ -1,11 +1,13 @@
 """align.rewards.Remote against a JSON service the test starts on loopback: batching, what is sent, null scores,
 retries, and a failed request scored by default and counted."""
 
+import re
+
 import pytest
 from _loopback import Loopback, Reply
 
 from align.errors import AlignConfigError
-from align.rollout.rewards import CombinedReward, RewardFunction, RewardSpec
+from align.rollout.rewards import CombinedReward, Remote, RewardFunction, RewardSpec
 from align.rollout.rewards.remote import read_scores
 
 
@@ -61,9 +63,16 @@ def test_a_5xx_is_retried_and_a_bad_reply_scores_the_default():
 
 
 def test_settings_are_checked():
-    for settings, message in (({"batch_size": 0}, "batch_size must be an integer >= 1"),
-                              ({"inputs": ["answer"]}, "inputs ['answer'] are not rollout inputs"),
-                              ({"url": "ftp://host/x"}, "expected an http:// or https:// URL"),
-                              ({"max_concurrency": 0}, "max_concurrency must be an integer > 0")):
-        with pytest.raises(AlignConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            RewardFunction(RewardSpec("align.rewards.Remote", init_kwargs={"url": "http://127.0.0.1:1/s", **settings}))
+    for settings, message in (({"batch_size": 0}, "batch_size: expected an integer >= 1, got 0"),
+                              ({"inputs": ["answer"]}, "inputs: expected rollout inputs, some of ['prompt_messages', "
+                                                       "'completion_ids', 'completion_truncated', 'conversation'] (the "
+                                                       "data's columns are always sent), got ['answer']"),
+                              ({"url": "ftp://host/x"}, "url: expected an http:// or https:// URL, got 'ftp://host/x'"),
+                              ({"max_concurrency": 0}, "max_concurrency: expected an integer > 0, got 0"),
+                              ({"retries": -1}, "retries: expected an integer >= 0, got -1"),
+                              ({"default": float("nan")}, "default: expected a finite number or null, got nan")):
+        spec = RewardSpec("align.rewards.Remote", init_kwargs={"url": "http://127.0.0.1:1/s", **settings})
+        with pytest.raises(AlignConfigError, match=f"^{re.escape('model.rewards[0].init_kwargs.' + message)}$"):
+            RewardFunction(spec, setting="model.rewards[0]")
+        with pytest.raises(AlignConfigError, match=f"^{re.escape('init_kwargs.' + message)}$"):
+            Remote(**spec.init_kwargs)

@@ -139,11 +139,15 @@ def test_none_means_not_applicable_excluded_from_the_total_without_renormalising
 
 
 def test_spec_settings_are_checked():
-    for settings, message in (({"concurrency": 0}, "concurrency must be an integer >= 1"),
-                              ({"concurrency": 1.5}, "concurrency must be an integer >= 1"),
-                              ({"timeout": 0}, "timeout must be a number of seconds > 0 or null"),
-                              ({"timeout": float("inf")}, "timeout must be a number of seconds > 0 or null")):
-        with pytest.raises(AlignConfigError, match=message):
+    for settings, message in (({"concurrency": 0}, r"concurrency: expected an integer >= 1, got 0$"),
+                              ({"concurrency": 1.5}, r"concurrency: expected an integer >= 1, got 1\.5$"),
+                              ({"timeout": 0}, r"timeout: expected a number of seconds > 0 or null, got 0$"),
+                              ({"timeout": float("inf")},
+                               r"timeout: expected a number of seconds > 0 or null, got inf$")):
+        with pytest.raises(AlignConfigError, match=r"^model\.rewards\[2\]\." + message):
+            RewardFunction(RewardSpec("align.rewards.sort_format", **settings), setting="model.rewards[2]")
+        with pytest.raises(AlignConfigError,
+                           match=r"^reward 'sort_format' \(align\.rewards\.sort_format\): " + message):
             RewardFunction(RewardSpec("align.rewards.sort_format", **settings))
 
 

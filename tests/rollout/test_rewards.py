@@ -9,6 +9,7 @@ from align.rollout.rewards import (
     CombinedReward,
     RewardError,
     RewardFunction,
+    RewardModelSpec,
     RewardSpec,
     extract_final_number,
     math_answer,
@@ -19,6 +20,7 @@ from align.rollout.rewards import (
     sort_format,
     sort_position_match,
 )
+from align.rollout.rewards.combine import training_rewards
 
 
 def test_sort_rewards():
@@ -244,12 +246,59 @@ def test_kwargs_must_be_parameters_and_columns_must_not_shadow_inputs():
     def strict(completions, answer):
         return [1.0] * len(completions)
 
-    with pytest.raises(AlignConfigError, match=r"kwargs \['tolerance'\] are not parameters of the function"):
+    with pytest.raises(AlignConfigError, match=r"^reward 'strict' \(.*strict\): kwargs: expected parameters of the "
+                                               r"function, which takes \['answer', 'completions'\] \(add \*\*kwargs to "
+                                               r"take any\), got \['tolerance'\]$"):
         RewardFunction(RewardSpec(strict, kwargs={"tolerance": 0.1}))
-    with pytest.raises(AlignConfigError, match=r"kwargs \['completions'\] would replace inputs"):
-        RewardFunction(RewardSpec(sort_format, kwargs={"completions": []}))
+    with pytest.raises(AlignConfigError, match=r"^model\.rewards\[1\]\.kwargs: expected parameters of reward "
+                                               r"'strict' \(.*strict\), which takes \['answer', 'completions'\] \(add "
+                                               r"\*\*kwargs to take any\), got \['tolerance'\]$"):
+        RewardFunction(RewardSpec(strict, kwargs={"tolerance": 0.1}), setting="model.rewards[1]")
+    with pytest.raises(AlignConfigError, match=r"^model\.rewards\[0\]\.kwargs: expected names other than the inputs "
+                                               r"every reward receives, got \['completions'\]; rename them$"):
+        RewardFunction(RewardSpec(sort_format, kwargs={"completions": []}), setting="model.rewards[0]")
     with pytest.raises(AlignConfigError, match=r"data column\(s\) \['prompts'\] have the name of a reward input"):
         RewardFunction(sort_format).check_inputs(["prompts"])
+
+
+@pytest.mark.parametrize("spec, message", [
+    (RewardSpec("align.rewards.sort_format", weight=float("inf")),
+     r"^model\.rewards\[0\]\.weight: expected a finite number, got inf$"),
+    (RewardSpec("align.rewards.sort_format", init_kwargs={"a": 1}),
+     r"^model\.rewards\[0\]\.init_kwargs: expected null for a function \(init_kwargs build a class; pass per-call "
+     r"arguments in kwargs\), got \{'a': 1\}$"),
+    (RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "bacth_size": 2}),
+     r"^model\.rewards\[0\]\.init_kwargs: expected arguments align\.rewards\.RewardModelScorer takes, got "
+     r"\{'path': 'tiny-sort-rm', 'bacth_size': 2\} \(TypeError: .*unexpected keyword argument 'bacth_size'\)$"),
+    (RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "batch_size": 0}),
+     r"^model\.rewards\[0\]\.init_kwargs\.batch_size: expected an integer >= 1, got 0$"),
+    (RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "dtype": "fp64"}),
+     r"^model\.rewards\[0\]\.init_kwargs\.dtype: expected auto, float32, bfloat16 or float16, got 'fp64'$"),
+    (RewardSpec("align.rewards.math_verify", kwargs={"timeout": 0}),
+     r"^model\.rewards\[0\]\.kwargs\.timeout: expected a number of seconds > 0, got 0$"),
+    (RewardSpec("align.rewards.math_verify", kwargs={"gold_column": ""}),
+     r"^model\.rewards\[0\]\.kwargs\.gold_column: expected the name of a data column, got ''$"),
+])
+def test_a_bad_reward_setting_fails_naming_its_place_in_the_config(spec, message):
+    with pytest.raises(AlignConfigError, match=message):
+        RewardFunction(spec, setting="model.rewards[0]")
+
+
+def test_the_rewards_of_a_run_are_named_by_their_list_and_index():
+    with pytest.raises(AlignConfigError, match=r"^model\.eval_rewards\[1\]\.concurrency: expected an integer >= 1, "
+                                               r"got 0$"):
+        training_rewards(["align.rewards.sort_format"], None,
+                         ["align.rewards.sort_position_match", RewardSpec("align.rewards.sort_format", concurrency=0)])
+    with pytest.raises(AlignConfigError, match=r"^model\.rewards: expected unique metric names across reward_model "
+                                               r"\('rm'\), rewards and eval_rewards, got \['sort_format', "
+                                               r"'sort_format'\]; set 'name' on the duplicates$"):
+        training_rewards(["align.rewards.sort_format"], None, ["align.rewards.sort_format"])
+    with pytest.raises(AlignConfigError, match=r"^model\.reward_model\.weight: expected a finite number, got nan$"):
+        RewardModelSpec("tiny-sort-rm", weight=float("nan"))
+    with pytest.raises(AlignConfigError, match=r"^model\.reward_model\.batch_size: expected an integer >= 1, got 0$"):
+        RewardModelSpec("tiny-sort-rm", batch_size=0)
+    with pytest.raises(AlignConfigError, match=r"^rewards: expected at least one reward function, got none$"):
+        CombinedReward([])
 
 
 def test_dotted_path_imports_from_the_working_directory(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
 from align.rollout.envs.tools import ToolEnvironment, calculator, parse_tool_calls
 
 
@@ -92,10 +93,24 @@ def test_calls_beyond_max_calls_are_refused_and_a_turn_without_call_ends_the_epi
 def test_tool_entries_are_checked_when_the_environment_is_built():
     from align.errors import AlignConfigError
 
-    with pytest.raises(AlignConfigError, match="the name 'calculator' is taken by another tool"):
+    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.tools\[1\]\.name: expected a name no other tool has, "
+                                               r"got 'calculator'; set 'name' on one of them$"):
         ToolEnvironment(tools=["align.rollout.envs.tools.calculator", "align.rollout.envs.tools.calculator"])
-    with pytest.raises(AlignConfigError, match="init_kwargs are for a class"):
+    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.tools\[0\]\.init_kwargs: expected null for a function "
+                                               r"\(init_kwargs build a class\), got \{'x': 1\}$"):
         ToolEnvironment(tools=[{"path": "align.rollout.envs.tools.calculator", "init_kwargs": {"x": 1}}])
+    for settings, message in ((dict(max_calls=0), r"max_calls: expected an integer >= 1, got 0"),
+                              (dict(timeout=0), r"timeout: expected a number of seconds > 0, got 0"),
+                              (dict(max_output_chars=0), r"max_output_chars: expected an integer >= 1, got 0"),
+                              (dict(tools=[{"path": "align.rollout.envs.tools.PythonSandbox",
+                                            "init_kwargs": {"memory_mb": 8}}]),
+                               r"tools\[0\]\.init_kwargs\.memory_mb: expected >= 32, got 8")):
+        with pytest.raises(AlignConfigError, match=rf"^init_kwargs\.{message}$"):
+            ToolEnvironment(**settings)
+        # built by the run, the environment's own settings are named where the config holds them
+        pool = EnvironmentPool(EnvironmentSpec("align.rollout.envs.tools.ToolEnvironment", init_kwargs=settings))
+        with pytest.raises(AlignConfigError, match=rf"^model\.environment\.init_kwargs\.{message}$"):
+            pool.instance(0)
     named = ToolEnvironment(tools=[{"path": "align.rollout.envs.tools.PythonSandbox", "name": "py", "init_kwargs": {"timeout": 2}},
                                    calculator])
     assert list(named.tools) == ["py", "calculator"] and named.tools["py"].timeout == 2

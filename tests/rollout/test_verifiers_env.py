@@ -147,7 +147,9 @@ def load_not_an_env():
 
 
 def test_settings_that_cannot_work_fail_on_one_line():
-    cases = [(dict(), "set exactly one of path"), (dict(path="x.y", env_id="z"), "set exactly one of path"),
+    cases = [(dict(), r"^init_kwargs: expected exactly one of path \(an import path of the environment's loader\) "
+                      r"and env_id \(an installed environment\), got path=None, env_id=None$"),
+             (dict(path="x.y", env_id="z"), "^init_kwargs: expected exactly one of path"),
              (dict(path=f"{__name__}.load_grouped"), "its rubric has group reward functions"),
              (dict(path=f"{__name__}.load_not_an_env"), "expected a verifiers MultiTurnEnv .* got object"),
              (dict(path=f"{__name__}.load_guess", env_args={"turns": 2}),

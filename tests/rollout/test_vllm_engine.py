@@ -135,21 +135,30 @@ def test_stop_tokens_are_kept_and_long_responses_are_truncated_without_one():
 
 def test_a_quantized_base_or_dora_adapter_is_refused_on_one_line():
     policy = PolicyModel("tiny-sort", lora=LoraSettings(r=8, use_dora=True))
-    with pytest.raises(AlignConfigError, match=r"^policy\.lora: vLLM serves plain LoRA adapters only"):
+    with pytest.raises(AlignConfigError, match=r"^model\.policy\.lora: expected a plain LoRA adapter with the vllm "
+                                               r"engine \(no use_dora, modules_to_save or bias\)"):
         greedy().generate(policy, prompt_ids(policy)[:1], 1)
 
 
 def test_a_context_longer_than_the_engine_allows_fails_naming_the_setting():
     policy = PolicyModel("tiny-sort")
     engine = make_engine(SamplingConfig(engine=VLLMEngine(max_model_len=16), max_new_tokens=8))
-    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine\.max_model_len: a rollout needs contexts of \d+"):
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine\.max_model_len: expected at least the \d+ "
+                                               r"tokens of a rollout's contexts, got 16; "):
         engine.generate(policy, prompt_ids(policy)[:1], 1)
 
 
 def test_a_missing_or_broken_vllm_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(AlignConfigError, match=r"^sampling\.engine vllm: vLLM is not installed; pip install"):
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: vllm is not installed; pip install"):
         vllm_engine.import_vllm()
+
+
+def test_a_lora_rank_vllm_cannot_serve_fails_naming_the_setting():
+    assert vllm_engine._lora_rank(20) == 32
+    with pytest.raises(AlignConfigError, match=r"^model\.policy\.lora\.r: expected <= 512 with the vllm engine \(the "
+                                               r"largest rank vLLM serves\), got 600$"):
+        vllm_engine._lora_rank(600)
 
 
 def test_settings_are_checked_when_read():

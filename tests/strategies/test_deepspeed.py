@@ -6,10 +6,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import nn
 
+from align.errors import AlignConfigError
 from align.trainer.strategies import DeepSpeedZeROStrategy, accumulation_boundary
 
 USED_BY = "align.trainer.strategies.deepspeed.DeepSpeedZeROStrategy"
@@ -18,6 +20,16 @@ USED_BY = "align.trainer.strategies.deepspeed.DeepSpeedZeROStrategy"
 def test_deepspeed_needs_no_training_dataloader_for_its_batch_size():
     # The automatic choice builds the training dataloader, which does not exist while validating before fit.
     assert DeepSpeedZeROStrategy(stage=2).config["train_micro_batch_size_per_gpu"] == 1
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(stage=4), r"^trainer\.strategy\.stage: expected 1, 2 or 3, got 4$"),
+    (dict(stage=3, param_persistence_threshold=-1),
+     r"^trainer\.strategy\.param_persistence_threshold: expected an integer >= 0 or null, got -1$"),
+])
+def test_bad_settings_fail_on_one_line_naming_the_setting(settings, message):
+    with pytest.raises(AlignConfigError, match=message):
+        DeepSpeedZeROStrategy(**settings)
 
 
 class Manual(L.LightningModule):

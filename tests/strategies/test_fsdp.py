@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from align.errors import AlignConfigError
 from align.hub.tiny import build_tiny_model
 from align.models.policy import PolicyModel
 from align.trainer.strategies import FSDP2Strategy, apply_fsdp2, decoder_layers
@@ -95,3 +96,10 @@ def test_fsdp2_strategy_sizes_its_mesh_from_the_processes(private_api, monkeypat
     strategy.parallel_devices = [torch.device("cpu")] * 2
     strategy.setup_environment()
     assert seen == [2]  # 1 node x 2 processes, where Lightning's "auto" would give 1 (the number of nodes)
+
+
+@pytest.mark.parametrize("name", ["param_dtype", "reduce_dtype"])
+def test_a_bad_dtype_fails_on_one_line_naming_the_setting(name):
+    with pytest.raises(AlignConfigError, match=rf"^trainer\.strategy\.{name}: expected float32, bfloat16, float16 or "
+                                               r"null, got 'fp8'$"):
+        FSDP2Strategy(**{name: "fp8"})

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from align.errors import AlignConfigError
 from align.trainer.guards import NonFiniteError, NonFiniteGuard
 
 
@@ -105,5 +106,6 @@ def test_every_align_module_is_guarded_unless_the_trainer_has_its_own_guard():
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(ValueError, match="expected 'error' or 'skip'"):
+    with pytest.raises(AlignConfigError, match=r"^trainer\.callbacks\.policy: expected 'error' or 'skip' "
+                                               r"\(NonFiniteGuard's policy\), got 'ignore'$"):
         NonFiniteGuard("ignore")

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
-from align.errors import AlignConfigError, AlignEnvError
+from align.errors import INIT_KWARGS, AlignConfigError, AlignEnvError, placed
 from align.rollout.rewards import error_location, one_line, resolve_import
 
 __all__ = ["EnvStep", "Environment", "EnvironmentSpec", "EnvironmentPool", "CallRecord", "check_messages"]
@@ -163,10 +163,11 @@ class EnvironmentPool:
     """The environment instances of a run (one per episode slot, made on first use and reused), and the calls to
     them: several at once on daemon threads, each limited to ``spec.step_timeout`` seconds and checked."""
 
-    def __init__(self, spec: EnvironmentSpec | str):
+    def __init__(self, spec: EnvironmentSpec | str, setting: str = "model.environment"):
+        """``setting``: where ``spec`` is in the config, named by the errors of the environment's own settings."""
         if isinstance(spec, str):
             spec = EnvironmentSpec(path=spec)
-        self.spec = spec
+        self.spec, self.setting = spec, setting
         self.factory = resolve_import(spec.path, what="environment")
         if not callable(self.factory):
             raise AlignConfigError(f"environment '{spec.path}': resolves to a {type(self.factory).__name__}, not a "
@@ -185,6 +186,8 @@ class EnvironmentPool:
             try:
                 env = self.factory(**self.spec.init_kwargs)
             except Exception as err:  # noqa: BLE001 - user code; re-raised on one line
+                if isinstance(err, AlignConfigError) and str(err).startswith(INIT_KWARGS):
+                    raise placed(err, self.setting) from None  # one of the environment's own settings, named
                 raise AlignConfigError(f"{self.where}: cannot build it from init_kwargs {self.spec.init_kwargs}: "
                                        f"{type(err).__name__}: {one_line(err)}{error_location(err, None)}") from err
             missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]

@@ -32,7 +32,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from align.errors import AlignConfigError
+from align.errors import INIT_KWARGS, AlignConfigError
 from align.rollout.envs import loop
 from align.rollout.envs.chat import Environment, EnvStep
 from align.rollout.envs.tools import message_tool_calls
@@ -245,8 +245,9 @@ def _schema(url: str, timeout: float, headers: dict | None) -> dict:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except (OSError, ValueError) as err:
-        raise AlignConfigError(f"OpenEnvEnvironment: cannot read the OpenEnv server's schema at {url}/schema "
-                               f"({type(err).__name__}: {err}); is the server running?") from None
+        raise AlignConfigError(f"{INIT_KWARGS}.url: expected a running OpenEnv server, got {url!r}, whose schema at "
+                               f"{url}/schema cannot be read ({type(err).__name__}: {err}); is the server running?"
+                               ) from None
 
 
 class OpenEnvEnvironment(Environment):
@@ -281,23 +282,25 @@ class OpenEnvEnvironment(Environment):
                 environment); the token itself never goes in a config.
         """
         if (env_class is None) == (url is None):
-            raise AlignConfigError("OpenEnvEnvironment: set exactly one of env_class (an environment played in this "
-                                   f"process) and url (a running OpenEnv server); got env_class={env_class!r}, "
+            raise AlignConfigError(f"{INIT_KWARGS}: expected exactly one of env_class (an environment played in this "
+                                   f"process) and url (a running OpenEnv server), got env_class={env_class!r}, "
                                    f"url={url!r}")
         if prompt not in _PROMPTS:
-            raise AlignConfigError(f"OpenEnvEnvironment: prompt must be one of {', '.join(_PROMPTS)}, got {prompt!r}")
+            raise AlignConfigError(f"{INIT_KWARGS}.prompt: expected one of {', '.join(_PROMPTS)}, got {prompt!r}")
         if action_field is not None and action_parser is not None:
-            raise AlignConfigError("OpenEnvEnvironment: set action_field or action_parser, not both")
+            raise AlignConfigError(f"{INIT_KWARGS}.action_parser: expected null with action_field set (set one of "
+                                   f"them, not both), got {action_parser!r}")
         env_server = _openenv()
         headers = None
         if token_env is not None:
             if not os.environ.get(token_env):
-                raise AlignConfigError(f"OpenEnvEnvironment: token_env names the environment variable {token_env!r}, "
-                                       "which is not set")
+                raise AlignConfigError(f"{INIT_KWARGS}.token_env: expected a set environment variable, got "
+                                       f"{token_env!r}, which is not set")
             headers = {"Authorization": f"Bearer {os.environ[token_env]}"}
         self.where = f"OpenEnvEnvironment({url or getattr(env_class, '__name__', env_class)})"
         if init_kwargs and url is not None:
-            raise AlignConfigError(f"{self.where}: init_kwargs are for env_class; a server builds its own environments")
+            raise AlignConfigError(f"{INIT_KWARGS}.init_kwargs: expected null with url (a server builds its own "
+                                   f"environments; init_kwargs are for env_class), got {init_kwargs}")
         if url is not None:
             schemas = _schema(url, timeout, headers)
             action_schema, observation_schema = schemas.get("action", {}), schemas.get("observation", {})
@@ -305,12 +308,13 @@ class OpenEnvEnvironment(Environment):
         else:
             cls = resolve_import(env_class, what="OpenEnv environment")
             if not (isinstance(cls, type) and issubclass(cls, env_server.Environment)):
-                raise AlignConfigError(f"{self.where}: env_class must be a subclass of openenv's Environment, got "
+                raise AlignConfigError(f"{INIT_KWARGS}.env_class: expected a subclass of openenv's Environment, got "
                                        f"{cls!r}")
             declared = declared_classes(cls)
             if declared is None:
-                raise AlignConfigError(f"{self.where}: cannot tell its Action and Observation classes; declare them "
-                                       "as Environment[MyAction, MyObservation, MyState]")
+                raise AlignConfigError(f"{INIT_KWARGS}.env_class: expected an Environment that declares its Action and "
+                                       f"Observation classes (Environment[MyAction, MyObservation, MyState]), got "
+                                       f"{cls!r}, which does not")
             self.backend = _Local(cls, dict(init_kwargs or {}), declared[0])
             action_schema, observation_schema = (c.model_json_schema() for c in declared)
         self.parser = action_parser if action_parser in (None, "json", "tool_call") else resolve_import(
@@ -318,16 +322,17 @@ class OpenEnvEnvironment(Environment):
         if action_parser is None:
             texts = text_fields(action_schema)
             if action_field is None and len(texts) != 1:
-                raise AlignConfigError(f"{self.where}: the action has {len(texts)} text fields ({texts}); set "
+                raise AlignConfigError(f"{INIT_KWARGS}.action_field: expected the action's text field to fill, got "
+                                       f"null, and the action has {len(texts)} text fields ({texts}); set "
                                        "action_field or action_parser")
             action_field = action_field or texts[0]
             if action_field not in _own_fields(action_schema):
-                raise AlignConfigError(f"{self.where}: action_field {action_field!r} is not a field of the action "
-                                       f"(fields: {_own_fields(action_schema)})")
+                raise AlignConfigError(f"{INIT_KWARGS}.action_field: expected a field of the action (fields: "
+                                       f"{_own_fields(action_schema)}), got {action_field!r}")
         own = _own_fields(observation_schema)
         if observation_field is not None and own and observation_field not in own:
-            raise AlignConfigError(f"{self.where}: observation_field {observation_field!r} is not a field of the "
-                                   f"observation (fields: {own})")
+            raise AlignConfigError(f"{INIT_KWARGS}.observation_field: expected a field of the observation (fields: "
+                                   f"{own}), got {observation_field!r}")
         self.action_field, self.observation_field, self.observation_role = action_field, observation_field, \
             observation_role
         self.prompt, self.reset_columns = prompt, None if reset_columns is None else list(reset_columns)

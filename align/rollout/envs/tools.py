@@ -32,7 +32,7 @@ import re
 import threading
 from typing import Any, Callable, Sequence
 
-from align.errors import AlignConfigError
+from align.errors import INIT_KWARGS, AlignConfigError, placed
 from align.jail.sandbox import PythonSandbox, network_namespace, python
 from align.rollout.envs.chat import Environment, EnvStep, check_messages
 from align.rollout.rewards import resolve_import
@@ -167,6 +167,14 @@ def calculator(expression: str) -> str:
 
 # ----------------------------------------------------------------------------------------------- the environment
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _describe(name: str, fn: Callable) -> str:
     """``name(param: type, ...): first docstring line`` for the system prompt."""
     try:
@@ -206,32 +214,45 @@ class ToolEnvironment(Environment):
             max_output_chars: A result longer than this is cut (and says so).
             error_reward: Reward of each failed call (an unknown tool, a malformed call, an exception, a timeout).
         """
-        if max_calls < 1 or timeout <= 0 or max_output_chars < 1:
-            raise AlignConfigError(f"ToolEnvironment: expected max_calls >= 1, timeout > 0 and max_output_chars >= 1, "
-                                   f"got {max_calls}, {timeout}, {max_output_chars}")
+        for key, value, ok, expected in (
+                ("max_calls", max_calls, _integer(max_calls) and max_calls >= 1, "an integer >= 1"),
+                ("timeout", timeout, _number(timeout) and timeout > 0, "a number of seconds > 0"),
+                ("max_output_chars", max_output_chars, _integer(max_output_chars) and max_output_chars >= 1,
+                 "an integer >= 1")):
+            if not ok:
+                raise AlignConfigError(f"{INIT_KWARGS}.{key}: expected {expected}, got {value!r}")
         self.tools: dict[str, Callable] = {}
-        for entry in tools:
+        for i, entry in enumerate(tools):
             spec = dict(entry) if isinstance(entry, dict) else {"path": entry}
+            where = f"{INIT_KWARGS}.tools[{i}]"
             target = resolve_import(spec.get("path"), what="tool")
             if isinstance(target, type):
-                target = target(**spec.get("init_kwargs", {}))
+                try:
+                    target = target(**spec.get("init_kwargs", {}))
+                except AlignConfigError as err:
+                    raise placed(err, where) from None
             elif spec.get("init_kwargs"):
-                raise AlignConfigError(f"tool '{spec.get('path')}': init_kwargs are for a class, and it names a "
-                                       f"{type(target).__name__}")
+                raise AlignConfigError(f"{where}.init_kwargs: expected null for a {type(target).__name__} (init_kwargs "
+                                       f"build a class), got {spec['init_kwargs']}")
             if not callable(target):
-                raise AlignConfigError(f"tool '{spec.get('path')}': resolves to a {type(target).__name__}, not a callable")
+                raise AlignConfigError(f"{where}.path: expected a callable, got '{spec.get('path')}', which resolves "
+                                       f"to a {type(target).__name__}")
             name = spec.get("name") or getattr(target, "__name__", type(target).__name__)
             if name in self.tools:
-                raise AlignConfigError(f"tool '{spec.get('path')}': the name '{name}' is taken by another tool; set "
-                                       "'name' on one of them")
+                raise AlignConfigError(f"{where}.name: expected a name no other tool has, got '{name}'; set 'name' on "
+                                       "one of them")
             self.tools[name] = target
             if isinstance(target, PythonSandbox):
-                target.prepare()  # its jail is found now, not inside the first call's time limit
+                try:
+                    target.prepare()  # its jail is found now, not inside the first call's time limit
+                except AlignConfigError as err:  # its jail setting (init_kwargs.jail) when built here, else its own
+                    raise (placed(err, where) if isinstance(entry, dict) and "init_kwargs" in entry else
+                           AlignConfigError(f"{where}: {str(err).removeprefix(f'{INIT_KWARGS}.jail: ')}")) from None
         self.system_prompt = system_prompt if system_prompt is not None else self.default_system_prompt()
         try:
             self.examples = [dict(m) for m in check_messages(list(examples or []), "examples", allow_empty=True)]
         except ValueError as err:
-            raise AlignConfigError(f"ToolEnvironment: {err}") from None
+            raise AlignConfigError(f"{INIT_KWARGS}.examples: {err}") from None
         self.result_role, self.max_calls, self.timeout = result_role, max_calls, timeout
         self.max_output_chars, self.error_reward = max_output_chars, error_reward
 

@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Any
 
-from align.errors import AlignConfigError
+from align.errors import INIT_KWARGS, AlignConfigError
 from align.rollout.envs import loop
 from align.rollout.envs.chat import Environment, EnvStep
 from align.rollout.envs.tools import message_tool_calls
@@ -176,8 +176,8 @@ class VerifiersEnvironment(Environment):
             timeout: Seconds to wait for the environment's answer to a turn.
         """
         if (path is None) == (env_id is None):
-            raise AlignConfigError("VerifiersEnvironment: set exactly one of path (an import path of the "
-                                   f"environment's loader) and env_id (an installed environment); got path={path!r}, "
+            raise AlignConfigError(f"{INIT_KWARGS}: expected exactly one of path (an import path of the environment's "
+                                   f"loader) and env_id (an installed environment), got path={path!r}, "
                                    f"env_id={env_id!r}")
         self.vf = classic_verifiers()
         self.types = importlib.import_module(self.vf.__name__ + ".types")

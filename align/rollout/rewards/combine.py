@@ -24,15 +24,17 @@ class CombinedReward:
     not renormalised over them, and the reward's part holds 0 there (what it adds to the total); :attr:`last_counts`
     counts such rows, and the rows a judge or remote reward scored by default."""
 
-    def __init__(self, rewards: Sequence[RewardSpec | str | RewardFn], allow_empty: bool = False):
+    def __init__(self, rewards: Sequence[RewardSpec | str | RewardFn], allow_empty: bool = False,
+                 where: str = "rewards"):
         """``allow_empty``: no reward functions at all is allowed (an environment rewards the episodes); the
-        total is then 0 and there are no parts."""
+        total is then 0 and there are no parts. ``where``: how errors name the list (``model.rewards``)."""
         if not rewards and not allow_empty:
-            raise AlignConfigError("rewards: give at least one reward function")
+            raise AlignConfigError(f"{where}: expected at least one reward function, got none")
         self.rewards = [r if isinstance(r, RewardFunction) else RewardFunction(r) for r in rewards]
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
-            raise AlignConfigError(f"rewards: metric names must be unique, got {names}; set 'name' on duplicates")
+            raise AlignConfigError(f"{where}: expected unique metric names, got {names}; set 'name' on the "
+                                   "duplicates")
         self.last_counts = RewardCounts()
 
     @property
@@ -60,25 +62,37 @@ class CombinedReward:
 
 def training_rewards(rewards: Sequence[RewardSpec | str] | None, reward_model: RewardModelSpec | str | None,
                      eval_rewards: Sequence[RewardSpec | str] | None, environment: bool = False,
-                     ) -> tuple[CombinedReward, list[str]]:
+                     where: str | None = "model") -> tuple[CombinedReward, list[str]]:
     """The reward list of an RL run and the names of its eval rewards.
 
     The reward model (the reward named ``rm``) comes first, then ``rewards``; ``eval_rewards`` join with weight
     0, so they are computed, checked and logged (``rollout/reward/<name>``, ``val/reward/<name>``) but never
     trained on, e.g. a task's true verifiable reward next to a reward model's score, so reward hacking shows.
     With ``environment`` (a multi-turn run, whose environment rewards the episodes) the list may be empty.
+    ``where``: the config block that holds the settings (``model``), so that an error names its setting
+    (``model.rewards[1].timeout``); None (rewards given on the command line) names the reward instead.
     """
-    specs: list[RewardSpec | str | RewardFunction] = list(rewards or [])
+    def built(spec, key: str) -> RewardFunction:
+        if isinstance(spec, RewardFunction):
+            return spec
+        return RewardFunction(spec, setting=f"{where}.{key}" if where else None)
+
+    specs = [built(s, f"rewards[{i}]") for i, s in enumerate(rewards or [])]
     if isinstance(reward_model, str):
         reward_model = RewardModelSpec(reward_model)
     if reward_model is not None:
-        rm = RewardFunction(LazyRewardModel(reward_model.path, reward_model.batch_size))
+        rm = built(LazyRewardModel(reward_model.path, reward_model.batch_size), "reward_model")
         rm.name, rm.weight = "rm", float(reward_model.weight)
         specs.insert(0, rm)
     if not specs and not environment:
-        raise AlignConfigError("model.rewards: an RL run needs a training reward; set reward_model, rewards or "
-                               "environment")
-    evals = [dataclasses.replace(s, weight=0.0, kwargs=dict(s.kwargs)) if isinstance(s, RewardSpec)
-             else RewardSpec(fn=s, weight=0.0) for s in eval_rewards or []]
+        raise AlignConfigError(f"{where}.rewards: an RL run needs a training reward; set reward_model, rewards or "
+                               "environment" if where else "rewards: expected at least one reward, got none")
+    evals = [built(dataclasses.replace(s, weight=0.0, kwargs=dict(s.kwargs)) if isinstance(s, RewardSpec)
+                   else RewardSpec(fn=s, weight=0.0), f"eval_rewards[{i}]") for i, s in enumerate(eval_rewards or [])]
+    names = [r.name for r in [*specs, *evals]]
+    if len(set(names)) != len(names):
+        raise AlignConfigError(f"{where}.rewards: expected unique metric names across reward_model ('rm'), rewards "
+                               f"and eval_rewards, got {names}; set 'name' on the duplicates" if where else
+                               f"rewards: expected unique metric names, got {names}; set 'name' on the duplicates")
     combined = CombinedReward([*specs, *evals], allow_empty=environment)
     return combined, combined.names[len(specs):]

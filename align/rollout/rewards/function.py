@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from align.data.prompts import REWARD_INPUTS
-from align.errors import AlignConfigError, AlignError
+from align.errors import INIT_KWARGS, AlignConfigError, AlignError, placed
 from align.rollout.rewards.concurrent import Job, JobTimeout, evaluate, run_now
 from align.rollout.rewards.inputs import BASE_INPUTS
 from align.rollout.rewards.resolve import RewardFn, _qualname, _target, error_location, one_line, resolve_reward
@@ -62,7 +62,10 @@ class RewardFunction:
     MAX_SINGLE_RETRIES = 64
     """After a batch call raises, at most this many samples are re-run one at a time to find the first failing one."""
 
-    def __init__(self, spec: RewardSpec | str | RewardFn):
+    def __init__(self, spec: RewardSpec | str | RewardFn, setting: str | None = None):
+        """``setting``: where the reward is in the config (``model.rewards[0]``), named by the errors of its settings;
+        None (a reward built in Python, or on the command line) names the reward instead."""
+        self.setting = setting
         if isinstance(spec, str):
             spec = RewardSpec(fn=spec)
         if isinstance(spec, RewardSpec):
@@ -71,34 +74,63 @@ class RewardFunction:
             if isinstance(self.fn, type):
                 try:
                     self.fn = self.fn(**(spec.init_kwargs or {}))
+                except AlignConfigError as err:
+                    raise self._placed(err) from None
                 except TypeError as err:
-                    raise AlignConfigError(f"reward '{self.path}': cannot build it from init_kwargs "
-                                           f"{spec.init_kwargs or {}}: {err}") from err
+                    raise AlignConfigError(f"{self._key('init_kwargs')}: expected arguments {self.path} takes, got "
+                                           f"{spec.init_kwargs or {}} (TypeError: {err})") from err
             elif spec.init_kwargs:
-                raise AlignConfigError(f"reward '{self.path}': init_kwargs are for a class; pass per-call arguments "
-                                       "in kwargs instead")
+                raise AlignConfigError(f"{self._key('init_kwargs')}: expected null for a function (init_kwargs build "
+                                       f"a class; pass per-call arguments in kwargs), got {spec.init_kwargs}")
         elif callable(spec):
             self.fn, self.path = spec, _qualname(spec)
             spec = RewardSpec(fn=self.path)
         else:
-            raise AlignConfigError(f"reward: expected an import path, a RewardSpec or a callable, got {spec!r}")
-        self.weight = float(spec.weight)
+            raise AlignConfigError(f"{setting or 'reward'}: expected an import path, a RewardSpec or a callable, got "
+                                   f"{spec!r}")
+        try:
+            self.weight = float(spec.weight)
+        except (TypeError, ValueError):
+            self.weight = math.nan
         if not math.isfinite(self.weight):
-            raise AlignConfigError(f"reward '{self.path}': weight must be finite, got {self.weight}")
+            raise AlignConfigError(f"{self._key('weight')}: expected a finite number, got {spec.weight!r}")
         target = _target(self.fn)
         self.name = spec.name or (getattr(target, "__name__", None) if inspect.isroutine(self.fn)
                                   or isinstance(self.fn, functools.partial) else type(self.fn).__name__)
         self.kwargs = dict(spec.kwargs)
         self.concurrency, self.timeout = spec.concurrency, spec.timeout
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise AlignConfigError(f"{self.where}: concurrency must be an integer >= 1, got {self.concurrency!r}")
+            raise AlignConfigError(f"{self._key('concurrency')}: expected an integer >= 1, got {self.concurrency!r}")
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
-            raise AlignConfigError(f"{self.where}: timeout must be a number of seconds > 0 or null, got "
+            raise AlignConfigError(f"{self._key('timeout')}: expected a number of seconds > 0 or null, got "
                                    f"{self.timeout!r}")
         self.is_async = inspect.iscoroutinefunction(target)
         """An ``async`` function (or ``async def __call__``): awaited on the reward loop, together with the others."""
         self._read_signature()
+        check = getattr(self.fn, "check_kwargs", None)  # a reward's own check of its kwargs (math_verify's timeout)
+        if callable(check):
+            try:
+                check(self.kwargs)
+            except AlignConfigError as err:
+                raise AlignConfigError(f"{self._key('kwargs')}.{err}") from None
         self._checked: tuple | None = None
+
+    def _key(self, name: str) -> str:
+        """How an error names this reward's setting ``name``: its path in the config (``model.rewards[0].timeout``),
+        else the reward and the setting (``reward 'exact' (my_rewards.exact): timeout``)."""
+        if self.setting:
+            return f"{self.setting}.{name}"
+        label = self.where if hasattr(self, "name") else f"reward '{self.path}'"
+        return f"{label}: {name}"
+
+    def _placed(self, err: AlignConfigError) -> AlignConfigError:
+        """An error of the reward object's own settings (``init_kwargs.<setting>: ...``) under this reward's place."""
+        if self.setting:
+            return placed(err, self.setting)
+        if str(err).startswith(f"{INIT_KWARGS}"):
+            label = self.where if hasattr(self, "name") else f"reward '{self.path}'"
+            return AlignConfigError(f"{label}: {err}")
+        return err
 
     @property
     def where(self) -> str:
@@ -121,12 +153,13 @@ class RewardFunction:
         if self.accepts is not None:
             unknown = sorted(set(self.kwargs) - self.accepts)
             if unknown:
-                raise AlignConfigError(f"{self.where}: kwargs {unknown} are not parameters of the function "
-                                       f"(it takes {sorted(self.accepts)}; add **kwargs to take any)")
+                owner = self.where if self.setting else "the function"
+                raise AlignConfigError(f"{self._key('kwargs')}: expected parameters of {owner}, which takes "
+                                       f"{sorted(self.accepts)} (add **kwargs to take any), got {unknown}")
         clash = sorted(set(self.kwargs) & (set(BASE_INPUTS) | set(REWARD_INPUTS)))
         if clash:
-            raise AlignConfigError(f"{self.where}: kwargs {clash} would replace inputs every reward receives; "
-                                   "rename them")
+            raise AlignConfigError(f"{self._key('kwargs')}: expected names other than the inputs every reward "
+                                   f"receives, got {clash}; rename them")
 
     def check_inputs(self, columns: Sequence[str]) -> None:
         """Fail with one line when the function requires an argument that neither the rollout, the data columns
@@ -151,7 +184,8 @@ class RewardFunction:
             try:
                 check(available)
             except AlignConfigError as err:
-                raise AlignConfigError(f"{self.where}: {err}") from None
+                raise (placed(err, self.setting) if self.setting and str(err).startswith(INIT_KWARGS)
+                       else AlignConfigError(f"{self.where}: {err}")) from None
         self._checked = key
 
     @property

@@ -112,29 +112,32 @@ class Judge(ServiceReward):
             api_key: Refused: keys come from ``api_key_env``.
         """
         super().__init__(api_key_env, base_url, default, max_concurrency, timeout, retries, backoff, api_key,
-                         model=model, system_prompt=system_prompt, extra_body=extra_body or {})
+                         url_name="base_url", model=model, system_prompt=system_prompt, extra_body=extra_body or {})
         try:
             import openai  # noqa: F401
         except ImportError:
             raise AlignConfigError(f"{self.what} needs the openai package; install it with: {REWARDS_EXTRA}") from None
         if parser not in TEMPLATES:
-            raise AlignConfigError(f"{self.what}: parser must be one of {list(TEMPLATES)}, got {parser!r}")
-        if parser == "number" and not (math.isfinite(low) and math.isfinite(high) and low < high):
-            raise AlignConfigError(f"{self.what}: expected finite low < high, got low={low!r}, high={high!r}")
+            raise AlignConfigError(f"{self.where}.parser: expected one of {list(TEMPLATES)}, got {parser!r}")
+        if parser == "number" and not math.isfinite(low):
+            raise AlignConfigError(f"{self.where}.low: expected a finite number, got {low!r}")
+        if parser == "number" and not (math.isfinite(high) and low < high):
+            raise AlignConfigError(f"{self.where}.high: expected a finite number above low={low!r}, got {high!r}")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
-            raise AlignConfigError(f"{self.what}: max_tokens must be an integer >= 1 or null, got {max_tokens!r}")
+            raise AlignConfigError(f"{self.where}.max_tokens: expected an integer >= 1 or null, got {max_tokens!r}")
         self.model, self.base_url, self.parser = model, base_url, parser
         self.low, self.high, self.normalize, self.both_orders = float(low), float(high), normalize, both_orders
         self.system_prompt, self.temperature, self.max_tokens = system_prompt, temperature, max_tokens
         self.extra_body = dict(extra_body or {})
         self.template = template if template is not None else TEMPLATES[parser].format(low=low, high=high)
-        self.fields = _fields(self.template, self.what)
+        self.fields = _fields(self.template, f"{self.where}.template")
         own = {"completion_a", "completion_b"} if parser == "pairwise" else {"completion"}
         missing = sorted(own - self.fields)
         if missing:
-            raise AlignConfigError(f"{self.what}: the {parser} template must have the field(s) "
-                                   f"{', '.join('{' + m + '}' for m in missing)}")
+            raise AlignConfigError(f"{self.where}.template: expected the field(s) "
+                                   f"{', '.join('{' + m + '}' for m in missing)} of the {parser} parser, got a "
+                                   "template without them")
         self.own_fields = own | {"prompt"}
 
     def __repr__(self) -> str:
@@ -149,9 +152,9 @@ class Judge(ServiceReward):
         known = self.own_fields | (set(available) - {"prompts", "completions"})
         unknown = sorted(self.fields - known)
         if unknown:
-            raise AlignConfigError(f"the template's field(s) {', '.join('{' + u + '}' for u in unknown)} are not "
-                                   f"data columns or inputs (known: {', '.join(sorted(known))}; write a literal "
-                                   "brace as {{ or }})")
+            raise AlignConfigError(f"{self.where}.template: expected fields that are data columns or inputs "
+                                   f"(known: {', '.join(sorted(known))}; write a literal brace as {{{{ or }}}}), got "
+                                   f"{', '.join('{' + u + '}' for u in unknown)}")
 
     def retryable(self, err: BaseException) -> bool:
         import openai
@@ -239,12 +242,12 @@ class Judge(ServiceReward):
         return [1.0, 0.0] if choices[0] == 0 else [0.0, 1.0]
 
 
-def _fields(template: str, what: str) -> set[str]:
+def _fields(template: str, key: str) -> set[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as err:
-        raise AlignConfigError(f"{what}: the template is not a valid format string ({err}; write a literal brace as "
-                               "{{ or }})") from None
+        raise AlignConfigError(f"{key}: expected a format string (write a literal brace as {{{{ or }}}}), got one "
+                               f"that is not ({err})") from None
     return {re.split(r"[.\[]", name, 1)[0] for _, name, _, _ in parsed if name is not None and name != ""}
 
 

@@ -151,7 +151,18 @@ def _check_installed(available: list[str]) -> None:
     _library()
 
 
+def _check_kwargs(kwargs: dict[str, Any]) -> None:
+    """When the reward is built (the kwargs hook of :class:`RewardFunction`): its settings, named as its kwargs."""
+    timeout = kwargs.get("timeout", 5.0)
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+        raise AlignConfigError(f"timeout: expected a number of seconds > 0, got {timeout!r}")
+    gold_column = kwargs.get("gold_column", "answer")
+    if not (isinstance(gold_column, str) and gold_column):
+        raise AlignConfigError(f"gold_column: expected the name of a data column, got {gold_column!r}")
+
+
 math_verify.check_columns = _check_installed
+math_verify.check_kwargs = _check_kwargs
 
 
 def _as_list(values: Sequence[Any] | Any) -> list:

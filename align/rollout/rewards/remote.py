@@ -81,11 +81,11 @@ class Remote(ServiceReward):
         except ImportError:
             raise AlignConfigError(f"{self.what} needs the aiohttp package; install it with: {REWARDS_EXTRA}") from None
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise AlignConfigError(f"{self.what}: batch_size must be an integer >= 1, got {batch_size!r}")
+            raise AlignConfigError(f"{self.where}.batch_size: expected an integer >= 1, got {batch_size!r}")
         unknown = sorted(set(inputs or []) - set(REWARD_INPUTS))
         if unknown:
-            raise AlignConfigError(f"{self.what}: inputs {unknown} are not rollout inputs (expected some of "
-                                   f"{list(REWARD_INPUTS)}; the data's columns are always sent)")
+            raise AlignConfigError(f"{self.where}.inputs: expected rollout inputs, some of {list(REWARD_INPUTS)} (the "
+                                   f"data's columns are always sent), got {unknown}")
         self.url, self.batch_size, self.inputs = url, batch_size, list(inputs or [])
 
     def __repr__(self) -> str:

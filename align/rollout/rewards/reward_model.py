@@ -7,13 +7,14 @@ at setup or on first call (:class:`LazyRewardModel`).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from align.data.prompts import REWARD_INPUTS
-from align.errors import AlignConfigError
+from align.errors import INIT_KWARGS, AlignConfigError
 from align.models.loading import DType, torch_dtype
 from align.models.reward_export import load_reward_model
 
@@ -60,8 +61,13 @@ class RewardModelScorer:
         """
         from align.data.chat import ChatEncoder
 
-        if batch_size < 1:
-            raise AlignConfigError(f"RewardModelScorer.batch_size: expected >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise AlignConfigError(f"{INIT_KWARGS}.batch_size: expected an integer >= 1, got {batch_size!r}")
+        try:
+            torch_dtype(dtype)
+        except AlignConfigError:
+            raise AlignConfigError(f"{INIT_KWARGS}.dtype: expected auto, float32, bfloat16 or float16, got "
+                                   f"{dtype!r}") from None
         self.path = str(path)
         self.batch_size = batch_size
         model, self.encoding = load_reward_model(path, dtype)
@@ -155,8 +161,10 @@ class RewardModelSpec:
     """Sequences per reward-model forward pass."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise AlignConfigError(f"model.reward_model.batch_size: expected >= 1, got {self.batch_size}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise AlignConfigError(f"model.reward_model.batch_size: expected an integer >= 1, got {self.batch_size!r}")
+        if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight)):
+            raise AlignConfigError(f"model.reward_model.weight: expected a finite number, got {self.weight!r}")
 
 
 class LazyRewardModel:

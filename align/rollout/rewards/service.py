@@ -16,7 +16,7 @@ import weakref
 from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import urlsplit
 
-from align.errors import AlignConfigError
+from align.errors import INIT_KWARGS, AlignConfigError
 from align.observability.attributes import looks_secret
 from align.rollout.rewards.concurrent import close_at_exit
 
@@ -36,25 +36,28 @@ def _looks_like_a_key(text: str) -> bool:
     return len(text) >= 24 and bool(re.search(r"\d", text)) and bool(re.search(r"[a-z]", text)) and "_" not in text
 
 
-def check_no_secrets(what: str, api_key_env: str | None, url: str | None, **settings: Any) -> None:
+def check_no_secrets(what: str, api_key_env: str | None, url: str | None, url_name: str = "url",
+                     **settings: Any) -> None:
     """Refuse a config that seems to hold a key: ``api_key_env`` must be the NAME of an environment variable, the
-    URL must carry no credentials, and no other string setting may look like a key. The messages never repeat the
-    value."""
+    URL (the setting ``url_name``) must carry no credentials, and no other string setting may look like a key. The
+    messages name the setting under ``what`` (``init_kwargs``) and never repeat the value."""
     hint = ("a key is never written in a config (it would be saved with the run); put it in an environment variable "
             "and name that variable in api_key_env")
     if api_key_env is not None and (not isinstance(api_key_env, str) or not _ENV_NAME.match(api_key_env)
                                     or _looks_like_a_key(api_key_env)):
-        raise AlignConfigError(f"{what}: api_key_env takes the name of an environment variable (such as "
-                               f"OPENAI_API_KEY), and this value is not one; {hint}")
+        raise AlignConfigError(f"{what}.api_key_env: expected the name of an environment variable (such as "
+                               f"OPENAI_API_KEY), got a value that is not one; {hint}")
     if url is not None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise AlignConfigError(f"{what}: expected an http:// or https:// URL, got {url!r}")
+            raise AlignConfigError(f"{what}.{url_name}: expected an http:// or https:// URL, got {url!r}")
         if parts.username or parts.password or _QUERY_SECRET.search(parts.query or ""):
-            raise AlignConfigError(f"{what}: the URL carries credentials; {hint}")
+            raise AlignConfigError(f"{what}.{url_name}: expected a URL without credentials, got one that carries "
+                                   f"them; {hint}")
     for name, value in _strings(settings):
         if looks_secret(value):
-            raise AlignConfigError(f"{what}: {name} looks like a key; {hint}")
+            raise AlignConfigError(f"{what}.{name}: expected no key in a config, got a value that looks like one; "
+                                   f"{hint}")
 
 
 def _strings(settings: dict[str, Any], prefix: str = ""):
@@ -69,30 +72,37 @@ def _positive(what: str, name: str, value: Any, integer: bool = False, zero: boo
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
         kind = "an integer" if integer else "a number"
-        raise AlignConfigError(f"{what}: {name} must be {kind} {'>= 0' if zero else '> 0'}, got {value!r}")
+        raise AlignConfigError(f"{what}.{name}: expected {kind} {'>= 0' if zero else '> 0'}, got {value!r}")
 
 
 class ServiceReward:
-    """Base of the rewards that call a service: settings, key, concurrency, retries, default score, error count."""
+    """Base of the rewards that call a service: settings, key, concurrency, retries, default score, error count.
+
+    Built from a reward's ``init_kwargs``: a bad setting raises ``AlignConfigError("init_kwargs.<setting>: ...")``,
+    which the reward that builds it places under its own setting (``model.rewards[0].init_kwargs.<setting>``)."""
 
     what = "reward"
+    """How warnings and missing packages name the reward."""
+    where = INIT_KWARGS
+    """Where its settings are, as its errors name them."""
 
     def __init__(self, api_key_env: str | None, url: str | None, default: float | None, max_concurrency: int,
-                 timeout: float, retries: int, backoff: float, api_key: Any = None, **settings: Any):
+                 timeout: float, retries: int, backoff: float, api_key: Any = None, url_name: str = "url",
+                 **settings: Any):
         if api_key is not None:
-            raise AlignConfigError(f"{self.what}: api_key is not a setting: a key is never written in a config (it "
-                                   "would be saved with the run); put it in an environment variable and name that "
-                                   "variable in api_key_env")
-        check_no_secrets(self.what, api_key_env, url, **settings)
-        _positive(self.what, "max_concurrency", max_concurrency, integer=True)
-        _positive(self.what, "timeout", timeout)
-        _positive(self.what, "retries", retries, integer=True, zero=True)
-        _positive(self.what, "backoff", backoff, zero=True)
+            raise AlignConfigError(f"{self.where}.api_key: expected no key in a config (it would be saved with the "
+                                   "run), got one; put it in an environment variable and name that variable in "
+                                   "api_key_env")
+        check_no_secrets(self.where, api_key_env, url, url_name, **settings)
+        _positive(self.where, "max_concurrency", max_concurrency, integer=True)
+        _positive(self.where, "timeout", timeout)
+        _positive(self.where, "retries", retries, integer=True, zero=True)
+        _positive(self.where, "backoff", backoff, zero=True)
         if default is not None and not (isinstance(default, (int, float)) and math.isfinite(default)):
-            raise AlignConfigError(f"{self.what}: default must be a finite number or null, got {default!r}")
+            raise AlignConfigError(f"{self.where}.default: expected a finite number or null, got {default!r}")
         if api_key_env is not None and not os.environ.get(api_key_env):
-            raise AlignConfigError(f"{self.what}: the environment variable {api_key_env} (api_key_env) is not set or "
-                                   "is empty; export it with the key before the run")
+            raise AlignConfigError(f"{self.where}.api_key_env: expected a set environment variable, got {api_key_env}, "
+                                   "which is not set or is empty; export it with the key before the run")
         self.api_key_env, self.default = api_key_env, default
         self.max_concurrency, self.timeout, self.retries, self.backoff = max_concurrency, timeout, retries, backoff
         self._errors = 0

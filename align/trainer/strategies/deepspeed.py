@@ -9,6 +9,8 @@ from typing import Literal
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
+from align.errors import AlignConfigError
+
 
 class DeepSpeedZeROStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054) that also runs on CPU with gloo.
@@ -28,6 +30,13 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
             param_persistence_threshold: Stage 3: parameters with fewer elements stay whole on every rank
                 (DeepSpeed's ``stage3_param_persistence_threshold``; null keeps its default, 1e5).
         """
+        if stage not in (1, 2, 3):
+            raise AlignConfigError(f"trainer.strategy.stage: expected 1, 2 or 3, got {stage!r}")
+        if param_persistence_threshold is not None and not (
+                isinstance(param_persistence_threshold, int) and not isinstance(param_persistence_threshold, bool)
+                and param_persistence_threshold >= 0):
+            raise AlignConfigError(f"trainer.strategy.param_persistence_threshold: expected an integer >= 0 or null, "
+                                   f"got {param_persistence_threshold!r}")
         # DeepSpeed only uses the micro-batch size for its throughput log; the automatic choice would build the
         # training dataloader, which does not exist yet when ``trainer.validate`` runs before ``fit``.
         kwargs.setdefault("logging_batch_size_per_gpu", 1)

@@ -9,6 +9,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from align.errors import AlignConfigError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORWARD_METHODS = ("token_logprobs", "next_token_logprobs", "response_logits", "values", "generate")
 """``PolicyModel`` methods other than ``forward`` that run the model (tests/strategies pins that they exist)."""
@@ -33,6 +35,10 @@ class FSDP2Strategy(ModelParallelStrategy):
                 backward (ZeRO-2-like, more memory, less communication).
             save_distributed_checkpoint: Save one shard per rank (fast) instead of a gathered full checkpoint.
         """
+        for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value is not None and value not in _DTYPES:
+                raise AlignConfigError(f"trainer.strategy.{name}: expected float32, bfloat16, float16 or null, got "
+                                       f"{value!r}")
         kwargs.setdefault("data_parallel_size", "auto")
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
