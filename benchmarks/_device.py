@@ -6,16 +6,20 @@ device's queued work, and each trial reports its peak of allocated CUDA memory a
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def add_device_args(parser) -> None:
     """``--device`` and ``--precision``, the same for both frameworks (see :func:`device_spec`)."""
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where both frameworks train (cuda: the first GPU)")
-    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default=None,
-                        help="both sides: fp32, or fp32 weights under bf16 autocast (default: 32-true on cpu, "
-                             "bf16-mixed on cuda)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where both frameworks train (cuda: the first GPU)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("32-true", "bf16-mixed"),
+        default=None,
+        help="both sides: fp32, or fp32 weights under bf16 autocast (default: 32-true on cpu, bf16-mixed on cuda)",
+    )
 
 
 def device_spec(ns) -> dict:
@@ -25,14 +29,16 @@ def device_spec(ns) -> dict:
 
 def lightning_device(spec: dict) -> dict:
     """Lightning ``Trainer`` arguments for the spec's device and precision."""
-    return {"accelerator": "gpu" if spec.get("device") == "cuda" else "cpu", "devices": 1,
-            "precision": spec.get("precision", "32-true")}
+    return {
+        "accelerator": "gpu" if spec.get("device") == "cuda" else "cpu",
+        "devices": 1,
+        "precision": spec.get("precision", "32-true"),
+    }
 
 
 def trl_device(spec: dict) -> dict:
     """TRL config arguments for the spec's device and precision."""
-    return {"use_cpu": spec.get("device", "cpu") == "cpu", "bf16": spec.get("precision") == "bf16-mixed",
-            "fp16": False}
+    return {"use_cpu": spec.get("device", "cpu") == "cpu", "bf16": spec.get("precision") == "bf16-mixed", "fp16": False}
 
 
 def device_sync(spec: dict) -> Callable[[], None] | None:

@@ -28,8 +28,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from _device import add_device_args, device_memory, device_spec, device_sync, lightning_device, trl_device  # noqa: F401
 
@@ -88,8 +89,12 @@ def matmul_peak(spec: dict) -> dict:
             fastest_cpu = min(fastest_cpu, time.process_time() - t_cpu)
         per_size[n] = 2 * n**3 / fastest / 1e9
         per_size_cpu[n] = 2 * n**3 / fastest_cpu / 1e9
-    return {"gflops": max(per_size.values()), "gflops_per_cpu_s": max(per_size_cpu.values()),
-            "gflops_by_size": per_size, "gflops_per_cpu_s_by_size": per_size_cpu}
+    return {
+        "gflops": max(per_size.values()),
+        "gflops_per_cpu_s": max(per_size_cpu.values()),
+        "gflops_by_size": per_size,
+        "gflops_per_cpu_s_by_size": per_size_cpu,
+    }
 
 
 def training_flops_per_token(config, loss_fraction: float, mean_context: float, seq_len: int) -> dict:
@@ -114,18 +119,29 @@ def training_flops_per_token(config, loss_fraction: float, mean_context: float, 
 # ---------------------------------------------------------------------------------------------------------------
 # model
 
-MODEL_HELP = ("a real model instead of the synthetic tiny Llama: a local Hugging Face model folder, a .gguf file or "
-              "a packaged model id such as smollm2-135m-instruct; both frameworks load the model and its tokenizer "
-              "from the same resolved folder (the tiny-model size flags are then ignored)")
+MODEL_HELP = (
+    "a real model instead of the synthetic tiny Llama: a local Hugging Face model folder, a .gguf file or "
+    "a packaged model id such as smollm2-135m-instruct; both frameworks load the model and its tokenizer "
+    "from the same resolved folder (the tiny-model size flags are then ignored)"
+)
 
 # (command-line flag, config field) of the tiny Llama's size
-TINY_SIZE_FLAGS = (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers"),
-                   ("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
-                   ("kv_heads", "num_key_value_heads"), ("vocab_size", "vocab_size"))
+TINY_SIZE_FLAGS = (
+    ("hidden_size", "hidden_size"),
+    ("layers", "num_hidden_layers"),
+    ("intermediate", "intermediate_size"),
+    ("heads", "num_attention_heads"),
+    ("kv_heads", "num_key_value_heads"),
+    ("vocab_size", "vocab_size"),
+)
 
 
-def add_model_args(parser: argparse.ArgumentParser, group=None, tiny_defaults: dict | None = None,
-                   model_options: Callable[[Any], None] | None = None) -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser,
+    group=None,
+    tiny_defaults: dict | None = None,
+    model_options: Callable[[Any], None] | None = None,
+) -> None:
     """``--model`` into ``group`` (else the parser), then ``model_options(group)`` (a benchmark's own model flags),
     then the tiny Llama's size flags. Without ``tiny_defaults`` an unset size flag keeps ``align.hub.tiny``'s
     default."""
@@ -137,9 +153,12 @@ def add_model_args(parser: argparse.ArgumentParser, group=None, tiny_defaults: d
     tiny = parser.add_argument_group(title)
     for flag, _ in TINY_SIZE_FLAGS:
         tiny.add_argument("--" + flag.replace("_", "-"), type=int, default=(tiny_defaults or {}).get(flag))
-    tiny.add_argument("--tokenizer", default=None,
-                      help="a tokenizer folder saved with the tiny Llama instead of the shipped tiny tokenizer (its "
-                           "vocabulary must fit --vocab-size; its special tokens become the model's)")
+    tiny.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer folder saved with the tiny Llama instead of the shipped tiny tokenizer (its "
+        "vocabulary must fit --vocab-size; its special tokens become the model's)",
+    )
 
 
 def resolve_model_dir(name: str) -> str:
@@ -152,9 +171,11 @@ def resolve_model_dir(name: str) -> str:
     except AlignConfigError as err:
         raise SystemExit(str(err)) from None
     if not (folder / "config.json").is_file():
-        raise SystemExit(f"--model {name!r} resolved to {str(folder)!r}, which is not a local Hugging Face model "
-                         "folder (no config.json); pass a local folder, a .gguf file or a packaged model id such as "
-                         "smollm2-135m-instruct (leave --model out for the tiny model)")
+        raise SystemExit(
+            f"--model {name!r} resolved to {str(folder)!r}, which is not a local Hugging Face model "
+            "folder (no config.json); pass a local folder, a .gguf file or a packaged model id such as "
+            "smollm2-135m-instruct (leave --model out for the tiny model)"
+        )
     return str(folder.resolve())
 
 
@@ -190,12 +211,17 @@ def prepare_model(ns, folder: Path, seed: int = 0, **config: Any) -> tuple[str, 
         tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        config = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-                  "pad_token_id": tokenizer.pad_token_id, **config}
+        config = {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **config,
+        }
     model = build_tiny_model(seed=seed, **tiny_overrides(ns), **config)
     if len(tokenizer) > model.config.vocab_size:
-        raise SystemExit(f"--tokenizer {ns.tokenizer}: {len(tokenizer)} tokens do not fit --vocab-size "
-                         f"{model.config.vocab_size}")
+        raise SystemExit(
+            f"--tokenizer {ns.tokenizer}: {len(tokenizer)} tokens do not fit --vocab-size {model.config.vocab_size}"
+        )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder), model.config, sum(p.numel() for p in model.parameters())
@@ -225,8 +251,15 @@ class Trials:
     """Trials of one benchmark, each in a fresh process of ``script`` reading ``spec`` (a JSON file under
     ``workdir``); every result gains ``process_seconds`` and ``load`` (the 1-minute load average at its end)."""
 
-    def __init__(self, script: str, spec: dict, workdir: Path, threads: int | None = None, verbose: bool = False,
-                 cwd: Path = REPO):
+    def __init__(
+        self,
+        script: str,
+        spec: dict,
+        workdir: Path,
+        threads: int | None = None,
+        verbose: bool = False,
+        cwd: Path = REPO,
+    ):
         self.script = str(Path(script).resolve())
         self.workdir, self.threads, self.verbose, self.cwd = workdir, threads, verbose, cwd
         self.spec_path = workdir / "spec.json"
@@ -236,23 +269,35 @@ class Trials:
     def run(self, kind: str) -> dict:
         self.count += 1
         out = self.workdir / f"{kind}-{self.count}.json"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONWARNINGS="ignore",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        )
         if self.threads:
             env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         started = time.perf_counter()
-        proc = subprocess.run([sys.executable, self.script, "--child", kind, "--spec", str(self.spec_path),
-                               "--out", str(out)], env=env, cwd=str(self.cwd), capture_output=not self.verbose,
-                              text=True, check=False)
+        proc = subprocess.run(
+            [sys.executable, self.script, "--child", kind, "--spec", str(self.spec_path), "--out", str(out)],
+            env=env,
+            cwd=str(self.cwd),
+            capture_output=not self.verbose,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"{kind} trial failed (exit {proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
         result = json.loads(out.read_text())
         result.update(process_seconds=time.perf_counter() - started, load=load_average())
         return result
 
-    def alternate(self, kinds, trials: int, report: Callable[[int, str, dict], None],
-                  between: Callable[[], None] | None = None) -> dict[str, list[dict]]:
+    def alternate(
+        self, kinds, trials: int, report: Callable[[int, str, dict], None], between: Callable[[], None] | None = None
+    ) -> dict[str, list[dict]]:
         """``trials`` rounds of one trial per kind, in order; ``report(trial, kind, result)`` after each (trial
         counts from 1) and ``between()`` after each round."""
         results: dict[str, list[dict]] = {kind: [] for kind in kinds}
@@ -349,10 +394,17 @@ class StepMeter:
 
     def result(self) -> dict:
         """The timings every benchmark reports, with the load average at the start and now."""
-        return dict(timed_steps=len(self.step_seconds), seconds=self.seconds, cpu_seconds=sum(self.step_cpu_seconds),
-                    step_seconds=self.step_seconds, step_cpu_seconds=self.step_cpu_seconds,
-                    step_thread_cpu_seconds=self.step_thread_cpu_seconds, load_avg=[*self.load_avg, load_average()],
-                    pre_train_rss_mb=self.pre_train_rss_mb, peak_rss_mb=peak_rss_mb())
+        return dict(
+            timed_steps=len(self.step_seconds),
+            seconds=self.seconds,
+            cpu_seconds=sum(self.step_cpu_seconds),
+            step_seconds=self.step_seconds,
+            step_cpu_seconds=self.step_cpu_seconds,
+            step_thread_cpu_seconds=self.step_thread_cpu_seconds,
+            load_avg=[*self.load_avg, load_average()],
+            pre_train_rss_mb=self.pre_train_rss_mb,
+            peak_rss_mb=peak_rss_mb(),
+        )
 
 
 def lightning_meter(meter: StepMeter, counts: Callable | None = None, interval: str = "end_to_end"):
@@ -425,9 +477,14 @@ def median(values) -> float:
 
 def medians(results: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """Per kind, the median over trials of every number the trials report."""
-    return {kind: {k: median(r[k] for r in trials) for k, v in trials[0].items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            for kind, trials in results.items()}
+    return {
+        kind: {
+            k: median(r[k] for r in trials)
+            for k, v in trials[0].items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        for kind, trials in results.items()
+    }
 
 
 def ratios(summary: dict[str, dict], keys) -> dict[str, float]:
@@ -483,8 +540,14 @@ def rl_model(ns, tmp: str) -> tuple[str, str, int]:
     model_dir, config, n_params = prepare_model(ns, Path(tmp) / "model")
     if ns.model:
         return model_dir, ns.model, n_params
-    return model_dir, (f"tiny (hidden {ns.hidden_size}, {ns.layers} layers, intermediate {ns.intermediate}, "
-                       f"heads {ns.heads}/{ns.kv_heads}, vocabulary {config.vocab_size})"), n_params
+    return (
+        model_dir,
+        (
+            f"tiny (hidden {ns.hidden_size}, {ns.layers} layers, intermediate {ns.intermediate}, "
+            f"heads {ns.heads}/{ns.kv_heads}, vocabulary {config.vocab_size})"
+        ),
+        n_params,
+    )
 
 
 def add_rl_step_args(parser: argparse.ArgumentParser, children, prompts: int = 8, max_new_tokens: int = 32) -> None:
@@ -508,9 +571,18 @@ def rl_step_spec(ns, tmp: str, **extra) -> tuple[dict, str, int]:
     of the flags of :func:`add_rl_step_args` plus ``extra``."""
     model_dir, model_name, n_params = rl_model(ns, tmp)
     print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
-    spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "max_new_tokens": ns.max_new_tokens,
-            "steps": ns.steps + ns.warmup, "warmup": ns.warmup, "lora": ns.lora, "threads": ns.threads,
-            **device_spec(ns), **extra}
+    spec = {
+        "model_dir": model_dir,
+        "workdir": tmp,
+        "prompts": ns.prompts,
+        "max_new_tokens": ns.max_new_tokens,
+        "steps": ns.steps + ns.warmup,
+        "warmup": ns.warmup,
+        "lora": ns.lora,
+        "threads": ns.threads,
+        **device_spec(ns),
+        **extra,
+    }
     return spec, model_name, n_params
 
 
@@ -522,8 +594,7 @@ def rl_align_trial(spec: dict, module, phases: tuple[str, ...], max_steps: int) 
 
     from align.data.prompts import PromptDataModule
 
-    data = PromptDataModule(train_files=write_prompts(spec), val_files=None, batch_size=spec["prompts"],
-                            shuffle=False)
+    data = PromptDataModule(train_files=write_prompts(spec), val_files=None, batch_size=spec["prompts"], shuffle=False)
     meter = StepMeter(spec["warmup"], sync=device_sync(spec))
     names = {"tokens": "rollout/completion_tokens", **{f"{p}_s": f"time/{p}_s" for p in phases}}
 
@@ -535,8 +606,16 @@ def rl_align_trial(spec: dict, module, phases: tuple[str, ...], max_steps: int) 
         return {**logged(pl_module, **names), "prompt_tokens": prompt_tokens}
 
     callback = lightning_meter(meter, counts, interval="step")
-    trainer = L.Trainer(max_steps=max_steps, **lightning_device(spec), logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], max_epochs=-1)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        **lightning_device(spec),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        max_epochs=-1,
+    )
     trainer.fit(module, datamodule=data)
     return rl_step_summary(meter, phases, device_memory(spec))
 
@@ -553,8 +632,11 @@ def rl_step_summary(meter: StepMeter, phases: tuple[str, ...], extra: dict | Non
         **shares,
         "update_share": 1.0 - sum(shares.values()),
         "completion_tokens_per_step": statistics.mean(meter.per_step("tokens")),
-        **({"update_tokens_per_step": statistics.mean(p + t for p, t in zip(prompt_tokens, meter.per_step("tokens")))}
-           if any(prompt_tokens) else {}),
+        **(
+            {"update_tokens_per_step": statistics.mean(p + t for p, t in zip(prompt_tokens, meter.per_step("tokens")))}
+            if any(prompt_tokens)
+            else {}
+        ),
         "peak_rss_mb": peak_rss_mb(),
         **(extra or {}),
     }
@@ -562,32 +644,55 @@ def rl_step_summary(meter: StepMeter, phases: tuple[str, ...], extra: dict | Non
 
 def print_rl_trial(trial: int, kind: str, res: dict, phases: tuple[str, ...]) -> None:
     split = ", ".join(f"{p} {res[f'{p}_share']:.0%}" for p in (*phases, "update"))
-    print(f"trial {trial} {kind:5s}: {res['tokens_per_s']:8.1f} completion tok/s, step {res['step_s']:.2f} s "
-          f"({split}), peak RSS {res['peak_rss_mb']:.0f} MB, load {res['load']:.1f}", flush=True)
+    print(
+        f"trial {trial} {kind:5s}: {res['tokens_per_s']:8.1f} completion tok/s, step {res['step_s']:.2f} s "
+        f"({split}), peak RSS {res['peak_rss_mb']:.0f} MB, load {res['load']:.1f}",
+        flush=True,
+    )
 
 
-def rl_report(ns, title: str, results: dict[str, list[dict]], model_dir: str, n_params: int,
-              phases: tuple[str, ...], **extra) -> None:
+def rl_report(
+    ns, title: str, results: dict[str, list[dict]], model_dir: str, n_params: int, phases: tuple[str, ...], **extra
+) -> None:
     """Print the medians per framework and, when TRL ran, the align/TRL ratios; write them, the trials and
     ``extra`` to ``--json``."""
     med = medians(results)
     columns = {"generation": ("gen %", 8), "scoring": ("score %", 9)}
     cuda = all("cuda_peak_mb" in m for m in med.values())
     print(title)
-    print(f"{'':8s}{'tok/s':>10s}{'step s':>9s}" + "".join(f"{columns[p][0]:>{columns[p][1]}s}" for p in phases)
-          + f"{'update %':>10s}{'peak RSS MB':>13s}" + (f"{'CUDA peak MB':>14s}" if cuda else ""))
+    print(
+        f"{'':8s}{'tok/s':>10s}{'step s':>9s}"
+        + "".join(f"{columns[p][0]:>{columns[p][1]}s}" for p in phases)
+        + f"{'update %':>10s}{'peak RSS MB':>13s}"
+        + (f"{'CUDA peak MB':>14s}" if cuda else "")
+    )
     for fw, m in med.items():
-        print(f"{fw:8s}{m['tokens_per_s']:10.1f}{m['step_s']:9.2f}"
-              + "".join(f"{m[f'{p}_share']:{columns[p][1]}.0%}" for p in phases)
-              + f"{m['update_share']:10.0%}{m['peak_rss_mb']:13.0f}" + (f"{m['cuda_peak_mb']:14.0f}" if cuda else ""))
+        print(
+            f"{fw:8s}{m['tokens_per_s']:10.1f}{m['step_s']:9.2f}"
+            + "".join(f"{m[f'{p}_share']:{columns[p][1]}.0%}" for p in phases)
+            + f"{m['update_share']:10.0%}{m['peak_rss_mb']:13.0f}"
+            + (f"{m['cuda_peak_mb']:14.0f}" if cuda else "")
+        )
     result = {}
     if "trl" in med:
         names = ("throughput", "peak_rss", "cuda_peak")[: 3 if cuda else 2]
         keys = ("tokens_per_s", "peak_rss_mb", "cuda_peak_mb")[: len(names)]
         result = {f"{name}_align_over_trl": value for name, value in zip(names, ratios(med, keys).values())}
-        print(f"throughput ratio align/TRL: {result['throughput_align_over_trl']:.2f}x; "
-              f"peak memory ratio align/TRL: {result['peak_rss_align_over_trl']:.2f}"
-              + (f"; CUDA peak ratio align/TRL: {result['cuda_peak_align_over_trl']:.2f}" if cuda else ""))
-    write_json(ns.json, {"model": ns.model or "tiny", "model_dir": model_dir if ns.model else None,
-                         "parameters": n_params, "settings": vars(ns) | {"json": str(ns.json)}, "trials": results,
-                         "medians": med, "ratios": result, **extra})
+        print(
+            f"throughput ratio align/TRL: {result['throughput_align_over_trl']:.2f}x; "
+            f"peak memory ratio align/TRL: {result['peak_rss_align_over_trl']:.2f}"
+            + (f"; CUDA peak ratio align/TRL: {result['cuda_peak_align_over_trl']:.2f}" if cuda else "")
+        )
+    write_json(
+        ns.json,
+        {
+            "model": ns.model or "tiny",
+            "model_dir": model_dir if ns.model else None,
+            "parameters": n_params,
+            "settings": vars(ns) | {"json": str(ns.json)},
+            "trials": results,
+            "medians": med,
+            "ratios": result,
+            **extra,
+        },
+    )

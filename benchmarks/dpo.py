@@ -35,12 +35,12 @@ What happens:
 
 Same on both sides: model and weights, data, batch size, max_length, LoRA (rank, alpha, dropout 0, every linear layer
 of the decoder), the reference (with LoRA: the adapter-disabled policy, no copy, on both sides), sigmoid loss with
-beta 0.1 (ORPO: lambda = beta; KTO: beta, both weights 1), live reference log-probs (no precomputation), AdamW (lr, betas, eps, no weight decay), constant learning
-rate, gradient clipping at 1.0, fp32 (``--device cuda``: fp32 weights under bf16 autocast unless ``--precision
-32-true``), no gradient checkpointing, no evaluation, no checkpoints, metrics logged every
-``--log-every`` steps, ``--threads`` torch threads. Each framework's own choices are printed, not changed: align scores
-only the response positions through the LM head (``logits_to_keep``) and runs chosen+rejected as one batch; TRL runs
-its chunked fused LM head (which also computes entropy, mean logits and top-1 accuracy each step).
+beta 0.1 (ORPO: lambda = beta; KTO: beta, both weights 1), live reference log-probs (no precomputation), AdamW (lr,
+betas, eps, no weight decay), constant learning rate, gradient clipping at 1.0, fp32 (``--device cuda``: fp32 weights
+under bf16 autocast unless ``--precision 32-true``), no gradient checkpointing, no evaluation, no checkpoints, metrics
+logged every ``--log-every`` steps, ``--threads`` torch threads. Each framework's own choices are printed, not changed:
+align scores only the response positions through the LM head (``logits_to_keep``) and runs chosen+rejected as one batch;
+TRL runs its chunked fused LM head (which also computes entropy, mean logits and top-1 accuracy each step).
 """
 
 from __future__ import annotations
@@ -59,8 +59,14 @@ import _harness as h
 
 def dpo_result(meter: h.StepMeter, **extra) -> dict:
     """Pairs and tokens of the timed steps and their rates."""
-    return dict(meter.result(), pairs=meter.total("pairs"), tokens=meter.total("tokens"),
-                pairs_per_s=meter.rate("pairs"), step_median_pairs_per_s=meter.median_step_rate("pairs"), **extra)
+    return dict(
+        meter.result(),
+        pairs=meter.total("pairs"),
+        tokens=meter.total("tokens"),
+        pairs_per_s=meter.rate("pairs"),
+        step_median_pairs_per_s=meter.median_step_rate("pairs"),
+        **extra,
+    )
 
 
 def build_module(spec: dict):
@@ -73,8 +79,11 @@ def build_module(spec: dict):
     from align.modules.dpo import DPOModule
     from align.modules.kto import KTOModule
 
-    lora = None if spec["full"] else LoraSettings(r=spec["lora_r"], alpha=spec["lora_alpha"], dropout=0.0,
-                                                  target_modules="all-linear")
+    lora = (
+        None
+        if spec["full"]
+        else LoraSettings(r=spec["lora_r"], alpha=spec["lora_alpha"], dropout=0.0, target_modules="all-linear")
+    )
     policy = PolicyModel(model=spec["model_dir"], dtype="float32", lora=lora)
     optimizer = partial(torch.optim.AdamW, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     free = spec.get("padding_free", False)
@@ -94,19 +103,35 @@ def child_align(spec: dict) -> dict:
     meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     L.seed_everything(spec["seed"], verbose=False)
     policy, module = build_module(spec)
-    data = (UnpairedDataModule if spec["loss"] == "kto" else PreferenceDataModule)(train_files=spec["train_file"], val_files=None, max_length=spec["max_length"],
-                                batch_size=spec["batch_size"], shuffle=True)
+    data = (UnpairedDataModule if spec["loss"] == "kto" else PreferenceDataModule)(
+        train_files=spec["train_file"],
+        val_files=None,
+        max_length=spec["max_length"],
+        batch_size=spec["batch_size"],
+        shuffle=True,
+    )
     trainer = L.Trainer(
-        **h.lightning_device(spec), max_steps=spec["steps"], gradient_clip_val=1.0,
-        logger=CSVLogger(spec["workdir"], name="align_logs"), log_every_n_steps=spec["log_every"],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=spec["workdir"],
-        callbacks=[h.lightning_meter(meter, lambda trainer, module, batch: {"pairs": batch.num_pairs,
-                                                                            "tokens": batch.num_tokens})],
+        **h.lightning_device(spec),
+        max_steps=spec["steps"],
+        gradient_clip_val=1.0,
+        logger=CSVLogger(spec["workdir"], name="align_logs"),
+        log_every_n_steps=spec["log_every"],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=spec["workdir"],
+        callbacks=[
+            h.lightning_meter(
+                meter, lambda trainer, module, batch: {"pairs": batch.num_pairs, "tokens": batch.num_tokens}
+            )
+        ],
     )
     trainer.fit(module, data)
-    return dpo_result(meter, reference_copy=policy.ref_model is not None, threads=torch.get_num_threads(),
-                      **h.device_memory(spec))
+    return dpo_result(
+        meter, reference_copy=policy.ref_model is not None, threads=torch.get_num_threads(), **h.device_memory(spec)
+    )
 
 
 def child_trl(spec: dict) -> dict:
@@ -120,17 +145,24 @@ def child_trl(spec: dict) -> dict:
     meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     rows = [json.loads(line) for line in open(spec["train_file"])]
     dataset = Dataset.from_list(rows)
-    Trainer, Config = {"sigmoid": (DPOTrainer, DPOConfig), "orpo": (ORPOTrainer, ORPOConfig),
-                       "kto": (KTOTrainer, KTOConfig)}[spec["loss"]]
+    Trainer, Config = {
+        "sigmoid": (DPOTrainer, DPOConfig),
+        "orpo": (ORPOTrainer, ORPOConfig),
+        "kto": (KTOTrainer, KTOConfig),
+    }[spec["loss"]]
 
     def counts(inputs) -> dict:
         if spec["loss"] == "sigmoid":
             return dict(pairs=inputs["input_ids"].shape[0] // 2, tokens=int(inputs["attention_mask"].sum()))
         if spec["loss"] == "orpo":
-            return dict(pairs=inputs["chosen_input_ids"].shape[0],
-                        tokens=int(inputs["chosen_attention_mask"].sum() + inputs["rejected_attention_mask"].sum()))
-        return dict(pairs=inputs["input_ids"].shape[0],
-                    tokens=int(inputs["attention_mask"].sum() + inputs["KL_attention_mask"].sum()))
+            return dict(
+                pairs=inputs["chosen_input_ids"].shape[0],
+                tokens=int(inputs["chosen_attention_mask"].sum() + inputs["rejected_attention_mask"].sum()),
+            )
+        return dict(
+            pairs=inputs["input_ids"].shape[0],
+            tokens=int(inputs["attention_mask"].sum() + inputs["KL_attention_mask"].sum()),
+        )
 
     class CountingTrainer(Trainer):
         # Counting only: the batch is measured before TRL's own training step runs unchanged.
@@ -144,25 +176,60 @@ def child_trl(spec: dict) -> dict:
     if not spec["full"]:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=spec["lora_r"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
-                                 target_modules="all-linear", task_type="CAUSAL_LM")
-    per_loss = {"sigmoid": dict(loss_type=["sigmoid"], precompute_ref_log_probs=False),
-                "orpo": dict(),
-                "kto": dict(precompute_ref_log_probs=False)}[spec["loss"]]
+        peft_config = LoraConfig(
+            r=spec["lora_r"],
+            lora_alpha=spec["lora_alpha"],
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+    per_loss = {
+        "sigmoid": dict(loss_type=["sigmoid"], precompute_ref_log_probs=False),
+        "orpo": dict(),
+        "kto": dict(precompute_ref_log_probs=False),
+    }[spec["loss"]]
     config = Config(
-        output_dir=str(Path(spec["workdir"]) / "trl_out"), max_steps=spec["steps"],
-        per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=1.0,
-        **h.trl_device(spec), gradient_checkpointing=False, beta=spec["beta"],
-        max_length=spec["max_length"], **per_loss, logging_steps=spec["log_every"], report_to="none", disable_tqdm=True,
-        save_strategy="no", eval_strategy="no", dataloader_num_workers=0, seed=spec["seed"],
+        output_dir=str(Path(spec["workdir"]) / "trl_out"),
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=1,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        optim="adamw_torch",
+        max_grad_norm=1.0,
+        **h.trl_device(spec),
+        gradient_checkpointing=False,
+        beta=spec["beta"],
+        max_length=spec["max_length"],
+        **per_loss,
+        logging_steps=spec["log_every"],
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        eval_strategy="no",
+        dataloader_num_workers=0,
+        seed=spec["seed"],
     )
-    trainer = CountingTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                 peft_config=peft_config, callbacks=[h.trl_meter(meter)])
+    trainer = CountingTrainer(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[h.trl_meter(meter)],
+    )
     trainer.train()
-    return dpo_result(meter, reference_copy=getattr(trainer, "ref_model", None) is not None,
-                      threads=torch.get_num_threads(), **h.device_memory(spec))
+    return dpo_result(
+        meter,
+        reference_copy=getattr(trainer, "ref_model", None) is not None,
+        threads=torch.get_num_threads(),
+        **h.device_memory(spec),
+    )
 
 
 CHILDREN = {"align": child_align, "trl": child_trl}
@@ -177,14 +244,29 @@ def write_data(path: Path, limit: int | None, unpaired: bool = False) -> int:
     rows = [r for r in read_rows("align:sort/preference/train.jsonl") if r["chosen"] != r["rejected"]]
     rows = rows[:limit] if limit else rows
     if unpaired:  # each pair as two unpaired rows, as both frameworks convert pairs for KTO
-        lines = [json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
-                             "completion": [{"role": "assistant", "content": r[key]}], "label": key == "chosen"})
-                 for r in rows for key in ("chosen", "rejected")]
+        lines = [
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": r["prompt"]}],
+                    "completion": [{"role": "assistant", "content": r[key]}],
+                    "label": key == "chosen",
+                }
+            )
+            for r in rows
+            for key in ("chosen", "rejected")
+        ]
         path.write_text("\n".join(lines) + "\n")
         return len(lines)
-    lines = [json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
-                         "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                         "rejected": [{"role": "assistant", "content": r["rejected"]}]}) for r in rows]
+    lines = [
+        json.dumps(
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+        )
+        for r in rows
+    ]
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
 
@@ -202,27 +284,43 @@ def summarise(results: dict[str, list[dict]]) -> dict:
             **({"cuda_peak_mb": max(r["cuda_peak_mb"] for r in trials)} if "cuda_peak_mb" in trials[0] else {}),
         }
     if "trl" in summary:
-        summary["ratio_align_over_trl"] = h.ratios(summary, (
-            "pairs_per_s", "step_median_pairs_per_s", "best_pairs_per_s", "peak_rss_mb",
-            *(("cuda_peak_mb",) if "cuda_peak_mb" in summary["align"] else ())))
+        summary["ratio_align_over_trl"] = h.ratios(
+            summary,
+            (
+                "pairs_per_s",
+                "step_median_pairs_per_s",
+                "best_pairs_per_s",
+                "peak_rss_mb",
+                *(("cuda_peak_mb",) if "cuda_peak_mb" in summary["align"] else ()),
+            ),
+        )
     return summary
 
 
 def print_table(summary: dict, results: dict, args) -> None:
-    h.print_ratio_table(summary, [("pairs/s, median of trials", "pairs_per_s", "{:.1f}"),
-                                  ("pairs/s, median step", "step_median_pairs_per_s", "{:.1f}"),
-                                  ("pairs/s, best trial", "best_pairs_per_s", "{:.1f}"),
-                                  ("tokens fed per pair", "tokens_per_pair", "{:.1f}"),
-                                  ("peak RSS, MB", "peak_rss_mb", "{:.0f}")], width=32)
+    h.print_ratio_table(
+        summary,
+        [
+            ("pairs/s, median of trials", "pairs_per_s", "{:.1f}"),
+            ("pairs/s, median step", "step_median_pairs_per_s", "{:.1f}"),
+            ("pairs/s, best trial", "best_pairs_per_s", "{:.1f}"),
+            ("tokens fed per pair", "tokens_per_pair", "{:.1f}"),
+            ("peak RSS, MB", "peak_rss_mb", "{:.0f}"),
+        ],
+        width=32,
+    )
     low, high = h.load_range(results)
-    print(f"\n1-minute load average during trials: {low:.1f} to {high:.1f} ({args.threads} threads "
-          "used; a higher load means other work shared the cores)")
+    print(
+        f"\n1-minute load average during trials: {low:.1f} to {high:.1f} ({args.threads} threads "
+        "used; a higher load means other work shared the cores)"
+    )
     for kind in (k for k in ("align", "trl") if k in summary):
         print(f"{kind}: reference copy kept: {results[kind][0]['reference_copy']}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
     def model_options(g) -> None:
         g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of training")
         g.add_argument("--full", action="store_true", help="train every weight (no LoRA); both keep a reference copy")
@@ -237,11 +335,18 @@ def main(argv=None) -> int:
     g.add_argument("--warmup", type=int, default=5, help="steps excluded from timing")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--beta", type=float, default=0.1)
-    g.add_argument("--loss", choices=("sigmoid", "orpo", "kto"), default="sigmoid",
-                   help="DPO (DPOTrainer), ORPO (ORPOTrainer) or KTO (KTOTrainer, each pair read as two examples)")
+    g.add_argument(
+        "--loss",
+        choices=("sigmoid", "orpo", "kto"),
+        default="sigmoid",
+        help="DPO (DPOTrainer), ORPO (ORPOTrainer) or KTO (KTOTrainer, each pair read as two examples)",
+    )
     g.add_argument("--log-every", type=int, default=10)
-    g.add_argument("--padding-free", action="store_true",
-                   help="align scores each batch with its sequences laid end to end (model.padding_free); TRL padded")
+    g.add_argument(
+        "--padding-free",
+        action="store_true",
+        help="align scores each batch with its sequences laid end to end (model.padding_free); TRL padded",
+    )
     g.add_argument("--rows", type=int, default=None, help="use only the first N pairs")
     g = p.add_argument_group("run")
     g.add_argument("--trials", type=int, default=2, help="trials per framework, alternating")
@@ -259,30 +364,60 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         model_dir, _, n_params = h.prepare_model(args, tmp / "model", seed=args.seed)
         overrides = h.tiny_overrides(args)
-        model_name = (f"{args.model} ({model_dir})" if args.model
-                      else f"tiny Llama {overrides or '(align.hub.tiny defaults)'}")
+        model_name = (
+            f"{args.model} ({model_dir})" if args.model else f"tiny Llama {overrides or '(align.hub.tiny defaults)'}"
+        )
         n_rows = write_data(tmp / "pairs.jsonl", args.rows, unpaired=args.loss == "kto")
-        spec = dict(model_dir=model_dir, train_file=str(tmp / "pairs.jsonl"), threads=args.threads,
-                    seed=args.seed, full=args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                    batch_size=args.batch_size, max_length=args.max_length, steps=args.steps, warmup=args.warmup,
-                    lr=args.lr, beta=args.beta, loss=args.loss, log_every=args.log_every, workdir=str(tmp / "work"),
-                    padding_free=args.padding_free, **h.device_spec(args))
-        print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters; "
-              f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} "
-              f"{'examples' if args.loss == 'kto' else 'pairs'}; loss {args.loss}; batch {args.batch_size}; {args.steps} steps ({args.warmup} warmup); {args.threads} threads"
-              f"{'; align padding-free' if args.padding_free else ''}")
+        spec = dict(
+            model_dir=model_dir,
+            train_file=str(tmp / "pairs.jsonl"),
+            threads=args.threads,
+            seed=args.seed,
+            full=args.full,
+            lora_r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            steps=args.steps,
+            warmup=args.warmup,
+            lr=args.lr,
+            beta=args.beta,
+            loss=args.loss,
+            log_every=args.log_every,
+            workdir=str(tmp / "work"),
+            padding_free=args.padding_free,
+            **h.device_spec(args),
+        )
+        print(
+            f"model: {model_name}, {n_params / 1e6:.2f}M parameters; "
+            f"{'full fine-tuning' if args.full else f'LoRA r={args.lora_r} alpha={args.lora_alpha}'}; {n_rows} "
+            f"{'examples' if args.loss == 'kto' else 'pairs'}; loss {args.loss}; batch {args.batch_size}; "
+            f"{args.steps} steps ({args.warmup} warmup); {args.threads} threads"
+            f"{'; align padding-free' if args.padding_free else ''}"
+        )
 
         def report(trial: int, kind: str, r: dict) -> None:
-            print(f"trial {trial} {kind:5s}: {r['pairs_per_s']:7.1f} pairs/s, peak RSS "
-                  f"{r['peak_rss_mb']:.0f} MB, process {r['process_seconds']:.0f} s", flush=True)
+            print(
+                f"trial {trial} {kind:5s}: {r['pairs_per_s']:7.1f} pairs/s, peak RSS "
+                f"{r['peak_rss_mb']:.0f} MB, process {r['process_seconds']:.0f} s",
+                flush=True,
+            )
 
         results = h.Trials(__file__, spec, tmp, threads=args.threads, verbose=args.verbose).alternate(
-            ["align", "trl"] if args.trl else ["align"], args.trials, report)
+            ["align", "trl"] if args.trl else ["align"], args.trials, report
+        )
     summary = summarise(results)
     print_table(summary, results, args)
-    h.write_json(args.json, {"model": args.model or "tiny", "parameters": n_params,
-                             "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                             "trials": results})
+    h.write_json(
+        args.json,
+        {
+            "model": args.model or "tiny",
+            "parameters": n_params,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "summary": summary,
+            "trials": results,
+        },
+    )
     return 0
 
 

@@ -103,16 +103,29 @@ def build_module(spec: dict):
         source = AsyncSource(max_staleness=spec["staleness"])
     return GRPOModule(
         policy=PolicyModel(spec["model_dir"], lora=lora, gradient_checkpointing=spec["gradient_checkpointing"]),
-        rewards=[length_reward], group_size=spec["group"],
-        sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
-                                engine=(NativeEngine(fast_decoder=spec["fast_decoder"])
-                                        if spec.get("engine", "native") == "native" else spec["engine"])),
-        kl=KLPenalty(coef=0.0), clip=ClipRange(low=0.2),
+        rewards=[length_reward],
+        group_size=spec["group"],
+        sampling=SamplingConfig(
+            max_new_tokens=spec["max_new_tokens"],
+            temperature=1.0,
+            engine=(
+                NativeEngine(fast_decoder=spec["fast_decoder"])
+                if spec.get("engine", "native") == "native"
+                else spec["engine"]
+            ),
+        ),
+        kl=KLPenalty(coef=0.0),
+        clip=ClipRange(low=0.2),
         policy_loss=PolicyLoss(name="gspo" if spec["level"] == "sequence" else "clip"),
         advantages=GroupAdvantages(estimator=spec["estimator"]),
-        updates=Updates(epochs=1, minibatches=1, max_grad_norm=1.0,
-                        loss_aggregation="seq_mean" if spec["level"] == "sequence" else "token_mean"),
-        log_entropy=False, source=source,
+        updates=Updates(
+            epochs=1,
+            minibatches=1,
+            max_grad_norm=1.0,
+            loss_aggregation="seq_mean" if spec["level"] == "sequence" else "token_mean",
+        ),
+        log_entropy=False,
+        source=source,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True),
     )
 
@@ -146,16 +159,34 @@ def run_trl(spec: dict) -> dict:
 
     h.set_threads(spec["threads"])
     n = spec["prompts"] * spec["group"]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]}
-                                 for p in h.sort_prompts(spec["prompts"])] * spec["steps"])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": p}]} for p in h.sort_prompts(spec["prompts"])] * spec["steps"]
+    )
     common = dict(
-        output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n, num_generations=spec["group"],
-        max_completion_length=spec["max_new_tokens"], max_steps=spec["steps"], learning_rate=1e-5,
-        lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused", max_grad_norm=1.0, beta=0.0,
+        output_dir=str(Path(spec["workdir"]) / "trl"),
+        per_device_train_batch_size=n,
+        num_generations=spec["group"],
+        max_completion_length=spec["max_new_tokens"],
+        max_steps=spec["steps"],
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        optim="adamw_torch_fused",
+        max_grad_norm=1.0,
+        beta=0.0,
         num_iterations=1,
-        epsilon=0.2, gradient_accumulation_steps=1, temperature=1.0, top_p=1.0,
-        logging_steps=1, report_to="none", save_strategy="no", **h.trl_device(spec), seed=0,
-        dataloader_num_workers=0, shuffle_dataset=False, disable_tqdm=True,
+        epsilon=0.2,
+        gradient_accumulation_steps=1,
+        temperature=1.0,
+        top_p=1.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        **h.trl_device(spec),
+        seed=0,
+        dataloader_num_workers=0,
+        shuffle_dataset=False,
+        disable_tqdm=True,
         gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's own default is on; align's is off
     )
     if spec.get("trl_vllm"):
@@ -164,16 +195,24 @@ def run_trl(spec: dict) -> dict:
         trainer_class, config = RLOOTrainer, RLOOConfig(**common, normalize_advantages=False)
     else:
         sequence = spec["level"] == "sequence"
-        trainer_class, config = GRPOTrainer, GRPOConfig(**common, loss_type="grpo" if sequence else "dapo",
-                                                        importance_sampling_level=spec["level"])
+        trainer_class, config = (
+            GRPOTrainer,
+            GRPOConfig(**common, loss_type="grpo" if sequence else "dapo", importance_sampling_level=spec["level"]),
+        )
     peft_config = None
     if spec["lora"]:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    trainer = trainer_class(model=spec["model_dir"], reward_funcs=length_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft_config)
+    trainer = trainer_class(
+        model=spec["model_dir"],
+        reward_funcs=length_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     original = trainer._generate_and_score_completions
 
@@ -181,8 +220,11 @@ def run_trl(spec: dict) -> dict:
         start = time.perf_counter()
         out = original(inputs)
         prompt_mask = out.get("prompt_mask")
-        meter.add(generation_s=time.perf_counter() - start, tokens=int(out["completion_mask"].sum()),
-                  prompt_tokens=int(prompt_mask.sum()) if prompt_mask is not None else 0)
+        meter.add(
+            generation_s=time.perf_counter() - start,
+            tokens=int(out["completion_mask"].sum()),
+            prompt_tokens=int(prompt_mask.sum()) if prompt_mask is not None else 0,
+        )
         return out
 
     trainer._generate_and_score_completions = timed
@@ -206,23 +248,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--no-fast-decoder", dest="fast_decoder", action="store_false",
-                        help="align samples through the model's own forward instead of its FastDecoder")
+    parser.add_argument(
+        "--no-fast-decoder",
+        dest="fast_decoder",
+        action="store_false",
+        help="align samples through the model's own forward instead of its FastDecoder",
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="recompute activations in the backward pass, on both sides (TRL's default; off by default "
-                             "here, as in align)")
-    parser.add_argument("--estimator", choices=("grpo", "rloo"), default="grpo",
-                        help="rloo: align's advantages.estimator rloo against TRL's RLOOTrainer")
-    parser.add_argument("--level", choices=("token", "sequence"), default="token",
-                        help="sequence: GSPO's ratio (policy_loss.name gspo / importance_sampling_level), per-sequence mean")
-    parser.add_argument("--engine", choices=("native", "vllm"), default="native",
-                        help="vllm: align samples with its vLLM engine, and also runs with its own decoder (native)")
-    parser.add_argument("--staleness", type=int, default=None,
-                        help="align's rollouts from an asynchronous source this many batches ahead; also runs align "
-                             "synchronously (sync)")
-    parser.add_argument("--trl-vllm", action="store_true",
-                        help="with --engine vllm: also TRL with use_vllm=True in colocate mode")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass, on both sides (TRL's default; off by default "
+        "here, as in align)",
+    )
+    parser.add_argument(
+        "--estimator",
+        choices=("grpo", "rloo"),
+        default="grpo",
+        help="rloo: align's advantages.estimator rloo against TRL's RLOOTrainer",
+    )
+    parser.add_argument(
+        "--level",
+        choices=("token", "sequence"),
+        default="token",
+        help="sequence: GSPO's ratio (policy_loss.name gspo / importance_sampling_level), per-sequence mean",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("native", "vllm"),
+        default="native",
+        help="vllm: align samples with its vLLM engine, and also runs with its own decoder (native)",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        default=None,
+        help="align's rollouts from an asynchronous source this many batches ahead; also runs align "
+        "synchronously (sync)",
+    )
+    parser.add_argument(
+        "--trl-vllm", action="store_true", help="with --engine vllm: also TRL with use_vllm=True in colocate mode"
+    )
     h.add_device_args(parser)
     h.add_model_args(parser, tiny_defaults=h.RL_TINY_DEFAULTS)
     parser.add_argument("--json", type=Path, default=None)
@@ -231,44 +297,74 @@ def main(argv: list[str] | None = None) -> None:
     if h.run_if_child(ns, CHILDREN):
         return
     if ns.staleness is not None and ns.warmup < ns.staleness:
-        parser.error(f"--staleness {ns.staleness}: the pipeline's first {ns.staleness} batches take no update; use "
-                     f"--warmup {ns.staleness} or more")
+        parser.error(
+            f"--staleness {ns.staleness}: the pipeline's first {ns.staleness} batches take no update; use "
+            f"--warmup {ns.staleness} or more"
+        )
     if ns.estimator == "rloo" and ns.level == "sequence":
         parser.error("--estimator rloo compares with TRL's RLOOTrainer, whose ratio is its own: use --level token")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, model_name, n_params = h.rl_model(ns, tmp)
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
-        spec = {"model_dir": model_dir, "workdir": tmp, "prompts": ns.prompts, "group": ns.group,
-                "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup, "warmup": ns.warmup,
-                "lora": ns.lora, "threads": ns.threads, "fast_decoder": ns.fast_decoder,
-                "estimator": ns.estimator, "level": ns.level, "gradient_checkpointing": ns.gradient_checkpointing,
-                "engine": ns.engine, **h.device_spec(ns),
-                **({"staleness": ns.staleness} if ns.staleness is not None else {})}
-        kinds = ("align", "trl") if ns.engine == "native" else \
-            ("align", "native", "trl") + (("trl-vllm",) if ns.trl_vllm else ())
+        spec = {
+            "model_dir": model_dir,
+            "workdir": tmp,
+            "prompts": ns.prompts,
+            "group": ns.group,
+            "max_new_tokens": ns.max_new_tokens,
+            "steps": ns.steps + ns.warmup,
+            "warmup": ns.warmup,
+            "lora": ns.lora,
+            "threads": ns.threads,
+            "fast_decoder": ns.fast_decoder,
+            "estimator": ns.estimator,
+            "level": ns.level,
+            "gradient_checkpointing": ns.gradient_checkpointing,
+            "engine": ns.engine,
+            **h.device_spec(ns),
+            **({"staleness": ns.staleness} if ns.staleness is not None else {}),
+        }
+        kinds = (
+            ("align", "trl")
+            if ns.engine == "native"
+            else ("align", "native", "trl") + (("trl-vllm",) if ns.trl_vllm else ())
+        )
         if ns.staleness is not None:
             kinds = ("align", "sync") + kinds[1:]
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
-            kinds, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
+            kinds, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES)
+        )
 
     name = {"rloo": "RLOO"}.get(ns.estimator, "GSPO" if ns.level == "sequence" else "GRPO")
-    h.rl_report(ns, f"\n{name} full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
-                    f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
-                    f"{spec['device']} {spec['precision']}, {ns.threads} threads, align fast decoder "
-                    f"{'on' if ns.fast_decoder else 'off'}, gradient checkpointing "
-                    f"{'on' if ns.gradient_checkpointing else 'off'}, align engine {ns.engine}"
-                    f"{f', align max_staleness {ns.staleness}' if ns.staleness is not None else ''}, medians of "
-                    f"{ns.trials} trials:", results, model_dir, n_params, PHASES)
+    h.rl_report(
+        ns,
+        f"\n{name} full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x "
+        f"{ns.group} completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, "
+        f"{spec['device']} {spec['precision']}, {ns.threads} threads, align fast decoder "
+        f"{'on' if ns.fast_decoder else 'off'}, gradient checkpointing "
+        f"{'on' if ns.gradient_checkpointing else 'off'}, align engine {ns.engine}"
+        f"{f', align max_staleness {ns.staleness}' if ns.staleness is not None else ''}, medians of "
+        f"{ns.trials} trials:",
+        results,
+        model_dir,
+        n_params,
+        PHASES,
+    )
     if ns.staleness is not None:
         med = h.medians(results)
-        print(f"step time ratio asynchronous (max_staleness {ns.staleness})/synchronous: "
-              f"{med['align']['step_s'] / med['sync']['step_s']:.2f}x; asynchronous steps waited for their rollout "
-              f"{med['align']['trainer_idle_share']:.0%} of the time, and generation ran "
-              f"{med['align']['generation_share']:.0%} of it, overlapping the update")
+        print(
+            f"step time ratio asynchronous (max_staleness {ns.staleness})/synchronous: "
+            f"{med['align']['step_s'] / med['sync']['step_s']:.2f}x; asynchronous steps waited for their rollout "
+            f"{med['align']['trainer_idle_share']:.0%} of the time, and generation ran "
+            f"{med['align']['generation_share']:.0%} of it, overlapping the update"
+        )
     if ns.engine == "vllm":
         med = h.medians(results)
-        print(f"throughput ratio align vLLM/native: {med['align']['tokens_per_s'] / med['native']['tokens_per_s']:.2f}x")
+        print(
+            f"throughput ratio align vLLM/native: {med['align']['tokens_per_s'] / med['native']['tokens_per_s']:.2f}x"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -159,8 +159,10 @@ class Tracker:
         return max(other, 0.0) / wall if wall > 0 else float("nan")
 
     def train_seconds(self) -> tuple[float, float]:
-        return (time.perf_counter() - self._start - self.eval_seconds,
-                time.process_time() - self._start_cpu - self.eval_cpu_seconds)
+        return (
+            time.perf_counter() - self._start - self.eval_seconds,
+            time.process_time() - self._start_cpu - self.eval_cpu_seconds,
+        )
 
     def boundary(self, steps: int, evaluate) -> bool:
         """An iteration ended at ``steps`` environment steps: read the clock, evaluate when due (``evaluate()``
@@ -187,13 +189,21 @@ class Tracker:
         return {
             "steps_to_target": self.reached[0] if self.reached else None,
             "seconds_to_target": self.reached[1] if self.reached else None,
-            "rate_steps": rate_steps, "rate_seconds": rate_seconds,
+            "rate_steps": rate_steps,
+            "rate_seconds": rate_seconds,
             "steps_per_s": rate_steps / rate_seconds if rate_seconds > 0 else float("nan"),
-            "cpu_s_per_1k_steps": rate_cpu * per_1k, "rollout_s_per_1k_steps": rate_rollout * per_1k,
+            "cpu_s_per_1k_steps": rate_cpu * per_1k,
+            "rollout_s_per_1k_steps": rate_rollout * per_1k,
             "update_s_per_1k_steps": (rate_seconds - rate_rollout) * per_1k,
-            "total_steps": steps, "train_seconds": seconds, "eval_seconds": self.eval_seconds,
-            "evaluations": len(self.evals), "final_return": self.evals[-1][1] if self.evals else float("nan"),
-            "evals": self.evals, "threads": threads, "load_start": load_start, "other_cores": self.other_cores(),
+            "total_steps": steps,
+            "train_seconds": seconds,
+            "eval_seconds": self.eval_seconds,
+            "evaluations": len(self.evals),
+            "final_return": self.evals[-1][1] if self.evals else float("nan"),
+            "evals": self.evals,
+            "threads": threads,
+            "load_start": load_start,
+            "other_cores": self.other_cores(),
         }
 
 
@@ -213,20 +223,46 @@ def setup_threads(spec: dict) -> int:
 # Each algorithm's settings in align's names: the module's arguments (option groups as dicts), the optimizer's
 # name and arguments, and the network (``network`` for PPO and A2C; DQN's ``hidden``, ``activation`` and ``init``).
 SETTINGS = {
-    "ppo": {"num_envs": 8, "steps_per_iteration": 32, "gae": {"gamma": 0.98, "lam": 0.8, "whiten_advantages": True},
-            "entropy_coef": 0.0, "value": {"coef": 1.0, "clip": None}, "clip": {"low": 0.2, "schedule": "linear"},
-            "updates": {"epochs": 20, "minibatch_size": 256, "max_grad_norm": 0.5}, "lr_schedule": "linear",
-            "network": {"hidden": (64, 64), "activation": "tanh", "shared": False},
-            "optimizer": ("Adam", {"lr": 1e-3, "eps": 1e-5, "fused": True})},
-    "a2c": {"num_envs": 8, "steps_per_iteration": 5, "gae": {"gamma": 0.99, "lam": 1.0, "whiten_advantages": False},
-            "entropy_coef": 0.0, "value": {"coef": 1.0}, "updates": {"max_grad_norm": 0.5}, "lr_schedule": "constant",
-            "network": {"hidden": (64, 64), "activation": "tanh", "shared": False},
-            "optimizer": ("RMSprop", {"lr": 7e-4, "alpha": 0.99, "eps": 1e-5, "foreach": True})},
-    "dqn": {"num_envs": 1, "steps_per_iteration": 256, "buffer_size": 100_000, "learning_starts": 1000,
-            "updates": {"gradient_steps": 128, "minibatch_size": 64, "max_grad_norm": 10.0}, "gamma": 0.99,
-            "target_update_interval": 10, "tau": 1.0, "loss": "huber", "hidden": (256, 256), "activation": "relu",
-            "init": "torch", "exploration": {"initial": 1.0, "final": 0.04, "fraction": 0.16}, "lr_schedule": "constant",
-            "optimizer": ("Adam", {"lr": 2.3e-3, "fused": True})},
+    "ppo": {
+        "num_envs": 8,
+        "steps_per_iteration": 32,
+        "gae": {"gamma": 0.98, "lam": 0.8, "whiten_advantages": True},
+        "entropy_coef": 0.0,
+        "value": {"coef": 1.0, "clip": None},
+        "clip": {"low": 0.2, "schedule": "linear"},
+        "updates": {"epochs": 20, "minibatch_size": 256, "max_grad_norm": 0.5},
+        "lr_schedule": "linear",
+        "network": {"hidden": (64, 64), "activation": "tanh", "shared": False},
+        "optimizer": ("Adam", {"lr": 1e-3, "eps": 1e-5, "fused": True}),
+    },
+    "a2c": {
+        "num_envs": 8,
+        "steps_per_iteration": 5,
+        "gae": {"gamma": 0.99, "lam": 1.0, "whiten_advantages": False},
+        "entropy_coef": 0.0,
+        "value": {"coef": 1.0},
+        "updates": {"max_grad_norm": 0.5},
+        "lr_schedule": "constant",
+        "network": {"hidden": (64, 64), "activation": "tanh", "shared": False},
+        "optimizer": ("RMSprop", {"lr": 7e-4, "alpha": 0.99, "eps": 1e-5, "foreach": True}),
+    },
+    "dqn": {
+        "num_envs": 1,
+        "steps_per_iteration": 256,
+        "buffer_size": 100_000,
+        "learning_starts": 1000,
+        "updates": {"gradient_steps": 128, "minibatch_size": 64, "max_grad_norm": 10.0},
+        "gamma": 0.99,
+        "target_update_interval": 10,
+        "tau": 1.0,
+        "loss": "huber",
+        "hidden": (256, 256),
+        "activation": "relu",
+        "init": "torch",
+        "exploration": {"initial": 1.0, "final": 0.04, "fraction": 0.16},
+        "lr_schedule": "constant",
+        "optimizer": ("Adam", {"lr": 2.3e-3, "fused": True}),
+    },
 }
 
 
@@ -241,14 +277,23 @@ def build_module(spec: dict):
     algo, seed, budget = spec["algo"], spec["seed"], spec["budget"]
     settings = dict(SETTINGS[algo])
     optimizer, optimizer_args = settings.pop("optimizer")
-    groups = {"gae": gym.GymGAE, "value": gym.GymValueTraining, "clip": gym.GymClipRange, "network": gym.Network,
-              "exploration": gym.Exploration,
-              "updates": gym.ReplayUpdates if algo == "dqn" else gym.GymUpdates}
+    groups = {
+        "gae": gym.GymGAE,
+        "value": gym.GymValueTraining,
+        "clip": gym.GymClipRange,
+        "network": gym.Network,
+        "exploration": gym.Exploration,
+        "updates": gym.ReplayUpdates if algo == "dqn" else gym.GymUpdates,
+    }
     kwargs = {k: groups[k](**v) if k in groups else v for k, v in settings.items() if k != "num_envs"}
     module = {"ppo": gym.PPOGymModule, "a2c": gym.A2CGymModule, "dqn": gym.DQNGymModule}[algo]
-    return module(env=EnvSpec(id=ENV_ID, num_envs=settings["num_envs"], seed=seed), total_steps=budget,
-                  evaluation=gym.EpisodeEvaluation(episodes=EVAL_EPISODES, deterministic=True),
-                  optimizer=lambda params: getattr(torch.optim, optimizer)(params, **optimizer_args), **kwargs)
+    return module(
+        env=EnvSpec(id=ENV_ID, num_envs=settings["num_envs"], seed=seed),
+        total_steps=budget,
+        evaluation=gym.EpisodeEvaluation(episodes=EVAL_EPISODES, deterministic=True),
+        optimizer=lambda params: getattr(torch.optim, optimizer)(params, **optimizer_args),
+        **kwargs,
+    )
 
 
 def sb3_kwargs(algo: str) -> dict:
@@ -258,31 +303,55 @@ def sb3_kwargs(algo: str) -> dict:
     settings = SETTINGS[algo]
     optimizer, optimizer_args = settings["optimizer"]
     lr = optimizer_args["lr"]
-    out = {"learning_rate": (lambda progress: progress * lr) if settings["lr_schedule"] == "linear" else lr,
-           "max_grad_norm": settings["updates"]["max_grad_norm"]}
+    out = {
+        "learning_rate": (lambda progress: progress * lr) if settings["lr_schedule"] == "linear" else lr,
+        "max_grad_norm": settings["updates"]["max_grad_norm"],
+    }
     if algo == "dqn":
         exploration, updates = settings["exploration"], settings["updates"]
         assert optimizer == "Adam" and settings["loss"] == "huber" and settings["init"] == "torch"  # SB3's own
-        return {**out, "batch_size": updates["minibatch_size"], "buffer_size": settings["buffer_size"],
-                "learning_starts": settings["learning_starts"], "gamma": settings["gamma"],
-                "target_update_interval": settings["target_update_interval"], "tau": settings["tau"],
-                "train_freq": settings["steps_per_iteration"], "gradient_steps": updates["gradient_steps"],
-                "exploration_fraction": exploration["fraction"], "exploration_initial_eps": exploration["initial"],
-                "exploration_final_eps": exploration["final"],
-                "policy_kwargs": {"net_arch": list(settings["hidden"])}}
+        return {
+            **out,
+            "batch_size": updates["minibatch_size"],
+            "buffer_size": settings["buffer_size"],
+            "learning_starts": settings["learning_starts"],
+            "gamma": settings["gamma"],
+            "target_update_interval": settings["target_update_interval"],
+            "tau": settings["tau"],
+            "train_freq": settings["steps_per_iteration"],
+            "gradient_steps": updates["gradient_steps"],
+            "exploration_fraction": exploration["fraction"],
+            "exploration_initial_eps": exploration["initial"],
+            "exploration_final_eps": exploration["final"],
+            "policy_kwargs": {"net_arch": list(settings["hidden"])},
+        }
     gae, network = settings["gae"], settings["network"]
     assert network["activation"] == "tanh" and not network["shared"]  # SB3's MlpPolicy: tanh, separate networks
-    out.update({"n_steps": settings["steps_per_iteration"], "gamma": gae["gamma"], "gae_lambda": gae["lam"],
-                "normalize_advantage": gae["whiten_advantages"], "ent_coef": settings["entropy_coef"],
-                "vf_coef": settings["value"]["coef"] / 2,
-                "policy_kwargs": {"net_arch": {"pi": list(network["hidden"]), "vf": list(network["hidden"])},
-                                  "ortho_init": True}})
+    out.update(
+        {
+            "n_steps": settings["steps_per_iteration"],
+            "gamma": gae["gamma"],
+            "gae_lambda": gae["lam"],
+            "normalize_advantage": gae["whiten_advantages"],
+            "ent_coef": settings["entropy_coef"],
+            "vf_coef": settings["value"]["coef"] / 2,
+            "policy_kwargs": {
+                "net_arch": {"pi": list(network["hidden"]), "vf": list(network["hidden"])},
+                "ortho_init": True,
+            },
+        }
+    )
     if algo == "ppo":
         updates, clip = settings["updates"], settings["clip"]
         low = clip["low"]
         assert settings["value"].get("clip") is None and clip.get("high") is None  # SB3's clip_range_vf: None
-        out.update({"n_epochs": updates["epochs"], "batch_size": updates["minibatch_size"],
-                    "clip_range": (lambda progress: progress * low) if clip["schedule"] == "linear" else low})
+        out.update(
+            {
+                "n_epochs": updates["epochs"],
+                "batch_size": updates["minibatch_size"],
+                "clip_range": (lambda progress: progress * low) if clip["schedule"] == "linear" else low,
+            }
+        )
     else:  # A2C: RMSprop (SB3's alpha is 0.99) or Adam
         assert optimizer == "RMSprop" and optimizer_args.get("alpha", 0.99) == 0.99
         out.update({"use_rms_prop": True, "rms_prop_eps": optimizer_args["eps"]})
@@ -310,9 +379,18 @@ def run_align(spec: dict) -> dict:
             if not tracker.boundary(pl_module.env_steps, lambda: evaluate(pl_module)):
                 trainer.should_stop = True
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[Evaluations()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Evaluations()],
+    )
     trainer.fit(module)  # one endless epoch: the module stops itself at total_steps, the callback at the target
     return tracker.result(threads, load_start)
 
@@ -413,25 +491,32 @@ def seconds_text(value: float) -> str:
 
 
 def print_trial(algo: str, seed: int, side: str, res: dict, target: float) -> None:
-    reached = (f"{target:g} at {res['steps_to_target']:,} env steps, {res['seconds_to_target']:.1f} s"
-               if res["steps_to_target"] is not None else f"{target:g} not reached")
-    print(f"{algo} seed {seed} {side:5s}: {reached}; {res['steps_per_s']:,.0f} env steps/s over "
-          f"{res['rate_steps']:,} steps (per 1k: collect {res['rollout_s_per_1k_steps']:.3f} s, update "
-          f"{res['update_s_per_1k_steps']:.3f} s, {res['cpu_s_per_1k_steps']:.3f} CPU s); final return "
-          f"{res['final_return']:.1f} after {res['total_steps']:,} steps; {res['evaluations']} evaluations, "
-          f"{res['eval_seconds']:.1f} s excluded; {res['threads']} threads; trial {res['process_seconds']:.0f} s; "
-          f"load {res['load_start']:.2f} -> {res['load']:.2f}, other processes {res['other_cores']:.2f} cores",
-          flush=True)
+    reached = (
+        f"{target:g} at {res['steps_to_target']:,} env steps, {res['seconds_to_target']:.1f} s"
+        if res["steps_to_target"] is not None
+        else f"{target:g} not reached"
+    )
+    print(
+        f"{algo} seed {seed} {side:5s}: {reached}; {res['steps_per_s']:,.0f} env steps/s over "
+        f"{res['rate_steps']:,} steps (per 1k: collect {res['rollout_s_per_1k_steps']:.3f} s, update "
+        f"{res['update_s_per_1k_steps']:.3f} s, {res['cpu_s_per_1k_steps']:.3f} CPU s); final return "
+        f"{res['final_return']:.1f} after {res['total_steps']:,} steps; {res['evaluations']} evaluations, "
+        f"{res['eval_seconds']:.1f} s excluded; {res['threads']} threads; trial {res['process_seconds']:.0f} s; "
+        f"load {res['load_start']:.2f} -> {res['load']:.2f}, other processes {res['other_cores']:.2f} cores",
+        flush=True,
+    )
 
 
 def summarise(trials: list[dict]) -> dict:
     """Medians over seeds; not reaching the target counts as infinity."""
     inf = float("inf")
     return {
-        "steps_to_target": statistics.median(inf if r["steps_to_target"] is None else r["steps_to_target"]
-                                             for r in trials),
-        "seconds_to_target": statistics.median(inf if r["seconds_to_target"] is None else r["seconds_to_target"]
-                                               for r in trials),
+        "steps_to_target": statistics.median(
+            inf if r["steps_to_target"] is None else r["steps_to_target"] for r in trials
+        ),
+        "seconds_to_target": statistics.median(
+            inf if r["seconds_to_target"] is None else r["seconds_to_target"] for r in trials
+        ),
         "reached": sum(r["steps_to_target"] is not None for r in trials),
         "steps_per_s": statistics.median(r["steps_per_s"] for r in trials),
         "cpu_s_per_1k_steps": statistics.median(r["cpu_s_per_1k_steps"] for r in trials),
@@ -453,23 +538,49 @@ def report(algo: str, settings: dict, seeds: list[int], results: dict[str, list[
     """Print the table of one algorithm and its PASS/FAIL lines; return the medians and verdicts."""
     med = {side: summarise(results[side]) for side in SIDES}
     a, s = med["align"], med["sb3"]
-    print(f"\n{algo.upper()} on {ENV_ID}, seeds {', '.join(map(str, seeds))}: budget {settings['budget']:,} env steps, "
-          f"evaluation every {settings['eval_every']:,} ({EVAL_EPISODES} greedy episodes), steps/s over the first "
-          f"{a['rate_steps']:,.0f}; medians over seeds")
+    print(
+        f"\n{algo.upper()} on {ENV_ID}, seeds {', '.join(map(str, seeds))}: budget {settings['budget']:,} env steps, "
+        f"evaluation every {settings['eval_every']:,} ({EVAL_EPISODES} greedy episodes), steps/s over the first "
+        f"{a['rate_steps']:,.0f}; medians over seeds"
+    )
     print(f"{'':24s}{'align':>14s}{'SB3':>14s}{'align/SB3':>11s}")
     rows = [
-        (f"steps to {target:g}", steps_text(a["steps_to_target"]), steps_text(s["steps_to_target"]),
-         ratio(a["steps_to_target"], s["steps_to_target"])),
-        (f"train s to {target:g}", seconds_text(a["seconds_to_target"]), seconds_text(s["seconds_to_target"]),
-         ratio(a["seconds_to_target"], s["seconds_to_target"])),
-        ("env steps/s", f"{a['steps_per_s']:,.0f}", f"{s['steps_per_s']:,.0f}",
-         ratio(a["steps_per_s"], s["steps_per_s"])),
-        ("  collect s per 1k steps", f"{a['rollout_s_per_1k_steps']:.3f}", f"{s['rollout_s_per_1k_steps']:.3f}",
-         ratio(a["rollout_s_per_1k_steps"], s["rollout_s_per_1k_steps"])),
-        ("  update s per 1k steps", f"{a['update_s_per_1k_steps']:.3f}", f"{s['update_s_per_1k_steps']:.3f}",
-         ratio(a["update_s_per_1k_steps"], s["update_s_per_1k_steps"])),
-        ("CPU s per 1k steps", f"{a['cpu_s_per_1k_steps']:.3f}", f"{s['cpu_s_per_1k_steps']:.3f}",
-         ratio(a["cpu_s_per_1k_steps"], s["cpu_s_per_1k_steps"])),
+        (
+            f"steps to {target:g}",
+            steps_text(a["steps_to_target"]),
+            steps_text(s["steps_to_target"]),
+            ratio(a["steps_to_target"], s["steps_to_target"]),
+        ),
+        (
+            f"train s to {target:g}",
+            seconds_text(a["seconds_to_target"]),
+            seconds_text(s["seconds_to_target"]),
+            ratio(a["seconds_to_target"], s["seconds_to_target"]),
+        ),
+        (
+            "env steps/s",
+            f"{a['steps_per_s']:,.0f}",
+            f"{s['steps_per_s']:,.0f}",
+            ratio(a["steps_per_s"], s["steps_per_s"]),
+        ),
+        (
+            "  collect s per 1k steps",
+            f"{a['rollout_s_per_1k_steps']:.3f}",
+            f"{s['rollout_s_per_1k_steps']:.3f}",
+            ratio(a["rollout_s_per_1k_steps"], s["rollout_s_per_1k_steps"]),
+        ),
+        (
+            "  update s per 1k steps",
+            f"{a['update_s_per_1k_steps']:.3f}",
+            f"{s['update_s_per_1k_steps']:.3f}",
+            ratio(a["update_s_per_1k_steps"], s["update_s_per_1k_steps"]),
+        ),
+        (
+            "CPU s per 1k steps",
+            f"{a['cpu_s_per_1k_steps']:.3f}",
+            f"{s['cpu_s_per_1k_steps']:.3f}",
+            ratio(a["cpu_s_per_1k_steps"], s["cpu_s_per_1k_steps"]),
+        ),
         ("final return", f"{a['final_return']:.1f}", f"{s['final_return']:.1f}", ""),
         ("seeds reaching target", f"{a['reached']}/{len(seeds)}", f"{s['reached']}/{len(seeds)}", ""),
         ("other processes, cores", f"{a['other_cores']:.2f}", f"{s['other_cores']:.2f}", ""),
@@ -478,32 +589,62 @@ def report(algo: str, settings: dict, seeds: list[int], results: dict[str, list[
         print(f"{label:24s}{x:>14s}{y:>14s}{r:>11s}")
     for i, seed in enumerate(seeds):
         x, y = results["align"][i], results["sb3"][i]
-        print(f"  seed {seed}: steps to {target:g} {steps_text(x['steps_to_target']):>11s} / "
-              f"{steps_text(y['steps_to_target']):>11s}; steps/s {x['steps_per_s']:7,.0f} / {y['steps_per_s']:7,.0f}")
+        print(
+            f"  seed {seed}: steps to {target:g} {steps_text(x['steps_to_target']):>11s} / "
+            f"{steps_text(y['steps_to_target']):>11s}; steps/s {x['steps_per_s']:7,.0f} / {y['steps_per_s']:7,.0f}"
+        )
     sample = a["steps_to_target"] <= s["steps_to_target"] and not math.isinf(a["steps_to_target"])
     speed = a["steps_per_s"] / s["steps_per_s"]
-    print(f"{'PASS' if sample else 'FAIL'} {algo}: align reaches {target:g} in {steps_text(a['steps_to_target'])} "
-          f"env steps (median), SB3 in {steps_text(s['steps_to_target'])} (goal: align <= SB3)")
-    print(f"{'PASS' if speed >= 1.5 else 'FAIL'} {algo}: align {a['steps_per_s']:,.0f} env steps/s = {speed:.2f}x "
-          f"SB3's {s['steps_per_s']:,.0f} (goal: >= 1.5x)", flush=True)
-    return {"medians": med, "sample_efficiency_pass": sample, "throughput_ratio": speed,
-            "throughput_pass": speed >= 1.5}
+    print(
+        f"{'PASS' if sample else 'FAIL'} {algo}: align reaches {target:g} in {steps_text(a['steps_to_target'])} "
+        f"env steps (median), SB3 in {steps_text(s['steps_to_target'])} (goal: align <= SB3)"
+    )
+    print(
+        f"{'PASS' if speed >= 1.5 else 'FAIL'} {algo}: align {a['steps_per_s']:,.0f} env steps/s = {speed:.2f}x "
+        f"SB3's {s['steps_per_s']:,.0f} (goal: >= 1.5x)",
+        flush=True,
+    )
+    return {
+        "medians": med,
+        "sample_efficiency_pass": sample,
+        "throughput_ratio": speed,
+        "throughput_pass": speed >= 1.5,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algos", default="ppo,a2c,dqn", help="comma-separated: ppo, a2c, dqn")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="N seeds from --first-seed on, one align and one SB3 trial each (default 3; 1 with --quick)")
-    parser.add_argument("--first-seed", type=int, default=0,
-                        help="the first seed (default 0): a later range adds seeds to an earlier run's")
-    parser.add_argument("--eval-every", type=int, default=None,
-                        help="environment steps between evaluations (default: 5,000 for PPO and A2C, 2,500 for DQN)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="N seeds from --first-seed on, one align and one SB3 trial each (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the first seed (default 0): a later range adds seeds to an earlier run's",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="environment steps between evaluations (default: 5,000 for PPO and A2C, 2,500 for DQN)",
+    )
     parser.add_argument("--target", type=float, default=475.0, help="mean return over the 20 evaluation episodes")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads in every trial of both sides (default: torch's own default)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke check: tiny budgets and one seed (unless --seeds is given); nothing learns")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads in every trial of both sides (default: torch's own default)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke check: tiny budgets and one seed (unless --seeds is given); nothing learns",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the trials, medians and verdicts here")
     h.add_child_args(parser, CHILDREN)
     ns = parser.parse_args(argv)
@@ -515,8 +656,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--algos: expected some of {', '.join(ALGOS)}, got {ns.algos!r}")
     seeds = list(range(ns.first_seed, ns.first_seed + (ns.seeds if ns.seeds is not None else 1 if ns.quick else 3)))
 
-    print(f"{ENV_ID}: {', '.join(algos)}; seeds {seeds}; torch threads "
-          f"{ns.threads if ns.threads else 'default'}; load {h.load_average():.2f}", flush=True)
+    print(
+        f"{ENV_ID}: {', '.join(algos)}; seeds {seeds}; torch threads "
+        f"{ns.threads if ns.threads else 'default'}; load {h.load_average():.2f}",
+        flush=True,
+    )
     summary: dict = {}
     all_trials: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -540,11 +684,21 @@ def main(argv: list[str] | None = None) -> None:
     every = [r for trials in all_trials.values() for side in trials.values() for r in side]
     loads = [x for r in every for x in (r["load_start"], r["load"])]
     others = [r["other_cores"] for r in every]
-    print(f"\nload average (1 min) over the trials: {min(loads):.2f} - {max(loads):.2f} on {os.cpu_count()} CPUs; "
-          f"other processes kept {min(others):.2f} - {max(others):.2f} cores busy during training; torch threads "
-          f"per trial: {sorted({r['threads'] for r in every})}")
-    h.write_json(ns.json, {"env": ENV_ID, "seeds": seeds, "settings": {k: str(v) for k, v in vars(ns).items()},
-                           "trials": all_trials, "summary": summary})
+    print(
+        f"\nload average (1 min) over the trials: {min(loads):.2f} - {max(loads):.2f} on {os.cpu_count()} CPUs; "
+        f"other processes kept {min(others):.2f} - {max(others):.2f} cores busy during training; torch threads "
+        f"per trial: {sorted({r['threads'] for r in every})}"
+    )
+    h.write_json(
+        ns.json,
+        {
+            "env": ENV_ID,
+            "seeds": seeds,
+            "settings": {k: str(v) for k, v in vars(ns).items()},
+            "trials": all_trials,
+            "summary": summary,
+        },
+    )
 
 
 if __name__ == "__main__":

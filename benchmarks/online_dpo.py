@@ -63,9 +63,14 @@ def build_module(spec: dict):
 
     lora = LoraSettings(r=16, alpha=32) if spec["lora"] else None
     return OnlineDPOModule(
-        policy=PolicyModel(spec["model_dir"], lora=lora), rewards=[length_reward], group_size=2, beta=0.1,
-        loss_type="sigmoid", sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0),
-        updates=Updates(max_grad_norm=1.0), log_entropy=False,
+        policy=PolicyModel(spec["model_dir"], lora=lora),
+        rewards=[length_reward],
+        group_size=2,
+        beta=0.1,
+        loss_type="sigmoid",
+        sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0),
+        updates=Updates(max_grad_norm=1.0),
+        log_entropy=False,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True),
     )
 
@@ -85,15 +90,31 @@ def run_trl(spec: dict) -> dict:
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     h.set_threads(spec["threads"])
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]}
-                                 for p in h.sort_prompts(spec["prompts"])] * spec["steps"])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": p}]} for p in h.sort_prompts(spec["prompts"])] * spec["steps"]
+    )
     config = OnlineDPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=spec["prompts"],
-        max_new_tokens=spec["max_new_tokens"], max_steps=spec["steps"], learning_rate=1e-5,
-        lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused", max_grad_norm=1.0, beta=[0.1],
+        output_dir=str(Path(spec["workdir"]) / "trl"),
+        per_device_train_batch_size=spec["prompts"],
+        max_new_tokens=spec["max_new_tokens"],
+        max_steps=spec["steps"],
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        optim="adamw_torch_fused",
+        max_grad_norm=1.0,
+        beta=[0.1],
         loss_type="sigmoid",
-        gradient_accumulation_steps=1, temperature=1.0, top_p=1.0, logging_steps=1, report_to="none",
-        save_strategy="no", **h.trl_device(spec), seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_accumulation_steps=1,
+        temperature=1.0,
+        top_p=1.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        **h.trl_device(spec),
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
         gradient_checkpointing=False,  # as align (TRL's own default is on)
     )
     peft_config = None
@@ -102,8 +123,14 @@ def run_trl(spec: dict) -> dict:
 
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    trainer = OnlineDPOTrainer(model=spec["model_dir"], reward_funcs=length_reward, args=config,
-                               train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+    trainer = OnlineDPOTrainer(
+        model=spec["model_dir"],
+        reward_funcs=length_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
     original = trainer._generate
 
@@ -144,10 +171,18 @@ def main(argv: list[str] | None = None) -> None:
 
     med = h.medians(results)
     pair_ratio = h.ratios(med, ("pairs_per_s",)) if "trl" in med else {}
-    h.rl_report(ns, f"\nOnline DPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 2 "
-                    f"completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, {ns.threads} "
-                    f"threads, medians of {ns.trials} trials:", results, model_dir, n_params, PHASES,
-                pairs_per_s={fw: m["pairs_per_s"] for fw, m in med.items()}, pairs_ratio=pair_ratio)
+    h.rl_report(
+        ns,
+        f"\nOnline DPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 2 "
+        f"completions, {ns.max_new_tokens} new tokens, LoRA {'on' if ns.lora else 'off'}, {ns.threads} "
+        f"threads, medians of {ns.trials} trials:",
+        results,
+        model_dir,
+        n_params,
+        PHASES,
+        pairs_per_s={fw: m["pairs_per_s"] for fw, m in med.items()},
+        pairs_ratio=pair_ratio,
+    )
     for fw, m in med.items():
         print(f"{fw:8s}{m['pairs_per_s']:10.1f} pairs/s")
     if pair_ratio:

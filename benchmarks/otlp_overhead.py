@@ -16,9 +16,9 @@ What happens:
    at a closed port instead.
 2. Trials run in fresh subprocesses, alternating ``csv, otlp, csv, otlp, ...`` (``--trials`` each), so load drifts
    on a shared machine hit both arms alike. Each trial builds the module and data module from class paths (any
-   ``AlignModule``: SFT by default, GRPO/PPO by ``--module`` or ``--config``), trains ``--warmup + --steps`` steps, and times the interval
-   between consecutive ``on_train_batch_start`` hooks of a callback placed first: forward, backward, optimizer,
-   every other callback and every logger call of the step are inside it. Warmup steps are excluded.
+   ``AlignModule``: SFT by default, GRPO/PPO by ``--module`` or ``--config``), trains ``--warmup + --steps`` steps, and
+   times the interval between consecutive ``on_train_batch_start`` hooks of a callback placed first: forward, backward,
+   optimizer, every other callback and every logger call of the step are inside it. Warmup steps are excluded.
 3. ``csv`` trials have Lightning's CSVLogger (what every align run has). ``otlp`` trials add ``OTLPLogger`` and
    ``OTelTracingCallback`` with their defaults except the endpoint, and log every step (``--log-every 1`` is the worst
    case; align's configs log every 10 steps).
@@ -76,9 +76,19 @@ def run_trial(spec: dict, arm: str) -> dict:
 
         logger = OTLPLogger(endpoint=spec["endpoint"], protocol=spec["protocol"])
         tracer = OTelTracingCallback(endpoint=spec["endpoint"], protocol=spec["protocol"])
-        for obj, names in ((logger, ("log_metrics", "log_hyperparams")),
-                           (tracer, ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start",
-                                     "on_train_epoch_end", "open_span"))):
+        for obj, names in (
+            (logger, ("log_metrics", "log_hyperparams")),
+            (
+                tracer,
+                (
+                    "on_train_batch_start",
+                    "on_train_batch_end",
+                    "on_train_epoch_start",
+                    "on_train_epoch_end",
+                    "open_span",
+                ),
+            ),
+        ):
             for name in names:
                 if hasattr(obj, name):
                     setattr(obj, name, _timed(getattr(obj, name), hook_time, meter))
@@ -92,15 +102,29 @@ def run_trial(spec: dict, arm: str) -> dict:
     else:
         module = _load(spec["module"])(**spec["module_args"])
         data = _load(spec["datamodule"])(**spec["data_args"])
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["warmup"] + spec["steps"], logger=loggers,
-                        callbacks=callbacks, log_every_n_steps=spec["log_every"], enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, default_root_dir=root)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=spec["warmup"] + spec["steps"],
+        logger=loggers,
+        callbacks=callbacks,
+        log_every_n_steps=spec["log_every"],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     trainer.fit(module, data)
-    out = {"arm": arm, "step_times": meter.step_seconds, "median": statistics.median(meter.step_seconds),
-           "median_process_cpu": statistics.median(meter.step_cpu_seconds),
-           "median_thread_cpu": statistics.median(meter.step_thread_cpu_seconds),
-           "hook_s_per_step": hook_time[0] / max(len(meter.step_seconds), 1)}
+    out = {
+        "arm": arm,
+        "step_times": meter.step_seconds,
+        "median": statistics.median(meter.step_seconds),
+        "median_process_cpu": statistics.median(meter.step_cpu_seconds),
+        "median_thread_cpu": statistics.median(meter.step_thread_cpu_seconds),
+        "hook_s_per_step": hook_time[0] / max(len(meter.step_seconds), 1),
+    }
     if arm == "otlp":
         out["dropped"] = {"metrics": loggers[1].dropped, "spans": callbacks[1].dropped}
     return out
@@ -108,6 +132,7 @@ def run_trial(spec: dict, arm: str) -> dict:
 
 def _timed(fn, acc: list, meter: h.StepMeter):
     """``fn``, adding its seconds to ``acc[0]`` in timed steps."""
+
     def wrapper(*args, **kwargs):
         if not meter.timing:
             return fn(*args, **kwargs)
@@ -142,10 +167,24 @@ def start_rotel(tmp: Path):
         except ImportError:
             sys.exit("the rotel collector is not installed: pip install -e '.[dev]' (or run with --collector down)")
     grpc_port, http_port = free_port(), free_port()
-    proc = subprocess.Popen([binary, "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
-                             "--otlp-http-endpoint", f"127.0.0.1:{http_port}", "--exporter", "blackhole",
-                             "--pid-file", str(tmp / "rotel.pid"), "--log-file", str(tmp / "rotel.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "start",
+            "--otlp-grpc-endpoint",
+            f"127.0.0.1:{grpc_port}",
+            "--otlp-http-endpoint",
+            f"127.0.0.1:{http_port}",
+            "--exporter",
+            "blackhole",
+            "--pid-file",
+            str(tmp / "rotel.pid"),
+            "--log-file",
+            str(tmp / "rotel.log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
@@ -164,8 +203,12 @@ def main() -> None:
     parser.add_argument("--datamodule", default="align.data.sft.SFTDataModule", help="LightningDataModule class path")
     parser.add_argument("--data-args", default='{"batch_size": 8, "max_length": 64}', help="JSON init args")
     parser.add_argument("--config", default=None, help="build module and data from this recipe YAML instead")
-    parser.add_argument("--override", action="append", default=[],
-                        help="a CLI override for --config, e.g. --override=--model.init_args.group_size=4 (repeatable)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a CLI override for --config, e.g. --override=--model.init_args.group_size=4 (repeatable)",
+    )
     parser.add_argument("--trials", type=int, default=5, help="trials per arm (alternating)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per trial")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
@@ -190,22 +233,39 @@ def main() -> None:
     else:
         endpoint = f"127.0.0.1:{free_port()}" if args.protocol == "grpc" else f"http://127.0.0.1:{free_port()}"
     load_before = os.getloadavg()
-    spec = {"config": args.config, "overrides": args.override, "module": args.module,
-            "module_args": json.loads(args.module_args), "datamodule": args.datamodule,
-            "data_args": json.loads(args.data_args), "steps": args.steps, "warmup": args.warmup,
-            "log_every": args.log_every, "threads": args.threads, "endpoint": endpoint, "protocol": args.protocol,
-            "workdir": str(tmp)}
+    spec = {
+        "config": args.config,
+        "overrides": args.override,
+        "module": args.module,
+        "module_args": json.loads(args.module_args),
+        "datamodule": args.datamodule,
+        "data_args": json.loads(args.data_args),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "log_every": args.log_every,
+        "threads": args.threads,
+        "endpoint": endpoint,
+        "protocol": args.protocol,
+        "workdir": str(tmp),
+    }
 
     def report(trial: int, arm: str, result: dict) -> None:
-        extra = (f"  in OTLP code {result['hook_s_per_step'] * 1e6:6.0f} us/step  dropped {result['dropped']}"
-                 if "dropped" in result else "")
-        print(f"trial {trial - 1} {arm:4s}: median step {result['median'] * 1e3:8.2f} ms  process CPU "
-              f"{result['median_process_cpu'] * 1e3:8.2f} ms  training-thread CPU "
-              f"{result['median_thread_cpu'] * 1e3:8.2f} ms{extra}", flush=True)
+        extra = (
+            f"  in OTLP code {result['hook_s_per_step'] * 1e6:6.0f} us/step  dropped {result['dropped']}"
+            if "dropped" in result
+            else ""
+        )
+        print(
+            f"trial {trial - 1} {arm:4s}: median step {result['median'] * 1e3:8.2f} ms  process CPU "
+            f"{result['median_process_cpu'] * 1e3:8.2f} ms  training-thread CPU "
+            f"{result['median_thread_cpu'] * 1e3:8.2f} ms{extra}",
+            flush=True,
+        )
 
     try:
-        results = h.Trials(__file__, spec, tmp, threads=args.threads, cwd=tmp).alternate(("csv", "otlp"),
-                                                                                         args.trials, report)
+        results = h.Trials(__file__, spec, tmp, threads=args.threads, cwd=tmp).alternate(
+            ("csv", "otlp"), args.trials, report
+        )
     finally:
         if proc is not None:
             proc.terminate()
@@ -223,26 +283,53 @@ def main() -> None:
     pooled = {arm: statistics.median(t for r in rs for t in r["step_times"]) for arm, rs in results.items()}
     overhead = (med["otlp"] / med["csv"] - 1) * 100
     pooled_overhead = (pooled["otlp"] / pooled["csv"] - 1) * 100
-    print(f"\n{args.config or args.module}, {args.trials} trials x {args.steps} timed steps per arm, log every "
-          f"{args.log_every} step(s), {args.protocol} to {'rotel' if proc else 'a closed port'}")
-    print(f"median step time  csv: {med['csv'] * 1e3:.2f} ms   csv+otlp: {med['otlp'] * 1e3:.2f} ms   "
-          f"overhead: {overhead:+.2f}%  (target <= 2%)")
-    print(f"pooled medians    csv: {pooled['csv'] * 1e3:.2f} ms   csv+otlp: {pooled['otlp'] * 1e3:.2f} ms   "
-          f"overhead: {pooled_overhead:+.2f}%")
-    print(f"process CPU/step  csv: {cpu['csv'] * 1e3:.2f} ms   csv+otlp: {cpu['otlp'] * 1e3:.2f} ms   "
-          f"overhead: {cpu_overhead:+.2f}%  (all threads of the trainer: training and export)")
-    print(f"thread CPU/step   csv: {tcpu['csv'] * 1e3:.2f} ms   csv+otlp: {tcpu['otlp'] * 1e3:.2f} ms   "
-          f"overhead: {tcpu_overhead:+.2f}%  (the training thread only)")
-    print(f"in the OTLP logger's and callback's code on the training thread: {hook * 1e6:.0f} us/step = "
-          f"{hook_pct:.2f}% of the CSV-only median step (export itself runs on background threads)")
+    print(
+        f"\n{args.config or args.module}, {args.trials} trials x {args.steps} timed steps per arm, log every "
+        f"{args.log_every} step(s), {args.protocol} to {'rotel' if proc else 'a closed port'}"
+    )
+    print(
+        f"median step time  csv: {med['csv'] * 1e3:.2f} ms   csv+otlp: {med['otlp'] * 1e3:.2f} ms   "
+        f"overhead: {overhead:+.2f}%  (target <= 2%)"
+    )
+    print(
+        f"pooled medians    csv: {pooled['csv'] * 1e3:.2f} ms   csv+otlp: {pooled['otlp'] * 1e3:.2f} ms   "
+        f"overhead: {pooled_overhead:+.2f}%"
+    )
+    print(
+        f"process CPU/step  csv: {cpu['csv'] * 1e3:.2f} ms   csv+otlp: {cpu['otlp'] * 1e3:.2f} ms   "
+        f"overhead: {cpu_overhead:+.2f}%  (all threads of the trainer: training and export)"
+    )
+    print(
+        f"thread CPU/step   csv: {tcpu['csv'] * 1e3:.2f} ms   csv+otlp: {tcpu['otlp'] * 1e3:.2f} ms   "
+        f"overhead: {tcpu_overhead:+.2f}%  (the training thread only)"
+    )
+    print(
+        f"in the OTLP logger's and callback's code on the training thread: {hook * 1e6:.0f} us/step = "
+        f"{hook_pct:.2f}% of the CSV-only median step (export itself runs on background threads)"
+    )
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} cores)")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "args": vars(args), "median_step_s": med, "overhead_pct": overhead, "pooled_median_step_s": pooled,
-            "pooled_overhead_pct": pooled_overhead, "otlp_code_s_per_step": hook, "otlp_code_pct": hook_pct,
-            "median_process_cpu_s": cpu, "process_cpu_overhead_pct": cpu_overhead, "median_thread_cpu_s": tcpu,
-            "thread_cpu_overhead_pct": tcpu_overhead, "load_before": load_before, "load_after": load_after,
-            "trials": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "median_step_s": med,
+                    "overhead_pct": overhead,
+                    "pooled_median_step_s": pooled,
+                    "pooled_overhead_pct": pooled_overhead,
+                    "otlp_code_s_per_step": hook,
+                    "otlp_code_pct": hook_pct,
+                    "median_process_cpu_s": cpu,
+                    "process_cpu_overhead_pct": cpu_overhead,
+                    "median_thread_cpu_s": tcpu,
+                    "thread_cpu_overhead_pct": tcpu_overhead,
+                    "load_before": load_before,
+                    "load_after": load_after,
+                    "trials": results,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

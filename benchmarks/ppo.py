@@ -69,25 +69,30 @@ def build_module(spec: dict):
     from align.models import CriticSettings, PolicyModel
     from align.modules.options import GAE, ClipRange, KLPenalty, Updates, ValueTraining
     from align.modules.ppo import PPOModule
-    from align.rollout.rewards import RewardModelSpec
     from align.rollout.engine import SamplingConfig
+    from align.rollout.rewards import RewardModelSpec
 
     return PPOModule(
         policy=PolicyModel(spec["model_dir"], critic=CriticSettings(kind="separate", model=spec["rm_dir"])),
-        reward_model=RewardModelSpec(spec["rm_dir"], batch_size=spec["prompts"]), eval_rewards=[],
+        reward_model=RewardModelSpec(spec["rm_dir"], batch_size=spec["prompts"]),
+        eval_rewards=[],
         sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0),
-        kl=KLPenalty(coef=KL_COEF, estimator="k1", placement="reward"), gae=GAE(gamma=1.0, lam=0.95),
-        clip=ClipRange(low=0.2), value=ValueTraining(coef=0.1, clip=0.2),
+        kl=KLPenalty(coef=KL_COEF, estimator="k1", placement="reward"),
+        gae=GAE(gamma=1.0, lam=0.95),
+        clip=ClipRange(low=0.2),
+        value=ValueTraining(coef=0.1, clip=0.2),
         updates=Updates(epochs=spec["ppo_epochs"], minibatches=spec["minibatches"], max_grad_norm=1.0),
-        log_entropy=True, optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True),
+        log_entropy=True,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True),
     )
 
 
 def run_align(spec: dict) -> dict:
     h.set_threads(spec["threads"])
     # A rollout takes ppo_epochs x minibatches optimizer steps.
-    return h.rl_align_trial(spec, build_module(spec), PHASES,
-                            max_steps=spec["steps"] * spec["ppo_epochs"] * spec["minibatches"])
+    return h.rl_align_trial(
+        spec, build_module(spec), PHASES, max_steps=spec["steps"] * spec["ppo_epochs"] * spec["minibatches"]
+    )
 
 
 def run_trl(spec: dict) -> dict:
@@ -102,8 +107,10 @@ def run_trl(spec: dict) -> dict:
         import trl.experimental.ppo.ppo_trainer as ppo_module
         from trl.experimental.ppo import PPOConfig, PPOTrainer
     except ImportError as err:
-        raise SystemExit(f"TRL {trl.__version__} ({trl.__file__}) has no PPO trainer ({err}); TRL removed "
-                         "trl.experimental.ppo in 1.13.0. Pass --trl-path with TRL 1.12.0 installed there.")
+        raise SystemExit(
+            f"TRL {trl.__version__} ({trl.__file__}) has no PPO trainer ({err}); TRL removed "
+            "trl.experimental.ppo in 1.13.0. Pass --trl-path with TRL 1.12.0 installed there."
+        ) from err
     h.set_threads(spec["threads"])
     # Left padding, as TRL's PPO examples load it: TRL generates from the padded queries, and a right-padded prompt
     # would be continued after its padding.
@@ -111,35 +118,68 @@ def run_trl(spec: dict) -> dict:
     from align.data.chat import ChatEncoder  # the same prompt ids as align's prompt data
 
     encoder = ChatEncoder(tokenizer)
-    rows = [{"input_ids": encoder.prompt_ids([{"role": "user", "content": p}])}
-            for p in h.sort_prompts(spec["prompts"])]
+    rows = [
+        {"input_ids": encoder.prompt_ids([{"role": "user", "content": p}])} for p in h.sort_prompts(spec["prompts"])
+    ]
     tokenizer.pad_token = distinct_pad_token(tokenizer, rows)
     dataset = Dataset.from_list(rows * (spec["steps"] + 1))
     n = spec["prompts"]
     config = PPOConfig(
         # TRL 1.12's rollout is per_device_train_batch_size x gradient_accumulation_steps prompts, split into
         # num_mini_batches minibatches: n prompts per step, as align's, in minibatches of n / minibatches rows.
-        output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=n,
-        gradient_accumulation_steps=1, num_mini_batches=spec["minibatches"], num_ppo_epochs=spec["ppo_epochs"],
-        total_episodes=n * spec["steps"], local_rollout_forward_batch_size=n, response_length=spec["max_new_tokens"],
-        temperature=1.0, stop_token="eos", missing_eos_penalty=None, kl_coef=KL_COEF, kl_estimator="k1",
-        cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, whiten_rewards=False,
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, optim="adamw_torch_fused",
-        max_grad_norm=1.0, logging_steps=1,
-        report_to="none", save_strategy="no", **h.trl_device(spec), seed=0, num_sample_generations=0,
-        dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(Path(spec["workdir"]) / "trl"),
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        num_mini_batches=spec["minibatches"],
+        num_ppo_epochs=spec["ppo_epochs"],
+        total_episodes=n * spec["steps"],
+        local_rollout_forward_batch_size=n,
+        response_length=spec["max_new_tokens"],
+        temperature=1.0,
+        stop_token="eos",
+        missing_eos_penalty=None,
+        kl_coef=KL_COEF,
+        kl_estimator="k1",
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+        gamma=1.0,
+        lam=0.95,
+        whiten_rewards=False,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        optim="adamw_torch_fused",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        **h.trl_device(spec),
+        seed=0,
+        num_sample_generations=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
         gradient_checkpointing=False,  # as align (TRL's own default is on)
     )
     policy = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     reward = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1, dtype=torch.float32)
     value = AutoModelForSequenceClassification.from_pretrained(spec["trl_rm_dir"], num_labels=1, dtype=torch.float32)
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=dataset)
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=dataset,
+    )
     if (config.local_batch_size, config.local_mini_batch_size) != (n, n // spec["minibatches"]):
-        raise SystemExit(f"TRL's PPO derived a rollout of {config.local_batch_size} prompts in minibatches of "
-                         f"{config.local_mini_batch_size}; the comparison needs {n} in minibatches of "
-                         f"{n // spec['minibatches']}")
+        raise SystemExit(
+            f"TRL's PPO derived a rollout of {config.local_batch_size} prompts in minibatches of "
+            f"{config.local_mini_batch_size}; the comparison needs {n} in minibatches of "
+            f"{n // spec['minibatches']}"
+        )
     meter = h.StepMeter(spec["warmup"], sync=h.device_sync(spec))
 
     def timed(fn, phase):
@@ -148,11 +188,12 @@ def run_trl(spec: dict) -> dict:
             out = fn(*args, **kwargs)
             meter.add(**{f"{phase}_s": time.perf_counter() - start})
             if phase == "generation":  # (query_responses, logits): count valid completion tokens up to the first EOS
-                responses = out[0][:, args[1].shape[1]:]
+                responses = out[0][:, args[1].shape[1] :]
                 is_eos = responses == tokenizer.eos_token_id
                 valid = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
                 meter.add(tokens=int(valid.sum()))
             return out
+
         return wrapper
 
     ppo_module.batch_generation = timed(ppo_module.batch_generation, "generation")
@@ -167,11 +208,15 @@ def distinct_pad_token(tokenizer, rows: list[dict]) -> str:
     (``query_responses != pad_token_id`` as the attention mask, the first pad as a completion's end), so with
     ``pad == EOS`` (SmolLM2's tokenizer) it masks the prompt's own end-of-turn token out of every forward pass
     and ends a completion's scoring at its first EOS. align pads by attention mask and is unaffected."""
-    from align.models.reward_export import scoring_pad_token  # the reward-model export's choice of a pad that is not EOS
+    from align.models.reward_export import (
+        scoring_pad_token,  # the reward-model export's choice of a pad that is not EOS
+    )
 
     pad = scoring_pad_token(tokenizer)
     if pad is None or tokenizer.convert_tokens_to_ids(pad) in {i for row in rows for i in row["input_ids"]}:
-        raise SystemExit(f"TRL's PPO needs a pad token that is neither EOS nor in a prompt; this tokenizer offers {pad!r}")
+        raise SystemExit(
+            f"TRL's PPO needs a pad token that is neither EOS nor in a prompt; this tokenizer offers {pad!r}"
+        )
     return pad
 
 
@@ -183,16 +228,25 @@ CHILDREN = {"align": run_align, "trl": run_trl}
 
 def _trl_has_ppo(trl_path: str | None) -> str | None:
     """None when TRL's PPO trainer imports (from ``trl_path`` when given), else the reason it does not."""
-    code = ("import sys; p = sys.argv[1]; sys.path.insert(0, p) if p else None; import trl; "
-            "print(trl.__version__); from trl.experimental.ppo import PPOTrainer")
-    proc = subprocess.run([sys.executable, "-c", code, trl_path or ""], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"), check=False)
+    code = (
+        "import sys; p = sys.argv[1]; sys.path.insert(0, p) if p else None; import trl; "
+        "print(trl.__version__); from trl.experimental.ppo import PPOTrainer"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, trl_path or ""],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        check=False,
+    )
     if proc.returncode == 0:
         return None
     version = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "?"
-    return (f"TRL {version} has no PPO trainer (trl.experimental.ppo does not import: "
-            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'unknown error'}); TRL removed it "
-            "in 1.13.0. Install 1.12.0 with `pip install --no-deps --target DIR trl==1.12.0` and pass --trl-path DIR.")
+    return (
+        f"TRL {version} has no PPO trainer (trl.experimental.ppo does not import: "
+        f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'unknown error'}); TRL removed it "
+        "in 1.13.0. Install 1.12.0 with `pip install --no-deps --target DIR trl==1.12.0` and pass --trl-path DIR."
+    )
 
 
 def save_reward_models(model_dir: str, rm_dir: Path, trl_rm_dir: Path) -> None:
@@ -243,17 +297,36 @@ def main(argv: list[str] | None = None) -> None:
         model_dir, model_name, n_params = h.rl_model(ns, tmp)
         print(f"model: {model_name}, {n_params / 1e6:.2f}M parameters, from {model_dir}", flush=True)
         save_reward_models(model_dir, rm_dir, trl_rm_dir)
-        spec = {"model_dir": model_dir, "rm_dir": str(rm_dir), "trl_rm_dir": str(trl_rm_dir), "workdir": tmp,
-                "prompts": ns.prompts, "max_new_tokens": ns.max_new_tokens, "steps": ns.steps + ns.warmup,
-                "warmup": ns.warmup, "threads": ns.threads, "ppo_epochs": ns.ppo_epochs,
-                "minibatches": ns.minibatches, "trl_path": ns.trl_path}
+        spec = {
+            "model_dir": model_dir,
+            "rm_dir": str(rm_dir),
+            "trl_rm_dir": str(trl_rm_dir),
+            "workdir": tmp,
+            "prompts": ns.prompts,
+            "max_new_tokens": ns.max_new_tokens,
+            "steps": ns.steps + ns.warmup,
+            "warmup": ns.warmup,
+            "threads": ns.threads,
+            "ppo_epochs": ns.ppo_epochs,
+            "minibatches": ns.minibatches,
+            "trl_path": ns.trl_path,
+        }
         results = h.Trials(__file__, spec, Path(tmp), threads=ns.threads).alternate(
-            frameworks, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES))
+            frameworks, ns.trials, lambda trial, kind, res: h.print_rl_trial(trial, kind, res, PHASES)
+        )
 
-    h.rl_report(ns, f"\nPPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 1 "
-                    f"completion, {ns.max_new_tokens} new tokens, {ns.ppo_epochs} epochs x {ns.minibatches} "
-                    f"minibatches, {ns.threads} threads, medians of {ns.trials} trials:", results, model_dir,
-                n_params, PHASES, trl_not_run=trl_missing)
+    h.rl_report(
+        ns,
+        f"\nPPO full step, {model_name} ({n_params / 1e6:.2f}M parameters), {ns.prompts} prompts x 1 "
+        f"completion, {ns.max_new_tokens} new tokens, {ns.ppo_epochs} epochs x {ns.minibatches} "
+        f"minibatches, {ns.threads} threads, medians of {ns.trials} trials:",
+        results,
+        model_dir,
+        n_params,
+        PHASES,
+        trl_not_run=trl_missing,
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,10 @@
 """Classic RL on Gymnasium. With no arguments: PPO on CartPole-v1 (configs/gym/ppo-cartpole.yaml, about 30 s).
 
-    python recipes/gym.py
-    python recipes/gym.py --config configs/gym/dqn-cartpole.yaml
-    python recipes/gym.py --config configs/gym/qlearning-frozenlake.yaml
-    python recipes/gym.py --model.env.id Acrobot-v1 --model.total_steps 200000
-    python recipes/gym.py --print_config
+python recipes/gym.py
+python recipes/gym.py --config configs/gym/dqn-cartpole.yaml
+python recipes/gym.py --config configs/gym/qlearning-frozenlake.yaml
+python recipes/gym.py --model.env.id Acrobot-v1 --model.total_steps 200000
+python recipes/gym.py --print_config
 """
 
 from align.cli import run_recipe

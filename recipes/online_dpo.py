@@ -1,9 +1,9 @@
 """Online DPO. With no arguments: the shipped SFT-warmed tiny model on the bundled sorting task, graded reward.
 
-    python recipes/online_dpo.py
-    python recipes/online_dpo.py --config configs/online_dpo/tiny.yaml --model.beta 0.2
-    python recipes/online_dpo.py --model.loss_type ipo --trainer.max_steps 100
-    python recipes/online_dpo.py --print_config
+python recipes/online_dpo.py
+python recipes/online_dpo.py --config configs/online_dpo/tiny.yaml --model.beta 0.2
+python recipes/online_dpo.py --model.loss_type ipo --trainer.max_steps 100
+python recipes/online_dpo.py --print_config
 """
 
 from align.cli import run_recipe

@@ -1,8 +1,8 @@
 """TRPO. With no arguments: the shipped SFT-warmed tiny model on the bundled sorting task, exact-match reward.
 
-    python recipes/trpo.py
-    python recipes/trpo.py --model.trust_region.max_kl 0.05 --trainer.max_steps 60
-    python recipes/trpo.py --print_config
+python recipes/trpo.py
+python recipes/trpo.py --model.trust_region.max_kl 0.05 --trainer.max_steps 60
+python recipes/trpo.py --print_config
 """
 
 from align.cli import run_recipe

@@ -36,14 +36,20 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # align from this checkout, installed or not
-SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-             intermediate_size=4864, vocab_size=49152)
+SHAPE = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=49152,
+)
 """The benchmark model: a Llama of SmolLM2-360M's / Qwen2.5-0.5B's size class, about 0.4B parameters."""
 
 
@@ -59,16 +65,32 @@ class Recipe:
 
 RECIPES = {
     # tests/e2e/test_recipes_grpo.py; 0.24 -> 0.56-0.59 on CPU and on an H200
-    "grpo": Recipe("val/reward_mean", "after - before >= 0.2", lambda b, a: a - b >= 0.2,
-                   ("--trainer.max_steps", "4"), "runs (4 steps are too few to learn)", lambda b, a: True),
+    "grpo": Recipe(
+        "val/reward_mean",
+        "after - before >= 0.2",
+        lambda b, a: a - b >= 0.2,
+        ("--trainer.max_steps", "4"),
+        "runs (4 steps are too few to learn)",
+        lambda b, a: True,
+    ),
     # 6.29 -> 0.012 on an H200 under bf16-mixed
-    "sft": Recipe("val/loss", "after <= 0.5", lambda b, a: a <= 0.5,
-                  ("--trainer.max_epochs", "1", "--trainer.max_steps", "30"), "after <= before - 1",
-                  lambda b, a: a <= b - 1),
+    "sft": Recipe(
+        "val/loss",
+        "after <= 0.5",
+        lambda b, a: a <= 0.5,
+        ("--trainer.max_epochs", "1", "--trainer.max_steps", "30"),
+        "after <= before - 1",
+        lambda b, a: a <= b - 1,
+    ),
     # tests/e2e/test_recipes_preference.py; 0.50 -> 0.955 on an H200
-    "dpo": Recipe("val/dpo_accuracy", "|before - 0.5| < 0.1 and after >= 0.85",
-                  lambda b, a: abs(b - 0.5) < 0.1 and a >= 0.85,
-                  ("--trainer.max_steps", "20"), "after > before", lambda b, a: a > b),
+    "dpo": Recipe(
+        "val/dpo_accuracy",
+        "|before - 0.5| < 0.1 and after >= 0.85",
+        lambda b, a: abs(b - 0.5) < 0.1 and a >= 0.85,
+        ("--trainer.max_steps", "20"),
+        "after > before",
+        lambda b, a: a > b,
+    ),
 }
 
 
@@ -97,11 +119,18 @@ def judge_tests(junit: Path, rc: int) -> dict:
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-              if c.find("failure") is not None or c.find("error") is not None]
+    failed = [
+        f"{c.get('classname')}::{c.get('name')}"
+        for c in suite.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
     ok = rc == 0 and counts["tests"] > 0 and not (counts["failures"] or counts["errors"] or counts["skipped"])
-    return {**counts, "failed": failed[:20], "status": "ok" if ok else "failed",
-            **({} if ok else {"why": f"pytest exit {rc}: {counts}"})}
+    return {
+        **counts,
+        "failed": failed[:20],
+        "status": "ok" if ok else "failed",
+        **({} if ok else {"why": f"pytest exit {rc}: {counts}"}),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,15 +150,23 @@ class Step:
 
 def environment(threads: int, device: str) -> dict:
     """The child processes' environment: offline, this checkout first on ``PYTHONPATH``, ``threads`` threads."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=str(threads),
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     env["ALIGN_TEST_DEVICE"] = device  # the gpu tests run there; without that device they fail instead of skipping
     return env
 
 
-def run_steps(steps: list[Step], jobs: int, deadline: float, workdir: Path,
-              done: Callable[[Step, int, str], None]) -> None:
+def run_steps(
+    steps: list[Step], jobs: int, deadline: float, workdir: Path, done: Callable[[Step, int, str], None]
+) -> None:
     """Run ``steps``, at most ``jobs`` at a time; each is stopped (its whole process group) when its box or the
     ``deadline`` passes. ``done(step, rc, output)`` after each; rc is None for a step stopped or never started."""
     waiting, running = list(steps), []
@@ -143,8 +180,14 @@ def run_steps(steps: list[Step], jobs: int, deadline: float, workdir: Path,
                 step.log = workdir / f"{step.name.replace('/', '-')}.log"
                 step.started = time.monotonic()
                 with step.log.open("w") as log:
-                    step.proc = subprocess.Popen(step.command, cwd=REPO, env=step.env, stdout=log,
-                                                 stderr=subprocess.STDOUT, start_new_session=True)
+                    step.proc = subprocess.Popen(
+                        step.command,
+                        cwd=REPO,
+                        env=step.env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
                 running.append(step)
             time.sleep(0.2)
             for step in list(running):
@@ -212,12 +255,24 @@ def benchmark_rows(name: str, result: dict, config: dict, peak: float | None) ->
             tokens = m.get("update_tokens_per_step")
             rows_per_step = result["settings"]["prompts"] * result["settings"]["group"]
             # the mean causal context: half a row's length
-            fpt = flops_per_token(config, m["completion_tokens_per_step"] / tokens, tokens / (2 * rows_per_step)) \
-                if tokens else None
+            fpt = (
+                flops_per_token(config, m["completion_tokens_per_step"] / tokens, tokens / (2 * rows_per_step))
+                if tokens
+                else None
+            )
             mfu = fpt * tokens / update_s / peak if (fpt and peak and update_s > 0) else None
-            rows.append(dict(benchmark=name, framework=kind, throughput=m["tokens_per_s"], unit="completion tok/s",
-                             step_s=m["step_s"], generation_share=m["generation_share"], mfu=mfu,
-                             memory_mb=m.get("cuda_peak_mb", m["peak_rss_mb"])))
+            rows.append(
+                dict(
+                    benchmark=name,
+                    framework=kind,
+                    throughput=m["tokens_per_s"],
+                    unit="completion tok/s",
+                    step_s=m["step_s"],
+                    generation_share=m["generation_share"],
+                    mfu=mfu,
+                    memory_mb=m.get("cuda_peak_mb", m["peak_rss_mb"]),
+                )
+            )
         ratio = result.get("ratios", {}).get("throughput_align_over_trl")
     else:
         summary = result["summary"]
@@ -229,8 +284,18 @@ def benchmark_rows(name: str, result: dict, config: dict, peak: float | None) ->
                 mfu = tps * n / peak if peak else None
             else:
                 tps, mfu = m["tokens_per_s"], m["fraction_of_matmul_peak"]
-            rows.append(dict(benchmark=name, framework=kind, throughput=tps, unit="tok/s", step_s=m["step_s"],
-                             generation_share=None, mfu=mfu, memory_mb=m.get("cuda_peak_mb", m["peak_rss_mb"])))
+            rows.append(
+                dict(
+                    benchmark=name,
+                    framework=kind,
+                    throughput=tps,
+                    unit="tok/s",
+                    step_s=m["step_s"],
+                    generation_share=None,
+                    mfu=mfu,
+                    memory_mb=m.get("cuda_peak_mb", m["peak_rss_mb"]),
+                )
+            )
         key = "pairs_per_s" if name == "dpo" else "tokens_per_s"
         ratio = summary.get("ratio_align_over_trl", {}).get(key)
     for row in rows:
@@ -241,26 +306,38 @@ def benchmark_rows(name: str, result: dict, config: dict, peak: float | None) ->
 def table(report: dict) -> str:
     """The report as text: the GPU, the steps' verdicts and the benchmark rows."""
     env = report.get("environment", {})
-    peak = (f"GEMM peak {env['gemm_peak_tflops']:.3g} TFLOP/s ({env['gemm']})" if env.get("gemm_peak_tflops")
-            else "GEMM peak not measured")
-    lines = [f"device: {env.get('gpu') or report['device']}; torch {env.get('torch')}, CUDA {env.get('cuda')}; {peak}",
-             ""]
+    peak = (
+        f"GEMM peak {env['gemm_peak_tflops']:.3g} TFLOP/s ({env['gemm']})"
+        if env.get("gemm_peak_tflops")
+        else "GEMM peak not measured"
+    )
+    lines = [
+        f"device: {env.get('gpu') or report['device']}; torch {env.get('torch')}, CUDA {env.get('cuda')}; {peak}",
+        "",
+    ]
     for step in report["steps"]:
-        detail = step.get("why") or (f"{step['metric']} {step['before']} -> {step['after']} ({step['rule']})"
-                                     if "metric" in step else "")
+        detail = step.get("why") or (
+            f"{step['metric']} {step['before']} -> {step['after']} ({step['rule']})" if "metric" in step else ""
+        )
         if step.get("tests"):
-            detail = (f"{step['tests']} tests, {step['failures']} failed, {step['errors']} errors, "
-                      f"{step['skipped']} skipped")
+            detail = (
+                f"{step['tests']} tests, {step['failures']} failed, {step['errors']} errors, {step['skipped']} skipped"
+            )
         lines.append(f"{step['name']:18s}{step['status']:>10s}{step['seconds']:8.0f} s  {detail}")
     memory = "CUDA peak MB" if report["device"] == "cuda" else "peak RSS MB"
-    lines += ["", f"{'benchmark':11s}{'':6s}{'throughput':>12s}{'':18s}{'step s':>8s}{'gen %':>7s}{'MFU':>7s}"
-                  f"{memory:>14s}{'align/TRL':>11s}"]
+    lines += [
+        "",
+        f"{'benchmark':11s}{'':6s}{'throughput':>12s}{'':18s}{'step s':>8s}{'gen %':>7s}{'MFU':>7s}"
+        f"{memory:>14s}{'align/TRL':>11s}",
+    ]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in report["benchmarks"]:
-        lines.append(f"{r['benchmark']:11s}{r['framework']:6s}{r['throughput']:12.1f} {r['unit']:17s}"
-                     f"{r['step_s']:8.2f}{fmt(r['generation_share'], '.0%'):>7s}{fmt(r['mfu'], '.1%'):>7s}"
-                     f"{r['memory_mb']:14.0f}{fmt(r['align_over_trl'], '.2f'):>10s}"
-                     f"{'x' if r['align_over_trl'] else ''}")
+        lines.append(
+            f"{r['benchmark']:11s}{r['framework']:6s}{r['throughput']:12.1f} {r['unit']:17s}"
+            f"{r['step_s']:8.2f}{fmt(r['generation_share'], '.0%'):>7s}{fmt(r['mfu'], '.1%'):>7s}"
+            f"{r['memory_mb']:14.0f}{fmt(r['align_over_trl'], '.2f'):>10s}"
+            f"{'x' if r['align_over_trl'] else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -298,21 +375,37 @@ print("PROBE " + json.dumps(out))
 
 # (benchmark, its arguments on a GPU, in --quick mode, time box on a GPU, in --quick mode)
 BENCHMARKS = {
-    "grpo": (["--prompts", "16", "--group", "8", "--max-new-tokens", "192", "--steps", "2", "--warmup", "1"],
-             ["--prompts", "4", "--group", "2", "--max-new-tokens", "8", "--steps", "2", "--warmup", "1"], 170, 300),
-    "grpo-async": (["--prompts", "16", "--group", "8", "--max-new-tokens", "192", "--steps", "3", "--staleness",
-                    "1"], ["--prompts", "4", "--group", "2", "--max-new-tokens", "8", "--steps", "2", "--staleness",
-                           "1"], 200, 300),
-    "dpo": (["--full", "--batch-size", "16", "--max-length", "256", "--steps", "8", "--warmup", "3"],
-            ["--full", "--rows", "64", "--batch-size", "4", "--steps", "3", "--warmup", "1"], 110, 300),
-    "sft": (["--max-length", "1024", "--batch-size", "8", "--steps", "8", "--warmup", "3"],
-            ["--batch-size", "2", "--steps", "3", "--warmup", "1"], 110, 300),
+    "grpo": (
+        ["--prompts", "16", "--group", "8", "--max-new-tokens", "192", "--steps", "2", "--warmup", "1"],
+        ["--prompts", "4", "--group", "2", "--max-new-tokens", "8", "--steps", "2", "--warmup", "1"],
+        170,
+        300,
+    ),
+    "grpo-async": (
+        ["--prompts", "16", "--group", "8", "--max-new-tokens", "192", "--steps", "3", "--staleness", "1"],
+        ["--prompts", "4", "--group", "2", "--max-new-tokens", "8", "--steps", "2", "--staleness", "1"],
+        200,
+        300,
+    ),
+    "dpo": (
+        ["--full", "--batch-size", "16", "--max-length", "256", "--steps", "8", "--warmup", "3"],
+        ["--full", "--rows", "64", "--batch-size", "4", "--steps", "3", "--warmup", "1"],
+        110,
+        300,
+    ),
+    "sft": (
+        ["--max-length", "1024", "--batch-size", "8", "--steps", "8", "--warmup", "3"],
+        ["--batch-size", "2", "--steps", "3", "--warmup", "1"],
+        110,
+        300,
+    ),
 }
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true", help="fewer steps, looser bars, the benchmarks' tiny shape")
     p.add_argument("--out", type=Path, default=None, help="the JSON report (rewritten after every step)")
@@ -320,8 +413,12 @@ def parse_args(argv):
     p.add_argument("--phases", default="recipes,tests,benchmarks", help="which of recipes, tests, benchmarks")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS))
-    p.add_argument("--tokenizer", default="auto", help="the benchmark model's tokenizer: a folder, tiny, or auto "
-                                                       "(SmolLM2's from align's cache when converted there)")
+    p.add_argument(
+        "--tokenizer",
+        default="auto",
+        help="the benchmark model's tokenizer: a folder, tiny, or auto "
+        "(SmolLM2's from align's cache when converted there)",
+    )
     p.add_argument("--jobs", type=int, default=None, help="recipes and tests at once (4 on cuda, 1 on cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (4 on cuda, 1 on cpu)")
     p.add_argument("--workdir", type=Path, default=None, help="logs, run folders and the model (default: a temp dir)")
@@ -330,8 +427,11 @@ def parse_args(argv):
     args.budget = args.budget or (450.0 if cuda else 900.0)
     args.jobs = args.jobs or (4 if cuda else 1)
     args.threads = args.threads or (4 if cuda else 1)
-    for name, known in (("phases", ("recipes", "tests", "benchmarks")), ("recipes", RECIPES),
-                        ("benchmarks", BENCHMARKS)):
+    for name, known in (
+        ("phases", ("recipes", "tests", "benchmarks")),
+        ("recipes", RECIPES),
+        ("benchmarks", BENCHMARKS),
+    ):
         chosen = [x for x in getattr(args, name).split(",") if x]
         if not set(chosen) <= set(known):
             p.error(f"--{name}: expected some of {','.join(known)}, got {getattr(args, name)!r}")
@@ -345,8 +445,16 @@ def main(argv=None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
     env = environment(args.threads, args.device)
-    report = {"device": args.device, "quick": args.quick, "budget_s": args.budget, "workdir": str(workdir),
-              "environment": {}, "steps": [], "benchmarks": [], "model": None}
+    report = {
+        "device": args.device,
+        "quick": args.quick,
+        "budget_s": args.budget,
+        "workdir": str(workdir),
+        "environment": {},
+        "steps": [],
+        "benchmarks": [],
+        "model": None,
+    }
 
     def record(step: Step, rc, output: str, **verdict) -> dict:
         seconds = time.monotonic() - step.started if step.started else 0.0
@@ -354,39 +462,81 @@ def main(argv=None) -> int:
             verdict = {"status": "timed out", "why": f"stopped after {seconds:.0f} s (box {step.box:.0f} s)"}
         elif rc is None:
             verdict = {"status": "skipped", "why": output}
-        entry = {"name": step.name, "seconds": seconds, "rc": rc, "command": " ".join(step.command[1:]),
-                 "log": str(step.log) if step.log else None, **verdict}
+        entry = {
+            "name": step.name,
+            "seconds": seconds,
+            "rc": rc,
+            "command": " ".join(step.command[1:]),
+            "log": str(step.log) if step.log else None,
+            **verdict,
+        }
         if entry["status"] != "ok":
             entry["tail"] = output[-3000:]
         report["steps"].append(entry)
         write(args.out, report)
-        print(f"{step.name}: {entry['status']} in {seconds:.0f} s" + (f" ({entry['why']})" if entry.get("why") else ""),
-              flush=True)
+        print(
+            f"{step.name}: {entry['status']} in {seconds:.0f} s" + (f" ({entry['why']})" if entry.get("why") else ""),
+            flush=True,
+        )
         return entry
 
     def probed(step, rc, output):
-        line = next((l for l in output.splitlines() if l.startswith("PROBE ")), None)
+        line = next((line for line in output.splitlines() if line.startswith("PROBE ")), None)
         if rc == 0 and line:
-            report["environment"] = json.loads(line[len("PROBE "):])
+            report["environment"] = json.loads(line[len("PROBE ") :])
         record(step, rc, output, status="ok" if rc == 0 and line else "failed")
 
     peak = "peak" if "benchmarks" in args.phases else "no-peak"
-    run_steps([Step("environment", [sys.executable, "-c", PROBE, args.device, str(args.threads), peak], 90, env)],
-              1, deadline, workdir, probed)
+    run_steps(
+        [Step("environment", [sys.executable, "-c", PROBE, args.device, str(args.threads), peak], 90, env)],
+        1,
+        deadline,
+        workdir,
+        probed,
+    )
 
     steps = []
     if "recipes" in args.phases:
         accelerator = "gpu" if args.device == "cuda" else "cpu"
         for name in args.recipes:
-            command = [sys.executable, f"recipes/{name}.py", "--trainer.accelerator", accelerator,
-                       "--trainer.precision", "bf16-mixed", "--model.optimizer.init_args.fused", "true",
-                       "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(workdir / name),
-                       *(RECIPES[name].quick_args if args.quick else ())]
+            command = [
+                sys.executable,
+                f"recipes/{name}.py",
+                "--trainer.accelerator",
+                accelerator,
+                "--trainer.precision",
+                "bf16-mixed",
+                "--model.optimizer.init_args.fused",
+                "true",
+                "--trainer.enable_progress_bar",
+                "false",
+                "--trainer.default_root_dir",
+                str(workdir / name),
+                *(RECIPES[name].quick_args if args.quick else ()),
+            ]
             steps.append(Step(f"recipe/{name}", command, 300 if args.quick else 170, env))
     if "tests" in args.phases:
         junit = workdir / "gpu-tests.xml"
-        steps.append(Step("tests/gpu", [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p",
-                                        "no:cacheprovider", "--junitxml", str(junit)], 400 if args.quick else 170, env))
+        steps.append(
+            Step(
+                "tests/gpu",
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "tests/gpu",
+                    "-m",
+                    "gpu",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "--junitxml",
+                    str(junit),
+                ],
+                400 if args.quick else 170,
+                env,
+            )
+        )
 
     def finished(step, rc, output):
         if rc is None:
@@ -394,8 +544,13 @@ def main(argv=None) -> int:
         if step.name.startswith("recipe/"):
             return record(step, rc, output, **judge_recipe(step.name.split("/")[1], output, rc, args.quick))
         if "No module named pytest" in output:
-            return record(step, rc, output, status="failed", why="pytest is not installed (carry its wheels: "
-                                                                 "pytest, pluggy, iniconfig)")
+            return record(
+                step,
+                rc,
+                output,
+                status="failed",
+                why="pytest is not installed (carry its wheels: pytest, pluggy, iniconfig)",
+            )
         return record(step, rc, output, **judge_tests(workdir / "gpu-tests.xml", rc))
 
     run_steps(steps, args.jobs, deadline, workdir, finished)
@@ -411,27 +566,61 @@ def run_benchmarks(args, env, deadline, workdir, report, record) -> None:
     """The model saved once, then each benchmark against TRL on it, one at a time."""
     started = time.monotonic()
     tokenizer = find_tokenizer(args.tokenizer) if not args.quick else None
-    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 192} if args.quick else dict(SHAPE)
+    shape = (
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 192,
+        }
+        if args.quick
+        else dict(SHAPE)
+    )
     model_dir = workdir / "model"
     try:
         config = save_model(model_dir, shape, tokenizer, max_positions=512 if args.quick else 2048)
     except (Exception, SystemExit) as err:  # noqa: BLE001 - recorded as the benchmarks' failure, the report kept
-        report["steps"].append({"name": "benchmark/model", "status": "failed", "seconds": time.monotonic() - started,
-                                "rc": None, "why": f"{type(err).__name__}: {err}"})
+        report["steps"].append(
+            {
+                "name": "benchmark/model",
+                "status": "failed",
+                "seconds": time.monotonic() - started,
+                "rc": None,
+                "why": f"{type(err).__name__}: {err}",
+            }
+        )
         write(args.out, report)
         return
-    report["model"] = {**config, "tokenizer": tokenizer or "the shipped tiny tokenizer", "folder": str(model_dir),
-                       "seconds": time.monotonic() - started}
+    report["model"] = {
+        **config,
+        "tokenizer": tokenizer or "the shipped tiny tokenizer",
+        "folder": str(model_dir),
+        "seconds": time.monotonic() - started,
+    }
     write(args.out, report)
     peak = (report["environment"].get("gemm_peak_tflops") or 0) * 1e12 or None
     for name in args.benchmarks:
         full, quick, box, quick_box = BENCHMARKS[name]
         out = workdir / f"bench-{name}.json"
         script = f"benchmarks/{name.partition('-')[0]}.py"
-        command = [sys.executable, script, "--device", args.device, "--precision", "bf16-mixed", "--model",
-                   str(model_dir), "--trials", "1", "--threads", str(args.threads), "--json", str(out),
-                   *(quick if args.quick else full)]
+        command = [
+            sys.executable,
+            script,
+            "--device",
+            args.device,
+            "--precision",
+            "bf16-mixed",
+            "--model",
+            str(model_dir),
+            "--trials",
+            "1",
+            "--threads",
+            str(args.threads),
+            "--json",
+            str(out),
+            *(quick if args.quick else full),
+        ]
 
         def done(step, rc, output, name=name, out=out):
             if rc != 0 or not out.is_file():
@@ -441,8 +630,9 @@ def run_benchmarks(args, env, deadline, workdir, report, record) -> None:
             report["benchmarks"] += benchmark_rows(name, result, config, peak)
             record(step, rc, output, status="ok")
 
-        run_steps([Step(f"benchmark/{name}", command, quick_box if args.quick else box, env)], 1, deadline, workdir,
-                  done)
+        run_steps(
+            [Step(f"benchmark/{name}", command, quick_box if args.quick else box, env)], 1, deadline, workdir, done
+        )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_bundled_data import draw_splits, run_main, write_splits  # noqa: E402
+from make_bundled_data import draw_splits, run_main  # noqa: E402
 
 from align.data.arith_task import DATA_DIR, sample_tool_problem  # noqa: E402
 
@@ -26,9 +26,14 @@ SIZES = {("tools", "train"): 2000, ("tools", "validation"): 200}
 
 
 def build(seed: int = SEED) -> dict[tuple[str, str], list[dict]]:
-    return draw_splits(seed, SIZES, ("tools",), sample_tool_problem,
-                       lambda kind, wrong, p: {"prompt": p["prompt"], "answer": p["answer"]},
-                       key=lambda p: p["expression"])
+    return draw_splits(
+        seed,
+        SIZES,
+        ("tools",),
+        sample_tool_problem,
+        lambda kind, wrong, p: {"prompt": p["prompt"], "answer": p["answer"]},
+        key=lambda p: p["expression"],
+    )
 
 
 def main() -> None:

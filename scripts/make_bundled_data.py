@@ -115,8 +115,9 @@ def _row(kind: str, wrong: random.Random, problem: dict[str, str]) -> dict[str, 
     return {"prompt": prompt, "answer": answer}
 
 
-def draw_splits(seed: int, sizes: dict[tuple[str, str], int], kinds: tuple[str, ...], sample, make_row,
-                key) -> dict[tuple[str, str], list[dict]]:
+def draw_splits(
+    seed: int, sizes: dict[tuple[str, str], int], kinds: tuple[str, ...], sample, make_row, key
+) -> dict[tuple[str, str], list[dict]]:
     """Every ``(kind, split)`` of a task, held-out problems (by ``key(problem)``) disjoint from every train split.
 
     ``sample(rng) -> problem``; ``make_row(kind, wrong_rng, problem) -> row``. Validation problems are drawn

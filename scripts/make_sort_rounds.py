@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_bundled_data import DEFAULT_OUT, draw_splits, run_main, write_splits  # noqa: E402
+from make_bundled_data import DEFAULT_OUT, draw_splits, run_main  # noqa: E402
 
 from align.rollout.envs.tasks import sort_rounds_row  # noqa: E402
 
@@ -25,8 +25,14 @@ SIZES = {("rounds", "train"): 2000, ("rounds", "validation"): 100}
 
 
 def build(seed: int = SEED) -> dict[tuple[str, str], list[dict]]:
-    return draw_splits(seed, SIZES, ("rounds",), lambda rng: sort_rounds_row(rng, rounds=2, min_len=2, max_len=4),
-                       lambda kind, wrong, row: row, key=lambda row: (row["prompt"], *row["rounds"]))
+    return draw_splits(
+        seed,
+        SIZES,
+        ("rounds",),
+        lambda rng: sort_rounds_row(rng, rounds=2, min_len=2, max_len=4),
+        lambda kind, wrong, row: row,
+        key=lambda row: (row["prompt"], *row["rounds"]),
+    )
 
 
 def main() -> None:

@@ -29,16 +29,26 @@ STEPS = 50
 def sft_args(steps: int, work_dir: Path) -> list[str]:
     """The recipe's command-line overrides: the fixed settings of the shipped weights."""
     return [
-        "--trainer.max_steps", str(steps),
-        "--trainer.max_epochs", "-1",
-        "--trainer.default_root_dir", str(work_dir),
-        "--trainer.log_every_n_steps", "10",
-        "--trainer.enable_checkpointing", "true",
-        "--model.init_args.optimizer.init_args.lr", "1.0e-3",
-        "--model.init_args.scheduler.init_args.warmup_steps", "10",
-        "--data.init_args.batch_size", "32",
-        "--eval_before_after", "false",
-        "--seed_everything", "0",
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.max_epochs",
+        "-1",
+        "--trainer.default_root_dir",
+        str(work_dir),
+        "--trainer.log_every_n_steps",
+        "10",
+        "--trainer.enable_checkpointing",
+        "true",
+        "--model.init_args.optimizer.init_args.lr",
+        "1.0e-3",
+        "--model.init_args.scheduler.init_args.warmup_steps",
+        "10",
+        "--data.init_args.batch_size",
+        "32",
+        "--eval_before_after",
+        "false",
+        "--seed_everything",
+        "0",
     ]
 
 
@@ -88,9 +98,18 @@ def main(argv: list[str] | None = None) -> None:
 
     out = train_and_export("sft.py", lambda work: sft_args(ns.steps, work), ns.output, ns.work_dir)
     accuracy = greedy_exact_match(out, ns.eval_limit)
-    (out / "training_args.json").write_text(json.dumps({"recipe": "recipes/sft.py", "steps": ns.steps,
-                                                        "args": sft_args(ns.steps, Path("<work_dir>")),
-                                                        "greedy_val_exact_match": accuracy}, indent=2) + "\n")
+    (out / "training_args.json").write_text(
+        json.dumps(
+            {
+                "recipe": "recipes/sft.py",
+                "steps": ns.steps,
+                "args": sft_args(ns.steps, Path("<work_dir>")),
+                "greedy_val_exact_match": accuracy,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"exported to {out}; greedy held-out exact match {accuracy:.3f}")
 
 

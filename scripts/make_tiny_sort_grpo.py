@@ -28,8 +28,14 @@ DEFAULT_OUTPUT = ROOT / "align" / "hub" / "assets" / "tiny-sort-grpo"
 
 def grpo_args(work_dir: Path, max_steps: int | None = None) -> list[str]:
     """The recipe's command-line overrides (the recipe default, ``configs/grpo/tiny.yaml``, otherwise)."""
-    args = ["--trainer.default_root_dir", str(work_dir), "--trainer.enable_progress_bar", "false",
-            "--seed_everything", "0"]
+    args = [
+        "--trainer.default_root_dir",
+        str(work_dir),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--seed_everything",
+        "0",
+    ]
     if max_steps is not None:
         args += ["--trainer.max_steps", str(max_steps)]
     return args
@@ -45,9 +51,17 @@ def main(argv: list[str] | None = None) -> None:
 
     out = train_and_export("grpo.py", lambda work: grpo_args(work, ns.max_steps), ns.output, ns.work_dir, "last.ckpt")
     accuracy = greedy_exact_match(out, ns.eval_limit)
-    (out / "training_args.json").write_text(json.dumps({
-        "recipe": "recipes/grpo.py", "args": grpo_args(Path("<work_dir>"), ns.max_steps),
-        "greedy_val_exact_match": accuracy}, indent=2) + "\n")
+    (out / "training_args.json").write_text(
+        json.dumps(
+            {
+                "recipe": "recipes/grpo.py",
+                "args": grpo_args(Path("<work_dir>"), ns.max_steps),
+                "greedy_val_exact_match": accuracy,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"exported to {out}; greedy held-out exact match {accuracy:.3f}")
 
 

@@ -29,8 +29,14 @@ DEFAULT_OUTPUT = ROOT / "align" / "hub" / "assets" / "tiny-sort-rm"
 
 def rm_args(work_dir: Path, max_steps: int | None = None) -> list[str]:
     """The recipe's command-line overrides (the recipe default, ``configs/rm/tiny.yaml``, otherwise)."""
-    args = ["--trainer.default_root_dir", str(work_dir), "--trainer.enable_checkpointing", "false",
-            "--seed_everything", "0"]
+    args = [
+        "--trainer.default_root_dir",
+        str(work_dir),
+        "--trainer.enable_checkpointing",
+        "false",
+        "--seed_everything",
+        "0",
+    ]
     if max_steps is not None:
         args += ["--trainer.max_steps", str(max_steps)]
     return args
@@ -57,9 +63,18 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copytree(exports[-1].parent, ns.output)
     match = re.search(r"val/rm_accuracy: ([0-9.]+) -> ([0-9.]+)", proc.stdout + proc.stderr)
     accuracy = float(match.group(2)) if match else None
-    (ns.output / "training_args.json").write_text(json.dumps({
-        "recipe": "recipes/rm.py", "config": "configs/rm/tiny.yaml",
-        "args": rm_args(Path("<work_dir>"), ns.max_steps), "val_rm_accuracy": accuracy}, indent=2) + "\n")
+    (ns.output / "training_args.json").write_text(
+        json.dumps(
+            {
+                "recipe": "recipes/rm.py",
+                "config": "configs/rm/tiny.yaml",
+                "args": rm_args(Path("<work_dir>"), ns.max_steps),
+                "val_rm_accuracy": accuracy,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"exported to {ns.output}; held-out pair accuracy {accuracy}")
 
 

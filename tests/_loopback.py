@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -35,10 +36,16 @@ class Reply:
 
 def chat_reply(text: str, model: str = "judge") -> Reply:
     """An OpenAI chat completion whose only choice says ``text``."""
-    return Reply({"id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": model,
-                  "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                               "finish_reason": "stop"}],
-                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+    return Reply(
+        {
+            "id": "chatcmpl-test",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
 
 
 def user_message(request: Request) -> str:
@@ -58,7 +65,9 @@ class Loopback:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 - the http.server API
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                request = Request(self.path, json.loads(raw) if raw else None, {k.lower(): v for k, v in self.headers.items()})
+                request = Request(
+                    self.path, json.loads(raw) if raw else None, {k.lower(): v for k, v in self.headers.items()}
+                )
                 with server.lock:
                     server.requests.append(request)
                 reply = server.answer(request)
@@ -86,8 +95,9 @@ class Loopback:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.server.block_on_close = False
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                                       name="loopback", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, name="loopback", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -98,7 +108,7 @@ class Loopback:
         """The OpenAI-compatible base URL."""
         return f"{self.url}/v1"
 
-    def __enter__(self) -> "Loopback":
+    def __enter__(self) -> Loopback:
         self.thread.start()
         return self
 

@@ -99,7 +99,8 @@ class PrivateAPI:
         import inspect
 
         assert name in inspect.getsource(caller), (
-            f"{self.name_of(caller)} no longer uses private API {name}; {used_by} relies on it")
+            f"{self.name_of(caller)} no longer uses private API {name}; {used_by} relies on it"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,25 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 def test_the_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocstrings_handlers.python", reason="the docs tools come with the dev extra")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", "mkdocs.yml",
-                           "--site-dir", str(tmp_path / "site")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          check=False, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            "mkdocs.yml",
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     problems = [line for line in proc.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))]
     assert proc.returncode == 0, "\n".join(problems) or proc.stderr[-3000:]
     assert (tmp_path / "site" / "api" / "core" / "index.html").is_file()
@@ -43,8 +59,12 @@ def test_every_layer_has_an_api_page_in_the_nav():
     layers = sorted(p.parent.name for p in (ROOT / "align").glob("*/__init__.py"))
     for layer in layers:
         page = f"api/{layer}.md"
-        assert page in pages, f"align/{layer}/ has no API page in the nav of mkdocs.yml (docs/{page}: ::: align.{layer})"
-        assert f"::: align.{layer}\n" in (ROOT / "docs" / page).read_text(), f"docs/{page} does not render align.{layer}"
+        assert page in pages, (
+            f"align/{layer}/ has no API page in the nav of mkdocs.yml (docs/{page}: ::: align.{layer})"
+        )
+        assert f"::: align.{layer}\n" in (ROOT / "docs" / page).read_text(), (
+            f"docs/{page} does not render align.{layer}"
+        )
 
 
 def github_anchors(markdown: str) -> set[str]:
@@ -73,8 +93,11 @@ def github_anchors(markdown: str) -> set[str]:
 def test_the_relative_links_of_the_root_pages_resolve(name):
     pytest.importorskip("pymdownx", reason="the docs tools come with the dev extra")
     text = (ROOT / name).read_text()
-    links = [target for target in LINK.findall(re.sub(r"```.*?```", "", text, flags=re.DOTALL))
-             if not re.match(r"[a-z]+:", target)]
+    links = [
+        target
+        for target in LINK.findall(re.sub(r"```.*?```", "", text, flags=re.DOTALL))
+        if not re.match(r"[a-z]+:", target)
+    ]
     assert links, f"{name} links to nothing"
     for target in links:
         path, _, anchor = target.partition("#")

@@ -31,39 +31,71 @@ BOTTOM, ALIASES, ENTRY = "root", "aliases", "entry"
 LAYERS: dict[str, Layer] = {
     BOTTOM: Layer((), "the package root: the user-facing error types; every layer raises them"),
     "core": Layer((), "pure tensor math with pinned-value tests: torch, the standard library and each other only"),
-    "jail": Layer((BOTTOM,), "the jail the python tool runs code in (namespaces, a read-only root, limits) and its "
-                             "standalone launcher: the standard library and the root's error types only"),
-    "hub": Layer((BOTTOM,), "what a model name points to (tiny, GGUF, local folder, hub id) and its tokenizer: data "
-                            "loads a tokenizer by name and models load weights by name here, so neither needs the other"),
+    "jail": Layer(
+        (BOTTOM,),
+        "the jail the python tool runs code in (namespaces, a read-only root, limits) and its "
+        "standalone launcher: the standard library and the root's error types only",
+    ),
+    "hub": Layer(
+        (BOTTOM,),
+        "what a model name points to (tiny, GGUF, local folder, hub id) and its tokenizer: data "
+        "loads a tokenizer by name and models load weights by name here, so neither needs the other",
+    ),
     "data": Layer((BOTTOM, "core", "hub"), "datasets, collators, data modules: it knows tokenizers, never models"),
-    "models": Layer((BOTTOM, "core", "hub", "data"),
-                    "the policy wrapper with its scoring, critic and reference, the reward model, loading and export"),
-    "observability": Layer((BOTTOM,), "OTLP metrics and traces and the timing of a step's sections: the only code "
-                                      "importing opentelemetry; math, data and models never need it"),
-    "rollout": Layer((BOTTOM, "core", "hub", "data", "models", "observability", "jail"),
-                     "prompts to scored rollouts: rollout sources, generation engines, rewards, environment episodes "
-                     "and the evaluation of a trained policy; no optimizer"),
-    "trainer": Layer((BOTTOM,), "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, "
-                                "optimizers and schedules, host memory, the progress bar): they work on any "
-                                "LightningModule through Lightning's hooks, so they know no model or data"),
-    "modules": Layer((BOTTOM, "core", "hub", "data", "models", "rollout", "trainer", "observability"),
-                     "one LightningModule per algorithm over the sampler and the learner"),
-    "gym": Layer((BOTTOM, "core", "trainer", "observability", "modules", "rollout"),
-                 "classic RL on Gymnasium, a wing of its own: the only code importing gymnasium; nothing imports it"),
-    "cli": Layer((BOTTOM, "core", "hub", "data", "models", "rollout", "trainer", "observability", "modules"),
-                 "entry points, run folders, config errors and pictures of runs: may import everything but the gym "
-                 "wing (recipes/gym.py imports that)"),
+    "models": Layer(
+        (BOTTOM, "core", "hub", "data"),
+        "the policy wrapper with its scoring, critic and reference, the reward model, loading and export",
+    ),
+    "observability": Layer(
+        (BOTTOM,),
+        "OTLP metrics and traces and the timing of a step's sections: the only code "
+        "importing opentelemetry; math, data and models never need it",
+    ),
+    "rollout": Layer(
+        (BOTTOM, "core", "hub", "data", "models", "observability", "jail"),
+        "prompts to scored rollouts: rollout sources, generation engines, rewards, environment episodes "
+        "and the evaluation of a trained policy; no optimizer",
+    ),
+    "trainer": Layer(
+        (BOTTOM,),
+        "trainer plug-ins (strategies, checkpoint IO and exact resume, the non-finite guard, "
+        "optimizers and schedules, host memory, the progress bar): they work on any "
+        "LightningModule through Lightning's hooks, so they know no model or data",
+    ),
+    "modules": Layer(
+        (BOTTOM, "core", "hub", "data", "models", "rollout", "trainer", "observability"),
+        "one LightningModule per algorithm over the sampler and the learner",
+    ),
+    "gym": Layer(
+        (BOTTOM, "core", "trainer", "observability", "modules", "rollout"),
+        "classic RL on Gymnasium, a wing of its own: the only code importing gymnasium; nothing imports it",
+    ),
+    "cli": Layer(
+        (BOTTOM, "core", "hub", "data", "models", "rollout", "trainer", "observability", "modules"),
+        "entry points, run folders, config errors and pictures of runs: may import everything but the gym "
+        "wing (recipes/gym.py imports that)",
+    ),
     ALIASES: Layer(("rollout", "trainer"), "public import paths that configs name, aliases of their new homes"),
     ENTRY: Layer(("cli",), "python -m align: the align command, nothing of its own"),
 }
-ROOT_MODULES = {"align": BOTTOM, "align.errors": BOTTOM, "align.rewards": ALIASES, "align.strategies": ALIASES,
-                "align.__main__": ENTRY}
+ROOT_MODULES = {
+    "align": BOTTOM,
+    "align.errors": BOTTOM,
+    "align.rewards": ALIASES,
+    "align.strategies": ALIASES,
+    "align.__main__": ENTRY,
+}
 MAX_ROOT_FILES = 6
 MAX_LINES = 450
 
 # Third-party packages only some layers may import: {package: layers}.
-THIRD_PARTY_ONLY_IN = {"opentelemetry": {"observability"}, "matplotlib": {"cli"}, "gymnasium": {"gym"},
-                       "openenv": {"rollout"}, "verifiers": {"rollout"}}
+THIRD_PARTY_ONLY_IN = {
+    "opentelemetry": {"observability"},
+    "matplotlib": {"cli"},
+    "gymnasium": {"gym"},
+    "openenv": {"rollout"},
+    "verifiers": {"rollout"},
+}
 # The math imports nothing but these, the standard library and itself.
 MATH_THIRD_PARTY = {"torch"}
 # Layers that import no third-party package at all: the standard library, the root and themselves.
@@ -160,24 +192,34 @@ def test_imports_point_down_the_layers():
             if top == "align":
                 target_layer = layer_of(target)
                 if target_layer not in allowed:
-                    violations.append(f"{where(path, line)}: {name} ({layer}) imports {target} ({target_layer}); "
-                                      f"{layer} may import {sorted(allowed)}")
+                    violations.append(
+                        f"{where(path, line)}: {name} ({layer}) imports {target} ({target_layer}); "
+                        f"{layer} may import {sorted(allowed)}"
+                    )
             elif top in THIRD_PARTY_ONLY_IN and layer not in THIRD_PARTY_ONLY_IN[top]:
-                violations.append(f"{where(path, line)}: {name} ({layer}) imports {target}; only "
-                                  f"{sorted(THIRD_PARTY_ONLY_IN[top])} may")
+                violations.append(
+                    f"{where(path, line)}: {name} ({layer}) imports {target}; only "
+                    f"{sorted(THIRD_PARTY_ONLY_IN[top])} may"
+                )
             elif layer == "core" and top not in MATH_THIRD_PARTY and top not in sys.stdlib_module_names:
-                violations.append(f"{where(path, line)}: {name} (core) imports {target}; the math imports only "
-                                  f"{sorted(MATH_THIRD_PARTY)}, the standard library and itself")
+                violations.append(
+                    f"{where(path, line)}: {name} (core) imports {target}; the math imports only "
+                    f"{sorted(MATH_THIRD_PARTY)}, the standard library and itself"
+                )
             elif layer in STANDARD_LIBRARY_ONLY and top not in sys.stdlib_module_names:
-                violations.append(f"{where(path, line)}: {name} ({layer}) imports {target}; {layer} imports only the "
-                                  "standard library, the root and itself")
+                violations.append(
+                    f"{where(path, line)}: {name} ({layer}) imports {target}; {layer} imports only the "
+                    "standard library, the root and itself"
+                )
     assert not violations, "imports against the layers:\n" + "\n".join(violations)
 
 
 def test_no_module_cycle():
     """No two modules import each other, directly or through others (a layer may import itself, not in a circle)."""
-    graph = {name: {t for _, t in imports(name, path.read_text(), path.name == "__init__.py") if t in MODULES}
-             for name, path in MODULES.items()}
+    graph = {
+        name: {t for _, t in imports(name, path.read_text(), path.name == "__init__.py") if t in MODULES}
+        for name, path in MODULES.items()
+    }
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -188,7 +230,7 @@ def test_no_module_cycle():
             if target.startswith(name + ".") or name.startswith(target + "."):
                 continue  # a package and its own modules
             if state.get(target) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target):] + [target]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target) :] + [target]))
             if target not in state:
                 visit(target)
         stack.pop()
@@ -203,8 +245,10 @@ def test_importing_align_installs_no_import_hook():
     # A fresh interpreter: the finders on sys.meta_path before and after ``import align``.
     import subprocess
 
-    code = ("import sys\nbefore = list(sys.meta_path)\nimport align\n"
-            "print([type(f).__module__ for f in sys.meta_path if f not in before])")
+    code = (
+        "import sys\nbefore = list(sys.meta_path)\nimport align\n"
+        "print([type(f).__module__ for f in sys.meta_path if f not in before])"
+    )
     added = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert added == "[]", f"import align added finders to sys.meta_path: {added}"
     # Nor any of align's in this process, whatever it has imported of align by now.
@@ -217,15 +261,24 @@ def test_there_is_no_table_of_moved_modules():
     import subprocess
 
     code = "import sys\nimport align\nprint(sorted(m for m in sys.modules if m.startswith('align')))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "['align']", "import align must import no module of its own"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "['align']"
+    ), "import align must import no module of its own"
 
 
 def test_the_reader_sees_every_kind_of_import():
-    source = ("import align.errors\nfrom align.core import stats\n\n\ndef f():\n    from align.models import PolicyModel\n"
-              "    from . import io\n    from ..rollout import engine\n")
-    assert imports("align.data.base", source) == [(1, "align.errors"), (2, "align.core.stats"), (6, "align.models"),
-                                                  (7, "align.data.io"), (8, "align.rollout.engine")]
+    source = (
+        "import align.errors\nfrom align.core import stats\n\n\ndef f():\n    from align.models import PolicyModel\n"
+        "    from . import io\n    from ..rollout import engine\n"
+    )
+    assert imports("align.data.base", source) == [
+        (1, "align.errors"),
+        (2, "align.core.stats"),
+        (6, "align.models"),
+        (7, "align.data.io"),
+        (8, "align.rollout.engine"),
+    ]
     assert imports("align.data", "from .sft import SFTDataModule\n", is_package=True) == [(1, "align.data.sft")]
 
 
@@ -268,12 +321,24 @@ def test_the_policy_wrapper_stays_small():
     assert _class_lines(PolicyModel) <= MAX_LIGHTNING_MODULE_LINES
 
 
-@pytest.mark.parametrize("path", [
-    "align.modules.grpo.GRPOModule", "align.modules.ppo.PPOModule", "align.modules.SFTModule", "align.models.PolicyModel",
-    "align.data.prompts.PromptDataModule", "align.data.preference.PreferenceDataModule", "align.rewards.math_answer",
-    "align.rewards.sort_exact_match", "align.rewards.RewardModelScorer", "align.strategies.FSDP2Strategy",
-    "align.strategies.DeepSpeedZeROStrategy", "align.rollout.source.FilteredSource", "align.gym.PPOGymModule",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "align.modules.grpo.GRPOModule",
+        "align.modules.ppo.PPOModule",
+        "align.modules.SFTModule",
+        "align.models.PolicyModel",
+        "align.data.prompts.PromptDataModule",
+        "align.data.preference.PreferenceDataModule",
+        "align.rewards.math_answer",
+        "align.rewards.sort_exact_match",
+        "align.rewards.RewardModelScorer",
+        "align.strategies.FSDP2Strategy",
+        "align.strategies.DeepSpeedZeROStrategy",
+        "align.rollout.source.FilteredSource",
+        "align.gym.PPOGymModule",
+    ],
+)
 def test_the_paths_users_write_in_configs_import(path):
     import importlib
 
@@ -281,8 +346,15 @@ def test_the_paths_users_write_in_configs_import(path):
     assert getattr(importlib.import_module(module), name) is not None
 
 
-SCORING = {"token_logprobs", "next_token_logprobs", "response_logits", "values", "reference_logprobs",
-           "sequence_logps", "sequence_scores"}
+SCORING = {
+    "token_logprobs",
+    "next_token_logprobs",
+    "response_logits",
+    "values",
+    "reference_logprobs",
+    "sequence_logps",
+    "sequence_scores",
+}
 """Ways of scoring rows: the scorer's (``align.models.scorer.Scorer``) alone, for every module."""
 
 
@@ -304,9 +376,13 @@ def test_modules_score_through_the_scorer():
     none."""
     from align.rollout.sampler import Sampler
 
-    bad = [f"{name}:{line} {receiver}.{attr}()" for name, path in MODULES.items() if layer_of(name) == "modules"
-           for receiver, attr, line in _calls(path)
-           if attr in SCORING and receiver not in ("scorer", "self") or receiver == "sampler" and attr in SCORING]
+    bad = [
+        f"{name}:{line} {receiver}.{attr}()"
+        for name, path in MODULES.items()
+        if layer_of(name) == "modules"
+        for receiver, attr, line in _calls(path)
+        if attr in SCORING and receiver not in ("scorer", "self") or receiver == "sampler" and attr in SCORING
+    ]
     assert not bad, f"modules scoring past the scorer: {bad}"
     assert not SCORING & set(dir(Sampler)), "the sampler scores rows for the learner; the scorer does"
 
@@ -315,15 +391,27 @@ def test_the_learner_takes_what_it_uses():
     """``align/modules/learner.py`` calls nothing back but the loss function it is given: none of its functions
     takes a module (a parameter named ``module``, or a LightningModule type), and it imports no module class."""
     tree = ast.parse(MODULES["align.modules.learner"].read_text())
-    params = [a for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-              for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs]
-    bad = [a.arg for a in params if a.arg == "module"
-           or a.annotation is not None and any(word in ast.unparse(a.annotation)
-                                               for word in ("Module", "RLModule", "AlignModule", "LightningModule"))]
+    params = [
+        a
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs
+    ]
+    bad = [
+        a.arg
+        for a in params
+        if a.arg == "module"
+        or a.annotation is not None
+        and any(word in ast.unparse(a.annotation) for word in ("Module", "RLModule", "AlignModule", "LightningModule"))
+    ]
     assert not bad, f"learner functions that take a module: {bad}"
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                and (node.module or "").startswith(("align.modules.rl", "align.modules.base", "lightning"))
-                for alias in node.names}
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith(("align.modules.rl", "align.modules.base", "lightning"))
+        for alias in node.names
+    }
     assert not imported, f"the learner imports module classes: {imported}"
 
 

@@ -45,7 +45,9 @@ def test_combined_loader_loads_its_iterables_states(private_api):
 
 
 def test_foreach_norm_gives_every_tensors_norm(private_api):
-    norm = private_api.require(torch, "_foreach_norm", used_by="align.trainer.guards.NonFiniteGuard (one kernel for all grads)")
+    norm = private_api.require(
+        torch, "_foreach_norm", used_by="align.trainer.guards.NonFiniteGuard (one kernel for all grads)"
+    )
     norms = norm([torch.tensor([3.0, 4.0]), torch.tensor([float("inf")])])
     assert norms[0].item() == 5.0 and not torch.isfinite(norms[1])
 
@@ -75,8 +77,10 @@ def test_logger_connector_says_which_steps_the_loggers_write(private_api):
 
 
 def test_manual_optimization_counts_a_step_between_the_optimizers_step_callbacks(private_api):
-    used_by = ("align.gym.base.ClassicRLModule.optimizer_step (torch's step without Lightning's hook "
-               "dispatch, still counted in trainer.global_step)")
+    used_by = (
+        "align.gym.base.ClassicRLModule.optimizer_step (torch's step without Lightning's hook "
+        "dispatch, still counted in trainer.global_step)"
+    )
     seen = {}
 
     class Module(L.LightningModule):
@@ -100,8 +104,15 @@ def test_manual_optimization_counts_a_step_between_the_optimizers_step_callbacks
             private_api.require(optimizer, "_on_after_step", used_by=used_by)()
             seen[batch_idx] = (before, self.trainer.global_step)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_epochs=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        max_epochs=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Module())
     assert seen == {0: (0, 1), 1: (1, 2)}, f"LightningOptimizer._on_before_step/_on_after_step: {used_by}"
 
@@ -118,8 +129,9 @@ def test_model_checkpoint_saves_through_the_methods_align_checkpoint_overrides(p
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     used_by = "align.trainer.checkpointing.AlignCheckpoint (last.ckpt a hard link to the step's checkpoint)"
-    private_api.require(ModelCheckpoint, "_save_topk_checkpoint", ("self", "trainer", "monitor_candidates"),
-                        used_by=used_by)
+    private_api.require(
+        ModelCheckpoint, "_save_topk_checkpoint", ("self", "trainer", "monitor_candidates"), used_by=used_by
+    )
     private_api.require(ModelCheckpoint, "_save_checkpoint", ("self", "trainer", "filepath"), used_by=used_by)
     checkpoint = ModelCheckpoint()
     for name in ("_last_checkpoint_saved", "_last_global_step_saved", "_enable_version_counter"):

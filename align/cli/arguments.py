@@ -66,8 +66,9 @@ def check_yaml_file(value: str) -> None:
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         context = getattr(err, "context", None)
-        raise AlignConfigError(f"--config: '{value}'{where}: not valid YAML: {problem}"
-                               + (f" ({context})" if context else "")) from None
+        raise AlignConfigError(
+            f"--config: '{value}'{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+        ) from None
 
 
 def _names_tensorboard(args: list[str], i: int) -> bool:

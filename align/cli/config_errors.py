@@ -15,7 +15,8 @@ import importlib
 import inspect
 import re
 import sys
-from typing import Iterable, NoReturn
+from collections.abc import Iterable
+from typing import NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
@@ -103,7 +104,7 @@ def _class_error(message: str) -> str:
         if options:
             return "; ".join(_unknown_setting(key, option, owner) for option in options)
     matches = list(_PARSER_KEY.finditer(body))
-    return _bad_value(key, body[matches[-1].end():] if matches else body)
+    return _bad_value(key, body[matches[-1].end() :] if matches else body)
 
 
 def _unknown_setting(key: str, option: str, owner: str) -> str:
@@ -212,7 +213,7 @@ def nearest_path(path: str) -> str | None:
             module = importlib.import_module(".".join(parts[:depth]))
         except Exception:  # noqa: BLE001
             continue
-        wanted, rest, prefix = parts[depth], parts[depth + 1:], ".".join(parts[:depth])
+        wanted, rest, prefix = parts[depth], parts[depth + 1 :], ".".join(parts[:depth])
         subs = [m.name for m in pkgutil.iter_modules(getattr(module, "__path__", []))]
         pools: list[dict[str, str]] = []
         if not rest:  # the class itself is misspelt: its module's classes and its submodules'
@@ -222,8 +223,13 @@ def nearest_path(path: str) -> str | None:
                     members = vars(importlib.import_module(f"{prefix}.{sub}"))
                 except Exception:  # noqa: BLE001
                     continue
-                deeper.update({n: f"{prefix}.{sub}.{n}" for n, v in members.items()
-                               if inspect.isclass(v) and v.__module__ == f"{prefix}.{sub}" and n not in deeper})
+                deeper.update(
+                    {
+                        n: f"{prefix}.{sub}.{n}"
+                        for n, v in members.items()
+                        if inspect.isclass(v) and v.__module__ == f"{prefix}.{sub}" and n not in deeper
+                    }
+                )
             pools.append(deeper)
         names = [n for n in dir(module) if not n.startswith("_")] + subs
         pools.append({n: ".".join([prefix, n, *rest]) for n in names})
@@ -243,7 +249,7 @@ def _unimportable(message: str) -> str | None:
         path = match.group(1) or match.group(2) or match.group(3)
         if _resolves(path):
             continue
-        key = ".".join(filter(None, map(setting_key, _PARSER_KEY.findall(message[:match.start()]))))
+        key = ".".join(filter(None, map(setting_key, _PARSER_KEY.findall(message[: match.start()]))))
         close = nearest_path(path)
         hint = f"; did you mean {close}?" if close else ""
         return f"--{key}: cannot import '{path}' ({_import_failure(path)}){hint}"
@@ -271,7 +277,7 @@ def one_line(message: str, accepted: Iterable[str] = ()) -> str:
         return f"unexpected arguments: {found.group(1)}"
     matches = list(_PARSER_KEY.finditer(message))
     if matches:
-        return _bad_value(matches[-1].group(1), message[matches[-1].end():])
+        return _bad_value(matches[-1].group(1), message[matches[-1].end() :])
     return " ".join(message.split())
 
 

@@ -11,14 +11,12 @@ run shows what it learned.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 import warnings
 from pathlib import Path
 from typing import Literal
 
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -26,57 +24,26 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 import align.trainer.strategies  # noqa: F401  (registers the short names: --trainer.strategy fsdp2 / zero1..3 / zero3_offload)
 from align.cli.arguments import RUN_FOLDER
 from align.cli.config_errors import AlignArgumentParser
-from align.errors import AlignConfigError
-from align.trainer.progress import say
 from align.cli.quiet import parameter_count, quiet_known_noise
 from align.cli.runs import RunLogger, RunRecord, latest_run, next_version, run_of_checkpoint
+from align.cli.secrets import RedactingSaveConfigCallback
+from align.errors import AlignConfigError
+from align.trainer.progress import say
 
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("fit", "validate")
 # Lightning's model table is off (its FLOPs column reads 0 for align's modules); a run prints
 # :func:`align.cli.quiet.parameter_count` instead, and ``--trainer.enable_model_summary true`` brings the table back.
-TRAINER_DEFAULTS = {"default_root_dir": "runs", "log_every_n_steps": 10, "num_sanity_val_steps": 0,
-                    "enable_model_summary": False}
+TRAINER_DEFAULTS = {
+    "default_root_dir": "runs",
+    "log_every_n_steps": 10,
+    "num_sanity_val_steps": 0,
+    "enable_model_summary": False,
+}
 
 
-# Settings whose values are credentials: never written to the run directory's config.yaml.
-SECRET_KEY = re.compile(r"^(headers|(hf_|auth_|access_|api_|bearer_)?token|(\w+_)?secret|password|passwd|(\w+_)?api_?key|"
-                        r"authorization|credentials?)$", re.IGNORECASE)
-REDACTED = "<redacted>"
 TENSORBOARD_EXTRA = "pip install 'align[tensorboard]'"
-
-
-def redact_secrets(value):
-    """A copy of a parsed config with the values of secret-looking keys (OTLP ``headers``, ``token``,
-    ``api_key``, ``password``...) replaced by ``<redacted>``."""
-    from jsonargparse import Namespace
-
-    def walk(v, key: str = ""):
-        if SECRET_KEY.search(key) and v is not None and not isinstance(v, (bool, int, float)):
-            return {k: REDACTED for k in v} if isinstance(v, dict) else REDACTED
-        if isinstance(v, Namespace):
-            out = Namespace()
-            for k, item in vars(v).items():
-                setattr(out, k, walk(item, k))
-            return out
-        if isinstance(v, dict):
-            return {k: walk(item, str(k)) for k, item in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(walk(item) for item in v)
-        return v
-
-    return walk(value)
-
-
-class RedactingSaveConfigCallback(SaveConfigCallback):
-    """Lightning's config.yaml writer, with credentials redacted (pass them by environment variable, e.g.
-    ``OTEL_EXPORTER_OTLP_HEADERS``, to re-run from the saved file)."""
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if not self.already_saved:
-            self.config = redact_secrets(self.config)
-        super().setup(trainer, pl_module, stage)
 
 
 class AlignCLI(LightningCLI):
@@ -97,8 +64,11 @@ class AlignCLI(LightningCLI):
         from align.cli.commands import COMMANDS
 
         others = ", ".join(f"align {name}" for name, (_, entry) in COMMANDS.items() if entry is not None)
-        kwargs.setdefault("description", "Train with a config (fit), or evaluate its held-out set (validate). Other "
-                          f"commands: {others}; each takes --help, and align --help says what each does.")
+        kwargs.setdefault(
+            "description",
+            "Train with a config (fit), or evaluate its held-out set (validate). Other "
+            f"commands: {others}; each takes --help, and align --help says what each does.",
+        )
         return super().init_parser(**kwargs)
 
     @staticmethod
@@ -107,12 +77,20 @@ class AlignCLI(LightningCLI):
         return {k: v for k, v in LightningCLI.subcommands().items() if k in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument("--eval_before_after", type=bool, default=True,
-                            help="Evaluate the held-out set before and after fit and print the headline metrics.")
-        parser.add_argument("--resume", type=Literal["never", "auto"], default="never",
-                            help="auto: fit continues the newest run under <default_root_dir> (version_N/checkpoints/"
-                                 "last.ckpt, same as --ckpt_path last) in its own folder, or starts version_0 when "
-                                 "there is none; never: only an explicit --ckpt_path resumes.")
+        parser.add_argument(
+            "--eval_before_after",
+            type=bool,
+            default=True,
+            help="Evaluate the held-out set before and after fit and print the headline metrics.",
+        )
+        parser.add_argument(
+            "--resume",
+            type=Literal["never", "auto"],
+            default="never",
+            help="auto: fit continues the newest run under <default_root_dir> (version_N/checkpoints/"
+            "last.ckpt, same as --ckpt_path last) in its own folder, or starts version_0 when "
+            "there is none; never: only an explicit --ckpt_path resumes.",
+        )
 
     def _instantiate_trainer(self, config, callbacks):
         config = dict(config)
@@ -128,7 +106,9 @@ class AlignCLI(LightningCLI):
             # A held-out evaluation is printed, not a run: no version_N folder, no config.yaml, no metrics.csv.
             config["logger"], logger, self.save_config_callback = False, False, None
         if logger is not False:
-            loggers: list[Logger] = [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
+            loggers: list[Logger] = (
+                [] if logger in (None, True) else list(logger) if isinstance(logger, (list, tuple)) else [logger]
+            )
             csv_loggers = [lg for lg in loggers if isinstance(lg, CSVLogger)]
             if not csv_loggers:
                 csv_loggers = [RunLogger(root, version=version, append=version is not None)]
@@ -217,8 +197,12 @@ class AlignCLI(LightningCLI):
         or one without validation data: it returns no loader, or an empty one)."""
         # Classic RL modules evaluate on their own environment, with no data module.
         source = self.datamodule if self.datamodule is not None else self.model
-        return bool(self.config[self.subcommand].get("eval_before_after", True)) and source is not None \
-            and is_overridden("val_dataloader", source) and is_overridden("validation_step", self.model)
+        return (
+            bool(self.config[self.subcommand].get("eval_before_after", True))
+            and source is not None
+            and is_overridden("val_dataloader", source)
+            and is_overridden("validation_step", self.model)
+        )
 
     def _validate(self, when: str) -> dict[str, float]:
         """The held-out headline metrics, announced (``held-out pass <when> ...``) once there is data to run on."""
@@ -280,7 +264,9 @@ class AlignCLI(LightningCLI):
         """``align validate``: the held-out metrics, one line each, and which weights they are of."""
         if not self.trainer.is_global_zero:
             return
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        metrics = {
+            k: float(v) for k, v in self.trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
+        }
         if not metrics:
             print("held-out: nothing to evaluate (the config has no validation data)")
             return
@@ -316,8 +302,11 @@ class AlignCLI(LightningCLI):
         the final step (validating again would repeat it), otherwise a fresh validation."""
         done = self.record.last_validation
         if done is not None and done[0] == self.trainer.global_step:
-            reused = (self._headline([done[1]]) if getattr(self.model, "headline_metrics", ()) else
-                      {k: v for k, v in done[1].items() if k.startswith("val")})
+            reused = (
+                self._headline([done[1]])
+                if getattr(self.model, "headline_metrics", ())
+                else {k: v for k, v in done[1].items() if k.startswith("val")}
+            )
             if reused:
                 return reused
         return self._validate("after training")
@@ -332,9 +321,11 @@ def _accuracy_stand_in(model) -> tuple[str, str] | None:
     name = getattr(model, "accuracy_reward", None)
     if highest is None or threshold is None or not isinstance(name, str) or highest >= threshold:
         return None
-    return f"val/reward/{name}", (f"val/accuracy is 0 by construction: no held-out completion reached {name} >= "
-                                  f"{threshold:g} (highest {highest:.4f}; model.evaluation.accuracy_threshold sets "
-                                  f"it); read val/reward/{name}, the reward's mean, instead")
+    return f"val/reward/{name}", (
+        f"val/accuracy is 0 by construction: no held-out completion reached {name} >= "
+        f"{threshold:g} (highest {highest:.4f}; model.evaluation.accuracy_threshold sets "
+        f"it); read val/reward/{name}, the reward's mean, instead"
+    )
 
 
 def _into_run_folder(logger: Logger, run_logger: CSVLogger) -> Logger:
@@ -355,11 +346,14 @@ def _require_tensorboard(loggers) -> None:
     from jsonargparse import Namespace
 
     entries = loggers if isinstance(loggers, (list, tuple)) else [loggers]
-    wanted = any(isinstance(e, (Namespace, dict)) and str(e.get("class_path", "")).endswith("TensorBoardLogger")
-                 for e in entries)
+    wanted = any(
+        isinstance(e, (Namespace, dict)) and str(e.get("class_path", "")).endswith("TensorBoardLogger") for e in entries
+    )
     if wanted and not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
-        raise AlignConfigError(f"trainer.logger: TensorBoardLogger needs the tensorboard package, which is not "
-                               f"installed; install it with {TENSORBOARD_EXTRA}")
+        raise AlignConfigError(
+            f"trainer.logger: TensorBoardLogger needs the tensorboard package, which is not "
+            f"installed; install it with {TENSORBOARD_EXTRA}"
+        )
 
 
 SETUP_FILES = frozenset({"config.yaml", "hparams.yaml"})
@@ -424,8 +418,10 @@ def _checkpoint_defaults(config: dict, callbacks: list) -> None:
     checkpoints = [cb for cb in [*configured, *callbacks] if isinstance(cb, ModelCheckpoint)]
     if checkpoints and config.get("enable_checkpointing") is False:
         names = ", ".join(sorted({type(cb).__name__ for cb in checkpoints}))
-        raise AlignConfigError(f"trainer.enable_checkpointing: false, but trainer.callbacks holds {names}; remove "
-                               "the checkpoint callback or set enable_checkpointing true")
+        raise AlignConfigError(
+            f"trainer.enable_checkpointing: false, but trainer.callbacks holds {names}; remove "
+            "the checkpoint callback or set enable_checkpointing true"
+        )
     if not checkpoints and config.get("enable_checkpointing") is not False:
         configured.append(AlignCheckpoint())
         config["callbacks"] = configured
@@ -439,6 +435,8 @@ def _progress_bar_default(config: dict, callbacks: list) -> None:
     from align.trainer.progress import AlignProgressBar
 
     configured = _configured_callbacks(config)
-    if config.get("enable_progress_bar") is False or any(isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]):
+    if config.get("enable_progress_bar") is False or any(
+        isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]
+    ):
         return
     callbacks.append(AlignProgressBar())

@@ -32,8 +32,9 @@ from align.cli.commands import (
 def export_main(args: list[str]) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="align export", description="Write a merged Hugging Face model and "
-                                     "tokenizer from an align checkpoint.")
+    parser = argparse.ArgumentParser(
+        prog="align export", description="Write a merged Hugging Face model and tokenizer from an align checkpoint."
+    )
     parser.add_argument("--ckpt_path", required=True, help="A checkpoint written by an align run (.ckpt).")
     parser.add_argument("--output_dir", required=True, help="Directory for the model and tokenizer.")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Weight dtype.")

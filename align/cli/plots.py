@@ -19,9 +19,9 @@ import math
 import os
 import re
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from align.errors import AlignError
 
@@ -59,10 +59,32 @@ PANELS = (
     Panel("staleness", ("rollout/staleness", "rollout/policy_version_lag")),
     Panel("waiting (s)", ("time/trainer_idle_s", "time/generator_idle_s")),
     Panel("loss", ("train/loss", "val/loss")),
-    Panel("accuracy", ("dpo/accuracy", "online_dpo/accuracy", "rm/accuracy", "kto/accuracy", "val/accuracy",
-                       "val/teacher_accuracy", "val/dpo_accuracy", "val/rm_accuracy", "val/kto_accuracy")),
-    Panel("margin", ("dpo/margin", "online_dpo/margin", "rm/margin", "kto/margin", "val/dpo_margin",
-                     "val/rm_margin", "val/kto_margin")),
+    Panel(
+        "accuracy",
+        (
+            "dpo/accuracy",
+            "online_dpo/accuracy",
+            "rm/accuracy",
+            "kto/accuracy",
+            "val/accuracy",
+            "val/teacher_accuracy",
+            "val/dpo_accuracy",
+            "val/rm_accuracy",
+            "val/kto_accuracy",
+        ),
+    ),
+    Panel(
+        "margin",
+        (
+            "dpo/margin",
+            "online_dpo/margin",
+            "rm/margin",
+            "kto/margin",
+            "val/dpo_margin",
+            "val/rm_margin",
+            "val/kto_margin",
+        ),
+    ),
 )
 
 
@@ -86,8 +108,9 @@ class Curves:
     runs: tuple[str, ...]
 
 
-def plot_runs(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLike,
-              metrics: Sequence[str] | None = None) -> Curves:
+def plot_runs(
+    run_dirs: Sequence[str | os.PathLike], output: str | os.PathLike, metrics: Sequence[str] | None = None
+) -> Curves:
     """Draw the curves of ``run_dirs`` (run folders holding ``metrics.csv``, or roots holding ``version_N``
     folders) into the PNG ``output``. ``metrics`` names columns to draw, one panel each, instead of the default
     panels. Raises :class:`PlotError` with a one-line message for a folder without metrics, an empty CSV or an
@@ -110,8 +133,10 @@ def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
         elif inner := _version_dirs(path):
             found.extend(inner)
         else:
-            raise PlotError(f"{path}: no {METRICS} here; expected a run folder (<root>/version_N holding "
-                            f"{METRICS}) or a root holding such folders")
+            raise PlotError(
+                f"{path}: no {METRICS} here; expected a run folder (<root>/version_N holding "
+                f"{METRICS}) or a root holding such folders"
+            )
     return found
 
 
@@ -146,8 +171,9 @@ def choose_panels(runs: Sequence[RunSeries], metrics: Sequence[str] | None = Non
     if metrics:
         unknown = [m for m in metrics if m not in logged]
         if unknown:
-            raise PlotError(f"--metrics: {', '.join(unknown)} not logged by {_runs_named(runs)}; available: "
-                            f"{', '.join(logged)}")
+            raise PlotError(
+                f"--metrics: {', '.join(unknown)} not logged by {_runs_named(runs)}; available: {', '.join(logged)}"
+            )
         return [Panel(m, (m,)) for m in dict.fromkeys(metrics)]
     panels = [Panel(p.title, tuple(c for c in p.columns if c in logged)) for p in PANELS]
     panels = [p for p in panels if p.columns]
@@ -172,7 +198,9 @@ def _version_dirs(root: Path) -> list[Path]:
     Lightning: ``align plot`` starts in a fraction of a second)."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := VERSION_DIR.match(p.name)) and (p / METRICS).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := VERSION_DIR.match(p.name)) and (p / METRICS).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -211,15 +239,21 @@ def _draw(runs: Sequence[RunSeries], panels: Sequence[Panel], output: Path) -> t
     _fixed_margins(figure, columns, rows)
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     drawn = tuple((panel.title, _draw_panel(ax, runs, panel)) for ax, panel in zip(axes, panels))
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     top = 1.0 - 0.1 / figure.get_figheight()
     if len(runs) == 1:
         figure.suptitle(runs[0].label, fontsize="large", y=top, va="top")
     else:
         handles = [Line2D([], [], color=_colour(i), lw=2) for i in range(len(runs))]
-        figure.legend(handles, [r.label for r in runs], loc="upper center", bbox_to_anchor=(0.5, top),
-                      ncols=min(len(runs), 4), frameon=False)
+        figure.legend(
+            handles,
+            [r.label for r in runs],
+            loc="upper center",
+            bbox_to_anchor=(0.5, top),
+            ncols=min(len(runs), 4),
+            frameon=False,
+        )
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
     figure.savefig(partial, format="png")
@@ -234,8 +268,14 @@ def _fixed_margins(figure, columns: int, rows: int) -> None:
     left, right, bottom, gap_x, gap_y = 0.8, 0.25, 0.5, 0.85, 0.85
     panel_w = (width - left - right - gap_x * (columns - 1)) / columns
     panel_h = (height - TOP - bottom - gap_y * (rows - 1)) / rows
-    figure.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height,
-                           top=1 - TOP / height, wspace=gap_x / panel_w, hspace=gap_y / panel_h)
+    figure.subplots_adjust(
+        left=left / width,
+        right=1 - right / width,
+        bottom=bottom / height,
+        top=1 - TOP / height,
+        wspace=gap_x / panel_w,
+        hspace=gap_y / panel_h,
+    )
 
 
 def _draw_panel(ax, runs: Sequence[RunSeries], panel: Panel) -> tuple[str, ...]:
@@ -269,8 +309,15 @@ def _draw_panel(ax, runs: Sequence[RunSeries], panel: Panel) -> tuple[str, ...]:
     ax.grid(alpha=0.3)
     drawn = tuple(dict.fromkeys(c for c in panel.columns if c in drawn))
     if several:
-        handles = [Line2D([], [], color="0.3", **(dict(ls="--", marker="o", ms=4) if c.startswith(HELD_OUT) else
-                                                  dict(lw=1.8, ls=style[c]))) for c in drawn]
+        handles = [
+            Line2D(
+                [],
+                [],
+                color="0.3",
+                **(dict(ls="--", marker="o", ms=4) if c.startswith(HELD_OUT) else dict(lw=1.8, ls=style[c])),
+            )
+            for c in drawn
+        ]
         ax.legend(handles, drawn, fontsize="small")
     elif drawn != (panel.title,):  # a panel of one column is titled by it already
         ax.legend(fontsize="small")
@@ -290,15 +337,30 @@ def main(args: list[str] | None = None) -> Curves:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="align plot", description="Draw runs' curves (reward, KL, loss, accuracy and their held-out values, "
-        "as logged) from their metrics.csv into a PNG. Several runs share the axes, one colour each.")
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="A run folder (<root>/version_N holding metrics.csv), or a root: all its version_N.")
-    parser.add_argument("--output", "-o", default=None,
-                        help=f"PNG to write (default: RUN_DIR/{CURVES} for one run folder, ./{CURVES} otherwise).")
-    parser.add_argument("--metrics", nargs="+", default=None, metavar="NAME",
-                        help="Columns of metrics.csv to draw, one panel each (default: the reward, KL, loss, "
-                             "accuracy and margin panels that the runs logged).")
+        prog="align plot",
+        description="Draw runs' curves (reward, KL, loss, accuracy and their held-out values, "
+        "as logged) from their metrics.csv into a PNG. Several runs share the axes, one colour each.",
+    )
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="A run folder (<root>/version_N holding metrics.csv), or a root: all its version_N.",
+    )
+    parser.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help=f"PNG to write (default: RUN_DIR/{CURVES} for one run folder, ./{CURVES} otherwise).",
+    )
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="Columns of metrics.csv to draw, one panel each (default: the reward, KL, loss, "
+        "accuracy and margin panels that the runs logged).",
+    )
     ns = parser.parse_args(sys.argv[1:] if args is None else args)
     output = ns.output or _default_output(ns.run_dirs)
     curves = plot_runs(ns.run_dirs, output, ns.metrics)
@@ -312,5 +374,17 @@ def _default_output(run_dirs: Sequence[str]) -> Path:
     return Path(CURVES)
 
 
-__all__ = ["CURVES", "Curves", "PANELS", "Panel", "PlotError", "RunSeries", "choose_panels", "find_runs", "main",
-           "plot_runs", "read_run", "smooth"]
+__all__ = [
+    "CURVES",
+    "Curves",
+    "PANELS",
+    "Panel",
+    "PlotError",
+    "RunSeries",
+    "choose_panels",
+    "find_runs",
+    "main",
+    "plot_runs",
+    "read_run",
+    "smooth",
+]

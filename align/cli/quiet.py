@@ -21,37 +21,60 @@ import warnings
 
 # (warning message regex, why it is dropped)
 WARNINGS = (
-    (r".*isinstance\(treespec, LeafSpec\)` is deprecated",
-     "Lightning calls a deprecated torch API internally; nothing a user can change"),
-    (r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
-     "align's RL modules step manually and checkpoint after the update on purpose: the checkpoint of step N holds "
-     "the weights after N updates, which is what resuming needs"),
-    (r"Found \d+ module\(s\) in eval mode",
-     "frozen reference, reward and critic-initialising copies are kept in eval mode on purpose"),
-    (r"The progress bar already tracks a metric with the name",
-     "align's progress bar shows no version number, so nothing is overwritten"),
-    (r"It is recommended to use `self.log\('(val|test)/.*sync_dist=True\)` when logging on epoch level",
-     "align sums held-out metrics over ranks itself before logging them (RLModule.on_validation_epoch_end); an "
-     "in-process vLLM engine also sets up a one-process group that makes Lightning say this on one process"),
-    (r"`torch.distributed.reduce_op` is deprecated",
-     "vLLM's import touches a deprecated torch attribute; nothing a user can change"),
-    (r"`is_gradient_checkpointing` is deprecated",
-     "peft reads transformers' old attribute name when it wraps a model; nothing a user can change"),
+    (
+        r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+        "Lightning calls a deprecated torch API internally; nothing a user can change",
+    ),
+    (
+        r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
+        "align's RL modules step manually and checkpoint after the update on purpose: the checkpoint of step N holds "
+        "the weights after N updates, which is what resuming needs",
+    ),
+    (
+        r"Found \d+ module\(s\) in eval mode",
+        "frozen reference, reward and critic-initialising copies are kept in eval mode on purpose",
+    ),
+    (
+        r"The progress bar already tracks a metric with the name",
+        "align's progress bar shows no version number, so nothing is overwritten",
+    ),
+    (
+        r"It is recommended to use `self.log\('(val|test)/.*sync_dist=True\)` when logging on epoch level",
+        "align sums held-out metrics over ranks itself before logging them (RLModule.on_validation_epoch_end); an "
+        "in-process vLLM engine also sets up a one-process group that makes Lightning say this on one process",
+    ),
+    (
+        r"`torch.distributed.reduce_op` is deprecated",
+        "vLLM's import touches a deprecated torch attribute; nothing a user can change",
+    ),
+    (
+        r"`is_gradient_checkpointing` is deprecated",
+        "peft reads transformers' old attribute name when it wraps a model; nothing a user can change",
+    ),
 )
 
 # (logger name, message prefix, why it is dropped)
 LOG_LINES = (
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip:", "an advertisement for a hosted logging service"),
-    ("lightning.pytorch.utilities.rank_zero", "Loading `train_dataloader` to estimate number of stepping batches",
-     "internal bookkeeping of Lightning"),
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        "Loading `train_dataloader` to estimate number of stepping batches",
+        "internal bookkeeping of Lightning",
+    ),
     ("lightning.pytorch.utilities.rank_zero", "GPU available: False", "a device the machine lacks, on every run"),
     ("lightning.pytorch.utilities.rank_zero", "TPU available: False", "a device the machine lacks, on every run"),
     ("lightning.pytorch.utilities.rank_zero", "HPU available: False", "a device the machine lacks, on every run"),
-    ("DeepSpeed", "Setting accelerator to CPU",
-     "DeepSpeed's notice on import on a machine without a GPU; align uses DeepSpeed only with a ZeRO strategy"),
-    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community",
-     "bitsandbytes' notice on import that the optional `kernels` package is absent; its built-in CPU path runs "
-     "instead, and only QLoRA uses it"),
+    (
+        "DeepSpeed",
+        "Setting accelerator to CPU",
+        "DeepSpeed's notice on import on a machine without a GPU; align uses DeepSpeed only with a ZeRO strategy",
+    ),
+    (
+        "bitsandbytes.backends.cpu.ops",
+        "Failed to load CPU gemm_4bit_forward from kernels-community",
+        "bitsandbytes' notice on import that the optional `kernels` package is absent; its built-in CPU path runs "
+        "instead, and only QLoRA uses it",
+    ),
 )
 
 
@@ -124,5 +147,7 @@ def parameter_count(model) -> str:
 
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
     trainable = sum(n for n, grad in sizes if grad)
-    return (f"parameters: {get_human_readable_count(trainable).strip()} trainable, "
-            f"{get_human_readable_count(sum(n for n, _ in sizes)).strip()} in all")
+    return (
+        f"parameters: {get_human_readable_count(trainable).strip()} trainable, "
+        f"{get_human_readable_count(sum(n for n, _ in sizes)).strip()} in all"
+    )

@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -58,7 +58,7 @@ def next_version(root: str | os.PathLike) -> int:
     return found[-1] + 1 if found else 0
 
 
-def latest_run(root: str | os.PathLike) -> Optional[Run]:
+def latest_run(root: str | os.PathLike) -> Run | None:
     """The newest run under ``root`` that has a checkpoint to continue from (its ``last.ckpt``, or else its newest
     checkpoint); ``None`` when there is none. A newer folder without a checkpoint (a run killed before its first
     save) is skipped: the run to continue is the newest one with a state to continue from."""
@@ -73,7 +73,7 @@ def latest_run(root: str | os.PathLike) -> Optional[Run]:
     return None
 
 
-def run_of_checkpoint(root: str | os.PathLike, ckpt_path: str | os.PathLike) -> Optional[int]:
+def run_of_checkpoint(root: str | os.PathLike, ckpt_path: str | os.PathLike) -> int | None:
     """The version whose ``checkpoints/`` folder holds ``ckpt_path`` when that folder is under ``root``."""
     path = Path(ckpt_path).resolve()
     for parent in path.parents:
@@ -100,7 +100,7 @@ class RunLogger(CSVLogger):
     to the folder's existing ``metrics.csv`` (rows a killed run logged after its last checkpoint stay, and the
     continued run logs those steps again)."""
 
-    def __init__(self, save_dir: str, version: Optional[int] = None, append: bool = False, **kwargs: Any):
+    def __init__(self, save_dir: str, version: int | None = None, append: bool = False, **kwargs: Any):
         super().__init__(save_dir=save_dir, name="", version=version, **kwargs)
         self._append = append
 
@@ -120,10 +120,10 @@ class RunRecord(Callback):
     last in-training validation so the command line need not repeat a validation of the final weights."""
 
     def __init__(self) -> None:
-        self.before: Optional[dict[str, float]] = None
-        self.last_validation: Optional[tuple[int, dict[str, float]]] = None  # (global step, metrics)
+        self.before: dict[str, float] | None = None
+        self.last_validation: tuple[int, dict[str, float]] | None = None  # (global step, metrics)
         # Set by the command line around its own validations: the line to print once one has data to run on.
-        self.announce: Optional[str] = None
+        self.announce: str | None = None
         self.announced = False
 
     @property
@@ -154,5 +154,14 @@ class RunRecord(Callback):
         self.last_validation = (trainer.global_step, metrics)
 
 
-__all__ = ["Run", "RunLogger", "RunRecord", "checkpoint_dir", "latest_run", "next_version", "run_dir",
-           "run_of_checkpoint", "versions"]
+__all__ = [
+    "Run",
+    "RunLogger",
+    "RunRecord",
+    "checkpoint_dir",
+    "latest_run",
+    "next_version",
+    "run_dir",
+    "run_of_checkpoint",
+    "versions",
+]

@@ -1,1 +1,1 @@
-"""Pure tensor math with pinned-value tests: log-probs, masks, statistics, KL, advantages, losses, trust region, packing."""
+"""Pure tensor math with pinned-value tests: log-probs, masks, statistics, KL, advantages, losses, packing."""

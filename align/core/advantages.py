@@ -34,16 +34,23 @@ Departures and choices:
 
 from __future__ import annotations
 
-from typing import Tuple, Union
-
 import torch
 
 from align.core.kl import kl_estimate
 from align.core.masks import last_valid_index
 from align.core.stats import AllReduce, identity, whiten
 
-__all__ = ["shape_rewards", "per_token_rewards", "gae", "group_view", "group_advantages", "rloo_advantages",
-           "reinforce_pp_advantages", "returns_to_go", "GROUP_SCALES"]
+__all__ = [
+    "shape_rewards",
+    "per_token_rewards",
+    "gae",
+    "group_view",
+    "group_advantages",
+    "rloo_advantages",
+    "reinforce_pp_advantages",
+    "returns_to_go",
+    "GROUP_SCALES",
+]
 
 
 @torch.no_grad()
@@ -52,11 +59,11 @@ def shape_rewards(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor,
-    kl_coef: Union[float, torch.Tensor],
+    kl_coef: float | torch.Tensor,
     kind: str = "k1",
     clamp: float = 20.0,
     token_rewards: torch.Tensor | None = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards with a KL penalty and the score at the last valid token.
 
     Args:
@@ -82,8 +89,9 @@ def shape_rewards(
     if scores.shape != logprobs.shape[:1]:
         raise ValueError(f"shape_rewards: scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
     if token_rewards is not None and token_rewards.shape != mask.shape:
-        raise ValueError(f"shape_rewards: token_rewards must be (B, T) = {tuple(mask.shape)}, got "
-                         f"{tuple(token_rewards.shape)}")
+        raise ValueError(
+            f"shape_rewards: token_rewards must be (B, T) = {tuple(mask.shape)}, got {tuple(token_rewards.shape)}"
+        )
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, kind=kind, clamp=clamp), zero)  # (B, T)
@@ -95,7 +103,7 @@ def per_token_rewards(
     scores: torch.Tensor,
     kl: torch.Tensor,
     mask: torch.Tensor,
-    kl_coef: Union[float, torch.Tensor],
+    kl_coef: float | torch.Tensor,
     token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`shape_rewards` from a KL estimate already computed: ``-kl_coef * kl`` on every valid token, plus
@@ -124,7 +132,7 @@ def gae(
     mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 0.95,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation over response tokens (arXiv 1506.02438).
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` and
@@ -285,9 +293,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         ``(B*G,)``.
     """
     if group_size < 2:
-        raise ValueError(
-            f"rloo_advantages: group_size must be >= 2 for a leave-one-out baseline, got {group_size}"
-        )
+        raise ValueError(f"rloo_advantages: group_size must be >= 2 for a leave-one-out baseline, got {group_size}")
     grouped = _shift(group_view(rewards, group_size, "rloo_advantages"))  # (B, G); constant -> 0
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (B, G)
     return (grouped - others_mean).reshape(-1)
@@ -301,8 +307,10 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     the same numbers, one token at a time.)
     """
     if rewards.shape != mask.shape or rewards.dim() != 2:
-        raise ValueError(f"returns_to_go: rewards and mask must share one (B, T) shape, got "
-                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}")
+        raise ValueError(
+            f"returns_to_go: rewards and mask must share one (B, T) shape, got "
+            f"{tuple(rewards.shape)}, {tuple(mask.shape)}"
+        )
     valid = mask.bool()
     zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     kept = torch.where(valid, rewards, zero)
@@ -314,7 +322,7 @@ def reinforce_pp_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,
     kl: torch.Tensor | None = None,
-    kl_coef: Union[float, torch.Tensor] = 0.0,
+    kl_coef: float | torch.Tensor = 0.0,
     group_size: int | None = None,
     all_reduce: AllReduce = identity,
     eps: float = 1e-8,
@@ -344,8 +352,10 @@ def reinforce_pp_advantages(
         ``(N, R)`` advantages, 0 at masked positions.
     """
     if mask.dim() != 2 or rewards.shape != mask.shape[:1]:
-        raise ValueError(f"reinforce_pp_advantages: rewards must be (N,) and mask (N, R), got "
-                         f"{tuple(rewards.shape)} and {tuple(mask.shape)}")
+        raise ValueError(
+            f"reinforce_pp_advantages: rewards must be (N,) and mask (N, R), got "
+            f"{tuple(rewards.shape)} and {tuple(mask.shape)}"
+        )
     if kl is not None and kl.shape != mask.shape:
         raise ValueError(f"reinforce_pp_advantages: kl must be (N, R) = {tuple(mask.shape)}, got {tuple(kl.shape)}")
     rewards = rewards.float() if not rewards.is_floating_point() else rewards
@@ -353,7 +363,10 @@ def reinforce_pp_advantages(
         rewards = group_advantages(rewards, group_size, scale="none")  # (N,) r - mean of its group
     valid = mask.bool()
     zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-    per_token = (torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device) if kl is None
-                 else torch.where(valid, -kl_coef * kl.to(rewards.dtype), zero))  # (N, R)
+    per_token = (
+        torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+        if kl is None
+        else torch.where(valid, -kl_coef * kl.to(rewards.dtype), zero)
+    )  # (N, R)
     returns = returns_to_go(_add_terminal(per_token, rewards, valid), valid)  # (N, R)
     return whiten(returns, valid, eps=eps, all_reduce=all_reduce)

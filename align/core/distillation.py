@@ -12,7 +12,6 @@ Jensen-Shannon divergence over whole next-token distributions.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +22,19 @@ __all__ = ["generalized_jsd", "reverse_kl_advantages"]
 
 
 @torch.no_grad()
-def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                          mask: Optional[torch.Tensor]) -> torch.Tensor:
+def reverse_kl_advantages(
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """``(B, T)`` per-token advantages ``log pi_T(y_t) - log pi_S(y_t)`` of the student's sampled tokens: minus the
     single-sample estimate of the reverse KL ``KL(pi_S || pi_T)`` at that position. Positive where the teacher likes
     the token more than the student; 0 at padding (``mask`` False) whatever the inputs hold there. Its policy gradient
     ``-A_t * grad log pi_S(y_t)``, summed over tokens sampled from the student, is an unbiased estimate of the gradient
     of the summed per-position reverse KL, each position taken as fixed (no credit for later tokens)."""
     if student_logprobs.shape != teacher_logprobs.shape:
-        raise ValueError(f"reverse_kl_advantages: student {tuple(student_logprobs.shape)} and teacher "
-                         f"{tuple(teacher_logprobs.shape)} log-probs must have one shape")
+        raise ValueError(
+            f"reverse_kl_advantages: student {tuple(student_logprobs.shape)} and teacher "
+            f"{tuple(teacher_logprobs.shape)} log-probs must have one shape"
+        )
     valid = None if mask is None else mask.bool()
     return fill_masked(teacher_logprobs.float(), valid) - fill_masked(student_logprobs.float(), valid)
 
@@ -47,8 +49,9 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     return torch.where(support, p_safe.exp() * (p_safe - q_safe), 0.0).sum(-1)
 
 
-def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
-                    temperature: float = 1.0) -> torch.Tensor:
+def generalized_jsd(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5, temperature: float = 1.0
+) -> torch.Tensor:
     """GKD's generalized Jensen-Shannon divergence per position, ``(..., V) -> (...)``, with gradients through the
     student only (the teacher's logits are detached).
 
@@ -68,8 +71,10 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"generalized_jsd: beta must be in [0, 1], got {beta}")
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"generalized_jsd: student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ; the teacher must share the student's vocabulary")
+        raise ValueError(
+            f"generalized_jsd: student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ; the teacher must share the student's vocabulary"
+        )
     if temperature <= 0:
         raise ValueError(f"generalized_jsd: temperature must be > 0, got {temperature}")
     student = F.log_softmax(student_logits.float() / temperature, dim=-1)
@@ -81,6 +86,13 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     # log M, where M = 0 (both distributions masked) on the placeholder log P = log Q = 0: no KL term reads it there,
     # and logsumexp's gradient at an all -inf entry is NaN (exp(-inf - -inf)).
     neither = (teacher == -math.inf) & (student == -math.inf)  # (..., V)
-    mixture = torch.logsumexp(torch.stack([teacher.masked_fill(neither, 0.0) + math.log(beta),
-                                           student.masked_fill(neither, 0.0) + math.log(1.0 - beta)]), dim=0)
+    mixture = torch.logsumexp(
+        torch.stack(
+            [
+                teacher.masked_fill(neither, 0.0) + math.log(beta),
+                student.masked_fill(neither, 0.0) + math.log(1.0 - beta),
+            ]
+        ),
+        dim=0,
+    )
     return beta * _kl(teacher, mixture) + (1.0 - beta) * _kl(student, mixture)

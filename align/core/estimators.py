@@ -21,8 +21,9 @@ others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
 
@@ -41,11 +42,11 @@ class AdvantageInputs:
     rewards: torch.Tensor  # (N,) each completion's total reward (PPO: its score after the score options)
     mask: torch.Tensor  # (N, R) response mask
     group_size: int = 1
-    kl: Optional[torch.Tensor] = None  # (N, R) KL estimate of the sampled tokens to put into the rewards; None: none
-    kl_coef: Union[float, torch.Tensor] = 0.0
+    kl: torch.Tensor | None = None  # (N, R) KL estimate of the sampled tokens to put into the rewards; None: none
+    kl_coef: float | torch.Tensor = 0.0
     std_scale: str = "group"  # grpo: "group", "batch" or "none"
-    token_rewards: Optional[torch.Tensor] = None  # (N, R) rewards already on tokens (a multi-turn turn's reward): gae
-    values: Optional[torch.Tensor] = None  # (N, R) V(s_t) at rollout time: gae
+    token_rewards: torch.Tensor | None = None  # (N, R) rewards already on tokens (a multi-turn turn's reward): gae
+    values: torch.Tensor | None = None  # (N, R) V(s_t) at rollout time: gae
     gamma: float = 1.0  # gae
     lam: float = 0.95  # gae
     whiten: bool = True  # gae: whiten the advantages over the valid tokens of every rank
@@ -56,9 +57,9 @@ class Advantages(NamedTuple):
     """An estimator's output; only ``advantages`` is always set."""
 
     advantages: torch.Tensor  # (N,) one per completion, or (N, R) per token
-    returns: Optional[torch.Tensor] = None  # (N, R) value targets: unwhitened advantages + values (gae)
-    token_rewards: Optional[torch.Tensor] = None  # (N, R) the per-token rewards the returns are built from (gae)
-    raw: Optional[torch.Tensor] = None  # (N, R) advantages before whitening (gae)
+    returns: torch.Tensor | None = None  # (N, R) value targets: unwhitened advantages + values (gae)
+    token_rewards: torch.Tensor | None = None  # (N, R) the per-token rewards the returns are built from (gae)
+    raw: torch.Tensor | None = None  # (N, R) advantages before whitening (gae)
 
 
 def _with_sequence_kl(x: AdvantageInputs) -> torch.Tensor:
@@ -79,8 +80,9 @@ def reinforce_pp(x: AdvantageInputs) -> Advantages:
 
 
 def reinforce_pp_baseline(x: AdvantageInputs) -> Advantages:
-    return Advantages(reinforce_pp_advantages(x.rewards, x.mask, x.kl, x.kl_coef, x.group_size,
-                                              all_reduce=x.all_reduce))
+    return Advantages(
+        reinforce_pp_advantages(x.rewards, x.mask, x.kl, x.kl_coef, x.group_size, all_reduce=x.all_reduce)
+    )
 
 
 @torch.no_grad()
@@ -94,7 +96,7 @@ def generalized(x: AdvantageInputs) -> Advantages:
     return Advantages(advantages, returns, rewards, raw)
 
 
-ADVANTAGE_ESTIMATORS: Dict[str, Callable[[AdvantageInputs], Advantages]] = {
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], Advantages]] = {
     "grpo": grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,

@@ -49,7 +49,8 @@ The adaptive controller is the one of Ziegler et al. 2019 (arXiv 1909.08593).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Literal, Optional
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -79,15 +80,15 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
 KLKind = Literal["k1", "k2", "k3"]
 """The name of a per-token KL estimator."""
 
-KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
 def kl_estimate(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     kind: str = "k1",
-    clamp: Optional[float] = 20.0,
-    k3_max: Optional[float] = 10.0,
+    clamp: float | None = 20.0,
+    k3_max: float | None = 10.0,
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from log-probs of tokens sampled by pi.
 
@@ -137,10 +138,10 @@ class KLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         raise NotImplementedError
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
 
     def __repr__(self) -> str:
@@ -173,8 +174,10 @@ class AdaptiveKLController(KLController):
         target = _as_finite_float("AdaptiveKLController: target", target)
         horizon = _as_finite_float("AdaptiveKLController: horizon", horizon)
         if init_kl_coef <= 0:
-            raise ValueError(f"AdaptiveKLController: init_kl_coef must be > 0 (the update multiplies it, so a "
-                             f"controller started at 0 would stay at 0), got {init_kl_coef}")
+            raise ValueError(
+                f"AdaptiveKLController: init_kl_coef must be > 0 (the update multiplies it, so a "
+                f"controller started at 0 would stay at 0), got {init_kl_coef}"
+            )
         if target <= 0:
             raise ValueError(f"AdaptiveKLController: target must be > 0, got {target}")
         if horizon <= 0:

@@ -6,8 +6,6 @@ statistics are in :mod:`align.core.masks`.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +18,7 @@ __all__ = [
 # Rows of a (N, V) logits matrix processed at once by the chunked kernels: about
 # 2**24 float32 elements (64 MiB) per chunk whatever the vocabulary size.
 _CHUNK_ELEMENTS = 1 << 24
+
 
 def _rows_per_chunk(vocab_size: int) -> int:
     return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
@@ -192,8 +191,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperatur
     return flat.view(logits.shape[:-1])
 
 
-def _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs, grad_entropy, temperature, chunk_rows,
-                              needs):
+def _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs, grad_entropy, temperature, chunk_rows, needs):
     """The backward of :class:`_LinearLogSoftmax` out of place, with the log-normaliser recomputed from the
     logits, so that autograd can differentiate it again (double backpropagation, as TRPO's Fisher-vector products
     do): every quantity is a differentiable function of ``hidden``, ``weight`` and ``bias``."""
@@ -274,8 +272,15 @@ class _LinearLogSoftmax(torch.autograd.Function):
                 del p, shifted
                 kept = x.sub_(lse[rows].unsqueeze(-1))  # log p
         ctx.temperature, ctx.chunk_rows, ctx.has_bias = temperature, chunk_rows, bias is not None
-        ctx.save_for_backward(hidden, weight, bias if bias is not None else hidden.new_empty(0), index, lse,
-                              entropy if want_entropy else lse.new_empty(0), kept)
+        ctx.save_for_backward(
+            hidden,
+            weight,
+            bias if bias is not None else hidden.new_empty(0),
+            index,
+            lse,
+            entropy if want_entropy else lse.new_empty(0),
+            kept,
+        )
         logprobs = picked - lse
         if want_entropy:
             return logprobs, entropy
@@ -290,9 +295,17 @@ class _LinearLogSoftmax(torch.autograd.Function):
         # Autograd materialises an unused output's gradient as zeros; an entropy that was not asked for is empty.
         use_entropy = grad_entropy.numel() > 0 and entropy.numel() > 0
         if torch.is_grad_enabled():  # create_graph=True (Fisher-vector products): a backward autograd can differentiate
-            grads = _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs,
-                                              grad_entropy if use_entropy else None, t, step,
-                                              (need_hidden, need_weight, need_bias))
+            grads = _linear_log_softmax_grads(
+                hidden,
+                weight,
+                bias,
+                index,
+                grad_logprobs,
+                grad_entropy if use_entropy else None,
+                t,
+                step,
+                (need_hidden, need_weight, need_bias),
+            )
             return (*grads, None, None, None, None, None)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if need_weight else None
@@ -302,8 +315,11 @@ class _LinearLogSoftmax(torch.autograd.Function):
             h = hidden[rows]
             # In place on the chunk's one (n_chunk, V) buffer: x -> log p -> p -> the logit gradient. A kept chunk
             # is copied, so that a second backward (retain_graph) finds it as it was.
-            logp = (kept.clone() if kept.numel() else
-                    _scaled_logits(h, weight, bias, lse.dtype, t).sub_(lse[rows].unsqueeze(-1)))
+            logp = (
+                kept.clone()
+                if kept.numel()
+                else _scaled_logits(h, weight, bias, lse.dtype, t).sub_(lse[rows].unsqueeze(-1))
+            )
             g = grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)  # (n_chunk, 1)
             if use_entropy:
                 g_ent = grad_entropy[rows].to(lse.dtype).unsqueeze(-1)
@@ -335,11 +351,11 @@ def linear_log_softmax(
     weight: torch.Tensor,
     index: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    chunk_rows: Optional[int] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probabilities (and entropies) through an output head, without the full logits.
 
     Args:
@@ -367,9 +383,7 @@ def linear_log_softmax(
             f"hidden dim {tuple(hidden.shape[:-1])}"
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"linear_log_softmax: weight must be (V, {hidden.shape[-1]}), got {tuple(weight.shape)}"
-        )
+        raise ValueError(f"linear_log_softmax: weight must be (V, {hidden.shape[-1]}), got {tuple(weight.shape)}")
     temperature = _check_temperature("linear_log_softmax", temperature)
     if chunk_rows is None:
         chunk_rows = _rows_per_chunk(weight.shape[0])
@@ -381,9 +395,16 @@ def linear_log_softmax(
     # (Inside the function's forward, grad mode is always off and an input's requires_grad does not say whether
     # a graph is being recorded.)
     backward_follows = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (flat_hidden, weight, bias))
+        t is not None and t.requires_grad for t in (flat_hidden, weight, bias)
+    )
     logprobs, entropy = _LinearLogSoftmax.apply(
-        flat_hidden, weight, bias, index.reshape(-1).long(), temperature, int(chunk_rows), bool(return_entropy),
+        flat_hidden,
+        weight,
+        bias,
+        index.reshape(-1).long(),
+        temperature,
+        int(chunk_rows),
+        bool(return_entropy),
         backward_follows,
     )
     logprobs = logprobs.view(index.shape)

@@ -14,7 +14,7 @@ later division by the number of accumulation steps is needed.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple, Union
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from align.core.masks import fill_masked, masked_mean, masked_sum
 
 __all__ = ["AGGREGATIONS", "Normaliser", "aggregate", "check_normaliser", "loss_count", "value_loss", "sft_loss"]
 
-Normaliser = Optional[Union[int, float, torch.Tensor]]
+Normaliser = int | float | torch.Tensor | None
 
 
 # ----------------------------------------------------------------------------
@@ -37,28 +37,28 @@ def check_normaliser(normaliser: Normaliser, fn: str) -> None:
         raise ValueError(f"{fn}: normaliser must be > 0, got {normaliser}")
 
 
-def _token_mean(per_token: torch.Tensor, mask: Optional[torch.Tensor], normaliser: Normaliser) -> torch.Tensor:
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor | None, normaliser: Normaliser) -> torch.Tensor:
     total = masked_sum(per_token, mask)
     if normaliser is None:
         normaliser = max(per_token.numel(), 1) if mask is None else mask.bool().sum().clamp(min=1)
     return total / normaliser
 
 
-def _seq_mean(per_token: torch.Tensor, mask: Optional[torch.Tensor], normaliser: Normaliser) -> torch.Tensor:
+def _seq_mean(per_token: torch.Tensor, mask: torch.Tensor | None, normaliser: Normaliser) -> torch.Tensor:
     per_seq = masked_mean(per_token, mask, dim=-1)  # (B,), 0 for a row with no valid token
     if normaliser is None:
         normaliser = max(per_seq.shape[0], 1)
     return per_seq.sum() / normaliser
 
 
-def _constant(per_token: torch.Tensor, mask: Optional[torch.Tensor], normaliser: Normaliser) -> torch.Tensor:
+def _constant(per_token: torch.Tensor, mask: torch.Tensor | None, normaliser: Normaliser) -> torch.Tensor:
     total = masked_sum(per_token, mask)
     if normaliser is None:
         normaliser = max(per_token.numel(), 1)
     return total / normaliser
 
 
-AGGREGATIONS: Dict[str, Callable[[torch.Tensor, Optional[torch.Tensor], Normaliser], torch.Tensor]] = {
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor | None, Normaliser], torch.Tensor]] = {
     "token_mean": _token_mean,
     "seq_mean": _seq_mean,
     "constant": _constant,
@@ -67,7 +67,7 @@ AGGREGATIONS: Dict[str, Callable[[torch.Tensor, Optional[torch.Tensor], Normalis
 
 def aggregate(
     per_token: torch.Tensor,
-    mask: Optional[torch.Tensor],
+    mask: torch.Tensor | None,
     mode: str = "token_mean",
     normaliser: Normaliser = None,
 ) -> torch.Tensor:
@@ -121,11 +121,11 @@ def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    clip: Optional[float] = None,
+    mask: torch.Tensor | None,
+    clip: float | None = None,
     agg: str = "token_mean",
     normaliser: Normaliser = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared-error value loss, optionally clipped around the rollout values.
 
     ``0.5 * (V - R)**2``; with ``clip`` set,

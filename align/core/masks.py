@@ -20,14 +20,23 @@ returned unwhitened (a standard deviation of one value is undefined).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["TokenIds", "response_mask", "truncated", "last_valid_index", "masked_sum", "masked_mean", "masked_var",
-           "masked_whiten", "fill_masked"]
+__all__ = [
+    "TokenIds",
+    "response_mask",
+    "truncated",
+    "last_valid_index",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "fill_masked",
+]
 
-TokenIds = Union[int, Sequence[int], torch.Tensor]
+TokenIds = int | Sequence[int] | torch.Tensor
 
 
 def _is_eos(response_ids: torch.Tensor, eos_token_id: TokenIds) -> torch.Tensor:
@@ -106,7 +115,7 @@ def _valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask.bool().expand_as(x) if mask.shape != x.shape else mask.bool()
 
 
-def masked_sum(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+def masked_sum(x: torch.Tensor, mask: torch.Tensor | None, dim: int | None = None) -> torch.Tensor:
     """Sum of ``x`` over valid elements (``mask`` broadcastable to ``x``; ``None``: every element is valid).
 
     Masked elements are replaced by 0 rather than multiplied by 0, so a NaN or
@@ -119,13 +128,13 @@ def masked_sum(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int]
     return zeroed.sum() if dim is None else zeroed.sum(dim)
 
 
-def _count(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+def _count(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     valid = _valid(x, mask)
     n = valid.sum() if dim is None else valid.sum(dim)
     return n.to(x.dtype if x.is_floating_point() else torch.float32)
 
 
-def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None, dim: int | None = None) -> torch.Tensor:
     """Mean of ``x`` over valid elements (``mask=None``: all of them); 0 (never NaN) where nothing is valid."""
     if mask is None:
         n = x.numel() if dim is None else x.shape[dim]
@@ -133,7 +142,7 @@ def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int
     return masked_sum(x, mask, dim) / _count(x, mask, dim).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: Optional[torch.Tensor], unbiased: bool = True) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor | None, unbiased: bool = True) -> torch.Tensor:
     """Variance (scalar) of ``x`` over all valid elements (``mask=None``: all of them).
 
     ``unbiased=True`` divides by ``n - 1`` (Bessel). Returns 0 when there are
@@ -153,7 +162,7 @@ def masked_var(x: torch.Tensor, mask: Optional[torch.Tensor], unbiased: bool = T
 
 def masked_whiten(
     x: torch.Tensor,
-    mask: Optional[torch.Tensor],
+    mask: torch.Tensor | None,
     shift_mean: bool = True,
     eps: float = 1e-8,
 ) -> torch.Tensor:
@@ -187,7 +196,7 @@ def masked_whiten(
     return torch.where(valid, out, zero)
 
 
-def fill_masked(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+def fill_masked(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """``x`` with its invalid elements (``valid`` False) replaced by 0, not multiplied away: a NaN there reaches
     neither a loss nor any gradient. ``valid=None``: every element is valid."""
     if valid is None:  # every element is valid

@@ -34,8 +34,14 @@ import torch
 
 from align.core.masks import masked_mean
 
-__all__ = ["CORRECTION_MODES", "CORRECTION_LEVELS", "LOG_RATIO_CLAMP", "MismatchStats", "correction_weights",
-           "mismatch_stats"]
+__all__ = [
+    "CORRECTION_MODES",
+    "CORRECTION_LEVELS",
+    "LOG_RATIO_CLAMP",
+    "MismatchStats",
+    "correction_weights",
+    "mismatch_stats",
+]
 
 CORRECTION_MODES = ("none", "tis", "mis")
 """``none``: weight 1 everywhere; ``tis``: truncated importance sampling; ``mis``: masked importance sampling."""
@@ -60,9 +66,17 @@ def _log_ratio(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, ma
     return torch.where(mask, log_ratio, torch.zeros_like(log_ratio))  # (N, R)
 
 
-def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor, *,
-                       mode: str = "tis", level: str = "token", cap: float = 2.0, low: float = 0.5,
-                       high: float = 2.0) -> tuple[torch.Tensor, MismatchStats]:
+def correction_weights(
+    trainer_logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str = "tis",
+    level: str = "token",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, MismatchStats]:
     """``(weights (N, R), stats)``: the detached importance weights of the tokens ``mask`` (N, R) bool (0 elsewhere)
     for an update against ``trainer_logprobs`` of data sampled with ``engine_logprobs`` (both (N, R)), and the
     rollout's :class:`MismatchStats`."""
@@ -92,8 +106,9 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
         clipped = dropped = torch.zeros_like(units)
     weights = torch.where(mask, weights, torch.zeros_like(weights))
     count = units.sum().clamp(min=1).float()
-    return weights, _stats(log_ratio, mask)._replace(clipped_frac=(clipped & units).sum() / count,
-                                                     masked_frac=(dropped & units).sum() / count)
+    return weights, _stats(log_ratio, mask)._replace(
+        clipped_frac=(clipped & units).sum() / count, masked_frac=(dropped & units).sum() / count
+    )
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> MismatchStats:

@@ -22,8 +22,8 @@ that every prompt starts with and moves them to the front of each row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -87,8 +87,14 @@ class PackedRows:
         return self.origins.view(-1, *([1] * (positions.dim() - 1))) + positions
 
 
-def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,
-                     width: int | None = None, pad_token_id: int = 0, ignore_index: int = -100) -> PackedRows:
+def pack_scored_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scored: torch.Tensor,
+    width: int | None = None,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
+) -> PackedRows:
     """Pack the real tokens of each row of a padded batch into rows of at most ``width`` tokens.
 
     ``input_ids``, ``attention_mask`` and ``scored`` are ``(B, T)``; ``scored`` marks the tokens whose log-prob is
@@ -125,15 +131,15 @@ def pack_scored_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scor
         at = 0
         for r in members:
             n, s = lengths[r], starts[r]
-            ids[k, at:at + n] = input_ids[r, s:s + n]
+            ids[k, at : at + n] = input_ids[r, s : s + n]
             origins[r] = k * width + at - s
-            positions[k, at:at + n] = arange[:n]
+            positions[k, at : at + n] = arange[:n]
             if n > 1:  # position j predicts token j + 1
-                hit = scored[r, s + 1:s + n]
-                targets[k, at:at + n - 1] = torch.where(hit, input_ids[r, s + 1:s + n].long(), ignore_index)
-                owner[k, at:at + n - 1] = torch.where(hit, r, -1)
+                hit = scored[r, s + 1 : s + n]
+                targets[k, at : at + n - 1] = torch.where(hit, input_ids[r, s + 1 : s + n].long(), ignore_index)
+                owner[k, at : at + n - 1] = torch.where(hit, r, -1)
             at += n
-        positions[k, at:] = arange[:width - at]
+        positions[k, at:] = arange[: width - at]
     return PackedRows(ids, positions, targets, owner[targets != ignore_index], B, origins)
 
 
@@ -177,8 +183,14 @@ def split_groups(group: torch.Tensor, num_groups: int, size: int) -> tuple[torch
     return piece, int(pieces.sum())
 
 
-def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                  response_length: int, group: torch.Tensor, num_groups: int) -> SharedPromptRows:
+def share_prompts(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+    group: torch.Tensor,
+    num_groups: int,
+) -> SharedPromptRows:
     """Lay out rows whose first ``T - R`` columns are equal within each ``group`` (``(B,)`` in ``[0, num_groups)``)
     so that each prompt appears once, followed by each of its rows' responses.
 
@@ -200,9 +212,8 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     first = group_representatives(group, num_groups)  # whose prompt columns each laid-out row takes
     L = P + k * S
     columns = P + slot[:, None] * S + torch.arange(S, device=device)  # (B, S) where each response column goes
-    real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-            else attention_mask.bool())  # (B, T)
-    positions = (torch.arange(T, device=device).expand(B, T) if position_ids is None else position_ids)
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()  # (B, T)
+    positions = torch.arange(T, device=device).expand(B, T) if position_ids is None else position_ids
 
     def lay_out(values: torch.Tensor, fill) -> torch.Tensor:
         out = torch.full((num_groups, L), fill, dtype=values.dtype, device=device)
@@ -211,8 +222,9 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
         return out
 
     ids, keys_real, pos = lay_out(input_ids, 0), lay_out(real, False), lay_out(positions, 0)
-    segment = torch.cat([torch.zeros(P, dtype=torch.long, device=device),
-                         torch.arange(1, k + 1, device=device).repeat_interleave(S)])  # (L,) 0: the prompt
+    segment = torch.cat(
+        [torch.zeros(P, dtype=torch.long, device=device), torch.arange(1, k + 1, device=device).repeat_interleave(S)]
+    )  # (L,) 0: the prompt
     col = torch.arange(L, device=device)
     visible = (col[None, :] <= col[:, None]) & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
     mask = visible[None] & keys_real[:, None, :]  # (U, L, L)
@@ -221,8 +233,9 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     return SharedPromptRows(ids, mask[:, None], pos, group, index)
 
 
-def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                  prompt_length: int) -> tuple[int, torch.Tensor | None]:
+def common_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, prompt_length: int
+) -> tuple[int, torch.Tensor | None]:
     """``(C, order)``: the first ``C`` real tokens that every row's prompt starts with (a chat template's system
     prompt), at the same positions in every row, and the ``(B, T)`` column order that moves them to the front.
 
@@ -262,5 +275,13 @@ def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     return C, order
 
 
-__all__ = ["PackedRows", "SharedPromptRows", "common_prefix", "first_fit_decreasing", "group_representatives",
-           "pack_scored_rows", "share_prompts", "split_groups"]
+__all__ = [
+    "PackedRows",
+    "SharedPromptRows",
+    "common_prefix",
+    "first_fit_decreasing",
+    "group_representatives",
+    "pack_scored_rows",
+    "share_prompts",
+    "split_groups",
+]

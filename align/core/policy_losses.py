@@ -26,8 +26,9 @@ alone keeps its gradient there).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 
@@ -35,10 +36,27 @@ from align.core.kl import kl_estimate
 from align.core.losses import Normaliser, aggregate
 from align.core.masks import fill_masked, masked_mean
 
-__all__ = ["IMPORTANCE_LEVELS", "POLICY_LOSSES", "SEQUENCE_LEVEL_LOSSES", "PolicyLossInputs", "PolicyLossRow",
-           "PolicyLossSettings", "PolicyLossStats", "PreparedInputs", "clip_range", "importance_ratio",
-           "policy_loss_stats", "prepare_inputs", "ppo_policy_loss", "policy_gradient_loss", "clipped_token_loss",
-           "clipped_sequence_loss", "cispo_loss", "sapo_loss", "gmpo_loss"]
+__all__ = [
+    "IMPORTANCE_LEVELS",
+    "POLICY_LOSSES",
+    "SEQUENCE_LEVEL_LOSSES",
+    "PolicyLossInputs",
+    "PolicyLossRow",
+    "PolicyLossSettings",
+    "PolicyLossStats",
+    "PreparedInputs",
+    "clip_range",
+    "importance_ratio",
+    "policy_loss_stats",
+    "prepare_inputs",
+    "ppo_policy_loss",
+    "policy_gradient_loss",
+    "clipped_token_loss",
+    "clipped_sequence_loss",
+    "cispo_loss",
+    "sapo_loss",
+    "gmpo_loss",
+]
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -46,8 +64,9 @@ _LOG_RATIO_CLAMP = 20.0
 IMPORTANCE_LEVELS = ("token", "sequence")
 
 
-def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                     level: str = "token") -> torch.Tensor:
+def importance_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor | None = None, level: str = "token"
+) -> torch.Tensor:
     """``pi_theta / pi_old`` per token, from log-probs of any shape. The log-ratio is clamped to ``[-20, 20]``
     before ``exp`` (zero gradient outside), so one token whose probability collapsed cannot overflow.
     ``old_logprobs`` is used as given: detach it for a ratio whose gradient flows through ``logprobs`` only.
@@ -63,8 +82,10 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: O
     log_ratio = logprobs - old_logprobs
     if level == "sequence":
         if log_ratio.dim() != 2:
-            raise ValueError("importance_ratio: level='sequence' needs (B, T) log-probs (and their (B, T) mask, or "
-                             "None when every token is valid)")
+            raise ValueError(
+                "importance_ratio: level='sequence' needs (B, T) log-probs (and their (B, T) mask, or "
+                "None when every token is valid)"
+            )
         seq = masked_mean(log_ratio.detach(), mask, dim=-1)  # (B,) mean log-ratio; 0 for a row with no valid token
         log_ratio = seq[:, None] + logprobs - logprobs.detach()  # (B, T) value: seq; gradient: d logprobs
     return torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
@@ -92,11 +113,16 @@ class PreparedInputs(NamedTuple):
     logprobs: torch.Tensor  # with grad; 0 at padding
     old_logprobs: torch.Tensor  # detached; 0 at padding
     advantages: torch.Tensor  # detached, expanded to (B, T); 0 at padding
-    valid: Optional[torch.Tensor]  # bool response mask; None: every token is valid
+    valid: torch.Tensor | None  # bool response mask; None: every token is valid
 
 
-def prepare_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                   mask: Optional[torch.Tensor], fn: str = "policy loss") -> PreparedInputs:
+def prepare_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None,
+    fn: str = "policy loss",
+) -> PreparedInputs:
     """The input handling every policy loss shares: the advantages must be ``(B, T)`` like the log-probs (a
     ``(B,)`` tensor would broadcast along T, silently pairing row b with token b); old log-probs and advantages are
     detached (targets, never differentiated through); padding is *replaced* by 0, not multiplied away, so a NaN there
@@ -113,7 +139,7 @@ def prepare_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     return PreparedInputs(logprobs, old_logprobs, advantages, valid)
 
 
-def clip_range(clip_low: float, clip_high: Optional[float], fn: str = "policy loss") -> Tuple[float, float]:
+def clip_range(clip_low: float, clip_high: float | None, fn: str = "policy loss") -> tuple[float, float]:
     """``(clip_low, clip_high)`` with ``clip_high=None`` read as ``clip_low`` (a symmetric range), both ``>= 0``."""
     if clip_high is None:
         clip_high = clip_low
@@ -137,14 +163,14 @@ def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
+    mask: torch.Tensor | None,
     clip_low: float = 0.2,
-    clip_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
     agg: str = "token_mean",
     normaliser: Normaliser = None,
     level: str = "token",
-) -> Tuple[torch.Tensor, PolicyLossStats]:
+) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate policy loss (arXiv 1707.06347), to be minimised.
 
     Per token, with ``r = exp(logprobs - old_logprobs)`` and advantage ``A``:
@@ -193,7 +219,7 @@ def ppo_policy_loss(
 def policy_gradient_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
+    mask: torch.Tensor | None,
     agg: str = "token_mean",
     normaliser: Normaliser = None,
 ) -> torch.Tensor:
@@ -214,8 +240,9 @@ def policy_gradient_loss(
         The scalar loss.
     """
     if advantages.shape != logprobs.shape:
-        raise ValueError(f"policy_gradient_loss: advantages {tuple(advantages.shape)} must match logprobs "
-                         f"{tuple(logprobs.shape)}")
+        raise ValueError(
+            f"policy_gradient_loss: advantages {tuple(advantages.shape)} must match logprobs {tuple(logprobs.shape)}"
+        )
     valid = None if mask is None else mask.bool()
     per_token = -fill_masked(advantages.detach(), valid) * fill_masked(logprobs, valid)
     return aggregate(per_token, mask, agg, normaliser)
@@ -232,7 +259,7 @@ class PolicyLossInputs(NamedTuple):
     logprobs: torch.Tensor  # current policy (with grad)
     old_logprobs: torch.Tensor  # the policy that sampled the tokens (detached by the losses)
     advantages: torch.Tensor  # per token; a per-sequence advantage broadcast over its tokens
-    mask: Optional[torch.Tensor]  # response mask; None: every token is valid
+    mask: torch.Tensor | None  # response mask; None: every token is valid
 
 
 class PolicyLossSettings(NamedTuple):
@@ -240,30 +267,48 @@ class PolicyLossSettings(NamedTuple):
     aggregation."""
 
     clip_low: float = 0.2
-    clip_high: Optional[float] = None  # None: clip_low
+    clip_high: float | None = None  # None: clip_low
     agg: str = "token_mean"  # see align.core.losses.aggregate
     normaliser: Normaliser = None  # the optimizer step's count, in the unit of agg
     tau_pos: float = 1.0  # sapo: the gate's temperature where the advantage is > 0
     tau_neg: float = 1.05  # sapo: where it is <= 0
 
 
-PolicyLoss = Callable[[PolicyLossInputs, PolicyLossSettings], Tuple[torch.Tensor, PolicyLossStats]]
+PolicyLoss = Callable[[PolicyLossInputs, PolicyLossSettings], tuple[torch.Tensor, PolicyLossStats]]
 
 
-def clipped_token_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+def clipped_token_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO's clipped surrogate on each token's ratio (arXiv 1707.06347; DAPO's clip-higher through ``clip_high``)."""
-    return ppo_policy_loss(x.logprobs, x.old_logprobs, x.advantages, x.mask, p.clip_low, p.clip_high, agg=p.agg,
-                           normaliser=p.normaliser, level="token")
+    return ppo_policy_loss(
+        x.logprobs,
+        x.old_logprobs,
+        x.advantages,
+        x.mask,
+        p.clip_low,
+        p.clip_high,
+        agg=p.agg,
+        normaliser=p.normaliser,
+        level="token",
+    )
 
 
-def clipped_sequence_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+def clipped_sequence_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> tuple[torch.Tensor, PolicyLossStats]:
     """GSPO (arXiv 2507.18071): the clip on the sequence's geometric-mean ratio, whole sequences clipped or not.
     The paper pairs it with ``seq_mean`` aggregation, per-sequence advantages and ranges of about 3e-4 / 4e-4."""
-    return ppo_policy_loss(x.logprobs, x.old_logprobs, x.advantages, x.mask, p.clip_low, p.clip_high, agg=p.agg,
-                           normaliser=p.normaliser, level="sequence")
+    return ppo_policy_loss(
+        x.logprobs,
+        x.old_logprobs,
+        x.advantages,
+        x.mask,
+        p.clip_low,
+        p.clip_high,
+        agg=p.agg,
+        normaliser=p.normaliser,
+        level="sequence",
+    )
 
 
-def cispo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+def cispo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> tuple[torch.Tensor, PolicyLossStats]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): per token ``-sg(w) * A * log pi`` with the importance weight clipped,
     ``w = clip(r, 1 - clip_low, 1 + clip_high)``, and detached. Unlike PPO's clip, no token's gradient is dropped: a
     token outside the range keeps ``-w * A * grad log pi`` with its weight capped. The row's defaults follow the paper
@@ -281,7 +326,7 @@ def cispo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor
     return aggregate(per_token, x.mask, p.agg, p.normaliser), policy_loss_stats(y, ratio, clipped)
 
 
-def sapo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+def sapo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> tuple[torch.Tensor, PolicyLossStats]:
     """SAPO (arXiv 2511.20347): per token ``-A * f(r)`` with the soft gate ``f(r) = (4 / tau) * sigmoid(tau * (r - 1))``
     in place of the hard clip, ``tau = tau_pos`` where ``A > 0`` and ``tau_neg`` elsewhere (the paper's larger
     ``tau_neg`` damps negative updates faster). Its gradient is ``-A * g * r * grad log pi`` with the gate weight
@@ -299,7 +344,7 @@ def sapo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor,
     return aggregate(per_token, x.mask, p.agg, p.normaliser), policy_loss_stats(y, ratio, attenuation)
 
 
-def gmpo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+def gmpo_loss(x: PolicyLossInputs, p: PolicyLossSettings) -> tuple[torch.Tensor, PolicyLossStats]:
     """GMPO (arXiv 2507.20673): each sequence's importance weight is the geometric mean of its token ratios, every
     token's log-ratio first clipped to ``[-clip_low, clip_high]`` on the side its advantage makes pessimistic (PPO's
     min, in log space: the paper's range ``(e^-0.4, e^0.4)`` is the row's default 0.4). Per token the term is
@@ -334,18 +379,18 @@ class PolicyLossRow:
     """A row of :data:`POLICY_LOSSES`: the loss and what a module needs to know to call it."""
 
     loss: PolicyLoss
-    clip_low: Optional[float]
+    clip_low: float | None
     """The row's default ``clip_low`` (a module's ``clip.low: null``); None: the loss has no clip range."""
-    clip_high: Optional[float] = None
+    clip_high: float | None = None
     """The row's default ``clip_high``; None: equal to the clip low in use."""
     sequence_level: bool = False
     """Whether the ratio is one per sequence, so it needs one advantage per sequence (not GAE's per-token)."""
 
-    def __call__(self, x: PolicyLossInputs, p: PolicyLossSettings) -> Tuple[torch.Tensor, PolicyLossStats]:
+    def __call__(self, x: PolicyLossInputs, p: PolicyLossSettings) -> tuple[torch.Tensor, PolicyLossStats]:
         return self.loss(x, p)
 
 
-POLICY_LOSSES: Dict[str, PolicyLossRow] = {
+POLICY_LOSSES: dict[str, PolicyLossRow] = {
     "clip": PolicyLossRow(clipped_token_loss, 0.2),
     "gspo": PolicyLossRow(clipped_sequence_loss, 0.2, sequence_level=True),
     "cispo": PolicyLossRow(cispo_loss, 1.0, 4.0),

@@ -17,15 +17,28 @@ is the caller's choice (see ``dpo_loss``).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from align.core.advantages import group_view
 
-__all__ = ["DPO_LOSSES", "dpo_loss", "dpo_sigmoid_loss", "ipo_loss", "hinge_loss", "simpo_loss", "log1mexp",
-           "orpo_loss", "kto_loss", "bradley_terry_loss", "preference_pairs", "PreferencePairs"]
+__all__ = [
+    "DPO_LOSSES",
+    "dpo_loss",
+    "dpo_sigmoid_loss",
+    "ipo_loss",
+    "hinge_loss",
+    "simpo_loss",
+    "log1mexp",
+    "orpo_loss",
+    "kto_loss",
+    "bradley_terry_loss",
+    "preference_pairs",
+    "PreferencePairs",
+]
 
 
 def dpo_sigmoid_loss(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -49,7 +62,7 @@ def hinge_loss(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> to
     return F.relu(1.0 - beta * h)
 
 
-DPO_LOSSES: Dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
+DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
     "sigmoid": dpo_sigmoid_loss,
     "ipo": ipo_loss,
     "hinge": hinge_loss,
@@ -64,7 +77,7 @@ def dpo_loss(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Direct preference losses on sequence log-probs.
 
     ``h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)`` and
@@ -104,7 +117,7 @@ def simpo_loss(
     rejected_lengths: torch.Tensor,
     beta: float = 2.0,
     gamma: float = 1.0,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SimPO (arXiv 2405.14734): reference-free, length-normalised preference loss.
 
     ``-log sigmoid(beta * (logp_c / |y_c| - logp_r / |y_r|) - gamma)``.
@@ -150,7 +163,7 @@ def orpo_loss(
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
     lam: float = 0.1,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ORPO (arXiv 2403.07691): SFT plus an odds-ratio preference term, reference-free.
 
     With the length-normalised likelihood ``log P(y|x) = logp / |y|`` (the paper's Eq. 3) and
@@ -189,7 +202,7 @@ def kto_loss(
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """KTO (arXiv 2402.01306, Eq. 7) on unpaired examples.
 
     With the implicit reward ``r = policy_logps - ref_logps`` and the reference point ``z0 = kl``:
@@ -216,16 +229,19 @@ def kto_loss(
     logratios = policy_logps - ref_logps.detach()  # (B,)
     z0 = kl.detach()
     desirable = desirable.bool()
-    losses = torch.where(desirable, desirable_weight * (1.0 - torch.sigmoid(beta * (logratios - z0))),
-                         undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - logratios))))
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1.0 - torch.sigmoid(beta * (logratios - z0))),
+        undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - logratios))),
+    )
     return losses, beta * logratios.detach()
 
 
 def bradley_terry_loss(
     chosen_scores: torch.Tensor,
     rejected_scores: torch.Tensor,
-    margin: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    margin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reward-model loss ``mean(-log sigmoid(r_c - r_r - margin))``.
 
     ``margin`` (``(B,)`` or scalar) is the Llama 2 preference-strength margin

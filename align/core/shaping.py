@@ -32,8 +32,9 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> tor
         ``(B,)`` float32 penalties in ``[-1, 0]``.
     """
     if not 0 <= buffer <= max_length:
-        raise ValueError(f"overlong_penalty: expected 0 <= buffer <= max_length, got buffer {buffer}, "
-                         f"max_length {max_length}")
+        raise ValueError(
+            f"overlong_penalty: expected 0 <= buffer <= max_length, got buffer {buffer}, max_length {max_length}"
+        )
     lengths = lengths.to(torch.float32)
     start = float(max_length - buffer)
     ramp = (start - lengths) / max(buffer, 1)  # (B,) only used where start < |y| <= max_length

@@ -21,16 +21,24 @@ Choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
-
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from align.core.masks import masked_sum
 
-__all__ = ["AllReduce", "identity", "Ranks", "mean_var", "whiten", "explained_variance", "transform_scores", "pass_at_k"]
+__all__ = [
+    "AllReduce",
+    "identity",
+    "Ranks",
+    "mean_var",
+    "whiten",
+    "explained_variance",
+    "transform_scores",
+    "pass_at_k",
+]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the data-parallel ranks and returns the sum (every rank gets the same value)."""
@@ -55,8 +63,9 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else torch.float32
 
 
-def _moments(x: torch.Tensor, valid: torch.Tensor, all_reduce: AllReduce
-             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _moments(
+    x: torch.Tensor, valid: torch.Tensor, all_reduce: AllReduce
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (mean, unbiased variance, count) of the valid elements of every rank, detached, in _stat_dtype.
     x = x.detach().to(_stat_dtype(x))
     total, n = all_reduce(torch.stack([masked_sum(x, valid), valid.sum().to(x.dtype)])).unbind()
@@ -65,8 +74,11 @@ def _moments(x: torch.Tensor, valid: torch.Tensor, all_reduce: AllReduce
     return mean, squares / (n - 1).clamp(min=1.0), n
 
 
-def mean_var(x: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce = identity,
-             ) -> Tuple[torch.Tensor, torch.Tensor]:
+def mean_var(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    all_reduce: AllReduce = identity,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance (scalars) of the valid elements of ``x`` on every rank.
 
     ``mask`` is broadcastable to ``x``. Two all-reduces: ``[sum, count]``, then the sum of squared
@@ -76,8 +88,12 @@ def mean_var(x: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce = identi
     return mean, var
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_reduce: AllReduce = identity,
-           ) -> torch.Tensor:
+def whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    all_reduce: AllReduce = identity,
+) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` with the mean and unbiased variance of the valid elements of every rank.
 
     PPO's advantage whitening. Masked outputs are exactly 0 and do not depend on masked inputs (a NaN there
@@ -92,8 +108,9 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_reduce: A
     return torch.where(valid, torch.where(n >= 2, whitened, x), zero)
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       all_reduce: AllReduce = identity) -> torch.Tensor:
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce = identity
+) -> torch.Tensor:
     """``1 - Var(returns - values) / Var(returns)`` over the valid elements of every rank (a scalar).
 
     1 for a critic that predicts the returns exactly, 0 for one that predicts a constant, negative for one
@@ -107,10 +124,10 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 def transform_scores(
     scores: torch.Tensor,
     truncated: torch.Tensor,
-    missing_eos_penalty: Optional[float] = None,
+    missing_eos_penalty: float | None = None,
     whiten_scores: bool = False,
     scale: float = 1.0,
-    clip: Optional[float] = None,
+    clip: float | None = None,
     all_reduce: AllReduce = identity,
     eps: float = 1e-8,
 ) -> torch.Tensor:

@@ -40,7 +40,8 @@ Departures from the paper and choices:
 from __future__ import annotations
 
 import math
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -59,7 +60,7 @@ __all__ = [
     "trpo_step",
 ]
 
-Scalar = Union[float, torch.Tensor]
+Scalar = float | torch.Tensor
 
 
 # ----------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Split a 1-D vector into tensors shaped like ``like`` (the inverse of :func:`flatten`).
 
     The results are views of ``flat``. Raises if the sizes do not add up.
@@ -98,8 +99,9 @@ def flat_grad(
     create_graph: bool = False,
 ) -> torch.Tensor:
     """``d output / d params`` as one vector; a parameter that ``output`` does not depend on gets zeros."""
-    grads = torch.autograd.grad(output, list(params), retain_graph=retain_graph, create_graph=create_graph,
-                                allow_unused=True)
+    grads = torch.autograd.grad(
+        output, list(params), retain_graph=retain_graph, create_graph=create_graph, allow_unused=True
+    )
     return flatten([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])
 
 
@@ -235,7 +237,7 @@ def scale_to_trust_region(
     direction: torch.Tensor,
     fisher_direction: torch.Tensor,
     max_kl: float,
-) -> Tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, float]:
     """Scale ``direction`` ``s`` to the boundary of the quadratic trust region ``0.5 s^T F s = max_kl``.
 
     Args:
@@ -284,10 +286,10 @@ def _assign(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> N
 def backtracking_line_search(
     params: Sequence[torch.Tensor],
     full_step: torch.Tensor,
-    evaluate: Callable[[], Tuple[Scalar, Scalar]],
+    evaluate: Callable[[], tuple[Scalar, Scalar]],
     surrogate_before: Scalar,
     max_kl: float,
-    expected_improvement: Optional[Scalar] = None,
+    expected_improvement: Scalar | None = None,
     backtrack_ratio: float = 0.5,
     max_backtracks: int = 10,
     accept_ratio: float = 0.0,
@@ -373,7 +375,7 @@ def trpo_step(
     params: Sequence[torch.Tensor],
     grad: torch.Tensor,
     fvp: Callable[[torch.Tensor], torch.Tensor],
-    evaluate: Callable[[], Tuple[Scalar, Scalar]],
+    evaluate: Callable[[], tuple[Scalar, Scalar]],
     surrogate_before: Scalar,
     max_kl: float,
     cg_iters: int = 10,
@@ -411,7 +413,18 @@ def trpo_step(
     expected = float(grad @ step)
     if not float(step.abs().max()) > 0.0:
         return TRPOStepResult(False, 0.0, 0.0, expected, 0, 0.0, cg.residual, cg.iterations, shs, 0.0)
-    search = backtracking_line_search(params, step, evaluate, surrogate_before, max_kl, expected,
-                                      backtrack_ratio, max_backtracks, accept_ratio)
-    return TRPOStepResult(search.accepted, search.kl, search.improvement, expected, search.steps, search.fraction,
-                          cg.residual, cg.iterations, shs, float(step.norm()))
+    search = backtracking_line_search(
+        params, step, evaluate, surrogate_before, max_kl, expected, backtrack_ratio, max_backtracks, accept_ratio
+    )
+    return TRPOStepResult(
+        search.accepted,
+        search.kl,
+        search.improvement,
+        expected,
+        search.steps,
+        search.fraction,
+        cg.residual,
+        cg.iterations,
+        shs,
+        float(step.norm()),
+    )

@@ -7,14 +7,14 @@ phrasings, and asks for the number alone::
     answer:  "19"
 
 It is the task of the real-model tier (SmolLM2-135M-Instruct): such a model answers part of it correctly
-before training (about 30% greedy on the held-out prompts), so every algorithm has a signal and room to improve, and every
-completion is checked exactly by :func:`align.rewards.math_answer`, which compares the last number of the
+before training (about 30% greedy on the held-out prompts), so every algorithm has a signal and room to improve, and
+every completion is checked exactly by :func:`align.rewards.math_answer`, which compares the last number of the
 completion with the ``answer`` column.
 
 Rows are made by ``scripts/make_arith_data.py``: ``sft`` (prompt, completion: the bare number),
 ``preference`` (see :func:`preference_pair`: the worked equation with the right number against the same
-equation with a plausible wrong number, or against the right number in chatter) and ``prompts`` (prompt, answer). Held-out expressions never occur
-in any training split, in any phrasing.
+equation with a plausible wrong number, or against the right number in chatter) and ``prompts`` (prompt, answer).
+Held-out expressions never occur in any training split, in any phrasing.
 
 Pure Python (no torch), like :mod:`align.data.sort_task`.
 """
@@ -56,8 +56,11 @@ def expression(rng: random.Random) -> str:
 def evaluate(expr: str) -> int:
     """The value of an expression made by :func:`expression` (integers, ``+ - *``, usual precedence)."""
     tokens = expr.split()
-    if len(tokens) % 2 == 0 or any(not t.lstrip("-").isdigit() for t in tokens[::2]) or \
-            any(t not in ("+", "-", "*") for t in tokens[1::2]):
+    if (
+        len(tokens) % 2 == 0
+        or any(not t.lstrip("-").isdigit() for t in tokens[::2])
+        or any(t not in ("+", "-", "*") for t in tokens[1::2])
+    ):
         raise ValueError(f"malformed expression {expr!r}; expected e.g. '3 + 4 * 2'")
     terms: list[int] = [int(tokens[0])]
     for op, value in zip(tokens[1::2], tokens[2::2]):
@@ -75,8 +78,11 @@ def make_prompt(expr: str, phrasing: int) -> str:
 def sample_problem(rng: random.Random) -> dict[str, str]:
     """``{"prompt", "answer", "expression"}`` for one random expression and phrasing."""
     expr = expression(rng)
-    return {"prompt": make_prompt(expr, rng.randrange(len(PHRASINGS))), "answer": str(evaluate(expr)),
-            "expression": expr}
+    return {
+        "prompt": make_prompt(expr, rng.randrange(len(PHRASINGS))),
+        "answer": str(evaluate(expr)),
+        "expression": expr,
+    }
 
 
 def tool_expression(rng: random.Random) -> str:
@@ -92,8 +98,11 @@ def tool_expression(rng: random.Random) -> str:
 def sample_tool_problem(rng: random.Random) -> dict[str, str]:
     """``{"prompt", "answer", "expression"}`` for one :func:`tool_expression` and phrasing."""
     expr = tool_expression(rng)
-    return {"prompt": make_prompt(expr, rng.randrange(len(PHRASINGS))), "answer": str(evaluate(expr)),
-            "expression": expr}
+    return {
+        "prompt": make_prompt(expr, rng.randrange(len(PHRASINGS))),
+        "answer": str(evaluate(expr)),
+        "expression": expr,
+    }
 
 
 def wrong_number(rng: random.Random, expr: str) -> int:
@@ -122,9 +131,11 @@ last, where :func:`align.rewards.math_answer` reads it. It is also the form in w
 does its arithmetic: asked for the bare number, it answers ``7 + 12 = 19`` more often than not, and its bare
 numbers are far less often right, so a preference for bare numbers teaches it to stop computing."""
 
-_CHATTER = ("Sure! Let me work that out. {e} = {n}. I hope this helps, let me know if you have another question!",
-            "Great question! To find the answer we compute {e}, which gives us {n}. So the final answer is {n}.",
-            "Okay, here is the result you asked for: {n}. Arithmetic like this is easy once you practise it.")
+_CHATTER = (
+    "Sure! Let me work that out. {e} = {n}. I hope this helps, let me know if you have another question!",
+    "Great question! To find the answer we compute {e}, which gives us {n}. So the final answer is {n}.",
+    "Okay, here is the result you asked for: {n}. Arithmetic like this is easy once you practise it.",
+)
 
 CHATTER_SHARE = 0.15
 """Share of preference pairs that differ in format rather than correctness."""
@@ -145,5 +156,17 @@ def preference_pair(rng: random.Random, expr: str) -> tuple[str, str]:
     return chosen, ANSWER_FORMAT.format(e=expr, n=wrong_number(rng, expr))
 
 
-__all__ = ["ANSWER_FORMAT", "CHATTER_SHARE", "DATA_DIR", "PHRASINGS", "evaluate", "expression", "make_prompt",
-           "preference_pair", "sample_problem", "sample_tool_problem", "tool_expression", "wrong_number"]
+__all__ = [
+    "ANSWER_FORMAT",
+    "CHATTER_SHARE",
+    "DATA_DIR",
+    "PHRASINGS",
+    "evaluate",
+    "expression",
+    "make_prompt",
+    "preference_pair",
+    "sample_problem",
+    "sample_tool_problem",
+    "tool_expression",
+    "wrong_number",
+]

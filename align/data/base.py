@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
@@ -18,10 +18,14 @@ from torch.utils.data import DataLoader, Dataset
 from align.data.chat import ChatEncoder
 from align.data.formats import notice
 from align.data.io import BUNDLED_PREFIX
-from align.data.sampling import (EpochRandomSampler, EpochSequentialSampler, ResumableBatchSampler, ResumableDataLoader,
-                                 WindowBatchSampler)
+from align.data.sampling import (
+    EpochRandomSampler,
+    EpochSequentialSampler,
+    ResumableBatchSampler,
+    ResumableDataLoader,
+    WindowBatchSampler,
+)
 from align.errors import AlignConfigError, AlignDataError
-
 
 AUTO = "auto"
 """``val_files`` default: the bundled task's validation file, or a held-out slice of the user's training rows."""
@@ -50,9 +54,13 @@ def _integer(value, low: int) -> bool:
 
 
 def check_val_size(val_size: int | float) -> None:
-    check_setting(not isinstance(val_size, bool) and (
-        (isinstance(val_size, int) and val_size >= 0) or (isinstance(val_size, float) and 0 <= val_size < 1)),
-        "val_size", "a row count >= 0 or a fraction between 0 and 1", val_size)
+    check_setting(
+        not isinstance(val_size, bool)
+        and ((isinstance(val_size, int) and val_size >= 0) or (isinstance(val_size, float) and 0 <= val_size < 1)),
+        "val_size",
+        "a row count >= 0 or a fraction between 0 and 1",
+        val_size,
+    )
 
 
 def check_loader_settings(hp: dict) -> None:
@@ -61,17 +69,24 @@ def check_loader_settings(hp: dict) -> None:
     if "batch_size" in hp:
         check_setting(_integer(hp["batch_size"], 1), "batch_size", "an integer >= 1", hp["batch_size"])
     if hp.get("val_batch_size") is not None:
-        check_setting(_integer(hp["val_batch_size"], 1), "val_batch_size", "an integer >= 1 or null (batch_size)",
-                      hp["val_batch_size"])
+        check_setting(
+            _integer(hp["val_batch_size"], 1),
+            "val_batch_size",
+            "an integer >= 1 or null (batch_size)",
+            hp["val_batch_size"],
+        )
     if "num_workers" in hp:
         check_setting(_integer(hp["num_workers"], 0), "num_workers", "an integer >= 0", hp["num_workers"])
     if "max_length" in hp:
         check_setting(_integer(hp["max_length"], 2), "max_length", "an integer >= 2 (tokens)", hp["max_length"])
     if hp.get("max_prompt_length") is not None:
         longest = hp.get("max_length")
-        check_setting(_integer(hp["max_prompt_length"], 1) and (longest is None or hp["max_prompt_length"] < longest),
-                      "max_prompt_length", "an integer >= 1 (tokens) or null" + (
-                          f", below max_length={longest}" if longest is not None else ""), hp["max_prompt_length"])
+        check_setting(
+            _integer(hp["max_prompt_length"], 1) and (longest is None or hp["max_prompt_length"] < longest),
+            "max_prompt_length",
+            "an integer >= 1 (tokens) or null" + (f", below max_length={longest}" if longest is not None else ""),
+            hp["max_prompt_length"],
+        )
     if "val_size" in hp:
         check_val_size(hp["val_size"])
 
@@ -96,8 +111,10 @@ def held_out_line(count: int, rows: int, files: str, val_size: int | float, seed
         how += f", raised to {count} rows (at least {MIN_HELD_OUT}, at most a fifth of the data)"
     line = f"validation: {count} of {rows} rows held out of {files} ({how}, data.seed {seed})"
     if count < MIN_HELD_OUT:
-        line += (f"; {count} row{'s' if count > 1 else ''} make a noisy held-out number: give data.val_files or a "
-                 "larger data.val_size for a steadier one")
+        line += (
+            f"; {count} row{'s' if count > 1 else ''} make a noisy held-out number: give data.val_files or a "
+            "larger data.val_size for a steadier one"
+        )
     return line
 
 
@@ -105,7 +122,7 @@ def hold_out(items: list, count: int, seed: int) -> tuple[list, list]:
     """``(kept, held)``: ``count`` items chosen by a seeded shuffle, both in their original order."""
     order = list(range(len(items)))
     random.Random(seed).shuffle(order)
-    held = set(order[len(items) - count:])
+    held = set(order[len(items) - count :])
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
 
@@ -157,19 +174,30 @@ class TokenizerDataModule(L.LightningDataModule):
                 val = self.load_examples(val_files, hp.val_split, "val", "data.val_split")
                 line = f"validation: {', '.join(val_files)} ({reason})"
             elif hold and isinstance(hp.val_size, float) and len(train) < 2:
-                line = (f"validation: none ({', '.join(train_files)} has {len(train)} row, too few to hold out "
-                        f"data.val_size {hp.val_size})")
+                line = (
+                    f"validation: none ({', '.join(train_files)} has {len(train)} row, too few to hold out "
+                    f"data.val_size {hp.val_size})"
+                )
             elif hold:
                 count = held_out_count(hp.val_size, len(train))
                 if count >= len(train):
-                    raise AlignDataError(", ".join(train_files), None, None, f"more than the {count} rows "
-                                         f"data.val_size={hp.val_size} holds out for validation (or set "
-                                         "data.val_size 0, or give data.val_files)", f"{len(train)} rows")
+                    raise AlignDataError(
+                        ", ".join(train_files),
+                        None,
+                        None,
+                        f"more than the {count} rows "
+                        f"data.val_size={hp.val_size} holds out for validation (or set "
+                        "data.val_size 0, or give data.val_files)",
+                        f"{len(train)} rows",
+                    )
                 line = held_out_line(count, len(train), ", ".join(train_files), hp.val_size, hp.seed)
                 train, val = hold_out(train, count, hp.seed)
             else:
-                line = "validation: none (" + ("data.val_size is 0" if hp.val_files == AUTO
-                                               else "data.val_files is null") + ")"
+                line = (
+                    "validation: none ("
+                    + ("data.val_size is 0" if hp.val_files == AUTO else "data.val_files is null")
+                    + ")"
+                )
             self.val_set = self.make_dataset(val, "val") if val else None
             notice(line)
         if train is not None:
@@ -194,8 +222,9 @@ class TokenizerDataModule(L.LightningDataModule):
             elif self.trainer is not None and hasattr(self.trainer.lightning_module, "tokenizer"):
                 self.tokenizer = self.trainer.lightning_module.tokenizer
             else:
-                raise AlignConfigError("data.tokenizer: expected a tokenizer path, or a module with a policy to take "
-                                       "it from, got None")
+                raise AlignConfigError(
+                    "data.tokenizer: expected a tokenizer path, or a module with a policy to take it from, got None"
+                )
         return self.tokenizer
 
     def encoder(self) -> ChatEncoder:
@@ -207,18 +236,21 @@ class TokenizerDataModule(L.LightningDataModule):
         The loader resumes mid-epoch exactly (see ``align.data.sampling``)."""
         hp = self.hparams
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        batch_sampler = WindowBatchSampler(self._train_sampler(dataset), hp.batch_size, drop_last=False,
-                                           weights=weights, accumulate=accumulate)
-        return ResumableDataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn,
-                                   num_workers=hp.num_workers)
+        batch_sampler = WindowBatchSampler(
+            self._train_sampler(dataset), hp.batch_size, drop_last=False, weights=weights, accumulate=accumulate
+        )
+        return ResumableDataLoader(
+            dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=hp.num_workers
+        )
 
     def resumable_dataloader(self, dataset: Dataset, collate_fn: Callable, drop_last: bool = False) -> DataLoader:
         """Training batches of ``hparams.batch_size``, shuffled when ``hparams.shuffle``, that resume mid-epoch
         exactly (see ``align.data.sampling``)."""
         hp = self.hparams
         batch_sampler = ResumableBatchSampler(self._train_sampler(dataset), hp.batch_size, drop_last=drop_last)
-        return ResumableDataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn,
-                                   num_workers=hp.num_workers)
+        return ResumableDataLoader(
+            dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=hp.num_workers
+        )
 
     def _train_sampler(self, dataset: Dataset):
         # Shuffled by (seed_everything's seed, epoch), never by the global RNG: an epoch's order survives a restart.

@@ -29,8 +29,9 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if use_chat_template and not has_template:
-            raise AlignConfigError("data.use_chat_template: expected false or null for a tokenizer without a "
-                                   "chat_template, got True")
+            raise AlignConfigError(
+                "data.use_chat_template: expected false or null for a tokenizer without a chat_template, got True"
+            )
         self.use_chat_template = has_template if use_chat_template is None else use_chat_template
         self._warned_no_eos = False
 
@@ -60,27 +61,34 @@ class ChatEncoder:
         is trained on are the ids it sampled. The template must render a conversation as an extension of the
         rendering of its prefix, and end assistant turns with the EOS token."""
         if not self.use_chat_template:
-            raise AlignConfigError("multi-turn episodes need a tokenizer with a chat_template (data.use_chat_template "
-                                   "must not be false)")
+            raise AlignConfigError(
+                "multi-turn episodes need a tokenizer with a chat_template (data.use_chat_template must not be false)"
+            )
         before = self._render(conversation, add_generation_prompt=False)
         after = self._render(conversation + replies, add_generation_prompt=True)
         eos = self.tokenizer.eos_token or ""
         cut = before.rfind(eos) if eos else -1
         turn_start = len(self._render(conversation[:-1], add_generation_prompt=True))
         if cut < turn_start:  # no EOS, or none after the last (assistant) turn began
-            raise AlignConfigError(f"the chat template does not end an assistant turn with the EOS token {eos!r}, so a "
-                                   "sampled turn (which stops there) cannot be continued")
+            raise AlignConfigError(
+                f"the chat template does not end an assistant turn with the EOS token {eos!r}, so a "
+                "sampled turn (which stops there) cannot be continued"
+            )
         if not after.startswith(before):
-            raise AlignConfigError("the chat template renders a conversation differently once a reply follows its last "
-                                   "assistant turn (it rewrites earlier turns), so earlier sampled tokens would change")
-        return self._ids(before[cut + len(eos):] + after[len(before):])
+            raise AlignConfigError(
+                "the chat template renders a conversation differently once a reply follows its last "
+                "assistant turn (it rewrites earlier turns), so earlier sampled tokens would change"
+            )
+        return self._ids(before[cut + len(eos) :] + after[len(before) :])
 
     def _plain_prompt(self, messages: list[dict]) -> str:
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise AlignConfigError("multi-message conversations need a tokenizer with a chat_template")
         return messages[0]["content"]
 
-    def encode(self, messages: list[dict], source: str = "<data>", row: int | None = None) -> tuple[list[int], list[int]]:
+    def encode(
+        self, messages: list[dict], source: str = "<data>", row: int | None = None
+    ) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` with labels on assistant turns only (their closing EOS included)."""
         if not self.use_chat_template:
             prompt = self.tokenizer(self._plain_prompt(messages[:-1]))["input_ids"]
@@ -94,15 +102,19 @@ class ChatEncoder:
             start = self._render(messages[:k], add_generation_prompt=True) if k else ""
             end = self._render(messages[: k + 1], add_generation_prompt=False)
             if not (full.startswith(start) and full.startswith(end) and cuts[-1] <= len(start) <= len(end)):
-                raise AlignDataError(source, row, "messages", "a chat template whose rendering of a conversation "
-                                     "extends the rendering of each of its prefixes")
+                raise AlignDataError(
+                    source,
+                    row,
+                    "messages",
+                    "a chat template whose rendering of a conversation extends the rendering of each of its prefixes",
+                )
             cuts += [len(start), len(end)]
         cuts.append(len(full))
         input_ids: list[int] = []
         labels: list[int] = []
         turn_end = 0
         for i in range(len(cuts) - 1):
-            ids = self._ids(full[cuts[i]:cuts[i + 1]])
+            ids = self._ids(full[cuts[i] : cuts[i + 1]])
             trained = self.until_eos(ids) if i % 2 == 1 else 0
             if i % 2 == 1:
                 turn_end = len(input_ids) + trained
@@ -112,8 +124,11 @@ class ChatEncoder:
             input_ids, labels = input_ids[:turn_end], labels[:turn_end]
         if not self._warned_no_eos and self.tokenizer.eos_token_id not in [t for t in labels if t != IGNORE_INDEX]:
             self._warned_no_eos = True
-            log.warning("the chat template does not end assistant turns with the EOS token %r; a trained model "
-                        "may not learn to stop", self.tokenizer.eos_token)
+            log.warning(
+                "the chat template does not end assistant turns with the EOS token %r; a trained model "
+                "may not learn to stop",
+                self.tokenizer.eos_token,
+            )
         return input_ids, labels
 
     def encode_text(self, text: str) -> tuple[list[int], list[int]]:

@@ -20,10 +20,17 @@ from align.errors import AlignDataError
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "function_call": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "function_call": "assistant",
     "system": "system",
-    "tool": "tool", "function": "tool", "function_response": "tool", "observation": "tool",
+    "tool": "tool",
+    "function": "tool",
+    "function_response": "tool",
+    "observation": "tool",
 }
 """ShareGPT's ``from`` values (as written by FastChat, Axolotl and LLaMA-Factory) and the role each becomes."""
 
@@ -80,8 +87,13 @@ def check_messages(value, source: str, row: int, field: str, *, need_assistant: 
             if role is None:
                 raise AlignDataError(source, row, f"{where}.from", f"one of {sorted(SHAREGPT_ROLES)}", message["from"])
         else:
-            raise AlignDataError(source, row, where, "an object with exactly the keys 'role' and 'content' (or "
-                                 "ShareGPT's 'from' and 'value')", message)
+            raise AlignDataError(
+                source,
+                row,
+                where,
+                "an object with exactly the keys 'role' and 'content' (or ShareGPT's 'from' and 'value')",
+                message,
+            )
         content_key = "content" if "role" in keys else "value"
         messages.append({"role": role, "content": _expect_str(text, source, row, f"{where}.{content_key}")})
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
@@ -138,15 +150,22 @@ def conversation(value, source: str, row: int, field: str) -> list[dict]:
     if isinstance(value, str):
         messages = hh_messages(value, source, row, field)
         if messages is None:
-            raise AlignDataError(source, row, field, "a whole conversation (a list of {role, content} messages, or "
-                                 "Anthropic HH text with '\\n\\nHuman:' and '\\n\\nAssistant:' turns) when the row "
-                                 "has no 'prompt' field", value)
+            raise AlignDataError(
+                source,
+                row,
+                field,
+                "a whole conversation (a list of {role, content} messages, or "
+                "Anthropic HH text with '\\n\\nHuman:' and '\\n\\nAssistant:' turns) when the row "
+                "has no 'prompt' field",
+                value,
+            )
         return messages
     return check_messages(value, source, row, field, need_assistant=True)
 
 
-def detect_format(row: dict, formats: dict[str, tuple[frozenset, frozenset]], source: str, index: int,
-                  ignore: frozenset = frozenset()) -> tuple[str, list[str]]:
+def detect_format(
+    row: dict, formats: dict[str, tuple[frozenset, frozenset]], source: str, index: int, ignore: frozenset = frozenset()
+) -> tuple[str, list[str]]:
     """The row's shape, and the columns it carries that the shape does not use (sorted).
 
     A shape whose required fields include another's wins over it (``{prompt, chosen, rejected}`` over
@@ -157,7 +176,9 @@ def detect_format(row: dict, formats: dict[str, tuple[frozenset, frozenset]], so
     matches = [m for m in matches if not any(formats[m][0] < formats[o][0] for o in matches)]
     if len(matches) != 1:
         shapes = " or ".join("{" + ", ".join(sorted(req)) + "}" for req, _ in formats.values())
-        detail = f"fields {sorted(keys)}" if not matches else f"fields that match several formats ({', '.join(matches)})"
+        detail = (
+            f"fields {sorted(keys)}" if not matches else f"fields that match several formats ({', '.join(matches)})"
+        )
         raise AlignDataError(source, index, None, f"a row with the fields {shapes}", detail)
     required, optional = formats[matches[0]]
     return matches[0], sorted(keys - required - optional)
@@ -172,16 +193,23 @@ class UnusedColumns:
 
     def check(self, row: int, fmt: str, unused: list[str], used: frozenset) -> None:
         if unused and self.strict:
-            raise AlignDataError(self.source, row, unused[0], f"only the fields {sorted(used)} of the {fmt} format "
-                                 "(data.strict is true; list columns to skip in data.ignore_columns)",
-                                 f"extra fields {unused}")
+            raise AlignDataError(
+                self.source,
+                row,
+                unused[0],
+                f"only the fields {sorted(used)} of the {fmt} format "
+                "(data.strict is true; list columns to skip in data.ignore_columns)",
+                f"extra fields {unused}",
+            )
         for name in unused:
             self.columns.setdefault(name, row)
 
     def report(self) -> None:
         if self.columns:
-            notice(f"{self.source}: columns {sorted(self.columns)} are not used and were ignored (set data.strict "
-                   "to refuse them, or list them in data.ignore_columns to silence this)")
+            notice(
+                f"{self.source}: columns {sorted(self.columns)} are not used and were ignored (set data.strict "
+                "to refuse them, or list them in data.ignore_columns to silence this)"
+            )
 
 
 def row_system(row: dict, source: str, index: int, default: str | None) -> str | None:
@@ -191,8 +219,14 @@ def row_system(row: dict, source: str, index: int, default: str | None) -> str |
     return _expect_str(row["system"], source, index, "system")
 
 
-def sft_record(row: dict, source: str, index: int, ignore: frozenset = frozenset(), system_prompt: str | None = None,
-               unused: UnusedColumns | None = None) -> SFTRecord:
+def sft_record(
+    row: dict,
+    source: str,
+    index: int,
+    ignore: frozenset = frozenset(),
+    system_prompt: str | None = None,
+    unused: UnusedColumns | None = None,
+) -> SFTRecord:
     fmt, extra = detect_format(row, SFT_FORMATS, source, index, ignore)
     if unused is not None:
         unused.check(index, fmt, extra, SFT_FORMATS[fmt][0] | SFT_FORMATS[fmt][1])
@@ -208,7 +242,12 @@ def sft_record(row: dict, source: str, index: int, ignore: frozenset = frozenset
         extra_input = _expect_str(row.get("input") or "", source, index, "input", allow_empty=True)
         prompt = instruction + ("\n\n" + extra_input if extra_input.strip() else "")
         messages = prompt_messages(prompt, source, index, "instruction", system)
-        return SFTRecord(messages + [{"role": "assistant", "content": _expect_str(row["output"], source, index, "output")}], None, index, source)
+        return SFTRecord(
+            messages + [{"role": "assistant", "content": _expect_str(row["output"], source, index, "output")}],
+            None,
+            index,
+            source,
+        )
     messages = prompt_messages(row["prompt"], source, index, "prompt", system)
     completion = completion_text(row["completion"], source, index, "completion")
     return SFTRecord(messages + [{"role": "assistant", "content": completion}], None, index, source)

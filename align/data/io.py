@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from align.errors import AlignDataError
 
@@ -50,7 +50,7 @@ def numbered(rows) -> list[tuple[int, dict]]:
 def resolve(source: str) -> str:
     """Map ``align:...`` to the bundled file's path; leave other names as they are."""
     if source.startswith(BUNDLED_PREFIX):
-        path = ASSETS / source[len(BUNDLED_PREFIX):]
+        path = ASSETS / source[len(BUNDLED_PREFIX) :]
         if not path.exists():
             available = sorted(str(p.relative_to(ASSETS)) for p in ASSETS.rglob("*.jsonl"))
             raise AlignDataError(source, None, None, f"one of the bundled files {available}")
@@ -71,9 +71,15 @@ def read_rows(source: str, split: str | None = LOCAL_SPLIT, split_key: str = "da
         rows = _read_saved(path, source, split, split_key)
     elif path.exists():
         if suffix not in _EXTENSIONS:
-            raise AlignDataError(source, None, None, f"a file ending in one of {sorted(_EXTENSIONS)}, or a folder "
-                                 "written by Dataset.save_to_disk")
-        full = _read_jsonl(path, source) if suffix == ".jsonl" else _read_with_datasets(path, source, _EXTENSIONS[suffix])
+            raise AlignDataError(
+                source,
+                None,
+                None,
+                f"a file ending in one of {sorted(_EXTENSIONS)}, or a folder written by Dataset.save_to_disk",
+            )
+        full = (
+            _read_jsonl(path, source) if suffix == ".jsonl" else _read_with_datasets(path, source, _EXTENSIONS[suffix])
+        )
         rows = _slice({LOCAL_SPLIT: full}, split or LOCAL_SPLIT, source, split_key)
     elif suffix in _EXTENSIONS or path_str.startswith((".", "/", "~")):
         raise AlignDataError(source, None, None, "an existing file (no such file)")
@@ -84,9 +90,12 @@ def read_rows(source: str, split: str | None = LOCAL_SPLIT, split_key: str = "da
     return rows
 
 
-_SPLIT_PART = re.compile(r"""^(?P<split>\w+(?:\.\w+)*)
+_SPLIT_PART = re.compile(
+    r"""^(?P<split>\w+(?:\.\w+)*)
     (?:\[(?:(?P<start>-?[\d_]+)(?P<start_pct>%)?)?:(?:(?P<stop>-?[\d_]+)(?P<stop_pct>%)?)?\])?
-    (?:\((?P<rounding>[^)]*)\))?$""", re.X)
+    (?:\((?P<rounding>[^)]*)\))?$""",
+    re.X,
+)
 
 
 def split_ranges(spec: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
@@ -116,8 +125,11 @@ def split_ranges(spec: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]
                 raise ValueError("percent boundaries within -100 and 100")
             if rounding == "pct1_dropremainder" and n < 100:
                 raise ValueError("pct1_dropremainder on a split of fewer than 100 rows")
-            scale = ((lambda b: int(round(b * n / 100.0))) if rounding == "closest"
-                     else (lambda b: b * math.trunc(n / 100.0)))
+            scale = (
+                (lambda b: int(round(b * n / 100.0)))  # noqa: B023
+                if rounding == "closest"
+                else (lambda b: b * math.trunc(n / 100.0))  # noqa: B023
+            )
             bounds = [None if b is None else scale(b) for b in bounds]
         start, stop = 0 if bounds[0] is None else bounds[0], n if bounds[1] is None else bounds[1]
         start, stop = (min(max(n + b, 0) if b < 0 else b, n) for b in (start, stop))
@@ -132,10 +144,19 @@ def _slice(splits: dict, spec: str, source: str, split_key: str) -> Rows:
         parts = split_ranges(spec, {name: len(rows) for name, rows in splits.items()})
     except ValueError:
         example = next(iter(splits))
-        what = (f"the split '{LOCAL_SPLIT}' (a file has no other)" if set(splits) == {LOCAL_SPLIT}
-                else f"one of the splits {sorted(splits)}")
-        raise AlignDataError(source, None, split_key, f"{what}, optionally sliced in the datasets syntax "
-                             f"('{example}[:10]', '{example}[10%:]', '{example}[:50%]')", spec) from None
+        what = (
+            f"the split '{LOCAL_SPLIT}' (a file has no other)"
+            if set(splits) == {LOCAL_SPLIT}
+            else f"one of the splits {sorted(splits)}"
+        )
+        raise AlignDataError(
+            source,
+            None,
+            split_key,
+            f"{what}, optionally sliced in the datasets syntax "
+            f"('{example}[:10]', '{example}[10%:]', '{example}[:50%]')",
+            spec,
+        ) from None
     out = Rows()
     out.numbers = []
     for name, start, stop in parts:
@@ -153,13 +174,17 @@ def _read_jsonl(path: Path, source: str) -> Rows:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise AlignDataError(source, lineno, None, "UTF-8 text", f"invalid byte at column {err.start + 1}") from None
+                raise AlignDataError(
+                    source, lineno, None, "UTF-8 text", f"invalid byte at column {err.start + 1}"
+                ) from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise AlignDataError(source, lineno, None, f"one JSON object per line ({err.msg} at column {err.colno})") from None
+                raise AlignDataError(
+                    source, lineno, None, f"one JSON object per line ({err.msg} at column {err.colno})"
+                ) from None
             if not isinstance(row, dict):
                 raise AlignDataError(source, lineno, None, "a JSON object", row)
             rows.append(row)
@@ -182,13 +207,20 @@ def _read_saved(path: Path, source: str, split: str | None, split_key: str) -> R
     import datasets
 
     if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-        raise AlignDataError(source, None, None, "a .jsonl, .json, .parquet or .csv file, or a folder written by "
-                             "Dataset.save_to_disk or DatasetDict.save_to_disk (no dataset_dict.json or state.json "
-                             "in this folder)")
+        raise AlignDataError(
+            source,
+            None,
+            None,
+            "a .jsonl, .json, .parquet or .csv file, or a folder written by "
+            "Dataset.save_to_disk or DatasetDict.save_to_disk (no dataset_dict.json or state.json "
+            "in this folder)",
+        )
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as err:  # noqa: BLE001
-        raise AlignDataError(source, None, None, f"a readable save_to_disk folder ({type(err).__name__}: {err})") from None
+        raise AlignDataError(
+            source, None, None, f"a readable save_to_disk folder ({type(err).__name__}: {err})"
+        ) from None
     if isinstance(saved, datasets.DatasetDict):
         return _slice(dict(saved), split or "validation", source, split_key)
     return _slice({LOCAL_SPLIT: saved}, split or LOCAL_SPLIT, source, split_key)
@@ -204,6 +236,9 @@ def _read_hub(name: str, split: str) -> Rows:
         ds = datasets.load_dataset(repo, config or None, split=split)
     except Exception as err:  # noqa: BLE001
         raise AlignDataError(
-            name, None, None, f"a local file or a reachable hub dataset with split '{split}' ({type(err).__name__}: {err})"
+            name,
+            None,
+            None,
+            f"a local file or a reachable hub dataset with split '{split}' ({type(err).__name__}: {err})",
         ) from None
     return Rows(ds.to_list())

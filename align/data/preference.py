@@ -38,8 +38,8 @@ class PreferenceBatch:
 
     Rows ``0..B-1`` hold prompt + chosen and rows ``B..2B-1`` prompt + rejected, for the same pairs in the same
     order. Each row is ``[left-padded prompt (P) | right-padded response (R)]``, ``T = P + R``, so the last ``R``
-    positions are the responses of every row (``PolicyModel.token_logprobs(..., response_length=R)``). Positions come from
-    the attention mask, so the left padding does not shift them.
+    positions are the responses of every row (``PolicyModel.token_logprobs(..., response_length=R)``). Positions come
+    from the attention mask, so the left padding does not shift them.
     """
 
     input_ids: torch.Tensor  # (2B, T)
@@ -105,9 +105,9 @@ class PreferenceCollator:
             p = len(ex.prompt_ids)
             for row, response in ((b, ex.chosen_ids), (B + b, ex.rejected_ids)):
                 n = len(response)
-                input_ids[row, P - p:P] = torch.tensor(ex.prompt_ids)
-                input_ids[row, P:P + n] = torch.tensor(response)
-                attention_mask[row, P - p:P + n] = 1
+                input_ids[row, P - p : P] = torch.tensor(ex.prompt_ids)
+                input_ids[row, P : P + n] = torch.tensor(response)
+                attention_mask[row, P - p : P + n] = 1
                 response_mask[row, :n] = 1
         windows = {w for _, _, w in items}
         window = windows.pop() if len(windows) == 1 and None not in windows else B
@@ -180,8 +180,12 @@ class PreferenceDataModule(TokenizerDataModule):
         """
         super().__init__()
         check_setting(truncation in ("left", "drop", "error"), "truncation", "'left', 'drop' or 'error'", truncation)
-        check_setting(identical_pairs in ("drop", "keep", "error"), "identical_pairs", "'drop', 'keep' or 'error'",
-                      identical_pairs)
+        check_setting(
+            identical_pairs in ("drop", "keep", "error"),
+            "identical_pairs",
+            "'drop', 'keep' or 'error'",
+            identical_pairs,
+        )
         self.save_hyperparameters()
         check_loader_settings(self.hparams)
         self.stats: dict[str, PreparedSplit] = {}
@@ -189,8 +193,12 @@ class PreferenceDataModule(TokenizerDataModule):
     def encoding_spec(self) -> dict:
         """What a scorer needs to encode text the way training did (saved with reward-model exports)."""
         hp = self.hparams
-        return {"use_chat_template": self.encoder().use_chat_template, "system_prompt": hp.system_prompt,
-                "max_length": hp.max_length, "max_prompt_length": hp.max_prompt_length}
+        return {
+            "use_chat_template": self.encoder().use_chat_template,
+            "system_prompt": hp.system_prompt,
+            "max_length": hp.max_length,
+            "max_prompt_length": hp.max_prompt_length,
+        }
 
     def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list[PreferenceExample]:
         hp = self.hparams
@@ -198,20 +206,42 @@ class PreferenceDataModule(TokenizerDataModule):
         total = PreparedSplit()
         for source in files:
             found = tokenize_preference_rows(
-                read_rows(source, split, split_key), source, encoder, max_length=hp.max_length,
-                max_prompt_length=hp.max_prompt_length, truncation=hp.truncation, identical_pairs=hp.identical_pairs,
-                ignore_columns=frozenset(hp.ignore_columns or ()), system_prompt=hp.system_prompt, strict=hp.strict,
+                read_rows(source, split, split_key),
+                source,
+                encoder,
+                max_length=hp.max_length,
+                max_prompt_length=hp.max_prompt_length,
+                truncation=hp.truncation,
+                identical_pairs=hp.identical_pairs,
+                ignore_columns=frozenset(hp.ignore_columns or ()),
+                system_prompt=hp.system_prompt,
+                strict=hp.strict,
                 unpaired=self.unpaired,
             )
             if found.identical:
-                log.warning("%s: %d of %d rows have chosen == rejected (%s)", source, found.identical, found.rows,
-                            "dropped" if found.dropped_identical else "kept")
+                log.warning(
+                    "%s: %d of %d rows have chosen == rejected (%s)",
+                    source,
+                    found.identical,
+                    found.rows,
+                    "dropped" if found.dropped_identical else "kept",
+                )
             if found.truncated:
-                log.warning("%s: truncated the prompt (from the left) of %d of %d rows to fit max_length=%d",
-                            source, found.truncated, found.rows, hp.max_length)
+                log.warning(
+                    "%s: truncated the prompt (from the left) of %d of %d rows to fit max_length=%d",
+                    source,
+                    found.truncated,
+                    found.rows,
+                    hp.max_length,
+                )
             if found.dropped_long:
-                log.warning("%s: dropped %d of %d rows longer than max_length=%d", source, found.dropped_long,
-                            found.rows, hp.max_length)
+                log.warning(
+                    "%s: dropped %d of %d rows longer than max_length=%d",
+                    source,
+                    found.dropped_long,
+                    found.rows,
+                    hp.max_length,
+                )
             total.examples += found.examples
             for key in ("rows", "truncated", "dropped_long", "identical", "dropped_identical"):
                 setattr(total, key, getattr(total, key) + getattr(found, key))
@@ -232,8 +262,13 @@ class PreferenceDataModule(TokenizerDataModule):
 
     def eval_dataloader(self, dataset: PreferenceDataset, batch_size: int | None = None) -> DataLoader:
         """In-order batches over ``dataset`` (validation, and reference precomputation)."""
-        return DataLoader(dataset, batch_size=batch_size or self.hparams.val_batch_size or self.hparams.batch_size,
-                          shuffle=False, collate_fn=self.collator(), num_workers=self.hparams.num_workers)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size or self.hparams.val_batch_size or self.hparams.batch_size,
+            shuffle=False,
+            collate_fn=self.collator(),
+            num_workers=self.hparams.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
@@ -257,7 +292,12 @@ class UnpairedDataModule(PreferenceDataModule):
         examples = super().load_examples(files, split, name, split_key)
         labels = {ex.label for ex in examples}
         if name == "train" and len(labels) < 2:
-            raise AlignDataError(", ".join(files), None, "label", "both desirable (true) and undesirable (false) "
-                                 "examples: KTO's loss needs each kind", f"only label {labels.pop()}")
+            raise AlignDataError(
+                ", ".join(files),
+                None,
+                "label",
+                "both desirable (true) and undesirable (false) examples: KTO's loss needs each kind",
+                f"only label {labels.pop()}",
+            )
         mismatch_completions(examples, self.hparams.seed, self.hparams.max_length)
         return examples

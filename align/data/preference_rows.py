@@ -34,14 +34,24 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
 from align.data.chat import ChatEncoder
-from align.data.formats import (UnusedColumns, check_messages, completion_text, conversation, detect_format,
-                                hh_messages, prompt_messages, row_system, with_system)
+from align.data.formats import (
+    UnusedColumns,
+    check_messages,
+    completion_text,
+    conversation,
+    detect_format,
+    hh_messages,
+    prompt_messages,
+    row_system,
+    with_system,
+)
 from align.data.io import numbered
 from align.errors import AlignDataError
 
@@ -94,20 +104,37 @@ class PreparedSplit:
     dropped_identical: int = 0
 
 
-def preference_record(row: dict, source: str, index: int, ignore: frozenset = frozenset(),
-                      system_prompt: str | None = None, unused: UnusedColumns | None = None,
-                      unpaired: bool = False) -> PreferenceRecord:
+def preference_record(
+    row: dict,
+    source: str,
+    index: int,
+    ignore: frozenset = frozenset(),
+    system_prompt: str | None = None,
+    unused: UnusedColumns | None = None,
+    unpaired: bool = False,
+) -> PreferenceRecord:
     """Validate one row of any accepted shape; errors name the file, the row and the field. Unpaired rows are
     accepted only when ``unpaired`` (KTO's data)."""
     for name, other in (("chosen", "rejected"), ("rejected", "chosen")):
         if other in row and name not in row:
-            raise AlignDataError(source, index, name, f"a '{name}' field beside '{other}' in every preference row "
-                                 "({prompt, chosen, rejected} or {chosen, rejected})", f"fields {sorted(row)}")
+            raise AlignDataError(
+                source,
+                index,
+                name,
+                f"a '{name}' field beside '{other}' in every preference row "
+                "({prompt, chosen, rejected} or {chosen, rejected})",
+                f"fields {sorted(row)}",
+            )
     fmt, extra = detect_format(row, PREFERENCE_FORMATS, source, index, ignore)
     if fmt == "unpaired preference" and not unpaired:
-        raise AlignDataError(source, index, "label", "paired rows {prompt, chosen, rejected} or {chosen, rejected}: "
-                             "unpaired {prompt, completion, label} rows are KTO's data (align.modules.kto.KTOModule "
-                             "with align.data.preference.UnpairedDataModule)")
+        raise AlignDataError(
+            source,
+            index,
+            "label",
+            "paired rows {prompt, chosen, rejected} or {chosen, rejected}: "
+            "unpaired {prompt, completion, label} rows are KTO's data (align.modules.kto.KTOModule "
+            "with align.data.preference.UnpairedDataModule)",
+        )
     if unused is not None:
         unused.check(index, fmt, extra, PREFERENCE_FORMATS[fmt][0] | PREFERENCE_FORMATS[fmt][1])
     system = row_system(row, source, index, system_prompt)
@@ -116,8 +143,9 @@ def preference_record(row: dict, source: str, index: int, ignore: frozenset = fr
         raise AlignDataError(source, index, "margin", "a number", margin)
     if fmt == "unpaired preference":
         if not isinstance(row["label"], bool):
-            raise AlignDataError(source, index, "label", "true (a desirable completion) or false (an undesirable one)",
-                                 row["label"])
+            raise AlignDataError(
+                source, index, "label", "true (a desirable completion) or false (an undesirable one)", row["label"]
+            )
         prompt = prompt_messages(row["prompt"], source, index, "prompt")
         completion = response_after(prompt, row["completion"], source, index, "completion")
         return PreferenceRecord(with_system(prompt, system), completion, None, None, index, source, row["label"])
@@ -127,14 +155,24 @@ def preference_record(row: dict, source: str, index: int, ignore: frozenset = fr
         rejected = response_after(prompt, row["rejected"], source, index, "rejected")
     else:
         if isinstance(row["chosen"], str) and hh_messages(row["chosen"], source, index, "chosen") is None:
-            raise AlignDataError(source, index, "prompt", "a 'prompt' field when 'chosen' is plain text (without one, "
-                                 "chosen and rejected are whole conversations: lists of messages, or Anthropic HH "
-                                 "text)", f"fields {sorted(row)}")
-        prompt, chosen, rejected = shared_prompt(conversation(row["chosen"], source, index, "chosen"),
-                                                 conversation(row["rejected"], source, index, "rejected"),
-                                                 source, index)
-    return PreferenceRecord(with_system(prompt, system), chosen, rejected,
-                            None if margin is None else float(margin), index, source)
+            raise AlignDataError(
+                source,
+                index,
+                "prompt",
+                "a 'prompt' field when 'chosen' is plain text (without one, "
+                "chosen and rejected are whole conversations: lists of messages, or Anthropic HH "
+                "text)",
+                f"fields {sorted(row)}",
+            )
+        prompt, chosen, rejected = shared_prompt(
+            conversation(row["chosen"], source, index, "chosen"),
+            conversation(row["rejected"], source, index, "rejected"),
+            source,
+            index,
+        )
+    return PreferenceRecord(
+        with_system(prompt, system), chosen, rejected, None if margin is None else float(margin), index, source
+    )
 
 
 def response_after(prompt: list[dict], value, source: str, index: int, field: str) -> str:
@@ -143,9 +181,15 @@ def response_after(prompt: list[dict], value, source: str, index: int, field: st
     if not isinstance(value, list) or len(value) <= 1:
         return completion_text(value, source, index, field)
     messages = check_messages(value, source, index, field, need_assistant=True)
-    if messages[:len(prompt)] != prompt or len(messages) != len(prompt) + 1 or messages[-1]["role"] != "assistant":
-        raise AlignDataError(source, index, field, "a string, one assistant message, or a conversation made of the "
-                             "prompt's messages followed by one assistant message", value)
+    if messages[: len(prompt)] != prompt or len(messages) != len(prompt) + 1 or messages[-1]["role"] != "assistant":
+        raise AlignDataError(
+            source,
+            index,
+            field,
+            "a string, one assistant message, or a conversation made of the "
+            "prompt's messages followed by one assistant message",
+            value,
+        )
     return messages[-1]["content"]
 
 
@@ -154,23 +198,47 @@ def shared_prompt(chosen: list[dict], rejected: list[dict], source: str, index: 
     final assistant messages."""
     for name, messages in (("chosen", chosen), ("rejected", rejected)):
         if messages[-1]["role"] != "assistant" or len(messages) < 2:
-            raise AlignDataError(source, index, name, "a conversation of at least one prompt message followed by the "
-                                 "assistant's reply (an implicit-prompt row ends with one assistant message)",
-                                 f"{len(messages)} messages ending with a {messages[-1]['role']} message")
+            raise AlignDataError(
+                source,
+                index,
+                name,
+                "a conversation of at least one prompt message followed by the "
+                "assistant's reply (an implicit-prompt row ends with one assistant message)",
+                f"{len(messages)} messages ending with a {messages[-1]['role']} message",
+            )
     prompt = chosen[:-1]
     if rejected[:-1] != prompt:
-        at = next((i for i, (a, b) in enumerate(zip(prompt, rejected[:-1])) if a != b), min(len(prompt), len(rejected) - 1))
-        raise AlignDataError(source, index, "rejected", "the same messages as 'chosen' before the final assistant "
-                             f"message (the shared prompt); they differ at message {at}")
+        at = next(
+            (i for i, (a, b) in enumerate(zip(prompt, rejected[:-1])) if a != b), min(len(prompt), len(rejected) - 1)
+        )
+        raise AlignDataError(
+            source,
+            index,
+            "rejected",
+            "the same messages as 'chosen' before the final assistant "
+            f"message (the shared prompt); they differ at message {at}",
+        )
     if prompt[-1]["role"] == "assistant":
-        raise AlignDataError(source, index, "chosen", "a prompt (the shared messages) that does not end with an "
-                             "assistant message", prompt[-1])
+        raise AlignDataError(
+            source,
+            index,
+            "chosen",
+            "a prompt (the shared messages) that does not end with an assistant message",
+            prompt[-1],
+        )
     return prompt, chosen[-1]["content"], rejected[-1]["content"]
 
 
-def encode_response(encoder: ChatEncoder, prompt_ids: list[int], messages: list[dict], response: str,
-                    source: str = "<data>", row: int | None = None, name: str = "response",
-                    prompt_text: str | None = None) -> list[int]:
+def encode_response(
+    encoder: ChatEncoder,
+    prompt_ids: list[int],
+    messages: list[dict],
+    response: str,
+    source: str = "<data>",
+    row: int | None = None,
+    name: str = "response",
+    prompt_text: str | None = None,
+) -> list[int]:
     """Ids the chat template adds after ``prompt_ids`` for ``response`` as the assistant's reply.
 
     With a chat template, prompt + response is rendered once and the text after the rendered prompt (the
@@ -182,14 +250,19 @@ def encode_response(encoder: ChatEncoder, prompt_ids: list[int], messages: list[
             prompt_text = encoder._render(messages, add_generation_prompt=True)
         full = encoder._render(messages + [{"role": "assistant", "content": response}], add_generation_prompt=False)
         if not full.startswith(prompt_text) or len(full) == len(prompt_text):
-            raise AlignDataError(source, row, name, "a chat template whose rendering of prompt + response starts with "
-                                 "the rendering of the prompt (with its generation prompt)")
-        ids = encoder._ids(full[len(prompt_text):])
+            raise AlignDataError(
+                source,
+                row,
+                name,
+                "a chat template whose rendering of prompt + response starts with "
+                "the rendering of the prompt (with its generation prompt)",
+            )
+        ids = encoder._ids(full[len(prompt_text) :])
         return ids[: encoder.until_eos(ids)]  # a response ends at its first EOS, as a sampled one does
     ids, _ = encoder.encode(messages + [{"role": "assistant", "content": response}], source, row)
     if ids[: len(prompt_ids)] != prompt_ids or len(ids) == len(prompt_ids):
         raise AlignDataError(source, row, name, "a tokenization of prompt + response that starts with the prompt's")
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def encode_prompt(encoder: ChatEncoder, messages: list[dict]) -> tuple[list[int], str | None]:
@@ -235,16 +308,26 @@ def tokenize_preference_rows(
         if record.chosen == record.rejected:
             out.identical += 1
             if identical_pairs == "error":
-                raise AlignDataError(source, index, "rejected", "a response different from 'chosen' (or set "
-                                     "data.identical_pairs to 'drop' or 'keep')", record.rejected)
+                raise AlignDataError(
+                    source,
+                    index,
+                    "rejected",
+                    "a response different from 'chosen' (or set data.identical_pairs to 'drop' or 'keep')",
+                    record.rejected,
+                )
             if identical_pairs == "drop":
                 out.dropped_identical += 1
                 continue
         prompt_ids, prompt_text = encode_prompt(encoder, record.prompt)
-        responses = ([("completion", record.chosen, record.label)] if record.label is not None else
-                     [("chosen", record.chosen, True), ("rejected", record.rejected, False)])
-        ids = [encode_response(encoder, prompt_ids, record.prompt, text, source, index, name, prompt_text)
-               for name, text, _ in responses]
+        responses = (
+            [("completion", record.chosen, record.label)]
+            if record.label is not None
+            else [("chosen", record.chosen, True), ("rejected", record.rejected, False)]
+        )
+        ids = [
+            encode_response(encoder, prompt_ids, record.prompt, text, source, index, name, prompt_text)
+            for name, text, _ in responses
+        ]
         longest = max(map(len, ids))
         keep = fit_prompt(prompt_ids, longest, max_length, max_prompt_length)
         truncated = keep < len(prompt_ids)
@@ -253,15 +336,25 @@ def tokenize_preference_rows(
                 out.dropped_long += 1
                 continue
             if keep == 0 or truncation == "error":
-                what = ("responses of at most max_length - 1 tokens" if keep == 0 else
-                        "a prompt that fits max_length/max_prompt_length (or set data.truncation to 'left' or 'drop')")
-                raise AlignDataError(source, index, None, f"{what} (max_length={max_length}, max_prompt_length="
-                                     f"{max_prompt_length})", f"prompt {len(prompt_ids)} + response {longest} tokens")
-            prompt_ids = prompt_ids[len(prompt_ids) - keep:]
+                what = (
+                    "responses of at most max_length - 1 tokens"
+                    if keep == 0
+                    else "a prompt that fits max_length/max_prompt_length (or set data.truncation to 'left' or 'drop')"
+                )
+                raise AlignDataError(
+                    source,
+                    index,
+                    None,
+                    f"{what} (max_length={max_length}, max_prompt_length={max_prompt_length})",
+                    f"prompt {len(prompt_ids)} + response {longest} tokens",
+                )
+            prompt_ids = prompt_ids[len(prompt_ids) - keep :]
             out.truncated += 1
         if unpaired:
-            out.examples += [PreferenceExample(prompt_ids, r, [], 0.0, index, truncated, label)
-                             for r, (_, _, label) in zip(ids, responses)]
+            out.examples += [
+                PreferenceExample(prompt_ids, r, [], 0.0, index, truncated, label)
+                for r, (_, _, label) in zip(ids, responses)
+            ]
         else:
             out.examples.append(PreferenceExample(prompt_ids, ids[0], ids[1], record.margin or 0.0, index, truncated))
     unused.report()

@@ -82,18 +82,33 @@ def encode_prompt_rows(
     examples = []
     for index, row in numbered(rows):
         if prompt_field not in row:
-            raise AlignDataError(source, index, prompt_field, f"a row with a '{prompt_field}' field (a string or a "
-                                 "list of messages)", f"fields {sorted(row)}")
+            raise AlignDataError(
+                source,
+                index,
+                prompt_field,
+                f"a row with a '{prompt_field}' field (a string or a list of messages)",
+                f"fields {sorted(row)}",
+            )
         messages = prompt_messages(row[prompt_field], source, index, prompt_field, system_prompt)
         ids = encoder.prompt_ids(messages)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
-            raise AlignDataError(source, index, prompt_field, f"at most max_prompt_length={max_prompt_length} "
-                                 "tokens", f"{len(ids)} tokens")
+            raise AlignDataError(
+                source,
+                index,
+                prompt_field,
+                f"at most max_prompt_length={max_prompt_length} tokens",
+                f"{len(ids)} tokens",
+            )
         columns = {k: v for k, v in row.items() if k != prompt_field and k not in ignore_columns}
         clash = sorted(set(columns) & set(REWARD_INPUTS))
         if clash:
-            raise AlignDataError(source, index, clash[0], f"a column name other than {clash[0]!r}, which rewards "
-                                 "receive from the rollout (see docs/rewards.md); rename the column")
+            raise AlignDataError(
+                source,
+                index,
+                clash[0],
+                f"a column name other than {clash[0]!r}, which rewards "
+                "receive from the rollout (see docs/rewards.md); rename the column",
+            )
         examples.append(PromptExample(ids, prompt_text(messages), columns, messages))
     return examples
 
@@ -172,10 +187,15 @@ class PromptDataModule(TokenizerDataModule):
         encoder = self.encoder()
         examples: list[PromptExample] = []
         for source in files:
-            examples += encode_prompt_rows(read_rows(source, split, split_key), source, encoder,
-                                           prompt_field=hp.prompt_field, max_prompt_length=hp.max_prompt_length,
-                                           system_prompt=hp.system_prompt,
-                                           ignore_columns=frozenset(hp.ignore_columns or ()))
+            examples += encode_prompt_rows(
+                read_rows(source, split, split_key),
+                source,
+                encoder,
+                prompt_field=hp.prompt_field,
+                max_prompt_length=hp.max_prompt_length,
+                system_prompt=hp.system_prompt,
+                ignore_columns=frozenset(hp.ignore_columns or ()),
+            )
         return examples
 
     def make_dataset(self, examples: list[PromptExample], name: str) -> PromptDataset:
@@ -190,8 +210,13 @@ class PromptDataModule(TokenizerDataModule):
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
             return self.no_validation()
-        return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
-                          shuffle=False, collate_fn=collate_prompts, num_workers=self.hparams.num_workers)
+        return DataLoader(
+            self.val_set,
+            batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+            shuffle=False,
+            collate_fn=collate_prompts,
+            num_workers=self.hparams.num_workers,
+        )
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         return batch  # token id lists stay on the host; the rollout engine moves the padded tensors

@@ -19,7 +19,8 @@ Lightning can swap in a ``DistributedSampler`` (itself seeded by seed and epoch)
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler

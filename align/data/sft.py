@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from align.core.packing import first_fit_decreasing
 from align.data.base import AUTO, TokenizerDataModule, check_loader_settings, check_setting
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.formats import UnusedColumns, sft_record
 from align.data.io import numbered, read_rows
 from align.errors import AlignDataError
-from align.core.packing import first_fit_decreasing
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,13 @@ def tokenize_rows(
                 labels = list(ids)
         if len(ids) > max_length:
             if truncation == "error":
-                raise AlignDataError(source, index, None, f"at most max_length={max_length} tokens (or set "
-                                     "data.truncation to 'right' or 'drop')", f"{len(ids)} tokens")
+                raise AlignDataError(
+                    source,
+                    index,
+                    None,
+                    f"at most max_length={max_length} tokens (or set data.truncation to 'right' or 'drop')",
+                    f"{len(ids)} tokens",
+                )
             if truncation == "drop":
                 dropped += 1
                 continue
@@ -220,14 +226,22 @@ class SFTDataModule(TokenizerDataModule):
         for source in files:
             rows = read_rows(source, split, split_key)
             found, dropped = tokenize_rows(
-                rows, source, encoder, max_length=hp.max_length, truncation=hp.truncation,
-                completion_only=hp.completion_only, ignore_columns=frozenset(hp.ignore_columns or ()),
-                system_prompt=hp.system_prompt, strict=hp.strict,
+                rows,
+                source,
+                encoder,
+                max_length=hp.max_length,
+                truncation=hp.truncation,
+                completion_only=hp.completion_only,
+                ignore_columns=frozenset(hp.ignore_columns or ()),
+                system_prompt=hp.system_prompt,
+                strict=hp.strict,
             )
             examples += found
             dropped_total += dropped
             if dropped:
-                log.warning("%s: dropped %d of %d rows longer than max_length=%d", source, dropped, len(rows), hp.max_length)
+                log.warning(
+                    "%s: dropped %d of %d rows longer than max_length=%d", source, dropped, len(rows), hp.max_length
+                )
         if not examples:
             raise AlignDataError(", ".join(files), None, None, "at least one usable row after filtering")
         return examples
@@ -240,11 +254,17 @@ class SFTDataModule(TokenizerDataModule):
         return SFTCollator(self._resolve_tokenizer().pad_token_id, packed=self.hparams.packing)
 
     def train_dataloader(self) -> DataLoader:
-        return self.window_dataloader(self.train_set, [ex.loss_tokens for ex in self.train_set.examples],
-                                      self._collator())
+        return self.window_dataloader(
+            self.train_set, [ex.loss_tokens for ex in self.train_set.examples], self._collator()
+        )
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
             return self.no_validation()
-        return DataLoader(self.val_set, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
-                          shuffle=False, collate_fn=self._collator(), num_workers=self.hparams.num_workers)
+        return DataLoader(
+            self.val_set,
+            batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+            shuffle=False,
+            collate_fn=self._collator(),
+            num_workers=self.hparams.num_workers,
+        )

@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Any, Callable, Iterator, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -45,8 +46,7 @@ from align.modules.base import TrainingModule
 from align.observability.timing import Timer
 from align.trainer.guards import NonFiniteError
 
-
-Metrics = dict[str, Union[float, Callable[[], float]]]
+Metrics = dict[str, float | Callable[[], float]]
 """An iteration's metrics: numbers, or zero-argument callables computed only when the step is logged."""
 
 RECENT_EPISODES = 100
@@ -121,8 +121,11 @@ class ClassicRLModule(TrainingModule):
 
     @property
     def env_steps(self) -> int:
-        return self._runner.steps if self._runner is not None else int((self._pending_state or {}).get("runner", {})
-                                                                       .get("steps", 0))
+        return (
+            self._runner.steps
+            if self._runner is not None
+            else int((self._pending_state or {}).get("runner", {}).get("steps", 0))
+        )
 
     def progress(self) -> float:
         """Share of ``total_steps`` taken, in [0, 1]."""
@@ -143,9 +146,15 @@ class ClassicRLModule(TrainingModule):
                 steps = self.runner.collect(policy, num_steps, on_step)
             finished = self.runner.finished[before:]
             if finished:
-                timer.annotate({"rl.algorithm": self.algorithm, "rl.episode": finished[-1].index,
-                                "rl.episodes": len(finished), "rl.total_reward": _mean([e.reward for e in finished]),
-                                "rl.episode_length": _mean([float(e.length) for e in finished])})
+                timer.annotate(
+                    {
+                        "rl.algorithm": self.algorithm,
+                        "rl.episode": finished[-1].index,
+                        "rl.episodes": len(finished),
+                        "rl.total_reward": _mean([e.reward for e in finished]),
+                        "rl.episode_length": _mean([float(e.length) for e in finished]),
+                    }
+                )
         return steps
 
     # ------------------------------------------------------------------ optimization
@@ -215,7 +224,8 @@ class ClassicRLModule(TrainingModule):
         raise NonFiniteError(
             f"non-finite {what} at optimizer step {self.trainer.global_step} (iteration "
             f"{self.trainer.fit_loop.epoch_loop.batch_idx}, {self.env_steps} environment steps). The update was not "
-            "applied. Lower the learning rate, or check the environment's rewards and observations")
+            "applied. Lower the learning rate, or check the environment's rewards and observations"
+        )
 
     def iteration(self) -> Metrics:
         """Collect and update once; returns this iteration's loss metrics (``train/...``). A value may be a
@@ -227,9 +237,11 @@ class ClassicRLModule(TrainingModule):
     # ------------------------------------------------------------------ Lightning loop
     def setup(self, stage: str) -> None:
         if self.trainer.world_size > 1:
-            raise AlignConfigError(f"trainer.devices: classic RL runs in one process (its environments are stepped in "
-                                   f"one place), got {self.trainer.world_size} processes; use model.env.num_envs and "
-                                   "model.env.vectorization: async to step more environments at once")
+            raise AlignConfigError(
+                f"trainer.devices: classic RL runs in one process (its environments are stepped in "
+                f"one place), got {self.trainer.world_size} processes; use model.env.num_envs and "
+                "model.env.vectorization: async to step more environments at once"
+            )
 
     def train_dataloader(self) -> _Iterations:
         # A plain iterable: a DataLoader's per-batch machinery costs more than a small network's update.
@@ -253,10 +265,14 @@ class ClassicRLModule(TrainingModule):
 
     def _step_metrics(self, metrics: Metrics) -> dict[str, float]:
         now = time.perf_counter()
-        out = {"rollout/env_steps": float(self.env_steps), "rollout/episodes": float(self.runner.episodes),
-               "rollout/steps_per_s": (self.env_steps - self._window_steps) / max(now - self._window_start, 1e-9),
-               "train/lr": self.current_lr(), **{k: v() if callable(v) else v for k, v in metrics.items()},
-               **self.timings}
+        out = {
+            "rollout/env_steps": float(self.env_steps),
+            "rollout/episodes": float(self.runner.episodes),
+            "rollout/steps_per_s": (self.env_steps - self._window_steps) / max(now - self._window_start, 1e-9),
+            "train/lr": self.current_lr(),
+            **{k: v() if callable(v) else v for k, v in metrics.items()},
+            **self.timings,
+        }
         if self._recent:
             out["rollout/episode_reward"] = _mean([e.reward for e in self._recent])
             out["rollout/episode_length"] = _mean([float(e.length) for e in self._recent])
@@ -277,8 +293,9 @@ class ClassicRLModule(TrainingModule):
         if self._eval_runner is None or self._eval_runner.num_envs != n:
             if self._eval_runner is not None:
                 self._eval_runner.close()
-            self._eval_runner = EnvRunner(EnvSpec(**{**vars(self.env), "num_envs": n, "vectorization": "sync"}),
-                                          stream=1)
+            self._eval_runner = EnvRunner(
+                EnvSpec(**{**vars(self.env), "num_envs": n, "vectorization": "sync"}), stream=1
+            )
         runner = self._eval_runner
         runner.rewind()  # the same seeds every evaluation
         was_training = self.training
@@ -295,8 +312,11 @@ class ClassicRLModule(TrainingModule):
     def validation_step(self, batch: int, batch_idx: int) -> None:
         episodes = self.evaluate()
         rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-        metrics = {"val/episode_reward": rewards.mean(), "val/episode_reward_std": rewards.std(unbiased=False),
-                   "val/episode_length": torch.tensor([float(e.length) for e in episodes]).mean()}
+        metrics = {
+            "val/episode_reward": rewards.mean(),
+            "val/episode_reward_std": rewards.std(unbiased=False),
+            "val/episode_length": torch.tensor([float(e.length) for e in episodes]).mean(),
+        }
         for name, value in metrics.items():
             self.log(name, float(value), on_step=False, on_epoch=True, batch_size=1)
 
@@ -310,8 +330,13 @@ class ClassicRLModule(TrainingModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         recent = torch.tensor([[e.reward, e.length, e.index, e.truncated] for e in self._recent], dtype=torch.float64)
-        checkpoint["classic_rl"] = {"runner": self.runner.state_dict(), "extra": self.extra_state(), "recent": recent,
-                                    "algorithm": self.algorithm, "env": self.env.id}
+        checkpoint["classic_rl"] = {
+            "runner": self.runner.state_dict(),
+            "extra": self.extra_state(),
+            "recent": recent,
+            "algorithm": self.algorithm,
+            "env": self.env.id,
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("classic_rl")

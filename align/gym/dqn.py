@@ -24,7 +24,6 @@ from align.gym.replay import ReplayBuffer
 from align.gym.returns import td_targets
 from align.gym.runner import Policy, Transition
 
-
 DRAW_BYTES = 64 << 20
 """The most bytes of transitions that DQN draws from its replay buffer at once (several gradient steps' batches)."""
 
@@ -42,8 +41,9 @@ class _EpsilonGreedy(ClassicRLModule):
         return self.epsilon_at(self.env_steps)
 
     def epsilon_at(self, env_steps: int) -> float:
-        return linear_schedule(env_steps, self.exploration.initial, self.exploration.final,
-                               self.exploration.fraction * self.total_steps)
+        return linear_schedule(
+            env_steps, self.exploration.initial, self.exploration.final, self.exploration.fraction * self.total_steps
+        )
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, deterministic: bool) -> torch.Tensor:
@@ -141,13 +141,14 @@ class DQNGymModule(_EpsilonGreedy):
         super().__init__(env, total_steps, evaluation, optimizer, lr_schedule, updates.max_grad_norm)
         self.num_actions = require_discrete_actions(self.env, self.action_space, "DQN")
         for name, value, ok, expected in (
-                ("buffer_size", buffer_size, buffer_size >= 1, ">= 1"),
-                ("steps_per_iteration", steps_per_iteration, steps_per_iteration >= 1, ">= 1"),
-                ("target_update_interval", target_update_interval, target_update_interval >= 1, ">= 1"),
-                ("learning_starts", learning_starts, learning_starts >= 0, ">= 0"),
-                ("gamma", gamma, 0.0 <= gamma <= 1.0, "a value in [0, 1]"),
-                ("tau", tau, 0.0 < tau <= 1.0, "a value in (0, 1]"),
-                ("loss", loss, loss in ("huber", "mse"), "'huber' or 'mse'")):
+            ("buffer_size", buffer_size, buffer_size >= 1, ">= 1"),
+            ("steps_per_iteration", steps_per_iteration, steps_per_iteration >= 1, ">= 1"),
+            ("target_update_interval", target_update_interval, target_update_interval >= 1, ">= 1"),
+            ("learning_starts", learning_starts, learning_starts >= 0, ">= 0"),
+            ("gamma", gamma, 0.0 <= gamma <= 1.0, "a value in [0, 1]"),
+            ("tau", tau, 0.0 < tau <= 1.0, "a value in (0, 1]"),
+            ("loss", loss, loss in ("huber", "mse"), "'huber' or 'mse'"),
+        ):
             if not ok:
                 raise AlignConfigError(f"model.{name}: expected {expected}, got {value!r}")
         self.buffer_size, self.learning_starts, self.updates = buffer_size, learning_starts, updates
@@ -187,23 +188,37 @@ class DQNGymModule(_EpsilonGreedy):
             count = min(gradient_steps - done, self._steps_per_draw())
             batches = self.buffer.sample(count * b)
             with torch.no_grad():
-                next_q_target = torch.cat([self.q_target(rows) for rows in  # (count * B, A)
-                                           batches["next_observations"].split(TARGET_ROWS)])
-                targets = None if self.double_dqn else td_targets(
-                    batches["rewards"], next_q_target, batches["terminated"], self.gamma)
+                next_q_target = torch.cat(
+                    [
+                        self.q_target(rows)
+                        for rows in batches["next_observations"].split(TARGET_ROWS)  # (count * B, A)
+                    ]
+                )
+                targets = (
+                    None
+                    if self.double_dqn
+                    else td_targets(batches["rewards"], next_q_target, batches["terminated"], self.gamma)
+                )
             actions = batches["actions"].long().view(-1, 1)
             with torch.enable_grad():
                 for rows in (slice(i * b, (i + 1) * b) for i in range(count)):
                     if targets is None:  # Double DQN: the online network, as of this step, picks the next action
                         with torch.no_grad():
-                            step_targets = td_targets(batches["rewards"][rows], next_q_target[rows],
-                                                      batches["terminated"][rows], self.gamma,
-                                                      self.q(batches["next_observations"][rows]))
+                            step_targets = td_targets(
+                                batches["rewards"][rows],
+                                next_q_target[rows],
+                                batches["terminated"][rows],
+                                self.gamma,
+                                self.q(batches["next_observations"][rows]),
+                            )
                     else:
                         step_targets = targets[rows]
                     q = self.q(batches["observations"][rows]).gather(1, actions[rows]).squeeze(1)
-                    loss = (F.smooth_l1_loss(q, step_targets) if self.loss_kind == "huber"
-                            else 0.5 * F.mse_loss(q, step_targets))
+                    loss = (
+                        F.smooth_l1_loss(q, step_targets)
+                        if self.loss_kind == "huber"
+                        else 0.5 * F.mse_loss(q, step_targets)
+                    )
                     self.optimizer_step(loss)
                     losses.append(loss.detach())
                     q_means.append(q.detach().mean())
@@ -258,9 +273,10 @@ class QLearningGymModule(_EpsilonGreedy):
         super().__init__(env, total_steps, evaluation, torch.optim.SGD, "constant", None)
         self.num_actions = require_discrete_actions(self.env, self.action_space, "Q-learning")
         for name, value, ok, expected in (
-                ("learning_rate", learning_rate, learning_rate > 0, "> 0"),
-                ("gamma", gamma, 0.0 <= gamma <= 1.0, "a value in [0, 1]"),
-                ("steps_per_iteration", steps_per_iteration, steps_per_iteration >= 1, ">= 1")):
+            ("learning_rate", learning_rate, learning_rate > 0, "> 0"),
+            ("gamma", gamma, 0.0 <= gamma <= 1.0, "a value in [0, 1]"),
+            ("steps_per_iteration", steps_per_iteration, steps_per_iteration >= 1, ">= 1"),
+        ):
             if not ok:
                 raise AlignConfigError(f"model.{name}: expected {expected}, got {value!r}")
         self.learning_rate, self.gamma, self.steps_per_iteration = learning_rate, gamma, steps_per_iteration
@@ -274,8 +290,9 @@ class QLearningGymModule(_EpsilonGreedy):
         with torch.enable_grad():
             q = self.q(transition.observations).gather(1, transition.actions.long().view(-1, 1)).squeeze(1)
             with torch.no_grad():
-                targets = td_targets(transition.rewards, self.q(transition.next_observations),
-                                     transition.terminated, self.gamma)
+                targets = td_targets(
+                    transition.rewards, self.q(transition.next_observations), transition.terminated, self.gamma
+                )
             loss = 0.5 * (q - targets).square().sum()
             self.optimizer_step(loss)
         self._errors.append(float((targets - q.detach()).abs().mean()))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import difflib
 import functools
-
-import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 from align.errors import AlignConfigError
 
@@ -86,12 +86,16 @@ class CheckObservations(gym.Wrapper):
         if self._shape is not None:
             shape = tuple(getattr(obs, "shape", ()))
             if shape != self._shape:
-                raise ObservationError(f"{where} returned an observation of shape {shape}, outside its observation "
-                                       f"space {space_text(self.observation_space)}")
+                raise ObservationError(
+                    f"{where} returned an observation of shape {shape}, outside its observation "
+                    f"space {space_text(self.observation_space)}"
+                )
         elif self._n is not None:
             if not (isinstance(obs, (int, np.integer)) and self._start <= int(obs) < self._start + self._n):
-                raise ObservationError(f"{where} returned the observation {obs!r}, outside its observation space "
-                                       f"{space_text(self.observation_space)}")
+                raise ObservationError(
+                    f"{where} returned the observation {obs!r}, outside its observation space "
+                    f"{space_text(self.observation_space)}"
+                )
         return obs
 
     def reset(self, **kwargs):
@@ -114,8 +118,10 @@ def _registered(env_id: str) -> bool:
 def _unknown(env_id: str) -> AlignConfigError:
     close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
     hint = f"; close registered ids: {', '.join(close)}" if close else ""
-    return AlignConfigError(f"environment '{env_id}': not a registered Gymnasium id and not an import path of an "
-                            f"environment class (such as 'my_envs.py:GridWorld'){hint}")
+    return AlignConfigError(
+        f"environment '{env_id}': not a registered Gymnasium id and not an import path of an "
+        f"environment class (such as 'my_envs.py:GridWorld'){hint}"
+    )
 
 
 def _make_one(env_id: str, kwargs: dict, max_episode_steps: int | None) -> gym.Env:
@@ -126,8 +132,9 @@ def _make_one(env_id: str, kwargs: dict, max_episode_steps: int | None) -> gym.E
         target = resolve_import(env_id, what="environment")
         env = target(**kwargs)
         if not isinstance(env, gym.Env):
-            raise AlignConfigError(f"environment '{env_id}': calling it gave a {type(env).__name__}, not a "
-                                   "gymnasium.Env")
+            raise AlignConfigError(
+                f"environment '{env_id}': calling it gave a {type(env).__name__}, not a gymnasium.Env"
+            )
         if max_episode_steps is not None:
             env = gym.wrappers.TimeLimit(env, max_episode_steps)
     return CheckObservations(env)
@@ -146,8 +153,9 @@ def make_env(spec: EnvSpec) -> gym.Env:
     except gym.error.Error as err:
         raise AlignConfigError(f"environment '{env_id}': {type(err).__name__}: {err}") from err
     except TypeError as err:
-        raise AlignConfigError(f"environment '{env_id}': its constructor refused model.env.kwargs "
-                               f"{dict(spec.kwargs)}: {err}") from err
+        raise AlignConfigError(
+            f"environment '{env_id}': its constructor refused model.env.kwargs {dict(spec.kwargs)}: {err}"
+        ) from err
     except Exception as err:  # noqa: BLE001 - user code may raise anything
         raise AlignConfigError(f"environment '{env_id}': building it failed: {type(err).__name__}: {err}") from err
 
@@ -175,8 +183,10 @@ def space_text(space: gym.Space) -> str:
 def require_discrete_actions(spec: EnvSpec, space: gym.Space, algorithm: str) -> int:
     """The number of actions of a ``Discrete`` action space; a one-line error for any other space."""
     if not isinstance(space, gym.spaces.Discrete):
-        raise AlignConfigError(f"environment '{spec.id}': {algorithm} needs a Discrete action space, got "
-                               f"{space_text(space)}; use PPO, A2C or REINFORCE for continuous actions")
+        raise AlignConfigError(
+            f"environment '{spec.id}': {algorithm} needs a Discrete action space, got "
+            f"{space_text(space)}; use PPO, A2C or REINFORCE for continuous actions"
+        )
     return int(space.n)
 
 
@@ -186,5 +196,14 @@ def describe(env: Any) -> str:
     return getattr(spec, "id", None) or type(getattr(env, "unwrapped", env)).__name__
 
 
-__all__ = ["CheckObservations", "EnvSpec", "ObservationError", "as_spec", "describe", "make_env", "make_vector_env", "require_discrete_actions",
-           "space_text"]
+__all__ = [
+    "CheckObservations",
+    "EnvSpec",
+    "ObservationError",
+    "as_spec",
+    "describe",
+    "make_env",
+    "make_vector_env",
+    "require_discrete_actions",
+    "space_text",
+]

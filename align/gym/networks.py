@@ -2,7 +2,8 @@
 (:class:`QNetwork`) and a Q-table (:class:`QTable`), with observation encoding and running normalisation.
 
 Action log-probs and entropies come from the same functions as a language model's tokens:
-:func:`~align.core.logprobs.selective_log_softmax` and :func:`~align.core.logprobs.entropy_from_logits` for discrete actions,
+:func:`~align.core.logprobs.selective_log_softmax` and :func:`~align.core.logprobs.entropy_from_logits` for discrete
+actions,
 :func:`~align.gym.networks.gaussian_log_prob` for continuous ones.
 
 Initialisation follows Stable-Baselines3: the actor-critic networks as arXiv 2005.12729 ("implementation
@@ -14,16 +15,19 @@ CleanRL's) DQN, whose tuned hyperparameters assume it (``init: orthogonal`` give
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import gymnasium as gym
 import torch
 from torch import nn
 
-from align.errors import AlignConfigError
 from align.core.logprobs import entropy_from_logits, selective_log_softmax
+from align.errors import AlignConfigError
 
 Activation = Literal["tanh", "relu"]
+
+
 def gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
     """Log-density of ``actions`` under a diagonal Gaussian, summed over the last (action) dim: ``(..., A) -> (...)``.
 
@@ -54,8 +58,10 @@ def observation_size(space: gym.Space, env_id: str = "environment") -> int:
         return int(math.prod(space.shape)) if space.shape else 1
     if isinstance(space, gym.spaces.Discrete):
         return int(space.n)
-    raise AlignConfigError(f"environment '{env_id}': observation space {_space_name(space)} is not supported; "
-                           "expected Box or Discrete (flatten others with a gymnasium wrapper)")
+    raise AlignConfigError(
+        f"environment '{env_id}': observation space {_space_name(space)} is not supported; "
+        "expected Box or Discrete (flatten others with a gymnasium wrapper)"
+    )
 
 
 @torch.no_grad()
@@ -156,7 +162,9 @@ class StackedMLP(nn.Module):
     def __init__(self, sizes: Sequence[int], activation: Activation, out_gains: Sequence[float]):
         super().__init__()
         if activation not in _ACTIVATIONS:
-            raise AlignConfigError(f"model.network.activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+            raise AlignConfigError(
+                f"model.network.activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}"
+            )
         self.activation = {"tanh": torch.tanh, "relu": torch.relu}[activation]
         k = len(out_gains)
         self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
@@ -182,7 +190,7 @@ class StackedMLP(nn.Module):
 
 class PolicyOutput(NamedTuple):
     actions: torch.Tensor  # (N,) discrete or (N, A) continuous, as sampled (before clipping to the bounds)
-    logprobs: Optional[torch.Tensor]  # (N,); None when not asked for
+    logprobs: torch.Tensor | None  # (N,); None when not asked for
     values: torch.Tensor  # (N,)
 
 
@@ -192,9 +200,17 @@ class ActorCritic(nn.Module):
     Discrete actions: a categorical over logits. Box actions: a diagonal Gaussian with a learned, state-independent
     ``log_std``; sampled actions are clipped to the bounds only when sent to the environment."""
 
-    def __init__(self, observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int] = (64, 64),
-                 activation: Activation = "tanh", shared: bool = False, normalize_observations: bool = False,
-                 log_std_init: float = 0.0, env_id: str = "environment"):
+    def __init__(
+        self,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        hidden: Sequence[int] = (64, 64),
+        activation: Activation = "tanh",
+        shared: bool = False,
+        normalize_observations: bool = False,
+        log_std_init: float = 0.0,
+        env_id: str = "environment",
+    ):
         super().__init__()
         self.encoder = ObservationEncoder(observation_space, normalize_observations, env_id=env_id)
         if isinstance(action_space, gym.spaces.Discrete):
@@ -205,8 +221,10 @@ class ActorCritic(nn.Module):
             self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
             self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
         else:
-            raise AlignConfigError(f"environment '{env_id}': action space {_space_name(action_space)} is not "
-                                   "supported; expected Discrete or a one-dimensional Box")
+            raise AlignConfigError(
+                f"environment '{env_id}': action space {_space_name(action_space)} is not "
+                "supported; expected Discrete or a one-dimensional Box"
+            )
         d, hidden = self.encoder.size, list(hidden)
         self.shared, self.out = shared, out
         if shared:
@@ -247,8 +265,9 @@ class ActorCritic(nn.Module):
             actions = (out.float() - torch.empty_like(out, dtype=torch.float32).exponential_().log()).argmax(-1)
         return PolicyOutput(actions, selective_log_softmax(out, actions) if logprobs else None, values)
 
-    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor, entropy_grad: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def evaluate(
+        self, obs: torch.Tensor, actions: torch.Tensor, entropy_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logprobs, entropy, values)`` of taken ``actions``, each ``(N,)``, differentiable; the entropy only with
         ``entropy_grad`` (a loss without an entropy bonus only logs it, and saves its backward)."""
         out, values = self._heads(obs)
@@ -257,7 +276,9 @@ class ActorCritic(nn.Module):
                 entropy = gaussian_entropy(self.log_std).expand(out.shape[0])
             else:
                 entropy = entropy_from_logits(out)
-        logprobs = gaussian_log_prob(out, self.log_std, actions) if self.continuous else selective_log_softmax(out, actions)
+        logprobs = (
+            gaussian_log_prob(out, self.log_std, actions) if self.continuous else selective_log_softmax(out, actions)
+        )
         return logprobs, entropy, values
 
     def env_actions(self, actions: torch.Tensor) -> torch.Tensor:
@@ -268,9 +289,15 @@ class ActorCritic(nn.Module):
 class QNetwork(nn.Module):
     """``Q(s, .)``: one value per discrete action, ``(N, *obs) -> (N, A)``."""
 
-    def __init__(self, observation_space: gym.Space, num_actions: int, hidden: Sequence[int] = (64, 64),
-                 activation: Activation = "relu", env_id: str = "environment",
-                 init: Literal["torch", "orthogonal"] = "torch"):
+    def __init__(
+        self,
+        observation_space: gym.Space,
+        num_actions: int,
+        hidden: Sequence[int] = (64, 64),
+        activation: Activation = "relu",
+        env_id: str = "environment",
+        init: Literal["torch", "orthogonal"] = "torch",
+    ):
         super().__init__()
         if init not in ("torch", "orthogonal"):
             raise AlignConfigError(f"model.init: expected 'torch' or 'orthogonal', got {init!r}")
@@ -316,8 +343,10 @@ class QTable(nn.Module):
     def __init__(self, observation_space: gym.Space, num_actions: int, init: float = 0.0, env_id: str = "environment"):
         super().__init__()
         if not isinstance(observation_space, gym.spaces.Discrete):
-            raise AlignConfigError(f"environment '{env_id}': tabular Q-learning needs a Discrete observation space, "
-                                   f"got {_space_name(observation_space)}; use DQN")
+            raise AlignConfigError(
+                f"environment '{env_id}': tabular Q-learning needs a Discrete observation space, "
+                f"got {_space_name(observation_space)}; use DQN"
+            )
         self.table = nn.Parameter(torch.full((int(observation_space.n), num_actions), float(init)))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
@@ -329,5 +358,14 @@ class QTable(nn.Module):
         return self.forward(obs).argmax(dim=1)
 
 
-__all__ = ["ActorCritic", "ObservationEncoder", "PolicyOutput", "QNetwork", "QTable", "RewardScaler", "StackedMLP", "mlp",
-           "observation_size"]
+__all__ = [
+    "ActorCritic",
+    "ObservationEncoder",
+    "PolicyOutput",
+    "QNetwork",
+    "QTable",
+    "RewardScaler",
+    "StackedMLP",
+    "mlp",
+    "observation_size",
+]

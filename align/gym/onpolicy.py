@@ -1,25 +1,26 @@
 """On-policy classic RL on Gymnasium: PPO, A2C and REINFORCE with a baseline, on one actor-critic network.
 
 All three take their losses from the pure layer the language-model algorithms use: PPO the clipped surrogate of
-:func:`~align.core.policy_losses.ppo_policy_loss`; A2C and REINFORCE, which update right after sampling, the plain policy
-gradient :func:`~align.core.policy_losses.policy_gradient_loss` (``-A log pi``, the surrogate's gradient at ratio 1 with
-fewer operations); all three :func:`~align.core.losses.value_loss`, and :func:`~align.core.masks.masked_whiten` for
-advantages. Each action is one "token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come
+:func:`~align.core.policy_losses.ppo_policy_loss`; A2C and REINFORCE, which update right after sampling, the plain
+policy gradient :func:`~align.core.policy_losses.policy_gradient_loss` (``-A log pi``, the surrogate's gradient at ratio
+1 with fewer operations); all three :func:`~align.core.losses.value_loss`, and :func:`~align.core.masks.masked_whiten`
+for advantages. Each action is one "token", every one valid: ``(B,)`` tensors with ``mask=None``. Advantages come
 from :func:`~align.gym.returns.step_gae` (PPO, A2C) or :func:`~align.gym.returns.discounted_returns` (REINFORCE).
 
 The settings are the option groups of the language-model modules where the meaning is the same (``gae``, ``clip``,
 ``value``, ``updates``, ``entropy_coef``; :mod:`align.gym.options`). Departures from Stable-Baselines3 (whose
 defaults the shipped configs otherwise follow):
 
-* :func:`~align.core.losses.value_loss` is ``0.5 * (V - R)^2`` and SB3's is ``(V - R)^2``, so ``value.coef: 1.0`` here is
-  SB3's ``vf_coef: 0.5``.
+* :func:`~align.core.losses.value_loss` is ``0.5 * (V - R)^2`` and SB3's is ``(V - R)^2``, so ``value.coef: 1.0`` here
+  is SB3's ``vf_coef: 0.5``.
 * Observation statistics (``normalize_observations``) are updated after each iteration's update, from that
   iteration's observations, so the log-probs of the update are those the rollout sampled with.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
@@ -32,8 +33,16 @@ from align.errors import AlignConfigError
 from align.gym.base import ClassicRLModule, Metrics
 from align.gym.make import EnvSpec
 from align.gym.networks import ActorCritic, RewardScaler
-from align.gym.options import (EpisodeEvaluation, GymClipRange, GymGAE, GymUpdates, GymValueTraining, Network, Schedule,
-                               as_group)
+from align.gym.options import (
+    EpisodeEvaluation,
+    GymClipRange,
+    GymGAE,
+    GymUpdates,
+    GymValueTraining,
+    Network,
+    Schedule,
+    as_group,
+)
 from align.gym.returns import discounted_returns, step_gae
 from align.gym.runner import Steps
 
@@ -85,20 +94,32 @@ class OnPolicyModule(ClassicRLModule):
         network = as_group(Network, network)
         self.steps_per_iteration, self.gae, self.entropy_coef = steps_per_iteration, gae, entropy_coef
         self.value, self.updates = value, updates
-        self.network = ActorCritic(self.observation_space, self.action_space, network.hidden, network.activation,
-                                   network.shared, normalize_observations, network.log_std_init, self.env.id)
+        self.network = ActorCritic(
+            self.observation_space,
+            self.action_space,
+            network.hidden,
+            network.activation,
+            network.shared,
+            normalize_observations,
+            network.log_std_init,
+            self.env.id,
+        )
         self.reward_scaler = RewardScaler(self.env.num_envs, gae.gamma) if normalize_rewards else None
 
     def _one_update_per_rollout(self, name: str) -> None:
         """A2C and REINFORCE take one optimizer step on the whole rollout, right after sampling: the ``updates``
         fields that split or repeat it, and value clipping around the rollout's values, do not apply."""
-        for key, got, expected in (("updates.epochs", self.updates.epochs, 1),
-                                   ("updates.minibatch_size", self.updates.minibatch_size, None),
-                                   ("updates.target_kl", self.updates.target_kl, None),
-                                   ("value.clip", self.value.clip, None)):
+        for key, got, expected in (
+            ("updates.epochs", self.updates.epochs, 1),
+            ("updates.minibatch_size", self.updates.minibatch_size, None),
+            ("updates.target_kl", self.updates.target_kl, None),
+            ("value.clip", self.value.clip, None),
+        ):
             if got != expected:
-                raise AlignConfigError(f"model.{key}: expected {'null' if expected is None else expected} ({name} "
-                                       f"takes one optimizer step per rollout, right after sampling), got {got!r}")
+                raise AlignConfigError(
+                    f"model.{key}: expected {'null' if expected is None else expected} ({name} "
+                    f"takes one optimizer step per rollout, right after sampling), got {got!r}"
+                )
 
     # ------------------------------------------------------------------ acting
     def act(self, obs: torch.Tensor, deterministic: bool) -> torch.Tensor:
@@ -139,13 +160,22 @@ class OnPolicyModule(ClassicRLModule):
         self.network.encoder.update(observations.flatten(0, -1 - len(self.observation_space.shape or ())))
 
     # ------------------------------------------------------------------ loss
-    def loss(self, obs: torch.Tensor, actions: torch.Tensor, old_logprobs: torch.Tensor | None,
-             advantages: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, clip_low: float = 0.2,
-             clip_high: float | None = None, value_clip: float | None = None, value_coef: float | None = None
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self,
+        obs: torch.Tensor,
+        actions: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        returns: torch.Tensor,
+        old_values: torch.Tensor,
+        clip_low: float = 0.2,
+        clip_high: float | None = None,
+        value_clip: float | None = None,
+        value_coef: float | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The actor-critic loss of ``B`` transitions (every argument ``(B,)`` but ``obs``/``actions``).
-        ``old_logprobs=None``: the plain policy gradient :func:`~align.core.policy_losses.policy_gradient_loss`, for an update
-        made right after sampling (A2C, REINFORCE); otherwise PPO's clipped surrogate."""
+        ``old_logprobs=None``: the plain policy gradient :func:`~align.core.policy_losses.policy_gradient_loss`, for an
+        update made right after sampling (A2C, REINFORCE); otherwise PPO's clipped surrogate."""
         logprobs, entropy, values = self.network.evaluate(obs, actions, entropy_grad=self.entropy_coef != 0)
         # Each row is one action, every one valid: the masked functions run with mask=None.
         if self.gae.whiten_advantages:
@@ -153,14 +183,19 @@ class OnPolicyModule(ClassicRLModule):
         if old_logprobs is None:
             policy_loss, stats = policy_gradient_loss(logprobs, advantages, None), None
         else:
-            policy_loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages, None, clip_low=clip_low,
-                                                 clip_high=clip_high)
+            policy_loss, stats = ppo_policy_loss(
+                logprobs, old_logprobs, advantages, None, clip_low=clip_low, clip_high=clip_high
+            )
         v_loss, _ = value_loss(values, old_values, returns, None, clip=value_clip)
         entropy = entropy.mean()
         value_coef = self.value.coef if value_coef is None else value_coef
         loss = policy_loss + value_coef * v_loss - self.entropy_coef * entropy
-        metrics = {"train/loss": loss.detach(), "train/policy_loss": policy_loss.detach(),
-                   "train/value_loss": v_loss.detach(), "train/entropy": entropy.detach()}
+        metrics = {
+            "train/loss": loss.detach(),
+            "train/policy_loss": policy_loss.detach(),
+            "train/value_loss": v_loss.detach(),
+            "train/entropy": entropy.detach(),
+        }
         if stats is not None:
             metrics.update({"train/clipfrac": stats.clipfrac, "train/approx_kl": stats.approx_kl})
         return loss, metrics
@@ -213,8 +248,15 @@ class PPOGymModule(OnPolicyModule):
     def iteration(self) -> Metrics:
         steps = self.rollout()
         old_values = steps.extras["values"]
-        advantages, returns = step_gae(steps.rewards, old_values, self.next_values(steps), steps.terminated,
-                                       steps.done, self.gae.gamma, self.gae.lam)
+        advantages, returns = step_gae(
+            steps.rewards,
+            old_values,
+            self.next_values(steps),
+            steps.terminated,
+            steps.done,
+            self.gae.gamma,
+            self.gae.lam,
+        )
         obs, actions = steps.observations.flatten(0, 1), steps.actions.flatten(0, 1)
         old_logprobs, old_values = steps.extras["logprobs"].flatten(), old_values.flatten()
         advantages, returns = advantages.flatten(), returns.flatten()
@@ -224,8 +266,17 @@ class PPOGymModule(OnPolicyModule):
         with torch.enable_grad():
             for _ in range(self.updates.epochs):
                 for index in torch.randperm(len(obs)).split(minibatch_size):
-                    loss, metrics = self.loss(obs[index], actions[index], old_logprobs[index], advantages[index],
-                                              returns[index], old_values[index], low, high, self.value.clip)
+                    loss, metrics = self.loss(
+                        obs[index],
+                        actions[index],
+                        old_logprobs[index],
+                        advantages[index],
+                        returns[index],
+                        old_values[index],
+                        low,
+                        high,
+                        self.value.clip,
+                    )
                     self.optimizer_step(loss)
                     history.append(metrics)
                 if target_kl is not None and float(history[-1]["train/approx_kl"]) > 1.5 * target_kl:
@@ -245,8 +296,7 @@ class A2CGymModule(OnPolicyModule):
     algorithm = "a2c"
     records_logprobs = False
 
-    def __init__(self, steps_per_iteration: int = 5, gae: GymGAE = GymGAE(lam=1.0, whiten_advantages=False),
-                 **kwargs):
+    def __init__(self, steps_per_iteration: int = 5, gae: GymGAE = GymGAE(lam=1.0, whiten_advantages=False), **kwargs):
         """Arguments as :class:`OnPolicyModule`'s, with A2C's defaults: 5 steps per update, ``gae.lam: 1`` (the
         n-step return), advantages not whitened; ``updates`` sets only ``max_grad_norm`` (one step per rollout)."""
         super().__init__(steps_per_iteration=steps_per_iteration, gae=gae, **kwargs)
@@ -255,11 +305,18 @@ class A2CGymModule(OnPolicyModule):
     def iteration(self) -> Metrics:
         steps = self.rollout()
         values = steps.extras["values"]
-        advantages, returns = step_gae(steps.rewards, values, self.next_values(steps), steps.terminated, steps.done,
-                                       self.gae.gamma, self.gae.lam)
+        advantages, returns = step_gae(
+            steps.rewards, values, self.next_values(steps), steps.terminated, steps.done, self.gae.gamma, self.gae.lam
+        )
         with torch.enable_grad():
-            loss, metrics = self.loss(steps.observations.flatten(0, 1), steps.actions.flatten(0, 1), None,
-                                      advantages.flatten(), returns.flatten(), values.flatten())
+            loss, metrics = self.loss(
+                steps.observations.flatten(0, 1),
+                steps.actions.flatten(0, 1),
+                None,
+                advantages.flatten(),
+                returns.flatten(),
+                values.flatten(),
+            )
             self.optimizer_step(loss)
         self.update_statistics(steps.observations)
         out = self.means([metrics])
@@ -289,8 +346,10 @@ class REINFORCEGymModule(OnPolicyModule):
         """
         super().__init__(steps_per_iteration=1, gae=gae, **kwargs)
         if self.gae.lam != 1.0:
-            raise AlignConfigError(f"model.gae.lam: expected 1 (REINFORCE's returns are Monte-Carlo, to the episode's "
-                                   f"end; A2C takes other values), got {self.gae.lam!r}")
+            raise AlignConfigError(
+                f"model.gae.lam: expected 1 (REINFORCE's returns are Monte-Carlo, to the episode's "
+                f"end; A2C takes other values), got {self.gae.lam!r}"
+            )
         if baseline not in ("value", "none"):
             raise AlignConfigError(f"model.baseline: expected 'value' or 'none', got {baseline!r}")
         self._one_update_per_rollout("REINFORCE")
@@ -307,8 +366,15 @@ class REINFORCEGymModule(OnPolicyModule):
         advantages = returns - values if self.baseline == "value" else returns
         value_coef = self.value.coef if self.baseline == "value" else 0.0
         with torch.enable_grad():
-            loss, metrics = self.loss(steps.observations[valid], steps.actions[valid], None, advantages[valid],
-                                      returns[valid], values[valid], value_coef=value_coef)
+            loss, metrics = self.loss(
+                steps.observations[valid],
+                steps.actions[valid],
+                None,
+                advantages[valid],
+                returns[valid],
+                values[valid],
+                value_coef=value_coef,
+            )
             self.optimizer_step(loss)
         self.update_statistics(steps.observations[valid])
         out = self.means([metrics])

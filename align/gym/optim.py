@@ -4,7 +4,7 @@ small network's optimizer step at the cost of its arithmetic."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -79,9 +79,13 @@ def fused_adam_step(optimizer: Optimizer) -> bool:
         return False
     from torch.optim import optimizer as optimizer_module
 
-    if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-            or optimizer_module._global_optimizer_pre_hooks or optimizer_module._global_optimizer_post_hooks
-            or hasattr(optimizer.step, "_wrapped_by_lr_sched")):
+    if (
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or optimizer_module._global_optimizer_pre_hooks
+        or optimizer_module._global_optimizer_post_hooks
+        or hasattr(optimizer.step, "_wrapped_by_lr_sched")
+    ):
         return False
     calls = []
     for group in optimizer.param_groups:
@@ -112,7 +116,21 @@ def fused_adam_step(optimizer: Optimizer) -> bool:
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         with torch.no_grad():
             torch._foreach_add_(steps, 1)
-            kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
-                   beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                   grad_scale=None, found_inf=None)
+            kernel(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                amsgrad=False,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+                grad_scale=None,
+                found_inf=None,
+            )
     return True

@@ -100,10 +100,18 @@ class GymUpdates:
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "updates.epochs", ">= 1", self.epochs)
-        _check(self.minibatch_size is None or self.minibatch_size >= 1, "updates.minibatch_size", ">= 1 or null",
-               self.minibatch_size)
-        _check(self.max_grad_norm is None or self.max_grad_norm > 0, "updates.max_grad_norm", "> 0 or null",
-               self.max_grad_norm)
+        _check(
+            self.minibatch_size is None or self.minibatch_size >= 1,
+            "updates.minibatch_size",
+            ">= 1 or null",
+            self.minibatch_size,
+        )
+        _check(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "updates.max_grad_norm",
+            "> 0 or null",
+            self.max_grad_norm,
+        )
         _check(self.target_kl is None or self.target_kl > 0, "updates.target_kl", "> 0 or null", self.target_kl)
 
 
@@ -121,8 +129,12 @@ class ReplayUpdates:
     def __post_init__(self) -> None:
         _check(self.gradient_steps >= 0, "updates.gradient_steps", ">= 0", self.gradient_steps)
         _check(self.minibatch_size >= 1, "updates.minibatch_size", ">= 1", self.minibatch_size)
-        _check(self.max_grad_norm is None or self.max_grad_norm > 0, "updates.max_grad_norm", "> 0 or null",
-               self.max_grad_norm)
+        _check(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "updates.max_grad_norm",
+            "> 0 or null",
+            self.max_grad_norm,
+        )
 
 
 @dataclass(frozen=True)
@@ -169,5 +181,14 @@ class Exploration:
             _check(0.0 <= getattr(self, name) <= 1.0, f"exploration.{name}", "a value in [0, 1]", getattr(self, name))
 
 
-__all__ = ["EpisodeEvaluation", "Exploration", "GymClipRange", "GymGAE", "GymUpdates", "GymValueTraining", "Network",
-           "ReplayUpdates", "as_group"]
+__all__ = [
+    "EpisodeEvaluation",
+    "Exploration",
+    "GymClipRange",
+    "GymGAE",
+    "GymUpdates",
+    "GymValueTraining",
+    "Network",
+    "ReplayUpdates",
+    "as_group",
+]

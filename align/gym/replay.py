@@ -37,9 +37,13 @@ class ReplayBuffer:
         return self.size
 
     def _allocate(self, transition: Transition) -> None:
-        fields = {"observations": transition.observations, "actions": transition.actions,
-                  "rewards": transition.rewards, "next_observations": transition.next_observations,
-                  "terminated": transition.terminated}
+        fields = {
+            "observations": transition.observations,
+            "actions": transition.actions,
+            "rewards": transition.rewards,
+            "next_observations": transition.next_observations,
+            "terminated": transition.terminated,
+        }
         self._set_storage({k: torch.zeros((self.capacity, *v.shape[1:]), dtype=v.dtype) for k, v in fields.items()})
 
     def add(self, transition: Transition) -> None:
@@ -74,14 +78,21 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         """The stored transitions (oldest first) and nothing else: tensors and numbers only."""
-        order = (torch.arange(self.size) + (self.position - self.size)) % self.capacity if self.size else torch.arange(0)
-        return {"capacity": self.capacity, "size": self.size,
-                "storage": {name: store[order].clone() for name, store in self.storage.items()}}
+        order = (
+            (torch.arange(self.size) + (self.position - self.size)) % self.capacity if self.size else torch.arange(0)
+        )
+        return {
+            "capacity": self.capacity,
+            "size": self.size,
+            "storage": {name: store[order].clone() for name, store in self.storage.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["capacity"]) != self.capacity:
-            raise ValueError(f"ReplayBuffer: the checkpoint's buffer holds {state['capacity']} transitions, this one "
-                             f"{self.capacity} (model.buffer_size)")
+            raise ValueError(
+                f"ReplayBuffer: the checkpoint's buffer holds {state['capacity']} transitions, this one "
+                f"{self.capacity} (model.buffer_size)"
+            )
         self.size = int(state["size"])
         self.position = self.size % self.capacity
         storage = {}

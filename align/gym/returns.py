@@ -14,8 +14,6 @@ Like :mod:`align.core.advantages`, every function returns detached tensors: retu
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 
 __all__ = ["step_gae", "discounted_returns", "td_targets"]
@@ -38,7 +36,7 @@ def step_gae(
     done: torch.Tensor,
     gamma: float = 0.99,
     lam: float = 0.95,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over a window of environment steps (arXiv 1506.02438), time first.
 
     ``delta_t = r_t + gamma * (1 - terminated_t) * V(s_{t+1}) - V(s_t)`` and
@@ -62,8 +60,7 @@ def step_gae(
     Returns:
         ``(advantages, returns)``, both ``(T, N)``, with ``returns = advantages + values`` (unwhitened).
     """
-    _check_steps("step_gae", rewards=rewards, values=values, next_values=next_values, terminated=terminated,
-                 done=done)
+    _check_steps("step_gae", rewards=rewards, values=values, next_values=next_values, terminated=terminated, done=done)
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     rewards, values, next_values = rewards.to(dtype), values.to(dtype), next_values.to(dtype)
     # One fused multiply-add per step of the recursion: a short window (A2C's 5 steps) is a handful of small ops.
@@ -97,7 +94,9 @@ def discounted_returns(
     out = torch.empty_like(rewards)
     running = torch.zeros_like(rewards[0]) if bootstrap is None else bootstrap.to(rewards.dtype).clone()
     if running.shape != rewards[0].shape:
-        raise ValueError(f"discounted_returns: bootstrap must have shape ({rewards.shape[1]},), got {tuple(running.shape)}")
+        raise ValueError(
+            f"discounted_returns: bootstrap must have shape ({rewards.shape[1]},), got {tuple(running.shape)}"
+        )
     for t in reversed(range(rewards.shape[0])):
         running = rewards[t] + gamma * carry[t] * running
         out[t] = running
@@ -126,14 +125,18 @@ def td_targets(
         next_q_online: ``(B, A)`` the online network's values of the next state, for Double DQN.
     """
     if next_q_target.dim() != 2 or rewards.shape != next_q_target.shape[:1] or terminated.shape != rewards.shape:
-        raise ValueError(f"td_targets: expected rewards (B,), next_q_target (B, A), terminated (B,), got "
-                         f"{tuple(rewards.shape)}, {tuple(next_q_target.shape)}, {tuple(terminated.shape)}")
+        raise ValueError(
+            f"td_targets: expected rewards (B,), next_q_target (B, A), terminated (B,), got "
+            f"{tuple(rewards.shape)}, {tuple(next_q_target.shape)}, {tuple(terminated.shape)}"
+        )
     if next_q_online is None:
         next_value = next_q_target.max(dim=1).values  # (B,)
     else:
         if next_q_online.shape != next_q_target.shape:
-            raise ValueError(f"td_targets: next_q_online must match next_q_target {tuple(next_q_target.shape)}, "
-                             f"got {tuple(next_q_online.shape)}")
+            raise ValueError(
+                f"td_targets: next_q_online must match next_q_target {tuple(next_q_target.shape)}, "
+                f"got {tuple(next_q_online.shape)}"
+            )
         best = next_q_online.argmax(dim=1, keepdim=True)  # (B, 1)
         next_value = next_q_target.gather(1, best).squeeze(1)  # (B,)
     alive = 1.0 - terminated.to(next_value.dtype)

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector import SyncVectorEnv
 import torch
+from gymnasium.vector import SyncVectorEnv
 
-from align.gym.make import EnvSpec, ObservationError, make_vector_env, space_text
 from align.errors import AlignEnvError
+from align.gym.make import EnvSpec, ObservationError, make_vector_env, space_text
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Steps:
     terminated: torch.Tensor  # (T, N) bool
     done: torch.Tensor  # (T, N) bool
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # (T, N, ...) from the policy
-    valid: Optional[torch.Tensor] = None  # (T, N) bool: the steps that count; None: all of them
+    valid: torch.Tensor | None = None  # (T, N) bool: the steps that count; None: all of them
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -111,14 +111,14 @@ class EnvRunner:
         self._return = np.zeros(self.num_envs, dtype=np.float64)
         self._length = np.zeros(self.num_envs, dtype=np.int64)
         self._actions: list[list[np.ndarray]] = [[] for _ in range(self.num_envs)]
-        self._obs: Optional[torch.Tensor] = None
+        self._obs: torch.Tensor | None = None
         # Synchronous copies whose observations are arrays or integers are stepped and reset here, one after
         # another, rather than through SyncVectorEnv.step: the runner resets episodes itself and reads no infos,
         # so Gymnasium's per-step info merging, action iteration and buffer concatenation are skipped. For
         # CartPole that halves what a vector step costs beyond the environments' own step functions.
         space = self.observation_space
         direct = isinstance(self.env, SyncVectorEnv) and isinstance(space, (gym.spaces.Box, gym.spaces.Discrete))
-        self._copies: Optional[list[gym.Env]] = list(self.env.envs) if direct else None
+        self._copies: list[gym.Env] | None = list(self.env.envs) if direct else None
         self._latest = np.zeros((self.num_envs, *(space.shape or ())), dtype=space.dtype) if direct else None
 
     # ------------------------------------------------------------------ seeds, resets, conversions
@@ -130,8 +130,10 @@ class EnvRunner:
         out = torch.from_numpy(np.array(obs))  # a copy: the vector environment (or the runner) reuses its buffer
         expected = tuple(self.observation_space.shape or ())
         if tuple(out.shape[1:]) != expected:
-            raise AlignEnvError(f"environment '{self.spec.id}': observations of shape {tuple(out.shape[1:])} do not "
-                                f"match its observation space {space_text(self.observation_space)}")
+            raise AlignEnvError(
+                f"environment '{self.spec.id}': observations of shape {tuple(out.shape[1:])} do not "
+                f"match its observation space {space_text(self.observation_space)}"
+            )
         return out
 
     def _seeds(self, mask: np.ndarray | None) -> list[int | None]:
@@ -165,8 +167,10 @@ class EnvRunner:
             raise AlignEnvError(f"environment '{self.spec.id}': {err}") from err
         except Exception as err:  # noqa: BLE001
             episodes = ", ".join(str(int(e)) for e in self._episode)
-            raise AlignEnvError(f"environment '{self.spec.id}': step raised {type(err).__name__}: {err} (episodes "
-                                f"{episodes} of its {self.num_envs} copies)") from err
+            raise AlignEnvError(
+                f"environment '{self.spec.id}': step raised {type(err).__name__}: {err} (episodes "
+                f"{episodes} of its {self.num_envs} copies)"
+            ) from err
         self.env_seconds += time.perf_counter() - start
         return obs, rewards, terminated, truncated
 
@@ -205,8 +209,14 @@ class EnvRunner:
         for i in range(self.num_envs):
             self._actions[i].append(numpy_actions[i])
         # torch.from_numpy of fresh arrays: a third of what torch.as_tensor costs on arrays of a few elements.
-        transition = Transition(obs, actions, torch.from_numpy(np.array(rewards, dtype=np.float32)), next_obs,
-                                torch.from_numpy(np.array(terminated, dtype=bool)), torch.from_numpy(done))
+        transition = Transition(
+            obs,
+            actions,
+            torch.from_numpy(np.array(rewards, dtype=np.float32)),
+            next_obs,
+            torch.from_numpy(np.array(terminated, dtype=bool)),
+            torch.from_numpy(done),
+        )
         if done.any():
             self._finish(done, truncated & ~terminated)
         else:
@@ -216,7 +226,9 @@ class EnvRunner:
     def _finish(self, done: np.ndarray, truncated: np.ndarray) -> None:
         for i in np.flatnonzero(done):
             self.episodes += 1
-            self.finished.append(Episode(float(self._return[i]), int(self._length[i]), self.episodes, bool(truncated[i])))
+            self.finished.append(
+                Episode(float(self._return[i]), int(self._length[i]), self.episodes, bool(truncated[i]))
+            )
             self._return[i], self._length[i] = 0.0, 0
             self._actions[i] = []
             self._episode[i] += 1
@@ -240,7 +252,7 @@ class EnvRunner:
         and including the end of its first episode. Environments that finish early are reset and keep stepping
         (their steps are not valid), so every episode counts once whatever its length: taking the first episodes
         to end would favour short ones. Episodes in progress before the call are dropped unrecorded."""
-        self._episode += (self._length > 0)
+        self._episode += self._length > 0
         self._return[:], self._length[:] = 0.0, 0
         self._actions = [[] for _ in range(self.num_envs)]
         self._reset(None, self._seeds(None))
@@ -248,8 +260,10 @@ class EnvRunner:
         running = torch.ones(self.num_envs, dtype=torch.bool)
         while bool(running.any()):
             if len(records) >= max_steps:
-                raise AlignEnvError(f"environment '{self.spec.id}': an episode ran {max_steps} steps without ending; "
-                                    "set model.env.max_episode_steps")
+                raise AlignEnvError(
+                    f"environment '{self.spec.id}': an episode ran {max_steps} steps without ending; "
+                    "set model.env.max_episode_steps"
+                )
             transition, extras = self.step(policy)
             records.append((transition, extras))
             valid.append(running.clone())
@@ -288,8 +302,10 @@ class EnvRunner:
     def load_state_dict(self, state: dict) -> None:
         """Restore the counters and rebuild every episode in progress by replaying its actions (module docstring)."""
         if len(state["actions"]) != self.num_envs:
-            raise AlignEnvError(f"environment '{self.spec.id}': the checkpoint holds {len(state['actions'])} "
-                                f"environments, this run has {self.num_envs} (model.env.num_envs)")
+            raise AlignEnvError(
+                f"environment '{self.spec.id}': the checkpoint holds {len(state['actions'])} "
+                f"environments, this run has {self.num_envs} (model.env.num_envs)"
+            )
         self.steps, self.episodes = int(state["steps"]), int(state["episodes"])
         self._episode = state["episode"].numpy().astype(np.int64).copy()
         self._return = state["return"].numpy().astype(np.float64).copy()
@@ -301,8 +317,11 @@ class EnvRunner:
             return
         self._replay(actions)
         if not torch.allclose(self._obs.double(), state["observations"].double(), atol=1e-6):
-            log.warning("environment '%s' did not reproduce its episodes from their seeds and actions; the resumed "
-                        "run continues from the replayed states", self.spec.id)
+            log.warning(
+                "environment '%s' did not reproduce its episodes from their seeds and actions; the resumed "
+                "run continues from the replayed states",
+                self.spec.id,
+            )
 
     def _replay(self, actions: list[np.ndarray]) -> None:
         """Step every environment through its saved actions, all in lockstep: an environment with fewer actions is
@@ -312,19 +331,30 @@ class EnvRunner:
         starts = [longest - n for n in lengths]
         filler = 2**31 - 1  # the seed of the throw-away episodes before an environment's replay starts
         self.action_space.seed(int(self.spec.seed))
-        seeds = [self.episode_seed(i, int(self._episode[i])) if starts[i] == 0 else filler for i in range(self.num_envs)]
+        seeds = [
+            self.episode_seed(i, int(self._episode[i])) if starts[i] == 0 else filler for i in range(self.num_envs)
+        ]
         self._reset(None, seeds)
         for k in range(longest):
-            batch = np.stack([actions[i][k - starts[i]] if k >= starts[i] else self.action_space.sample()
-                              for i in range(self.num_envs)])
+            batch = np.stack(
+                [
+                    actions[i][k - starts[i]] if k >= starts[i] else self.action_space.sample()
+                    for i in range(self.num_envs)
+                ]
+            )
             obs, _, terminated, truncated = self._step(batch)
             self._obs = self._observations(obs)
             begin = np.array([s == k + 1 for s in starts])
             idle = np.array([s > k for s in starts])  # stepped with filler actions
             reset = begin | (idle & np.logical_or(terminated, truncated))
             if reset.any():
-                self._reset(reset, [self.episode_seed(i, int(self._episode[i])) if begin[i] else filler if reset[i]
-                                    else None for i in range(self.num_envs)])
+                self._reset(
+                    reset,
+                    [
+                        self.episode_seed(i, int(self._episode[i])) if begin[i] else filler if reset[i] else None
+                        for i in range(self.num_envs)
+                    ],
+                )
 
 
 def _stack(records: list[tuple[Transition, dict[str, torch.Tensor]]]) -> Steps:

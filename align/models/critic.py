@@ -40,8 +40,9 @@ class CriticSettings:
     """Backbone of a ``separate`` critic (for example a trained reward model: an export directory, a reward-model
     checkpoint or ``tiny-sort-rm``); null: the policy's ``model``."""
     head_from_reward_model: bool = True
-    """When the separate critic's backbone is a reward model (anything :func:`~align.models.reward_export.load_reward_model`
-    loads), start the critic's head from its reward head instead of at 0."""
+    """When the separate critic's backbone is a reward model (anything
+    :func:`~align.models.reward_export.load_reward_model` loads), start the critic's head from its reward head instead
+    of at 0."""
 
     def __post_init__(self):
         if self.kind not in ("shared", "separate"):
@@ -49,12 +50,16 @@ class CriticSettings:
         if self.model is not None and not isinstance(self.model, str):
             raise AlignConfigError(f"model.policy.critic.model: expected a model path or id, got {self.model!r}")
         if self.model is not None and self.kind == "shared":
-            raise AlignConfigError(f"model.policy.critic.model: expected null for a shared critic (a head on the "
-                                   f"policy's backbone), got {self.model!r}; set model.policy.critic.kind: separate "
-                                   "to give the critic a backbone of its own")
+            raise AlignConfigError(
+                f"model.policy.critic.model: expected null for a shared critic (a head on the "
+                f"policy's backbone), got {self.model!r}; set model.policy.critic.kind: separate "
+                "to give the critic a backbone of its own"
+            )
         if not isinstance(self.head_from_reward_model, bool):
-            raise AlignConfigError(f"model.policy.critic.head_from_reward_model: expected true or false, got "
-                                   f"{self.head_from_reward_model!r}")
+            raise AlignConfigError(
+                f"model.policy.critic.head_from_reward_model: expected true or false, got "
+                f"{self.head_from_reward_model!r}"
+            )
 
 
 def critic_settings(value: CriticSettings | dict | None) -> CriticSettings | None:
@@ -64,11 +69,15 @@ def critic_settings(value: CriticSettings | dict | None) -> CriticSettings | Non
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"kind", "model", "head_from_reward_model"})
         if unknown:
-            raise AlignConfigError(f"model.policy.critic.{unknown[0]}: not a setting of the critic; expected kind, "
-                                   "model or head_from_reward_model")
+            raise AlignConfigError(
+                f"model.policy.critic.{unknown[0]}: not a setting of the critic; expected kind, "
+                "model or head_from_reward_model"
+            )
         return CriticSettings(**value)
-    raise AlignConfigError(f"model.policy.critic: expected a block such as {{kind: shared}} or {{kind: separate, "
-                           f"model: <reward model>}}, or null, got {value!r}")
+    raise AlignConfigError(
+        f"model.policy.critic: expected a block such as {{kind: shared}} or {{kind: separate, "
+        f"model: <reward model>}}, or null, got {value!r}"
+    )
 
 
 class ValueHead(nn.Module):
@@ -127,8 +136,9 @@ class Critic(nn.Module):
 
     def packed_values(self, packed: PackedRows, index: torch.Tensor) -> torch.Tensor:
         """``(N,)`` values of the separate critic at the flattened positions ``index`` of ``packed``'s rows."""
-        hidden = self.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                               use_cache=False).last_hidden_state
+        hidden = self.backbone(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+        ).last_hidden_state
         return self.head(hidden.flatten(0, 1)[index])
 
     def values(
@@ -159,8 +169,9 @@ class Critic(nn.Module):
                 values = self.packed_values(packed, index)
             else:
                 with torch.no_grad() if detach_backbone else nullcontext():
-                    hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                     use_cache=False).last_hidden_state
+                    hidden = decoder(
+                        input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+                    ).last_hidden_state
                 values = self.head(hidden.flatten(0, 1)[index])
             return spread(scored, values)
         if position_ids is None and attention_mask is not None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +55,7 @@ def _active_lora(module: nn.Module) -> list[str]:
     return [name for name in module.active_adapters if name in module.lora_A]
 
 
-def _linear_unsupported(module: nn.Module) -> Optional[str]:
+def _linear_unsupported(module: nn.Module) -> str | None:
     lora = _lora_layer_type()
     if lora is not None and isinstance(module, lora):
         for name in _active_lora(module):
@@ -70,7 +69,7 @@ def _linear_unsupported(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _weight(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight, bias)`` that ``module`` applies, with active LoRA adapters merged into a new tensor."""
     lora = _lora_layer_type()
     if lora is not None and isinstance(module, lora):
@@ -82,7 +81,7 @@ def _weight(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
 
-def _fused(modules: list[nn.Module]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _fused(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
     parts = [_weight(m) for m in modules]
     weight = torch.cat([w for w, _ in parts], dim=0)
     if all(b is None for _, b in parts):
@@ -95,7 +94,7 @@ _PREPACK_PROBE: dict[str, bool] = {}
 # Weights with fewer elements are not prepacked: at 16 rows a prepacked product broke even at about 150k
 # elements (384 x 384) and was 0.6-0.8 of the plain one's time from 200k up; below, oneDNN's fixed cost per call
 # (about 20 us more on a 2-core CPU) outweighs the repacking it saves (2-3x slower at 4k-16k elements).
-_MIN_PREPACK_ELEMENTS = 2 ** 17
+_MIN_PREPACK_ELEMENTS = 2**17
 
 
 def prepack_available(weight: torch.Tensor) -> bool:
@@ -113,7 +112,7 @@ def prepack_available(weight: torch.Tensor) -> bool:
     return _PREPACK_PROBE["ok"]
 
 
-def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` with a weight from ``torch.ops.mkldnn._reorder_linear_weight``."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -127,7 +126,7 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight) if _worth_prepacking(weight) else weight
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _prepacked_linear(x, weight, bias) if weight.is_mkldnn else F.linear(x, weight, bias)
 
 
@@ -145,7 +144,7 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def fast_decoder_unsupported(model: nn.Module) -> Optional[str]:
+def fast_decoder_unsupported(model: nn.Module) -> str | None:
     """Why :class:`FastDecoder` cannot run ``model`` (``None`` when it can)."""
     lm = _causal_lm(model)
     config = getattr(lm, "config", None)
@@ -185,14 +184,14 @@ def fast_decoder_unsupported(model: nn.Module) -> Optional[str]:
 class _Layer:
     ln1: torch.Tensor
     qkv: torch.Tensor
-    qkv_bias: Optional[torch.Tensor]
+    qkv_bias: torch.Tensor | None
     o: torch.Tensor
-    o_bias: Optional[torch.Tensor]
+    o_bias: torch.Tensor | None
     ln2: torch.Tensor
     gate_up: torch.Tensor
-    gate_up_bias: Optional[torch.Tensor]
+    gate_up_bias: torch.Tensor | None
     down: torch.Tensor
-    down_bias: Optional[torch.Tensor]
+    down_bias: torch.Tensor | None
 
 
 class DecodeCache:
@@ -225,7 +224,7 @@ class FastDecoder:
     docstring); ``None``: where :func:`prepack_available` says it runs. ``prepacked`` says whether any weight was.
     """
 
-    def __init__(self, model: nn.Module, capacity: int, prepack: Optional[bool] = None):
+    def __init__(self, model: nn.Module, capacity: int, prepack: bool | None = None):
         reason = fast_decoder_unsupported(model)
         if reason:
             raise ValueError(f"FastDecoder does not support this model: {reason}")
@@ -256,11 +255,23 @@ class FastDecoder:
                 o, o_bias = _weight(attn.o_proj)
                 gate_up, gate_up_bias = _fused([mlp.gate_proj, mlp.up_proj])
                 down, down_bias = _weight(mlp.down_proj)
-                self.layers.append(_Layer(layer.input_layernorm.weight.detach(), pack(qkv), qkv_bias, pack(o),
-                                          o_bias, layer.post_attention_layernorm.weight.detach(), pack(gate_up),
-                                          gate_up_bias, pack(down), down_bias))
-            weights = [self.head] + [w for layer in self.layers
-                                     for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                self.layers.append(
+                    _Layer(
+                        layer.input_layernorm.weight.detach(),
+                        pack(qkv),
+                        qkv_bias,
+                        pack(o),
+                        o_bias,
+                        layer.post_attention_layernorm.weight.detach(),
+                        pack(gate_up),
+                        gate_up_bias,
+                        pack(down),
+                        down_bias,
+                    )
+                )
+            weights = [self.head] + [
+                w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            ]
             self.prepacked = any(w.is_mkldnn for w in weights)  # whether any weight is in oneDNN's layout
             self._linear = _linear if self.prepacked else F.linear
 
@@ -271,9 +282,16 @@ class FastDecoder:
         return weight * F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 past_key_values: Optional[DecodeCache] = None, use_cache: bool = True, logits_to_keep: int = 1,
-                 **_: object) -> DecodeOutput:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: DecodeCache | None = None,
+        use_cache: bool = True,
+        logits_to_keep: int = 1,
+        **_: object,
+    ) -> DecodeOutput:
         """``input_ids`` ``(B, t)`` new tokens; ``attention_mask`` ``(B, cached + t)``; ``position_ids`` ``(B, t)``."""
         batch, t = input_ids.shape
         x = F.embedding(input_ids, self.embed)  # (B, t, H)
@@ -303,12 +321,18 @@ class FastDecoder:
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + rotated * sin
             q = qk[:, :, : self.q_heads].transpose(1, 2)  # (B, Hq, t, d)
-            cache.keys[i][:, :, start:end] = qk[:, :, self.q_heads:].transpose(1, 2)
-            cache.values[i][:, :, start:end] = qkv[..., qk_heads * self.head_dim:].view(
-                batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end],
-                                                  attn_mask=mask, scale=self.scaling,
-                                                  enable_gqa=self.q_heads != self.kv_heads)
+            cache.keys[i][:, :, start:end] = qk[:, :, self.q_heads :].transpose(1, 2)
+            cache.values[i][:, :, start:end] = (
+                qkv[..., qk_heads * self.head_dim :].view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            )
+            attn = F.scaled_dot_product_attention(
+                q,
+                cache.keys[i][:, :, :end],
+                cache.values[i][:, :, :end],
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=self.q_heads != self.kv_heads,
+            )
             x = x + self._linear(attn.transpose(1, 2).reshape(batch, t, -1), layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.ln2)
             gate, up = self._linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
@@ -343,7 +367,7 @@ def _copy_bytes(model: nn.Module, prepacked: bool = False) -> int:
     return total
 
 
-def decoder_for(model: nn.Module, capacity: int, max_copy_bytes: int = 2 ** 30):
+def decoder_for(model: nn.Module, capacity: int, max_copy_bytes: int = 2**30):
     """A :class:`FastDecoder` for ``model`` when it supports it and its weight copy fits in
     ``max_copy_bytes`` (prepacked where that runs and fits, see :class:`FastDecoder`); otherwise ``model``
     itself (sampled through its own ``forward``)."""

@@ -58,14 +58,27 @@ class LoraSettings:
         check(_integer(self.r) and self.r >= 1, "r", "an integer >= 1")
         check(_number(self.alpha) and self.alpha > 0, "alpha", "> 0")
         check(_number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a value in [0, 1)")
-        check(self.target_modules == "all-linear" or (isinstance(self.target_modules, str) and self.target_modules)
-              or (isinstance(self.target_modules, (list, tuple)) and len(self.target_modules) > 0
-                  and all(isinstance(m, str) for m in self.target_modules)),
-              "target_modules", "'all-linear' or a non-empty list of module names")
+        check(
+            self.target_modules == "all-linear"
+            or (isinstance(self.target_modules, str) and self.target_modules)
+            or (
+                isinstance(self.target_modules, (list, tuple))
+                and len(self.target_modules) > 0
+                and all(isinstance(m, str) for m in self.target_modules)
+            ),
+            "target_modules",
+            "'all-linear' or a non-empty list of module names",
+        )
         check(self.bias in ("none", "all", "lora_only"), "bias", "'none', 'all' or 'lora_only'")
-        check(self.modules_to_save is None or (isinstance(self.modules_to_save, (list, tuple))
-                                               and all(isinstance(m, str) for m in self.modules_to_save)),
-              "modules_to_save", "a list of module names or null")
+        check(
+            self.modules_to_save is None
+            or (
+                isinstance(self.modules_to_save, (list, tuple))
+                and all(isinstance(m, str) for m in self.modules_to_save)
+            ),
+            "modules_to_save",
+            "a list of module names or null",
+        )
         check(isinstance(self.extra, dict), "extra", "a mapping of further peft.LoraConfig arguments")
 
     def to_peft(self):
@@ -99,8 +112,14 @@ def torch_dtype(name: DType | str | torch.dtype | None) -> torch.dtype | str | N
     if name == "auto":
         return "auto"
     try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "fp16": torch.float16}[name]
+        return {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }[name]
     except KeyError:
         raise AlignConfigError(f"dtype: expected one of auto, float32, bfloat16, float16, got {name!r}") from None
 
@@ -125,8 +144,10 @@ def load_causal_lm(
     source = check_model_source(name)
     if is_tiny(source):
         if quantization is not None:
-            raise AlignConfigError(f"model.policy.quantization: expected null for the embedded tiny model (it is not "
-                                   f"quantizable; use a real model path), got {quantization!r}")
+            raise AlignConfigError(
+                f"model.policy.quantization: expected null for the embedded tiny model (it is not "
+                f"quantizable; use a real model path), got {quantization!r}"
+            )
         model = build_tiny_model(seed=seed)
         td = torch_dtype(dtype)
         if isinstance(td, torch.dtype):
@@ -137,14 +158,34 @@ def load_causal_lm(
 
     from transformers import AutoModelForCausalLM
 
-    extra = {} if quantization is None else {"quantization_config": quantization_config(quantization, dtype),
-                                             "device_map": _device_map()}
-    return _from_pretrained(AutoModelForCausalLM, name, source, dtype=dtype, trust_remote_code=trust_remote_code,
-                            revision=revision, attn_implementation=attn_implementation, **extra)
+    extra = (
+        {}
+        if quantization is None
+        else {"quantization_config": quantization_config(quantization, dtype), "device_map": _device_map()}
+    )
+    return _from_pretrained(
+        AutoModelForCausalLM,
+        name,
+        source,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        attn_implementation=attn_implementation,
+        **extra,
+    )
 
 
-def _from_pretrained(auto_class, name: str, source: str, *, dtype: DType, trust_remote_code: bool,
-                     revision: str | None, attn_implementation: str | None, **extra):
+def _from_pretrained(
+    auto_class,
+    name: str,
+    source: str,
+    *,
+    dtype: DType,
+    trust_remote_code: bool,
+    revision: str | None,
+    attn_implementation: str | None,
+    **extra,
+):
     """``auto_class.from_pretrained`` with the wrapper's loading options; a missing or unreadable model is one line."""
     kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision, "dtype": torch_dtype(dtype), **extra}
     if attn_implementation:
@@ -153,6 +194,33 @@ def _from_pretrained(auto_class, name: str, source: str, *, dtype: DType, trust_
         return auto_class.from_pretrained(source, **kwargs)
     except OSError as err:
         raise AlignConfigError(f"model: could not load '{name}': {err}") from err
+
+
+def trainable(
+    base: torch.nn.Module, quantization: Quantization | None, lora: LoraSettings | None, gradient_checkpointing: bool
+) -> torch.nn.Module:
+    """``base`` ready to train: a quantized base prepared for k-bit training (QLoRA), activations recomputed in the
+    backward with ``gradient_checkpointing``, and the ``lora`` adapter added (its layers fused where they can be,
+    :mod:`align.models.lora`)."""
+    if quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(
+            base,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        from peft import get_peft_model
+
+        from align.models.lora import fuse_lora_layers
+
+        base = get_peft_model(base, lora.to_peft())
+        if lora.fused:
+            fuse_lora_layers(base)
+    return base
 
 
 def is_sequence_classifier(source: str | Path) -> bool:
@@ -180,12 +248,24 @@ def load_decoder(
     if not is_tiny(source) and is_sequence_classifier(source):
         from transformers import AutoModelForSequenceClassification
 
-        model = _from_pretrained(AutoModelForSequenceClassification, name, source, dtype=dtype,
-                                 trust_remote_code=trust_remote_code, revision=revision,
-                                 attn_implementation=attn_implementation)
+        model = _from_pretrained(
+            AutoModelForSequenceClassification,
+            name,
+            source,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            attn_implementation=attn_implementation,
+        )
         return getattr(model, model.base_model_prefix)
-    return load_causal_lm(name, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision,
-                          attn_implementation=attn_implementation, seed=seed).get_decoder()
+    return load_causal_lm(
+        name,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        attn_implementation=attn_implementation,
+        seed=seed,
+    ).get_decoder()
 
 
 def quantization_config(quantization: Quantization, dtype: DType = "bfloat16"):
@@ -228,6 +308,7 @@ def reward_head_state(source: str) -> dict[str, torch.Tensor] | None:
             return None
         weight = f.get_tensor("score.weight").float()
     if weight.shape[0] != 1:
-        raise AlignConfigError(f"model.policy.critic.model: expected a reward model with one label, got '{source}' "
-                               f"with {weight.shape[0]}")
+        raise AlignConfigError(
+            f"model.policy.critic.model: expected a reward model with one label, got '{source}' with {weight.shape[0]}"
+        )
     return {"proj.weight": weight, "proj.bias": torch.zeros(1)}

@@ -94,16 +94,24 @@ def _make_fused_class(base: type) -> type:
             """``(W, b, A, B, scaling, dropout or None)`` when the fused function computes peft's forward, else None."""
             active = self._active_adapter
             name = active if isinstance(active, str) else (active[0] if len(active) == 1 else None)
-            if name is None or self.fan_in_fan_out or name not in self.lora_A or name in self.lora_variant \
-                    or self.lora_bias.get(name, False):
+            if (
+                name is None
+                or self.fan_in_fan_out
+                or name not in self.lora_A
+                or name in self.lora_variant
+                or self.lora_bias.get(name, False)
+            ):
                 return None
             base_layer = self.base_layer
             if type(base_layer) is not nn.Linear:
                 return None
             weight, bias = base_layer.weight, base_layer.bias
             lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
-            if weight.requires_grad or (bias is not None and bias.requires_grad) \
-                    or torch.is_autocast_enabled(x.device.type):
+            if (
+                weight.requires_grad
+                or (bias is not None and bias.requires_grad)
+                or torch.is_autocast_enabled(x.device.type)
+            ):
                 return None
             if not (x.dtype == weight.dtype == lora_a.dtype == lora_b.dtype) or x.device != weight.device:
                 return None

@@ -10,9 +10,9 @@ values) is :mod:`align.models.scoring`; the methods here delegate to it.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -21,8 +21,7 @@ from align.errors import AlignConfigError
 from align.hub import check_model_source, load_tokenizer
 from align.models import scoring
 from align.models.critic import Critic, CriticSettings, critic_settings
-from align.models.loading import DType, LoraSettings, Quantization, load_causal_lm, torch_dtype
-from align.models.lora import fuse_lora_layers
+from align.models.loading import DType, LoraSettings, Quantization, load_causal_lm, torch_dtype, trainable
 from align.models.reference import AdapterSwitch, build_reference
 from align.models.scoring import TokenLogprobs, contiguous_head_input, decoder_of, position_ids_from_mask
 
@@ -68,27 +67,44 @@ class PolicyModel(nn.Module):
         try:
             torch_dtype(dtype)
         except AlignConfigError:
-            raise AlignConfigError(f"model.policy.dtype: expected auto, float32, bfloat16 or float16, got "
-                                   f"{dtype!r}") from None
+            raise AlignConfigError(
+                f"model.policy.dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}"
+            ) from None
         if quantization not in (None, "4bit", "8bit"):
             raise AlignConfigError(f"model.policy.quantization: expected '4bit', '8bit' or null, got {quantization!r}")
         if quantization is not None and lora is None:
-            raise AlignConfigError(f"model.policy.quantization: expected null without model.policy.lora (a quantized "
-                                   f"base cannot be trained in full), got {quantization!r}; also set "
-                                   "model.policy.lora")
+            raise AlignConfigError(
+                f"model.policy.quantization: expected null without model.policy.lora (a quantized "
+                f"base cannot be trained in full), got {quantization!r}; also set "
+                "model.policy.lora"
+            )
         critic = critic_settings(critic)
         self.spec = {
-            "model": model, "tokenizer": tokenizer, "dtype": dtype, "lora": asdict(lora) if lora else None,
-            "quantization": quantization, "critic": None, "reference_model": reference_model,
-            "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code, "revision": revision,
-            "pad_equals_eos": pad_equals_eos, "seed": seed,
+            "model": model,
+            "tokenizer": tokenizer,
+            "dtype": dtype,
+            "lora": asdict(lora) if lora else None,
+            "quantization": quantization,
+            "critic": None,
+            "reference_model": reference_model,
+            "attn_implementation": attn_implementation,
+            "trust_remote_code": trust_remote_code,
+            "revision": revision,
+            "pad_equals_eos": pad_equals_eos,
+            "seed": seed,
         }
         """The settings, saved in checkpoints (``checkpoint["align"]["policy"]``) to rebuild the policy from."""
-        self.load_kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, revision=revision,
-                                attn_implementation=attn_implementation, seed=seed)
+        self.load_kwargs = dict(
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            attn_implementation=attn_implementation,
+            seed=seed,
+        )
         check_model_source(model)  # before the tokenizer, so a bad model path is reported as such
-        self.tokenizer = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code, revision=revision,
-                                        pad_equals_eos=pad_equals_eos)
+        self.tokenizer = load_tokenizer(
+            tokenizer or model, trust_remote_code=trust_remote_code, revision=revision, pad_equals_eos=pad_equals_eos
+        )
         base = load_causal_lm(model, quantization=quantization, **self.load_kwargs)
         if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
             raise AlignConfigError(
@@ -97,22 +113,7 @@ class PolicyModel(nn.Module):
             )
         base.config.pad_token_id = self.tokenizer.pad_token_id
         contiguous_head_input(base)
-        if quantization is not None:
-            from peft import prepare_model_for_kbit_training
-
-            base = prepare_model_for_kbit_training(
-                base, use_gradient_checkpointing=gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False},
-            )
-        elif gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if lora is not None:
-            from peft import get_peft_model
-
-            base = get_peft_model(base, lora.to_peft())
-            if lora.fused:
-                fuse_lora_layers(base)
-        self.model = base
+        self.model = trainable(base, quantization, lora, gradient_checkpointing)
         self.lora = lora
         self.critic: Critic | None = None
         """The value model (:class:`~align.models.critic.Critic`), or None."""
@@ -130,7 +131,7 @@ class PolicyModel(nn.Module):
         self.spec["critic"] = asdict(settings)
         return self.critic
 
-    def train(self, mode: bool = True) -> "PolicyModel":
+    def train(self, mode: bool = True) -> PolicyModel:
         super().train(mode)
         if self.ref_model is not None:
             self.ref_model.eval()  # the reference never runs dropout
@@ -195,43 +196,87 @@ class PolicyModel(nn.Module):
         kwargs.setdefault("use_cache", False)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
-    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                       response_length: int | None = None, position_ids: torch.Tensor | None = None,
-                       temperature: float = 1.0, return_entropy: bool = False, return_values: bool = False,
-                       reference: bool = False, padding_free: bool = False) -> TokenLogprobs:
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        response_length: int | None = None,
+        position_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        return_values: bool = False,
+        reference: bool = False,
+        padding_free: bool = False,
+    ) -> TokenLogprobs:
         """Log-probs (and optionally entropy and values) of the last ``response_length`` tokens: see
         :func:`align.models.scoring.token_logprobs`."""
         return scoring.token_logprobs(
-            self, input_ids, attention_mask, response_length=response_length, position_ids=position_ids,
-            temperature=temperature, return_entropy=return_entropy, return_values=return_values,
-            reference=reference, padding_free=padding_free)
+            self,
+            input_ids,
+            attention_mask,
+            response_length=response_length,
+            position_ids=position_ids,
+            temperature=temperature,
+            return_entropy=return_entropy,
+            return_values=return_values,
+            reference=reference,
+            padding_free=padding_free,
+        )
 
-    def next_token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor,
-                            attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                            ignore_index: int = -100, temperature: float = 1.0,
-                            reference: bool = False) -> torch.Tensor:
+    def next_token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        temperature: float = 1.0,
+        reference: bool = False,
+    ) -> torch.Tensor:
         """``(N,)`` log-probs of ``targets`` at the positions that have one: see
         :func:`align.models.scoring.next_token_logprobs`."""
-        return scoring.next_token_logprobs(self, input_ids, targets, attention_mask, position_ids, ignore_index,
-                                           temperature, reference)
+        return scoring.next_token_logprobs(
+            self, input_ids, targets, attention_mask, position_ids, ignore_index, temperature, reference
+        )
 
-    def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                        response_length: int, reference: bool = False) -> torch.Tensor:
+    def response_logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        response_length: int,
+        reference: bool = False,
+    ) -> torch.Tensor:
         """``(B, R, V)`` logits predicting the last ``response_length`` tokens: see
         :func:`align.models.scoring.response_logits`."""
-        return scoring.response_logits(self, input_ids, attention_mask, response_length=response_length,
-                                       reference=reference)
+        return scoring.response_logits(
+            self, input_ids, attention_mask, response_length=response_length, reference=reference
+        )
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, response_length: int,
-               position_ids: torch.Tensor | None = None, detach_backbone: bool = False,
-               padding_free: bool = False) -> torch.Tensor:
+    def values(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        response_length: int,
+        position_ids: torch.Tensor | None = None,
+        detach_backbone: bool = False,
+        padding_free: bool = False,
+    ) -> torch.Tensor:
         """``(B, R)`` float32 values of the last ``R`` tokens, without the LM head: see
         :meth:`align.models.critic.Critic.values`."""
         if self.critic is None:
             raise RuntimeError("values requested but the policy has no critic; set policy.critic")
-        return self.critic.values(decoder_of(self.model), input_ids, attention_mask, response_length=response_length,
-                                  position_ids=position_ids, detach_backbone=detach_backbone,
-                                  padding_free=padding_free)
+        return self.critic.values(
+            decoder_of(self.model),
+            input_ids,
+            attention_mask,
+            response_length=response_length,
+            position_ids=position_ids,
+            detach_backbone=detach_backbone,
+            padding_free=padding_free,
+        )
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

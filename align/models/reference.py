@@ -9,8 +9,8 @@ a separately loaded ``reference_model``, or a frozen copy of the initial policy 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn

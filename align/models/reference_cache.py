@@ -22,8 +22,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,10 +39,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def batch_to(batch: "PreferenceBatch", device: torch.device) -> "PreferenceBatch":
+def batch_to(batch: PreferenceBatch, device: torch.device) -> PreferenceBatch:
     """``batch`` with every tensor field on ``device``."""
-    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
+    return dataclasses.replace(
+        batch,
+        **{
+            f.name: getattr(batch, f.name).to(device)
+            for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)
+        },
+    )
 
 
 def live_reference(policy: PolicyModel) -> bool:
@@ -90,8 +98,9 @@ class ReferenceCache:
 
     @classmethod
     @torch.no_grad()
-    def compute(cls, scorer: Scorer, batches: Iterable["PreferenceBatch"], pairs: int,
-                device: torch.device) -> "ReferenceCache":
+    def compute(
+        cls, scorer: Scorer, batches: Iterable[PreferenceBatch], pairs: int, device: torch.device
+    ) -> ReferenceCache:
         """Reference log-probs of ``pairs`` pairs from ``batches`` (each pair placed by ``batch.index``), in eval
         mode, scored by ``scorer``. Without LoRA or a loaded reference, the policy itself is the reference (before its
         first update)."""
@@ -114,12 +123,15 @@ class ReferenceCache:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file({"chosen": self.chosen.contiguous(), "rejected": self.rejected.contiguous()}, str(tmp),
-                  metadata={"format": self.FORMAT, "version": self.VERSION, "key": key, "pairs": str(len(self.chosen))})
+        save_file(
+            {"chosen": self.chosen.contiguous(), "rejected": self.rejected.contiguous()},
+            str(tmp),
+            metadata={"format": self.FORMAT, "version": self.VERSION, "key": key, "pairs": str(len(self.chosen))},
+        )
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path, key: str, pairs: int) -> "ReferenceCache | None":
+    def load(cls, path: Path, key: str, pairs: int) -> ReferenceCache | None:
         """The cache at ``path`` if it is valid for ``key`` and ``pairs``; ``None`` (with a warning) otherwise."""
         from safetensors import safe_open
 
@@ -134,15 +146,21 @@ class ReferenceCache:
             return None
         expected = {"format": cls.FORMAT, "version": cls.VERSION, "key": key, "pairs": str(pairs)}
         bad = {k: meta.get(k) for k, v in expected.items() if meta.get(k) != v}
-        if bad or chosen.shape != (pairs,) or rejected.shape != (pairs,) or not bool(
-                torch.isfinite(chosen).all() and torch.isfinite(rejected).all()):
+        if (
+            bad
+            or chosen.shape != (pairs,)
+            or rejected.shape != (pairs,)
+            or not bool(torch.isfinite(chosen).all() and torch.isfinite(rejected).all())
+        ):
             log.warning("reference cache %s does not match this data/reference (%s); recomputing", path, bad or "shape")
             return None
         return cls(chosen.float(), rejected.float())
 
 
-_NO_LONGER_THE_REFERENCE = ("the policy has been updated, so it is no longer the reference; keep reference_cache_dir "
-                            "across resumes or set precompute_reference false")
+_NO_LONGER_THE_REFERENCE = (
+    "the policy has been updated, so it is no longer the reference; keep reference_cache_dir "
+    "across resumes or set precompute_reference false"
+)
 
 
 class CachedReference:
@@ -160,15 +178,26 @@ class CachedReference:
             return reference_fingerprint(policy)
         if self.fingerprint is None:
             if updated:
-                raise AlignConfigError("model.precompute_reference: the cached reference log-probs are gone and "
-                                       + _NO_LONGER_THE_REFERENCE)
+                raise AlignConfigError(
+                    "model.precompute_reference: the cached reference log-probs are gone and "
+                    + _NO_LONGER_THE_REFERENCE
+                )
             self.fingerprint = reference_fingerprint(policy)
         return self.fingerprint
 
-    def prepare(self, scorer: Scorer, datasets: dict[str, "PreferenceDataset"],
-                batches: Callable[["PreferenceDataset"], Iterable["PreferenceBatch"]], directory: str | Path, *,
-                needed: tuple[str, ...], updated: bool, device: torch.device, write: bool,
-                announce: Callable[[str], ContextManager[Any]] = contextlib.nullcontext) -> None:
+    def prepare(
+        self,
+        scorer: Scorer,
+        datasets: dict[str, PreferenceDataset],
+        batches: Callable[[PreferenceDataset], Iterable[PreferenceBatch]],
+        directory: str | Path,
+        *,
+        needed: tuple[str, ...],
+        updated: bool,
+        device: torch.device,
+        write: bool,
+        announce: Callable[[str], ContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
         """Load or compute the caches of ``datasets`` (split name -> dataset) once one of the ``needed`` splits has
         none: every missing split then, since later the policy may no longer be the reference. ``scorer`` scores
         the pairs (its policy's reference).
@@ -188,8 +217,9 @@ class CachedReference:
             cache = ReferenceCache.load(path, key, len(dataset))
             if cache is None:
                 if updated and not live_reference(policy):
-                    raise AlignConfigError(f"model.precompute_reference: no valid cache at {path} and "
-                                           + _NO_LONGER_THE_REFERENCE)
+                    raise AlignConfigError(
+                        f"model.precompute_reference: no valid cache at {path} and " + _NO_LONGER_THE_REFERENCE
+                    )
                 with announce(f"reference log-probs of {len(dataset)} {name} pairs"):
                     cache = ReferenceCache.compute(scorer, batches(dataset), len(dataset), device)
                 if write:
@@ -199,7 +229,7 @@ class CachedReference:
         if policy.ref_model is not None:
             policy.ref_model = None  # the cache replaces it; checkpoints stay free of it
 
-    def logps(self, batch: "PreferenceBatch", split: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def logps(self, batch: PreferenceBatch, split: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chosen, rejected)`` reference log-probs of the batch's pairs, each ``(B,)`` on ``device``."""
         cache = self.splits[split]
         index = batch.index.cpu()

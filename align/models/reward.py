@@ -34,8 +34,9 @@ from align.models.policy import PolicyModel
 from align.models.scoring import position_ids_from_mask
 
 
-def last_scored_index(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      skip_token_id: int | None = None) -> torch.Tensor:
+def last_scored_index(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, skip_token_id: int | None = None
+) -> torch.Tensor:
     """``(N,)`` index of the token a sequence's score is read at: the last real token (attention mask) that is
     not ``skip_token_id``. With ``skip_token_id`` = a model's ``config.pad_token_id`` this is the token
     transformers' ``*ForSequenceClassification`` pools on real-token inputs; a row made only of that token
@@ -50,8 +51,14 @@ def last_scored_index(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return last
 
 
-def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  skip_token_id: int | None = None, padding_free: bool = False) -> torch.Tensor:
+def pooled_scores(
+    decoder: nn.Module,
+    head: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    skip_token_id: int | None = None,
+    padding_free: bool = False,
+) -> torch.Tensor:
     """Run ``decoder`` and ``head`` at each row's scored token (:func:`last_scored_index`). ``(N, T) -> (N,)``.
 
     Padding may sit on either side: positions come from the mask. ``padding_free`` runs the decoder over the rows'
@@ -61,11 +68,18 @@ def pooled_scores(decoder: nn.Module, head: nn.Module, input_ids: torch.Tensor, 
     last = last_scored_index(input_ids, attention_mask, skip_token_id)  # (N,)
     if padding_free:
         packed = pack_scored_rows(input_ids, attention_mask, torch.zeros_like(attention_mask))
-        hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,  # (K, C, H)
-                         use_cache=False).last_hidden_state
+        hidden = decoder(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,  # (K, C, H)
+            use_cache=False,
+        ).last_hidden_state
         return head(hidden.reshape(-1, hidden.shape[-1])[packed.locate(last)])  # (N,)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,  # (N, T, H)
-                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    hidden = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,  # (N, T, H)
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
     return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
 
 
@@ -76,14 +90,16 @@ def score_head(policy: PolicyModel, what: str = "reward model") -> ValueHead:
     return policy.critic.head
 
 
-def sequence_scores(policy: PolicyModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    padding_free: bool = False) -> torch.Tensor:
+def sequence_scores(
+    policy: PolicyModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, padding_free: bool = False
+) -> torch.Tensor:
     """Scalar score of each sequence, read at its last real token. ``(N, T) -> (N,)`` float32.
 
     Only the decoder and the head run; ``padding_free`` as in :func:`pooled_scores`.
     """
-    return pooled_scores(policy.model.get_decoder(), score_head(policy), input_ids, attention_mask,
-                         padding_free=padding_free)
+    return pooled_scores(
+        policy.model.get_decoder(), score_head(policy), input_ids, attention_mask, padding_free=padding_free
+    )
 
 
 class ScalarHead(nn.Module):
@@ -111,13 +127,17 @@ class RewardModel(nn.Module):
         self.skip_token_id = skip_token_id
 
     @classmethod
-    def from_policy(cls, policy: PolicyModel) -> "RewardModel":
+    def from_policy(cls, policy: PolicyModel) -> RewardModel:
         return cls(policy.model.get_decoder(), score_head(policy), policy.tokenizer)
 
     @classmethod
-    def from_sequence_classifier(cls, model: nn.Module, tokenizer) -> "RewardModel":
-        return cls(getattr(model, model.base_model_prefix), ScalarHead(model.score), tokenizer,
-                   model.config.get_text_config().pad_token_id)
+    def from_sequence_classifier(cls, model: nn.Module, tokenizer) -> RewardModel:
+        return cls(
+            getattr(model, model.base_model_prefix),
+            ScalarHead(model.score),
+            tokenizer,
+            model.config.get_text_config().pad_token_id,
+        )
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return pooled_scores(self.decoder, self.head, input_ids, attention_mask, self.skip_token_id)

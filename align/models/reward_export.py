@@ -54,9 +54,13 @@ def scoring_pad_token(tokenizer) -> str | None:
     the tokenizer has no other special token."""
     eos = tokenizer.eos_token_id
     specials = [t for t in tokenizer.all_special_tokens if t not in (tokenizer.eos_token, tokenizer.bos_token)]
-    candidates = [tokenizer.pad_token, tokenizer.unk_token,
-                  *(t for t in specials if "pad" in t.lower()), *(t for t in specials if "reserved" in t.lower()),
-                  tokenizer.bos_token]
+    candidates = [
+        tokenizer.pad_token,
+        tokenizer.unk_token,
+        *(t for t in specials if "pad" in t.lower()),
+        *(t for t in specials if "reserved" in t.lower()),
+        tokenizer.bos_token,
+    ]
     for token in candidates:
         if token is not None and tokenizer.convert_tokens_to_ids(token) not in (None, eos):
             return token
@@ -72,8 +76,10 @@ def sequence_classifier(policy: PolicyModel, dtype: DType | None = None) -> tupl
     tokenizer = copy.deepcopy(policy.tokenizer)
     pad = scoring_pad_token(tokenizer)
     if pad is None:
-        log.warning("reward model export: the tokenizer has no special token besides EOS to pad with; transformers "
-                    "will score the token before a final EOS, align the EOS itself")
+        log.warning(
+            "reward model export: the tokenizer has no special token besides EOS to pad with; transformers "
+            "will score the token before a final EOS, align the EOS itself"
+        )
     else:
         tokenizer.pad_token = pad
     merged = policy.merged_model(dtype)
@@ -84,23 +90,31 @@ def sequence_classifier(policy: PolicyModel, dtype: DType | None = None) -> tupl
     getattr(model, model.base_model_prefix).load_state_dict(merged.get_decoder().state_dict())
     bias = float(head.bias.detach().float().item()) if head.bias is not None else 0.0
     if bias != 0.0:
-        log.warning("reward model export: the head's bias %.3g is dropped (a sequence classifier has none); every "
-                    "score shifts by it, pair rankings do not", bias)
+        log.warning(
+            "reward model export: the head's bias %.3g is dropped (a sequence classifier has none); every "
+            "score shifts by it, pair rankings do not",
+            bias,
+        )
     with torch.no_grad():
         model.score.weight.copy_(head.weight.detach().to(model.score.weight.dtype))
     return model.eval(), tokenizer
 
 
-def save_reward_model(policy: PolicyModel, output_dir: str | Path, encoding: dict | None = None,
-                      dtype: DType | None = None) -> Path:
+def save_reward_model(
+    policy: PolicyModel, output_dir: str | Path, encoding: dict | None = None, dtype: DType | None = None
+) -> Path:
     """Write the export format above; ``encoding`` is :meth:`PreferenceDataModule.encoding_spec`."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = sequence_classifier(policy, dtype)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, "encoding": dict(DEFAULT_ENCODING, **(encoding or {})),
-            "base_model": policy.spec["model"]}
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "encoding": dict(DEFAULT_ENCODING, **(encoding or {})),
+        "base_model": policy.spec["model"],
+    }
     tmp = output_dir / (META_FILE + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     tmp.replace(output_dir / META_FILE)
@@ -114,23 +128,29 @@ def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[Rewar
         path = check_model_source(str(path), what="reward model path")
     path = Path(path).expanduser()
     if not path.exists():
-        raise AlignConfigError(f"reward model path: '{path}' does not exist; expected a sequence-classification "
-                               "checkpoint directory (a reward-model export) or a .ckpt written by the reward-model "
-                               "recipe")
+        raise AlignConfigError(
+            f"reward model path: '{path}' does not exist; expected a sequence-classification "
+            "checkpoint directory (a reward-model export) or a .ckpt written by the reward-model "
+            "recipe"
+        )
     if not path.is_dir():
         return _load_checkpoint(path, dtype)
     if is_sequence_classifier(path):
         return _load_sequence_classifier(path, dtype)
-    raise AlignConfigError(f"reward model path: '{path}' is not a reward-model export: its config.json names no "
-                           "*ForSequenceClassification architecture (a trained RM run writes one to <run dir>/export)")
+    raise AlignConfigError(
+        f"reward model path: '{path}' is not a reward-model export: its config.json names no "
+        "*ForSequenceClassification architecture (a trained RM run writes one to <run dir>/export)"
+    )
 
 
 def _encoding(path: Path) -> dict:
     meta_path = path / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if meta and (meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION):
-        raise AlignConfigError(f"reward model path: '{path}': unsupported {META_FILE} format {meta.get('format')!r} "
-                               f"version {meta.get('version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}")
+        raise AlignConfigError(
+            f"reward model path: '{path}': unsupported {META_FILE} format {meta.get('format')!r} "
+            f"version {meta.get('version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}"
+        )
     return dict(DEFAULT_ENCODING, **meta.get("encoding", {}))
 
 
@@ -145,15 +165,19 @@ def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, di
     except (OSError, ValueError) as err:
         raise AlignConfigError(f"reward model path: could not load '{path}': {err}") from err
     if model.config.num_labels != 1 or not isinstance(getattr(model, "score", None), nn.Linear):
-        raise AlignConfigError(f"reward model path: '{path}' has {model.config.num_labels} labels; a reward model "
-                               "has one (num_labels=1) and a linear 'score' head")
+        raise AlignConfigError(
+            f"reward model path: '{path}' has {model.config.num_labels} labels; a reward model "
+            "has one (num_labels=1) and a linear 'score' head"
+        )
     return RewardModel.from_sequence_classifier(model, load_tokenizer(str(path))), encoding
 
 
 def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
     checkpoint = load_checkpoint(path)
     if "reward" not in (checkpoint.get("align") or {}):
-        raise AlignConfigError(f"reward model path: '{path}' is not a reward-model checkpoint (no align reward "
-                               "metadata); expected a .ckpt written by align.modules.reward.RewardModule")
+        raise AlignConfigError(
+            f"reward model path: '{path}' is not a reward-model checkpoint (no align reward "
+            "metadata); expected a .ckpt written by align.modules.reward.RewardModule"
+        )
     policy = policy_from_checkpoint(path, checkpoint=checkpoint, reward_head=True, dtype=dtype)
     return RewardModel.from_policy(policy), dict(DEFAULT_ENCODING, **checkpoint["align"]["reward"].get("encoding", {}))

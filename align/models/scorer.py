@@ -75,28 +75,44 @@ class Scorer:
         """``(N, R)`` log-probs of the response tokens of ``rows`` under the policy, with gradients; the entropy of
         each position's distribution and the critic's values when asked (from the same pass where they can be)."""
         return self.policy.token_logprobs(
-            rows.input_ids, rows.attention_mask, response_length=rows.response_mask.shape[1],
-            temperature=self.temperature, return_entropy=entropy, return_values=values,
-            padding_free=self.padding_free)
+            rows.input_ids,
+            rows.attention_mask,
+            response_length=rows.response_mask.shape[1],
+            temperature=self.temperature,
+            return_entropy=entropy,
+            return_values=values,
+            padding_free=self.padding_free,
+        )
 
     @torch.no_grad()
     def reference_logprobs(self, rows: ScoredRows) -> torch.Tensor:
         """``(N, R)`` log-probs of the response tokens under the reference (``policy.setup_reference()`` first)."""
         return self.policy.token_logprobs(
-            rows.input_ids, rows.attention_mask, response_length=rows.response_mask.shape[1],
-            temperature=self.temperature, reference=True, padding_free=self.padding_free).logprobs
+            rows.input_ids,
+            rows.attention_mask,
+            response_length=rows.response_mask.shape[1],
+            temperature=self.temperature,
+            reference=True,
+            padding_free=self.padding_free,
+        ).logprobs
 
     def values(self, rows: ScoredRows, *, detach_backbone: bool = False) -> torch.Tensor:
         """``(N, R)`` float32 values of the critic before each response token; ``detach_backbone``: a shared head's
         backbone runs without gradients (a value-only update that must leave the policy as it is)."""
-        return self.policy.values(rows.input_ids, rows.attention_mask, response_length=rows.response_mask.shape[1],
-                                  detach_backbone=detach_backbone, padding_free=self.padding_free)
+        return self.policy.values(
+            rows.input_ids,
+            rows.attention_mask,
+            response_length=rows.response_mask.shape[1],
+            detach_backbone=detach_backbone,
+            padding_free=self.padding_free,
+        )
 
     def response_logits(self, rows: ScoredRows, *, reference: bool = False) -> torch.Tensor:
         """``(N, R, V)`` raw logits of the positions that predict the response tokens (GKD); ``reference``: under
         the reference (the distillation teacher)."""
-        return self.policy.response_logits(rows.input_ids, rows.attention_mask,
-                                           response_length=rows.response_mask.shape[1], reference=reference)
+        return self.policy.response_logits(
+            rows.input_ids, rows.attention_mask, response_length=rows.response_mask.shape[1], reference=reference
+        )
 
     # ------------------------------------------------------------------ sequences
     def sequence_logps(self, batch: PreferenceBatch, *, reference: bool = False) -> torch.Tensor:
@@ -106,19 +122,31 @@ class Scorer:
         if self.padding_free:
             prompt = torch.zeros_like(mask[:, : ids.shape[1] - batch.response_length])
             packed = pack_scored_rows(ids, mask, torch.cat([prompt, batch.response_mask], dim=1))
-            logps = self.policy.next_token_logprobs(packed.input_ids, packed.targets, position_ids=packed.position_ids,
-                                                    temperature=self.temperature, reference=reference)
+            logps = self.policy.next_token_logprobs(
+                packed.input_ids,
+                packed.targets,
+                position_ids=packed.position_ids,
+                temperature=self.temperature,
+                reference=reference,
+            )
             return packed.row_sums(logps)
-        scores = self.policy.token_logprobs(ids, mask, response_length=batch.response_length,
-                                            temperature=self.temperature, reference=reference)
+        scores = self.policy.token_logprobs(
+            ids, mask, response_length=batch.response_length, temperature=self.temperature, reference=reference
+        )
         return masked_sum(scores.logprobs, batch.response_mask, dim=-1)
 
-    def target_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def target_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``(K,)`` log-probs of ``targets`` ``(B, T)`` at the positions that have one (``-100`` elsewhere), in
         row-major order (SFT; ``position_ids`` for packed rows)."""
-        return self.policy.next_token_logprobs(input_ids, targets, attention_mask=attention_mask,
-                                               position_ids=position_ids, temperature=self.temperature)
+        return self.policy.next_token_logprobs(
+            input_ids, targets, attention_mask=attention_mask, position_ids=position_ids, temperature=self.temperature
+        )
 
     def sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``(N,)`` the reward model's scalar score of each row, read at its last real token

@@ -56,8 +56,9 @@ def spread(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return values.new_zeros(mask.shape).masked_scatter(mask, values)
 
 
-def pack_responses(input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int
-                   ) -> tuple[PackedRows, torch.Tensor, torch.Tensor]:
+def pack_responses(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int
+) -> tuple[PackedRows, torch.Tensor, torch.Tensor]:
     """The padded rows' real tokens laid end to end (:func:`~align.core.packing.pack_scored_rows`), the ``(B, R)``
     mask of the real tokens among the last ``R``, and ``(N,)`` the flattened packed positions that predict them,
     in the mask's row-major order."""
@@ -66,15 +67,25 @@ def pack_responses(input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int
     scored[:, : T - R] = False
     packed = pack_scored_rows(input_ids, attention_mask, scored)
     predictors = torch.arange(T - R - 1, T - 1, device=input_ids.device).expand(B, R)
-    response = scored[:, T - R:]
+    response = scored[:, T - R :]
     return packed, response, packed.locate(predictors)[response]
 
 
 # ------------------------------------------------------------------ the output head
 # Model families whose causal LM computes ``logits = lm_head(final hidden states)`` and nothing more (no softcapping,
 # no logit scale), so that align may apply the head itself, chunked, to the hidden states of its decoder.
-CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-                            "olmo2", "smollm3")
+CHUNKED_HEAD_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "olmo2",
+    "smollm3",
+)
 
 
 def chunked_head_unsupported(model: nn.Module) -> str | None:
@@ -134,20 +145,33 @@ def own_head(lm: nn.Module, owner: nn.Module) -> nn.Linear | None:
         return base.get_output_embeddings()
     if owner not in _FALLBACK_REPORTED:
         _FALLBACK_REPORTED.add(owner)
-        log.info("policy: full-vocabulary logits for %s (the chunked output head covers plain linear heads "
-                 "of %s models)", reason, ", ".join(CHUNKED_HEAD_MODEL_TYPES))
+        log.info(
+            "policy: full-vocabulary logits for %s (the chunked output head covers plain linear heads of %s models)",
+            reason,
+            ", ".join(CHUNKED_HEAD_MODEL_TYPES),
+        )
     return None
 
 
 def _keep_hidden(lm: nn.Module, kept: list[torch.Tensor]):
     """A forward hook on ``lm``'s decoder that appends its final hidden states to ``kept``."""
     return decoder_of(lm).register_forward_hook(
-        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+    )
 
 
-def scores_at(policy: nn.Module, lm: nn.Module, input_ids, attention_mask, position_ids, index: torch.Tensor,
-              targets: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
-              keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def scores_at(
+    policy: nn.Module,
+    lm: nn.Module,
+    input_ids,
+    attention_mask,
+    position_ids,
+    index: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    keep_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(logprobs, entropy, hidden)``, each ``(N, ...)``, of ``targets`` ``(N,)`` as predicted at the positions
     ``index`` ``(N,)`` (in any order) of the flattened ``(B * T)`` rows of one forward pass of ``lm``.
 
@@ -157,23 +181,31 @@ def scores_at(policy: nn.Module, lm: nn.Module, input_ids, attention_mask, posit
     """
     head = own_head(lm, policy)
     if head is not None:
-        hidden = decoder_of(lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False).last_hidden_state.flatten(0, 1)[index]
-        logprobs, entropy = linear_log_softmax(hidden, head.weight, targets, bias=head.bias,
-                                               temperature=temperature, return_entropy=return_entropy)
+        hidden = decoder_of(lm)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state.flatten(0, 1)[index]
+        logprobs, entropy = linear_log_softmax(
+            hidden, head.weight, targets, bias=head.bias, temperature=temperature, return_entropy=return_entropy
+        )
         return logprobs, entropy, hidden
     base = unwrapped(lm)
     # Transformers versions with ``slice_logits_to_keep`` take a (B, T) bool mask and return (N, V) logits in
     # row-major order; models loaded with their own code (trust_remote_code) may not.
-    by_mask = (hasattr(transformers.modeling_utils, "slice_logits_to_keep")
-               and type(base).__module__.startswith("transformers.models."))
+    by_mask = hasattr(transformers.modeling_utils, "slice_logits_to_keep") and type(base).__module__.startswith(
+        "transformers.models."
+    )
     keep = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
     keep = keep.index_fill_(0, index, True).view_as(input_ids)
     kept: list[torch.Tensor] = []
     hook = _keep_hidden(lm, kept) if keep_hidden else None
     try:
-        out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 use_cache=False, **({"logits_to_keep": keep} if by_mask else {}))
+        out = lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **({"logits_to_keep": keep} if by_mask else {}),
+        )
     finally:
         if hook is not None:
             hook.remove()
@@ -229,33 +261,51 @@ def token_logprobs(
         packed, scored, index = pack_responses(input_ids, attention_mask, R)
         with ctx as lm:
             logprobs, entropy, hidden = scores_at(
-                policy, lm, packed.input_ids, None, packed.position_ids, index, input_ids[:, T - R:][scored],
-                temperature, return_entropy, shared_head)
+                policy,
+                lm,
+                packed.input_ids,
+                None,
+                packed.position_ids,
+                index,
+                input_ids[:, T - R :][scored],
+                temperature,
+                return_entropy,
+                shared_head,
+            )
         values = None
         if critic is not None:
             values = critic.head(hidden) if shared_head else critic.packed_values(packed, index)
         return TokenLogprobs(*(None if x is None else spread(scored, x) for x in (logprobs, entropy, values)))
     if position_ids is None and attention_mask is not None:
         position_ids = position_ids_from_mask(attention_mask)
-    targets = input_ids[:, T - R:]
+    targets = input_ids[:, T - R :]
     with ctx as lm:
         head = own_head(lm, policy)
         if head is not None:
             # Hidden states of the positions that predict a response token (T-R-1+j predicts T-R+j), then the
             # head and the log-softmax chunk by chunk: the (B, R, V) logits never exist at once.
             hidden = scoring_hidden(decoder_of(lm), input_ids, attention_mask, position_ids, R)
-            logprobs, entropy = linear_log_softmax(hidden, head.weight, targets, bias=head.bias,
-                                                   temperature=temperature, return_entropy=return_entropy)
+            logprobs, entropy = linear_log_softmax(
+                hidden, head.weight, targets, bias=head.bias, temperature=temperature, return_entropy=return_entropy
+            )
             values = None
             if critic is not None:
-                values = (critic.head(hidden) if shared_head
-                          else critic.padded_values(input_ids, attention_mask, position_ids, R))
+                values = (
+                    critic.head(hidden)
+                    if shared_head
+                    else critic.padded_values(input_ids, attention_mask, position_ids, R)
+                )
             return TokenLogprobs(logprobs, entropy, values)
         kept: list[torch.Tensor] = []
         hook = _keep_hidden(lm, kept) if shared_head else None
         try:
-            out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=R + 1, use_cache=False)
+            out = lm(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=R + 1,
+                use_cache=False,
+            )
         finally:
             if hook is not None:
                 hook.remove()
@@ -266,8 +316,11 @@ def token_logprobs(
     entropy = entropy_from_logits(logits, temperature=temperature) if return_entropy else None
     values = None
     if critic is not None:
-        values = (critic.head(kept[0][:, T - R - 1: T - 1]) if shared_head
-                  else critic.padded_values(input_ids, attention_mask, position_ids, R))
+        values = (
+            critic.head(kept[0][:, T - R - 1 : T - 1])
+            if shared_head
+            else critic.padded_values(input_ids, attention_mask, position_ids, R)
+        )
     return TokenLogprobs(logprobs, entropy, values)
 
 
@@ -294,8 +347,16 @@ def next_token_logprobs(
     keep = targets != ignore_index  # (B, T)
     ctx = reference_context(policy) if reference else nullcontext(policy.model)
     with ctx as lm:
-        return scores_at(policy, lm, input_ids, attention_mask, position_ids, keep.flatten().nonzero().squeeze(1),
-                         targets[keep], temperature)[0]
+        return scores_at(
+            policy,
+            lm,
+            input_ids,
+            attention_mask,
+            position_ids,
+            keep.flatten().nonzero().squeeze(1),
+            targets[keep],
+            temperature,
+        )[0]
 
 
 def response_logits(
@@ -316,6 +377,11 @@ def response_logits(
     position_ids = position_ids_from_mask(attention_mask) if attention_mask is not None else None
     ctx = reference_context(policy) if reference else nullcontext(policy.model)
     with ctx as lm:
-        out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 logits_to_keep=response_length + 1, use_cache=False)
+        out = lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=response_length + 1,
+            use_cache=False,
+        )
     return out.logits[:, :-1]

@@ -6,8 +6,8 @@ every prompt. :func:`scoring_hidden` runs such tokens once, with gradients (auto
 row), and gives every row the final hidden states that one pass over the whole rows gives, to float rounding. It
 takes the cheapest of:
 
-* **one call over laid-out rows** (:func:`align.core.packing.share_prompts`): ``[shared | rest of row 1 | rest of row 2 |
-  ...]``, each rest masked from the others by a custom 4D mask (``sdpa`` or ``eager`` attention, no sliding window).
+* **one call over laid-out rows** (:func:`align.core.packing.share_prompts`): ``[shared | rest of row 1 | rest of row 2
+  | ...]``, each rest masked from the others by a custom 4D mask (``sdpa`` or ``eager`` attention, no sliding window).
   A laid-out row holds a piece of at most ``k`` rows, ``k`` chosen by :func:`best_piece_size`'s count of
   multiply-adds: fewer tokens through the linear layers against a longer row's attention;
 * **two calls**: the shared tokens once, then every row's continuation reading their keys and values from the cache.
@@ -63,8 +63,9 @@ def decoder_facts(decoder: nn.Module) -> DecoderFacts:
         embeddings = decoder.get_input_embeddings().weight.numel()
         heads = getattr(config, "num_attention_heads", 1) or 1
         width = heads * (getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads)
-        _FACTS[decoder] = DecoderFacts(parameters, kwarg, 2 * (parameters - embeddings),
-                                       4 * width * (getattr(config, "num_hidden_layers", 0) or 0))
+        _FACTS[decoder] = DecoderFacts(
+            parameters, kwarg, 2 * (parameters - embeddings), 4 * width * (getattr(config, "num_hidden_layers", 0) or 0)
+        )
     return _FACTS[decoder]
 
 
@@ -72,8 +73,9 @@ def layout_mask_kind(decoder: nn.Module) -> str | None:
     """How ``decoder``'s attention takes a custom ``(B, 1, L, L)`` mask: ``"bool"`` (sdpa), ``"additive"`` (eager),
     or None (another implementation, or sliding-window attention, which such a mask would replace)."""
     config = getattr(decoder, "config", None)
-    if config is None or (getattr(config, "sliding_window", None) is not None
-                          and getattr(config, "use_sliding_window", True)):
+    if config is None or (
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    ):
         return None
     return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
 
@@ -89,6 +91,7 @@ def best_piece_size(group_sizes: list[int], shared: int, fed: int, token_flops: 
     ``group_sizes`` rows that share ``shared`` columns and feed ``fed`` columns each after them. Each group becomes
     ``ceil(n / k)`` rows of ``shared + k * fed`` columns. 1 (lay nothing out) unless that saves at least
     ``_MIN_LAYOUT_SAVING`` of one row per row's FLOPs."""
+
     def cost(k: int) -> int:
         rows = sum(-(-n // k) for n in group_sizes)
         return pass_cost(rows, shared + min(k, max(group_sizes)) * fed, token_flops, pair_flops)
@@ -97,8 +100,13 @@ def best_piece_size(group_sizes: list[int], shared: int, fed: int, token_flops: 
     return k if cost(k) <= (1 - _MIN_LAYOUT_SAVING) * cost(1) else 1
 
 
-def scoring_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   position_ids: torch.Tensor | None, R: int) -> torch.Tensor:
+def scoring_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    R: int,
+) -> torch.Tensor:
     """``(B, R, H)`` final hidden states of the positions ``T-R-1 .. T-2``, which predict the last ``R`` tokens of
     ``input_ids`` ``(B, T)``; tokens that rows share run once (see the module docstring)."""
     B, T = input_ids.shape
@@ -136,12 +144,21 @@ def scoring_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: 
 
 def plain_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
     T = input_ids.shape[1]
-    return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).last_hidden_state[:, T - R - 1 : T - 1]
+    return decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, T - R - 1 : T - 1]
 
 
-def _laid_out_hidden(decoder: nn.Module, mask_kind: str, input_ids, attention_mask, position_ids, fed: int,
-                     piece: torch.Tensor, pieces: int) -> torch.Tensor:
+def _laid_out_hidden(
+    decoder: nn.Module,
+    mask_kind: str,
+    input_ids,
+    attention_mask,
+    position_ids,
+    fed: int,
+    piece: torch.Tensor,
+    pieces: int,
+) -> torch.Tensor:
     """``(B, fed, H)``: hidden states of the positions that predict each row's last ``fed`` tokens, from one call
     over ``pieces`` laid-out rows that each run their rows' first ``T - fed`` (equal) columns once."""
     rows = share_prompts(input_ids, attention_mask, position_ids, fed, piece, pieces)
@@ -149,8 +166,9 @@ def _laid_out_hidden(decoder: nn.Module, mask_kind: str, input_ids, attention_ma
     if mask_kind == "additive":
         dtype = decoder.get_input_embeddings().weight.dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    hidden = decoder(input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids,
-                     use_cache=False).last_hidden_state  # (pieces, L, H)
+    hidden = decoder(
+        input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False
+    ).last_hidden_state  # (pieces, L, H)
     return rows_of(hidden, rows.group[:, None] * hidden.shape[1] + rows.index)
 
 
@@ -192,7 +210,10 @@ class _RowsOf(torch.autograd.Function):
 @contextmanager
 def deterministic_algorithms() -> Iterator[None]:
     """torch's deterministic mode for the ops inside, then the mode as it was."""
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True)
     try:
         yield
@@ -200,24 +221,51 @@ def deterministic_algorithms() -> Iterator[None]:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-def _cached_prefix_hidden(decoder: nn.Module, cache_kwarg: str, input_ids, attention_mask, position_ids, C: int,
-                          group: torch.Tensor, groups: int) -> torch.Tensor:
+def _cached_prefix_hidden(
+    decoder: nn.Module,
+    cache_kwarg: str,
+    input_ids,
+    attention_mask,
+    position_ids,
+    C: int,
+    group: torch.Tensor,
+    groups: int,
+) -> torch.Tensor:
     """``(B, T - C, H)``: hidden states of the positions ``C-1 .. T-2``, the first ``C`` columns (equal within each
     group of ``group``) run once per group, their keys and values read by every row's continuation."""
     T = input_ids.shape[1]
     first = group_representatives(group, groups)
-    sub = lambda x: None if x is None else x[first, :C]
-    prefix = decoder(input_ids=input_ids[first, :C], attention_mask=sub(attention_mask),
-                     position_ids=sub(position_ids), use_cache=True)
+
+    def sub(x):
+        return None if x is None else x[first, :C]
+
+    prefix = decoder(
+        input_ids=input_ids[first, :C],
+        attention_mask=sub(attention_mask),
+        position_ids=sub(position_ids),
+        use_cache=True,
+    )
     cache = prefix.cache if getattr(prefix, "cache", None) is not None else prefix.past_key_values
     cache.reorder_cache(group)  # index_select along the batch: differentiable, gradients summed per group
-    rest = decoder(input_ids=input_ids[:, C : T - 1],
-                   attention_mask=None if attention_mask is None else attention_mask[:, : T - 1],
-                   position_ids=None if position_ids is None else position_ids[:, C : T - 1],
-                   use_cache=True, **{cache_kwarg: cache}).last_hidden_state  # (B, T - 1 - C, H)
+    rest = decoder(
+        input_ids=input_ids[:, C : T - 1],
+        attention_mask=None if attention_mask is None else attention_mask[:, : T - 1],
+        position_ids=None if position_ids is None else position_ids[:, C : T - 1],
+        use_cache=True,
+        **{cache_kwarg: cache},
+    ).last_hidden_state  # (B, T - 1 - C, H)
     last = prefix.last_hidden_state  # (groups, C, H)
     return torch.cat([rows_of(last, group[:, None] * C + C - 1), rest], dim=1)
 
 
-__all__ = ["DecoderFacts", "best_piece_size", "decoder_facts", "deterministic_algorithms", "layout_mask_kind", "pass_cost",
-           "plain_hidden", "rows_of", "scoring_hidden"]
+__all__ = [
+    "DecoderFacts",
+    "best_piece_size",
+    "decoder_facts",
+    "deterministic_algorithms",
+    "layout_mask_kind",
+    "pass_cost",
+    "plain_hidden",
+    "rows_of",
+    "scoring_hidden",
+]

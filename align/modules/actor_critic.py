@@ -21,8 +21,9 @@ Building a batch (:meth:`ActorCriticModule.make_batch`), from a scored rollout o
 
 The value model is the policy's ``critic`` block (:class:`~align.models.critic.Critic`): ``critic: {kind: shared}``
 puts a scalar head on the policy backbone; ``{kind: separate}`` gives a critic with its own backbone loaded from
-``critic.model`` (for example the reward model, whose head then starts the critic's, ``head_from_reward_model``). During the first ``value.warmup_rollouts`` rollouts only the value loss is optimised
-(:meth:`ActorCriticModule.update_value`); a shared value head then trains alone, so the policy does not move.
+``critic.model`` (for example the reward model, whose head then starts the critic's, ``head_from_reward_model``). During
+the first ``value.warmup_rollouts`` rollouts only the value loss is optimised (:meth:`ActorCriticModule.update_value`);
+a shared value head then trains alone, so the policy does not move.
 """
 
 from __future__ import annotations
@@ -86,16 +87,23 @@ class ActorCriticModule(RLModule):
         **kwargs,
     ):
         if policy.critic is None:
-            raise AlignConfigError("model.policy.critic: this algorithm needs a value model; set {kind: shared} (a head "
-                                   "on the policy backbone) or {kind: separate} (a critic, e.g. with model: <reward "
-                                   "model>)")
+            raise AlignConfigError(
+                "model.policy.critic: this algorithm needs a value model; set {kind: shared} (a head "
+                "on the policy backbone) or {kind: separate} (a critic, e.g. with model: <reward "
+                "model>)"
+            )
         if kl.placement != "reward":
-            raise AlignConfigError("model.kl.placement: PPO and TRPO shape the KL into the per-token rewards; "
-                                   "expected 'reward'")
+            raise AlignConfigError(
+                "model.kl.placement: PPO and TRPO shape the KL into the per-token rewards; expected 'reward'"
+            )
         super().__init__(policy, kl=kl, **kwargs)
         self.gae, self.scores, self.value = gae, scores, value
-        self.headline_metrics = ("val/reward_mean", *(f"val/reward/{n}" for n in self.sampler.reward.names),
-                                 "val/accuracy", "val/kl")
+        self.headline_metrics = (
+            "val/reward_mean",
+            *(f"val/reward/{n}" for n in self.sampler.reward.names),
+            "val/accuracy",
+            "val/kl",
+        )
 
     def value_parameters(self) -> list[torch.nn.Parameter]:
         """The value model's parameters: the separate critic and its head, or the shared head."""
@@ -119,8 +127,9 @@ class ActorCriticModule(RLModule):
         """The score options (:func:`align.core.stats.transform_scores`), whitening over every rank. ``(N,) -> (N,)``;
         ``truncated`` (N,) marks responses cut without EOS."""
         s = self.scores
-        return stats.transform_scores(scores, truncated, s.missing_eos_penalty, s.whiten, s.scale, s.clip,
-                                      all_reduce=self.all_reduce_sum)
+        return stats.transform_scores(
+            scores, truncated, s.missing_eos_penalty, s.whiten, s.scale, s.clip, all_reduce=self.all_reduce_sum
+        )
 
     # ------------------------------------------------------------------ scored rollout -> GAEBatch
     @torch.no_grad()
@@ -140,8 +149,11 @@ class ActorCriticModule(RLModule):
             ref_logprobs = self.reference_logprobs(rollout)
             plan = None
             if self.keeps_first_values():
-                widths = (RLBatch.row_widths(rollout.attention_mask, mask.shape[1])
-                          if self.updates.max_tokens_per_microbatch is not None else None)
+                widths = (
+                    RLBatch.row_widths(rollout.attention_mask, mask.shape[1])
+                    if self.updates.max_tokens_per_microbatch is not None
+                    else None
+                )
                 plan = self.learner.plan(len(rollout), widths)
             values, kept = critic_values(self.scorer, rollout, plan[0][0] if plan else None)  # (N, R)
             values = torch.where(mask, values, torch.zeros_like(values))
@@ -149,38 +161,82 @@ class ActorCriticModule(RLModule):
             reference = old_logprobs if ref_logprobs is None else ref_logprobs
             kl = torch.where(mask, kl_estimate(old_logprobs, reference, kind=self.kl.kind), zero)  # (N, R)
             g = self.gae
-            out = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(
-                scores, mask, kl=kl, kl_coef=self.kl_controller.value, token_rewards=turn_rewards, values=values,
-                gamma=g.gamma, lam=g.lam, whiten=g.whiten_advantages, all_reduce=self.all_reduce_sum))
+            out = ADVANTAGE_ESTIMATORS["gae"](
+                AdvantageInputs(
+                    scores,
+                    mask,
+                    kl=kl,
+                    kl_coef=self.kl_controller.value,
+                    token_rewards=turn_rewards,
+                    values=values,
+                    gamma=g.gamma,
+                    lam=g.lam,
+                    whiten=g.whiten_advantages,
+                    all_reduce=self.all_reduce_sum,
+                )
+            )
         metrics = self.sampler.rollout_metrics(scored)
-        sums = self.all_reduce_sum(torch.stack([masked_sum(kl, mask, dim=1).sum(), kl.sum(), mask.sum().float(),
-                                                torch.tensor(float(len(rollout)), device=kl.device)]))
+        sums = self.all_reduce_sum(
+            torch.stack(
+                [
+                    masked_sum(kl, mask, dim=1).sum(),
+                    kl.sum(),
+                    mask.sum().float(),
+                    torch.tensor(float(len(rollout)), device=kl.device),
+                ]
+            )
+        )
         metrics["train/kl"] = float(sums[0] / sums[3].clamp(min=1))
         metrics["train/kl_per_token"] = float(sums[1] / sums[2].clamp(min=1))
         metrics["train/kl_coef"] = float(self.kl_controller.value)
-        metrics["train/explained_variance"] = float(stats.explained_variance(values, out.returns, mask,
-                                                                             all_reduce=self.all_reduce_sum))
+        metrics["train/explained_variance"] = float(
+            stats.explained_variance(values, out.returns, mask, all_reduce=self.all_reduce_sum)
+        )
         metrics["train/returns_mean"] = float(masked_mean(out.returns, mask))
         metrics["train/values_mean"] = float(masked_mean(values, mask))
         metrics["train/advantages_mean"] = float(masked_mean(out.raw, mask))
         metrics["train/score_mean"] = float(scores.mean())
         metrics["rollout/truncated_frac"] = float(rollout.truncated.float().mean())
-        return GAEBatch(rollout.input_ids, rollout.attention_mask, mask, old_logprobs, corrected(out.advantages, rollout),
-                        ref_logprobs,
-                        values=values, returns=out.returns, rewards=out.token_rewards, kl=kl, scores=scores,
-                        metrics=metrics, plan=plan, kept=kept)
+        return GAEBatch(
+            rollout.input_ids,
+            rollout.attention_mask,
+            mask,
+            old_logprobs,
+            corrected(out.advantages, rollout),
+            ref_logprobs,
+            values=values,
+            returns=out.returns,
+            rewards=out.token_rewards,
+            kl=kl,
+            scores=scores,
+            metrics=metrics,
+            plan=plan,
+            kept=kept,
+        )
 
     # ------------------------------------------------------------------ the value model
-    def value_loss(self, micro: GAEBatch, normaliser: torch.Tensor, values: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def value_loss(
+        self, micro: GAEBatch, normaliser: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Squared error to the returns, clipped around the rollout values: ``(loss share, metrics)``."""
         mask = micro.response_mask
-        loss, clipfrac = value_loss(values, micro.values, micro.returns, mask, self.value.clip,
-                                    agg=self.updates.loss_aggregation, normaliser=normaliser)
+        loss, clipfrac = value_loss(
+            values,
+            micro.values,
+            micro.returns,
+            mask,
+            self.value.clip,
+            agg=self.updates.loss_aggregation,
+            normaliser=normaliser,
+        )
         return loss, {"train/value_loss": as_token_mean(loss, normaliser, mask), "train/value_clipfrac": clipfrac}
 
-    def _value_only_loss(self, micro: GAEBatch, normaliser: torch.Tensor, kept: KeptValues | None = None,
-                         ) -> tuple[torch.Tensor, dict]:
+    def _value_only_loss(
+        self,
+        micro: GAEBatch,
+        normaliser: torch.Tensor,
+        kept: KeptValues | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         # During warm-up a shared head trains alone: the policy backbone must not move before its first update.
         values = kept.take(micro.rows) if kept is not None else None
         if values is None:

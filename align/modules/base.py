@@ -48,7 +48,7 @@ class PairMetrics:
             self.sums[name] = self.sums[name] + value if name in self.sums else value
         self.pairs += pairs
 
-    def means(self, module: "AlignModule") -> dict[str, float]:
+    def means(self, module: AlignModule) -> dict[str, float]:
         """Window means over all ranks (one all-reduce); ``pairs_per_s`` from this rank's clock."""
         if not self.sums:
             return {}
@@ -67,8 +67,12 @@ def _last_step(trainer: L.Trainer) -> bool:
     if trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
         return True
     loop = trainer.fit_loop
-    return bool(loop.max_epochs and loop.max_epochs > 0 and trainer.current_epoch + 1 >= loop.max_epochs
-                and loop.epoch_loop.batch_progress.is_last_batch)
+    return bool(
+        loop.max_epochs
+        and loop.max_epochs > 0
+        and trainer.current_epoch + 1 >= loop.max_epochs
+        and loop.epoch_loop.batch_progress.is_last_batch
+    )
 
 
 class TrainingModule(L.LightningModule):
@@ -145,11 +149,18 @@ class TrainingModule(L.LightningModule):
         trainer = self.trainer
         loop = trainer.fit_loop
         last = (0 < trainer.max_steps <= trainer.global_step) or bool(
-            loop.max_epochs and loop.max_epochs > 0 and trainer.current_epoch + 1 >= loop.max_epochs
-            and loop.epoch_loop.batch_progress.is_last_batch)
+            loop.max_epochs
+            and loop.max_epochs > 0
+            and trainer.current_epoch + 1 >= loop.max_epochs
+            and loop.epoch_loop.batch_progress.is_last_batch
+        )
         connector = getattr(trainer, "_logger_connector", None)
-        if last and connector is not None and trainer.log_every_n_steps > 0 and not (
-                connector.should_update_logs or trainer.fast_dev_run):
+        if (
+            last
+            and connector is not None
+            and trainer.log_every_n_steps > 0
+            and not (connector.should_update_logs or trainer.fast_dev_run)
+        ):
             connector.log_metrics(connector.metrics["log"])
 
     def log_nothing(self) -> None:
@@ -270,8 +281,11 @@ class AlignModule(TrainingModule):
         Per-step bookkeeping (the window's loss, tokens/s) must wait for that end.
         """
         trainer = self._trainer
-        return bool(trainer is not None and trainer.strategy.handles_gradient_accumulation
-                    and trainer.fit_loop._should_accumulate())
+        return bool(
+            trainer is not None
+            and trainer.strategy.handles_gradient_accumulation
+            and trainer.fit_loop._should_accumulate()
+        )
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """The step, then the gradients are released at once.
@@ -302,8 +316,11 @@ class AlignModule(TrainingModule):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         trainer = self._trainer  # None in load_from_checkpoint, which calls this hook outside a trainer
-        if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy) and not getattr(
-                self, "_fsdp_applied", False):
+        if (
+            trainer is not None
+            and isinstance(trainer.strategy, ModelParallelStrategy)
+            and not getattr(self, "_fsdp_applied", False)
+        ):
             from align.trainer.strategies import apply_fsdp2
 
             apply_fsdp2(self.policy, trainer.strategy)
@@ -323,13 +340,24 @@ class AlignModule(TrainingModule):
             if self._standalone is None:
                 raise RuntimeError("update without a trainer: call use_optimizer(optimizer) first")
             optimizer, scheduler = self._standalone
-            return Optimization(optimizer, scheduler, lambda loss: loss.backward(),
-                                lambda norm: torch.nn.utils.clip_grad_norm_(self.parameters(), norm))
+            return Optimization(
+                optimizer,
+                scheduler,
+                lambda loss: loss.backward(),
+                lambda norm: torch.nn.utils.clip_grad_norm_(self.parameters(), norm),
+            )
         from align.trainer.strategies import accumulation_boundary
 
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        return Optimization(optimizer, scheduler, self.manual_backward, partial(clip_gradients, self, optimizer),
-                            lambda last: accumulation_boundary(self, last), self.gradient_scale(), self.ranks)
+        return Optimization(
+            optimizer,
+            scheduler,
+            self.manual_backward,
+            partial(clip_gradients, self, optimizer),
+            lambda last: accumulation_boundary(self, last),
+            self.gradient_scale(),
+            self.ranks,
+        )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Enough to rebuild the policy without the run's config (see ``align export``).

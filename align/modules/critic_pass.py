@@ -42,8 +42,11 @@ class KeptValues:
         return values
 
 
-def critic_values(scorer: Scorer, rollout: Rollout, first: torch.Tensor | None = None,
-                  ) -> tuple[torch.Tensor, KeptValues | None]:
+def critic_values(
+    scorer: Scorer,
+    rollout: Rollout,
+    first: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, KeptValues | None]:
     """``(N, R)`` values of the rollout's rows under the scorer's critic, detached, and, when ``first`` names the
     rows of the update's first micro-batch (``plan[0][0]``), those rows' values with their graph."""
     R = rollout.response_mask.shape[1]
@@ -54,11 +57,17 @@ def critic_values(scorer: Scorer, rollout: Rollout, first: torch.Tensor | None =
     rest = torch.ones(len(rollout), dtype=torch.bool, device=rollout.input_ids.device)
     rest[first] = False
     with torch.enable_grad():
-        kept = scorer.values(Rows(rollout.input_ids[first, :columns], rollout.attention_mask[first, :columns],
-                                  rollout.response_mask[first, :width]))
+        kept = scorer.values(
+            Rows(
+                rollout.input_ids[first, :columns],
+                rollout.attention_mask[first, :columns],
+                rollout.response_mask[first, :width],
+            )
+        )
     values = torch.zeros(len(rollout), R, dtype=kept.dtype, device=kept.device)
     values[first, :width] = kept.detach()
     if bool(rest.any()):
-        values[rest] = scorer.values(Rows(rollout.input_ids[rest], rollout.attention_mask[rest],
-                                          rollout.response_mask[rest]))
+        values[rest] = scorer.values(
+            Rows(rollout.input_ids[rest], rollout.attention_mask[rest], rollout.response_mask[rest])
+        )
     return values, KeptValues(first, kept)

@@ -116,20 +116,26 @@ class DistillModule(RLModule):
         if not 0.0 <= lmbda <= 1.0:
             raise AlignConfigError(f"model.lmbda: expected a value in [0, 1], got {lmbda}")
         if objective == "reverse_kl" and lmbda != 1.0:
-            raise AlignConfigError(f"model.lmbda: the reverse_kl objective trains on the student's samples only; "
-                                   f"expected 1 (or objective: gkd), got {lmbda}")
+            raise AlignConfigError(
+                f"model.lmbda: the reverse_kl objective trains on the student's samples only; "
+                f"expected 1 (or objective: gkd), got {lmbda}"
+            )
         if not isinstance(teacher, str) or not teacher.strip():
             raise AlignConfigError(f"model.teacher: expected a model id or folder, got {teacher!r}")
         policy_loss.clip_bounds(clip)
         kl = kwargs.get("kl")
         if kl is not None and kl.enabled:
-            raise AlignConfigError(f"model.kl.coef: distillation pulls the student toward the teacher, which takes the "
-                                   f"reference's place; expected 0 and no kl.target, got coef {kl.coef}")
+            raise AlignConfigError(
+                f"model.kl.coef: distillation pulls the student toward the teacher, which takes the "
+                f"reference's place; expected 0 and no kl.target, got coef {kl.coef}"
+            )
         policy = policy if policy is not None else PolicyModel("tiny-sort")
         reference = policy.spec.get("reference_model")
         if reference and reference != teacher:
-            raise AlignConfigError(f"model.policy.reference_model: the teacher is loaded as the reference, so it must "
-                                   f"be unset or equal model.teacher ({teacher!r}), got {reference!r}")
+            raise AlignConfigError(
+                f"model.policy.reference_model: the teacher is loaded as the reference, so it must "
+                f"be unset or equal model.teacher ({teacher!r}), got {reference!r}"
+            )
         policy.spec["reference_model"] = teacher
         if rewards is None and kwargs.get("environment") is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
@@ -142,8 +148,10 @@ class DistillModule(RLModule):
         super().setup(stage)
         student, teacher = self.policy.config.vocab_size, self.policy.ref_model.config.vocab_size
         if student != teacher:
-            raise AlignConfigError(f"model.teacher: {self.teacher!r} has a vocabulary of {teacher} tokens and the "
-                                   f"student {student}; expected a teacher that shares the student's tokenizer")
+            raise AlignConfigError(
+                f"model.teacher: {self.teacher!r} has a vocabulary of {teacher} tokens and the "
+                f"student {student}; expected a teacher that shares the student's tokenizer"
+            )
 
     # ------------------------------------------------------------------ checkpoints without the teacher
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -185,8 +193,10 @@ class DistillModule(RLModule):
             teacher = self.scorer.response_logits(micro, reference=True)
         per_token = generalized_jsd(student, teacher, self.beta, self.scorer.temperature)  # (n, R)
         loss = aggregate(per_token, mask, self.updates.loss_aggregation, normaliser)
-        return loss, {"train/loss": as_token_mean(loss, normaliser, mask),
-                      "distill/jsd": masked_mean(per_token.detach(), mask)}
+        return loss, {
+            "train/loss": as_token_mean(loss, normaliser, mask),
+            "distill/jsd": masked_mean(per_token.detach(), mask),
+        }
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         if self.on_student_samples():

@@ -36,14 +36,15 @@ With ``orpo`` the rewards are ``beta`` times the mean log-probs (as TRL logs the
 
 from __future__ import annotations
 
-from typing import Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from align.core.preference_losses import dpo_loss, orpo_loss, simpo_loss
 from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
-from align.core.preference_losses import dpo_loss, orpo_loss, simpo_loss
 from align.models.policy import PolicyModel
 from align.modules.preference import PreferenceModule, pair_correct
 
@@ -61,34 +62,35 @@ class PairLogps(NamedTuple):
     ref_rejected: torch.Tensor | None  # (B,)
 
 
-def _sigmoid(x: PairLogps, m: "DPOModule"):
+def _sigmoid(x: PairLogps, m: DPOModule):
     return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, m.beta, "sigmoid")
 
 
-def _conservative(x: PairLogps, m: "DPOModule"):
+def _conservative(x: PairLogps, m: DPOModule):
     return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, m.beta, "sigmoid", m.label_smoothing)
 
 
-def _ipo(x: PairLogps, m: "DPOModule"):
+def _ipo(x: PairLogps, m: DPOModule):
     nc, nr = x.chosen_tokens.clamp(min=1), x.rejected_tokens.clamp(min=1)
     return dpo_loss(x.chosen / nc, x.rejected / nr, x.ref_chosen / nc, x.ref_rejected / nr, m.beta, "ipo")
 
 
-def _hinge(x: PairLogps, m: "DPOModule"):
+def _hinge(x: PairLogps, m: DPOModule):
     return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, m.beta, "hinge")
 
 
-def _simpo(x: PairLogps, m: "DPOModule"):
+def _simpo(x: PairLogps, m: DPOModule):
     return simpo_loss(x.chosen, x.rejected, x.chosen_tokens, x.rejected_tokens, m.beta, m.simpo_gamma)
 
 
-def _orpo(x: PairLogps, m: "DPOModule"):
-    losses, chosen, rejected, nll, log_odds = orpo_loss(x.chosen, x.rejected, x.chosen_tokens, x.rejected_tokens,
-                                                        m.beta)
+def _orpo(x: PairLogps, m: DPOModule):
+    losses, chosen, rejected, nll, log_odds = orpo_loss(
+        x.chosen, x.rejected, x.chosen_tokens, x.rejected_tokens, m.beta
+    )
     return losses, chosen, rejected, {"nll_chosen": nll, "log_odds_ratio": log_odds}
 
 
-PREFERENCE_LOSSES: dict[str, Callable[[PairLogps, "DPOModule"], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+PREFERENCE_LOSSES: dict[str, Callable[[PairLogps, DPOModule], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
     "sigmoid": _sigmoid,
     "conservative": _conservative,
     "ipo": _ipo,
@@ -151,18 +153,31 @@ class DPOModule(PreferenceModule):
         if beta <= 0:
             raise AlignConfigError(f"model.beta: expected > 0, got {beta}")
         if loss_type == "conservative" and not 0.0 < label_smoothing < 0.5:
-            raise AlignConfigError(f"model.label_smoothing: loss_type 'conservative' needs a value in (0, 0.5), "
-                                   f"got {label_smoothing}")
+            raise AlignConfigError(
+                f"model.label_smoothing: loss_type 'conservative' needs a value in (0, 0.5), got {label_smoothing}"
+            )
         if label_smoothing and loss_type != "conservative":
-            raise AlignConfigError(f"model.label_smoothing: expected 0 with loss_type {loss_type!r} (it applies to "
-                                   f"'conservative' only), got {label_smoothing}")
+            raise AlignConfigError(
+                f"model.label_smoothing: expected 0 with loss_type {loss_type!r} (it applies to "
+                f"'conservative' only), got {label_smoothing}"
+            )
         if rpo_alpha < 0:
             raise AlignConfigError(f"model.rpo_alpha: expected >= 0, got {rpo_alpha}")
         if rpo_alpha and loss_type == "orpo":
-            raise AlignConfigError(f"model.rpo_alpha: expected 0 with loss_type 'orpo', whose loss already holds the "
-                                   f"chosen NLL, got {rpo_alpha}")
-        super().__init__(policy, optimizer, scheduler, disable_dropout, loss_type not in REFERENCE_FREE,
-                         precompute_reference, reference_cache_dir, padding_free)
+            raise AlignConfigError(
+                f"model.rpo_alpha: expected 0 with loss_type 'orpo', whose loss already holds the "
+                f"chosen NLL, got {rpo_alpha}"
+            )
+        super().__init__(
+            policy,
+            optimizer,
+            scheduler,
+            disable_dropout,
+            loss_type not in REFERENCE_FREE,
+            precompute_reference,
+            reference_cache_dir,
+            padding_free,
+        )
         self.loss_type, self.beta, self.label_smoothing = loss_type, beta, label_smoothing
         self.simpo_gamma = simpo_gamma
         self.rpo_alpha = rpo_alpha
@@ -185,8 +200,13 @@ class DPOModule(PreferenceModule):
             losses = losses + self.rpo_alpha * nll
             stats["nll_chosen"] = nll.detach().sum()
         correct = pair_correct(rewards_chosen, rewards_rejected)
-        stats.update(loss=losses.detach().sum(), accuracy=correct.sum(),
-                     margin=(rewards_chosen - rewards_rejected).sum(), rewards_chosen=rewards_chosen.sum(),
-                     rewards_rejected=rewards_rejected.sum(), logps_chosen=x.chosen.detach().sum(),
-                     logps_rejected=x.rejected.detach().sum())
+        stats.update(
+            loss=losses.detach().sum(),
+            accuracy=correct.sum(),
+            margin=(rewards_chosen - rewards_rejected).sum(),
+            rewards_chosen=rewards_chosen.sum(),
+            rewards_rejected=rewards_rejected.sum(),
+            logps_chosen=x.chosen.detach().sum(),
+            logps_rejected=x.rejected.detach().sum(),
+        )
         return losses.sum(), stats

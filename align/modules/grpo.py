@@ -93,12 +93,19 @@ class GRPOModule(RLModule):
         """
         policy_loss.clip_bounds(clip)  # a clip range set for a loss without one fails here
         if group_size < advantages.min_group_size:
-            raise AlignConfigError(f"model.group_size: expected >= 2 for the group baseline of advantages.estimator "
-                                   f"{advantages.estimator}, got {group_size}")
+            raise AlignConfigError(
+                f"model.group_size: expected >= 2 for the group baseline of advantages.estimator "
+                f"{advantages.estimator}, got {group_size}"
+            )
         if rewards is None and reward_model is None and kwargs.get("environment") is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
-        super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
-                         reward_model=reward_model, group_size=group_size, **kwargs)
+        super().__init__(
+            policy if policy is not None else PolicyModel("tiny-sort"),
+            rewards=rewards,
+            reward_model=reward_model,
+            group_size=group_size,
+            **kwargs,
+        )
         self.clip, self.policy_loss, self.advantages = clip, policy_loss, advantages
         policy_loss.check_correction(self.sampler.engine)
 
@@ -118,8 +125,15 @@ class GRPOModule(RLModule):
         """``advantages.estimator`` applied to the rewards ``(N,)``, the KL estimate of the sampled tokens ``(N, R)``
         (None without a reference) and the response mask ``(N, R)``: ``(N,)`` for ``grpo`` and ``rloo``, ``(N, R)``
         for the REINFORCE++ estimators. ``kl.placement: reward`` puts ``kl_coef * kl`` into the rewards."""
-        inputs = AdvantageInputs(rewards, mask, self.group_size, kl if self.kl.placement == "reward" else None,
-                                 self.kl_controller.value, self.advantages.scale, all_reduce=self.all_reduce_sum)
+        inputs = AdvantageInputs(
+            rewards,
+            mask,
+            self.group_size,
+            kl if self.kl.placement == "reward" else None,
+            self.kl_controller.value,
+            self.advantages.scale,
+            all_reduce=self.all_reduce_sum,
+        )
         return ADVANTAGE_ESTIMATORS[self.advantages.estimator](inputs).advantages
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
@@ -129,8 +143,9 @@ class GRPOModule(RLModule):
         rollout, rewards = scored.rollout, scored.rewards  # rewards (N,)
         with Timer(self.timings, "time/update_s"):
             ref_logprobs = self.reference_logprobs(rollout)
-            kl = None if ref_logprobs is None else kl_estimate(rollout.old_logprobs, ref_logprobs,
-                                                               self.kl.kind)  # (N, R)
+            kl = (
+                None if ref_logprobs is None else kl_estimate(rollout.old_logprobs, ref_logprobs, self.kl.kind)
+            )  # (N, R)
             advantages = self.estimate_advantages(rewards, kl, rollout.response_mask)  # (N,) or (N, R)
             stats = self.update(RLBatch.from_rollout(rollout, advantages, ref_logprobs), self._loss)
         metrics = self.sampler.rollout_metrics(scored)

@@ -3,8 +3,8 @@
 Each example is a prompt, a completion and a label: desirable or undesirable
 (:class:`~align.data.preference.UnpairedDataModule`, which also reads preference pairs as one of each). With the
 implicit reward ``r = log pi(y|x) - log pi_ref(y|x)`` of the completion (summed over its tokens) and the reference
-point ``z0``, the loss (:func:`align.core.preference_losses.kto_loss`, Eq. 7) is ``desirable_weight * (1 - sigmoid(beta (r - z0)))``
-for a desirable example and ``undesirable_weight * (1 - sigmoid(beta (z0 - r)))`` for an undesirable one.
+point ``z0``, the loss (:func:`align.core.preference_losses.kto_loss`, Eq. 7) is ``desirable_weight * (1 - sigmoid(beta
+(r - z0)))`` for a desirable example and ``undesirable_weight * (1 - sigmoid(beta (z0 - r)))`` for an undesirable one.
 
 ``z0`` estimates KL(pi || pi_ref) from mismatched pairs, as in the paper and TRL: each prompt with another example's
 completion (fixed once by :func:`~align.data.preference.mismatch_completions`), ``max(0, mean(log pi - log pi_ref))``
@@ -33,9 +33,9 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 
+from align.core.preference_losses import kto_loss
 from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
-from align.core.preference_losses import kto_loss
 from align.models.policy import PolicyModel
 from align.modules.preference import PreferenceModule
 
@@ -78,12 +78,16 @@ class KTOModule(PreferenceModule):
                 response lengths vary widely). False scores the padded rows, where a pair's shared prompt runs once
                 on models large enough for that to pay.
         """
-        for name, value in (("beta", beta), ("desirable_weight", desirable_weight),
-                            ("undesirable_weight", undesirable_weight)):
+        for name, value in (
+            ("beta", beta),
+            ("desirable_weight", desirable_weight),
+            ("undesirable_weight", undesirable_weight),
+        ):
             if not value > 0:
                 raise AlignConfigError(f"model.{name}: expected > 0, got {value}")
-        super().__init__(policy, optimizer, scheduler, disable_dropout, True, precompute_reference, reference_cache_dir,
-                         padding_free)
+        super().__init__(
+            policy, optimizer, scheduler, disable_dropout, True, precompute_reference, reference_cache_dir, padding_free
+        )
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
 
     def on_train_start(self) -> None:
@@ -94,10 +98,12 @@ class KTOModule(PreferenceModule):
         ratio = self.desirable_weight * desirable / max(self.undesirable_weight * undesirable, 1e-12)
         if not 1.0 <= ratio <= 4 / 3:
             low, high = undesirable * self.undesirable_weight / max(desirable, 1), 4 / 3
-            rank_zero_warn(f"KTO: {desirable} desirable and {undesirable} undesirable training examples; with these "
-                           f"weights desirable_weight * n_desirable / (undesirable_weight * n_undesirable) = "
-                           f"{ratio:.2f}, outside the paper's [1, 4/3]: for example model.desirable_weight in "
-                           f"[{low:.2f}, {low * high:.2f}]")
+            rank_zero_warn(
+                f"KTO: {desirable} desirable and {undesirable} undesirable training examples; with these "
+                f"weights desirable_weight * n_desirable / (undesirable_weight * n_undesirable) = "
+                f"{ratio:.2f}, outside the paper's [1, 4/3]: for example model.desirable_weight in "
+                f"[{low:.2f}, {low * high:.2f}]"
+            )
 
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:
         B = batch.num_pairs
@@ -109,15 +115,22 @@ class KTOModule(PreferenceModule):
         kl_sum = (kl_logps - ref_kl_logps).sum().float()
         packed = self.all_reduce_sum(torch.stack([kl_sum, torch.tensor(float(B), device=kl_sum.device)]))
         z0 = (packed[0] / packed[1]).clamp(min=0)  # every rank's mismatched pairs
-        losses, rewards = kto_loss(logps, ref_logps, batch.label, z0, self.beta, self.desirable_weight,
-                                   self.undesirable_weight)  # (B,) each
+        losses, rewards = kto_loss(
+            logps, ref_logps, batch.label, z0, self.beta, self.desirable_weight, self.undesirable_weight
+        )  # (B,) each
         desirable = batch.label.to(rewards.dtype)  # (B,)
         side = (rewards - self.beta * z0) * (2 * desirable - 1)  # > 0: on its label's side of z0
         logps = logps.detach()
-        stats = dict(loss=losses.detach().sum(), kl=z0 * B, accuracy=(side > 0).sum() + 0.5 * (side == 0).sum(),
-                     desirable=desirable.sum(), rewards_desirable=(rewards * desirable).sum(),
-                     rewards_undesirable=(rewards * (1 - desirable)).sum(),
-                     logps_desirable=(logps * desirable).sum(), logps_undesirable=(logps * (1 - desirable)).sum())
+        stats = dict(
+            loss=losses.detach().sum(),
+            kl=z0 * B,
+            accuracy=(side > 0).sum() + 0.5 * (side == 0).sum(),
+            desirable=desirable.sum(),
+            rewards_desirable=(rewards * desirable).sum(),
+            rewards_undesirable=(rewards * (1 - desirable)).sum(),
+            logps_desirable=(logps * desirable).sum(),
+            logps_undesirable=(logps * (1 - desirable)).sum(),
+        )
         return losses.sum(), stats
 
     def summarise(self, means: dict[str, float]) -> dict[str, float]:

@@ -18,8 +18,9 @@ as arguments and calls nothing back but the loss function.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,8 +34,17 @@ from align.models.scoring import TokenLogprobs
 from align.modules.options import ClipRange, PolicyLoss, Updates
 from align.rollout.types import Rollout
 
-__all__ = ["LossFn", "Learner", "Optimization", "Plan", "RLBatch", "as_token_mean", "corrected", "minibatch_indices",
-           "policy_loss_terms"]
+__all__ = [
+    "LossFn",
+    "Learner",
+    "Optimization",
+    "Plan",
+    "RLBatch",
+    "as_token_mean",
+    "corrected",
+    "minibatch_indices",
+    "policy_loss_terms",
+]
 
 
 @dataclass
@@ -51,8 +61,8 @@ class RLBatch:
     response_mask: torch.Tensor  # (N, R) bool
     old_logprobs: torch.Tensor  # (N, R) sampling log-probs: the behaviour policy of the importance ratio
     advantages: torch.Tensor  # (N, R) per-token advantages (GRPO broadcasts one per sequence)
-    ref_logprobs: Optional[torch.Tensor] = None  # (N, R) reference log-probs, when a KL term needs them
-    rows: Optional[torch.Tensor] = None  # (N,) long: the rows of the batch these were selected from (None: all)
+    ref_logprobs: torch.Tensor | None = None  # (N, R) reference log-probs, when a KL term needs them
+    rows: torch.Tensor | None = None  # (N,) long: the rows of the batch these were selected from (None: all)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -73,10 +83,10 @@ class RLBatch:
     @staticmethod
     def selected_width(attention_mask: torch.Tensor, response_length: int, index: torch.Tensor) -> int:
         """Response columns that :meth:`select` keeps for the rows ``index``: up to the last one any of them uses."""
-        used = attention_mask[index, attention_mask.shape[1] - response_length:].any(dim=0).nonzero()
+        used = attention_mask[index, attention_mask.shape[1] - response_length :].any(dim=0).nonzero()
         return int(used[-1]) + 1 if len(used) else 1
 
-    def select(self, index: torch.Tensor) -> "RLBatch":
+    def select(self, index: torch.Tensor) -> RLBatch:
         """The rows ``index``, with the padding columns that no selected row uses trimmed off; its ``rows`` say which
         rows of this batch's own source they are."""
         width = self.selected_width(self.attention_mask, self.response_length, index)
@@ -97,10 +107,20 @@ class RLBatch:
         return type(self)(**rows)
 
     @classmethod
-    def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None,
-                     ) -> "RLBatch":
-        return cls(rollout.input_ids, rollout.attention_mask, rollout.response_mask, rollout.old_logprobs,
-                   corrected(advantages, rollout), ref_logprobs)
+    def from_rollout(
+        cls,
+        rollout: Rollout,
+        advantages: torch.Tensor,
+        ref_logprobs: torch.Tensor | None = None,
+    ) -> RLBatch:
+        return cls(
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.response_mask,
+            rollout.old_logprobs,
+            corrected(advantages, rollout),
+            ref_logprobs,
+        )
 
 
 def corrected(advantages: torch.Tensor, rollout: Rollout) -> torch.Tensor:
@@ -115,16 +135,24 @@ def corrected(advantages: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return advantages
 
 
-def minibatch_indices(n: int, num_minibatches: int, micro_batch_size: Optional[int], shuffle: bool = True,
-                      generator: Optional[torch.Generator] = None, widths: Optional[list[int]] = None,
-                      max_tokens: Optional[int] = None) -> list[list[torch.Tensor]]:
+def minibatch_indices(
+    n: int,
+    num_minibatches: int,
+    micro_batch_size: int | None,
+    shuffle: bool = True,
+    generator: torch.Generator | None = None,
+    widths: list[int] | None = None,
+    max_tokens: int | None = None,
+) -> list[list[torch.Tensor]]:
     """Split ``n`` rows into ``num_minibatches`` (one optimizer step each), each into micro-batches of at
     most ``micro_batch_size`` rows (``None``: one micro-batch), or, with ``max_tokens``, into micro-batches of at
     most that many padded tokens given each row's width ``widths`` (:func:`align.core.packing.token_budget_chunks`,
     within ``micro_batch_size`` rows too when set). Returns ``[[indices, ...], ...]``."""
     if not 1 <= num_minibatches <= n:
-        raise AlignConfigError(f"model.updates.minibatches: expected a value in [1, {n}] (the rows of a rollout on "
-                               f"this rank), got {num_minibatches}")
+        raise AlignConfigError(
+            f"model.updates.minibatches: expected a value in [1, {n}] (the rows of a rollout on "
+            f"this rank), got {num_minibatches}"
+        )
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
     out = []
     for mb in torch.tensor_split(order, num_minibatches):
@@ -146,7 +174,7 @@ class Optimization(NamedTuple):
     optimizer: Any
     scheduler: Any = None  # stepped after every optimizer step
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
-    clip: Optional[Callable[[float], Any]] = None  # clips the gradient norm to the given value
+    clip: Callable[[float], Any] | None = None  # clips the gradient norm to the given value
     boundary: Callable[[bool], None] = _no_boundary  # told whether a micro-batch ends the step (DeepSpeed)
     gradient_scale: float = 1.0  # undoes the framework's own scaling of a returned loss
     ranks: Ranks = Ranks()
@@ -173,8 +201,12 @@ class Learner:
     by default :func:`align.core.losses.loss_count` in the unit of ``updates.loss_aggregation``, with Dr. GRPO's
     constant normaliser counting ``max_length`` tokens per row."""
 
-    def __init__(self, updates: Updates, max_length: int | None = None,
-                 count: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+    def __init__(
+        self,
+        updates: Updates,
+        max_length: int | None = None,
+        count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         self.updates, self.max_length = updates, max_length
         self.count = count if count is not None else self.loss_count
         self.steps = 0
@@ -184,14 +216,15 @@ class Learner:
         """This rank's count of loss terms of a minibatch's rows, in the unit of ``updates.loss_aggregation``."""
         return loss_count(response_mask, self.updates.loss_aggregation, self.max_length)
 
-    def split(self, n: int, widths: Optional[list[int]] = None) -> Plan:
+    def split(self, n: int, widths: list[int] | None = None) -> Plan:
         """One pass's minibatches and micro-batches of ``n`` rows of widths ``widths`` (needed with
         ``updates.max_tokens_per_microbatch``; see :meth:`RLBatch.row_widths`), in a fresh random order."""
         u = self.updates
-        return minibatch_indices(n, u.minibatches, u.micro_batch_size, widths=widths,
-                                 max_tokens=u.max_tokens_per_microbatch)
+        return minibatch_indices(
+            n, u.minibatches, u.micro_batch_size, widths=widths, max_tokens=u.max_tokens_per_microbatch
+        )
 
-    def plan(self, n: int, widths: Optional[list[int]] = None) -> Plan:
+    def plan(self, n: int, widths: list[int] | None = None) -> Plan:
         """The first epoch's minibatches of an update of ``n`` rows (of widths ``widths``), drawn now: the same random
         draw :meth:`update` would make first, so that a rollout's scoring can prepare for its first micro-batch. Pass
         it to that update as ``plan``."""
@@ -202,8 +235,14 @@ class Learner:
         count of loss terms summed over every rank, at least 1."""
         return ranks.all_reduce(self.count(response_mask).float()).clamp(min=1.0)
 
-    def update(self, data: RLBatch, loss_fn: LossFn, opt: Optimization, on_step: Callable[[], None] = lambda: None,
-               plan: Optional[Plan] = None) -> dict[str, float]:
+    def update(
+        self,
+        data: RLBatch,
+        loss_fn: LossFn,
+        opt: Optimization,
+        on_step: Callable[[], None] = lambda: None,
+        plan: Plan | None = None,
+    ) -> dict[str, float]:
         """Train on ``data``; returns the step metrics of ``loss_fn``, averaged over every micro-batch of every
         rank weighted by valid tokens. The first epoch's minibatches are ``plan`` (drawn by :meth:`plan` for these
         rows) when given, else drawn here; each micro-batch ``loss_fn`` is given records its rows of ``data`` in
@@ -214,8 +253,11 @@ class Learner:
         planned = plan
         if planned is not None and sum(len(i) for mb in planned for i in mb) != len(data):
             planned = None  # drawn for other rows
-        widths = (RLBatch.row_widths(data.attention_mask, data.response_length)
-                  if u.max_tokens_per_microbatch is not None else None)
+        widths = (
+            RLBatch.row_widths(data.attention_mask, data.response_length)
+            if u.max_tokens_per_microbatch is not None
+            else None
+        )
         for epoch in range(u.epochs):
             minibatches = planned if epoch == 0 and planned is not None else self.split(len(data), widths)
             for micro_indices in minibatches:
@@ -245,8 +287,14 @@ class Learner:
         return {name: value / max(weight_total, 1.0) for name, value in sums.items()}
 
 
-def policy_loss_terms(micro: RLBatch, normaliser: torch.Tensor, out: TokenLogprobs, policy_loss: PolicyLoss,
-                      clip: ClipRange, updates: Updates) -> tuple[torch.Tensor, dict]:
+def policy_loss_terms(
+    micro: RLBatch,
+    normaliser: torch.Tensor,
+    out: TokenLogprobs,
+    policy_loss: PolicyLoss,
+    clip: ClipRange,
+    updates: Updates,
+) -> tuple[torch.Tensor, dict]:
     """``(loss share, metrics)`` of the policy loss ``policy_loss`` with the clip range ``clip`` on the micro-batch
     ``micro`` whose current log-probs are ``out``, aggregated as ``updates.loss_aggregation`` says (GRPO's, PPO's and
     distillation's). With one optimizer step per rollout (``updates.on_policy``) the old policy is the current one
@@ -254,11 +302,20 @@ def policy_loss_terms(micro: RLBatch, normaliser: torch.Tensor, out: TokenLogpro
     mask, agg = micro.response_mask, updates.loss_aggregation
     old = out.logprobs.detach() if updates.on_policy else micro.old_logprobs
     low, high = policy_loss.clip_bounds(clip)
-    settings = PolicyLossSettings(clip_low=low, clip_high=high, agg=agg, normaliser=normaliser,
-                                  tau_pos=policy_loss.tau_pos, tau_neg=policy_loss.tau_neg)
+    settings = PolicyLossSettings(
+        clip_low=low,
+        clip_high=high,
+        agg=agg,
+        normaliser=normaliser,
+        tau_pos=policy_loss.tau_pos,
+        tau_neg=policy_loss.tau_neg,
+    )
     loss, stats = POLICY_LOSSES[policy_loss.name](PolicyLossInputs(out.logprobs, old, micro.advantages, mask), settings)
-    metrics = {"train/policy_loss": as_token_mean(loss, normaliser, mask), "train/clipfrac": stats.clipfrac,
-               "train/approx_kl": stats.approx_kl}
+    metrics = {
+        "train/policy_loss": as_token_mean(loss, normaliser, mask),
+        "train/clipfrac": stats.clipfrac,
+        "train/approx_kl": stats.approx_kl,
+    }
     if out.entropy is not None:
         metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask)
     return loss, metrics

@@ -1,11 +1,11 @@
 """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", arXiv 2402.04792).
 
 Each training step takes a scored rollout from the module's source (``group_size`` completions per prompt from the
-current policy, scored by the RL reward stack: reward functions and/or a reward model, :class:`~align.rollout.sampler.
-Sampler`),
-pairs the best against the worst of every prompt (:func:`align.core.preference_losses.preference_pairs`) and takes a DPO step
-on summed response log-probs against the reference (``loss_type`` from :data:`align.modules.dpo.PREFERENCE_LOSSES`,
-which call :func:`align.core.preference_losses.dpo_loss`). The loss of a step is the mean over its decisive pairs on all ranks.
+current policy, scored by the RL reward stack: reward functions and/or a reward model,
+:class:`~align.rollout.sampler.Sampler`), pairs the best against the worst of every prompt
+(:func:`align.core.preference_losses.preference_pairs`) and takes a DPO step on summed response log-probs against the
+reference (``loss_type`` from :data:`align.modules.dpo.PREFERENCE_LOSSES`, which call
+:func:`align.core.preference_losses.dpo_loss`). The loss of a step is the mean over its decisive pairs on all ranks.
 
 Departures from the paper and from TRL's ``OnlineDPOTrainer``:
 
@@ -43,15 +43,15 @@ from typing import Literal
 
 import torch
 
+from align.core.kl import kl_estimate
+from align.core.masks import masked_mean, masked_sum
 from align.core.preference_losses import preference_pairs
 from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError
-from align.core.kl import kl_estimate
-from align.core.masks import masked_mean, masked_sum
 from align.models.policy import PolicyModel
 from align.modules.dpo import PREFERENCE_LOSSES, PairLogps
-from align.modules.preference import pair_correct
 from align.modules.learner import RLBatch
+from align.modules.preference import pair_correct
 from align.modules.rl import RLModule
 from align.observability.timing import Timer
 from align.rollout.rewards import RewardModelSpec, RewardSpec
@@ -69,7 +69,7 @@ class PairBatch(RLBatch):
     def __len__(self) -> int:
         return self.input_ids.shape[0] // 2
 
-    def select(self, index: torch.Tensor) -> "PairBatch":
+    def select(self, index: torch.Tensor) -> PairBatch:
         return super().select(torch.cat([index, index + len(self)]))
 
 
@@ -109,25 +109,39 @@ class OnlineDPOModule(RLModule):
             loss_type: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (SLiC), as in :class:`~align.modules.dpo.DPOModule`.
         """
         if group_size < 2:
-            raise AlignConfigError(f"model.group_size: expected >= 2 (online DPO pairs completions of a prompt), "
-                                   f"got {group_size}")
+            raise AlignConfigError(
+                f"model.group_size: expected >= 2 (online DPO pairs completions of a prompt), got {group_size}"
+            )
         if not rewards and reward_model is None and kwargs.get("environment") is None:
-            raise AlignConfigError("model.rewards: online DPO ranks its completions with rewards, a reward_model "
-                                   "and/or an environment; expected at least one, got none")
+            raise AlignConfigError(
+                "model.rewards: online DPO ranks its completions with rewards, a reward_model "
+                "and/or an environment; expected at least one, got none"
+            )
         if loss_type not in OnlineLossType.__args__:
-            raise AlignConfigError(f"model.loss_type: expected one of {list(OnlineLossType.__args__)}, got {loss_type!r}")
+            raise AlignConfigError(
+                f"model.loss_type: expected one of {list(OnlineLossType.__args__)}, got {loss_type!r}"
+            )
         if beta <= 0:
             raise AlignConfigError(f"model.beta: expected > 0, got {beta}")
         kl = kwargs.get("kl")
         if kl is not None and kl.enabled:
-            raise AlignConfigError(f"model.kl.coef: online DPO regularises towards the reference with beta; expected "
-                                   f"0 and no kl.target, got coef {kl.coef}, target {kl.target}")
-        super().__init__(policy if policy is not None else PolicyModel("tiny-sort"), rewards=rewards,
-                         reward_model=reward_model, group_size=group_size, **kwargs)
+            raise AlignConfigError(
+                f"model.kl.coef: online DPO regularises towards the reference with beta; expected "
+                f"0 and no kl.target, got coef {kl.coef}, target {kl.target}"
+            )
+        super().__init__(
+            policy if policy is not None else PolicyModel("tiny-sort"),
+            rewards=rewards,
+            reward_model=reward_model,
+            group_size=group_size,
+            **kwargs,
+        )
         environment = self.sampler.environment
         if not any(r.weight for r in self.sampler.reward.rewards) and not (environment and environment.spec.weight):
-            raise AlignConfigError("model.rewards: every training reward has weight 0, so nothing ranks the "
-                                   "completions; expected a non-zero weight")
+            raise AlignConfigError(
+                "model.rewards: every training reward has weight 0, so nothing ranks the "
+                "completions; expected a non-zero weight"
+            )
         self.beta, self.loss_type = beta, loss_type
         # The loss is on the policy itself, not on its tempered sampling distribution (no ratio to the sampler here),
         # and its normaliser counts decisive pairs.
@@ -144,14 +158,21 @@ class OnlineDPOModule(RLModule):
         valid = mask[: len(micro)].any(dim=1).to(losses.dtype)  # (p,) 0 for a weightless tie
         loss = (losses * valid).sum() / normaliser
         n = valid.sum().clamp(min=1)
-        pair_mean = lambda v: (v.detach() * valid).sum() / n
+
+        def pair_mean(v):
+            return (v.detach() * valid).sum() / n
+
         correct = pair_correct(rewards_chosen, rewards_rejected)
-        metrics = {"train/loss": pair_mean(losses), "online_dpo/accuracy": pair_mean(correct),
-                   "online_dpo/margin": pair_mean(rewards_chosen - rewards_rejected),
-                   "online_dpo/rewards_chosen": pair_mean(rewards_chosen),
-                   "online_dpo/rewards_rejected": pair_mean(rewards_rejected),
-                   "online_dpo/logps_chosen": pair_mean(x.chosen), "online_dpo/logps_rejected": pair_mean(x.rejected),
-                   "train/kl": masked_mean(kl_estimate(out.logprobs.detach(), micro.ref_logprobs, self.kl.kind), mask)}
+        metrics = {
+            "train/loss": pair_mean(losses),
+            "online_dpo/accuracy": pair_mean(correct),
+            "online_dpo/margin": pair_mean(rewards_chosen - rewards_rejected),
+            "online_dpo/rewards_chosen": pair_mean(rewards_chosen),
+            "online_dpo/rewards_rejected": pair_mean(rewards_rejected),
+            "online_dpo/logps_chosen": pair_mean(x.chosen),
+            "online_dpo/logps_rejected": pair_mean(x.rejected),
+            "train/kl": masked_mean(kl_estimate(out.logprobs.detach(), micro.ref_logprobs, self.kl.kind), mask),
+        }
         if out.entropy is not None:
             metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask)
         return loss, metrics
@@ -161,9 +182,11 @@ class OnlineDPOModule(RLModule):
         pair), and the pairing metrics."""
         pairs = preference_pairs(rewards, self.group_size)  # (B,) each
         decisive = pairs.decisive
-        metrics = {"rollout/tie_frac": float(1.0 - decisive.float().mean()),
-                   "rollout/reward_chosen": float(rewards[pairs.chosen].mean()),
-                   "rollout/reward_rejected": float(rewards[pairs.rejected].mean())}
+        metrics = {
+            "rollout/tie_frac": float(1.0 - decisive.float().mean()),
+            "rollout/reward_chosen": float(rewards[pairs.chosen].mean()),
+            "rollout/reward_rejected": float(rewards[pairs.rejected].mean()),
+        }
         ranks = self.ranks
         counts = torch.zeros(ranks.size, device=rewards.device)
         counts[ranks.rank] = decisive.sum()
@@ -176,8 +199,13 @@ class OnlineDPOModule(RLModule):
         order = torch.argsort((~decisive).int(), stable=True)[:keep]
         rows = torch.cat([pairs.chosen[order], pairs.rejected[order]])  # (2P,)
         response_mask = rollout.response_mask[rows] & decisive[order].repeat(2)[:, None]
-        data = PairBatch(rollout.input_ids[rows], rollout.attention_mask[rows], response_mask,
-                         rollout.old_logprobs[rows], rewards[rows, None].expand_as(response_mask))
+        data = PairBatch(
+            rollout.input_ids[rows],
+            rollout.attention_mask[rows],
+            response_mask,
+            rollout.old_logprobs[rows],
+            rewards[rows, None].expand_as(response_mask),
+        )
         data.ref_logprobs = self.scorer.reference_logprobs(data)
         return data, metrics
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from align.errors import AlignConfigError
 from align.core.estimators import ADVANTAGE_ESTIMATORS, VALUE_ESTIMATORS
 from align.core.kl import KLKind
 from align.core.policy_losses import POLICY_LOSSES, SEQUENCE_LEVEL_LOSSES
+from align.errors import AlignConfigError
 from align.rollout.engine import HeldOutSampling
 
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
@@ -49,8 +49,10 @@ class KLPenalty:
         _check(self.horizon > 0, "kl.horizon", "> 0", self.horizon)
         _check(self.target is None or self.target > 0, "kl.target", "> 0 or null", self.target)
         if self.target is not None and self.coef <= 0:
-            raise AlignConfigError(f"model.kl.coef: the adaptive controller (kl.target {self.target}) multiplies the "
-                                   f"coefficient, so it must start > 0 (e.g. 0.05), got {self.coef}")
+            raise AlignConfigError(
+                f"model.kl.coef: the adaptive controller (kl.target {self.target}) multiplies the "
+                f"coefficient, so it must start > 0 (e.g. 0.05), got {self.coef}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -113,8 +115,10 @@ class PolicyLoss:
         row = POLICY_LOSSES[self.name]
         if row.clip_low is None:
             if clip.low is not None or clip.high is not None:
-                raise AlignConfigError(f"model.clip: policy_loss.name {self.name} has no clip range; remove clip.low "
-                                       f"and clip.high (its gate is set by policy_loss.tau_pos and tau_neg)")
+                raise AlignConfigError(
+                    f"model.clip: policy_loss.name {self.name} has no clip range; remove clip.low "
+                    f"and clip.high (its gate is set by policy_loss.tau_pos and tau_neg)"
+                )
             return 1.0, None  # unused
         return (row.clip_low if clip.low is None else clip.low), (row.clip_high if clip.high is None else clip.high)
 
@@ -122,10 +126,11 @@ class PolicyLoss:
         """A sequence-level loss under an engine-mismatch correction needs one weight per sequence: refuse
         ``sampling.correction.level: token`` with it, on one line."""
         correction = engine.sampling.correction
-        if (self.sequence_level and correction.level == "token"
-                and correction.resolve(engine.exact_logprobs) != "none"):
-            raise AlignConfigError(f"model.sampling.correction.level: policy_loss.name {self.name} has one ratio per "
-                                   "sequence, so its engine-mismatch weights must be too: set level: sequence")
+        if self.sequence_level and correction.level == "token" and correction.resolve(engine.exact_logprobs) != "none":
+            raise AlignConfigError(
+                f"model.sampling.correction.level: policy_loss.name {self.name} has one ratio per "
+                "sequence, so its engine-mismatch weights must be too: set level: sequence"
+            )
 
 
 @dataclass(frozen=True)
@@ -155,14 +160,30 @@ class Updates:
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "updates.epochs", ">= 1", self.epochs)
         _check(self.minibatches >= 1, "updates.minibatches", ">= 1", self.minibatches)
-        _check(self.micro_batch_size is None or self.micro_batch_size >= 1, "updates.micro_batch_size",
-               ">= 1 or null", self.micro_batch_size)
-        _check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
-               "updates.max_tokens_per_microbatch", ">= 1 or null", self.max_tokens_per_microbatch)
-        _check(self.max_grad_norm is None or self.max_grad_norm > 0, "updates.max_grad_norm", "> 0 or null",
-               self.max_grad_norm)
-        _check(self.loss_aggregation in ("token_mean", "seq_mean", "constant"), "updates.loss_aggregation",
-               "token_mean, seq_mean or constant", self.loss_aggregation)
+        _check(
+            self.micro_batch_size is None or self.micro_batch_size >= 1,
+            "updates.micro_batch_size",
+            ">= 1 or null",
+            self.micro_batch_size,
+        )
+        _check(
+            self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
+            "updates.max_tokens_per_microbatch",
+            ">= 1 or null",
+            self.max_tokens_per_microbatch,
+        )
+        _check(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "updates.max_grad_norm",
+            "> 0 or null",
+            self.max_grad_norm,
+        )
+        _check(
+            self.loss_aggregation in ("token_mean", "seq_mean", "constant"),
+            "updates.loss_aggregation",
+            "token_mean, seq_mean or constant",
+            self.loss_aggregation,
+        )
 
     @property
     def on_policy(self) -> bool:
@@ -185,12 +206,24 @@ class GroupAdvantages:
 
     def __post_init__(self) -> None:
         critic_free = sorted(set(ADVANTAGE_ESTIMATORS) - VALUE_ESTIMATORS)
-        _check(self.estimator in critic_free, "advantages.estimator",
-               f"one of {critic_free} (gae needs a value model: PPO or TRPO)", self.estimator)
-        _check(self.std_scale in (None, "group", "batch", "none"), "advantages.std_scale",
-               "group, batch, none or null", self.std_scale)
-        _check(self.std_scale is None or self.estimator == "grpo", "advantages.std_scale",
-               f"null with estimator {self.estimator} (it applies to grpo only)", self.std_scale)
+        _check(
+            self.estimator in critic_free,
+            "advantages.estimator",
+            f"one of {critic_free} (gae needs a value model: PPO or TRPO)",
+            self.estimator,
+        )
+        _check(
+            self.std_scale in (None, "group", "batch", "none"),
+            "advantages.std_scale",
+            "group, batch, none or null",
+            self.std_scale,
+        )
+        _check(
+            self.std_scale is None or self.estimator == "grpo",
+            "advantages.std_scale",
+            f"null with estimator {self.estimator} (it applies to grpo only)",
+            self.std_scale,
+        )
 
     @property
     def scale(self) -> str:
@@ -318,8 +351,12 @@ class OverlongPenalty:
         _check(self.max_length is None or self.max_length >= 1, "overlong.max_length", ">= 1 or null", self.max_length)
         _check(self.coef >= 0, "overlong.coef", ">= 0", self.coef)
         if self.enabled and self.max_length is not None:
-            _check(self.buffer <= self.max_length, "overlong.buffer", f"<= overlong.max_length ({self.max_length})",
-                   self.buffer)
+            _check(
+                self.buffer <= self.max_length,
+                "overlong.buffer",
+                f"<= overlong.max_length ({self.max_length})",
+                self.buffer,
+            )
 
     @property
     def enabled(self) -> bool:
@@ -328,6 +365,10 @@ class OverlongPenalty:
     def resolve(self, max_new_tokens: int) -> int:
         """``L_max`` for a run that samples at most ``max_new_tokens``; checks the buffer against it."""
         max_length = self.max_length or max_new_tokens
-        _check(not self.enabled or self.buffer <= max_length, "overlong.buffer",
-               f"<= sampling.max_new_tokens ({max_length}) when overlong.max_length is null", self.buffer)
+        _check(
+            not self.enabled or self.buffer <= max_length,
+            "overlong.buffer",
+            f"<= sampling.max_new_tokens ({max_length}) when overlong.max_length is null",
+            self.buffer,
+        )
         return max_length

@@ -34,6 +34,7 @@ from align.modules.learner import as_token_mean, policy_loss_terms
 from align.modules.options import GAE, ClipRange, KLPenalty, PolicyLoss, ScoreShaping, Updates, ValueTraining
 from align.rollout.rewards import RewardModelSpec, RewardSpec
 
+
 class PPOModule(ActorCriticModule):
     """PPO-RLHF on prompt data (:class:`align.data.prompts.PromptDataModule`), manual optimization.
 
@@ -98,8 +99,10 @@ class PPOModule(ActorCriticModule):
         """
         policy_loss.clip_bounds(clip)  # a clip range set for a loss without one fails here
         if policy_loss.sequence_level:
-            raise AlignConfigError(f"model.policy_loss.name: {policy_loss.name!r} takes one advantage per sequence, "
-                                   "but GAE gives each token its own; expected a per-token loss such as 'clip'")
+            raise AlignConfigError(
+                f"model.policy_loss.name: {policy_loss.name!r} takes one advantage per sequence, "
+                "but GAE gives each token its own; expected a per-token loss such as 'clip'"
+            )
         default_rm = reward_model is None and rewards is None and kwargs.get("environment") is None
         if default_rm:
             reward_model = "tiny-sort-rm"
@@ -109,8 +112,18 @@ class PPOModule(ActorCriticModule):
             policy = PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm"))
         if entropy_coef < 0:
             raise AlignConfigError(f"model.entropy_coef: expected >= 0, got {entropy_coef}")
-        super().__init__(policy, rewards=rewards, reward_model=reward_model, eval_rewards=eval_rewards,
-                         updates=updates, kl=kl, gae=gae, scores=scores, value=value, **kwargs)
+        super().__init__(
+            policy,
+            rewards=rewards,
+            reward_model=reward_model,
+            eval_rewards=eval_rewards,
+            updates=updates,
+            kl=kl,
+            gae=gae,
+            scores=scores,
+            value=value,
+            **kwargs,
+        )
         self.clip, self.policy_loss, self.entropy_coef = clip, policy_loss, entropy_coef
         self.log_entropy = self.log_entropy or entropy_coef > 0
 
@@ -136,12 +149,17 @@ class PPOModule(ActorCriticModule):
         """The policy loss minus ``entropy_coef`` times the entropy: ``(loss share, metrics)``."""
         loss, metrics = policy_loss_terms(micro, normaliser, out, self.policy_loss, self.clip, self.updates)
         if out.entropy is not None and self.entropy_coef > 0:
-            loss = loss - self.entropy_coef * aggregate(out.entropy, micro.response_mask,
-                                                        self.updates.loss_aggregation, normaliser)
+            loss = loss - self.entropy_coef * aggregate(
+                out.entropy, micro.response_mask, self.updates.loss_aggregation, normaliser
+            )
         return loss, metrics
 
-    def _joint_loss(self, micro: GAEBatch, normaliser: torch.Tensor, kept: KeptValues | None = None,
-                    ) -> tuple[torch.Tensor, dict]:
+    def _joint_loss(
+        self,
+        micro: GAEBatch,
+        normaliser: torch.Tensor,
+        kept: KeptValues | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         values = kept.take(micro.rows) if kept is not None else None  # the rollout pass's, for the first micro-batch
         out = self.scorer.logprobs(micro, entropy=self.log_entropy, values=values is None)
         p_loss, p_metrics = self.policy_loss_of(micro, normaliser, out)

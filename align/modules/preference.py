@@ -64,25 +64,35 @@ class PreferenceModule(AlignModule):
         dm = self.trainer.datamodule
         if dm is not None and getattr(dm, "unpaired", False) != self.unpaired:
             want = "UnpairedDataModule (unpaired examples)" if self.unpaired else "PreferenceDataModule (pairs)"
-            raise AlignConfigError(f"data: expected align.data.preference.{want} for {type(self).__name__}, got "
-                                   f"{type(dm).__name__}")
+            raise AlignConfigError(
+                f"data: expected align.data.preference.{want} for {type(self).__name__}, got {type(dm).__name__}"
+            )
         if self.needs_reference and not self.precompute_reference:
             self.policy.setup_reference()  # before any checkpoint is restored, so a frozen copy is the initial model
 
     # ------------------------------------------------------------------ reference log-probs
     def _datasets(self) -> dict[str, PreferenceDataset]:
         dm = self.trainer.datamodule
-        return {name: ds for name, ds in (("train", getattr(dm, "train_set", None)), ("val", getattr(dm, "val_set", None)))
-                if ds is not None}
+        return {
+            name: ds
+            for name, ds in (("train", getattr(dm, "train_set", None)), ("val", getattr(dm, "val_set", None)))
+            if ds is not None
+        }
 
     def prepare_reference(self, needed: tuple[str, ...] = ("train", "val")) -> None:
         """Load or compute the cached reference log-probs (:class:`CachedReference`) once a ``needed`` split lacks
         them."""
         self.cached_reference.prepare(
-            self.scorer, self._datasets(), self.trainer.datamodule.eval_dataloader,
+            self.scorer,
+            self._datasets(),
+            self.trainer.datamodule.eval_dataloader,
             self.reference_cache_dir or Path(self.trainer.default_root_dir) / "ref_cache",
-            needed=needed, updated=self.global_step > 0, device=self.device, write=self.trainer.is_global_zero,
-            announce=phase)
+            needed=needed,
+            updated=self.global_step > 0,
+            device=self.device,
+            write=self.trainer.is_global_zero,
+            announce=phase,
+        )
 
     def on_validation_start(self) -> None:
         super().on_validation_start()

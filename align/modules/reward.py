@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from align.core.preference_losses import bradley_terry_loss
 from align.data.preference import PreferenceBatch
 from align.errors import AlignConfigError
-from align.core.preference_losses import bradley_terry_loss
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.models.reward import init_reward_head
@@ -78,8 +78,10 @@ class RewardModule(AlignModule):
         if policy.critic is None:
             policy.add_critic(CriticSettings(kind="shared"))
         if policy.critic.separate:
-            raise AlignConfigError("model.policy.critic.kind: expected 'shared' or a null critic (a reward model "
-                                   "scores with a head on its own backbone), got 'separate'")
+            raise AlignConfigError(
+                "model.policy.critic.kind: expected 'shared' or a null critic (a reward model "
+                "scores with a head on its own backbone), got 'separate'"
+            )
         if not bool(policy.critic.head.proj.weight.any()):  # a fresh (zero) head; a trained one is kept
             init_reward_head(policy)
         policy.critic.head.proj.bias.requires_grad_(False)
@@ -103,8 +105,13 @@ class RewardModule(AlignModule):
         margin = batch.margin.to(chosen.device) if self.use_margin else None
         loss, accuracy = bradley_terry_loss(chosen, rejected, margin)  # per-pair means over the micro-batch
         n = batch.num_pairs
-        stats = dict(loss=loss.detach() * n, accuracy=accuracy * n, margin=(chosen - rejected).detach().sum(),
-                     score_chosen=chosen.detach().sum(), score_rejected=rejected.detach().sum())
+        stats = dict(
+            loss=loss.detach() * n,
+            accuracy=accuracy * n,
+            margin=(chosen - rejected).detach().sum(),
+            score_chosen=chosen.detach().sum(),
+            score_rejected=rejected.detach().sum(),
+        )
         return loss * n, stats
 
     # ------------------------------------------------------------------ training
@@ -121,9 +128,14 @@ class RewardModule(AlignModule):
             return
         m = self._window.means(self) if self.logs_this_step() else {}
         if m:
-            self.log_step({"train/loss": m["loss"], "rm/accuracy": m["accuracy"],
-                           **{f"rm/{name}": m[name] for name in ("margin", "score_chosen", "score_rejected")},
-                           "train/pairs_per_s": m["pairs_per_s"]})
+            self.log_step(
+                {
+                    "train/loss": m["loss"],
+                    "rm/accuracy": m["accuracy"],
+                    **{f"rm/{name}": m[name] for name in ("margin", "score_chosen", "score_rejected")},
+                    "train/pairs_per_s": m["pairs_per_s"],
+                }
+            )
         self._window = PairMetrics()
 
     # ------------------------------------------------------------------ validation

@@ -31,11 +31,11 @@ from align.models.scorer import Scorer
 from align.modules.base import AlignModule
 from align.modules.learner import Learner, LossFn, Plan, RLBatch
 from align.modules.options import Evaluation, KLPenalty, OverlongPenalty, Updates
+from align.rollout.engine import SamplingConfig
 from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
 from align.rollout.evaluation import Evaluator
 from align.rollout.rewards import RewardModelSpec, RewardSpec, training_rewards
 from align.rollout.sampler import OverlongShaping, Sampler
-from align.rollout.engine import SamplingConfig
 from align.rollout.source import InlineSource, RolloutSource
 from align.rollout.types import Scored
 
@@ -47,19 +47,33 @@ NO_UPDATE_LIMIT = 50
 """Training batches in a row without an update (all rewards tied) after which an RL run stops with an error."""
 
 
-def build_sampler(policy: PolicyModel, scorer: Scorer, rewards, reward_model, eval_rewards, group_size: int,
-                  sampling: SamplingConfig, eval_sampling: SamplingConfig | None, overlong: OverlongPenalty,
-                  environment) -> tuple[Sampler, list[str]]:
+def build_sampler(
+    policy: PolicyModel,
+    scorer: Scorer,
+    rewards,
+    reward_model,
+    eval_rewards,
+    group_size: int,
+    sampling: SamplingConfig,
+    eval_sampling: SamplingConfig | None,
+    overlong: OverlongPenalty,
+    environment,
+) -> tuple[Sampler, list[str]]:
     """The sampler of an RL module's settings (see :class:`RLModule`), and the names of its eval rewards; the
     rewards, the overlong shaping and the environment are checked against each other first."""
     environment = EnvironmentPool(environment) if environment is not None else None
     reward, eval_names = training_rewards(rewards, reward_model, eval_rewards, environment=environment is not None)
     if overlong.enabled and environment is not None:
-        raise AlignConfigError("model.overlong: the overlong penalty is per completion and does not apply to "
-                               "multi-turn episodes (model.environment); penalise length in the environment's "
-                               "rewards instead, or set overlong.buffer to 0")
-    shaping = (OverlongShaping(overlong.coef, overlong.buffer, overlong.resolve(sampling.max_new_tokens))
-               if overlong.enabled else None)
+        raise AlignConfigError(
+            "model.overlong: the overlong penalty is per completion and does not apply to "
+            "multi-turn episodes (model.environment); penalise length in the environment's "
+            "rewards instead, or set overlong.buffer to 0"
+        )
+    shaping = (
+        OverlongShaping(overlong.coef, overlong.buffer, overlong.resolve(sampling.max_new_tokens))
+        if overlong.enabled
+        else None
+    )
     for part, taken in (("overlong", overlong.enabled), ("env", environment is not None)):
         if taken and part in reward.names:
             raise AlignConfigError(f"model.rewards: the name '{part}' is the {part} reward part's; rename that reward")
@@ -72,8 +86,10 @@ def accuracy_reward(sampler: Sampler, name: str | None, eval_names: list[str]) -
     else the first reward."""
     names = sampler.reward.names + (["env"] if sampler.environment is not None else [])
     if name is not None and name not in names:
-        raise AlignConfigError(f"model.evaluation.accuracy_reward: {name!r} is not one of the rewards {names}; name "
-                               "one of them, or null for the first")
+        raise AlignConfigError(
+            f"model.evaluation.accuracy_reward: {name!r} is not one of the rewards {names}; name "
+            "one of them, or null for the first"
+        )
     return name or (eval_names or names)[0]
 
 
@@ -153,15 +169,27 @@ class RLModule(AlignModule):
         """Scores rows at the sampling temperature (the log-probs of the old and the new policy and the reference's
         are computed alike); 1 for greedy sampling."""
         self.sampler, self.eval_reward_names = build_sampler(
-            policy, self.scorer, rewards, reward_model, eval_rewards, group_size, sampling, evaluation.sampling,
-            overlong, environment)
+            policy,
+            self.scorer,
+            rewards,
+            reward_model,
+            eval_rewards,
+            group_size,
+            sampling,
+            evaluation.sampling,
+            overlong,
+            environment,
+        )
         self.sampler.generation_context = self._generation_context
         self.sampler.ranks = lambda: self.ranks
         self.source = source if source is not None else InlineSource()
         self.source.bind(self.sampler)
         self.learner = Learner(updates, self.sampler.max_response_tokens)
-        self.kl_controller: KLController = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
-                                            if kl.target is not None else FixedKLController(kl.coef))
+        self.kl_controller: KLController = (
+            AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+            if kl.target is not None
+            else FixedKLController(kl.coef)
+        )
         self.accuracy_reward = accuracy_reward(self.sampler, evaluation.accuracy_reward, self.eval_reward_names)
         self.accuracy_threshold = evaluation.accuracy_threshold
         self.timings: dict[str, float] = {}
@@ -245,7 +273,8 @@ class RLModule(AlignModule):
             raise NoLearningSignalError(
                 f"{why} in {self.batches_without_update} training batches in a row, so no update was taken and "
                 "trainer.max_steps (which counts updates) cannot be reached: check that the rewards can tell this "
-                "policy's completions apart (a graded reward, a larger group_size or sampling.temperature)")
+                "policy's completions apart (a graded reward, a larger group_size or sampling.temperature)"
+            )
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -273,8 +302,11 @@ class RLModule(AlignModule):
         if not saved:
             return
         if len(saved) != self.trainer.world_size:  # resharded data: work on other ranks' prompts cannot continue
-            log.warning("rollout source: the checkpoint holds the work in progress of %d ranks, this run has %d; "
-                        "it is dropped", len(saved), self.trainer.world_size)
+            log.warning(
+                "rollout source: the checkpoint holds the work in progress of %d ranks, this run has %d; it is dropped",
+                len(saved),
+                self.trainer.world_size,
+            )
             return
         self.source.load_state_dict(saved[self.trainer.global_rank], self.device)
 
@@ -293,8 +325,9 @@ class RLModule(AlignModule):
         means = self.held_out.means(self.all_reduce_sum, self._all_max)
         # The highest accuracy reward of the run's held-out passes: below the threshold, val/accuracy is 0 by
         # construction, and the command line prints the reward's mean instead.
-        self.accuracy_reward_highest = max(getattr(self, "accuracy_reward_highest", -float("inf")),
-                                           float(self.held_out.highest))
+        self.accuracy_reward_highest = max(
+            getattr(self, "accuracy_reward_highest", -float("inf")), float(self.held_out.highest)
+        )
         if means:
             self.log_dict({f"val/{k}": v for k, v in means.items()}, batch_size=1)
 

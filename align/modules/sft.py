@@ -53,8 +53,9 @@ class SFTModule(AlignModule):
 
     def _nll_sum(self, batch: SFTBatch) -> torch.Tensor:
         targets = torch.cat([batch.labels[:, 1:], torch.full_like(batch.labels[:, :1], IGNORE_INDEX)], dim=1)  # (B, T)
-        logprobs = self.scorer.target_logprobs(batch.input_ids, targets, attention_mask=batch.attention_mask,
-                                               position_ids=batch.position_ids)
+        logprobs = self.scorer.target_logprobs(
+            batch.input_ids, targets, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        )
         return -logprobs.sum()
 
     def training_step(self, batch: SFTBatch, batch_idx: int) -> torch.Tensor:

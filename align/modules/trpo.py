@@ -46,9 +46,9 @@ Departures and choices:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -118,14 +118,17 @@ class TRPOModule(ActorCriticModule):
         defaults = ValueTraining()
         for key in ("coef", "lr_scale"):
             if getattr(value, key) != getattr(defaults, key):
-                raise AlignConfigError(f"model.value.{key}: TRPO trains the value model with its own optimizer "
-                                       "(set its learning rate in model.optimizer); leave this unset")
+                raise AlignConfigError(
+                    f"model.value.{key}: TRPO trains the value model with its own optimizer "
+                    "(set its learning rate in model.optimizer); leave this unset"
+                )
         if rewards is None and reward_model is None and kwargs.get("environment") is None:
             rewards = [RewardSpec("align.rewards.sort_exact_match")]
         if policy is None:
             policy = PolicyModel("tiny-sort", critic=CriticSettings(kind="separate"))
-        super().__init__(policy, rewards=rewards, reward_model=reward_model, kl=kl, gae=gae, scores=scores,
-                         value=value, **kwargs)
+        super().__init__(
+            policy, rewards=rewards, reward_model=reward_model, kl=kl, gae=gae, scores=scores, value=value, **kwargs
+        )
         self.trust_region = trust_region
 
     # ------------------------------------------------------------------ parameter scopes
@@ -166,8 +169,9 @@ class TRPOModule(ActorCriticModule):
         if u.max_tokens_per_microbatch is not None:
             widths = data.row_widths(data.attention_mask, data.response_length)
             widths = widths if rows is None else [widths[i] for i in rows.tolist()]
-        [chunks] = minibatch_indices(n, 1, u.micro_batch_size, shuffle=False, widths=widths,
-                                     max_tokens=u.max_tokens_per_microbatch)
+        [chunks] = minibatch_indices(
+            n, 1, u.micro_batch_size, shuffle=False, widths=widths, max_tokens=u.max_tokens_per_microbatch
+        )
         device = data.input_ids.device
         return [data.select((chunk if rows is None else rows[chunk]).to(device)) for chunk in chunks]
 
@@ -213,8 +217,9 @@ class TRPOModule(ActorCriticModule):
         totals = self.all_reduce_sum(torch.stack([surrogate, kl_sum]))
         return float(totals[0]), float(totals[1] / count)
 
-    def _surrogate(self, micro: GAEBatch, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                   normaliser: torch.Tensor) -> torch.Tensor:
+    def _surrogate(
+        self, micro: GAEBatch, logprobs: torch.Tensor, old_logprobs: torch.Tensor, normaliser: torch.Tensor
+    ) -> torch.Tensor:
         """This micro-batch's share of the importance-weighted surrogate (to be maximised)."""
         ratio = importance_ratio(logprobs, old_logprobs)  # (n, r) pi / pi_old
         return aggregate(ratio * micro.advantages, micro.response_mask, self.updates.loss_aggregation, normaliser)
@@ -244,12 +249,25 @@ class TRPOModule(ActorCriticModule):
             grad = self.all_reduce_sum(grad)
             data = replace(data, old_logprobs=old)
             micros = self._micro_batches(data)
-            surrogate_before = float(self.all_reduce_sum(
-                aggregate(data.advantages, data.response_mask, self.updates.loss_aggregation, normaliser)))
+            surrogate_before = float(
+                self.all_reduce_sum(
+                    aggregate(data.advantages, data.response_mask, self.updates.loss_aggregation, normaliser)
+                )
+            )
             fvp = self._fvp(self._micro_batches(data, self._fisher_rows(data)), params)
-            result = trpo_step(params, grad, fvp, lambda: self._evaluate(micros, normaliser, count),
-                               surrogate_before, tr.max_kl, tr.cg_iters, tr.cg_tol, tr.backtrack_ratio,
-                               tr.max_backtracks, tr.accept_ratio)
+            result = trpo_step(
+                params,
+                grad,
+                fvp,
+                lambda: self._evaluate(micros, normaliser, count),
+                surrogate_before,
+                tr.max_kl,
+                tr.cg_iters,
+                tr.cg_tol,
+                tr.backtrack_ratio,
+                tr.max_backtracks,
+                tr.accept_ratio,
+            )
         metrics = {
             "trpo/kl": result.kl,
             "trpo/max_kl": tr.max_kl,

@@ -3,7 +3,6 @@
 # Importing this package (or ``align.observability.timing``) imports no opentelemetry: the logger and the callback
 # are loaded on first access (docs/observability.md).
 
-
 from align.observability.timing import Timer
 
 __all__ = ["OTLPLogger", "OTelTracingCallback", "Timer"]

@@ -7,16 +7,34 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 REDACTED = "[REDACTED]"
 
 # Whole words (after splitting on separators and camelCase) that mark a key as holding a secret. Plurals such as
 # ``tokens`` in ``max_new_tokens`` are deliberately not matched: they count things, they are not credentials.
-SECRET_WORDS = frozenset({
-    "token", "key", "apikey", "password", "passwd", "pwd", "passphrase", "authorization", "auth", "secret",
-    "api", "credential", "credentials", "bearer", "cookie", "signature", "private",
-})
+SECRET_WORDS = frozenset(
+    {
+        "token",
+        "key",
+        "apikey",
+        "password",
+        "passwd",
+        "pwd",
+        "passphrase",
+        "authorization",
+        "auth",
+        "secret",
+        "api",
+        "credential",
+        "credentials",
+        "bearer",
+        "cookie",
+        "signature",
+        "private",
+    }
+)
 # Values that are secrets whatever their key is called (bearer/basic auth, hub and common provider tokens).
 _SECRET_VALUE = re.compile(r"^(bearer|basic)\s+\S+|^(hf|sk|ghp|gho|glpat|xox[abp])[-_][A-Za-z0-9_-]{16,}", re.I)
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
@@ -117,3 +135,35 @@ def matches_any(name: str, patterns: Iterable[str]) -> bool:
     from fnmatch import fnmatchcase
 
     return any(fnmatchcase(name, p) for p in patterns)
+
+
+def batch_attributes(batch: Any) -> dict[str, Any]:
+    """Batch size and token counts without a device sync: ``num_tokens`` when the batch carries it, else the
+    attention mask's sum only for CPU tensors, else the padded size."""
+    out: dict[str, Any] = {}
+    if isinstance(batch, (list, tuple)) and batch and hasattr(batch[0], "shape") and len(batch[0].shape) >= 1:
+        return {"align.batch.size": int(batch[0].shape[0])}
+    get = (lambda k: batch.get(k)) if isinstance(batch, dict) else (lambda k: getattr(batch, k, None))
+    input_ids = get("input_ids")
+    if input_ids is not None and hasattr(input_ids, "shape") and len(input_ids.shape) >= 1:
+        out["align.batch.size"] = int(input_ids.shape[0])
+        out["align.batch.padded_tokens"] = int(input_ids.numel())
+    prompt_ids = get("prompt_ids")
+    if isinstance(prompt_ids, list):  # RL prompt batches: unpadded id lists
+        out["align.batch.size"] = len(prompt_ids)
+        out["align.batch.prompt_tokens"] = sum(len(p) for p in prompt_ids)
+    if (
+        "align.batch.size" not in out
+        and hasattr(batch, "__len__")
+        and not isinstance(batch, (dict, str))
+        and not hasattr(batch, "shape")
+    ):
+        out["align.batch.size"] = len(batch)
+    num_tokens = get("num_tokens")
+    if isinstance(num_tokens, int):
+        out["align.batch.tokens"] = num_tokens
+    else:
+        mask = get("attention_mask")
+        if mask is not None and getattr(getattr(mask, "device", None), "type", None) == "cpu":
+            out["align.batch.tokens"] = int(mask.sum())
+    return out

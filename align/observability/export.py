@@ -13,7 +13,8 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -66,8 +67,11 @@ class _SdkLogCapture(logging.Filter):
             self.users += 1
             self.addresses.add(address)
             # Rescanned each time: exporter modules imported since (e.g. HTTP after gRPC) have their own loggers.
-            names = [n for n in list(logging.root.manager.loggerDict)
-                     if n.startswith(("opentelemetry.exporter", "opentelemetry.sdk"))]
+            names = [
+                n
+                for n in list(logging.root.manager.loggerDict)
+                if n.startswith(("opentelemetry.exporter", "opentelemetry.sdk"))
+            ]
             for lg in (logging.getLogger(n) for n in names):
                 if lg not in self.loggers:
                     # First, before the SDK's own DuplicateFilter, which would hide repeated retry messages from it.
@@ -110,17 +114,19 @@ def _names(message: str, address: str) -> bool:
 
 SDK_LOGS = _SdkLogCapture()
 SHUTDOWN_TIMEOUT = "the collector did not answer before the shutdown timeout"
-_CAUSES = (("connection refused", "the connection was refused: nothing listens at {address}"),
-           ("name or service not known", "the collector's host name does not resolve"),
-           ("nodename nor servname", "the collector's host name does not resolve"),
-           ("name resolution", "the collector's host name does not resolve"),
-           ("deadline_exceeded", "the collector did not answer in time"),
-           ("timed out", "the collector did not answer in time"),
-           ("certificate", "the TLS handshake failed (certificate)"),
-           ("unauthenticated", "the collector refused the credentials"),
-           ("unauthorized", "the collector refused the credentials"),
-           ("permission_denied", "the collector refused the credentials"),
-           ("forbidden", "the collector refused the credentials"))
+_CAUSES = (
+    ("connection refused", "the connection was refused: nothing listens at {address}"),
+    ("name or service not known", "the collector's host name does not resolve"),
+    ("nodename nor servname", "the collector's host name does not resolve"),
+    ("name resolution", "the collector's host name does not resolve"),
+    ("deadline_exceeded", "the collector did not answer in time"),
+    ("timed out", "the collector did not answer in time"),
+    ("certificate", "the TLS handshake failed (certificate)"),
+    ("unauthenticated", "the collector refused the credentials"),
+    ("unauthorized", "the collector refused the credentials"),
+    ("permission_denied", "the collector refused the credentials"),
+    ("forbidden", "the collector refused the credentials"),
+)
 
 
 def condensed(message: str, address: str) -> str:
@@ -132,6 +138,8 @@ def condensed(message: str, address: str) -> str:
             return cause.format(address=address)
     first = (message.strip().splitlines() or [""])[0]
     return first if len(first) <= 200 else first[:197] + "..."
+
+
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
@@ -173,17 +181,21 @@ class DropCounter:
             if key in _warned:
                 return
             _warned.add(key)
-        log.warning("OTLP export of %s to %s is failing (%s); training continues and telemetry of this run is dropped "
-                    "while it fails. This is reported once; the dropped counts are on the logger's and callback's "
-                    "`dropped` attribute.", self.settings.signal, self.settings.describe(), reason or "no reason given")
+        log.warning(
+            "OTLP export of %s to %s is failing (%s); training continues and telemetry of this run is dropped "
+            "while it fails. This is reported once; the dropped counts are on the logger's and callback's "
+            "`dropped` attribute.",
+            self.settings.signal,
+            self.settings.describe(),
+            reason or "no reason given",
+        )
 
 
 def _count(data: Any) -> int:
     """Data points in ``MetricsData``, spans in a span batch."""
     if not isinstance(data, MetricsData):
         return len(data)
-    return sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
-               for m in sm.metrics)
+    return sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics)
 
 
 class CountingExporter(MetricExporter, SpanExporter):
@@ -191,8 +203,11 @@ class CountingExporter(MetricExporter, SpanExporter):
     abandon a request still in flight."""
 
     def __init__(self, inner: MetricExporter | SpanExporter, counter: DropCounter):
-        MetricExporter.__init__(self, preferred_temporality=getattr(inner, "_preferred_temporality", None),
-                                preferred_aggregation=getattr(inner, "_preferred_aggregation", None))
+        MetricExporter.__init__(
+            self,
+            preferred_temporality=getattr(inner, "_preferred_temporality", None),
+            preferred_aggregation=getattr(inner, "_preferred_aggregation", None),
+        )
         self.inner, self.counter = inner, counter
         self.failure = MetricExportResult.FAILURE if isinstance(inner, MetricExporter) else SpanExportResult.FAILURE
         self.seen = 0  # items handed to ``export``, delivered or not

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 
@@ -45,8 +46,13 @@ def publish_run_id(run_id: str) -> None:
 
 
 def build_resource(
-    *, run_id: str, rank: int, service_name: str | None, resource_attributes: Mapping[str, Any] | None,
-    algorithm: str | None, model_name: str | None,
+    *,
+    run_id: str,
+    rank: int,
+    service_name: str | None,
+    resource_attributes: Mapping[str, Any] | None,
+    algorithm: str | None,
+    model_name: str | None,
 ) -> Resource:
     """``service.name`` ``align`` < ``OTEL_RESOURCE_ATTRIBUTES``/``OTEL_SERVICE_NAME`` (read by the SDK) < arguments
     < the run's identity."""

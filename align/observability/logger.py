@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import threading
 from argparse import Namespace
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from lightning.pytorch.loggers.logger import Logger
 from opentelemetry.sdk.metrics import Histogram, MeterProvider
@@ -92,8 +93,15 @@ class OTLPLogger(Logger):
         """
         super().__init__()
         self._settings = ExportSettings.resolve(
-            "metrics", endpoint=endpoint, protocol=protocol, headers=headers, insecure=insecure,
-            compression=compression, timeout=timeout, certificate_file=certificate_file)
+            "metrics",
+            endpoint=endpoint,
+            protocol=protocol,
+            headers=headers,
+            insecure=insecure,
+            compression=compression,
+            timeout=timeout,
+            certificate_file=certificate_file,
+        )
         source = "trainer.logger.export_interval"
         if export_interval is None:
             import os
@@ -102,8 +110,9 @@ class OTLPLogger(Logger):
             try:
                 export_interval = float(env) / 1000.0 if env else 10.0
             except ValueError:
-                raise ObservabilityConfigError(f"OTEL_METRIC_EXPORT_INTERVAL: expected milliseconds, got "
-                                               f"{env!r}") from None
+                raise ObservabilityConfigError(
+                    f"OTEL_METRIC_EXPORT_INTERVAL: expected milliseconds, got {env!r}"
+                ) from None
             source = "OTEL_METRIC_EXPORT_INTERVAL" if env else source
         if not export_interval > 0:
             raise ObservabilityConfigError(f"{source}: expected positive seconds, got {export_interval!r}")
@@ -159,8 +168,11 @@ class OTLPLogger(Logger):
         self._algorithm = self._algorithm or algorithm_of(model)
         self._model_name = self._model_name or model_name_of(model)
         if self._attrs:
-            self._attrs = {**self._attrs, "align.algorithm": self._algorithm or "unknown",
-                           "align.model": self._model_name or "unknown"}
+            self._attrs = {
+                **self._attrs,
+                "align.algorithm": self._algorithm or "unknown",
+                "align.model": self._model_name or "unknown",
+            }
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         # The training thread only stores floats; the SDK reads them on the exporter's thread at collection time.
@@ -200,8 +212,16 @@ class OTLPLogger(Logger):
     def __getstate__(self) -> dict:
         # Picklable for spawn-based launchers: exporters and locks are rebuilt in the new process.
         state = self.__dict__.copy()
-        state.update(_lock=None, _pipeline=None, _metrics_sink=None, _provider=None, _meter=None, _attrs={},
-                     _last={}, _histograms={})
+        state.update(
+            _lock=None,
+            _pipeline=None,
+            _metrics_sink=None,
+            _provider=None,
+            _meter=None,
+            _attrs={},
+            _last={},
+            _histograms={},
+        )
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -220,20 +240,37 @@ class OTLPLogger(Logger):
             if self._provider is not None:
                 return
             rank = current_rank()
-            resource = build_resource(run_id=self._run_id, rank=rank, service_name=self._service_name,
-                                      resource_attributes=self._resource_attributes, algorithm=self._algorithm,
-                                      model_name=self._model_name)
-            reader = PeriodicExportingMetricReader(self._pipeline.start(self._run_id),
-                                                   export_interval_millis=self._export_interval * 1000,
-                                                   export_timeout_millis=self._settings.timeout * 1000)
-            aggregation = (ExplicitBucketHistogramAggregation(self._histogram_boundaries)
-                           if self._histogram_boundaries else ExponentialBucketHistogramAggregation())
-            provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False,
-                                     views=[View(instrument_type=Histogram, aggregation=aggregation)])
+            resource = build_resource(
+                run_id=self._run_id,
+                rank=rank,
+                service_name=self._service_name,
+                resource_attributes=self._resource_attributes,
+                algorithm=self._algorithm,
+                model_name=self._model_name,
+            )
+            reader = PeriodicExportingMetricReader(
+                self._pipeline.start(self._run_id),
+                export_interval_millis=self._export_interval * 1000,
+                export_timeout_millis=self._settings.timeout * 1000,
+            )
+            aggregation = (
+                ExplicitBucketHistogramAggregation(self._histogram_boundaries)
+                if self._histogram_boundaries
+                else ExponentialBucketHistogramAggregation()
+            )
+            provider = MeterProvider(
+                resource=resource,
+                metric_readers=[reader],
+                shutdown_on_exit=False,
+                views=[View(instrument_type=Histogram, aggregation=aggregation)],
+            )
             self._meter = provider.get_meter(SCOPE)
-            self._attrs = {"align.run_id": self._run_id, "align.rank": rank,
-                           "align.algorithm": self._algorithm or "unknown",
-                           "align.model": self._model_name or "unknown"}
+            self._attrs = {
+                "align.run_id": self._run_id,
+                "align.rank": rank,
+                "align.algorithm": self._algorithm or "unknown",
+                "align.model": self._model_name or "unknown",
+            }
             self._last, self._histograms = {}, {}
             self._meter.create_observable_gauge(metric_name("step", self._prefix), callbacks=[self._collect_step])
             self._meter.create_observable_gauge(metric_name("run/info", self._prefix), callbacks=[self._collect_info])

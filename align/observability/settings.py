@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal
 from urllib.parse import urlparse
 
 from opentelemetry.sdk.metrics.export import MetricExporter
@@ -69,7 +70,7 @@ class ExportSettings:
         timeout: float | None = None,
         certificate_file: str | None = None,
         where: str = "trainer.logger",
-    ) -> "ExportSettings":
+    ) -> ExportSettings:
         """Check and normalise the arguments. The protocol picks the exporter class, so it is read here (argument,
         then ``OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL``); so is the timeout, in milliseconds as the specification
         says (the SDK reads that variable in seconds), because it also bounds the final flush. ``where``: the
@@ -90,19 +91,26 @@ class ExportSettings:
                 timeout = float(env_timeout[1]) / 1000.0 if env_timeout else DEFAULT_TIMEOUT
             except ValueError:
                 raise ObservabilityConfigError(
-                    f"{env_timeout[0]}: expected milliseconds, got {env_timeout[1]!r}") from None
+                    f"{env_timeout[0]}: expected milliseconds, got {env_timeout[1]!r}"
+                ) from None
             if env_timeout and not timeout > 0:
-                raise ObservabilityConfigError(f"{env_timeout[0]}: expected a positive number of milliseconds, got "
-                                               f"{env_timeout[1]!r}")
+                raise ObservabilityConfigError(
+                    f"{env_timeout[0]}: expected a positive number of milliseconds, got {env_timeout[1]!r}"
+                )
         if not timeout > 0:
             raise ObservabilityConfigError(f"{source}: expected a positive number of seconds, got {timeout!r}")
         if endpoint is not None:
             endpoint, insecure = _normalise_endpoint(endpoint, proto, signal, insecure, where)
         return ExportSettings(
-            signal=signal, protocol=proto, timeout=float(timeout), endpoint=endpoint, insecure=insecure,
+            signal=signal,
+            protocol=proto,
+            timeout=float(timeout),
+            endpoint=endpoint,
+            insecure=insecure,
             headers={str(k).strip().lower(): str(v) for k, v in headers.items()} if headers is not None else None,
             compression=compression.strip().lower() if compression is not None else None,
-            certificate_file=certificate_file)
+            certificate_file=certificate_file,
+        )
 
     @property
     def address(self) -> str:
@@ -130,21 +138,20 @@ class ExportSettings:
                 kwargs.update(insecure=self.insecure, credentials=_grpc_credentials(self.certificate_file))
             else:
                 kwargs.update(certificate_file=self.certificate_file)
-            return getattr(importlib.import_module(module), name)(
-                **{k: v for k, v in kwargs.items() if v is not None})
+            return getattr(importlib.import_module(module), name)(**{k: v for k, v in kwargs.items() if v is not None})
         except Exception as err:  # an unreadable certificate, an OTEL_EXPORTER_OTLP_COMPRESSION the SDK refuses, ...
             raise ObservabilityConfigError(f"OTLP {self.signal} exporter: {err}") from None
 
 
-def _normalise_endpoint(raw: str, proto: str, signal: Signal, insecure: bool | None,
-                        where: str = "trainer.logger") -> tuple[str, bool | None]:
+def _normalise_endpoint(
+    raw: str, proto: str, signal: Signal, insecure: bool | None, where: str = "trainer.logger"
+) -> tuple[str, bool | None]:
     """An endpoint argument: ``host[:port]`` is plain text on the OTLP port, ``https://host`` is TLS on 443; for
     HTTP ``/v1/<signal>`` is appended to the base URL. Returns the SDK's form and the ``insecure`` flag."""
     bare = "://" not in raw
     url = urlparse((("https://" if insecure is False else "http://") + raw) if bare else raw)
     if url.scheme not in ("http", "https") or not url.hostname:
-        raise ObservabilityConfigError(f"{where}.endpoint: expected 'host:port' or 'http(s)://host:port', got "
-                                       f"{raw!r}")
+        raise ObservabilityConfigError(f"{where}.endpoint: expected 'host:port' or 'http(s)://host:port', got {raw!r}")
     insecure = url.scheme == "http" if insecure is None else insecure
     port = url.port or (DEFAULT_PORTS[proto] if bare else 443 if url.scheme == "https" else 80)
     host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname

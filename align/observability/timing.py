@@ -38,7 +38,7 @@ class Timer:
     def __init__(self, store: dict[str, float], name: str):
         self.store, self.name = store, name
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         tracing = _active
         self.span = tracing.open_span(span_name(self.name)) if tracing is not None else None
         self.start = time.perf_counter()

@@ -30,6 +30,7 @@ from align.observability import timing
 from align.observability.attributes import (
     algorithm_of,
     attribute_value,
+    batch_attributes,
     hparam_attributes,
     metric_name,
     model_name_of,
@@ -40,8 +41,16 @@ from align.observability.settings import ExportSettings, ObservabilityConfigErro
 
 # Logged metrics copied onto each step span when present (names in docs/observability.md, "Metrics").
 DEFAULT_STEP_METRICS = (
-    "train/loss", "train/kl", "train/entropy", "train/policy_loss", "train/value_loss", "train/clipfrac",
-    "rollout/reward_mean", "rollout/response_length", "rollout/tokens_per_s", "train/tokens_per_s",
+    "train/loss",
+    "train/kl",
+    "train/entropy",
+    "train/policy_loss",
+    "train/value_loss",
+    "train/clipfrac",
+    "rollout/reward_mean",
+    "rollout/response_length",
+    "rollout/tokens_per_s",
+    "train/tokens_per_s",
 )
 
 
@@ -94,16 +103,28 @@ class OTelTracingCallback(Callback):
                 mean, response length and throughput names of docs/observability.md. An empty list reads none.
         """
         super().__init__()
-        for name, value in (("max_queue_size", max_queue_size), ("max_export_batch_size", max_export_batch_size),
-                            ("step_every_n", step_every_n)):
+        for name, value in (
+            ("max_queue_size", max_queue_size),
+            ("max_export_batch_size", max_export_batch_size),
+            ("step_every_n", step_every_n),
+        ):
             if not value >= 1:
                 raise ObservabilityConfigError(f"trainer.callbacks.{name}: expected >= 1, got {value!r}")
         if not export_interval > 0:
-            raise ObservabilityConfigError(f"trainer.callbacks.export_interval: expected positive seconds, got "
-                                           f"{export_interval!r}")
+            raise ObservabilityConfigError(
+                f"trainer.callbacks.export_interval: expected positive seconds, got {export_interval!r}"
+            )
         self._settings = ExportSettings.resolve(
-            "traces", endpoint=endpoint, protocol=protocol, headers=headers, insecure=insecure,
-            compression=compression, timeout=timeout, certificate_file=certificate_file, where="trainer.callbacks")
+            "traces",
+            endpoint=endpoint,
+            protocol=protocol,
+            headers=headers,
+            insecure=insecure,
+            compression=compression,
+            timeout=timeout,
+            certificate_file=certificate_file,
+            where="trainer.callbacks",
+        )
         self._export_interval = float(export_interval)
         self._max_queue_size = int(max_queue_size)
         self._max_export_batch_size = min(int(max_export_batch_size), self._max_queue_size)
@@ -159,8 +180,9 @@ class OTelTracingCallback(Callback):
         from align.observability.logger import OTLPLogger
 
         otlp_loggers = [lg for lg in trainer.loggers if isinstance(lg, OTLPLogger)]
-        run_id = self._run_id_arg or (otlp_loggers[0].run_id if otlp_loggers else None) or self.run_id \
-            or default_run_id()
+        run_id = (
+            self._run_id_arg or (otlp_loggers[0].run_id if otlp_loggers else None) or self.run_id or default_run_id()
+        )
         if trainer.world_size > 1:  # every rank calls setup at the same point: safe to broadcast
             run_id = trainer.strategy.broadcast(run_id, src=0)
         self.run_id = run_id
@@ -173,17 +195,24 @@ class OTelTracingCallback(Callback):
     def _start(self, pl_module) -> None:
         rank = current_rank()
         self._algorithm, self._model_name = algorithm_of(pl_module), model_name_of(pl_module)
-        resource = build_resource(run_id=self.run_id, rank=rank, service_name=self._service_name,
-                                  resource_attributes=self._resource_attributes, algorithm=self._algorithm,
-                                  model_name=self._model_name)
+        resource = build_resource(
+            run_id=self.run_id,
+            rank=rank,
+            service_name=self._service_name,
+            resource_attributes=self._resource_attributes,
+            algorithm=self._algorithm,
+            model_name=self._model_name,
+        )
         exporter = self._pipeline.start(self.run_id)
-        batch = BatchSpanProcessor(exporter, max_queue_size=self._max_queue_size,
-                                   schedule_delay_millis=self._export_interval * 1000,
-                                   max_export_batch_size=self._max_export_batch_size,
-                                   export_timeout_millis=self._settings.timeout * 1000)
+        batch = BatchSpanProcessor(
+            exporter,
+            max_queue_size=self._max_queue_size,
+            schedule_delay_millis=self._export_interval * 1000,
+            max_export_batch_size=self._max_export_batch_size,
+            export_timeout_millis=self._settings.timeout * 1000,
+        )
         self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        self._provider.add_span_processor(
-            CountingSpanProcessor(batch, exporter, self._max_queue_size))
+        self._provider.add_span_processor(CountingSpanProcessor(batch, exporter, self._max_queue_size))
         self._tracer = self._provider.get_tracer(SCOPE)
 
     def _shutdown(self) -> None:
@@ -289,8 +318,13 @@ class OTelTracingCallback(Callback):
     # ------------------------------------------------------------------ Lightning hooks
 
     def _root_attributes(self, trainer, pl_module) -> dict[str, Any]:
-        attrs = {"align.run_id": self.run_id, "align.rank": current_rank(), "align.world_size": trainer.world_size,
-                 "align.algorithm": self._algorithm or "unknown", "align.model": self._model_name or "unknown"}
+        attrs = {
+            "align.run_id": self.run_id,
+            "align.rank": current_rank(),
+            "align.world_size": trainer.world_size,
+            "align.algorithm": self._algorithm or "unknown",
+            "align.model": self._model_name or "unknown",
+        }
         if trainer.max_steps and trainer.max_steps > 0:
             attrs["align.max_steps"] = int(trainer.max_steps)
         if trainer.max_epochs is not None:
@@ -333,7 +367,7 @@ class OTelTracingCallback(Callback):
         if batch_idx % self._step_every_n:
             return
         attrs = {"align.step": trainer.global_step, "align.batch_idx": batch_idx, "align.epoch": trainer.current_epoch}
-        attrs.update(_batch_attributes(batch))
+        attrs.update(batch_attributes(batch))
         self._step = self._start_span("step", self._epoch or self._root, attrs)
         self._step_open = True
 
@@ -347,8 +381,7 @@ class OTelTracingCallback(Callback):
             return
         self._close_step()
         if trainer.state.fn == "fit" and self._root is not None:
-            self._val = self._start_span("validation", self._epoch or self._root,
-                                         {"align.step": trainer.global_step})
+            self._val = self._start_span("validation", self._epoch or self._root, {"align.step": trainer.global_step})
         else:
             self._root = self._start_span("validate", None, self._root_attributes(trainer, pl_module))
 
@@ -365,12 +398,14 @@ class OTelTracingCallback(Callback):
             return
         self._close_checkpoint()
         parent = self._val or self._epoch or self._root
-        self._ckpt = self._start_span("checkpoint_save", parent, {"align.step": trainer.global_step,
-                                                                   "align.epoch": trainer.current_epoch})
+        self._ckpt = self._start_span(
+            "checkpoint_save", parent, {"align.step": trainer.global_step, "align.epoch": trainer.current_epoch}
+        )
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        innermost = self._ckpt or (self._step if self._step is not None else None) or self._val or self._epoch \
-            or self._root
+        innermost = (
+            self._ckpt or (self._step if self._step is not None else None) or self._val or self._epoch or self._root
+        )
         if innermost is not None:
             innermost.record_exception(exception)
             innermost.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"[:512]))
@@ -406,31 +441,3 @@ class OTelTracingCallback(Callback):
             strategy, wrapper = saved
             if vars(strategy).get("save_checkpoint") is wrapper:
                 del strategy.save_checkpoint
-
-
-def _batch_attributes(batch: Any) -> dict[str, Any]:
-    """Batch size and token counts without a device sync: ``num_tokens`` when the batch carries it, else the
-    attention mask's sum only for CPU tensors, else the padded size."""
-    out: dict[str, Any] = {}
-    if isinstance(batch, (list, tuple)) and batch and hasattr(batch[0], "shape") and len(batch[0].shape) >= 1:
-        return {"align.batch.size": int(batch[0].shape[0])}
-    get = (lambda k: batch.get(k)) if isinstance(batch, dict) else (lambda k: getattr(batch, k, None))
-    input_ids = get("input_ids")
-    if input_ids is not None and hasattr(input_ids, "shape") and len(input_ids.shape) >= 1:
-        out["align.batch.size"] = int(input_ids.shape[0])
-        out["align.batch.padded_tokens"] = int(input_ids.numel())
-    prompt_ids = get("prompt_ids")
-    if isinstance(prompt_ids, list):  # RL prompt batches: unpadded id lists
-        out["align.batch.size"] = len(prompt_ids)
-        out["align.batch.prompt_tokens"] = sum(len(p) for p in prompt_ids)
-    if "align.batch.size" not in out and hasattr(batch, "__len__") and not isinstance(batch, (dict, str)) \
-            and not hasattr(batch, "shape"):
-        out["align.batch.size"] = len(batch)
-    num_tokens = get("num_tokens")
-    if isinstance(num_tokens, int):
-        out["align.batch.tokens"] = num_tokens
-    else:
-        mask = get("attention_mask")
-        if mask is not None and getattr(getattr(mask, "device", None), "type", None) == "cpu":
-            out["align.batch.tokens"] = int(mask.sum())
-    return out

@@ -1,4 +1,5 @@
-"""Rollouts that run ahead of training: the asynchronous source (``model.source: align.rollout.async_source.AsyncSource``).
+"""Rollouts that run ahead of training: the asynchronous source
+(``model.source: align.rollout.async_source.AsyncSource``).
 
 While the trainer updates on one batch's rollout, a generator in its own process (:mod:`align.rollout.generator`, a
 Ray actor per rank) is already generating the next batches with the weights it was last sent. With
@@ -33,7 +34,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,8 +42,15 @@ from align.data.prompts import PromptBatch
 from align.errors import AlignConfigError, AlignError
 from align.models.lora import gathered_elsewhere
 from align.observability.timing import Timer, record_span
-from align.rollout.generator import GeneratorPlacement, connect, generator_error, rng_state, set_rng_state, \
-    start_generator, trainable_weights
+from align.rollout.generator import (
+    GeneratorPlacement,
+    connect,
+    generator_error,
+    rng_state,
+    set_rng_state,
+    start_generator,
+    trainable_weights,
+)
 from align.rollout.partial import PARTIAL_MODES
 from align.rollout.sampler import Sampler
 from align.rollout.source import RolloutSource
@@ -63,10 +71,10 @@ class _Batch:
     index: int
     batch: PromptBatch
     version: int
-    seed: Optional[int] = None
-    rng: Optional[torch.Tensor] = None
+    seed: int | None = None
+    rng: torch.Tensor | None = None
     ref: Any = None
-    result: Optional[dict[str, Any]] = None
+    result: dict[str, Any] | None = None
     load: Any = field(default=None, repr=False)  # the reference of the weight load sent just before it
 
 
@@ -84,8 +92,13 @@ class AsyncSource(RolloutSource):
     step that used them, name the generator's process (``process.pid``).
     """
 
-    def __init__(self, max_staleness: int = 1, generator: GeneratorPlacement = GeneratorPlacement(),
-                 interrupt: bool = False, partial: str = "discard"):
+    def __init__(
+        self,
+        max_staleness: int = 1,
+        generator: GeneratorPlacement = GeneratorPlacement(),
+        interrupt: bool = False,
+        partial: str = "discard",
+    ):
         """
         Args:
             max_staleness: Batches generated ahead of the one being trained on (``k``): every update uses rows of
@@ -110,7 +123,7 @@ class AsyncSource(RolloutSource):
         self.sent = 0  # batches sent to the generator in this run (a batch's number seeds its stream)
         self.versions: list[int] = []  # the latest policy versions trained on (optimizer steps), oldest first
         self.restarts = 0
-        self._pushed: Optional[int] = None
+        self._pushed: int | None = None
         self._weights: dict[int, Any] = {}  # version -> weights in Ray's object store, while a batch needs them
         self._load: Any = None  # the last weight load sent, until the batch sent after it takes it
 
@@ -129,24 +142,30 @@ class AsyncSource(RolloutSource):
     def bind(self, sampler: Sampler) -> None:
         super().bind(sampler)
         if importlib.util.find_spec("ray") is None:
-            raise AlignConfigError("model.source: AsyncSource places its generators with Ray, which is not "
-                                   "installed: pip install 'align[async]'")
+            raise AlignConfigError(
+                "model.source: AsyncSource places its generators with Ray, which is not "
+                "installed: pip install 'align[async]'"
+            )
         if sampler.environment is not None:
-            raise AlignConfigError("model.source: AsyncSource generates single-turn completions; multi-turn episodes "
-                                   "(model.environment) run with the inline source")
+            raise AlignConfigError(
+                "model.source: AsyncSource generates single-turn completions; multi-turn episodes "
+                "(model.environment) run with the inline source"
+            )
         if self.interrupt and not sampler.engine.stops_per_token:
-            raise AlignConfigError(f"model.source.interrupt: cutting generations at a weight update needs an engine "
-                                   f"that can stop after any token (such as native), got "
-                                   f"{type(sampler.engine).__name__}; set interrupt false")
+            raise AlignConfigError(
+                f"model.source.interrupt: cutting generations at a weight update needs an engine "
+                f"that can stop after any token (such as native), got "
+                f"{type(sampler.engine).__name__}; set interrupt false"
+            )
 
     # ------------------------------------------------------------------ the pipeline
-    def next(self, batch: PromptBatch, version: int) -> Optional[Scored]:
+    def next(self, batch: PromptBatch, version: int) -> Scored | None:
         sampler = self.sampler
         sampler.reward.check_inputs(list(batch.columns))  # a reward's missing argument fails before generating
         timings: dict[str, float] = {}
         self._start()
         if not self.versions or self.versions[-1] != version:  # an update since the last step (or the first)
-            self.versions = (self.versions + [version])[-(self.max_staleness + 2):]
+            self.versions = (self.versions + [version])[-(self.max_staleness + 2) :]
         if self._pushed != version:
             with Timer(timings, "time/weight_sync_s"):
                 self._push(version)
@@ -161,7 +180,7 @@ class AsyncSource(RolloutSource):
         self._release()
         return self._scored(item, result, timings, version)
 
-    def _stream(self) -> tuple[Optional[int], Optional[torch.Tensor]]:
+    def _stream(self) -> tuple[int | None, torch.Tensor | None]:
         """The next batch's random stream: the trainer's own at ``max_staleness: 0`` (handed back with the
         rollout), else a seed of the run's seed, the rank and the batch's number."""
         if self.max_staleness == 0 and self._actor_device == self._device.type:
@@ -183,10 +202,17 @@ class AsyncSource(RolloutSource):
         rows, tokens = self._updates_since(oldest), self._updates_since(versions[mask])
         staleness = int(rows.max())
         if staleness > self.max_staleness:  # the pipeline's construction guarantees it; a bug otherwise
-            raise AlignError(f"asynchronous source: a rollout of policy version {rollout.policy_version} reached "
-                             f"update {now}, beyond max_staleness {self.max_staleness}")
-        rollout.metrics.update({"rollout/staleness": float(rows.mean()), "rollout/staleness_max": float(staleness),
-                                "rollout/policy_version_lag": float(tokens.mean()) if tokens.numel() else 0.0})
+            raise AlignError(
+                f"asynchronous source: a rollout of policy version {rollout.policy_version} reached "
+                f"update {now}, beyond max_staleness {self.max_staleness}"
+            )
+        rollout.metrics.update(
+            {
+                "rollout/staleness": float(rows.mean()),
+                "rollout/staleness_max": float(staleness),
+                "rollout/policy_version_lag": float(tokens.mean()) if tokens.numel() else 0.0,
+            }
+        )
         timings["time/generation_s"] = result["seconds"]
         load = result.get("load")
         timings["time/generator_idle_s"] = result["idle_s"] + (load["idle_s"] if load is not None else 0.0)
@@ -200,9 +226,13 @@ class AsyncSource(RolloutSource):
         return (len(self.versions) - torch.searchsorted(history, versions.contiguous(), right=True)).float()
 
     def _trace(self, item: _Batch, result: dict[str, Any]) -> None:
-        attributes = {"process.pid": result["pid"], "align.process": "generator",
-                      "align.rank": self.sampler.ranks().rank, "align.policy_version": item.version,
-                      "align.batch": item.index}
+        attributes = {
+            "process.pid": result["pid"],
+            "align.process": "generator",
+            "align.rank": self.sampler.ranks().rank,
+            "align.policy_version": item.version,
+            "align.batch": item.index,
+        }
         load = result.get("load")
         if load is not None:
             record_span("weight_sync", load["start_ns"], load["end_ns"], attributes)
@@ -218,14 +248,21 @@ class AsyncSource(RolloutSource):
             return
         policy = self.sampler.policy
         if any(gathered_elsewhere(p) for p in policy.parameters()):
-            raise AlignConfigError("model.source: AsyncSource sends the policy's weights from each rank, and this "
-                                   "strategy shards them (FSDP2, ZeRO-3); use ddp or deepspeed_stage_1/2")
+            raise AlignConfigError(
+                "model.source: AsyncSource sends the policy's weights from each rank, and this "
+                "strategy shards them (FSDP2, ZeRO-3); use ddp or deepspeed_stage_1/2"
+            )
         ranks = self.sampler.ranks()
         connect(self.placement.address, self.placement.num_cpus * ranks.size)
         name = f"align-generator-rank{ranks.rank}-{time.time_ns()}"
-        self.actor, self._actor_device = start_generator(self.placement, policy.spec, self.sampler.engine.sampling,
-                                                         torch.get_num_threads(), name,
-                                                         self.partial if self.interrupt else None)
+        self.actor, self._actor_device = start_generator(
+            self.placement,
+            policy.spec,
+            self.sampler.engine.sampling,
+            torch.get_num_threads(),
+            name,
+            self.partial if self.interrupt else None,
+        )
         self._pushed, self._load, self._seq = None, None, 0
         for item in self.pipeline:  # batches restored from a checkpoint, or a dead generator's
             if item.result is None:
@@ -278,11 +315,19 @@ class AsyncSource(RolloutSource):
         self.restarts += 1
         what = "did not answer" if isinstance(err, ray.exceptions.GetTimeoutError) else "died"
         if self.restarts > self.placement.max_restarts:
-            raise AlignError(f"asynchronous source: the generator {what} ({type(err).__name__}) and "
-                             f"generator.max_restarts={self.placement.max_restarts} restarts are spent") from None
-        log.warning("asynchronous source: the generator %s (%s); starting another and generating its %d unfinished "
-                    "batches again (restart %d of %d)", what, type(err).__name__,
-                    sum(i.result is None for i in self.pipeline), self.restarts, self.placement.max_restarts)
+            raise AlignError(
+                f"asynchronous source: the generator {what} ({type(err).__name__}) and "
+                f"generator.max_restarts={self.placement.max_restarts} restarts are spent"
+            ) from None
+        log.warning(
+            "asynchronous source: the generator %s (%s); starting another and generating its %d unfinished "
+            "batches again (restart %d of %d)",
+            what,
+            type(err).__name__,
+            sum(i.result is None for i in self.pipeline),
+            self.restarts,
+            self.placement.max_restarts,
+        )
         try:
             ray.kill(self.actor)
         except Exception:  # noqa: BLE001 - already gone
@@ -304,18 +349,30 @@ class AsyncSource(RolloutSource):
         batches = []
         for item in self.pipeline:
             result = self._result(item)
-            batches.append({"index": item.index, "batch": asdict(item.batch), "version": item.version,
-                            "seed": item.seed, "result": {**result, "load": None,
-                                                          "rollout": rollout_state(result["rollout"])}})
+            batches.append(
+                {
+                    "index": item.index,
+                    "batch": asdict(item.batch),
+                    "version": item.version,
+                    "seed": item.seed,
+                    "result": {**result, "load": None, "rollout": rollout_state(result["rollout"])},
+                }
+            )
         return {"sent": self.sent, "versions": list(self.versions), "batches": batches}
 
     def load_state_dict(self, state: dict[str, Any], device=None) -> None:
         self.sent = state.get("sent", 0)
         self.versions = list(state.get("versions", []))
         self.pipeline = deque(
-            _Batch(b["index"], PromptBatch(**b["batch"]), b["version"], b["seed"],
-                   result={**b["result"], "rollout": rollout_from_state(b["result"]["rollout"])})
-            for b in state.get("batches", []))
+            _Batch(
+                b["index"],
+                PromptBatch(**b["batch"]),
+                b["version"],
+                b["seed"],
+                result={**b["result"], "rollout": rollout_from_state(b["result"]["rollout"])},
+            )
+            for b in state.get("batches", [])
+        )
 
     def close(self) -> None:
         if self.actor is not None:

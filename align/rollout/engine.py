@@ -32,7 +32,8 @@ Nothing here scores or trains.
 
 A new engine (docs/architecture.md, "A generation engine") subclasses :class:`GenerationEngine` anywhere importable,
 takes its settings as constructor arguments, implements :meth:`~GenerationEngine.decoding` (and
-:meth:`~GenerationEngine.close` if it holds resources) and says what it can do (:attr:`~GenerationEngine.exact_logprobs`,
+:meth:`~GenerationEngine.close` if it holds resources) and says what it can do
+(:attr:`~GenerationEngine.exact_logprobs`,
 :attr:`~GenerationEngine.stops_per_token`); the sampler, the episodes, held-out passes, the asynchronous source and
 every RL module then use it unchanged.
 """
@@ -42,9 +43,10 @@ from __future__ import annotations
 import copy
 import importlib
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, ClassVar, Iterator, Optional, Protocol, Sequence, Union
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -54,8 +56,18 @@ from align.models.decoding import FastDecoder, decoder_for
 from align.rollout.sampling import SampleOutput, left_pad, sample
 from align.rollout.types import Rollout
 
-__all__ = ["ENGINE_NAMES", "Decode", "EngineCorrection", "GenerationEngine", "HeldOutCorrection", "HeldOutSampling",
-           "NativeEngine", "SamplingConfig", "engine_of", "make_engine"]
+__all__ = [
+    "ENGINE_NAMES",
+    "Decode",
+    "EngineCorrection",
+    "GenerationEngine",
+    "HeldOutCorrection",
+    "HeldOutSampling",
+    "NativeEngine",
+    "SamplingConfig",
+    "engine_of",
+    "make_engine",
+]
 
 
 def _check(ok: bool, key: str, expected: str, got) -> None:
@@ -115,7 +127,7 @@ class SamplingConfig:
     """Draw from the ``top_k`` most likely tokens only (0 = off)."""
     min_new_tokens: int = 0
     """Stop tokens are forbidden before this many tokens have been generated."""
-    engine: Union[str, "GenerationEngine"] = "native"
+    engine: str | GenerationEngine = "native"
     """The generation engine: ``native`` (align's own decoding loop), ``vllm``, or a ``class_path`` of a
     :class:`~align.rollout.engine.GenerationEngine` with its settings as ``init_args`` (docs/engines.md)."""
     correction: EngineCorrection = field(default_factory=EngineCorrection)
@@ -127,8 +139,12 @@ class SamplingConfig:
         _check(self.temperature >= 0, f"{key}.temperature", ">= 0 (0: greedy)", self.temperature)
         _check(0 < self.top_p <= 1, f"{key}.top_p", "a value in (0, 1]", self.top_p)
         _check(self.top_k >= 0, f"{key}.top_k", ">= 0 (0: off)", self.top_k)
-        _check(0 <= self.min_new_tokens <= self.max_new_tokens, f"{key}.min_new_tokens",
-               f"a value in [0, max_new_tokens = {self.max_new_tokens}]", self.min_new_tokens)
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            f"{key}.min_new_tokens",
+            f"a value in [0, max_new_tokens = {self.max_new_tokens}]",
+            self.min_new_tokens,
+        )
         if isinstance(self.engine, str):
             engine_class(self.engine, f"{key}.engine")  # a misspelt name fails here, not at the first rollout
 
@@ -147,7 +163,7 @@ class HeldOutSampling(SamplingConfig):
 
     where: ClassVar[str] = "model.evaluation.sampling"
 
-    engine: Union[str, "GenerationEngine", None] = None
+    engine: str | GenerationEngine | None = None
     """The generation engine; null: the training engine (``sampling.engine``, with its settings)."""
     correction: HeldOutCorrection = field(default_factory=HeldOutCorrection)
     """Checked as the training correction is; held-out completions are never trained on."""
@@ -156,9 +172,17 @@ class HeldOutSampling(SamplingConfig):
 class Decode(Protocol):
     """One decoding call of an open engine: left-padded ``(B, P)`` contexts -> :class:`SampleOutput` of ``(B, T)``."""
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
-                 min_new_tokens: int = 0, generator: Optional[torch.Generator] = None,
-                 sync_stop: Optional[Callable[[bool], bool]] = None, shared_prefix: int = 1) -> SampleOutput: ...
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        generator: torch.Generator | None = None,
+        sync_stop: Callable[[bool], bool] | None = None,
+        shared_prefix: int = 1,
+    ) -> SampleOutput: ...
 
 
 class GenerationEngine:
@@ -179,7 +203,7 @@ class GenerationEngine:
         self.decoding_metrics: dict[str, float] = {}
         """What the last :meth:`decoding` did besides decoding (an engine's weight sync: ``time/engine_sync_s``)."""
 
-    def bound(self, sampling: SamplingConfig) -> "GenerationEngine":
+    def bound(self, sampling: SamplingConfig) -> GenerationEngine:
         """A copy of this engine (its settings and whatever it shares across copies) that draws with ``sampling``."""
         engine = copy.copy(self)
         engine.sampling, engine.decoding_metrics = sampling, {}
@@ -204,9 +228,14 @@ class GenerationEngine:
         before the trainer releases the process group (the module arranges it)."""
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids: Sequence[Sequence[int]], group_size: int = 1,
-                 generator: Optional[torch.Generator] = None, sync_stop: Optional[Callable[[bool], bool]] = None,
-                 ) -> Rollout:
+    def generate(
+        self,
+        policy,
+        prompt_ids: Sequence[Sequence[int]],
+        group_size: int = 1,
+        generator: torch.Generator | None = None,
+        sync_stop: Callable[[bool], bool] | None = None,
+    ) -> Rollout:
         """``group_size`` completions for each prompt (lists of token ids, chat template applied), as a
         :class:`Rollout` whose groups are consecutive rows. ``sync_stop``: see :func:`align.rollout.sampling.sample`
         (``align.trainer.strategies.generation_context`` provides it when needed)."""
@@ -215,12 +244,23 @@ class GenerationEngine:
         started = time.perf_counter()
         self.decoding_metrics = {}
         with self.decoding(policy, ids.shape[1] + s.max_new_tokens) as decode:
-            out = decode(ids, mask, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
-                         generator=generator, sync_stop=sync_stop, shared_prefix=group_size)
+            out = decode(
+                ids,
+                mask,
+                max_new_tokens=s.max_new_tokens,
+                min_new_tokens=s.min_new_tokens,
+                generator=generator,
+                sync_stop=sync_stop,
+                shared_prefix=group_size,
+            )
         return self.rollout_of(policy, ids, mask, prompt_index, group_size, out, time.perf_counter() - started)
 
-    def contexts(self, policy, prompt_ids: Sequence[Sequence[int]], group_size: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def contexts(
+        self,
+        policy,
+        prompt_ids: Sequence[Sequence[int]],
+        group_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The left-padded ``(N, P)`` contexts and mask of ``group_size`` rows per prompt on the policy's device,
         and each row's prompt index ``(N,)`` (on the CPU)."""
         if group_size < 1:
@@ -230,8 +270,16 @@ class GenerationEngine:
         prompt_index = torch.arange(len(prompt_ids)).repeat_interleave(group_size)  # (N,)
         return ids[prompt_index].to(device), mask[prompt_index].to(device), prompt_index
 
-    def rollout_of(self, policy, ids: torch.Tensor, mask: torch.Tensor, prompt_index: torch.Tensor, group_size: int,
-                   out: SampleOutput, seconds: float) -> Rollout:
+    def rollout_of(
+        self,
+        policy,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        prompt_index: torch.Tensor,
+        group_size: int,
+        out: SampleOutput,
+        seconds: float,
+    ) -> Rollout:
         """The :class:`Rollout` of contexts ``ids``/``mask`` and the tokens ``out`` decoded for them in ``seconds``:
         response mask through the first stop token, truncation, texts and the rollout's metrics."""
         tok, s = policy.tokenizer, self.sampling
@@ -241,8 +289,9 @@ class GenerationEngine:
         out = SampleOutput(out.response_ids.clone(), out.logprobs.clone(), out.steps)
         resp_mask = response_mask(out.response_ids, stop)  # (N, R)
         is_truncated = truncated(out.response_ids, stop) & (out.response_ids.shape[1] >= s.max_new_tokens)
-        texts = tok.batch_decode(torch.where(resp_mask, out.response_ids, tok.pad_token_id).tolist(),
-                                 skip_special_tokens=True)
+        texts = tok.batch_decode(
+            torch.where(resp_mask, out.response_ids, tok.pad_token_id).tolist(), skip_special_tokens=True
+        )
         lengths = resp_mask.sum(dim=1).float()
         metrics = {
             # The tokens sampled in this rollout, so throughput can be summed over steps and ranks.
@@ -252,8 +301,19 @@ class GenerationEngine:
             "rollout/truncated_frac": float(is_truncated.float().mean()),
             **self.decoding_metrics,
         }
-        return Rollout(ids, mask, out.response_ids, resp_mask, out.logprobs, is_truncated, texts,
-                       prompt_index.to(ids.device), group_size, seconds, metrics)
+        return Rollout(
+            ids,
+            mask,
+            out.response_ids,
+            resp_mask,
+            out.logprobs,
+            is_truncated,
+            texts,
+            prompt_index.to(ids.device),
+            group_size,
+            seconds,
+            metrics,
+        )
 
 
 class NativeEngine(GenerationEngine):
@@ -283,23 +343,43 @@ class NativeEngine(GenerationEngine):
                 model = decoder_for(model, capacity=capacity)
             s = self.sampling
 
-            def decode(input_ids, attention_mask, *, max_new_tokens, min_new_tokens=0, generator=None,
-                       sync_stop=None, shared_prefix=1) -> SampleOutput:
+            def decode(
+                input_ids,
+                attention_mask,
+                *,
+                max_new_tokens,
+                min_new_tokens=0,
+                generator=None,
+                sync_stop=None,
+                shared_prefix=1,
+            ) -> SampleOutput:
                 if isinstance(model, FastDecoder):
                     model.capacity = input_ids.shape[1] + max_new_tokens
-                return sample(model, input_ids, attention_mask, eos_token_id=self.stop_ids(policy.tokenizer),
-                              pad_token_id=policy.tokenizer.pad_token_id, max_new_tokens=max_new_tokens,
-                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_new_tokens=min_new_tokens,
-                              generator=generator, sync_stop=sync_stop,
-                              shared_prefix=shared_prefix if self.shared_prefill else 1)
+                return sample(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    eos_token_id=self.stop_ids(policy.tokenizer),
+                    pad_token_id=policy.tokenizer.pad_token_id,
+                    max_new_tokens=max_new_tokens,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    min_new_tokens=min_new_tokens,
+                    generator=generator,
+                    sync_stop=sync_stop,
+                    shared_prefix=shared_prefix if self.shared_prefill else 1,
+                )
 
             yield decode
         finally:
             policy.train(was_training)
 
 
-ENGINE_NAMES: dict[str, str] = {"native": "align.rollout.engine.NativeEngine",
-                                "vllm": "align.rollout.vllm_engine.VLLMEngine"}
+ENGINE_NAMES: dict[str, str] = {
+    "native": "align.rollout.engine.NativeEngine",
+    "vllm": "align.rollout.vllm_engine.VLLMEngine",
+}
 """Short names of ``sampling.engine``: the class paths they stand for (imported only when chosen: ``vllm``'s module
 imports vLLM)."""
 
@@ -321,7 +401,7 @@ def engine_class(name: str, key: str = "model.sampling.engine") -> type[Generati
     return cls
 
 
-def engine_of(spec: Union[str, GenerationEngine]) -> GenerationEngine:
+def engine_of(spec: str | GenerationEngine) -> GenerationEngine:
     """The engine ``spec`` names: itself when it is one, else its class (:func:`engine_class`) with its default
     settings."""
     return spec if isinstance(spec, GenerationEngine) else engine_class(spec)()

@@ -31,16 +31,16 @@ from __future__ import annotations
 
 import numbers
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
-from align.rollout.envs.chat import EnvironmentPool
 from align.errors import AlignConfigError, AlignEnvError
 from align.rollout.engine import GenerationEngine
+from align.rollout.envs.chat import EnvironmentPool
 from align.rollout.rewards import one_line
 from align.rollout.sampling import left_pad
 from align.rollout.types import Rollout
@@ -63,7 +63,7 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)  # per token of ids: sampling log-prob (0: environment)
     rewards: list[tuple[int, float]] = field(default_factory=list)  # (index in ids of a turn's last token, reward)
     turns: int = 0
-    end: Optional[str] = None
+    end: str | None = None
     stopped: bool = False  # the last turn ended with a stop token
     text: str = ""  # the last assistant turn
     last_ids: list[int] = field(default_factory=list)
@@ -75,8 +75,14 @@ class _Episode:
 def _rows(batch: PromptBatch) -> list[dict]:
     """One dict per prompt: its columns, ``prompt`` and ``messages`` (copies: an environment may change them)."""
     messages = batch.messages or [[{"role": "user", "content": p}] for p in batch.prompts]
-    return [{**{k: v[i] for k, v in batch.columns.items()}, "prompt": batch.prompts[i],
-             "messages": [dict(m) for m in messages[i]]} for i in range(len(batch))]
+    return [
+        {
+            **{k: v[i] for k, v in batch.columns.items()},
+            "prompt": batch.prompts[i],
+            "messages": [dict(m) for m in messages[i]],
+        }
+        for i in range(len(batch))
+    ]
 
 
 def _turn_ids(ids: list[int], logprobs: list[float], limit: int, stop: set[int]) -> tuple[list[int], list[float], bool]:
@@ -94,13 +100,13 @@ def play_episodes(
     batch: PromptBatch,
     group_size: int,
     envs: EnvironmentPool,
-    generator: Optional[torch.Generator] = None,
-    sync_stop: Optional[Callable[[bool], bool]] = None,
+    generator: torch.Generator | None = None,
+    sync_stop: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """``group_size`` episodes per prompt of ``batch`` (see the module docstring); rows of a prompt are consecutive.
 
-    ``sync_stop``: as for :func:`align.rollout.sampling.sample`. Under it every rank runs the same turns and decoding steps
-    (a rank whose episodes have all ended samples a placeholder row until every rank's have)."""
+    ``sync_stop``: as for :func:`align.rollout.sampling.sample`. Under it every rank runs the same turns and decoding
+    steps (a rank whose episodes have all ended samples a placeholder row until every rank's have)."""
     tok, spec, sampling = policy.tokenizer, envs.spec, engine.sampling
     encoder = ChatEncoder(tok)
     if not encoder.use_chat_template:
@@ -123,23 +129,38 @@ def play_episodes(
     with engine.decoding(policy, width + spec.max_tokens + sampling.max_new_tokens) as decode:
         for turn in range(1, spec.max_turns + 1):
             active = [e for e in episodes if e.end is None]
-            if (sync_stop(not active) if sync_stop is not None else not active):
+            if sync_stop(not active) if sync_stop is not None else not active:
                 break
             contexts = [e.prompt_ids + e.ids for e in active] or [[pad]]  # a placeholder row keeps a rank in step
             limits = [spec.max_tokens - len(e.ids) for e in active]
             max_new = sampling.max_new_tokens if sync_stop is not None else min(sampling.max_new_tokens, max(limits))
             ids, mask = left_pad(contexts, pad)
-            shared = group_size if (turn == 1 and len(active) == n
-                                    and all(contexts[k] == contexts[k - k % group_size] for k in range(n))) else 1
+            shared = (
+                group_size
+                if (
+                    turn == 1
+                    and len(active) == n
+                    and all(contexts[k] == contexts[k - k % group_size] for k in range(n))
+                )
+                else 1
+            )
             clock = time.perf_counter()
-            out = decode(ids.to(device), mask.to(device), max_new_tokens=max_new,
-                         min_new_tokens=min(sampling.min_new_tokens, max_new), generator=generator,
-                         sync_stop=sync_stop, shared_prefix=shared)
+            out = decode(
+                ids.to(device),
+                mask.to(device),
+                max_new_tokens=max_new,
+                min_new_tokens=min(sampling.min_new_tokens, max_new),
+                generator=generator,
+                sync_stop=sync_stop,
+                shared_prefix=shared,
+            )
             sampling_seconds += time.perf_counter() - clock
             if not active:
                 continue
             messages = []
-            for e, row_ids, row_logprobs, limit in zip(active, out.response_ids.tolist(), out.logprobs.tolist(), limits):
+            for e, row_ids, row_logprobs, limit in zip(
+                active, out.response_ids.tolist(), out.logprobs.tolist(), limits
+            ):
                 turn_ids, turn_logprobs, e.stopped = _turn_ids(row_ids, row_logprobs, limit, stop)
                 e.text = tok.decode(turn_ids, skip_special_tokens=True)
                 messages.append(_assistant_message(tok, e.prompt_ids + e.ids, turn_ids, e.text))
@@ -168,8 +189,9 @@ def play_episodes(
                 e.assistant += [False] * len(reply)
                 e.logprobs += [0.0] * len(reply)
                 e.messages += step.messages
-    rollout = _rollout(episodes, batch, group_size, pad, device, time.perf_counter() - started, sampling_seconds,
-                       env_seconds)
+    rollout = _rollout(
+        episodes, batch, group_size, pad, device, time.perf_counter() - started, sampling_seconds, env_seconds
+    )
     rollout.metrics.update(engine.decoding_metrics)  # what the engine did besides decoding (a weight sync)
     return rollout
 
@@ -193,8 +215,10 @@ def _render(encoder: ChatEncoder, envs: EnvironmentPool, label: str, messages: l
     except AlignConfigError as err:
         raise AlignConfigError(f"{envs.where}: {label}: {err}") from err
     except Exception as err:  # noqa: BLE001 - the template rejects what reset returned
-        raise AlignEnvError(f"{envs.where}: {label}: the chat template cannot render reset's messages: "
-                            f"{type(err).__name__}: {one_line(err)}") from err
+        raise AlignEnvError(
+            f"{envs.where}: {label}: the chat template cannot render reset's messages: "
+            f"{type(err).__name__}: {one_line(err)}"
+        ) from err
 
 
 def _reply(encoder: ChatEncoder, envs: EnvironmentPool, e: _Episode, replies: list[dict], turn: int) -> list[int]:
@@ -204,11 +228,13 @@ def _reply(encoder: ChatEncoder, envs: EnvironmentPool, e: _Episode, replies: li
         raise AlignConfigError(f"{envs.where}: {e.label}, turn {turn}: {err}") from err
     except Exception as err:  # noqa: BLE001 - e.g. a role the template does not know
         roles = sorted({m["role"] for m in replies})
-        raise AlignEnvError(f"{envs.where}: {e.label}, turn {turn}: the chat template cannot render the reply (roles "
-                            f"{roles}): {type(err).__name__}: {one_line(err)}") from err
+        raise AlignEnvError(
+            f"{envs.where}: {e.label}, turn {turn}: the chat template cannot render the reply (roles "
+            f"{roles}): {type(err).__name__}: {one_line(err)}"
+        ) from err
 
 
-def _end(e: _Episode, done: bool, turn: int, max_turns: int, max_tokens: int) -> Optional[str]:
+def _end(e: _Episode, done: bool, turn: int, max_turns: int, max_tokens: int) -> str | None:
     """Why the episode ends after this turn (:data:`ENDS`), or None when it goes on. A turn cut without its stop
     token ends the episode as truncated even when the environment said done (it cannot tell a cut turn)."""
     if not e.stopped:
@@ -218,8 +244,16 @@ def _end(e: _Episode, done: bool, turn: int, max_turns: int, max_tokens: int) ->
     return "max_turns" if turn >= max_turns else None
 
 
-def _rollout(episodes: list[_Episode], batch: PromptBatch, group_size: int, pad: int, device, seconds: float,
-             sampling_seconds: float, env_seconds: float) -> Rollout:
+def _rollout(
+    episodes: list[_Episode],
+    batch: PromptBatch,
+    group_size: int,
+    pad: int,
+    device,
+    seconds: float,
+    sampling_seconds: float,
+    env_seconds: float,
+) -> Rollout:
     n = len(episodes)
     prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad)
     width = max(len(e.ids) for e in episodes)
@@ -237,9 +271,19 @@ def _rollout(episodes: list[_Episode], batch: PromptBatch, group_size: int, pad:
         for index, reward in e.rewards:
             token_rewards[row, index] += reward
     truncated = torch.tensor([e.end != "done" for e in episodes])
-    records = [{"messages": e.messages, "first_messages": e.first_messages, "turns": e.turns, "end": e.end,
-                "env_reward": sum(r for _, r in e.rewards), "info": e.info, "completion_ids": e.last_ids,
-                "calls": e.calls} for e in episodes]
+    records = [
+        {
+            "messages": e.messages,
+            "first_messages": e.first_messages,
+            "turns": e.turns,
+            "end": e.end,
+            "env_reward": sum(r for _, r in e.rewards),
+            "info": e.info,
+            "completion_ids": e.last_ids,
+            "calls": e.calls,
+        }
+        for e in episodes
+    ]
     assistant = float(response_mask.sum())
     metrics = {
         "rollout/completion_tokens": assistant,
@@ -254,7 +298,23 @@ def _rollout(episodes: list[_Episode], batch: PromptBatch, group_size: int, pad:
         name = f"rollout/{key}" if f"rollout/{key}" not in metrics else f"rollout/info/{key}"  # never a built-in's
         metrics[name] = sum(e.info.get(key, 0.0) for e in episodes) / n
     prompt_index = torch.arange(len(batch)).repeat_interleave(group_size)
-    to = lambda t: t.to(device)
-    return Rollout(to(prompt_ids), to(prompt_mask), to(response_ids), to(response_mask), to(old_logprobs),
-                   to(truncated), [e.text for e in episodes], to(prompt_index), group_size, seconds, metrics,
-                   context_mask=to(context_mask), token_rewards=to(token_rewards), episodes=records)
+
+    def to(t):
+        return t.to(device)
+
+    return Rollout(
+        to(prompt_ids),
+        to(prompt_mask),
+        to(response_ids),
+        to(response_mask),
+        to(old_logprobs),
+        to(truncated),
+        [e.text for e in episodes],
+        to(prompt_index),
+        group_size,
+        seconds,
+        metrics,
+        context_mask=to(context_mask),
+        token_rewards=to(token_rewards),
+        episodes=records,
+    )

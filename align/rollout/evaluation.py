@@ -19,8 +19,9 @@ sampling settings.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -78,8 +79,11 @@ class Evaluator:
         for name, values in parts.items():
             self.add_sum(f"reward/{name}", values)
 
-    def means(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] = _same,
-              all_max: Callable[[torch.Tensor], torch.Tensor] = _same) -> dict[str, float]:
+    def means(
+        self,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] = _same,
+        all_max: Callable[[torch.Tensor], torch.Tensor] = _same,
+    ) -> dict[str, float]:
         """Every sum's mean over the completions of every rank (``all_reduce`` sums a tensor over the ranks,
         ``all_max`` takes its maximum; every rank must call this, with completions or without); empty when no
         completion was added anywhere. :attr:`highest` becomes the maximum over the ranks."""
@@ -148,8 +152,9 @@ class _Sums:
 def _check_ks(ks: Sequence[int], n: int) -> list[int]:
     for k in ks:
         if not 1 <= k <= n:
-            raise AlignConfigError(f"--k: pass@{k} needs at least {k} samples per prompt, but --n is {n}; "
-                                   f"set --n {k} or more")
+            raise AlignConfigError(
+                f"--k: pass@{k} needs at least {k} samples per prompt, but --n is {n}; set --n {k} or more"
+            )
     return sorted(set(ks))
 
 
@@ -179,11 +184,24 @@ def _compare(ours: Sequence[float], theirs: Sequence[float]) -> torch.Tensor:
     return (a > b).double() + 0.5 * (a == b).double()
 
 
-def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardSpec | str], sampling: SamplingConfig,
-             *, n: int = 1, ks: Sequence[int] = (), batch_size: int = 8, seed: int = 0,
-             accuracy_reward: str | None = None, accuracy_threshold: float = 1.0, baseline: PolicyModel | None = None,
-             reward_model: str | None = None, baseline_prompts: PromptFile | None = None, model_name: str = "",
-             on_batch=None) -> EvalReport:
+def evaluate(
+    policy: PolicyModel,
+    prompts: PromptFile,
+    rewards: Sequence[RewardSpec | str],
+    sampling: SamplingConfig,
+    *,
+    n: int = 1,
+    ks: Sequence[int] = (),
+    batch_size: int = 8,
+    seed: int = 0,
+    accuracy_reward: str | None = None,
+    accuracy_threshold: float = 1.0,
+    baseline: PolicyModel | None = None,
+    reward_model: str | None = None,
+    baseline_prompts: PromptFile | None = None,
+    model_name: str = "",
+    on_batch=None,
+) -> EvalReport:
     """Score ``n`` completions of each prompt with ``rewards`` (resolved as in a training config), sampled and scored
     by a :class:`~align.rollout.sampler.Sampler` and summed by an :class:`Evaluator`, as training's held-out passes
     are: ``reward_mean``, each reward's mean, ``accuracy`` (the share of completions whose ``accuracy_reward``,
@@ -209,8 +227,11 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
     judge = training_rewards(None, RewardModelSpec(reward_model), None, where=None)[0] if reward_model else None
     kl_ok = baseline is not None and _same_tokenizer(policy.tokenizer, baseline.tokenizer)
     ours = _Completions(policy, prompts, reward, sampling, n, batch_size, seed)
-    theirs = _Completions(baseline, baseline_prompts or prompts, reward, sampling, n, batch_size, seed) \
-        if baseline is not None else None
+    theirs = (
+        _Completions(baseline, baseline_prompts or prompts, reward, sampling, n, batch_size, seed)
+        if baseline is not None
+        else None
+    )
     evaluator, sums = Evaluator(acc_name, accuracy_threshold, device_of(policy)), _Sums()
     base_evaluator = Evaluator(acc_name, accuracy_threshold, device_of(policy))
     seconds = tokens = 0.0
@@ -231,8 +252,22 @@ def evaluate(policy: PolicyModel, prompts: PromptFile, rewards: Sequence[RewardS
         sums.count += len(rollout)
         if on_batch is not None:
             on_batch(evaluator.count // n, len(prompts.examples))
-    report = _report(evaluator.means(), base_evaluator.means(), sums, reward, prompts, n, ks, sampling, acc_name,
-                     accuracy_threshold, model_name, kl_ok, judge is not None, tokens / max(seconds, 1e-9))
+    report = _report(
+        evaluator.means(),
+        base_evaluator.means(),
+        sums,
+        reward,
+        prompts,
+        n,
+        ks,
+        sampling,
+        acc_name,
+        accuracy_threshold,
+        model_name,
+        kl_ok,
+        judge is not None,
+        tokens / max(seconds, 1e-9),
+    )
     report.accuracy_reward_highest = float(evaluator.highest) if evaluator.count else None
     return report
 
@@ -242,8 +277,16 @@ class _Completions:
     rewards: ``(batch, rollout, total (N,), parts {name: (N,)})`` per batch, as training's held-out passes sample and
     score them (:class:`~align.rollout.sampler.Sampler`), with a generator seeded by ``seed``."""
 
-    def __init__(self, policy: PolicyModel, prompts: PromptFile, reward: CombinedReward, sampling: SamplingConfig,
-                 n: int, batch_size: int, seed: int):
+    def __init__(
+        self,
+        policy: PolicyModel,
+        prompts: PromptFile,
+        reward: CombinedReward,
+        sampling: SamplingConfig,
+        n: int,
+        batch_size: int,
+        seed: int,
+    ):
         self.sampler = Sampler(policy, reward, n, sampling)
         self.examples, self.batch_size = prompts.examples, batch_size
         self.generator = seeded_generator(seed, policy)
@@ -251,7 +294,7 @@ class _Completions:
 
     def _generate(self) -> Iterator[tuple[PromptBatch, Rollout, torch.Tensor, dict[str, torch.Tensor]]]:
         for start in range(0, len(self.examples), self.batch_size):
-            batch = collate_prompts(list(self.examples[start:start + self.batch_size]))
+            batch = collate_prompts(list(self.examples[start : start + self.batch_size]))
             rollout = self.sampler.rollout(batch, generator=self.generator)
             yield (batch, rollout, *self.sampler.score(batch, rollout))
 
@@ -262,8 +305,15 @@ class _Completions:
         return next(self._batches)
 
 
-def _compare_with_baseline(sums: _Sums, judge: CombinedReward | None, batch: PromptBatch, rollout: Rollout,
-                           base_rollout: Rollout, total: Sequence[float], base_total: Sequence[float]) -> None:
+def _compare_with_baseline(
+    sums: _Sums,
+    judge: CombinedReward | None,
+    batch: PromptBatch,
+    rollout: Rollout,
+    base_rollout: Rollout,
+    total: Sequence[float],
+    base_total: Sequence[float],
+) -> None:
     if judge is not None:
         ours = judge(**reward_inputs(batch, rollout))[0]
         theirs = judge(**reward_inputs(batch, base_rollout))[0]
@@ -285,26 +335,52 @@ def _kl_estimator(sampling: SamplingConfig) -> str:
     return "log-ratio only: the completions are not samples of the policy at temperature 1"
 
 
-def _report(means: dict[str, float], base_means: dict[str, float], sums: _Sums, reward: CombinedReward,
-            prompts: PromptFile, n: int, ks: Sequence[int], sampling: SamplingConfig, acc_name: str, threshold: float,
-            model_name: str, kl_ok: bool, judged: bool, tokens_per_s: float) -> EvalReport:
+def _report(
+    means: dict[str, float],
+    base_means: dict[str, float],
+    sums: _Sums,
+    reward: CombinedReward,
+    prompts: PromptFile,
+    n: int,
+    ks: Sequence[int],
+    sampling: SamplingConfig,
+    acc_name: str,
+    threshold: float,
+    model_name: str,
+    kl_ok: bool,
+    judged: bool,
+    tokens_per_s: float,
+) -> EvalReport:
     num_prompts = len(prompts.examples)
     baseline = None
     if base_means:
-        baseline = {"judge": "reward_model" if judged else "rewards",
-                    "win_rate": sums.mean("baseline/win_rate"), "wins": sums.mean("baseline/wins"),
-                    "ties": sums.mean("baseline/ties"),
-                    "losses": 1.0 - sums.mean("baseline/wins") - sums.mean("baseline/ties"),
-                    "reward_mean": base_means["reward_mean"],
-                    "kl": sums.mean("kl") if kl_ok else None, "kl_estimator": _kl_estimator(sampling)}
+        baseline = {
+            "judge": "reward_model" if judged else "rewards",
+            "win_rate": sums.mean("baseline/win_rate"),
+            "wins": sums.mean("baseline/wins"),
+            "ties": sums.mean("baseline/ties"),
+            "losses": 1.0 - sums.mean("baseline/wins") - sums.mean("baseline/ties"),
+            "reward_mean": base_means["reward_mean"],
+            "kl": sums.mean("kl") if kl_ok else None,
+            "kl_estimator": _kl_estimator(sampling),
+        }
         if judged:
             baseline["rm_score"] = sums.mean("baseline/rm_score")
             baseline["baseline_rm_score"] = sums.mean("baseline/baseline_rm_score")
     return EvalReport(
-        model=model_name, prompts=prompts.source, num_prompts=num_prompts, samples_per_prompt=n,
+        model=model_name,
+        prompts=prompts.source,
+        num_prompts=num_prompts,
+        samples_per_prompt=n,
         sampling={k: getattr(sampling, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k")},
         reward_mean=means.get("reward_mean", 0.0),
         rewards={name: means.get(f"reward/{name}", 0.0) for name in reward.names},
-        accuracy=means.get("accuracy", 0.0), accuracy_reward=acc_name, accuracy_threshold=threshold,
-        response_length=means.get("response_length", 0.0), truncated_frac=means.get("truncated_frac", 0.0),
-        pass_at_k={k: sums.mean(f"pass@{k}", num_prompts) for k in ks}, baseline=baseline, tokens_per_s=tokens_per_s)
+        accuracy=means.get("accuracy", 0.0),
+        accuracy_reward=acc_name,
+        accuracy_threshold=threshold,
+        response_length=means.get("response_length", 0.0),
+        truncated_frac=means.get("truncated_frac", 0.0),
+        pass_at_k={k: sums.mean(f"pass@{k}", num_prompts) for k in ks},
+        baseline=baseline,
+        tokens_per_s=tokens_per_s,
+    )

@@ -19,8 +19,9 @@ being updated: the buffered log-probs stay the old policy's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -65,8 +66,15 @@ def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     return torch.cat([pad, t] if left else [t, pad], dim=1)
 
 
-_RIGHT_PADDED = {"response_ids": None, "response_mask": False, "old_logprobs": 0.0, "context_mask": 0,
-                 "token_rewards": 0.0, "engine_logprobs": 0.0, "correction_weights": 0.0}
+_RIGHT_PADDED = {
+    "response_ids": None,
+    "response_mask": False,
+    "old_logprobs": 0.0,
+    "context_mask": 0,
+    "token_rewards": 0.0,
+    "engine_logprobs": 0.0,
+    "correction_weights": 0.0,
+}
 """Per-token fields of a rollout padded on the right when rollouts are joined, and their fill (None: the pad id)."""
 
 
@@ -83,7 +91,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         if values[0] is None:
             out[f.name] = None
         elif f.name in ("prompt_ids", "prompt_mask"):
-            out[f.name] = torch.cat([_pad_to(v, p, pad_token_id if f.name == "prompt_ids" else 0, True) for v in values])
+            out[f.name] = torch.cat(
+                [_pad_to(v, p, pad_token_id if f.name == "prompt_ids" else 0, True) for v in values]
+            )
         elif f.name in _RIGHT_PADDED:
             fill = _RIGHT_PADDED[f.name]
             out[f.name] = torch.cat([_pad_to(v, w, pad_token_id if fill is None else fill, False) for v in values])
@@ -95,8 +105,12 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     for r in rollouts:
         index.append(r.prompt_index + offsets)
         offsets += len(r) // r.group_size
-    out.update(prompt_index=torch.cat(index), group_size=rollouts[0].group_size, metrics={},
-               generation_seconds=sum(r.generation_seconds for r in rollouts))
+    out.update(
+        prompt_index=torch.cat(index),
+        group_size=rollouts[0].group_size,
+        metrics={},
+        generation_seconds=sum(r.generation_seconds for r in rollouts),
+    )
     return Rollout(**out)
 
 
@@ -123,7 +137,7 @@ class GroupFilter:
 
     group_size: int
     max_batches: int = 4
-    reward: Optional[str] = None  # the reward part whose values must differ; None: the total
+    reward: str | None = None  # the reward part whose values must differ; None: the total
     eps: float = SIGNAL_EPS
     batches: int = 0
     sampled_groups: int = 0
@@ -141,9 +155,17 @@ class GroupFilter:
     def buffered_groups(self) -> int:
         return sum(len(f.rollout) // self.group_size for f in self.buffer)
 
-    def add(self, rollout: Rollout, rewards: torch.Tensor, parts: dict[str, torch.Tensor], target: int,
-            pad_token_id: int, all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-            rank: int = 0, world: int = 1) -> Optional[Filled]:
+    def add(
+        self,
+        rollout: Rollout,
+        rewards: torch.Tensor,
+        parts: dict[str, torch.Tensor],
+        target: int,
+        pad_token_id: int,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+        rank: int = 0,
+        world: int = 1,
+    ) -> Filled | None:
         """Buffer the informative groups of ``rollout``; the update's data once ``target`` groups per rank are
         buffered on every rank (or at the cap), else ``None``. ``target`` (prompts per rank) is taken from the
         first batch of a fill. ``all_reduce`` sums over ranks; every rank must call this on every step."""
@@ -157,7 +179,9 @@ class GroupFilter:
         groups = keep.nonzero().flatten()
         if len(groups):
             rows = (groups[:, None] * self.group_size + torch.arange(self.group_size, device=groups.device)).flatten()
-            self.buffer.append(Filled(select_groups(rollout, groups), rewards[rows], {k: v[rows] for k, v in parts.items()}))
+            self.buffer.append(
+                Filled(select_groups(rollout, groups), rewards[rows], {k: v[rows] for k, v in parts.items()})
+            )
         counts = torch.zeros(world + 1, device=rewards.device)
         counts[rank] = self.buffered_groups
         counts[world] = float(self.sampled_groups)
@@ -165,22 +189,34 @@ class GroupFilter:
         take = min(int(counts[:world].min()), self.target)
         if take < self.target and self.batches < self.max_batches:
             return None
-        metrics = {"rollout/sampling_batches": float(self.batches), "rollout/kept_groups": float(take),
-                   "rollout/kept_frac": float(counts[:world].sum() / counts[world].clamp(min=1)),
-                   "rollout/completion_tokens": self.sampled_tokens,
-                   "rollout/tokens_per_s": self.sampled_tokens / max(self.generation_seconds, 1e-9)}
+        metrics = {
+            "rollout/sampling_batches": float(self.batches),
+            "rollout/kept_groups": float(take),
+            "rollout/kept_frac": float(counts[:world].sum() / counts[world].clamp(min=1)),
+            "rollout/completion_tokens": self.sampled_tokens,
+            "rollout/tokens_per_s": self.sampled_tokens / max(self.generation_seconds, 1e-9),
+        }
         buffer, batches = self.buffer, self.batches
         self.clear()
         if take == 0:
-            log.warning("dynamic sampling: after %d sampled batches a rank has no group whose rewards differ; "
-                        "no update (max_batches reached)", batches)
+            log.warning(
+                "dynamic sampling: after %d sampled batches a rank has no group whose rewards differ; "
+                "no update (max_batches reached)",
+                batches,
+            )
             return None
-        out = Filled(concat_rollouts([f.rollout for f in buffer], pad_token_id), torch.cat([f.rewards for f in buffer]),
-                     {k: torch.cat([f.parts[k] for f in buffer]) for k in buffer[0].parts})
+        out = Filled(
+            concat_rollouts([f.rollout for f in buffer], pad_token_id),
+            torch.cat([f.rewards for f in buffer]),
+            {k: torch.cat([f.parts[k] for f in buffer]) for k in buffer[0].parts},
+        )
         if len(out.rollout) > take * self.group_size:  # the excess groups are dropped, as in the paper
             rows = slice(0, take * self.group_size)
-            out = Filled(select_groups(out.rollout, torch.arange(take)), out.rewards[rows],
-                         {k: v[rows] for k, v in out.parts.items()})
+            out = Filled(
+                select_groups(out.rollout, torch.arange(take)),
+                out.rewards[rows],
+                {k: v[rows] for k, v in out.parts.items()},
+            )
         lengths = out.rollout.response_lengths.float()
         metrics["rollout/response_length"] = float(lengths.mean())
         metrics["rollout/truncated_frac"] = float(out.rollout.truncated.float().mean())
@@ -196,14 +232,33 @@ class GroupFilter:
     def state_dict(self) -> dict[str, Any]:
         """The fill in progress (counters and buffered groups) as plain containers and CPU tensors, so a
         checkpoint written between updates resumes it."""
-        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t
-        return {**{k: getattr(self, k) for k in self._COUNTERS},
-                "buffer": [{"rollout": rollout_state(f.rollout), "rewards": cpu(f.rewards),
-                            "parts": {k: cpu(v) for k, v in f.parts.items()}} for f in self.buffer]}
+
+        def cpu(t):
+            return t.cpu() if isinstance(t, torch.Tensor) else t
+
+        return {
+            **{k: getattr(self, k) for k in self._COUNTERS},
+            "buffer": [
+                {
+                    "rollout": rollout_state(f.rollout),
+                    "rewards": cpu(f.rewards),
+                    "parts": {k: cpu(v) for k, v in f.parts.items()},
+                }
+                for f in self.buffer
+            ],
+        }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
-        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
+        def move(t):
+            return t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
+
         for k in self._COUNTERS:
             setattr(self, k, state[k])
-        self.buffer = [Filled(rollout_from_state(f["rollout"], device), move(f["rewards"]),
-                              {k: move(v) for k, v in f["parts"].items()}) for f in state["buffer"]]
+        self.buffer = [
+            Filled(
+                rollout_from_state(f["rollout"], device),
+                move(f["rewards"]),
+                {k: move(v) for k, v in f["parts"].items()},
+            )
+            for f in state["buffer"]
+        ]

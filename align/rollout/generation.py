@@ -15,9 +15,9 @@ Everything goes through the parts training uses, so a number printed is the numb
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -29,8 +29,19 @@ from align.models.policy import PolicyModel
 from align.rollout.engine import GenerationEngine, SamplingConfig, make_engine
 from align.rollout.types import Rollout
 
-__all__ = ["PromptFile", "check_completion_field", "chat_reply", "completion_rows", "device_of", "generate_batches",
-           "load_policy", "read_prompts", "reference_policy", "sampling_config", "seeded_generator"]
+__all__ = [
+    "PromptFile",
+    "check_completion_field",
+    "chat_reply",
+    "completion_rows",
+    "device_of",
+    "generate_batches",
+    "load_policy",
+    "read_prompts",
+    "reference_policy",
+    "sampling_config",
+    "seeded_generator",
+]
 
 REFERENCE = "reference"
 """``--baseline reference``: the model the checkpoint's run started from."""
@@ -51,11 +62,15 @@ def _checkpoint(source: str, what: str) -> dict:
     try:
         checkpoint = load_checkpoint(path)
     except Exception as err:  # noqa: BLE001 - torch.load raises many types for a file that is not a checkpoint
-        raise AlignConfigError(f"{what}: '{source}' is not a readable checkpoint ({type(err).__name__}: "
-                               f"{' '.join(str(err).split())[:200]})") from None
+        raise AlignConfigError(
+            f"{what}: '{source}' is not a readable checkpoint ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:200]})"
+        ) from None
     if is_reward_checkpoint(checkpoint):
-        raise AlignConfigError(f"{what}: '{source}' is a reward-model checkpoint; it scores completions (pass it "
-                               "as --reward_model) but does not generate them")
+        raise AlignConfigError(
+            f"{what}: '{source}' is a reward-model checkpoint; it scores completions (pass it "
+            "as --reward_model) but does not generate them"
+        )
     return checkpoint
 
 
@@ -64,8 +79,7 @@ def _ready(policy: PolicyModel, device: str | None) -> PolicyModel:
     return policy.to(device) if device else policy
 
 
-def load_policy(source: str, device: str | None = None, dtype: str | None = None,
-                what: str = "--model") -> PolicyModel:
+def load_policy(source: str, device: str | None = None, dtype: str | None = None, what: str = "--model") -> PolicyModel:
     """The policy in ``source``, in eval mode without gradients, on ``device`` (default: CPU).
 
     ``source`` is an align checkpoint (a ``.ckpt`` file written by any align run: the policy is rebuilt from the
@@ -84,8 +98,10 @@ def reference_policy(source: str, device: str | None = None, dtype: str | None =
     """The model the run of checkpoint ``source`` started from: its ``reference_model`` when it had one, else
     its base ``model`` (for a LoRA run, the model without the adapter), with the run's tokenizer."""
     if not _is_checkpoint(source):
-        raise AlignConfigError(f"--baseline {REFERENCE}: only an align checkpoint records the model its run started "
-                               f"from, and '{source}' is not one; give the baseline's path or model id instead")
+        raise AlignConfigError(
+            f"--baseline {REFERENCE}: only an align checkpoint records the model its run started "
+            f"from, and '{source}' is not one; give the baseline's path or model id instead"
+        )
     spec = _checkpoint(source, "--model")["align"]["policy"]
     keep = ("tokenizer", "trust_remote_code", "revision", "pad_equals_eos", "seed", "attn_implementation")
     settings = {k: spec[k] for k in keep if k in spec}
@@ -111,8 +127,14 @@ def _prompt_field(rows: Sequence[dict], prompt_field: str | None) -> str:
     return "messages" if "prompt" not in rows[0] and "messages" in rows[0] else "prompt"
 
 
-def read_prompts(source: str, tokenizer, prompt_field: str | None = None, system_prompt: str | None = None,
-                 split: str | None = None, use_chat_template: bool | None = None) -> PromptFile:
+def read_prompts(
+    source: str,
+    tokenizer,
+    prompt_field: str | None = None,
+    system_prompt: str | None = None,
+    split: str | None = None,
+    use_chat_template: bool | None = None,
+) -> PromptFile:
     """Read and encode a prompt file (any source the data modules read: jsonl, json, parquet, csv, a
     ``save_to_disk`` folder, ``align:...`` or a hub dataset) with the training reader and its row errors.
 
@@ -120,14 +142,21 @@ def read_prompts(source: str, tokenizer, prompt_field: str | None = None, system
     dataset). ``use_chat_template``: null applies the tokenizer's template when it has one, as training does."""
     rows = read_rows(source, split, "--split")
     field_name = _prompt_field(rows, prompt_field)
-    examples = encode_prompt_rows(rows, source, ChatEncoder(tokenizer, use_chat_template), prompt_field=field_name,
-                                  max_prompt_length=None, system_prompt=system_prompt)
+    examples = encode_prompt_rows(
+        rows,
+        source,
+        ChatEncoder(tokenizer, use_chat_template),
+        prompt_field=field_name,
+        max_prompt_length=None,
+        system_prompt=system_prompt,
+    )
     return PromptFile(source, rows, examples, field_name)
 
 
 # ---------------------------------------------------------------------------- sampling
-def sampling_config(max_new_tokens: int = 64, temperature: float | None = None, top_p: float = 1.0, top_k: int = 0,
-                    n: int = 1) -> SamplingConfig:
+def sampling_config(
+    max_new_tokens: int = 64, temperature: float | None = None, top_p: float = 1.0, top_k: int = 0, n: int = 1
+) -> SamplingConfig:
     """The rollout engine's settings; ``temperature`` null is greedy (0) for one sample per prompt and 1 for
     several (``n`` greedy samples would be ``n`` copies of one). Bad values fail with one line."""
     if n < 1:
@@ -150,8 +179,14 @@ def seeded_generator(seed: int, policy: PolicyModel) -> torch.Generator:
     return torch.Generator(device=device_of(policy)).manual_seed(seed)
 
 
-def generate_batches(policy: PolicyModel, examples: Sequence[PromptExample], sampling: SamplingConfig, n: int = 1,
-                     batch_size: int = 8, seed: int = 0) -> Iterator[tuple[PromptBatch, Rollout]]:
+def generate_batches(
+    policy: PolicyModel,
+    examples: Sequence[PromptExample],
+    sampling: SamplingConfig,
+    n: int = 1,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> Iterator[tuple[PromptBatch, Rollout]]:
     """``n`` completions of each prompt, ``batch_size`` prompts per rollout, sampled by the training rollout
     engine with a generator seeded by ``seed`` (the same seed gives the same completions). Yields each batch of
     prompts with its rollout, in the order of ``examples``."""
@@ -160,12 +195,16 @@ def generate_batches(policy: PolicyModel, examples: Sequence[PromptExample], sam
     engine = make_engine(sampling)
     generator = seeded_generator(seed, policy)
     for start in range(0, len(examples), batch_size):
-        batch = collate_prompts(list(examples[start:start + batch_size]))
+        batch = collate_prompts(list(examples[start : start + batch_size]))
         yield batch, engine.generate(policy, batch.prompt_ids, n, generator=generator)
 
 
-def completion_rows(prompts: PromptFile, start: int, rollout: Rollout, completion_field: str = "completion",
-                    ) -> list[dict]:
+def completion_rows(
+    prompts: PromptFile,
+    start: int,
+    rollout: Rollout,
+    completion_field: str = "completion",
+) -> list[dict]:
     """One output row per completion of ``rollout`` (prompts ``start, start+1, ...`` of ``prompts``): the input
     row as written, every column kept, with the completion under ``completion_field`` and, for several samples
     per prompt, the sample's index under ``sample``."""
@@ -184,13 +223,23 @@ def check_completion_field(prompts: PromptFile, completion_field: str) -> None:
     would overwrite it."""
     for number, row in zip(prompts.rows.numbers, prompts.rows):
         if completion_field in row:
-            raise AlignDataError(prompts.source, number, completion_field, "no column with the name of the output's "
-                                 "completion field, which would overwrite it (set --completion_field to another name)")
+            raise AlignDataError(
+                prompts.source,
+                number,
+                completion_field,
+                "no column with the name of the output's "
+                "completion field, which would overwrite it (set --completion_field to another name)",
+            )
 
 
 # ---------------------------------------------------------------------------- chat
-def chat_reply(policy: PolicyModel, encoder: ChatEncoder, history: list[dict], engine: GenerationEngine,
-               generator: torch.Generator | None = None) -> tuple[str, Rollout]:
+def chat_reply(
+    policy: PolicyModel,
+    encoder: ChatEncoder,
+    history: list[dict],
+    engine: GenerationEngine,
+    generator: torch.Generator | None = None,
+) -> tuple[str, Rollout]:
     """The assistant's next message after the conversation ``history`` (chat template applied as in training)."""
     rollout = engine.generate(policy, [encoder.prompt_ids(history)], 1, generator=generator)
     return rollout.texts[0], rollout

@@ -21,31 +21,39 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from align.errors import AlignConfigError, AlignError
 
-__all__ = ["Generator", "GeneratorPlacement", "connect", "generator_error", "rng_state", "set_rng_state",
-           "start_generator", "trainable_weights"]
+__all__ = [
+    "Generator",
+    "GeneratorPlacement",
+    "connect",
+    "generator_error",
+    "rng_state",
+    "set_rng_state",
+    "start_generator",
+    "trainable_weights",
+]
 
 
 @dataclass
 class GeneratorPlacement:
     """Where and how an asynchronous source's generators run (``model.source.init_args.generator``)."""
 
-    address: Optional[str] = None
+    address: str | None = None
     """Ray cluster to place the generators on (``ray://...``, ``host:port`` or ``auto``); null: ``RAY_ADDRESS`` when
     set, else a local Ray started by the run (shared by its ranks) and stopped with it."""
     num_cpus: float = 1.0
     """CPUs Ray reserves for each generator."""
-    num_gpus: Optional[float] = None
+    num_gpus: float | None = None
     """GPUs Ray reserves for each generator; null: 1 when CUDA is available to the trainer, else 0. A fraction
     (0.5) shares a GPU with other Ray work; the trainer's own processes are not Ray's and are not counted."""
     device: str = "auto"
     """The generator's device: ``auto`` (a GPU Ray gave it, else the CPU), ``cpu`` or ``cuda``."""
-    threads: Optional[int] = None
+    threads: int | None = None
     """Torch threads of a generator on a CPU; null: the trainer's (the same kernels, so that ``max_staleness: 0``
     repeats the synchronous run)."""
     timeout_s: float = 600.0
@@ -57,12 +65,13 @@ class GeneratorPlacement:
     def __post_init__(self):
         key = "model.source.generator"
         for name, ok, expected in (
-                ("num_cpus", self.num_cpus >= 0, ">= 0"),
-                ("num_gpus", self.num_gpus is None or self.num_gpus >= 0, ">= 0 or null"),
-                ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
-                ("threads", self.threads is None or self.threads >= 1, ">= 1 or null"),
-                ("timeout_s", self.timeout_s > 0, "> 0 seconds"),
-                ("max_restarts", self.max_restarts >= 0, ">= 0")):
+            ("num_cpus", self.num_cpus >= 0, ">= 0"),
+            ("num_gpus", self.num_gpus is None or self.num_gpus >= 0, ">= 0 or null"),
+            ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
+            ("threads", self.threads is None or self.threads >= 1, ">= 1 or null"),
+            ("timeout_s", self.timeout_s > 0, "> 0 seconds"),
+            ("max_restarts", self.max_restarts >= 0, ">= 0"),
+        ):
             if not ok:
                 raise AlignConfigError(f"{key}.{name}: expected {expected}, got {getattr(self, name)!r}")
 
@@ -90,8 +99,17 @@ def build_policy(spec: dict[str, Any]):
     from align.models import PolicyModel
     from align.models.loading import LoraSettings
 
-    keep = ("model", "tokenizer", "dtype", "quantization", "attn_implementation", "trust_remote_code", "revision",
-            "pad_equals_eos", "seed")
+    keep = (
+        "model",
+        "tokenizer",
+        "dtype",
+        "quantization",
+        "attn_implementation",
+        "trust_remote_code",
+        "revision",
+        "pad_equals_eos",
+        "seed",
+    )
     lora = LoraSettings(**spec["lora"]) if spec.get("lora") else None
     return PolicyModel(**{k: spec[k] for k in keep if k in spec}, lora=lora)
 
@@ -99,8 +117,14 @@ def build_policy(spec: dict[str, Any]):
 class Generator:
     """A copy of the policy that generates rollouts with the weights it was last sent (:meth:`load`)."""
 
-    def __init__(self, spec: dict[str, Any], sampling, device: str = "cpu", threads: int | None = None,
-                 partial: str | None = None):
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        sampling,
+        device: str = "cpu",
+        threads: int | None = None,
+        partial: str | None = None,
+    ):
         """``partial``: cut generations when newer weights are offered (:meth:`offer`) and ``discard`` or
         ``continue`` the cut rows (:mod:`align.rollout.partial`); null: finish each batch with its weights."""
         from align.rollout.engine import make_engine
@@ -159,8 +183,10 @@ class Generator:
         params = dict(self.policy.model.named_parameters())
         missing = sorted(set(weights) - set(params))
         if missing:
-            raise AlignConfigError(f"generator: the policy rebuilt from its settings has no weights {missing[:3]}; "
-                                   "the trainer's model differs from what its settings describe")
+            raise AlignConfigError(
+                f"generator: the policy rebuilt from its settings has no weights {missing[:3]}; "
+                "the trainer's model differs from what its settings describe"
+            )
         for name, value in weights.items():
             params[name].copy_(value.to(params[name].device, non_blocking=True))
         self.version = version
@@ -188,8 +214,14 @@ class Generator:
         return version
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], group_size: int, seed: int | None = None,
-                 rng: torch.Tensor | None = None, seq: int | None = None) -> dict[str, Any]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        seed: int | None = None,
+        rng: torch.Tensor | None = None,
+        seq: int | None = None,
+    ) -> dict[str, Any]:
         """A rollout of ``group_size`` completions per prompt, with its random stream: a generator seeded with
         ``seed``, or the default generator set to ``rng`` (whose state after sampling is returned, so that the
         trainer's stream continues from it)."""
@@ -209,17 +241,33 @@ class Generator:
             else:
                 engine = self.engine
                 ids, mask, index = engine.contexts(self.policy, prompt_ids, group_size)
-                out, versions, stats = decode_with_cuts(engine, self.policy, ids, mask, group_size, generator,
-                                                        self._newer, self._take_newer, version, self.partial)
-                rollout = engine.rollout_of(self.policy, ids, mask, index, group_size, out,
-                                            time.perf_counter() - start)
+                out, versions, stats = decode_with_cuts(
+                    engine,
+                    self.policy,
+                    ids,
+                    mask,
+                    group_size,
+                    generator,
+                    self._newer,
+                    self._take_newer,
+                    version,
+                    self.partial,
+                )
+                rollout = engine.rollout_of(self.policy, ids, mask, index, group_size, out, time.perf_counter() - start)
                 rollout.token_versions = versions
                 rollout.metrics.update(stats)
             after = rng_state(self.device.type) if rng is not None else None
             self._last_end = time.perf_counter()
-            return {"rollout": rollout_to(rollout, "cpu"), "rng": after, "version": version, "pid": self.pid,
-                    "start_ns": start_ns, "end_ns": time.time_ns(), "seconds": self._last_end - start,
-                    "idle_s": idle}
+            return {
+                "rollout": rollout_to(rollout, "cpu"),
+                "rng": after,
+                "version": version,
+                "pid": self.pid,
+                "start_ns": start_ns,
+                "end_ns": time.time_ns(),
+                "seconds": self._last_end - start,
+                "idle_s": idle,
+            }
 
     def close(self) -> None:
         self.engine.close()
@@ -253,8 +301,9 @@ def connect(address: str | None, num_cpus: float) -> None:
     try:
         ray.init(address=address, **options)
     except (ConnectionError, ValueError) as err:
-        raise AlignConfigError(f"model.source.generator.address: cannot join the Ray cluster at {address!r}: "
-                               f"{err}") from None
+        raise AlignConfigError(
+            f"model.source.generator.address: cannot join the Ray cluster at {address!r}: {err}"
+        ) from None
 
 
 def _auth_token() -> str | None:
@@ -281,8 +330,9 @@ def _use_token(token: str) -> None:
         pass
 
 
-def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str,
-                    partial: str | None = None):
+def start_generator(
+    placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str, partial: str | None = None
+):
     """A :class:`Generator` actor placed with ``placement``, and the type of its device; raises a one-line error
     when Ray cannot place or start it within ``placement.timeout_s``."""
     import ray
@@ -296,8 +346,11 @@ def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], samplin
     options: dict[str, Any] = dict(num_cpus=placement.num_cpus, num_gpus=num_gpus, max_restarts=0)
     if partial is not None:  # offers of newer weights run beside the batch being generated
         options.update(concurrency_groups={"offers": 1}, max_concurrency=8)
-    actor = ray.remote(**options)(Generator).options(name=name).remote(spec, sampling, device,
-                                                                       placement.threads or threads, partial)
+    actor = (
+        ray.remote(**options)(Generator)
+        .options(name=name)
+        .remote(spec, sampling, device, placement.threads or threads, partial)
+    )
     ready = actor.ready.remote()
     done, _ = ray.wait([ready], timeout=placement.timeout_s)
     if not done:
@@ -305,7 +358,8 @@ def start_generator(placement: GeneratorPlacement, spec: dict[str, Any], samplin
         raise AlignConfigError(
             f"model.source.generator: Ray did not start a generator with {placement.num_cpus:g} CPUs and "
             f"{num_gpus:g} GPUs within timeout_s={placement.timeout_s:g} s; free those resources, lower "
-            "generator.num_cpus/num_gpus, or raise generator.timeout_s if the model takes longer to load")
+            "generator.num_cpus/num_gpus, or raise generator.timeout_s if the model takes longer to load"
+        )
     try:
         ray.get(ready)
     except ray.exceptions.RayError as err:

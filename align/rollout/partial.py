@@ -15,7 +15,7 @@ arrives, so a run with interruption is not repeatable step for step (without it,
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -26,9 +26,18 @@ __all__ = ["PARTIAL_MODES", "decode_with_cuts"]
 PARTIAL_MODES = ("discard", "continue")
 
 
-def decode_with_cuts(engine, policy, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
-                     generator: Optional[torch.Generator], newer: Callable[[], bool], take_newer: Callable[[], int],
-                     version: int, partial: str = "discard") -> tuple[SampleOutput, torch.Tensor, dict[str, float]]:
+def decode_with_cuts(
+    engine,
+    policy,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    generator: torch.Generator | None,
+    newer: Callable[[], bool],
+    take_newer: Callable[[], int],
+    version: int,
+    partial: str = "discard",
+) -> tuple[SampleOutput, torch.Tensor, dict[str, float]]:
     """Decode left-padded contexts ``ids``/``mask`` ``(N, P)`` with ``engine``'s settings, cutting the unfinished
     rows whenever ``newer()`` says newer weights wait; ``take_newer()`` loads them and returns their version.
 
@@ -53,13 +62,19 @@ def decode_with_cuts(engine, policy, ids: torch.Tensor, mask: torch.Tensor, grou
         def cut(finished: bool) -> bool:
             if finished:
                 return True
-            stopped["cut"] = newer()
-            return stopped["cut"]
+            stopped["cut"] = newer()  # noqa: B023
+            return stopped["cut"]  # noqa: B023
 
         with engine.decoding(policy, contexts.shape[1] + remaining) as decode:
-            out = decode(contexts, context_mask, max_new_tokens=remaining,
-                         min_new_tokens=max(s.min_new_tokens - done_so_far, 0), generator=generator, sync_stop=cut,
-                         shared_prefix=group_size if first else 1)
+            out = decode(
+                contexts,
+                context_mask,
+                max_new_tokens=remaining,
+                min_new_tokens=max(s.min_new_tokens - done_so_far, 0),
+                generator=generator,
+                sync_stop=cut,
+                shared_prefix=group_size if first else 1,
+            )
         first = False
         steps = out.response_ids.shape[1]
         finished = torch.isin(out.response_ids, stop).any(dim=1) | (steps >= remaining)  # (A,)

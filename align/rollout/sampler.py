@@ -17,19 +17,21 @@ caller passes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Callable, ContextManager, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from align.core.mismatch import correction_weights
+from align.core.shaping import overlong_penalty
+from align.core.stats import Ranks
 from align.data.prompts import PromptBatch
 from align.errors import AlignError
 from align.models.scorer import Scorer
 from align.observability.timing import Timer, record_span
-from align.core.shaping import overlong_penalty
-from align.core.mismatch import correction_weights
-from align.core.stats import Ranks
 from align.rollout.engine import GenerationEngine, HeldOutSampling, SamplingConfig, engine_of, make_engine
 from align.rollout.envs.chat import EnvironmentPool
 from align.rollout.episodes import play_episodes
@@ -68,8 +70,9 @@ def stop_together(error: BaseException | None, ranks: Ranks, device: torch.devic
     if error is not None and not isinstance(error, AlignError):
         raise error  # not a reward's failure but a bug: its own traceback (the other ranks name it on one line)
     where = f"rank {first}" + (f" (and {len(ranks_failed) - 1} more)" if len(ranks_failed) > 1 else "")
-    raise RewardError(f"{raw.decode(errors='ignore')} [scoring failed on {where} of {ranks.size}; every rank "
-                      "stops]") from error
+    raise RewardError(
+        f"{raw.decode(errors='ignore')} [scoring failed on {where} of {ranks.size}; every rank stops]"
+    ) from error
 
 
 class OverlongShaping(NamedTuple):
@@ -90,9 +93,17 @@ class Sampler:
     (held-out prompts: one each with ``eval_sampling``), rewarded by ``reward``, or episodes played in
     ``environment``."""
 
-    def __init__(self, policy, reward: CombinedReward, group_size: int = 1, sampling: SamplingConfig | None = None,
-                 eval_sampling: SamplingConfig | None = None, environment: EnvironmentPool | None = None,
-                 overlong: OverlongShaping | None = None, scorer: Scorer | None = None):
+    def __init__(
+        self,
+        policy,
+        reward: CombinedReward,
+        group_size: int = 1,
+        sampling: SamplingConfig | None = None,
+        eval_sampling: SamplingConfig | None = None,
+        environment: EnvironmentPool | None = None,
+        overlong: OverlongShaping | None = None,
+        scorer: Scorer | None = None,
+    ):
         """
         Args:
             policy: The :class:`~align.models.PolicyModel` that samples.
@@ -137,8 +148,15 @@ class Sampler:
                 reward.fn.load(device)
 
     # ------------------------------------------------------------------ rollouts
-    def rollout(self, batch: PromptBatch, group_size: int | None = None, engine: GenerationEngine | None = None,
-                policy=None, version: int = 0, generator: torch.Generator | None = None) -> Rollout:
+    def rollout(
+        self,
+        batch: PromptBatch,
+        group_size: int | None = None,
+        engine: GenerationEngine | None = None,
+        policy=None,
+        version: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
         """``group_size`` (default: the sampler's) completions or episodes per prompt, by ``engine`` (default: the
         training engine), from ``policy`` (default: the sampler's; another model with ``model`` and ``tokenizer``,
         such as a distillation teacher whose weights are whole on every rank), recorded as sampled by the policy
@@ -150,11 +168,13 @@ class Sampler:
         policy = self.policy if policy is None else policy
         with self.generation_context() as sync_stop:
             if self.environment is None:
-                rollout = engine.generate(policy, batch.prompt_ids, group_size, generator=generator,
-                                          sync_stop=sync_stop)
+                rollout = engine.generate(
+                    policy, batch.prompt_ids, group_size, generator=generator, sync_stop=sync_stop
+                )
             else:
-                rollout = play_episodes(policy, engine, batch, group_size, self.environment, generator=generator,
-                                        sync_stop=sync_stop)
+                rollout = play_episodes(
+                    policy, engine, batch, group_size, self.environment, generator=generator, sync_stop=sync_stop
+                )
                 self.trace_environment(rollout)
         rollout.policy_version = version
         return rollout
@@ -165,9 +185,18 @@ class Sampler:
         name = self.environment.name
         for index, episode in enumerate(rollout.episodes):
             for turn, start, end, reward, done in episode["calls"]:
-                record_span("env_step", start, end, {"align.env.name": name, "align.env.episode": index,
-                                                     "align.env.turn": turn, "align.env.reward": reward,
-                                                     "align.env.done": done})
+                record_span(
+                    "env_step",
+                    start,
+                    end,
+                    {
+                        "align.env.name": name,
+                        "align.env.episode": index,
+                        "align.env.turn": turn,
+                        "align.env.reward": reward,
+                        "align.env.done": done,
+                    },
+                )
 
     def score(self, batch: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(rewards (N,), {name: (N,)})``: the weighted total and each reward's values, on the device.
@@ -207,8 +236,9 @@ class Sampler:
             rollout = self.rollout(batch, version=version)
         return self.finish(batch, rollout, timings)
 
-    def finish(self, batch: PromptBatch, rollout: Rollout, timings: dict[str, float],
-               exact: bool | None = None) -> Scored:
+    def finish(
+        self, batch: PromptBatch, rollout: Rollout, timings: dict[str, float], exact: bool | None = None
+    ) -> Scored:
         """The training rollout ``rollout`` of ``batch``, sampled here or elsewhere, scored (``time/scoring_s``)
         and, when its log-probs are not the trainer's, corrected (:meth:`correct`); counted in :attr:`rollouts`.
         ``exact``: whether its log-probs are the trainer's (default: the training engine's
@@ -225,8 +255,9 @@ class Sampler:
 
     def _no_counts(self) -> RewardCounts:
         """Zero counts with every name present, so that every rank logs the same metrics."""
-        return RewardCounts(0, {r.name: 0 for r in self.reward.rewards},
-                            {r.name: 0 for r in self.reward.rewards if r.counts_errors})
+        return RewardCounts(
+            0, {r.name: 0 for r in self.reward.rewards}, {r.name: 0 for r in self.reward.rewards if r.counts_errors}
+        )
 
     def corrects_logprobs(self, exact: bool) -> bool:
         """Whether a training rollout whose log-probs are (``exact``) or are not the trainer's is corrected."""
@@ -250,14 +281,26 @@ class Sampler:
         mask = rollout.response_mask
         trainer = self.scorer.logprobs(rollout).logprobs.float()  # (N, R)
         trainer = torch.where(mask, trainer, torch.zeros_like(trainer))
-        weights, stats = correction_weights(trainer, rollout.old_logprobs, mask, mode=mode, level=correction.level,
-                                            cap=correction.cap, low=correction.low, high=correction.high)
+        weights, stats = correction_weights(
+            trainer,
+            rollout.old_logprobs,
+            mask,
+            mode=mode,
+            level=correction.level,
+            cap=correction.cap,
+            low=correction.low,
+            high=correction.high,
+        )
         rollout.engine_logprobs, rollout.old_logprobs = rollout.old_logprobs, trainer
         rollout.correction_weights = None if mode == "none" else weights
-        rollout.metrics.update({"rollout/engine_logprob_diff": float(stats.logprob_diff),
-                                "rollout/engine_kl": float(stats.kl),
-                                "rollout/correction_clipped_frac": float(stats.clipped_frac),
-                                "rollout/correction_masked_frac": float(stats.masked_frac)})
+        rollout.metrics.update(
+            {
+                "rollout/engine_logprob_diff": float(stats.logprob_diff),
+                "rollout/engine_kl": float(stats.kl),
+                "rollout/correction_clipped_frac": float(stats.clipped_frac),
+                "rollout/correction_masked_frac": float(stats.masked_frac),
+            }
+        )
 
     # ------------------------------------------------------------------ metrics
     def rollout_metrics(self, scored: Scored) -> dict[str, float]:

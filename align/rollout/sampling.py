@@ -21,13 +21,14 @@ appended (docs/algorithms.md, "Response mask").
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 __all__ = ["SampleOutput", "sample", "left_pad", "filter_logits"]
 
-TokenIds = Union[int, Sequence[int]]
+TokenIds = int | Sequence[int]
 
 
 class SampleOutput:
@@ -47,8 +48,8 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-        mask[row, width - len(seq):] = 1
+        ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
     return ids, mask
 
 
@@ -89,8 +90,8 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
     min_new_tokens: int = 0,
-    generator: Optional[torch.Generator] = None,
-    sync_stop: Optional[Callable[[bool], bool]] = None,
+    generator: torch.Generator | None = None,
+    sync_stop: Callable[[bool], bool] | None = None,
     shared_prefix: int = 1,
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens per row with a KV cache; see the module docstring.
@@ -105,8 +106,8 @@ def sample(
     and-s the flag across ranks, and a rank whose rows are done decodes padding until every rank is done.
 
     Runs in ``torch.inference_mode`` (less per-op overhead than ``no_grad``); clone the outputs before using
-    them in autograd. ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True, logits_to_keep=1)``
-    must return an object with ``.logits`` ``(B, t, V)`` and ``.past_key_values``.
+    them in autograd. ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True,
+    logits_to_keep=1)`` must return an object with ``.logits`` ``(B, t, V)`` and ``.past_key_values``.
     """
     device = input_ids.device
     batch, prompt_width = input_ids.shape
@@ -125,8 +126,14 @@ def sample(
         if step == 0 and shared_prefix > 1 and batch % shared_prefix == 0:
             logits, cache = _shared_prefill(model, input_ids, full_mask[:, :prompt_width], position_ids, shared_prefix)
         else:
-            out = model(input_ids=step_ids, attention_mask=full_mask[:, : prompt_width + step],
-                        position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=step_ids,
+                attention_mask=full_mask[:, : prompt_width + step],
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()  # (B, V)
         if temperature > 0:
@@ -162,12 +169,24 @@ def sample(
 
 def _shared_prefill(model, input_ids, attention_mask, position_ids, group: int) -> tuple[torch.Tensor, Any]:
     """Prefill one row per group, then repeat its cache and last logits ``group`` times. ``(B, V)``, cache."""
-    out = model(input_ids=input_ids[::group], attention_mask=attention_mask[::group],
-                position_ids=position_ids[::group], past_key_values=None, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids[::group],
+        attention_mask=attention_mask[::group],
+        position_ids=position_ids[::group],
+        past_key_values=None,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     cache = out.past_key_values
     if not hasattr(cache, "batch_repeat_interleave"):  # a cache we cannot widen: encode every row instead
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=None, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=None,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :].float(), out.past_key_values
     cache.batch_repeat_interleave(group)
     return out.logits[:, -1, :].float().repeat_interleave(group, dim=0), cache

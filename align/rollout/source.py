@@ -1,9 +1,9 @@
 """Rollout sources: where an RL module's training rollouts come from.
 
 A module pulls from its source once per training step, the way a trainer pulls batches from a data loader:
-``source.next(batch, version)`` turns a batch of prompts into a :class:`~align.rollout.types.Scored` rollout to update on, or
-``None`` when this step yields nothing to update on (the module then takes no optimizer step). The source owns the
-policy of *when* and *how much* to sample; the :class:`~align.rollout.sampler.Sampler` it is bound to does the
+``source.next(batch, version)`` turns a batch of prompts into a :class:`~align.rollout.types.Scored` rollout to update
+on, or ``None`` when this step yields nothing to update on (the module then takes no optimizer step). The source owns
+the policy of *when* and *how much* to sample; the :class:`~align.rollout.sampler.Sampler` it is bound to does the
 sampling and scoring. Each source is chosen in YAML with ``model.source`` (a ``class_path`` and its ``init_args``):
 
 * :class:`InlineSource` (the default): one rollout of the step's prompts, sampled now by the current policy.
@@ -20,7 +20,7 @@ checkpoints for every rank.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from align.errors import AlignConfigError
 from align.rollout.filter import GroupFilter
@@ -44,7 +44,7 @@ class RolloutSource:
         """Sample with ``sampler``; checks that this source can serve it (raises :class:`AlignConfigError`)."""
         self.sampler = sampler
 
-    def next(self, batch, version: int) -> Optional[Scored]:
+    def next(self, batch, version: int) -> Scored | None:
         """A scored rollout to update on for the step with prompts ``batch`` while the policy being trained is at
         ``version`` (its optimizer steps), or None: no update on this step."""
         raise NotImplementedError
@@ -109,12 +109,15 @@ class FilteredSource(RolloutSource):
     def bind(self, sampler: Sampler) -> None:
         super().bind(sampler)
         if sampler.group_size < 2:
-            raise AlignConfigError(f"model.source: FilteredSource keeps the groups whose rewards differ, so it needs "
-                                   f"model.group_size >= 2, got {sampler.group_size}")
+            raise AlignConfigError(
+                f"model.source: FilteredSource keeps the groups whose rewards differ, so it needs "
+                f"model.group_size >= 2, got {sampler.group_size}"
+            )
         names = sampler.reward.names + (["overlong"] if sampler.overlong is not None else [])
         if self.reward is not None and self.reward not in names:
-            raise AlignConfigError(f"model.source.reward: expected one of the rewards {names} or null, got "
-                                   f"{self.reward!r}")
+            raise AlignConfigError(
+                f"model.source.reward: expected one of the rewards {names} or null, got {self.reward!r}"
+            )
         self.filter = GroupFilter(sampler.group_size, self.max_batches, self.reward)
 
     @property
@@ -125,15 +128,23 @@ class FilteredSource(RolloutSource):
     def max_steps_without_update(self) -> int:
         return 2 * self.max_batches
 
-    def next(self, batch, version: int) -> Optional[Scored]:
+    def next(self, batch, version: int) -> Scored | None:
         if not self.pending:
             self._timings = {}
         scored = self.sampler.sample(batch, version)
         for key, seconds in scored.timings.items():
             self._timings[key] = self._timings.get(key, 0.0) + seconds
         ranks = self.sampler.ranks()
-        filled = self.filter.add(scored.rollout, scored.rewards, scored.parts, len(batch),
-                                 self.sampler.policy.tokenizer.pad_token_id, ranks.all_reduce, ranks.rank, ranks.size)
+        filled = self.filter.add(
+            scored.rollout,
+            scored.rewards,
+            scored.parts,
+            len(batch),
+            self.sampler.policy.tokenizer.pad_token_id,
+            ranks.all_reduce,
+            ranks.rank,
+            ranks.size,
+        )
         if filled is None:
             return None
         return Scored(filled.rollout, filled.rewards, filled.parts, self._timings)

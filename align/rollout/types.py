@@ -4,7 +4,6 @@ rollout (with its rewards)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional
 
 import torch
 
@@ -47,13 +46,13 @@ class Rollout:
     group_size: int
     generation_seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
-    context_mask: Optional[torch.Tensor] = None  # (N, R) long, 1 on every response-side token (multi-turn)
-    token_rewards: Optional[torch.Tensor] = None  # (N, R) float32, environment rewards at turn ends (multi-turn)
-    episodes: Optional[list[dict]] = None  # N plain dicts (multi-turn)
+    context_mask: torch.Tensor | None = None  # (N, R) long, 1 on every response-side token (multi-turn)
+    token_rewards: torch.Tensor | None = None  # (N, R) float32, environment rewards at turn ends (multi-turn)
+    episodes: list[dict] | None = None  # N plain dicts (multi-turn)
     policy_version: int = 0  # optimizer steps the sampling policy had taken (the oldest, for joined rollouts)
-    engine_logprobs: Optional[torch.Tensor] = None  # (N, R) float32, the engine's own log-probs (0 where masked)
-    correction_weights: Optional[torch.Tensor] = None  # (N, R) float32, detached importance weights (0 where masked)
-    token_versions: Optional[torch.Tensor] = None  # (N, R) long, the policy version of each token (partial rollouts)
+    engine_logprobs: torch.Tensor | None = None  # (N, R) float32, the engine's own log-probs (0 where masked)
+    correction_weights: torch.Tensor | None = None  # (N, R) float32, detached importance weights (0 where masked)
+    token_versions: torch.Tensor | None = None  # (N, R) long, the policy version of each token (partial rollouts)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -78,8 +77,10 @@ class Rollout:
 def rollout_state(rollout: Rollout) -> dict:
     """``rollout`` as plain containers with its tensors on the CPU: what a checkpoint loaded with ``weights_only``
     holds (:func:`rollout_from_state` reads it back)."""
-    return {f.name: (value.cpu() if isinstance(value := getattr(rollout, f.name), torch.Tensor) else value)
-            for f in fields(rollout)}
+    return {
+        f.name: (value.cpu() if isinstance(value := getattr(rollout, f.name), torch.Tensor) else value)
+        for f in fields(rollout)
+    }
 
 
 def rollout_from_state(state: dict, device: torch.device | str | None = None) -> Rollout:
@@ -90,8 +91,11 @@ def rollout_from_state(state: dict, device: torch.device | str | None = None) ->
 
 def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
     """``rollout`` with every tensor on ``device`` (the same object when they are there already)."""
-    changes = {f.name: value.to(device) for f in fields(rollout)
-               if isinstance(value := getattr(rollout, f.name), torch.Tensor) and value.device != torch.device(device)}
+    changes = {
+        f.name: value.to(device)
+        for f in fields(rollout)
+        if isinstance(value := getattr(rollout, f.name), torch.Tensor) and value.device != torch.device(device)
+    }
     return replace(rollout, **changes) if changes else rollout
 
 

@@ -1,1 +1,1 @@
-"""Trainer plug-ins: strategies, checkpointing and exact resume, guards, optimizers and schedules, host memory, progress."""
+"""Trainer plug-ins: strategies, checkpointing and resume, guards, optimizers and schedules, host memory, progress."""

@@ -29,7 +29,7 @@ import os
 import pickle
 import random
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import lightning as L
 import numpy as np
@@ -100,15 +100,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def _write(self, checkpoint: dict[str, Any], f) -> None:
         torch.save(checkpoint, f)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options}")
         if "://" in str(path) and not str(path).startswith("file://"):
             return super().save_checkpoint(checkpoint, path, storage_options)  # remote: Lightning's fsspec path
         atomic_write(str(path).removeprefix("file://"), lambda f: self._write(checkpoint, f))
 
-    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = lambda storage, loc: storage,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if not os.path.exists(path) and "://" not in str(path):
             raise AlignConfigError(f"ckpt_path: checkpoint '{path}' does not exist")
         weights_only = self.weights_only if weights_only is None else weights_only
@@ -120,7 +121,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise AlignConfigError(
                 f"ckpt_path: '{path}' holds Python objects that only a full unpickle can restore, and loading it "
                 f"would run code from the file ({str(err).splitlines()[0]}). If you trust its source, load it with "
-                "AtomicCheckpointIO(weights_only=False)") from None
+                "AtomicCheckpointIO(weights_only=False)"
+            ) from None
 
 
 def install_atomic_io(trainer: L.Trainer) -> None:
@@ -139,15 +141,15 @@ class AlignCheckpoint(ModelCheckpoint):
 
     def __init__(
         self,
-        dirpath: Optional[str] = None,
-        filename: Optional[str] = None,
-        every_n_train_steps: Optional[int] = None,
-        every_n_epochs: Optional[int] = None,
+        dirpath: str | None = None,
+        filename: str | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
         save_last: bool = True,
         save_top_k: int = 1,
-        monitor: Optional[str] = None,
+        monitor: str | None = None,
         mode: Literal["min", "max"] = "min",
-        save_on_train_epoch_end: Optional[bool] = None,
+        save_on_train_epoch_end: bool | None = None,
     ):
         """
         Args:
@@ -161,9 +163,17 @@ class AlignCheckpoint(ModelCheckpoint):
             mode: ``min`` or ``max`` of ``monitor`` is best.
             save_on_train_epoch_end: Save at the end of the training epoch rather than after validation.
         """
-        super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, save_last=save_last,
-                         save_top_k=save_top_k, mode=mode, every_n_train_steps=every_n_train_steps,
-                         every_n_epochs=every_n_epochs, save_on_train_epoch_end=save_on_train_epoch_end)
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            mode=mode,
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+        )
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         install_atomic_io(trainer)
@@ -225,8 +235,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -238,8 +253,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
@@ -262,7 +278,7 @@ class ExactResume(Callback):
     right before the first training step after a resume (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._pending_rng: Optional[list[dict[str, Any]]] = None
+        self._pending_rng: list[dict[str, Any]] | None = None
 
     @property
     def state_key(self) -> str:
@@ -283,9 +299,12 @@ class ExactResume(Callback):
         if self._pending_rng:
             states, rank = self._pending_rng, trainer.global_rank
             if len(states) != trainer.world_size:
-                log.warning("checkpoint holds RNG states of %d ranks, this run has %d: every rank continues from "
-                            "rank 0's state, so sampling differs from the uninterrupted run", len(states),
-                            trainer.world_size)
+                log.warning(
+                    "checkpoint holds RNG states of %d ranks, this run has %d: every rank continues from "
+                    "rank 0's state, so sampling differs from the uninterrupted run",
+                    len(states),
+                    trainer.world_size,
+                )
                 rank = 0
             set_rng_state(states[rank])
             self._pending_rng = None
@@ -304,5 +323,13 @@ class ExactResume(Callback):
         iter(fetcher)
 
 
-__all__ = ["AlignCheckpoint", "AtomicCheckpointIO", "ExactResume", "Resume", "atomic_write", "install_atomic_io",
-           "rng_state", "set_rng_state"]
+__all__ = [
+    "AlignCheckpoint",
+    "AtomicCheckpointIO",
+    "ExactResume",
+    "Resume",
+    "atomic_write",
+    "install_atomic_io",
+    "rng_state",
+    "set_rng_state",
+]

@@ -24,8 +24,12 @@ def clips_itself(plugin: Precision) -> bool:
     return isinstance(plugin, MixedPrecision) and plugin.scaler is None
 
 
-def clip_gradients(module, optimizer: torch.optim.Optimizer, value: float | None,
-                   algorithm: str | GradClipAlgorithmType | None = "norm") -> None:
+def clip_gradients(
+    module,
+    optimizer: torch.optim.Optimizer,
+    value: float | None,
+    algorithm: str | GradClipAlgorithmType | None = "norm",
+) -> None:
     """Clip the gradients of ``optimizer``'s parameters to ``value`` (by ``"norm"`` or ``"value"``; ``None`` or
     ``<= 0``: no clipping) under ``module``'s trainer, whatever its precision and whatever the optimizer."""
     plugin = module.trainer.precision_plugin
@@ -39,5 +43,6 @@ def clip_gradients(module, optimizer: torch.optim.Optimizer, value: float | None
         raise AlignConfigError(
             f"trainer.precision {plugin.precision}: {type(optimizer).__name__} unscales the gradients inside its "
             "step (a fused optimizer), so they cannot be clipped before it; use trainer.precision bf16-mixed, "
-            "model.optimizer.init_args.fused false, or no gradient clipping")
+            "model.optimizer.init_args.fused false, or no gradient clipping"
+        )
     module.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm.value)

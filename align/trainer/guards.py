@@ -12,9 +12,9 @@ of every parameter the optimizer updates. When any of them is NaN or infinite:
   ``train/nonfinite_skipped`` (logged once the first one happens, saved in checkpoints).
 
 With fp16 mixed precision, gradient overflow is left to the gradient scaler (it skips those steps and lowers
-its scale); only the loss is checked. Works for automatic and manual optimization (Lightning calls both hooks from ``manual_backward`` and
-``optimizer.step()``). Under data parallelism the verdict is all-reduced, so every rank skips or stops together
-even when gradients are sharded.
+its scale); only the loss is checked. Works for automatic and manual optimization (Lightning calls both hooks from
+``manual_backward`` and ``optimizer.step()``). Under data parallelism the verdict is all-reduced, so every rank skips or
+stops together even when gradients are sharded.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class NonFiniteGuard(Callback):
     def __init__(self, policy: Policy = "error"):
         """``policy``: ``error`` (stop, naming the step) or ``skip`` (drop the update and count it)."""
         if policy not in ("error", "skip"):
-            raise AlignConfigError(f"trainer.callbacks.policy: expected 'error' or 'skip' (NonFiniteGuard's policy), "
-                                   f"got {policy!r}")
+            raise AlignConfigError(
+                f"trainer.callbacks.policy: expected 'error' or 'skip' (NonFiniteGuard's policy), got {policy!r}"
+            )
         self.policy = policy
         self.skipped = 0
         self._loss_finite: torch.Tensor | None = None
@@ -83,17 +84,22 @@ class NonFiniteGuard(Callback):
             grads_finite = torch.isfinite(torch.stack([n.float().to(grads[0].device) for n in norms]).sum())
         else:
             grads_finite = torch.tensor(True)
-        bad = torch.stack([~grads_finite.cpu(), ~(loss_finite.cpu() if loss_finite is not None
-                                                   else torch.tensor(True))]).float()  # (2,): grads, loss
+        bad = torch.stack(
+            [~grads_finite.cpu(), ~(loss_finite.cpu() if loss_finite is not None else torch.tensor(True))]
+        ).float()  # (2,): grads, loss
         if trainer.world_size > 1:
             bad = trainer.strategy.reduce(bad.to(pl_module.device), reduce_op="sum").cpu()
         if not bool(bad.any()):
             if self.skipped and self.policy == "skip":
-                pl_module.log("train/nonfinite_skipped", float(self.skipped), on_step=True, on_epoch=False, batch_size=1)
+                pl_module.log(
+                    "train/nonfinite_skipped", float(self.skipped), on_step=True, on_epoch=False, batch_size=1
+                )
             return
         what = " and ".join(w for w, b in (("loss", bad[1]), ("gradients", bad[0])) if b > 0)
-        where = (f"optimizer step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                 f"batch {trainer.fit_loop.epoch_loop.batch_idx})")
+        where = (
+            f"optimizer step {trainer.global_step} (epoch {trainer.current_epoch}, "
+            f"batch {trainer.fit_loop.epoch_loop.batch_idx})"
+        )
         if self.policy == "error":
             names = {id(p): n for n, p in pl_module.named_parameters()}
             first = [names.get(id(params[i]), f"#{i}") for i in nonfinite_parameters(params)[:3]]
@@ -101,7 +107,8 @@ class NonFiniteGuard(Callback):
             raise NonFiniteError(
                 f"non-finite {what} at {where}{detail}. The update was not applied, so the weights are those of the "
                 "previous step. Lower the learning rate, check the data and rewards of this batch, or set the "
-                "guard's policy to 'skip' to drop such updates")
+                "guard's policy to 'skip' to drop such updates"
+            )
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None

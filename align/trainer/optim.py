@@ -35,12 +35,23 @@ class WarmupLR(LambdaLR):
         min_lr_ratio: float = 0.0,
     ):
         for name, ok, expected, got in (
-                ("warmup_steps", _integer(warmup_steps) and warmup_steps >= 0, "an integer >= 0", warmup_steps),
-                ("total_steps", total_steps is None or (_integer(total_steps) and total_steps >= 1),
-                 "an integer >= 1 or null (the trainer's)", total_steps),
-                ("decay", decay in ("cosine", "linear", "constant"), "'cosine', 'linear' or 'constant'", decay),
-                ("min_lr_ratio", isinstance(min_lr_ratio, (int, float)) and not isinstance(min_lr_ratio, bool)
-                 and 0 <= min_lr_ratio <= 1, "a value in [0, 1]", min_lr_ratio)):
+            ("warmup_steps", _integer(warmup_steps) and warmup_steps >= 0, "an integer >= 0", warmup_steps),
+            (
+                "total_steps",
+                total_steps is None or (_integer(total_steps) and total_steps >= 1),
+                "an integer >= 1 or null (the trainer's)",
+                total_steps,
+            ),
+            ("decay", decay in ("cosine", "linear", "constant"), "'cosine', 'linear' or 'constant'", decay),
+            (
+                "min_lr_ratio",
+                isinstance(min_lr_ratio, (int, float))
+                and not isinstance(min_lr_ratio, bool)
+                and 0 <= min_lr_ratio <= 1,
+                "a value in [0, 1]",
+                min_lr_ratio,
+            ),
+        ):
             if not ok:
                 raise AlignConfigError(f"{self.where}.{name}: expected {expected}, got {got!r}")
         self.warmup_steps = warmup_steps

@@ -18,15 +18,23 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
 # Short names shown in the bar for the last part of a metric's name.
-SHORT_NAMES = {"reward_mean": "reward", "tokens_per_s": "tok/s", "pairs_per_s": "pairs/s", "accuracy": "acc",
-               "rm_accuracy": "acc", "dpo_accuracy": "acc", "kto_accuracy": "acc"}
+SHORT_NAMES = {
+    "reward_mean": "reward",
+    "tokens_per_s": "tok/s",
+    "pairs_per_s": "pairs/s",
+    "accuracy": "acc",
+    "rm_accuracy": "acc",
+    "dpo_accuracy": "acc",
+    "kto_accuracy": "acc",
+}
 
 
 def interactive(stream=None) -> bool:
@@ -136,8 +144,10 @@ class AlignProgressBar(TQDMProgressBar):
         return shown
 
     def postfix(self, trainer, pl_module) -> str:
-        return " ".join(f"{k} {format_value(float(v))}" if isinstance(v, (int, float)) else f"{k} {v}"
-                        for k, v in self.get_metrics(trainer, pl_module).items())
+        return " ".join(
+            f"{k} {format_value(float(v))}" if isinstance(v, (int, float)) else f"{k} {v}"
+            for k, v in self.get_metrics(trainer, pl_module).items()
+        )
 
 
 @rank_zero_only

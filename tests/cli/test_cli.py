@@ -25,8 +25,12 @@ def localise(node, tiny_model_dir):
     tier (``smollm2-135m-instruct``) is local and stays: its configs name layers the tiny model does not have."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("model", "reference_model", "teacher", "tokenizer") and isinstance(value, str) and \
-                    value != "tiny" and not is_packaged(value):
+            if (
+                key in ("model", "reference_model", "teacher", "tokenizer")
+                and isinstance(value, str)
+                and value != "tiny"
+                and not is_packaged(value)
+            ):
                 node[key] = tiny_model_dir
             else:
                 localise(value, tiny_model_dir)
@@ -42,14 +46,28 @@ def read_metrics(root: Path) -> list[dict]:
     return list(csv.DictReader(open(files[0])))
 
 
-@pytest.mark.parametrize("config", [pytest.param(c, marks=[pytest.mark.slow] if "smollm2" in c.name else [])
-                                    for c in CONFIGS], ids=lambda p: str(p.relative_to(ROOT / "configs")))
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(c, marks=[pytest.mark.slow] if "smollm2" in c.name else []) for c in CONFIGS],
+    ids=lambda p: str(p.relative_to(ROOT / "configs")),
+)
 def test_every_config_parses_and_instantiates(config, tiny_model_dir, tmp_path):
     data = localise(yaml.safe_load(config.read_text()), tiny_model_dir)
     local = tmp_path / config.name
     local.write_text(yaml.safe_dump(data))
-    cli = AlignCLI(args=["--config", str(local), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-                         "--trainer.default_root_dir", str(tmp_path)], run=False)
+    cli = AlignCLI(
+        args=[
+            "--config",
+            str(local),
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "1",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
+        run=False,
+    )
     if config.parent.name == "gym":  # classic RL: the module brings its environment, there is no data module
         assert cli.model.env.id and cli.datamodule is None and cli.model.total_steps > 0
     else:
@@ -59,8 +77,13 @@ def test_every_config_parses_and_instantiates(config, tiny_model_dir, tmp_path):
 
 def test_print_config_round_trips(tmp_path):
     def printed(*args):
-        out = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), *args, "--print_config"],
-                             capture_output=True, text=True, check=True, cwd=tmp_path)
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "recipes" / "sft.py"), *args, "--print_config"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=tmp_path,
+        )
         return out.stdout
 
     first = printed("--model.init_args.policy.init_args.dtype", "bfloat16")
@@ -82,7 +105,10 @@ def bad_file(tmp_path, bad_line: str) -> str:
     [
         ("not json", "row 3: expected one JSON object per line"),
         (json.dumps({"prompt": "sort: b a"}), "row 3: expected a row with the fields"),
-        (json.dumps({"prompt": "sort: b a", "completion": ""}), "row 3: field 'completion': expected a non-empty string"),
+        (
+            json.dumps({"prompt": "sort: b a", "completion": ""}),
+            "row 3: field 'completion': expected a non-empty string",
+        ),
         (json.dumps({"prompt": ["x"], "completion": "a"}), "row 3: field 'prompt[0]'"),
         (json.dumps({"prompt": "sort: b a", "completion": 3}), "row 3: field 'completion': expected a string"),
         (json.dumps({"prompt": "sort: " + "a " * 100, "completion": "a"}), "row 3: expected at most max_length=64"),
@@ -91,8 +117,19 @@ def bad_file(tmp_path, bad_line: str) -> str:
 def test_bad_data_exits_nonzero_with_file_row_field_and_writes_no_checkpoint(tmp_path, capsys, bad_line, expected):
     path = bad_file(tmp_path, bad_line)
     with pytest.raises(SystemExit) as info:
-        run_recipe("sft", SFTModule, SFTDataModule, args=["--data.train_files", path, "--trainer.default_root_dir",
-                                                          str(tmp_path / "run"), "--trainer.max_steps", "2"])
+        run_recipe(
+            "sft",
+            SFTModule,
+            SFTDataModule,
+            args=[
+                "--data.train_files",
+                path,
+                "--trainer.default_root_dir",
+                str(tmp_path / "run"),
+                "--trainer.max_steps",
+                "2",
+            ],
+        )
     assert info.value.code != 0
     err = capsys.readouterr().err
     assert path in err and expected in err
@@ -110,9 +147,20 @@ def test_align_fit_writes_csv_curves_tensorboard_checkpoint_and_export_loads(tmp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = tmp_path / "run"
-    main(["fit", "--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.max_steps", "6",
-          "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(root),
-          "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "sft" / "tiny.yaml"),
+            "--trainer.max_steps",
+            "6",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.default_root_dir",
+            str(root),
+            "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger",
+        ]
+    )
     out = capsys.readouterr().out
     assert "held-out val/loss:" in out
     rows = read_metrics(root)
@@ -128,18 +176,24 @@ def test_align_fit_writes_csv_curves_tensorboard_checkpoint_and_export_loads(tmp
     main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "hf")])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    prompt = tok.apply_chat_template([{"role": "user", "content": "sort: c b a"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "sort: c b a"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     assert model.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]
 
 
 @pytest.mark.slow
 def test_sft_recipe_end_to_end(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--trainer.default_root_dir",
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "sft.py"), "--trainer.default_root_dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("held-out val/loss:"))
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("held-out val/loss:"))
     before, after = (float(x) for x in line.split(":")[1].split("->"))
     assert after < 0.25 * before
     rows = read_metrics(tmp_path)
@@ -167,8 +221,10 @@ def test_tensorboard_logger_without_save_dir_writes_into_the_run_folder(tmp_path
 
     (tmp_path / "version_0").mkdir()  # an earlier run: this one is version_1
     args = ["--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path)]
-    for form in (["--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger"],
-                 ["--trainer.logger+", "TensorBoardLogger", "--trainer.logger.name", "ignored"]):
+    for form in (
+        ["--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger"],
+        ["--trainer.logger+", "TensorBoardLogger", "--trainer.logger.name", "ignored"],
+    ):
         cli = AlignCLI(args=resolve_config_args([*args, *form]), run=False)
         (tb,) = tensorboard_loggers(cli)
         assert cli.trainer.loggers[0].log_dir == tb.log_dir == str(tmp_path / "version_1")
@@ -177,11 +233,14 @@ def test_tensorboard_logger_without_save_dir_writes_into_the_run_folder(tmp_path
 def test_tensorboard_logger_in_yaml_with_or_without_a_save_dir_of_its_own(tmp_path):
     config = yaml.safe_load((ROOT / "configs" / "sft" / "tiny.yaml").read_text())
     tb = "lightning.pytorch.loggers.TensorBoardLogger"
-    config["trainer"]["logger"] = [{"class_path": tb, "init_args": {"save_dir": "align:run"}},
-                                   {"class_path": tb, "init_args": {"save_dir": str(tmp_path / "tb")}}]
+    config["trainer"]["logger"] = [
+        {"class_path": tb, "init_args": {"save_dir": "align:run"}},
+        {"class_path": tb, "init_args": {"save_dir": str(tmp_path / "tb")}},
+    ]
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    cli = AlignCLI(args=["--config", str(tmp_path / "c.yaml"), "--trainer.default_root_dir", str(tmp_path / "r")],
-                   run=False)
+    cli = AlignCLI(
+        args=["--config", str(tmp_path / "c.yaml"), "--trainer.default_root_dir", str(tmp_path / "r")], run=False
+    )
     in_run, own = tensorboard_loggers(cli)
     assert in_run.log_dir == str(tmp_path / "r" / "version_0")
     assert own.log_dir == str(tmp_path / "tb" / "lightning_logs" / "version_0")  # Lightning's own layout
@@ -191,8 +250,16 @@ def test_missing_tensorboard_is_one_line_naming_the_extra(tmp_path, capsys, monk
     for name in ("tensorboard", "tensorboardX"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
     with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", str(ROOT / "configs" / "sft" / "tiny.yaml"), "--trainer.default_root_dir",
-              str(tmp_path), "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "sft" / "tiny.yaml"),
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger",
+            ]
+        )
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "pip install 'align[tensorboard]'" in err[0], err
@@ -228,9 +295,15 @@ def test_align_help_lists_every_command(capsys):
 def test_gym_recipe_config_replaces_its_default(tmp_path):
     """recipes/gym.py's configs name different modules: a --config replaces the default PPO config instead of
     being layered on it, so no PPO setting (its linear learning-rate decay) leaks into DQN."""
+
     def printed(*args):
-        return subprocess.run([sys.executable, str(ROOT / "recipes" / "gym.py"), *args, "--print_config"],
-                              capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+        return subprocess.run(
+            [sys.executable, str(ROOT / "recipes" / "gym.py"), *args, "--print_config"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=tmp_path,
+        ).stdout
 
     default = printed()
     assert "class_path: align.gym.PPOGymModule" in default and "lr_schedule: linear" in default

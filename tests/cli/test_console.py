@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from align.cli.recipes import run_recipe
 from align.cli.config_errors import nearest, one_line
+from align.cli.quiet import quiet_known_noise
+from align.cli.recipes import run_recipe
 from align.data import SFTDataModule
 from align.modules import SFTModule
 from align.trainer.progress import AlignProgressBar, format_value, interactive, short_name
-from align.cli.quiet import quiet_known_noise
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,15 +26,20 @@ def recipe_error(capsys, *args) -> list[str]:
     return capsys.readouterr().err.strip().splitlines()
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--trainer.max_steps", "ten"], "error: --trainer.max_steps: expected int, got 'ten'"),
-    (["--trainer.max_stepz", "4"], "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps"),
-    (["--model.optimizer.lrr", "1"], "error: --model.optimizer.lrr: AdamW has no setting 'lrr'; did you mean lr?"),
-    (["--model.optimizer.lr", "abc"], "error: --model.optimizer.lr: expected float or Tensor, got 'abc'"),
-    (["--model.max_lenght", "5"], "error: --model.max_lenght: SFTModule has no setting 'max_lenght'; accepted: "
-                                  "policy, optimizer, scheduler"),
-    (["--data.batch_size", "x"], "error: --data.batch_size: expected int, got 'x'"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--trainer.max_steps", "ten"], "error: --trainer.max_steps: expected int, got 'ten'"),
+        (["--trainer.max_stepz", "4"], "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps"),
+        (["--model.optimizer.lrr", "1"], "error: --model.optimizer.lrr: AdamW has no setting 'lrr'; did you mean lr?"),
+        (["--model.optimizer.lr", "abc"], "error: --model.optimizer.lr: expected float or Tensor, got 'abc'"),
+        (
+            ["--model.max_lenght", "5"],
+            "error: --model.max_lenght: SFTModule has no setting 'max_lenght'; accepted: policy, optimizer, scheduler",
+        ),
+        (["--data.batch_size", "x"], "error: --data.batch_size: expected int, got 'x'"),
+    ],
+)
 def test_a_bad_setting_is_one_line(capsys, args, expected):
     lines = recipe_error(capsys, *args)
     assert len(lines) == 1 and lines[0].startswith(expected), lines
@@ -42,10 +47,13 @@ def test_a_bad_setting_is_one_line(capsys, args, expected):
 
 def test_an_unknown_key_in_a_yaml_file_is_one_line_with_the_nearest_keys(capsys, tmp_path):
     config = tmp_path / "bad.yaml"
-    config.write_text("trainer:\n  max_stepz: 3\nmodel:\n  init_args:\n    optimizer:\n      init_args:\n        lr: 1\n")
+    config.write_text(
+        "trainer:\n  max_stepz: 3\nmodel:\n  init_args:\n    optimizer:\n      init_args:\n        lr: 1\n"
+    )
     assert recipe_error(capsys, "--config", str(config)) == [
         "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps or trainer.max_time or "
-        "trainer.min_steps?"]
+        "trainer.min_steps?"
+    ]
 
 
 def test_one_line_of_messages_it_does_not_know_keeps_their_words():
@@ -58,8 +66,13 @@ def test_recipe_help_lists_the_model_and_data_settings_with_defaults(capsys):
     run_recipe("sft", SFTModule, SFTDataModule, args=["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: ")
-    for setting in ("--model.policy", "--model.optimizer", "--data.train_files", "--data.max_length",
-                    "--data.batch_size"):
+    for setting in (
+        "--model.policy",
+        "--model.optimizer",
+        "--data.train_files",
+        "--data.max_length",
+        "--data.batch_size",
+    ):
         assert setting in out, setting
     assert "default:" in out and "--model.optimizer.lr 1e-4" in out and "fit --help" in out
 
@@ -69,18 +82,36 @@ def test_gym_recipe_help_shows_its_default_module_and_no_data(capsys):
 
     run_recipe("gym", ClassicRLModule, None, args=["--help"], default_config="ppo-cartpole.yaml", layered=False)
     out = capsys.readouterr().out
-    assert "Runs PPOGymModule (fit)" in out and "align:gym/ppo-cartpole.yaml" in out and "align:gym/dqn-cartpole.yaml" in out
+    assert (
+        "Runs PPOGymModule (fit)" in out
+        and "align:gym/ppo-cartpole.yaml" in out
+        and "align:gym/dqn-cartpole.yaml" in out
+    )
     for setting in ("--model.updates.epochs", "--model.env.id", "--model.env.num_envs", "--model.total_steps"):
         assert setting in out, setting
     assert "--data." not in out and "it replaces the default" in out
 
 
 def test_progress_names_and_numbers():
-    assert [short_name(m) for m in ("rollout/reward_mean", "train/kl", "rollout/tokens_per_s", "dpo/accuracy",
-                                    "val/dpo_accuracy", "val/reward_mean")] == \
-        ["reward", "kl", "tok/s", "acc", "val_acc", "val_reward"]
-    assert [format_value(v) for v in (0.123456, 1234.5, 0.0001234, 0.0, 12.3456, float("nan"))] == \
-        ["0.1235", "1234", "0.000123", "0", "12.35", "nan"]
+    assert [
+        short_name(m)
+        for m in (
+            "rollout/reward_mean",
+            "train/kl",
+            "rollout/tokens_per_s",
+            "dpo/accuracy",
+            "val/dpo_accuracy",
+            "val/reward_mean",
+        )
+    ] == ["reward", "kl", "tok/s", "acc", "val_acc", "val_reward"]
+    assert [format_value(v) for v in (0.123456, 1234.5, 0.0001234, 0.0, 12.3456, float("nan"))] == [
+        "0.1235",
+        "1234",
+        "0.000123",
+        "0",
+        "12.35",
+        "nan",
+    ]
 
 
 def test_the_bar_is_drawn_only_in_a_terminal_outside_ci(monkeypatch):
@@ -99,9 +130,11 @@ def test_known_noise_is_filtered_and_other_messages_pass(caplog):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_known_noise(progress_bars=True)
-        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use something else")
-        warnings.warn("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no ...")
-        warnings.warn("a warning a user can act on")
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use something else", stacklevel=2)
+        warnings.warn(
+            "Using ModelCheckpoint with manual optimization and every_n_train_steps, but no ...", stacklevel=2
+        )
+        warnings.warn("a warning a user can act on", stacklevel=2)
     assert [str(w.message) for w in caught] == ["a warning a user can act on"]
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
@@ -137,11 +170,28 @@ def test_a_run_prints_what_matters_and_no_device_lines_model_table_or_install_pa
     sort = ROOT / "align" / "data" / "assets" / "sort" / "sft"
     for name, rows in (("train", 64), ("validation", 16)):
         (tmp_path / f"{name}.jsonl").write_text("".join((sort / f"{name}.jsonl").read_text().splitlines(True)[:rows]))
-    done = subprocess.run([sys.executable, "-m", "align", "fit", "--config", "align:sft/tiny.yaml",
-                           "--trainer.max_steps", "2", "--data.train_files", str(tmp_path / "train.jsonl"),
-                           "--data.val_files", str(tmp_path / "validation.jsonl"),
-                           "--trainer.default_root_dir", str(tmp_path / "runs")],
-                          capture_output=True, text=True, cwd=tmp_path, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "align",
+            "fit",
+            "--config",
+            "align:sft/tiny.yaml",
+            "--trainer.max_steps",
+            "2",
+            "--data.train_files",
+            str(tmp_path / "train.jsonl"),
+            "--data.val_files",
+            str(tmp_path / "validation.jsonl"),
+            "--trainer.default_root_dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     for noise in ("GPU available: False", "TPU available: False", "Total FLOPs", "┃", "site-packages", "INFO:"):

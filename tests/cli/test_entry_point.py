@@ -55,8 +55,10 @@ def test_python_dash_m_align_is_the_align_command():
 def test_help_version_and_argument_errors_import_no_heavy_package(args):
     """They are answered from the parsed command alone: none of torch, Lightning, transformers or jsonargparse is
     imported (which took seconds)."""
-    code = ("import sys\nfrom align.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    code = (
+        "import sys\nfrom align.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"

@@ -12,15 +12,27 @@ import pytest
 from align.cli.main import main
 from align.cli.plots import PlotError, plot_runs, read_run, smooth
 
-GRPO_TRAIN = ("rollout/reward_mean", "rollout/reward_std", "train/kl", "train/loss", "train/entropy",
-              "time/generation_s")
+GRPO_TRAIN = (
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "train/kl",
+    "train/loss",
+    "train/entropy",
+    "time/generation_s",
+)
 GRPO_VAL = ("val/reward_mean", "val/accuracy", "val/response_length")
 DPO_TRAIN = ("train/loss", "dpo/accuracy", "dpo/margin", "train/pairs_per_s")
 DPO_VAL = ("val/loss", "val/dpo_accuracy", "val/dpo_margin")
 
 
-def write_run(directory: Path, train: tuple[str, ...], val: tuple[str, ...], steps: int = 30, scale: float = 1.0,
-              val_every: int = 10) -> Path:
+def write_run(
+    directory: Path,
+    train: tuple[str, ...],
+    val: tuple[str, ...],
+    steps: int = 30,
+    scale: float = 1.0,
+    val_every: int = 10,
+) -> Path:
     """A ``metrics.csv`` shaped like Lightning's: a training row per step and a validation row every
     ``val_every`` steps, each leaving the other's columns empty."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -31,8 +43,9 @@ def write_run(directory: Path, train: tuple[str, ...], val: tuple[str, ...], ste
         for step in range(steps):
             if step % val_every == 0:
                 writer.writerow({"epoch": 0, "step": step, **{c: scale * (0.5 + 0.01 * step) for c in val}})
-            writer.writerow({"epoch": 0, "step": step, **{c: scale * (0.1 + 0.02 * step + 0.05 * (step % 3))
-                                                          for c in train}})
+            writer.writerow(
+                {"epoch": 0, "step": step, **{c: scale * (0.1 + 0.02 * step + 0.05 * (step % 3)) for c in train}}
+            )
         writer.writerow({"epoch": 1, "step": steps, **{c: scale * 0.9 for c in val}})
     return directory
 
@@ -46,10 +59,12 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_grpo_run_gets_reward_kl_loss_and_accuracy_panels(tmp_path):
     run = write_run(tmp_path / "grpo" / "version_0", GRPO_TRAIN, GRPO_VAL)
     curves = plot_runs([run], tmp_path / "out.png")
-    assert curves.panels == (("reward", ("rollout/reward_mean", "val/reward_mean")),
-                             ("KL to the reference", ("train/kl",)),
-                             ("loss", ("train/loss",)),
-                             ("accuracy", ("val/accuracy",)))
+    assert curves.panels == (
+        ("reward", ("rollout/reward_mean", "val/reward_mean")),
+        ("KL to the reference", ("train/kl",)),
+        ("loss", ("train/loss",)),
+        ("accuracy", ("val/accuracy",)),
+    )
     assert curves.runs == ("grpo/version_0",)
     width, height = png_size(curves.path)
     assert 800 <= width <= 1600 and 500 <= height <= 1200
@@ -64,8 +79,11 @@ def test_dpo_run_gets_loss_accuracy_and_margin_panels_and_no_empty_ones(tmp_path
 
 
 def test_distillation_run_gets_a_teacher_distance_panel_and_the_teachers_accuracy(tmp_path):
-    run = write_run(tmp_path / "distill" / "version_0", ("rollout/reward_mean", "distill/reverse_kl", "train/loss"),
-                    ("val/reward_mean", "val/accuracy", "val/teacher_accuracy"))
+    run = write_run(
+        tmp_path / "distill" / "version_0",
+        ("rollout/reward_mean", "distill/reverse_kl", "train/loss"),
+        ("val/reward_mean", "val/accuracy", "val/teacher_accuracy"),
+    )
     panels = dict(plot_runs([run], tmp_path / "out.png").panels)
     assert panels["distance to the teacher"] == ("distill/reverse_kl",)
     assert panels["accuracy"] == ("val/accuracy", "val/teacher_accuracy")
@@ -89,8 +107,9 @@ def test_gaps_repeated_steps_and_non_finite_cells(tmp_path):
         "0,0,,2.0\n"
         "0,1,nan,\n"
         "0,2,0.5,\n"
-        "0,1,0.7,\n"   # a resumed run logs step 1 again: the later value is kept
-        "0,3,inf,\n")
+        "0,1,0.7,\n"  # a resumed run logs step 1 again: the later value is kept
+        "0,3,inf,\n"
+    )
     run = read_run(tmp_path)
     assert run.series["train/loss"] == ([0.0, 1.0, 2.0], [1.0, 0.7, 0.5])
     assert run.series["val/loss"] == ([0.0], [2.0])
@@ -98,8 +117,7 @@ def test_gaps_repeated_steps_and_non_finite_cells(tmp_path):
 
 def test_several_runs_share_the_axes_and_a_root_means_all_its_runs(tmp_path):
     write_run(tmp_path / "grpo" / "version_0", GRPO_TRAIN, GRPO_VAL)
-    write_run(tmp_path / "grpo" / "version_1", ("rollout/reward_mean", "train/loss"), ("val/reward_mean",),
-              scale=2.0)
+    write_run(tmp_path / "grpo" / "version_1", ("rollout/reward_mean", "train/loss"), ("val/reward_mean",), scale=2.0)
     (tmp_path / "grpo" / "version_2").mkdir()  # a run that failed before logging: skipped
     by_root = plot_runs([tmp_path / "grpo"], tmp_path / "root.png")
     assert by_root.runs == ("grpo/version_0", "grpo/version_1")
@@ -180,8 +198,12 @@ def test_align_plot_unknown_metric_lists_the_available_ones(tmp_path, capsys):
 def test_an_asynchronous_runs_staleness_and_waiting_panels_tell_columns_apart_by_line_style(tmp_path, monkeypatch):
     import align.cli.plots as plots
 
-    train = GRPO_TRAIN + ("rollout/staleness", "rollout/policy_version_lag", "time/trainer_idle_s",
-                          "time/generator_idle_s")
+    train = GRPO_TRAIN + (
+        "rollout/staleness",
+        "rollout/policy_version_lag",
+        "time/trainer_idle_s",
+        "time/generator_idle_s",
+    )
     runs = [write_run(tmp_path / name / "version_0", train, GRPO_VAL) for name in ("k1", "k2")]
     legends = {}
     original = plots._draw_panel

@@ -9,19 +9,26 @@ from pathlib import Path
 
 import pytest
 
-from align.trainer.checkpointing import AtomicCheckpointIO
 from align.cli.arguments import CONFIG_DIR, resolve_config_args
 from align.cli.main import main
 from align.cli.recipes import run_recipe
+from align.cli.runs import RunLogger, latest_run, run_of_checkpoint
 from align.data import SFTDataModule
 from align.data.prompts import PromptDataModule
 from align.errors import AlignConfigError
 from align.modules import SFTModule
 from align.modules.grpo import GRPOModule
-from align.cli.runs import RunLogger, latest_run, run_of_checkpoint
+from align.trainer.checkpointing import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[2]
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1"]
+QUIET = [
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.log_every_n_steps",
+    "1",
+]
 
 
 def sft(root: Path, *args: str) -> None:
@@ -85,15 +92,29 @@ def test_ckpt_path_inside_a_run_folder_continues_that_run_and_another_roots_star
     root = tmp_path / "runs"
     sft(root, "--trainer.max_steps", "1", "--eval_before_after", "false")
     sft(root, "--trainer.max_steps", "1", "--eval_before_after", "false")
-    sft(root, "--trainer.max_steps", "2", "--eval_before_after", "false",
-        "--ckpt_path", str(root / "version_0" / "checkpoints" / "last.ckpt"))
+    sft(
+        root,
+        "--trainer.max_steps",
+        "2",
+        "--eval_before_after",
+        "false",
+        "--ckpt_path",
+        str(root / "version_0" / "checkpoints" / "last.ckpt"),
+    )
     assert sorted(p.name for p in root.iterdir()) == ["version_0", "version_1"]
     assert global_step(root / "version_0" / "checkpoints" / "last.ckpt") == 2
     assert global_step(root / "version_1" / "checkpoints" / "last.ckpt") == 1
     # A checkpoint from elsewhere starts a new run of this root from those weights.
     other = tmp_path / "other"
-    sft(other, "--trainer.max_steps", "3", "--eval_before_after", "false",
-        "--ckpt_path", str(root / "version_1" / "checkpoints" / "last.ckpt"))
+    sft(
+        other,
+        "--trainer.max_steps",
+        "3",
+        "--eval_before_after",
+        "false",
+        "--ckpt_path",
+        str(root / "version_1" / "checkpoints" / "last.ckpt"),
+    )
     assert global_step(other / "version_0" / "checkpoints" / "last.ckpt") == 3
 
 
@@ -155,10 +176,28 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_folder_holding_only_it
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "runs"
     with pytest.raises(SystemExit):
-        run_recipe("grpo", GRPOModule, PromptDataModule, args=[
-            *QUIET, "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1", "--data.init_args.val_files",
-            "null", "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
-            "--model.init_args.sampling.max_new_tokens", "4", "--model.init_args.rewards", '[{"fn": "boom_reward.exact"}]'])
+        run_recipe(
+            "grpo",
+            GRPOModule,
+            PromptDataModule,
+            args=[
+                *QUIET,
+                "--trainer.default_root_dir",
+                str(root),
+                "--trainer.max_steps",
+                "1",
+                "--data.init_args.val_files",
+                "null",
+                "--data.init_args.batch_size",
+                "2",
+                "--model.init_args.group_size",
+                "2",
+                "--model.init_args.sampling.max_new_tokens",
+                "4",
+                "--model.init_args.rewards",
+                '[{"fn": "boom_reward.exact"}]',
+            ],
+        )
     assert not list(root.glob("version_*"))
     # A folder with anything else in it is kept, and a continued run's folder is never removed.
     from align.cli.lightning_cli import _remove_if_empty
@@ -205,8 +244,13 @@ def test_run_logger_appends_to_a_continued_runs_metrics(tmp_path):
 
 def test_shipped_configs_are_named_by_align_prefix():
     path = str(CONFIG_DIR / "grpo" / "tiny.yaml")
-    assert resolve_config_args(["fit", "--config", "align:grpo/tiny.yaml", "--model.x", "align:y"]) == \
-        ["fit", "--config", path, "--model.x", "align:y"]
+    assert resolve_config_args(["fit", "--config", "align:grpo/tiny.yaml", "--model.x", "align:y"]) == [
+        "fit",
+        "--config",
+        path,
+        "--model.x",
+        "align:y",
+    ]
     assert resolve_config_args(["--config=align:grpo/tiny.yaml"]) == [f"--config={path}"]
     with pytest.raises(AlignConfigError, match=r"--config: 'align:grpo/nope.yaml' is not a shipped config"):
         resolve_config_args(["--config", "align:grpo/nope.yaml"])
@@ -215,8 +259,20 @@ def test_shipped_configs_are_named_by_align_prefix():
 
 
 def test_align_fit_runs_a_shipped_config_by_name(tmp_path, capsys):
-    main(["fit", "--config", "align:sft/tiny.yaml", "--trainer.max_steps", "1", "--eval_before_after", "false",
-          "--trainer.default_root_dir", str(tmp_path), *QUIET])
+    main(
+        [
+            "fit",
+            "--config",
+            "align:sft/tiny.yaml",
+            "--trainer.max_steps",
+            "1",
+            "--eval_before_after",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            *QUIET,
+        ]
+    )
     assert global_step(tmp_path / "version_0" / "checkpoints" / "last.ckpt") == 1
 
 
@@ -227,7 +283,12 @@ def test_unknown_shipped_config_and_checkpointing_conflict_are_one_line_errors(t
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --config: 'align:sft/nope.yaml'") and "\n" not in err
     with pytest.raises(SystemExit) as info:
-        sft(tmp_path, "--trainer.enable_checkpointing", "false", "--trainer.callbacks+=align.trainer.checkpointing.AlignCheckpoint")
+        sft(
+            tmp_path,
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks+=align.trainer.checkpointing.AlignCheckpoint",
+        )
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: trainer.enable_checkpointing: false, but trainer.callbacks holds AlignCheckpoint")
@@ -241,10 +302,29 @@ def test_ddp_ranks_agree_on_one_run_folder_and_resume_it(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
     def launch(*args: str) -> str:
-        proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--trainer.accelerator", "cpu",
-                               "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.default_root_dir",
-                               str(tmp_path), "--eval_before_after", "false", *QUIET, *args],
-                              capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "recipes" / "sft.py"),
+                "--trainer.accelerator",
+                "cpu",
+                "--trainer.devices",
+                "2",
+                "--trainer.strategy",
+                "ddp",
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                "--eval_before_after",
+                "false",
+                *QUIET,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout
 
@@ -266,8 +346,21 @@ def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path):
     bad.write_text('{"prompt": "sort: b a"}\n')
     root = tmp_path / "runs"
     with pytest.raises(SystemExit):
-        main(["fit", "--model", "SFTModule", "--data", "SFTDataModule", "--data.train_files", str(bad),
-              "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1"])
+        main(
+            [
+                "fit",
+                "--model",
+                "SFTModule",
+                "--data",
+                "SFTDataModule",
+                "--data.train_files",
+                str(bad),
+                "--trainer.default_root_dir",
+                str(root),
+                "--trainer.max_steps",
+                "1",
+            ]
+        )
     assert not root.exists() or list(root.iterdir()) == []
 
 
@@ -287,12 +380,36 @@ def test_a_run_that_fails_midway_still_draws_its_curves(tmp_path, monkeypatch):
 
 
 def test_a_nested_setting_set_to_null_on_the_command_line_becomes_a_one_field_block():
-    assert resolve_config_args(["fit", "--model.kl.estimator", "null", "--model.init_args.scores.clip=null",
-                                "--model.policy.init_args.lora", "null", "--model.group_size", "null",
-                                "--trainer.max_steps", "null", "--model.kl.coef", "0"]) == \
-        ["fit", "--model.kl", '{"estimator": null}', "--model.init_args.scores", '{"clip": null}',
-         "--model.policy", '{"lora": null}', "--model.group_size", "null", "--trainer.max_steps", "null",
-         "--model.kl.coef", "0"]
+    assert resolve_config_args(
+        [
+            "fit",
+            "--model.kl.estimator",
+            "null",
+            "--model.init_args.scores.clip=null",
+            "--model.policy.init_args.lora",
+            "null",
+            "--model.group_size",
+            "null",
+            "--trainer.max_steps",
+            "null",
+            "--model.kl.coef",
+            "0",
+        ]
+    ) == [
+        "fit",
+        "--model.kl",
+        '{"estimator": null}',
+        "--model.init_args.scores",
+        '{"clip": null}',
+        "--model.policy",
+        '{"lora": null}',
+        "--model.group_size",
+        "null",
+        "--trainer.max_steps",
+        "null",
+        "--model.kl.coef",
+        "0",
+    ]
 
 
 def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
@@ -301,29 +418,62 @@ def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
     from align.modules.ppo import PPOModule
 
     with pytest.raises(SystemExit):
-        run_recipe("ppo", PPOModule, PromptDataModule,
-                   args=["fit", "--model.evaluation.accuracy_reward", "null", "--model.scores.missing_eos_penalty",
-                         "null", "--print_config"])
+        run_recipe(
+            "ppo",
+            PPOModule,
+            PromptDataModule,
+            args=[
+                "fit",
+                "--model.evaluation.accuracy_reward",
+                "null",
+                "--model.scores.missing_eos_penalty",
+                "null",
+                "--print_config",
+            ],
+        )
     printed = capsys.readouterr().out
     assert "accuracy_reward: null" in printed and "missing_eos_penalty: null" in printed
     assert "accuracy_threshold: 1.0" in printed and "whiten: true" in printed  # the shipped config's neighbours
 
 
-def test_an_accuracy_no_held_out_completion_could_reach_gives_its_place_to_the_rewards_mean(tmp_path, monkeypatch,
-                                                                                             capsys):
+def test_an_accuracy_no_held_out_completion_could_reach_gives_its_place_to_the_rewards_mean(
+    tmp_path, monkeypatch, capsys
+):
     (tmp_path / "half_reward.py").write_text("def half(completions, **kw):\n    return [0.5 for c in completions]\n")
     (tmp_path / "p.jsonl").write_text('{"prompt": "sort: b a"}\n{"prompt": "sort: c a"}\n')
     monkeypatch.chdir(tmp_path)
-    run_recipe("grpo", GRPOModule, PromptDataModule, args=[
-        *QUIET, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.max_steps", "1",
-        "--data.init_args.train_files", "p.jsonl", "--data.init_args.val_files", "p.jsonl",
-        "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
-        "--model.init_args.sampling.max_new_tokens", "4", "--model.init_args.rewards", '[{"fn": "half_reward.half"}]',
-        "--model.init_args.eval_rewards", "[]"])
+    run_recipe(
+        "grpo",
+        GRPOModule,
+        PromptDataModule,
+        args=[
+            *QUIET,
+            "--trainer.default_root_dir",
+            str(tmp_path / "runs"),
+            "--trainer.max_steps",
+            "1",
+            "--data.init_args.train_files",
+            "p.jsonl",
+            "--data.init_args.val_files",
+            "p.jsonl",
+            "--data.init_args.batch_size",
+            "2",
+            "--model.init_args.group_size",
+            "2",
+            "--model.init_args.sampling.max_new_tokens",
+            "4",
+            "--model.init_args.rewards",
+            '[{"fn": "half_reward.half"}]',
+            "--model.init_args.eval_rewards",
+            "[]",
+        ],
+    )
     out = capsys.readouterr().out.splitlines()
     first = next(i for i, line in enumerate(out) if line.startswith("held-out val/"))
-    assert out[first:first + 4] == [
-        "held-out val/reward_mean: 0.5000 -> 0.5000", "held-out val/accuracy: 0.0000 -> 0.0000",
+    assert out[first : first + 4] == [
+        "held-out val/reward_mean: 0.5000 -> 0.5000",
+        "held-out val/accuracy: 0.0000 -> 0.0000",
         "held-out val/reward/half: 0.5000 -> 0.5000",
         "  val/accuracy is 0 by construction: no held-out completion reached half >= 1 (highest 0.5000; "
-        "model.evaluation.accuracy_threshold sets it); read val/reward/half, the reward's mean, instead"]
+        "model.evaluation.accuracy_threshold sets it); read val/reward/half, the reward's mean, instead",
+    ]

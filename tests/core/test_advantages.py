@@ -110,7 +110,9 @@ def test_shape_rewards_ignores_masked_inputs(case):
     logprobs, ref, mask, noise = case
     scores = noise[:, 0]
     r1, kl1 = shape_rewards(scores, logprobs, ref, mask, 0.05)
-    r2, kl2 = shape_rewards(scores, torch.where(mask, logprobs, noise), torch.where(mask, ref, float("nan")), mask, 0.05)
+    r2, kl2 = shape_rewards(
+        scores, torch.where(mask, logprobs, noise), torch.where(mask, ref, float("nan")), mask, 0.05
+    )
     assert torch.equal(r1, r2) and torch.equal(kl1, kl2)
     assert torch.all(r1[~mask] == 0) and torch.all(kl1[~mask] == 0)
 
@@ -203,8 +205,9 @@ def test_group_advantages_pinned_unbiased_std():
     a = 0.5 * math.sqrt(3.0)
     torch.testing.assert_close(adv, torch.tensor([a, -a, a, -a]))
     # scale="none" (Dr. GRPO): only centred
-    torch.testing.assert_close(group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, scale="none"),
-                               torch.tensor([0.5, -0.5, 0.5, -0.5]))
+    torch.testing.assert_close(
+        group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, scale="none"), torch.tensor([0.5, -0.5, 0.5, -0.5])
+    )
 
 
 def test_group_advantages_pinned_batch_scale():
@@ -272,7 +275,9 @@ def test_zero_variance_groups_get_zero_never_nan(case, scale):
 
 def test_rloo_pinned():
     # G = 2: each sample's baseline is the other one: [1 - 0, 0 - 1, ...]
-    torch.testing.assert_close(rloo_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    torch.testing.assert_close(
+        rloo_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2), torch.tensor([1.0, -1.0, 1.0, -1.0])
+    )
     # G = 4, [1, 0, 1, 0]: 1 - (0 + 1 + 0) / 3 = 2/3 and 0 - (1 + 1 + 0) / 3 = -2/3
     torch.testing.assert_close(
         rloo_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4), torch.tensor([2 / 3, -2 / 3, 2 / 3, -2 / 3])
@@ -371,7 +376,10 @@ def test_reinforce_pp_on_two_ranks_equals_the_whole_batch_on_one_process():
     rewards, mask = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
     kl = torch.rand(4, 3)
     whole = reinforce_pp_advantages(rewards, mask, kl, 0.1, group_size=2)
-    fn = lambda r, m, k, all_reduce: reinforce_pp_advantages(r, m, k, 0.1, group_size=2, all_reduce=all_reduce)
+
+    def fn(r, m, k, all_reduce):
+        return reinforce_pp_advantages(r, m, k, 0.1, group_size=2, all_reduce=all_reduce)
+
     ranks = on_two_ranks(fn, (rewards[:2], mask[:2], kl[:2]), (rewards[2:], mask[2:], kl[2:]))
     torch.testing.assert_close(torch.cat(ranks), whole)
 
@@ -390,8 +398,9 @@ def test_batch_std_is_over_every_rank():
     from test_stats import on_two_ranks
 
     shard0, shard1 = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([0.0, 4.0, 0.0, 4.0])
-    out0, out1 = on_two_ranks(lambda r, reduce: group_advantages(r, 2, "batch", all_reduce=reduce), (shard0,),
-                              (shard1,))
+    out0, out1 = on_two_ranks(
+        lambda r, reduce: group_advantages(r, 2, "batch", all_reduce=reduce), (shard0,), (shard1,)
+    )
     std = math.sqrt(21.5 / 7)
     torch.testing.assert_close(out0, torch.tensor([-0.5, 0.5, -0.5, 0.5]) / std)
     torch.testing.assert_close(out1, torch.tensor([-2.0, 2.0, -2.0, 2.0]) / std)

@@ -37,7 +37,8 @@ def test_the_mixture_at_beta_one_half_is_the_jensen_shannon_divergence():
     # beta 0.9: M = 0.9 P + 0.1 Q = (0.54, 0.46).
     m = (0.54, 0.46)
     assert float(generalized_jsd(logits(*Q), logits(*P), beta=0.9)) == pytest.approx(
-        0.9 * kl(P, m) + 0.1 * kl(Q, m), abs=1e-6)
+        0.9 * kl(P, m) + 0.1 * kl(Q, m), abs=1e-6
+    )
 
 
 def test_jsd_is_zero_when_the_student_is_the_teacher_and_has_gradient_through_the_student_only():
@@ -104,8 +105,18 @@ def jsd_over_the_support(student, teacher, beta):
     return beta * kl(p, m, t_keep) + (1.0 - beta) * kl(q, m, s_keep)
 
 
-@pytest.mark.parametrize("masked, beta", [("both", 0.0), ("both", 0.5), ("both", 1.0), ("student", 0.5),
-                                          ("student", 1.0), ("teacher", 0.0), ("teacher", 0.5)])
+@pytest.mark.parametrize(
+    "masked, beta",
+    [
+        ("both", 0.0),
+        ("both", 0.5),
+        ("both", 1.0),
+        ("student", 0.5),
+        ("student", 1.0),
+        ("teacher", 0.0),
+        ("teacher", 0.5),
+    ],
+)
 def test_a_masked_vocabulary_gives_the_sub_vocabularys_divergence_and_a_finite_gradient(masked, beta):
     # The value and the student's gradient are those of the divergence over the entries with mass; a masked student
     # logit gets gradient 0 (its probability stays 0), where 0 * inf in a discarded branch used to give NaN.

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from test_stats import on_two_ranks
 
 from align.core.advantages import gae, shape_rewards
 from align.core.estimators import ADVANTAGE_ESTIMATORS, VALUE_ESTIMATORS, AdvantageInputs
@@ -17,8 +18,6 @@ from align.core.policy_losses import (
     ppo_policy_loss,
 )
 from align.core.stats import whiten
-
-from test_stats import on_two_ranks
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]]).bool()
 
@@ -37,13 +36,16 @@ def test_group_rows_by_hand():
     rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
     mask = torch.ones(4, 2, dtype=torch.bool)
     out = ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(rewards, mask, group_size=2))
-    torch.testing.assert_close(out.advantages, torch.tensor([0.5 ** 0.5, -(0.5 ** 0.5), 0.0, 0.0]))
+    torch.testing.assert_close(out.advantages, torch.tensor([0.5**0.5, -(0.5**0.5), 0.0, 0.0]))
     assert out.returns is None and out.token_rewards is None
     # RLOO: 1 - 0 = 1 against the other sample; Dr. GRPO ("none"): 1 - 0.5 = 0.5.
-    torch.testing.assert_close(ADVANTAGE_ESTIMATORS["rloo"](AdvantageInputs(rewards, mask, 2)).advantages,
-                               torch.tensor([1.0, -1.0, 0.0, 0.0]))
-    torch.testing.assert_close(ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(rewards, mask, 2, std_scale="none")).advantages,
-                               torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    torch.testing.assert_close(
+        ADVANTAGE_ESTIMATORS["rloo"](AdvantageInputs(rewards, mask, 2)).advantages, torch.tensor([1.0, -1.0, 0.0, 0.0])
+    )
+    torch.testing.assert_close(
+        ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(rewards, mask, 2, std_scale="none")).advantages,
+        torch.tensor([0.5, -0.5, 0.0, 0.0]),
+    )
 
 
 def test_sequence_rows_take_the_summed_kl_out_of_the_rewards():
@@ -57,8 +59,10 @@ def test_reinforce_pp_rows_whiten_over_every_rank():
     # Two ranks holding two rows each give the advantages of the whole batch: the whitening is global.
     rewards, mask = torch.tensor([1.0, 0.0, 2.0, 5.0]), torch.ones(4, 2, dtype=torch.bool)
     whole = ADVANTAGE_ESTIMATORS["reinforce_pp"](AdvantageInputs(rewards, mask)).advantages
-    row = lambda r, m, reduce: ADVANTAGE_ESTIMATORS["reinforce_pp"](  # noqa: E731
-        AdvantageInputs(r, m, all_reduce=reduce)).advantages
+
+    def row(r, m, reduce):
+        return ADVANTAGE_ESTIMATORS["reinforce_pp"](AdvantageInputs(r, m, all_reduce=reduce)).advantages
+
     first, second = on_two_ranks(row, (rewards[:2], mask[:2]), (rewards[2:], mask[2:]))
     torch.testing.assert_close(torch.cat([first, second]), whole)
 
@@ -69,20 +73,30 @@ def test_the_gae_row_is_shaped_rewards_then_gae_then_whitening():
     values = torch.randn(2, 3)
     shaped, kl = shape_rewards(scores, old, ref, MASK, 0.1, kind="k1")
     raw, returns = gae(shaped, values, MASK, 0.9, 0.8)
-    out = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(scores, MASK, kl=kl, kl_coef=0.1, values=values, gamma=0.9,
-                                                      lam=0.8))
+    out = ADVANTAGE_ESTIMATORS["gae"](
+        AdvantageInputs(scores, MASK, kl=kl, kl_coef=0.1, values=values, gamma=0.9, lam=0.8)
+    )
     assert torch.equal(out.token_rewards, shaped) and torch.equal(out.raw, raw) and torch.equal(out.returns, returns)
     assert torch.equal(out.advantages, whiten(raw, MASK))
-    plain = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(scores, MASK, kl=kl, kl_coef=0.1, values=values, gamma=0.9,
-                                                        lam=0.8, whiten=False))
+    plain = ADVANTAGE_ESTIMATORS["gae"](
+        AdvantageInputs(scores, MASK, kl=kl, kl_coef=0.1, values=values, gamma=0.9, lam=0.8, whiten=False)
+    )
     assert torch.equal(plain.advantages, raw)
 
 
 def test_the_gae_row_by_hand():
     # One row of two tokens, no KL, values 0: rewards 0 then the score 2 on the last token; gamma 1, lam 1 ->
     # advantages (returns) 2 2.
-    out = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(torch.tensor([2.0]), torch.ones(1, 2, dtype=torch.bool),
-                                                      values=torch.zeros(1, 2), gamma=1.0, lam=1.0, whiten=False))
+    out = ADVANTAGE_ESTIMATORS["gae"](
+        AdvantageInputs(
+            torch.tensor([2.0]),
+            torch.ones(1, 2, dtype=torch.bool),
+            values=torch.zeros(1, 2),
+            gamma=1.0,
+            lam=1.0,
+            whiten=False,
+        )
+    )
     torch.testing.assert_close(out.advantages, torch.tensor([[2.0, 2.0]]))
     with pytest.raises(ValueError, match="gae: needs the critic's values"):
         ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(torch.tensor([2.0]), torch.ones(1, 2, dtype=torch.bool)))
@@ -116,6 +130,8 @@ def test_each_row_is_the_pinned_surrogate_at_its_level(name, level):
     torch.manual_seed(0)
     logprobs, old, adv = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
     mask = torch.rand(3, 4) > 0.3
-    row, _ = POLICY_LOSSES[name](PolicyLossInputs(logprobs, old, adv, mask), PolicyLossSettings(0.2, 0.28, "seq_mean", 5))
+    row, _ = POLICY_LOSSES[name](
+        PolicyLossInputs(logprobs, old, adv, mask), PolicyLossSettings(0.2, 0.28, "seq_mean", 5)
+    )
     pinned, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, 0.28, agg="seq_mean", normaliser=5, level=level)
     assert torch.equal(row, pinned)

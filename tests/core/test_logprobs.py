@@ -7,7 +7,15 @@ from hypothesis import strategies as st
 
 import align.core.logprobs as lp
 from align.core.logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
-from align.core.masks import last_valid_index, masked_mean, masked_sum, masked_var, masked_whiten, response_mask, truncated
+from align.core.masks import (
+    last_valid_index,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    response_mask,
+    truncated,
+)
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -97,15 +105,21 @@ def test_entropy_at_a_temperature_upcasts_first(dtype):
     g = torch.Generator().manual_seed(5)
     logits = (4 * torch.randn(6, 29, generator=g)).to(dtype).requires_grad_()
     logp = torch.log_softmax(logits.detach().float() / 0.6, -1)
-    torch.testing.assert_close(entropy_from_logits(logits, chunk_size=4, temperature=0.6),
-                               -(logp.exp() * logp).sum(-1), atol=2e-6, rtol=0)
+    torch.testing.assert_close(
+        entropy_from_logits(logits, chunk_size=4, temperature=0.6), -(logp.exp() * logp).sum(-1), atol=2e-6, rtol=0
+    )
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, chunk_size=2, temperature=0.6), (x,))
     assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, torch.tensor([0, 2, 5]), temperature=1.7), (x,))
 
 
-@pytest.mark.parametrize("fn", [lambda x, t: selective_log_softmax(x, torch.zeros(2, dtype=torch.long), temperature=t),
-                                lambda x, t: entropy_from_logits(x, temperature=t)])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, t: selective_log_softmax(x, torch.zeros(2, dtype=torch.long), temperature=t),
+        lambda x, t: entropy_from_logits(x, temperature=t),
+    ],
+)
 @pytest.mark.parametrize("t", [0.0, -1.0])
 def test_temperature_must_be_positive(fn, t):
     with pytest.raises(ValueError, match="temperature must be > 0"):
@@ -443,8 +457,9 @@ def test_linear_log_softmax_equals_the_full_logits_forward_and_backward(chunk_ro
     ref_lp = selective_log_softmax(logits, idx, temperature)
     ref_ent = entropy_from_logits(logits, temperature=temperature)
     ref_grads = torch.autograd.grad((ref_lp * up_lp).sum() + (ref_ent * up_ent).sum(), [h, w] + ([b] if bias else []))
-    lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=temperature, return_entropy=True,
-                                  chunk_rows=chunk_rows)
+    lp_, ent = linear_log_softmax(
+        h, w, idx, bias=b, temperature=temperature, return_entropy=True, chunk_rows=chunk_rows
+    )
     grads = torch.autograd.grad((lp_ * up_lp).sum() + (ent * up_ent).sum(), [h, w] + ([b] if bias else []))
     torch.testing.assert_close(lp_, ref_lp, rtol=0, atol=1e-12)
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)
@@ -505,14 +520,16 @@ def test_linear_log_softmax_keeps_one_chunk_of_log_probs_when_the_rows_fit_in_on
         lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=0.7, return_entropy=True, chunk_rows=64)
     big = [t for t in saved if t.numel() >= idx.numel() * 512 and t is not w]
     assert [t.shape for t in big] == [(64, 512)]
-    torch.testing.assert_close(big[0], torch.log_softmax(torch.nn.functional.linear(h, w, b) / 0.7, -1).reshape(64, 512),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        big[0], torch.log_softmax(torch.nn.functional.linear(h, w, b) / 0.7, -1).reshape(64, 512), rtol=0, atol=1e-12
+    )
     loss = (lp_ * torch.linspace(-1, 1, 64).view(4, 16)).sum() + 0.3 * ent.sum()
     first = torch.autograd.grad(loss, [h, w, b], retain_graph=True)
     second = torch.autograd.grad(loss, [h, w, b])
     logits = torch.nn.functional.linear(h, w, b)
-    ref = (selective_log_softmax(logits, idx, 0.7) * torch.linspace(-1, 1, 64).view(4, 16)).sum() \
-        + 0.3 * entropy_from_logits(logits, temperature=0.7).sum()
+    ref = (
+        selective_log_softmax(logits, idx, 0.7) * torch.linspace(-1, 1, 64).view(4, 16)
+    ).sum() + 0.3 * entropy_from_logits(logits, temperature=0.7).sum()
     for got_1, got_2, want in zip(first, second, torch.autograd.grad(ref, [h, w, b])):
         torch.testing.assert_close(got_1, want, rtol=0, atol=1e-12)
         torch.testing.assert_close(got_2, want, rtol=0, atol=1e-12)
@@ -525,6 +542,7 @@ def test_linear_log_softmax_keeps_one_chunk_of_log_probs_when_the_rows_fit_in_on
     (grad_h,) = torch.autograd.grad(lp_.sum(), [h])
     (want_h,) = torch.autograd.grad(selective_log_softmax(h @ frozen_w.t(), idx).sum(), [h])
     torch.testing.assert_close(grad_h, want_h, rtol=0, atol=1e-12)
+
     # No graph recorded (a reference or rollout pass under no_grad, with a head that trains): nothing is kept,
     # so the forward makes no extra copy of the chunk.
     def copies(grad: bool) -> list:
@@ -541,9 +559,10 @@ def test_linear_log_softmax_keeps_one_chunk_of_log_probs_when_the_rows_fit_in_on
 def test_linear_log_softmax_gradcheck_in_one_chunk():
     h, w, b, idx = _head_case(torch.float64, n=(2, 3), hidden=3, vocab=4)
     for want_entropy in (True, False):
+
         def fn(h, w, b):
-            lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=0.8, return_entropy=want_entropy)
-            return (lp_, ent) if want_entropy else lp_
+            lp_, ent = linear_log_softmax(h, w, idx, bias=b, temperature=0.8, return_entropy=want_entropy)  # noqa: B023
+            return (lp_, ent) if want_entropy else lp_  # noqa: B023
 
         assert torch.autograd.gradcheck(fn, (h, w, b))
 

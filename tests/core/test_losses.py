@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from align.core.losses import aggregate, sft_loss, value_loss
-from align.core.policy_losses import policy_gradient_loss, importance_ratio, ppo_policy_loss
+from align.core.policy_losses import importance_ratio, policy_gradient_loss, ppo_policy_loss
 
 FAST = settings(max_examples=50, deadline=None)
 LOG2 = math.log(2.0)
@@ -51,7 +51,9 @@ def test_aggregate_rejects_bad_input():
 
 
 def _ppo(logp, old, adv, **kw):
-    t = lambda v: torch.tensor([[float(v)]])
+    def t(v):
+        return torch.tensor([[float(v)]])
+
     return ppo_policy_loss(t(logp), t(old), t(adv), torch.ones(1, 1), **kw)
 
 
@@ -221,8 +223,11 @@ def test_policy_gradient_is_the_clipped_surrogates_at_ratio_one(case, agg):
         grads = []
         for surrogate in (True, False):
             lp = (logp if m is None else torch.where(m, logp, torch.nan)).clone().requires_grad_()
-            loss = (ppo_policy_loss(lp, lp.detach(), adv, m, agg=agg)[0] if surrogate
-                    else policy_gradient_loss(lp, adv, m, agg=agg))
+            loss = (
+                ppo_policy_loss(lp, lp.detach(), adv, m, agg=agg)[0]
+                if surrogate
+                else policy_gradient_loss(lp, adv, m, agg=agg)
+            )
             assert torch.isfinite(loss)
             loss.backward()
             grads.append(lp.grad)
@@ -294,7 +299,10 @@ def test_eight_microbatches_of_one_equal_one_batch_of_eight_sft(seed, dtype):
 
 def test_value_loss_pinned():
     one = torch.ones(1, 1)
-    t = lambda v: torch.tensor([[float(v)]])
+
+    def t(v):
+        return torch.tensor([[float(v)]])
+
     # no clip: 0.5 * (1.9 - 2)**2 = 0.005
     loss, clipfrac = value_loss(t(1.9), t(1.0), t(2.0), one)
     assert loss.item() == pytest.approx(0.005)
@@ -311,7 +319,9 @@ def test_value_loss_pinned():
 
 def test_value_loss_gradient_only_through_values():
     values = torch.tensor([[1.9, 0.0]], requires_grad=True)
-    loss, _ = value_loss(values, torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[1, 0]]), clip=0.5)
+    loss, _ = value_loss(
+        values, torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[1, 0]]), clip=0.5
+    )
     loss.backward()
     # the clipped branch is constant in V once V - old exceeds the clip: zero gradient
     assert values.grad[0, 0] == 0 and values.grad[0, 1] == 0

@@ -70,8 +70,9 @@ def test_none_mode_is_one_on_valid_tokens():
 def test_weights_are_detached_and_finite_for_extreme_ratios():
     trainer = torch.tensor([[0.0, -200.0]], requires_grad=True)
     engine = torch.tensor([[-200.0, 0.0]])
-    weights, stats = correction_weights(trainer, engine, torch.ones(1, 2, dtype=torch.bool), mode="mis",
-                                        low=0.5, high=2.0)
+    weights, stats = correction_weights(
+        trainer, engine, torch.ones(1, 2, dtype=torch.bool), mode="mis", low=0.5, high=2.0
+    )
     assert not weights.requires_grad and torch.isfinite(weights).all() and weights.tolist() == [[0.0, 0.0]]
     assert torch.isfinite(stats.kl)
 
@@ -107,6 +108,7 @@ def test_sequence_level_clamps_the_summed_log_ratio():
     # Two tokens of +15 sum to 30, clamped at 20 before exp: the weight is finite (cap 1e12 lets e^20 through), and a
     # row summing to -30 gets e^-20.
     trainer = torch.tensor([[15.0, 15.0], [-15.0, -15.0]])
-    weights, _ = correction_weights(trainer, torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool), mode="tis",
-                                    level="sequence", cap=1e12)
+    weights, _ = correction_weights(
+        trainer, torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool), mode="tis", level="sequence", cap=1e12
+    )
     torch.testing.assert_close(weights, torch.tensor([[math.exp(20.0)] * 2, [math.exp(-20.0)] * 2]))

@@ -4,8 +4,14 @@ pinned by hand."""
 import pytest
 import torch
 
-from align.core.packing import (common_prefix, first_fit_decreasing, pack_scored_rows, share_prompts, split_groups,
-                                token_budget_chunks)
+from align.core.packing import (
+    common_prefix,
+    first_fit_decreasing,
+    pack_scored_rows,
+    share_prompts,
+    split_groups,
+    token_budget_chunks,
+)
 
 
 def test_first_fit_decreasing_pinned():
@@ -27,12 +33,14 @@ def test_token_budget_chunks_pinned():
 
 def test_pack_scored_rows_pinned():
     # Two rows laid out as [left-padded prompt (3) | right-padded response (2)], pad id 0.
-    input_ids = torch.tensor([[0, 7, 8, 9, 0],
-                              [5, 6, 1, 2, 3]])
-    attention_mask = torch.tensor([[0, 1, 1, 1, 0],
-                                   [1, 1, 1, 1, 1]])
-    scored = torch.tensor([[0, 0, 0, 1, 0],  # row 0's response is the one token 9
-                           [0, 0, 0, 1, 1]])  # row 1's is 2, 3
+    input_ids = torch.tensor([[0, 7, 8, 9, 0], [5, 6, 1, 2, 3]])
+    attention_mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    scored = torch.tensor(
+        [
+            [0, 0, 0, 1, 0],  # row 0's response is the one token 9
+            [0, 0, 0, 1, 1],
+        ]
+    )  # row 1's is 2, 3
     packed = pack_scored_rows(input_ids, attention_mask, scored)  # width 5: the rows (3 and 5 tokens) cannot share
     assert packed.input_ids.tolist() == [[7, 8, 9, 0, 0], [5, 6, 1, 2, 3]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
@@ -52,11 +60,14 @@ def test_pack_scored_rows_pinned():
     assert wide.input_ids.flatten()[wide.locate(last)].tolist() == [9, 3]
 
 
-@pytest.mark.parametrize("mask, scored, message", [
-    ([[1, 0, 1]], [[0, 0, 1]], "not contiguous"),
-    ([[1, 1, 0]], [[0, 0, 1]], "padding or a row's first token"),
-    ([[0, 1, 1]], [[0, 1, 1]], "padding or a row's first token"),
-])
+@pytest.mark.parametrize(
+    "mask, scored, message",
+    [
+        ([[1, 0, 1]], [[0, 0, 1]], "not contiguous"),
+        ([[1, 1, 0]], [[0, 0, 1]], "padding or a row's first token"),
+        ([[0, 1, 1]], [[0, 1, 1]], "padding or a row's first token"),
+    ],
+)
 def test_pack_scored_rows_refuses_layouts_it_cannot_pack(mask, scored, message):
     with pytest.raises(ValueError, match=message):
         pack_scored_rows(torch.tensor([[3, 4, 5]]), torch.tensor(mask), torch.tensor(scored))
@@ -67,10 +78,7 @@ def test_pack_scored_rows_refuses_layouts_it_cannot_pack(mask, scored, message):
 def test_share_prompts_lays_out_each_prompt_once_by_hand():
     # Rows 0 and 2 share prompt [pad 5 6], rows 1 and 3 share [11 12 13]; P = 3, R = 3, so each row feeds its
     # first two response tokens (the last is only a target) after its group's prompt.
-    ids = torch.tensor([[0, 5, 6, 7, 8, 9],
-                        [11, 12, 13, 14, 15, 0],
-                        [0, 5, 6, 17, 0, 0],
-                        [11, 12, 13, 24, 25, 26]])
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 0], [0, 5, 6, 17, 0, 0], [11, 12, 13, 24, 25, 26]])
     mask = (ids != 0).long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     rows = share_prompts(ids, mask, positions, 3, torch.tensor([0, 1, 0, 1]), 2)
@@ -114,28 +122,28 @@ def test_share_prompts_groups_of_different_sizes_and_no_mask():
 def test_common_prefix_moves_the_shared_tokens_to_the_front_by_hand():
     # Three left-padded prompts of 6 columns, then 2 response columns. Each starts with 7, 8; row 1 goes on with 9 as
     # row 0 does, row 2 with 6. The shortest prompt (row 0, 4 tokens) keeps at least one token of its own.
-    ids = torch.tensor([[0, 0, 7, 8, 9, 5, 40, 41],
-                        [7, 8, 9, 4, 3, 2, 42, 43],
-                        [0, 7, 8, 6, 1, 1, 44, 0]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1],
-                         [1, 1, 1, 1, 1, 1, 1, 1],
-                         [0, 1, 1, 1, 1, 1, 1, 0]])
+    ids = torch.tensor([[0, 0, 7, 8, 9, 5, 40, 41], [7, 8, 9, 4, 3, 2, 42, 43], [0, 7, 8, 6, 1, 1, 44, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 0]])
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     C, order = common_prefix(ids, mask, pos, 6)
     assert C == 2
-    assert order.tolist() == [[2, 3, 0, 1, 4, 5, 6, 7],
-                              [0, 1, 2, 3, 4, 5, 6, 7],
-                              [1, 2, 0, 3, 4, 5, 6, 7]]
-    assert ids.gather(1, order).tolist() == [[7, 8, 0, 0, 9, 5, 40, 41],
-                                             [7, 8, 9, 4, 3, 2, 42, 43],
-                                             [7, 8, 0, 6, 1, 1, 44, 0]]
-    assert mask.gather(1, order).tolist() == [[1, 1, 0, 0, 1, 1, 1, 1],
-                                              [1, 1, 1, 1, 1, 1, 1, 1],
-                                              [1, 1, 0, 1, 1, 1, 1, 0]]
+    assert order.tolist() == [[2, 3, 0, 1, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7], [1, 2, 0, 3, 4, 5, 6, 7]]
+    assert ids.gather(1, order).tolist() == [
+        [7, 8, 0, 0, 9, 5, 40, 41],
+        [7, 8, 9, 4, 3, 2, 42, 43],
+        [7, 8, 0, 6, 1, 1, 44, 0],
+    ]
+    assert mask.gather(1, order).tolist() == [
+        [1, 1, 0, 0, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1, 1, 1],
+        [1, 1, 0, 1, 1, 1, 1, 0],
+    ]
     # Each real token keeps its position; the shared ones are at the same positions in every row.
-    assert pos.gather(1, order).tolist() == [[0, 1, 0, 0, 2, 3, 4, 5],
-                                             [0, 1, 2, 3, 4, 5, 6, 7],
-                                             [0, 1, 0, 2, 3, 4, 5, 5]]
+    assert pos.gather(1, order).tolist() == [
+        [0, 1, 0, 0, 2, 3, 4, 5],
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [0, 1, 0, 2, 3, 4, 5, 5],
+    ]
 
 
 def test_common_prefix_limits():
@@ -149,7 +157,10 @@ def test_common_prefix_limits():
     # Nothing shared; one row; a prompt of one token; padding inside a prompt (not left-padded).
     assert common_prefix(torch.tensor([[1, 2, 3], [4, 2, 3]]), None, None, 2) == (0, None)
     assert common_prefix(ids[:1], None, None, 4) == (0, None)
-    assert common_prefix(torch.tensor([[0, 7, 9], [7, 7, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]), None, 2) == (0, None)
+    assert common_prefix(torch.tensor([[0, 7, 9], [7, 7, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]), None, 2) == (
+        0,
+        None,
+    )
     assert common_prefix(ids, torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), None, 4) == (0, None)
 
 

@@ -125,8 +125,12 @@ def test_gmpo_is_the_papers_product_of_clipped_ratios_per_sequence():
 
 def test_every_row_ignores_padding_and_nan_there():
     logprobs = torch.tensor([[0.1, float("nan")]], requires_grad=True)
-    x = PolicyLossInputs(logprobs, torch.tensor([[0.0, float("nan")]]), torch.tensor([[1.0, float("nan")]]),
-                         torch.tensor([[True, False]]))
+    x = PolicyLossInputs(
+        logprobs,
+        torch.tensor([[0.0, float("nan")]]),
+        torch.tensor([[1.0, float("nan")]]),
+        torch.tensor([[True, False]]),
+    )
     for name, row in POLICY_LOSSES.items():
         loss, stats = row(x, PolicyLossSettings(clip_low=row.clip_low or 0.2, clip_high=row.clip_high))
         loss.backward()
@@ -143,8 +147,9 @@ def test_sapo_in_float64_matches_a_float64_reference():
     old = 0.5 * torch.randn(2, 5, dtype=torch.float64)
     adv = torch.randn(2, 5, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]).bool()
-    loss, _ = POLICY_LOSSES["sapo"](PolicyLossInputs(logprobs, old, adv, mask),
-                                    PolicyLossSettings(tau_pos=1.0, tau_neg=1.05))
+    loss, _ = POLICY_LOSSES["sapo"](
+        PolicyLossInputs(logprobs, old, adv, mask), PolicyLossSettings(tau_pos=1.0, tau_neg=1.05)
+    )
     assert loss.dtype == torch.float64
     (grad,) = torch.autograd.grad(loss, logprobs)
     n = int(mask.sum())

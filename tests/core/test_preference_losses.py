@@ -25,7 +25,9 @@ def softplus(x):  # -log sigmoid(-x) = log(1 + e**x)
 
 def _dpo(h_chosen, h_rejected, **kw):
     # policy log-probs h_*, reference log-probs 0: h = h_chosen - h_rejected
-    t = lambda v: torch.tensor([float(v)])
+    def t(v):
+        return torch.tensor([float(v)])
+
     return dpo_loss(t(h_chosen), t(h_rejected), t(0.0), t(0.0), **kw)
 
 
@@ -60,7 +62,9 @@ def test_dpo_pinned_values():
 
 def test_dpo_reference_enters_the_margin_and_rewards():
     # h = (-1 - -2) - (-3 - -1) = 1 - (-2) = 3; beta 0.1 -> softplus(-0.3)
-    t = lambda v: torch.tensor([v])
+    def t(v):
+        return torch.tensor([v])
+
     losses, chosen, rejected = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-1.0), beta=0.1)
     assert losses.item() == pytest.approx(softplus(-0.3))
     assert chosen.item() == pytest.approx(0.1) and rejected.item() == pytest.approx(-0.2)
@@ -150,8 +154,15 @@ def test_kto_pinned():
     # Undesirable: r = -3 - -2 = -1, weight 2: 2 * (1 - sigmoid(0.5 * (0.4 + 1))) = 2 * (1 - sigmoid(0.7)) = 0.66362.
     policy = torch.tensor([-1.0, -3.0], requires_grad=True)
     kl = torch.tensor(0.4, requires_grad=True)
-    losses, rewards = kto_loss(policy, torch.tensor([-2.0, -2.0]), torch.tensor([True, False]), kl, beta=0.5,
-                               desirable_weight=1.0, undesirable_weight=2.0)
+    losses, rewards = kto_loss(
+        policy,
+        torch.tensor([-2.0, -2.0]),
+        torch.tensor([True, False]),
+        kl,
+        beta=0.5,
+        desirable_weight=1.0,
+        undesirable_weight=2.0,
+    )
     sigmoid = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
     assert losses.tolist() == pytest.approx([1 - sigmoid(0.3), 2 * (1 - sigmoid(0.7))])
     assert losses.tolist() == pytest.approx([0.425557, 0.663624], abs=1e-6)
@@ -162,8 +173,14 @@ def test_kto_pinned():
     assert policy.grad[0].item() == pytest.approx(-0.5 * sigmoid(0.3) * (1 - sigmoid(0.3)))
     assert policy.grad[1].item() == pytest.approx(2 * 0.5 * sigmoid(0.7) * (1 - sigmoid(0.7)))
     # at r = z0 each loss is half its weight
-    at_z0, _ = kto_loss(torch.tensor([0.4, 0.4]), torch.zeros(2), torch.tensor([True, False]), torch.tensor(0.4),
-                        desirable_weight=3.0, undesirable_weight=1.0)
+    at_z0, _ = kto_loss(
+        torch.tensor([0.4, 0.4]),
+        torch.zeros(2),
+        torch.tensor([True, False]),
+        torch.tensor(0.4),
+        desirable_weight=3.0,
+        undesirable_weight=1.0,
+    )
     assert at_z0.tolist() == pytest.approx([1.5, 0.5])
 
 

@@ -106,9 +106,11 @@ def test_whiten_on_two_ranks_equals_the_whole_tensor_on_one_process():
 def test_whiten_counts_valid_elements_over_all_ranks():
     # One valid value per rank: alone each would be returned unchanged, but together n = 2: mean 3,
     # deviations 2 and -2, variance 8 / 1, so 5 -> 2 / sqrt(8) and 1 -> -2 / sqrt(8).
-    w0, w1 = on_two_ranks(lambda x, m, r: whiten(x, m, all_reduce=r),
-                          (torch.tensor([[5.0, NAN]]), torch.tensor([[1, 0]])),
-                          (torch.tensor([[1.0, 9.0]]), torch.tensor([[1, 0]])))
+    w0, w1 = on_two_ranks(
+        lambda x, m, r: whiten(x, m, all_reduce=r),
+        (torch.tensor([[5.0, NAN]]), torch.tensor([[1, 0]])),
+        (torch.tensor([[1.0, 9.0]]), torch.tensor([[1, 0]])),
+    )
     torch.testing.assert_close(w0, torch.tensor([[1 / math.sqrt(2), 0.0]]))
     torch.testing.assert_close(w1, torch.tensor([[-1 / math.sqrt(2), 0.0]]))
 
@@ -122,8 +124,9 @@ def test_whiten_eps_is_added_to_the_variance():
 
 def test_whiten_with_nothing_valid_or_one_valid_value():
     assert torch.equal(whiten(torch.tensor([[NAN, 1.0]]), torch.zeros(1, 2)), torch.zeros(1, 2))
-    assert torch.equal(whiten(torch.tensor([[5.0, NAN, -3.0]]), torch.tensor([[1, 0, 0]])),
-                       torch.tensor([[5.0, 0.0, 0.0]]))  # n = 1: unchanged, masked positions 0
+    assert torch.equal(
+        whiten(torch.tensor([[5.0, NAN, -3.0]]), torch.tensor([[1, 0, 0]])), torch.tensor([[5.0, 0.0, 0.0]])
+    )  # n = 1: unchanged, masked positions 0
 
 
 def test_whiten_on_one_process_is_masked_whiten_bit_for_bit():
@@ -164,8 +167,11 @@ def test_explained_variance_on_two_ranks_equals_one_process():
     returns = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
     values = torch.tensor([[1.0, 2.0], [2.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 0]])  # the 2/3 case above, split 2 | 1 valid tokens
-    e0, e1 = on_two_ranks(lambda v, r_, m, r: explained_variance(v, r_, m, r),
-                          (values[:1], returns[:1], mask[:1]), (values[1:], returns[1:], mask[1:]))
+    e0, e1 = on_two_ranks(
+        lambda v, r_, m, r: explained_variance(v, r_, m, r),
+        (values[:1], returns[:1], mask[:1]),
+        (values[1:], returns[1:], mask[1:]),
+    )
     assert e0.item() == e1.item() == pytest.approx(2 / 3)
     assert explained_variance(values, returns, mask).item() == pytest.approx(2 / 3)
 
@@ -179,8 +185,11 @@ def test_transform_scores_penalty_whitening_scaling_clipping():
     out = transform_scores(scores, truncated, missing_eos_penalty=1.0, whiten_scores=True, scale=2.0, clip=1.5)
     torch.testing.assert_close(out, expected)
     # the same on two ranks holding two sequences each
-    o0, o1 = on_two_ranks(lambda s, t, r: transform_scores(s, t, 1.0, True, 2.0, 1.5, all_reduce=r),
-                          (scores[:2], truncated[:2]), (scores[2:], truncated[2:]))
+    o0, o1 = on_two_ranks(
+        lambda s, t, r: transform_scores(s, t, 1.0, True, 2.0, 1.5, all_reduce=r),
+        (scores[:2], truncated[:2]),
+        (scores[2:], truncated[2:]),
+    )
     torch.testing.assert_close(torch.cat([o0, o1]), expected)
 
 
@@ -191,19 +200,23 @@ def test_transform_scores_options_one_at_a_time():
     assert torch.equal(transform_scores(scores, truncated, scale=0.5), torch.tensor([3.5, -4.5]))
     assert torch.equal(transform_scores(scores, truncated, clip=3.0), torch.tensor([3.0, -3.0]))
     # whitening [7, -9]: mean -1, variance (64 + 64) / 1 = 128, so +-8 / sqrt(128) = +-0.7071
-    torch.testing.assert_close(transform_scores(scores, truncated, whiten_scores=True),
-                               torch.tensor([1 / math.sqrt(2), -1 / math.sqrt(2)]))
+    torch.testing.assert_close(
+        transform_scores(scores, truncated, whiten_scores=True), torch.tensor([1 / math.sqrt(2), -1 / math.sqrt(2)])
+    )
 
 
-@pytest.mark.parametrize("n, c, k, expected", [
-    (10, 3, 1, 0.3),            # k = 1 is the share correct
-    (5, 2, 2, 0.7),             # 1 - C(3,2)/C(5,2) = 1 - 3/10
-    (10, 1, 5, 0.5),            # 1 - C(9,5)/C(10,5) = 1 - 126/252
-    (4, 3, 2, 1.0),             # fewer wrong samples than k: every draw of 2 holds a correct one
-    (4, 0, 2, 0.0),
-    (8, 1, 8, 1.0),             # k = n: any correct sample passes
-    (200, 10, 1, 0.05),
-])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (10, 3, 1, 0.3),  # k = 1 is the share correct
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (10, 1, 5, 0.5),  # 1 - C(9,5)/C(10,5) = 1 - 126/252
+        (4, 3, 2, 1.0),  # fewer wrong samples than k: every draw of 2 holds a correct one
+        (4, 0, 2, 0.0),
+        (8, 1, 8, 1.0),  # k = n: any correct sample passes
+        (200, 10, 1, 0.05),
+    ],
+)
 def test_pass_at_k_pinned(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 

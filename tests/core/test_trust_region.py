@@ -127,7 +127,8 @@ def test_fvp_of_the_sampled_kl_is_the_fisher_of_the_sampled_tokens(kind):
     kl = masked_mean(kl_estimate(old, taken_logprobs(policy, actions), kind), mask)
     w = policy.w.detach()
     scores = torch.autograd.functional.jacobian(
-        lambda v: taken_logprobs(policy, actions, v.view_as(w)), w.reshape(-1))  # (S, K, P)
+        lambda v: taken_logprobs(policy, actions, v.view_as(w)), w.reshape(-1)
+    )  # (S, K, P)
     g = scores[mask]  # (n_valid, P)
     fisher = g.T @ g / g.shape[0]
     v = torch.randn(fisher.shape[0], dtype=DT, generator=torch.Generator().manual_seed(7))
@@ -194,7 +195,10 @@ def test_line_search_backtracks_until_the_kl_bound_holds():
     # Surrogate x, "KL" x**2, full step 1 from x = 0 and delta = 0.3: f = 1 gives KL 1 (rejected),
     # f = 0.5 gives KL 0.25 (accepted) with improvement 0.5.
     x = torch.zeros(1, requires_grad=True)
-    evaluate = lambda: (x.detach().sum(), x.detach().square().sum())
+
+    def evaluate():
+        return (x.detach().sum(), x.detach().square().sum())
+
     result = backtracking_line_search([x], torch.ones(1), evaluate, 0.0, max_kl=0.3, expected_improvement=1.0)
     assert result.accepted and result.fraction == 0.5 and result.steps == 2
     assert result.improvement == 0.5 and result.kl == 0.25 and result.expected_improvement == 0.5
@@ -204,7 +208,10 @@ def test_line_search_backtracks_until_the_kl_bound_holds():
 def test_line_search_accept_ratio_asks_for_a_share_of_the_expected_improvement():
     # Surrogate x - 2 x**2 from 0: f = 1 improves by -1, f = .5 by 0, f = .25 by .125 = 0.5 * (.25 * 1).
     x = torch.zeros(1)
-    evaluate = lambda: (float(x - 2 * x**2), 0.0)
+
+    def evaluate():
+        return (float(x - 2 * x**2), 0.0)
+
     strict = backtracking_line_search([x], torch.ones(1), evaluate, 0.0, 1.0, 1.0, accept_ratio=0.6)
     assert strict.fraction == 0.125
     x.zero_()
@@ -222,7 +229,10 @@ def test_rejected_line_search_restores_parameters_bit_for_bit(failure):
     step = torch.randn(26, generator=g) * 0.37  # not representable round trips: old + f*s - f*s != old
     values = {"no_improvement": (-1.0, 0.0), "kl_too_large": (1.0, 1.0), "nan": (float("nan"), 0.0)}[failure]
     calls = []
-    evaluate = lambda: calls.append(1) or values
+
+    def evaluate():
+        return calls.append(1) or values
+
     result = backtracking_line_search(params, step, evaluate, 0.0, max_kl=0.01, max_backtracks=4)
     assert not result.accepted and result.steps == 5 and len(calls) == 5
     assert (result.fraction, result.improvement, result.kl) == (0.0, 0.0, 0.0)
@@ -249,8 +259,7 @@ def _trpo_problem(policy, actions, advantages, old):
     return grad, fvp, evaluate, before, old_full
 
 
-@given(seed=st.integers(0, 10_000), max_kl=st.sampled_from([1e-3, 1e-2, 0.05, 0.3]),
-       scale=st.floats(0.1, 3.0))
+@given(seed=st.integers(0, 10_000), max_kl=st.sampled_from([1e-3, 1e-2, 0.05, 0.3]), scale=st.floats(0.1, 3.0))
 @FAST
 def test_every_accepted_trpo_step_improves_the_surrogate_within_the_kl_bound(seed, max_kl, scale):
     policy = SoftmaxPolicy(n_states=6, n_actions=4, dim=3, seed=seed, scale=scale)

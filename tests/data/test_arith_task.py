@@ -4,12 +4,25 @@ import re
 
 import pytest
 
-from align.data.arith_task import (ANSWER_FORMAT, CHATTER_SHARE, DATA_DIR, PHRASINGS, evaluate, expression,
-                                   preference_pair, sample_problem, wrong_number)
+from align.data.arith_task import (
+    ANSWER_FORMAT,
+    CHATTER_SHARE,
+    DATA_DIR,
+    PHRASINGS,
+    evaluate,
+    expression,
+    preference_pair,
+    sample_problem,
+    wrong_number,
+)
 from align.rollout.rewards import math_answer
 
 KINDS = ("sft", "preference", "prompts")
-FIELDS = {"sft": {"prompt", "completion"}, "preference": {"prompt", "chosen", "rejected"}, "prompts": {"prompt", "answer"}}
+FIELDS = {
+    "sft": {"prompt", "completion"},
+    "preference": {"prompt", "chosen", "rejected"},
+    "prompts": {"prompt", "answer"},
+}
 EXPRESSION = re.compile(r"-?\d+(?: [-+*] -?\d+)+")
 
 
@@ -22,8 +35,19 @@ def expression_of(prompt: str) -> str:
     return EXPRESSION.search(prompt).group(0)
 
 
-@pytest.mark.parametrize("expr, value", [("7 + 12", 19), ("15 - 4", 11), ("4 - 9", -5), ("6 * 7", 42),
-                                         ("3 + 4 * 2", 11), ("4 * 5 + 7", 27), ("9 - 3 - 2", 4), ("2 - 5 + 8", 5)])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("7 + 12", 19),
+        ("15 - 4", 11),
+        ("4 - 9", -5),
+        ("6 * 7", 42),
+        ("3 + 4 * 2", 11),
+        ("4 * 5 + 7", 27),
+        ("9 - 3 - 2", 4),
+        ("2 - 5 + 8", 5),
+    ],
+)
 def test_evaluate_follows_precedence_and_left_to_right_order(expr, value):
     assert evaluate(expr) == value
 

@@ -11,21 +11,33 @@ from align.errors import AlignConfigError
 from align.hub.tiny import load_tiny_tokenizer
 
 # ChatML's shape (any role; a newline after the EOS that closes a turn), with the tiny tokenizer's EOS.
-CHATML = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' -}}{%- endfor -%}"
-          "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
+CHATML = (
+    "{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+)
 # Drops the content of an assistant turn once a later message follows it (as templates that strip old reasoning do).
-REWRITING = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' -}}"
-             "{%- if m['role'] == 'assistant' and not loop.last -%}...{%- else -%}{{- m['content'] -}}{%- endif -%}"
-             "{{- eos_token + '\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
+REWRITING = (
+    "{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' -}}"
+    "{%- if m['role'] == 'assistant' and not loop.last -%}...{%- else -%}{{- m['content'] -}}{%- endif -%}"
+    "{{- eos_token + '\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+)
 # Writes the EOS after the user's turns only: the last EOS of a rendering then comes before the assistant's text.
-EOS_ON_USER = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] -}}"
-               "{%- if m['role'] == 'user' -%}{{- eos_token -}}{%- endif -%}{{- '\\n' -}}{%- endfor -%}"
-               "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
-NO_EOS = ("{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' -}}{%- endfor -%}"
-          "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
+EOS_ON_USER = (
+    "{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] -}}"
+    "{%- if m['role'] == 'user' -%}{{- eos_token -}}{%- endif -%}{{- '\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+)
+NO_EOS = (
+    "{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+)
 
-CONVERSATION = [{"role": "user", "content": "sort: d a c"}, {"role": "assistant", "content": "a c d"},
-                {"role": "user", "content": "sort: b a"}, {"role": "assistant", "content": "a b"}]
+CONVERSATION = [
+    {"role": "user", "content": "sort: d a c"},
+    {"role": "assistant", "content": "a c d"},
+    {"role": "user", "content": "sort: b a"},
+    {"role": "assistant", "content": "a b"},
+]
 
 
 def encoder(template=None) -> ChatEncoder:
@@ -60,8 +72,10 @@ def test_the_reply_starts_with_what_the_template_writes_after_the_turns_eos():
     reply = enc.tokenizer.decode(enc.reply_ids(CONVERSATION[:2], CONVERSATION[2:3]))
     assert reply == "\n<|user|>\nsort: b a<|eos|>\n<|assistant|>\n"
     tiny = encoder()
-    assert tiny.tokenizer.decode(tiny.reply_ids(CONVERSATION[:2], CONVERSATION[2:3])) == \
-        "<|user|>\nsort: b a\n<|assistant|>\n"
+    assert (
+        tiny.tokenizer.decode(tiny.reply_ids(CONVERSATION[:2], CONVERSATION[2:3]))
+        == "<|user|>\nsort: b a\n<|assistant|>\n"
+    )
 
 
 def test_several_reply_messages_and_the_sampled_text_is_never_tokenized():
@@ -87,6 +101,9 @@ def test_templates_that_cannot_continue_a_sampled_turn_are_refused_on_one_line()
 def test_a_chat_template_asked_of_a_tokenizer_without_one_fails_naming_the_setting():
     tok = copy.deepcopy(load_tiny_tokenizer())
     tok.chat_template = None
-    with pytest.raises(AlignConfigError, match=r"^data\.use_chat_template: expected false or null for a tokenizer "
-                                               r"without a chat_template, got True$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^data\.use_chat_template: expected false or null for a tokenizer "
+        r"without a chat_template, got True$",
+    ):
         ChatEncoder(tok, use_chat_template=True)

@@ -46,9 +46,11 @@ def test_template_applied_once_prompt_plus_each_response(encoder, tokenizer):
 
 def test_messages_fields_equal_string_fields(encoder):
     plain = {"prompt": "sort: c a b", "chosen": "a b c", "rejected": "c a b"}
-    chat = {"prompt": [{"role": "user", "content": "sort: c a b"}],
-            "chosen": [{"role": "assistant", "content": "a b c"}],
-            "rejected": [{"role": "assistant", "content": "c a b"}]}
+    chat = {
+        "prompt": [{"role": "user", "content": "sort: c a b"}],
+        "chosen": [{"role": "assistant", "content": "a b c"}],
+        "rejected": [{"role": "assistant", "content": "c a b"}],
+    }
     a, b = tokenize(encoder, [plain]).examples[0], tokenize(encoder, [chat]).examples[0]
     assert (a.prompt_ids, a.chosen_ids, a.rejected_ids) == (b.prompt_ids, b.chosen_ids, b.rejected_ids)
 
@@ -60,8 +62,11 @@ def test_messages_fields_equal_string_fields(encoder):
         ({"chosen": "a", "rejected": "b"}, "prompt", "a 'prompt' field"),
         ({"prompt": "p", "chosen": "", "rejected": "b"}, "chosen", "a non-empty string"),
         ({"prompt": "p", "chosen": 3, "rejected": "b"}, "chosen", "a string"),
-        ({"prompt": "p", "chosen": "a", "rejected": [{"role": "user", "content": "x"}]}, "rejected",
-         "at least one assistant message"),
+        (
+            {"prompt": "p", "chosen": "a", "rejected": [{"role": "user", "content": "x"}]},
+            "rejected",
+            "at least one assistant message",
+        ),
         ({"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}, "prompt[0]", "exactly the keys"),
         ({"prompt": "p", "chosen": "a", "rejected": "b", "score": 1}, "score", "only the fields"),
         ({"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}, "margin", "a number"),
@@ -76,8 +81,10 @@ def test_bad_rows_name_file_row_and_field(encoder, row, field, expected):
 
 
 def test_identical_pairs_are_counted_and_dropped_kept_or_rejected(encoder):
-    rows = [{"prompt": "sort: b a", "chosen": "a b", "rejected": "a b"},
-            {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}]
+    rows = [
+        {"prompt": "sort: b a", "chosen": "a b", "rejected": "a b"},
+        {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"},
+    ]
     dropped = tokenize(encoder, rows)
     assert (dropped.identical, dropped.dropped_identical, len(dropped.examples)) == (1, 1, 1)
     kept = tokenize(encoder, rows, identical_pairs="keep")
@@ -86,10 +93,13 @@ def test_identical_pairs_are_counted_and_dropped_kept_or_rejected(encoder):
         tokenize(encoder, rows, identical_pairs="error")
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(truncation="right"), r"^data\.truncation: expected 'left', 'drop' or 'error', got 'right'$"),
-    (dict(identical_pairs="skip"), r"^data\.identical_pairs: expected 'drop', 'keep' or 'error', got 'skip'$"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(truncation="right"), r"^data\.truncation: expected 'left', 'drop' or 'error', got 'right'$"),
+        (dict(identical_pairs="skip"), r"^data\.identical_pairs: expected 'drop', 'keep' or 'error', got 'skip'$"),
+    ],
+)
 def test_unknown_policies_fail_naming_the_setting(settings, message):
     for module in (PreferenceDataModule, UnpairedDataModule):
         with pytest.raises(AlignConfigError, match=message):
@@ -98,14 +108,16 @@ def test_unknown_policies_fail_naming_the_setting(settings, message):
 
 def test_long_prompts_truncate_left_drop_or_error(encoder):
     long_prompt = "sort: " + " ".join("abcdefghij" * 4)
-    rows = [{"prompt": long_prompt, "chosen": "a b", "rejected": "b a"},
-            {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}]
+    rows = [
+        {"prompt": long_prompt, "chosen": "a b", "rejected": "b a"},
+        {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"},
+    ]
     full = tokenize(encoder, rows, max_length=512).examples[0]
     cut = tokenize(encoder, rows, max_length=32)
     ex = cut.examples[0]
     assert cut.truncated == 1 and ex.truncated and len(cut.examples) == 2
     assert ex.chosen_ids == full.chosen_ids and ex.rejected_ids == full.rejected_ids  # responses kept whole
-    assert ex.prompt_ids == full.prompt_ids[-len(ex.prompt_ids):]  # the prompt's end is kept
+    assert ex.prompt_ids == full.prompt_ids[-len(ex.prompt_ids) :]  # the prompt's end is kept
     assert len(ex.prompt_ids) + max(len(ex.chosen_ids), len(ex.rejected_ids)) == 32
     capped = tokenize(encoder, rows, max_length=512, max_prompt_length=10).examples[0]
     assert capped.prompt_ids == full.prompt_ids[-10:]
@@ -118,8 +130,10 @@ def test_long_prompts_truncate_left_drop_or_error(encoder):
 
 
 def test_collator_layout_and_shapes(encoder, tokenizer):
-    rows = [{"prompt": "sort: c a b d e", "chosen": "a b c d e", "rejected": "a b"},
-            {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a a a"}]
+    rows = [
+        {"prompt": "sort: c a b d e", "chosen": "a b c d e", "rejected": "a b"},
+        {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a a a"},
+    ]
     examples = tokenize(encoder, rows).examples
     batch = PreferenceCollator(tokenizer.pad_token_id)([(i, ex, None) for i, ex in enumerate(examples)])
     B, P = 2, max(len(ex.prompt_ids) for ex in examples)
@@ -173,13 +187,18 @@ def test_bundled_preference_data_loads_cleanly(tokenizer):
     dm.setup("fit")
     for split in ("train", "val"):
         stats = dm.stats[split]
-        assert stats.truncated == stats.dropped_long == 0 and len(stats.examples) == stats.rows - stats.dropped_identical
+        assert (
+            stats.truncated == stats.dropped_long == 0 and len(stats.examples) == stats.rows - stats.dropped_identical
+        )
 
 
 def test_every_preference_shape_of_one_pair_tokenizes_to_the_same_ids(encoder, tmp_path):
     """Explicit, implicit, UltraFeedback and HH text are one multi-turn pair: identical prompt and response ids."""
-    turns = [{"role": "user", "content": "sort: b a"}, {"role": "assistant", "content": "b a?"},
-             {"role": "user", "content": "sorted, please"}]
+    turns = [
+        {"role": "user", "content": "sort: b a"},
+        {"role": "assistant", "content": "b a?"},
+        {"role": "user", "content": "sorted, please"},
+    ]
     reply = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
     hh = "\n\nHuman: sort: b a\n\nAssistant: b a?\n\nHuman: sorted, please\n\nAssistant: "
     rows = [
@@ -193,7 +212,11 @@ def test_every_preference_shape_of_one_pair_tokenizes_to_the_same_ids(encoder, t
     first = examples[0]
     assert encoder.tokenizer.decode(first.prompt_ids).count("sorted, please") == 1
     for ex in examples[1:]:
-        assert (ex.prompt_ids, ex.chosen_ids, ex.rejected_ids) == (first.prompt_ids, first.chosen_ids, first.rejected_ids)
+        assert (ex.prompt_ids, ex.chosen_ids, ex.rejected_ids) == (
+            first.prompt_ids,
+            first.chosen_ids,
+            first.rejected_ids,
+        )
 
     import datasets
 
@@ -206,10 +229,13 @@ def test_every_preference_shape_of_one_pair_tokenizes_to_the_same_ids(encoder, t
 
 # ---------------------------------------------------------------- unpaired (KTO)
 
+
 def test_pairs_become_a_desirable_and_an_undesirable_example_sharing_the_prompt(encoder):
     pair = {"prompt": "sort: c a b", "chosen": "a b c", "rejected": "c a b"}
-    unpaired = [{"prompt": "sort: c a b", "completion": "a b c", "label": True},
-                {"prompt": "sort: c a b", "completion": "c a b", "label": False}]
+    unpaired = [
+        {"prompt": "sort: c a b", "completion": "a b c", "label": True},
+        {"prompt": "sort: c a b", "completion": "c a b", "label": False},
+    ]
     (ex,) = tokenize(encoder, [pair]).examples
     desirable, undesirable = tokenize(encoder, [pair], unpaired=True).examples
     assert (desirable.label, undesirable.label) == (True, False)
@@ -217,16 +243,20 @@ def test_pairs_become_a_desirable_and_an_undesirable_example_sharing_the_prompt(
     assert (desirable.chosen_ids, undesirable.chosen_ids) == (ex.chosen_ids, ex.rejected_ids)
     from_rows = tokenize(encoder, unpaired, unpaired=True).examples
     assert [(e.prompt_ids, e.chosen_ids, e.label) for e in from_rows] == [
-        (e.prompt_ids, e.chosen_ids, e.label) for e in (desirable, undesirable)]
+        (e.prompt_ids, e.chosen_ids, e.label) for e in (desirable, undesirable)
+    ]
     with pytest.raises(AlignDataError, match="KTO's data"):
         tokenize(encoder, unpaired)
 
 
 def test_unpaired_module_pairs_each_example_with_another_completion(tmp_path, tokenizer):
-    rows = [{"prompt": f"sort: {a} {b}", "completion": f"{b} {a}" if i % 3 else f"{a} {b}", "label": i % 3 > 0}
-            for i, (a, b) in enumerate(zip("abcdefgh", "ijklmnop"))]
-    dm = UnpairedDataModule(train_files=write(tmp_path, rows), val_files=None, max_length=64, batch_size=8,
-                            shuffle=False)
+    rows = [
+        {"prompt": f"sort: {a} {b}", "completion": f"{b} {a}" if i % 3 else f"{a} {b}", "label": i % 3 > 0}
+        for i, (a, b) in enumerate(zip("abcdefgh", "ijklmnop"))
+    ]
+    dm = UnpairedDataModule(
+        train_files=write(tmp_path, rows), val_files=None, max_length=64, batch_size=8, shuffle=False
+    )
     dm.set_tokenizer(tokenizer)
     dm.setup("fit")
     examples = dm.train_set.examples
@@ -250,5 +280,7 @@ def test_unpaired_data_with_one_label_fails_naming_the_file(tmp_path, tokenizer)
     dm.set_tokenizer(tokenizer)
     with pytest.raises(AlignDataError) as info:
         dm.setup("fit")
-    assert str(info.value) == (f"{tmp_path}/good.jsonl: field 'label': expected both desirable (true) and "
-                               "undesirable (false) examples: KTO's loss needs each kind, got 'only label True'")
+    assert str(info.value) == (
+        f"{tmp_path}/good.jsonl: field 'label': expected both desirable (true) and "
+        "undesirable (false) examples: KTO's loss needs each kind, got 'only label True'"
+    )

@@ -21,9 +21,14 @@ def write(tmp_path, rows, name="prompts.jsonl"):
 
 def test_rows_encode_with_template_once_and_keep_columns(tokenizer):
     enc = ChatEncoder(tokenizer)
-    rows = [{"prompt": "sort: b a", "answer": "a b", "level": 1},
-            {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort: c a"}],
-             "answer": "a c", "level": 2}]
+    rows = [
+        {"prompt": "sort: b a", "answer": "a b", "level": 1},
+        {
+            "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort: c a"}],
+            "answer": "a c",
+            "level": 2,
+        },
+    ]
     examples = encode_prompt_rows(rows, "x.jsonl", enc)
     assert examples[0].prompt_ids == enc.prompt_ids([{"role": "user", "content": "sort: b a"}])
     assert examples[0].prompt_ids.count(tokenizer.bos_token_id) == 1
@@ -42,10 +47,16 @@ def test_rows_encode_with_template_once_and_keep_columns(tokenizer):
     [
         ({"question": "x"}, "row 2: field 'prompt': expected a row with a 'prompt' field"),
         ({"prompt": ""}, "row 2: field 'prompt': expected a non-empty string"),
-        ({"prompt": [{"role": "assistant", "content": "hi"}]}, "row 2: field 'prompt': expected a prompt that does not end"),
+        (
+            {"prompt": [{"role": "assistant", "content": "hi"}]},
+            "row 2: field 'prompt': expected a prompt that does not end",
+        ),
         ({"prompt": "sort: " + "a " * 300}, "row 2: field 'prompt': expected at most max_prompt_length=256"),
-        ({"prompt": "sort: b", "completion_ids": [1]}, "row 2: field 'completion_ids': expected a column name other "
-                                                       "than 'completion_ids', which rewards receive from the rollout"),
+        (
+            {"prompt": "sort: b", "completion_ids": [1]},
+            "row 2: field 'completion_ids': expected a column name other "
+            "than 'completion_ids', which rewards receive from the rollout",
+        ),
     ],
 )
 def test_bad_rows_name_file_row_field(tmp_path, tokenizer, row, message):

@@ -22,7 +22,7 @@ def tok_pe():
 
 
 def trained(ids, labels):
-    return [i for i, l in zip(ids, labels) if l != IGNORE_INDEX]
+    return [i for i, line in zip(ids, labels) if line != IGNORE_INDEX]
 
 
 def test_prompt_completion_labels_cover_completion_and_eos_only(tok):
@@ -31,7 +31,7 @@ def test_prompt_completion_labels_cover_completion_and_eos_only(tok):
     ids, labels = enc.encode(messages)
     prompt = enc.prompt_ids(messages[:1])
     assert ids[: len(prompt)] == prompt  # the generation prompt is an exact token prefix
-    assert all(l == IGNORE_INDEX for l in labels[: len(prompt)])
+    assert all(line == IGNORE_INDEX for line in labels[: len(prompt)])
     assert trained(ids, labels) == tok("a b c", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
 
@@ -179,8 +179,11 @@ def test_other_file_formats_load(tmp_path, tok, suffix):
     rows = [GOOD, {"prompt": "sort: c b", "completion": "b c"}]
     path = tmp_path / f"data.{suffix}"
     frame = pd.DataFrame(rows)
-    {"parquet": frame.to_parquet, "csv": lambda p: frame.to_csv(p, index=False),
-     "json": lambda p: frame.to_json(p, orient="records")}[suffix](path)
+    {
+        "parquet": frame.to_parquet,
+        "csv": lambda p: frame.to_csv(p, index=False),
+        "json": lambda p: frame.to_json(p, orient="records"),
+    }[suffix](path)
     assert read_rows(str(path)) == rows
 
 

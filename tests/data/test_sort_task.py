@@ -219,13 +219,18 @@ def test_the_multi_turn_rounds_are_well_formed_held_out_and_reproduced(tmp_path,
     """align:sort/rounds: two sort prompts per row (the first in 'prompt', the second in 'rounds'), answers
     matching, no held-out episode in the train split; scripts/make_sort_rounds.py writes the same bytes."""
     folder = sort_task.DATA_DIR / "rounds"
-    rows = {split: [json.loads(l) for l in (folder / f"{split}.jsonl").open()] for split in ("train", "validation")}
+    rows = {
+        split: [json.loads(line) for line in (folder / f"{split}.jsonl").open()] for split in ("train", "validation")
+    }
     assert len(rows["train"]) == 2000 and len(rows["validation"]) == 100
     for row in rows["train"] + rows["validation"]:
         prompts = [row["prompt"], *row["rounds"]]
         assert len(prompts) == 2 and all(2 <= len(sort_task.prompt_letters(p)) <= 4 for p in prompts)
         assert row["answer"] == " | ".join(sort_task.solve(p) for p in prompts)
-    key = lambda r: (r["prompt"], *r["rounds"])
+
+    def key(r):
+        return (r["prompt"], *r["rounds"])
+
     assert not {key(r) for r in rows["validation"]} & {key(r) for r in rows["train"]}
     script = load_script("make_sort_rounds")
     for path in script.write_splits(tmp_path, script.build()):
@@ -236,7 +241,9 @@ def test_sort_rounds_rewards_each_round_and_ends_after_the_last():
     from align.rollout.envs.tasks import SortRounds
 
     env = SortRounds()
-    first = env.reset({"prompt": "sort: b a", "rounds": ["sort: d c a"], "messages": [{"role": "user", "content": "sort: b a"}]})
+    first = env.reset(
+        {"prompt": "sort: b a", "rounds": ["sort: d c a"], "messages": [{"role": "user", "content": "sort: b a"}]}
+    )
     assert first == [{"role": "user", "content": "sort: b a"}]
     step = env.step({"role": "assistant", "content": "a b"})
     assert (step.messages, step.reward, step.done) == ([{"role": "user", "content": "sort: d c a"}], 0.5, False)

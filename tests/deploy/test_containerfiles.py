@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from _render import DEPLOY, ROOT
 
 CONTAINERFILES = sorted(DEPLOY.glob("Containerfile.*"))
@@ -48,8 +47,10 @@ def copy_sources(rest: str) -> list[str]:
 def installs_checkout(command: str) -> bool:
     """Whether a shell command runs ``pip install`` on the build's working folder (``.`` or ``.[extras]``)."""
     words = shlex.split(command)
-    return any(words[i:i + 2] == ["pip", "install"] and any(w == "." or w.startswith(".[") for w in words[i + 2:])
-               for i in range(len(words)))
+    return any(
+        words[i : i + 2] == ["pip", "install"] and any(w == "." or w.startswith(".[") for w in words[i + 2 :])
+        for i in range(len(words))
+    )
 
 
 def test_there_is_a_cuda_and_a_cpu_image():
@@ -81,8 +82,9 @@ def test_the_image_installs_the_checkout_and_runs_as_a_user_who_is_not_root(path
     user = users[-1].split(":")[0]
     # numeric: Kubernetes' runAsNonRoot can check a uid, not a name
     assert user.isdigit() and int(user) != 0, f"{path.name}: USER {users[-1]}: expected a non-zero numeric uid"
-    assert keywords.index("USER") > installs[0] and max(
-        i for i, key in enumerate(keywords) if key == "USER") > max(i for i, key in enumerate(keywords) if key == "RUN")
+    assert keywords.index("USER") > installs[0] and max(i for i, key in enumerate(keywords) if key == "USER") > max(
+        i for i, key in enumerate(keywords) if key == "RUN"
+    )
 
 
 @pytest.mark.parametrize("path", CONTAINERFILES, ids=lambda p: p.name)
@@ -104,8 +106,11 @@ def test_the_cuda_image_carries_deepspeed_and_vllm():
 
 
 def test_the_ignore_file_keeps_what_the_images_copy():
-    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert {".git", "runs", "*.ckpt", "tests"} <= set(ignored)
     for path in CONTAINERFILES:
         for key, rest in instructions(path):
@@ -133,8 +138,14 @@ def stub_align(tmp_path) -> dict:
 
 
 def entrypoint(env: dict, *args: str) -> str:
-    proc = subprocess.run([shutil.which("sh"), str(DEPLOY / "entrypoint.sh"), *args], env=env, check=False,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [shutil.which("sh"), str(DEPLOY / "entrypoint.sh"), *args],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 

@@ -11,9 +11,19 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-
-from _render import (DEPLOY, OVERLAYS, ROOT, env_of, expand, kubernetes_versions, named, of_kind, pod_spec,
-                     render, validate_strictly)
+from _render import (
+    DEPLOY,
+    OVERLAYS,
+    ROOT,
+    env_of,
+    expand,
+    kubernetes_versions,
+    named,
+    of_kind,
+    pod_spec,
+    render,
+    validate_strictly,
+)
 
 WORKLOADS = ("Deployment", "Job")
 
@@ -34,8 +44,13 @@ def test_the_overlays_are_the_documented_ones():
 @pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: p.name)
 def test_every_rendered_resource_is_valid_in_strict_mode_for_every_supported_release(path):
     resources = render(path)
-    assert {r["kind"] for r in resources} >= {"Namespace", "PersistentVolumeClaim", "ConfigMap", "Service",
-                                              "Deployment"}
+    assert {r["kind"] for r in resources} >= {
+        "Namespace",
+        "PersistentVolumeClaim",
+        "ConfigMap",
+        "Service",
+        "Deployment",
+    }
     failures = []
     for version in kubernetes_versions():
         for resource in resources:
@@ -43,16 +58,21 @@ def test_every_rendered_resource_is_valid_in_strict_mode_for_every_supported_rel
                 validate_strictly(resource, version)
             except Exception as err:  # a kind without a schema fails here too: SchemaNotFoundError
                 first = str(err).strip().splitlines()[0]
-                failures.append(f"{version} {resource['kind']}/{resource['metadata']['name']}: "
-                                f"{type(err).__name__}: {first}")
+                failures.append(
+                    f"{version} {resource['kind']}/{resource['metadata']['name']}: {type(err).__name__}: {first}"
+                )
     assert not failures, "\n".join(failures)
 
 
 def test_the_validation_fails_on_a_kind_without_a_schema_and_on_an_unknown_field():
     from kubernetes_validate.utils import SchemaNotFoundError, ValidationError
 
-    custom = {"apiVersion": "opentelemetry.io/v1beta1", "kind": "OpenTelemetryCollector",
-              "metadata": {"name": "otel"}, "spec": {}}
+    custom = {
+        "apiVersion": "opentelemetry.io/v1beta1",
+        "kind": "OpenTelemetryCollector",
+        "metadata": {"name": "otel"},
+        "spec": {},
+    }
     with pytest.raises(SchemaNotFoundError):
         validate_strictly(custom, "1.37")
     job = copy.deepcopy(named(overlay("train-single-node"), "Job", "align-train"))
@@ -85,10 +105,16 @@ def test_services_volumes_and_config_maps_point_at_rendered_objects(path):
     workloads = [r for r in resources if r["kind"] in WORKLOADS]
     for service in of_kind(resources, "Service"):
         selector = service["spec"]["selector"]
-        pods = [w for w in workloads if selector.items() <= {
-            **w["spec"]["template"]["metadata"]["labels"],
-            # the Job controller labels its pods with the Job's name
-            **({"batch.kubernetes.io/job-name": w["metadata"]["name"]} if w["kind"] == "Job" else {})}.items()]
+        pods = [
+            w
+            for w in workloads
+            if selector.items()
+            <= {
+                **w["spec"]["template"]["metadata"]["labels"],
+                # the Job controller labels its pods with the Job's name
+                **({"batch.kubernetes.io/job-name": w["metadata"]["name"]} if w["kind"] == "Job" else {}),
+            }.items()
+        ]
         assert pods, f"Service/{service['metadata']['name']} selects no rendered pod"
         ports = {p["name"] for w in pods for c in containers(w) for p in c.get("ports", [])}
         ports |= {p["containerPort"] for w in pods for c in containers(w) for p in c.get("ports", [])}
@@ -207,8 +233,9 @@ def test_a_training_job_runs_one_process_per_gpu_and_sends_telemetry_to_the_coll
     gpus = container["resources"]["limits"]["nvidia.com/gpu"]
     assert torchrun.nproc_per_node == settings["trainer.devices"] == str(gpus)
     otlp_target(resources, container)
-    attributes = dict(kv.split("=", 1) for kv in expand(env_of(container)["OTEL_RESOURCE_ATTRIBUTES"],
-                                                        env_of(container)).split(","))
+    attributes = dict(
+        kv.split("=", 1) for kv in expand(env_of(container)["OTEL_RESOURCE_ATTRIBUTES"], env_of(container)).split(",")
+    )
     config = train_config(resources, job, container, settings)
     module = config["model"]["class_path"].rpartition(".")[2]
     assert attributes["align.algorithm"] == module.removesuffix("Module").lower()
@@ -230,8 +257,10 @@ def test_the_multi_node_job_is_indexed_one_pod_per_node_with_node_zero_as_rendez
     assert nodes > 1 and spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
     assert torchrun.nnodes == settings["trainer.num_nodes"] == str(nodes) and not torchrun.standalone
     node_rank = next(e for e in container["env"] if e["name"] == "NODE_RANK")
-    assert node_rank["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        node_rank["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     assert "--node_rank=$(NODE_RANK)" in container["args"]
     pods = pod_spec(job)
     service = named(resources, "Service", pods["subdomain"])
@@ -259,8 +288,7 @@ def test_the_job_s_config_and_arguments_build_the_run(name, tiny_model_dir, tmp_
     local.write_text(yaml.safe_dump(config))
     settings.update({"config": str(local), "trainer.default_root_dir": str(tmp_path / "runs")})
     args = resolve_config_args([f"--{key}={value}" for key, value in settings.items()])
-    cli = AlignCLI(args=[*args, "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1"],
-                   run=False)
+    cli = AlignCLI(args=[*args, "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1"], run=False)
     assert cli.config["resume"] == "auto" and cli.trainer.max_steps > 0
     assert any(isinstance(lg, OTLPLogger) for lg in cli.trainer.loggers)
     assert any(isinstance(cb, ExportCallback) for cb in cli.trainer.callbacks)
@@ -283,11 +311,13 @@ def test_the_server_serves_the_model_the_single_node_run_exports_with_probes_and
 
     training_resources, job, container, _, settings = training("train-single-node")
     config = train_config(training_resources, job, container, settings)
-    exports = [c["init_args"]["output_dir"] for c in config["trainer"]["callbacks"]
-               if c["class_path"] == "align.models.export.ExportCallback"]
+    exports = [
+        c["init_args"]["output_dir"]
+        for c in config["trainer"]["callbacks"]
+        if c["class_path"] == "align.models.export.ExportCallback"
+    ]
     assert exports == [model_dir]
-    assert mounted(job, container, model_dir + "/config.json",
-                                          "persistentVolumeClaim")["claimName"] == claim
+    assert mounted(job, container, model_dir + "/config.json", "persistentVolumeClaim")["claimName"] == claim
 
     (wait,) = pod_spec(deployment)["initContainers"]
     assert f"{model_dir}/tokenizer_config.json" in expand(" ".join(wait["args"]), env_of(wait))

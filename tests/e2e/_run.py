@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-in-write", type=int, default=None)
     ns = parser.parse_args(argv[:split])
-    recipe_args = argv[split + 1:]
+    recipe_args = argv[split + 1 :]
     if ns.kill_in_write:
         kill_in_write(ns.kill_in_write)
     if ns.kill_at is not None:
@@ -74,22 +74,26 @@ def main() -> None:
             return original(self, config, [*callbacks, KillAtStep(ns.kill_at)])
 
         align.cli.lightning_cli.AlignCLI._instantiate_trainer = instantiate
+    from align.data.preference import PreferenceDataModule
+    from align.data.prompts import PromptDataModule
+    from align.data.sft import SFTDataModule
+    from align.gym import ClassicRLModule
     from align.modules.distill import DistillModule
     from align.modules.dpo import DPOModule
     from align.modules.grpo import GRPOModule
     from align.modules.sft import SFTModule
-    from align.data.preference import PreferenceDataModule
-    from align.data.prompts import PromptDataModule
-    from align.data.sft import SFTDataModule
-
-    from align.gym import ClassicRLModule
 
     if ns.algorithm == "gym":
-        align.cli.recipes.run_recipe("gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml",
-                                layered=False)
+        align.cli.recipes.run_recipe(
+            "gym", ClassicRLModule, None, args=recipe_args, default_config="ppo-cartpole.yaml", layered=False
+        )
         return
-    classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
-               "grpo": (GRPOModule, PromptDataModule), "distill": (DistillModule, PromptDataModule)}
+    classes = {
+        "sft": (SFTModule, SFTDataModule),
+        "dpo": (DPOModule, PreferenceDataModule),
+        "grpo": (GRPOModule, PromptDataModule),
+        "distill": (DistillModule, PromptDataModule),
+    }
     align.cli.recipes.run_recipe(ns.algorithm, *classes[ns.algorithm], args=recipe_args)
 
 

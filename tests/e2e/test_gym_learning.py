@@ -32,17 +32,34 @@ class EvaluateEvery(Callback):
             trainer.should_stop = True
 
 
-@pytest.mark.parametrize("config, every, goal", [
-    ("ppo-cartpole.yaml", 5_000, 475.0),
-    ("a2c-cartpole.yaml", 10_000, 475.0),
-    ("dqn-cartpole.yaml", 2_500, 475.0),
-    ("reinforce-cartpole.yaml", 10_000, 400.0),
-    ("qlearning-frozenlake.yaml", 1_000, 1.0),
-])
+@pytest.mark.parametrize(
+    "config, every, goal",
+    [
+        ("ppo-cartpole.yaml", 5_000, 475.0),
+        ("a2c-cartpole.yaml", 10_000, 475.0),
+        ("dqn-cartpole.yaml", 2_500, 475.0),
+        ("reinforce-cartpole.yaml", 10_000, 400.0),
+        ("qlearning-frozenlake.yaml", 1_000, 1.0),
+    ],
+)
 def test_shipped_config_reaches_the_goal_within_its_budget(config, every, goal, tmp_path):
-    cli = AlignCLI(args=["--config", str(ROOT / "configs" / "gym" / config), "--trainer.default_root_dir", str(tmp_path),
-                         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-                         "--trainer.callbacks", "null", "--trainer.logger", "false"], run=False)
+    cli = AlignCLI(
+        args=[
+            "--config",
+            str(ROOT / "configs" / "gym" / config),
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks",
+            "null",
+            "--trainer.logger",
+            "false",
+        ],
+        run=False,
+    )
     evaluate = EvaluateEvery(every, goal)
     cli.trainer.callbacks.append(evaluate)
     cli.trainer.fit(cli.model)
@@ -58,8 +75,13 @@ def test_recipe_runs_on_its_embedded_default(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "gym.py"), "--trainer.default_root_dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "gym.py"), "--trainer.default_root_dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = map(float, re.search(r"held-out val/episode_reward: ([\d.]+) -> ([\d.]+)", done.stdout).groups())
     assert before < 50 and after >= 475, done.stdout[-2000:]

@@ -9,29 +9,63 @@ replay batches."""
 from pathlib import Path
 
 import pytest
+from test_resume import metrics_by_step, rows_of, run, steps_in_order
 
 from align.trainer.checkpointing import AtomicCheckpointIO
-from test_resume import metrics_by_step, rows_of, run, steps_in_order
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 CHECKPOINT = "[{class_path: align.trainer.checkpointing.AlignCheckpoint, init_args: {every_n_train_steps: 4}}]"
-COMMON = ["--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false", "--eval_before_after", "false",
-          "--trainer.callbacks", CHECKPOINT]
+COMMON = [
+    "--trainer.log_every_n_steps",
+    "1",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--eval_before_after",
+    "false",
+    "--trainer.callbacks",
+    CHECKPOINT,
+]
 SETTINGS = {
     # 2 environments x 8 steps per iteration, 2 epochs of one minibatch: 2 optimizer steps per iteration, 8 iterations.
-    "ppo": ["--model.init_args.env.num_envs", "2",
-            "--model.init_args.steps_per_iteration", "8", "--model.init_args.updates.minibatch_size", "16",
-            "--model.init_args.updates.epochs", "2",
-            "--model.init_args.normalize_observations", "true", "--model.init_args.normalize_rewards", "true",
-            "--model.init_args.total_steps", "128"],
+    "ppo": [
+        "--model.init_args.env.num_envs",
+        "2",
+        "--model.init_args.steps_per_iteration",
+        "8",
+        "--model.init_args.updates.minibatch_size",
+        "16",
+        "--model.init_args.updates.epochs",
+        "2",
+        "--model.init_args.normalize_observations",
+        "true",
+        "--model.init_args.normalize_rewards",
+        "true",
+        "--model.init_args.total_steps",
+        "128",
+    ],
     # 2 environments x 4 steps per iteration; updates (2 per iteration) start at 16 environment steps; 12 iterations.
-    "dqn": ["--model.init_args.env.num_envs", "2",
-            "--model.init_args.steps_per_iteration", "4", "--model.init_args.learning_starts", "16",
-            "--model.init_args.updates.gradient_steps", "2", "--model.init_args.updates.minibatch_size", "8",
-            "--model.init_args.target_update_interval", "12", "--model.init_args.hidden", "[32, 32]",
-            "--model.init_args.total_steps", "96", "--model.init_args.exploration.fraction", "0.5"],
+    "dqn": [
+        "--model.init_args.env.num_envs",
+        "2",
+        "--model.init_args.steps_per_iteration",
+        "4",
+        "--model.init_args.learning_starts",
+        "16",
+        "--model.init_args.updates.gradient_steps",
+        "2",
+        "--model.init_args.updates.minibatch_size",
+        "8",
+        "--model.init_args.target_update_interval",
+        "12",
+        "--model.init_args.hidden",
+        "[32, 32]",
+        "--model.init_args.total_steps",
+        "96",
+        "--model.init_args.exploration.fraction",
+        "0.5",
+    ],
 }
 ITERATIONS = {"ppo": 8, "dqn": 12}
 KILL = {"ppo": (10, 8), "dqn": (14, 12)}  # (kill once global_step reaches, the last checkpoint's global step)
@@ -43,8 +77,12 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm):
 
     def gym(root: Path, *extra: str, **kill):
         # The config comes first: its default_root_dir would otherwise replace the one given before it.
-        config = ["--config", str(ROOT / "configs" / "gym" / f"{algorithm}-cartpole.yaml"),
-                  "--trainer.default_root_dir", str(root)]
+        config = [
+            "--config",
+            str(ROOT / "configs" / "gym" / f"{algorithm}-cartpole.yaml"),
+            "--trainer.default_root_dir",
+            str(root),
+        ]
         return run("gym", root, [*config, *COMMON, *SETTINGS[algorithm]], *extra, **kill)
 
     done = gym(full_root)
@@ -68,11 +106,11 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm):
     resumed = gym(cut_root, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = rows_of(cut_root, 0)
-    assert rows[:len(killed_rows)] == killed_rows
+    assert rows[: len(killed_rows)] == killed_rows
     appended: dict[int, dict[str, str]] = {}
-    for row in rows[len(killed_rows):]:
+    for row in rows[len(killed_rows) :]:
         appended.setdefault(int(row["step"]), {}).update(row)
     first = min(appended)
-    assert steps_in_order(rows[len(killed_rows):])[-1] == ITERATIONS[algorithm] - 1
+    assert steps_in_order(rows[len(killed_rows) :])[-1] == ITERATIONS[algorithm] - 1
     for step in range(first, ITERATIONS[algorithm]):
         assert appended[step] == full[step], f"{algorithm}: iteration {step} differs after the resume"

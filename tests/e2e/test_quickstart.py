@@ -28,7 +28,9 @@ def commands(page: str, section: str) -> list[str]:
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", body.group(1), re.S):
         for line in block.splitlines():
-            line = re.sub(r"\s+#.*$", "", line).strip()  # trailing comments; '#' inside quotes is not preceded by a space
+            line = re.sub(
+                r"\s+#.*$", "", line
+            ).strip()  # trailing comments; '#' inside quotes is not preceded by a space
             if line and not line.startswith("#"):
                 lines.append(line)
     assert lines, f"section '{section}' has no commands"
@@ -49,8 +51,12 @@ def argv(command: str) -> list[str]:
 
 
 def run_verbatim(command: str, cwd: Path, *extra: str) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
     proc = subprocess.run([*argv(command), *extra], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-3000:])
     return proc.stdout
@@ -90,7 +96,8 @@ def test_reliability_resume_commands_work_as_printed(workdir):
     root = workdir / words[words.index("--trainer.default_root_dir") + 1]
     assert "starting version_0" in run_verbatim(last, workdir)  # nothing to resume yet: a fresh run
     # The same command again continues that run, in its own folder; so does --resume auto.
-    assert f"resume: continuing {root.relative_to(workdir) / 'version_0'}" in \
-        run_verbatim(last, workdir, "--trainer.max_steps", "3")
+    assert f"resume: continuing {root.relative_to(workdir) / 'version_0'}" in run_verbatim(
+        last, workdir, "--trainer.max_steps", "3"
+    )
     assert "resume: continuing" in run_verbatim(auto, workdir, "--trainer.max_steps", "4")
     assert sorted(p.name for p in root.glob("version_*")) == ["version_0"]

@@ -19,11 +19,34 @@ pytest.importorskip("ray")
 def test_grpo_with_an_asynchronous_source_under_two_process_ddp(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "grpo.py"), "--config", str(ROOT / "configs/grpo/tiny-async.yaml"),
-         "--trainer.devices", "2", "--trainer.strategy", "ddp", "--data.init_args.batch_size", "8",
-         "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--data.init_args.val_batch_size", "4",
-         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=800)
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "grpo.py"),
+            "--config",
+            str(ROOT / "configs/grpo/tiny-async.yaml"),
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            "--data.init_args.batch_size",
+            "8",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.limit_val_batches",
+            "1",
+            "--data.init_args.val_batch_size",
+            "4",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=800,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out val/reward_mean:" in proc.stdout
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))

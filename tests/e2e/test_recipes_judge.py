@@ -30,7 +30,8 @@ def judge_config(tmp_path, server) -> str:
         "      - fn: align.rewards.Judge\n        name: judge\n"
         f"        init_kwargs: {{model: sort-judge, base_url: '{server.base_url}', parser: yes_no, timeout: 30,\n"
         f"                      template: {TEMPLATE!r}}}\n"
-        "    eval_rewards:\n      - fn: align.rewards.sort_exact_match\n")
+        "    eval_rewards:\n      - fn: align.rewards.sort_exact_match\n"
+    )
     return str(path)
 
 
@@ -39,11 +40,31 @@ def judge_config(tmp_path, server) -> str:
 def test_grpo_trains_on_a_judge_served_on_loopback(tmp_path, capsys):
     root = tmp_path / "run"
     with Loopback(sort_judge) as server:
-        run_recipe("grpo", GRPOModule, PromptDataModule, args=[
-            "--config", judge_config(tmp_path, server), "--trainer.default_root_dir", str(root),
-            "--trainer.max_steps", "40", "--data.init_args.batch_size", "16", "--data.init_args.val_batch_size", "50",
-            "--trainer.limit_val_batches", "1", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
-            "--model.init_args.scheduler.init_args.warmup_steps", "5"])
+        run_recipe(
+            "grpo",
+            GRPOModule,
+            PromptDataModule,
+            args=[
+                "--config",
+                judge_config(tmp_path, server),
+                "--trainer.default_root_dir",
+                str(root),
+                "--trainer.max_steps",
+                "40",
+                "--data.init_args.batch_size",
+                "16",
+                "--data.init_args.val_batch_size",
+                "50",
+                "--trainer.limit_val_batches",
+                "1",
+                "--trainer.enable_checkpointing",
+                "false",
+                "--trainer.callbacks",
+                "[]",
+                "--model.init_args.scheduler.init_args.warmup_steps",
+                "5",
+            ],
+        )
     # 40 steps of 16 prompts x 8 completions, and two held-out passes of 50: one request per completion
     assert len(server.requests) == 40 * 16 * 8 + 2 * 50
     (metrics,) = root.rglob("metrics.csv")
@@ -52,6 +73,6 @@ def test_grpo_trains_on_a_judge_served_on_loopback(tmp_path, capsys):
     for row in rows:  # the judge's rule is the task's: its scores are sort_exact_match's, and no call failed
         assert float(row["rollout/reward/judge"]) == float(row["rollout/reward/sort_exact_match"])
         assert float(row["rollout/reward_errors/judge"]) == 0.0 and float(row["rollout/reward_na/judge"]) == 0.0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("held-out val/reward_mean:"))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("held-out val/reward_mean:"))
     before, after = (float(x) for x in line.split(":")[1].split("->"))
     assert after - before >= 0.1, line  # measured 0.30 -> 0.46 (seed 0, one thread)

@@ -19,11 +19,32 @@ pytest.importorskip("vllm", exc_type=ImportError)
 def test_grpo_on_the_vllm_engine_under_two_process_ddp(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "grpo.py"), "--model.init_args.sampling.engine", "vllm",
-         "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
-         "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--data.init_args.val_batch_size", "4",
-         "--trainer.default_root_dir", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1100)
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "grpo.py"),
+            "--model.init_args.sampling.engine",
+            "vllm",
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.limit_val_batches",
+            "1",
+            "--data.init_args.val_batch_size",
+            "4",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1100,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out val/reward_mean:" in proc.stdout
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))

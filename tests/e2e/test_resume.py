@@ -27,8 +27,9 @@ DATA = ROOT / "align" / "data" / "assets" / "sort"
 TIMING = ("tokens_per_s", "time/", "_s")
 
 pytestmark = pytest.mark.slow
-NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the asynchronous source needs Ray "
-                               "(pip install 'align[async]')")
+NEEDS_RAY = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="the asynchronous source needs Ray (pip install 'align[async]')"
+)
 
 
 def first_rows(src: Path, dst: Path, n: int) -> str:
@@ -36,8 +37,14 @@ def first_rows(src: Path, dst: Path, n: int) -> str:
     return str(dst)
 
 
-def run(algorithm: str, root: Path, args: list[str], *extra: str, kill_at: int | None = None,
-        kill_in_write: int | None = None) -> subprocess.CompletedProcess:
+def run(
+    algorithm: str,
+    root: Path,
+    args: list[str],
+    *extra: str,
+    kill_at: int | None = None,
+    kill_in_write: int | None = None,
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(HERE / "_run.py"), algorithm.partition("-")[0]]
     if kill_at is not None:
         cmd += ["--kill-at", str(kill_at)]
@@ -68,41 +75,104 @@ def steps_in_order(rows: list[dict[str, str]]) -> list[int]:
 
 
 def common(max_steps: int, every: int) -> list[str]:
-    return ["--trainer.max_steps", str(max_steps), "--trainer.limit_val_batches", "0", "--eval_before_after", "false",
-            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-            "--trainer.callbacks+=align.trainer.checkpointing.AlignCheckpoint",
-            "--trainer.callbacks.every_n_train_steps", str(every)]
+    return [
+        "--trainer.max_steps",
+        str(max_steps),
+        "--trainer.limit_val_batches",
+        "0",
+        "--eval_before_after",
+        "false",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.callbacks+=align.trainer.checkpointing.AlignCheckpoint",
+        "--trainer.callbacks.every_n_train_steps",
+        str(every),
+    ]
 
 
 def settings(algorithm: str, tmp: Path) -> tuple[list[str], int, int]:
     """Recipe arguments, total optimizer steps, checkpoint interval."""
     if algorithm == "sft":  # 40 rows / (4 x 2 accumulated) = 5 optimizer steps per epoch
         data = first_rows(DATA / "sft" / "train.jsonl", tmp / "sft.jsonl", 40)
-        return [*common(8, 2), "--trainer.accumulate_grad_batches", "2", "--data.init_args.batch_size", "4",
-                "--data.init_args.train_files", data], 8, 2
+        return (
+            [
+                *common(8, 2),
+                "--trainer.accumulate_grad_batches",
+                "2",
+                "--data.init_args.batch_size",
+                "4",
+                "--data.init_args.train_files",
+                data,
+            ],
+            8,
+            2,
+        )
     if algorithm == "dpo":  # 24 pairs / 4 = 6 steps per epoch; the reference cache lives in the run directory
         data = first_rows(DATA / "preference" / "train.jsonl", tmp / "pairs.jsonl", 24)
-        return [*common(8, 2), "--trainer.max_epochs", "3", "--data.init_args.batch_size", "4",
-                "--data.init_args.train_files", data, "--data.init_args.val_files", "null"], 8, 2
+        return (
+            [
+                *common(8, 2),
+                "--trainer.max_epochs",
+                "3",
+                "--data.init_args.batch_size",
+                "4",
+                "--data.init_args.train_files",
+                data,
+                "--data.init_args.val_files",
+                "null",
+            ],
+            8,
+            2,
+        )
     # grpo: 10 prompts / 4 = 2 rollouts per epoch (last partial batch dropped); sampling at temperature 1. 32 rows of
     # 12 new tokens: the scoring pass's shared-prompt gradient (32 x 11 x 128 values) is past the size at which
     # torch's CPU kernels split work between the 2 threads (align.models.shared_pass.rows_of).
     data = first_rows(DATA / "prompts" / "train.jsonl", tmp / "prompts.jsonl", 10)
-    rl = ["--data.init_args.batch_size", "4", "--model.init_args.group_size", "8",
-          "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.sampling.temperature", "1.0",
-          "--data.init_args.train_files", data, "--data.init_args.val_files", "null"]
+    rl = [
+        "--data.init_args.batch_size",
+        "4",
+        "--model.init_args.group_size",
+        "8",
+        "--model.init_args.sampling.max_new_tokens",
+        "12",
+        "--model.init_args.sampling.temperature",
+        "1.0",
+        "--data.init_args.train_files",
+        data,
+        "--data.init_args.val_files",
+        "null",
+    ]
     if algorithm == "grpo-async":  # rollouts one step ahead, from a generator process: the batch in flight at a
         # checkpoint is saved with it, and the one in flight at the kill is generated again with the same stream
-        return [*common(6, 2), *rl, "--model.init_args.source", "align.rollout.async_source.AsyncSource",
-                "--model.init_args.source.init_args.max_staleness", "1"], 6, 2
+        return (
+            [
+                *common(6, 2),
+                *rl,
+                "--model.init_args.source",
+                "align.rollout.async_source.AsyncSource",
+                "--model.init_args.source.init_args.max_staleness",
+                "1",
+            ],
+            6,
+            2,
+        )
     if algorithm == "distill":  # GKD with mixed data: the draw of each step must come out the same after a resume
         return [*common(6, 2), *rl, "--model.init_args.objective", "gkd", "--model.init_args.lmbda", "0.5"], 6, 2
     return [*common(6, 2), *rl], 6, 2
 
 
-@pytest.mark.parametrize("algorithm, kill", [("sft", "step"), ("dpo", "write"), ("grpo", "step"),
-                                             pytest.param("grpo-async", "step", marks=NEEDS_RAY),
-                                             ("distill", "step")])
+@pytest.mark.parametrize(
+    "algorithm, kill",
+    [
+        ("sft", "step"),
+        ("dpo", "write"),
+        ("grpo", "step"),
+        pytest.param("grpo-async", "step", marks=NEEDS_RAY),
+        ("distill", "step"),
+    ],
+)
 def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
     """``kill="step"``: SIGKILL right after a random optimizer step that is not a checkpoint step.
     ``kill="write"``: SIGKILL with half of a random checkpoint file on disk (atomicity: ``last.ckpt`` must still
@@ -140,8 +210,8 @@ def test_sigkill_then_resume_logs_the_same_metrics(tmp_path, algorithm, kill):
     # The resumed run continues the killed run's folder: no second run folder, its rows appended to metrics.csv.
     assert sorted(p.name for p in cut_root.glob("version_*")) == ["version_0"], case
     rows = rows_of(cut_root, 0)
-    assert rows[:len(killed_rows)] == killed_rows, case
-    appended = rows[len(killed_rows):]
+    assert rows[: len(killed_rows)] == killed_rows, case
+    appended = rows[len(killed_rows) :]
     assert steps_in_order(appended) == list(range(restart + shift, steps + shift)), (case, steps_in_order(appended))
     by_step: dict[int, dict[str, str]] = {}
     for row in appended:
@@ -174,8 +244,20 @@ def test_resume_auto_starts_fresh_then_continues_from_last(tmp_path):
     root = tmp_path / "run"
 
     def launch(max_steps: int) -> None:
-        run_recipe("sft", SFTModule, SFTDataModule, args=[*args, "--trainer.max_steps", str(max_steps), "--resume",
-                                                          "auto", "--trainer.default_root_dir", str(root)])
+        run_recipe(
+            "sft",
+            SFTModule,
+            SFTDataModule,
+            args=[
+                *args,
+                "--trainer.max_steps",
+                str(max_steps),
+                "--resume",
+                "auto",
+                "--trainer.default_root_dir",
+                str(root),
+            ],
+        )
 
     launch(2)  # nothing to resume yet: a fresh run
     assert sorted(metrics_by_step(root, 0)) == [0, 1]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from align.core.masks import response_mask
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.hub.gguf import COMPLETE, SMOLLM2
-from align.core.masks import response_mask
 from align.models import LoraSettings, PolicyModel
 from align.models.decoding import FastDecoder, fast_decoder_unsupported
 from align.rollout.engine import SamplingConfig, make_engine
@@ -36,11 +36,18 @@ def test_the_converted_folder_is_an_ordinary_hugging_face_model(smollm2_dir):
     meta = json.loads((folder / COMPLETE).read_text())
     assert meta["architecture"] == "llama" and len(meta["sha256"]) == 64
     config = AutoConfig.from_pretrained(folder)
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (
+        "llama",
+        30,
+        576,
+        49152,
+    )
     assert getattr(config, "quantization_config", None) is None, "a converted model is not marked as quantized"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
 
 
@@ -55,7 +62,7 @@ def test_a_chatml_response_ends_at_the_first_im_end_with_pad_equal_to_eos(smollm
     for ids, mask, cut in zip(rollout.response_ids, rollout.response_mask, rollout.truncated):
         if eos in ids.tolist():
             first = ids.tolist().index(eos)
-            assert mask[: first + 1].all() and not mask[first + 1:].any() and not cut
+            assert mask[: first + 1].all() and not mask[first + 1 :].any() and not cut
             stopped += 1
         else:
             assert mask.all() and cut
@@ -66,11 +73,15 @@ def test_a_chatml_response_ends_at_the_first_im_end_with_pad_equal_to_eos(smollm
     # Encoded for SFT/DPO/RM: the assistant turn ends at <|im_end|>; ChatML's newline after it is not trained
     # on, and after the last turn it is not there at all, as in a sampled response.
     encoder = ChatEncoder(tok)
-    turns = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
-             {"role": "user", "content": "And 2 + 4?"}, {"role": "assistant", "content": "6"}]
+    turns = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 2 + 4?"},
+        {"role": "assistant", "content": "6"},
+    ]
     input_ids, labels = encoder.encode(turns)
     assert input_ids[-1] == eos and labels[-2:] == input_ids[-2:]
-    trained = [tok.convert_ids_to_tokens(t) for t, l in zip(input_ids, labels) if l != IGNORE_INDEX]
+    trained = [tok.convert_ids_to_tokens(t) for t, line in zip(input_ids, labels) if line != IGNORE_INDEX]
     assert trained == ["5", "<|im_end|>", "6", "<|im_end|>"]
 
 
@@ -114,8 +125,12 @@ def test_the_fast_decoder_matches_the_model_forward(smollm2_policy, lora):
         got = [out.logits[:, -1]]
         for k in range(steps.shape[1]):
             width = ids.shape[1] + k + 1
-            out = decoder(steps[:, k:k + 1], full_mask[:, :width], positions[:, width - 1:width],
-                          past_key_values=out.past_key_values)
+            out = decoder(
+                steps[:, k : k + 1],
+                full_mask[:, :width],
+                positions[:, width - 1 : width],
+                past_key_values=out.past_key_values,
+            )
             got.append(out.logits[:, -1])
     for k, logits in enumerate(got):
         torch.testing.assert_close(logits, expected[:, ids.shape[1] - 1 + k], atol=1e-4, rtol=1e-4, msg=f"step {k}")
@@ -146,18 +161,26 @@ def test_a_chatml_episode_with_a_tool_reply_is_trained_on_the_tokens_it_sampled(
     messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
     batch = PromptBatch(prompt_ids(tok), list(QUESTIONS), {}, messages)
     torch.manual_seed(0)
-    rollout = play_episodes(smollm2_policy, make_engine(SamplingConfig(max_new_tokens=12, temperature=1.0)), batch, 1,
-                            EnvironmentPool(EnvironmentSpec(AlwaysTool, max_tokens=80)))
+    rollout = play_episodes(
+        smollm2_policy,
+        make_engine(SamplingConfig(max_new_tokens=12, temperature=1.0)),
+        batch,
+        1,
+        EnvironmentPool(EnvironmentSpec(AlwaysTool, max_tokens=80)),
+    )
     for row, episode in enumerate(rollout.episodes):
         mask, context = rollout.response_mask[row], rollout.context_mask[row].bool()
         replies = context & ~mask
         if episode["turns"] == 2:  # the first turn stopped: the reply sits between the two turns
-            assert tok.decode(rollout.response_ids[row][replies]) == \
-                "\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"
+            assert (
+                tok.decode(rollout.response_ids[row][replies])
+                == "\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"
+            )
         else:
             assert episode["end"] == "turn_length" and not replies.any()
-    trained = smollm2_policy.token_logprobs(rollout.input_ids, rollout.attention_mask,
-                                            response_length=rollout.response_ids.shape[1]).logprobs
+    trained = smollm2_policy.token_logprobs(
+        rollout.input_ids, rollout.attention_mask, response_length=rollout.response_ids.shape[1]
+    ).logprobs
     mask = rollout.response_mask
     torch.testing.assert_close(trained[mask], rollout.old_logprobs[mask], atol=1e-4, rtol=0)
 
@@ -177,7 +200,9 @@ def test_export_round_trips_through_transformers(tmp_path):
     ids, mask = left_padded(tok)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        exported = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1], -1)
+        exported = torch.log_softmax(
+            model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1], -1
+        )
         exported = exported.gather(-1, ids[:, 1:, None]).squeeze(-1)[:, -6:]
         trained = policy.eval().token_logprobs(ids, mask, response_length=6).logprobs
     torch.testing.assert_close(exported, trained, atol=1e-4, rtol=1e-4)

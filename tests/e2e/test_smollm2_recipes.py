@@ -20,13 +20,23 @@ pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FEW = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1"]
 PAIRS = ["--data.init_args.batch_size", "2", "--data.init_args.val_batch_size", "4"]
-ROLLOUTS = ["--data.init_args.batch_size", "2", "--data.init_args.val_batch_size", "4",
-            "--model.init_args.sampling.max_new_tokens", "8"]
+ROLLOUTS = [
+    "--data.init_args.batch_size",
+    "2",
+    "--data.init_args.val_batch_size",
+    "4",
+    "--model.init_args.sampling.max_new_tokens",
+    "8",
+]
 
 
 def run(algorithm, module, data, config, root, *extra):
-    run_recipe(algorithm, module, data, args=["--config", str(CONFIGS / config), *FEW,
-                                              "--trainer.default_root_dir", str(root), *extra])
+    run_recipe(
+        algorithm,
+        module,
+        data,
+        args=["--config", str(CONFIGS / config), *FEW, "--trainer.default_root_dir", str(root), *extra],
+    )
     files = list(Path(root).rglob("metrics.csv"))
     assert len(files) == 1, files
     return list(csv.DictReader(open(files[0])))
@@ -39,7 +49,7 @@ def finite(rows, name):
 
 
 def held_out(out: str, name: str) -> tuple[float, float]:
-    line = next(l for l in out.splitlines() if l.startswith(f"held-out {name}:"))
+    line = next(line for line in out.splitlines() if line.startswith(f"held-out {name}:"))
     before, after = (float(x) for x in line.split(":", 1)[1].split("->"))
     return before, after
 
@@ -84,24 +94,50 @@ def test_reward_model(reward_model_export):
 
 
 def test_dpo(tmp_path, capsys):
-    rows = run("dpo", DPOModule, PreferenceDataModule, "dpo/smollm2.yaml", tmp_path, *PAIRS,
-               "--model.init_args.precompute_reference", "false")
+    rows = run(
+        "dpo",
+        DPOModule,
+        PreferenceDataModule,
+        "dpo/smollm2.yaml",
+        tmp_path,
+        *PAIRS,
+        "--model.init_args.precompute_reference",
+        "false",
+    )
     finite(rows, "train/loss")
     held_out(capsys.readouterr().out, "val/dpo_accuracy")
 
 
 def test_grpo(tmp_path, capsys):
-    rows = run("grpo", GRPOModule, PromptDataModule, "grpo/smollm2-arith.yaml", tmp_path, *ROLLOUTS,
-               "--model.init_args.group_size", "2")
+    rows = run(
+        "grpo",
+        GRPOModule,
+        PromptDataModule,
+        "grpo/smollm2-arith.yaml",
+        tmp_path,
+        *ROLLOUTS,
+        "--model.init_args.group_size",
+        "2",
+    )
     finite(rows, "rollout/reward_mean")
     before, after = held_out(capsys.readouterr().out, "val/accuracy")
     assert 0 <= before <= 1 and 0 <= after <= 1
 
 
 def test_grpo_with_a_calculator_tool(tmp_path, capsys):
-    rows = run("grpo", GRPOModule, PromptDataModule, "grpo/smollm2-calculator.yaml", tmp_path,
-               "--data.init_args.batch_size", "2", "--data.init_args.val_batch_size", "4",
-               "--model.init_args.group_size", "2")
+    rows = run(
+        "grpo",
+        GRPOModule,
+        PromptDataModule,
+        "grpo/smollm2-calculator.yaml",
+        tmp_path,
+        "--data.init_args.batch_size",
+        "2",
+        "--data.init_args.val_batch_size",
+        "4",
+        "--model.init_args.group_size",
+        "2",
+    )
     finite(rows, "rollout/reward_mean")
     turns = finite(rows, "rollout/turns")
     assert all(1.0 <= t <= 3.0 for t in turns)
@@ -112,9 +148,20 @@ def test_grpo_with_a_calculator_tool(tmp_path, capsys):
 
 
 def test_ppo_on_the_trained_reward_model(reward_model_export, tmp_path, capsys):
-    rows = run("ppo", PPOModule, PromptDataModule, "ppo/smollm2.yaml", tmp_path, *ROLLOUTS,
-               "--model.init_args.reward_model", str(reward_model_export), "--model.init_args.group_size", "2",
-               "--model.init_args.value.warmup_rollouts", "1")
+    rows = run(
+        "ppo",
+        PPOModule,
+        PromptDataModule,
+        "ppo/smollm2.yaml",
+        tmp_path,
+        *ROLLOUTS,
+        "--model.init_args.reward_model",
+        str(reward_model_export),
+        "--model.init_args.group_size",
+        "2",
+        "--model.init_args.value.warmup_rollouts",
+        "1",
+    )
     finite(rows, "rollout/reward_mean")
     out = capsys.readouterr().out
     held_out(out, "val/reward/math_verify")

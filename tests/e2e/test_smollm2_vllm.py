@@ -4,13 +4,11 @@ layer is re-packed after a reload)."""
 
 import pytest
 import torch
+from test_smollm2_model import prompt_ids
 
 from align.models import LoraSettings, PolicyModel
-from align.rollout.engine import make_engine
-from align.rollout.engine import SamplingConfig
+from align.rollout.engine import SamplingConfig, make_engine
 from align.rollout.vllm_engine import VLLMEngine
-
-from test_smollm2_model import prompt_ids
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm", exc_type=ImportError)

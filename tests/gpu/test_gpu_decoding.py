@@ -11,8 +11,15 @@ from align.rollout.sampling import sample
 
 pytestmark = pytest.mark.gpu
 
-SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 
 
@@ -59,8 +66,12 @@ def decoder_steps(model, ids, mask, new_tokens) -> list[torch.Tensor]:
     logits = [out.logits[:, -1].float()]
     for step in range(new_tokens.shape[1]):
         positions = positions[:, -1:] + 1
-        out = decoder(new_tokens[:, step:step + 1], full_mask[:, : ids.shape[1] + step + 1], positions,
-                      past_key_values=out.past_key_values)
+        out = decoder(
+            new_tokens[:, step : step + 1],
+            full_mask[:, : ids.shape[1] + step + 1],
+            positions,
+            past_key_values=out.past_key_values,
+        )
         logits.append(out.logits[:, -1].float())
     return logits
 
@@ -71,8 +82,9 @@ def test_prefill_and_every_step_match_the_model_forward(device, dtype, lora):
     model = llama(device, dtype, lora)
     assert fast_decoder_unsupported(model) is None
     ids, mask = left_padded(device)
-    new_tokens = torch.randint(3, SMALL["vocab_size"], (ids.shape[0], 5),
-                               generator=torch.Generator().manual_seed(1)).to(device)
+    new_tokens = torch.randint(
+        3, SMALL["vocab_size"], (ids.shape[0], 5), generator=torch.Generator().manual_seed(1)
+    ).to(device)
     expected, got = forward_steps(model, ids, mask, new_tokens), decoder_steps(model, ids, mask, new_tokens)
     assert got[0].device.type == device.type
     for step, (e, g) in enumerate(zip(expected, got)):
@@ -84,8 +96,9 @@ def test_the_decoder_under_autocast_matches_the_forward_under_autocast(device, d
     # bf16-mixed training samples inside the trainer's autocast: float32 weights, bfloat16 products.
     model = llama(device, torch.float32)
     ids, mask = left_padded(device)
-    new_tokens = torch.randint(3, SMALL["vocab_size"], (ids.shape[0], 3),
-                               generator=torch.Generator().manual_seed(2)).to(device)
+    new_tokens = torch.randint(
+        3, SMALL["vocab_size"], (ids.shape[0], 3), generator=torch.Generator().manual_seed(2)
+    ).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         expected, got = forward_steps(model, ids, mask, new_tokens), decoder_steps(model, ids, mask, new_tokens)
     for step, (e, g) in enumerate(zip(expected, got)):
@@ -105,10 +118,20 @@ def test_shared_prefill_samples_what_encoding_every_row_does(device, fast):
 
         def recorded(**kw):
             prefill_rows.append(kw["input_ids"].shape[0]) if kw["past_key_values"] is None else None
-            return lm(**kw)
+            return lm(**kw)  # noqa: B023
 
-        outs.append(sample(recorded, ids, mask, eos_token_id=1, pad_token_id=0, max_new_tokens=8, temperature=0.0,
-                           shared_prefix=shared))
+        outs.append(
+            sample(
+                recorded,
+                ids,
+                mask,
+                eos_token_id=1,
+                pad_token_id=0,
+                max_new_tokens=8,
+                temperature=0.0,
+                shared_prefix=shared,
+            )
+        )
     (shared, unshared) = outs
     assert prefill_rows == [2, 6]  # one row per group, then every row
     assert torch.equal(shared.response_ids, unshared.response_ids)

@@ -45,8 +45,11 @@ def scored(device, dtype, fused: bool, autocast: bool):
     return out.logprobs.detach(), ref.logprobs, grads
 
 
-@pytest.mark.parametrize("dtype, autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
-                         ids=["fp32", "bf16-weights", "bf16-autocast"])
+@pytest.mark.parametrize(
+    "dtype, autocast",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["fp32", "bf16-weights", "bf16-autocast"],
+)
 def test_the_fused_adapter_scores_and_trains_as_peft(device, dtype, autocast):
     (lp, ref, grads), (lp0, ref0, grads0) = (scored(device, dtype, fused, autocast) for fused in (True, False))
     assert lp.device.type == device.type

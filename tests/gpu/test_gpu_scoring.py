@@ -35,8 +35,12 @@ def test_the_samplers_logprobs_are_the_trainers(policy, device, bf16, fast_decod
     with autocast(device, bf16):
         rollout = engine.generate(policy, prompt_ids, 4)
         with torch.no_grad():
-            scores = policy.token_logprobs(rollout.input_ids, rollout.attention_mask,
-                                           response_length=rollout.response_ids.shape[1], temperature=0.7)
+            scores = policy.token_logprobs(
+                rollout.input_ids,
+                rollout.attention_mask,
+                response_length=rollout.response_ids.shape[1],
+                temperature=0.7,
+            )
     assert rollout.input_ids.device.type == device.type
     m = rollout.response_mask
     assert m.sum() > 0
@@ -85,8 +89,9 @@ def test_shared_prompts_score_as_one_pass_over_every_row(device, path, lora, mon
             monkeypatch.setattr(scoring, "chunked_head_unsupported", lambda model: "forced for the test")
         policy.zero_grad(set_to_none=True)
         calls.clear()
-        out = policy.token_logprobs(ids, mask, response_length=5, temperature=0.9, return_entropy=True,
-                                    return_values=True)
+        out = policy.token_logprobs(
+            ids, mask, response_length=5, temperature=0.9, return_entropy=True, return_values=True
+        )
         ((out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()).backward()
         grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
         results.append(([out.logprobs.detach(), out.entropy.detach(), out.values.detach()], grads, list(calls)))

@@ -20,8 +20,14 @@ def length_reward(prompts, completions, **kw):
 
 
 FUSED_ADAMW = partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0, fused=True)
-RL = dict(rewards=[length_reward], group_size=2, sampling=SamplingConfig(max_new_tokens=6), log_entropy=True,
-          optimizer=FUSED_ADAMW, updates=Updates(max_grad_norm=0.5))
+RL = dict(
+    rewards=[length_reward],
+    group_size=2,
+    sampling=SamplingConfig(max_new_tokens=6),
+    log_entropy=True,
+    optimizer=FUSED_ADAMW,
+    updates=Updates(max_grad_norm=0.5),
+)
 
 
 def grpo(lora=False):
@@ -84,9 +90,16 @@ def pairs():
     return PreferenceDataModule(batch_size=4, max_length=128)
 
 
-CASES = {"grpo": (grpo, prompts), "grpo-lora": (partial(grpo, lora=True), prompts), "ppo": (ppo, prompts),
-         "trpo": (trpo, prompts), "online_dpo": (online_dpo, prompts), "distill": (distill, prompts),
-         "sft": (sft, sft_data), "dpo": (dpo, pairs)}
+CASES = {
+    "grpo": (grpo, prompts),
+    "grpo-lora": (partial(grpo, lora=True), prompts),
+    "ppo": (ppo, prompts),
+    "trpo": (trpo, prompts),
+    "online_dpo": (online_dpo, prompts),
+    "distill": (distill, prompts),
+    "sft": (sft, sft_data),
+    "dpo": (dpo, pairs),
+}
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -98,10 +111,19 @@ def test_two_steps_on_the_device(case, precision, accelerator, device):
     torch.manual_seed(0)
     module = make_module()
     automatic = module.automatic_optimization
-    trainer = L.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=2,
-                        gradient_clip_val=1.0 if automatic else None, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        precision=precision,
+        max_steps=2,
+        gradient_clip_val=1.0 if automatic else None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     before = {n: p.detach().float().clone() for n, p in trainable}
     trainer.fit(module, datamodule=make_data())

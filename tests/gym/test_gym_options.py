@@ -22,32 +22,35 @@ from align.gym import (
 )
 
 
-@pytest.mark.parametrize("build, key", [
-    (lambda: GymGAE(gamma=1.5), "gae.gamma"),
-    (lambda: GymGAE(lam=-0.1), "gae.lam"),
-    (lambda: GymClipRange(low=0.0), "clip.low"),
-    (lambda: GymClipRange(high=-0.1), "clip.high"),
-    (lambda: GymClipRange(schedule="cosine"), "clip.schedule"),
-    (lambda: GymValueTraining(coef=-1.0), "value.coef"),
-    (lambda: GymValueTraining(clip=0.0), "value.clip"),
-    (lambda: GymUpdates(epochs=0), "updates.epochs"),
-    (lambda: GymUpdates(minibatch_size=0), "updates.minibatch_size"),
-    (lambda: GymUpdates(max_grad_norm=0.0), "updates.max_grad_norm"),
-    (lambda: GymUpdates(target_kl=0.0), "updates.target_kl"),
-    (lambda: ReplayUpdates(gradient_steps=-1), "updates.gradient_steps"),
-    (lambda: ReplayUpdates(minibatch_size=0), "updates.minibatch_size"),
-    (lambda: ReplayUpdates(max_grad_norm=-1.0), "updates.max_grad_norm"),
-    (lambda: EpisodeEvaluation(episodes=0), "evaluation.episodes"),
-    (lambda: Exploration(final=1.5), "exploration.final"),
-    (lambda: A2CGymModule(updates=GymUpdates(epochs=4)), "updates.epochs"),
-    (lambda: A2CGymModule(updates=GymUpdates(minibatch_size=64)), "updates.minibatch_size"),
-    (lambda: A2CGymModule(value=GymValueTraining(clip=0.2)), "value.clip"),
-    (lambda: REINFORCEGymModule(updates=GymUpdates(target_kl=0.01)), "updates.target_kl"),
-    (lambda: REINFORCEGymModule(gae=GymGAE(lam=0.95)), "gae.lam"),
-    (lambda: PPOGymModule(entropy_coef=-0.01), "entropy_coef"),
-    (lambda: PPOGymModule(steps_per_iteration=0), "steps_per_iteration"),
-    (lambda: DQNGymModule(steps_per_iteration=0), "steps_per_iteration"),
-])
+@pytest.mark.parametrize(
+    "build, key",
+    [
+        (lambda: GymGAE(gamma=1.5), "gae.gamma"),
+        (lambda: GymGAE(lam=-0.1), "gae.lam"),
+        (lambda: GymClipRange(low=0.0), "clip.low"),
+        (lambda: GymClipRange(high=-0.1), "clip.high"),
+        (lambda: GymClipRange(schedule="cosine"), "clip.schedule"),
+        (lambda: GymValueTraining(coef=-1.0), "value.coef"),
+        (lambda: GymValueTraining(clip=0.0), "value.clip"),
+        (lambda: GymUpdates(epochs=0), "updates.epochs"),
+        (lambda: GymUpdates(minibatch_size=0), "updates.minibatch_size"),
+        (lambda: GymUpdates(max_grad_norm=0.0), "updates.max_grad_norm"),
+        (lambda: GymUpdates(target_kl=0.0), "updates.target_kl"),
+        (lambda: ReplayUpdates(gradient_steps=-1), "updates.gradient_steps"),
+        (lambda: ReplayUpdates(minibatch_size=0), "updates.minibatch_size"),
+        (lambda: ReplayUpdates(max_grad_norm=-1.0), "updates.max_grad_norm"),
+        (lambda: EpisodeEvaluation(episodes=0), "evaluation.episodes"),
+        (lambda: Exploration(final=1.5), "exploration.final"),
+        (lambda: A2CGymModule(updates=GymUpdates(epochs=4)), "updates.epochs"),
+        (lambda: A2CGymModule(updates=GymUpdates(minibatch_size=64)), "updates.minibatch_size"),
+        (lambda: A2CGymModule(value=GymValueTraining(clip=0.2)), "value.clip"),
+        (lambda: REINFORCEGymModule(updates=GymUpdates(target_kl=0.01)), "updates.target_kl"),
+        (lambda: REINFORCEGymModule(gae=GymGAE(lam=0.95)), "gae.lam"),
+        (lambda: PPOGymModule(entropy_coef=-0.01), "entropy_coef"),
+        (lambda: PPOGymModule(steps_per_iteration=0), "steps_per_iteration"),
+        (lambda: DQNGymModule(steps_per_iteration=0), "steps_per_iteration"),
+    ],
+)
 def test_a_bad_value_fails_on_one_line_naming_its_key(build, key):
     with pytest.raises(AlignConfigError) as err:
         build()
@@ -74,8 +77,21 @@ def test_a_nested_block_changes_only_the_fields_it_names_on_the_modules_own_defa
 
 
 def test_the_on_policy_modules_take_the_shared_blocks_and_only_their_own_extras():
-    shared = {"env", "total_steps", "steps_per_iteration", "gae", "entropy_coef", "value", "updates",
-              "normalize_observations", "normalize_rewards", "network", "evaluation", "optimizer", "lr_schedule"}
+    shared = {
+        "env",
+        "total_steps",
+        "steps_per_iteration",
+        "gae",
+        "entropy_coef",
+        "value",
+        "updates",
+        "normalize_observations",
+        "normalize_rewards",
+        "network",
+        "evaluation",
+        "optimizer",
+        "lr_schedule",
+    }
     assert set(vars(parse(PPOGymModule))) == shared | {"clip"}
     assert set(vars(parse(A2CGymModule))) == shared
     assert set(vars(parse(REINFORCEGymModule))) == shared - {"steps_per_iteration"} | {"baseline"}  # one episode

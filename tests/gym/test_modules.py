@@ -1,13 +1,14 @@
 """The classic-RL modules on Gymnasium: each trains a few iterations inside a Trainer and logs its metrics, the
 policy-gradient modules' loss is the policy gradient, continuous actions work, and unsupported spaces fail on one
-line. (Learning to solve CartPole is in tests/e2e/test_gym_learning.py; the math in tests/gym/test_returns.py and test_optim.py.)"""
+line. (Learning to solve CartPole is in tests/e2e/test_gym_learning.py; the math in tests/gym/test_returns.py and
+test_optim.py.)"""
 
 from functools import partial
 
 import pytest
 import torch
+from _gym import cpu_trainer
 
-from align.gym.make import EnvSpec
 from align.errors import AlignConfigError
 from align.gym import (
     A2CGymModule,
@@ -21,30 +22,56 @@ from align.gym import (
     REINFORCEGymModule,
     ReplayUpdates,
 )
-from _gym import cpu_trainer
+from align.gym.make import EnvSpec
 
 CARTPOLE = EnvSpec(id="CartPole-v1", num_envs=2)
 ADAM = partial(torch.optim.Adam, lr=1e-3)
 
 BUILDERS = {
-    "ppo": lambda: PPOGymModule(env=CARTPOLE, total_steps=128, steps_per_iteration=16,
-                                updates=GymUpdates(epochs=2, minibatch_size=16), optimizer=ADAM, lr_schedule="linear",
-                                clip=GymClipRange(schedule="linear"), normalize_observations=True,
-                                normalize_rewards=True),
+    "ppo": lambda: PPOGymModule(
+        env=CARTPOLE,
+        total_steps=128,
+        steps_per_iteration=16,
+        updates=GymUpdates(epochs=2, minibatch_size=16),
+        optimizer=ADAM,
+        lr_schedule="linear",
+        clip=GymClipRange(schedule="linear"),
+        normalize_observations=True,
+        normalize_rewards=True,
+    ),
     "a2c": lambda: A2CGymModule(env=CARTPOLE, total_steps=100, steps_per_iteration=5, optimizer=ADAM),
     "reinforce": lambda: REINFORCEGymModule(env=CARTPOLE, total_steps=100, optimizer=ADAM),
-    "dqn": lambda: DQNGymModule(env=CARTPOLE, total_steps=200, learning_starts=32, steps_per_iteration=8,
-                                updates=ReplayUpdates(gradient_steps=4, minibatch_size=16), target_update_interval=20,
-                                double_dqn=True, optimizer=ADAM),
-    "qlearning": lambda: QLearningGymModule(env=EnvSpec(id="FrozenLake-v1", kwargs={"is_slippery": False}),
-                                            total_steps=300, steps_per_iteration=50, init_value=1.0),
+    "dqn": lambda: DQNGymModule(
+        env=CARTPOLE,
+        total_steps=200,
+        learning_starts=32,
+        steps_per_iteration=8,
+        updates=ReplayUpdates(gradient_steps=4, minibatch_size=16),
+        target_update_interval=20,
+        double_dqn=True,
+        optimizer=ADAM,
+    ),
+    "qlearning": lambda: QLearningGymModule(
+        env=EnvSpec(id="FrozenLake-v1", kwargs={"is_slippery": False}),
+        total_steps=300,
+        steps_per_iteration=50,
+        init_value=1.0,
+    ),
 }
-LOSSES = {"ppo": {"train/policy_loss", "train/value_loss", "train/entropy", "train/clipfrac", "train/approx_kl",
-                  "train/explained_variance"},
-          "a2c": {"train/policy_loss", "train/value_loss", "train/entropy", "train/explained_variance"},
-          "reinforce": {"train/policy_loss", "train/value_loss", "train/entropy"},
-          "dqn": {"train/loss", "train/q_mean", "rollout/epsilon", "rollout/buffer_size"},
-          "qlearning": {"train/td_error", "rollout/epsilon"}}
+LOSSES = {
+    "ppo": {
+        "train/policy_loss",
+        "train/value_loss",
+        "train/entropy",
+        "train/clipfrac",
+        "train/approx_kl",
+        "train/explained_variance",
+    },
+    "a2c": {"train/policy_loss", "train/value_loss", "train/entropy", "train/explained_variance"},
+    "reinforce": {"train/policy_loss", "train/value_loss", "train/entropy"},
+    "dqn": {"train/loss", "train/q_mean", "rollout/epsilon", "rollout/buffer_size"},
+    "qlearning": {"train/td_error", "rollout/epsilon"},
+}
 
 
 @pytest.mark.parametrize("algorithm", sorted(BUILDERS))
@@ -57,7 +84,9 @@ def test_each_module_trains_to_its_step_budget_and_logs(algorithm):
     assert module.total_steps <= module.env_steps < module.total_steps + 64  # stops at the budget
     metrics = module.last_metrics
     assert LOSSES[algorithm] <= set(metrics), sorted(metrics)
-    assert {"rollout/env_steps", "rollout/episodes", "rollout/steps_per_s", "train/lr", "time/rollout_s"} <= set(metrics)
+    assert {"rollout/env_steps", "rollout/episodes", "rollout/steps_per_s", "train/lr", "time/rollout_s"} <= set(
+        metrics
+    )
     assert metrics["rollout/env_steps"] == module.env_steps
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
     changed = [k for k, v in module.state_dict().items() if not torch.equal(v, before[k])]
@@ -73,8 +102,12 @@ def test_episode_metrics_are_means_of_the_latest_finished_episodes():
 
     torch.manual_seed(0)
     # A policy that barely learns keeps its episodes short (about 22 steps): well over 100 finish in 3,000 steps.
-    module = A2CGymModule(env=CARTPOLE, total_steps=3000, steps_per_iteration=5,
-                          optimizer=lambda params: torch.optim.Adam(params, lr=1e-6))
+    module = A2CGymModule(
+        env=CARTPOLE,
+        total_steps=3000,
+        steps_per_iteration=5,
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-6),
+    )
     finished = []
     original = module.runner.pop_episodes
 
@@ -130,8 +163,14 @@ def test_policy_gradient_loss_is_minus_advantage_times_log_prob():
 
 def test_ppo_on_continuous_actions_clips_what_the_environment_gets():
     torch.manual_seed(0)
-    module = PPOGymModule(env=EnvSpec(id="Pendulum-v1", num_envs=2), total_steps=64, steps_per_iteration=16,
-                          updates=GymUpdates(epochs=1, minibatch_size=32), network={"log_std_init": 1.0}, optimizer=ADAM)
+    module = PPOGymModule(
+        env=EnvSpec(id="Pendulum-v1", num_envs=2),
+        total_steps=64,
+        steps_per_iteration=16,
+        updates=GymUpdates(epochs=1, minibatch_size=32),
+        network={"log_std_init": 1.0},
+        optimizer=ADAM,
+    )
     obs = module.runner.start()
     actions, extras = module.sample_actions(obs)
     assert actions.shape == (2, 1) and extras["logprobs"].shape == (2,)
@@ -150,14 +189,17 @@ def test_evaluation_replays_the_same_held_out_episodes():
     assert len({e.length for e in module.evaluate(episodes=6)}) > 1  # different seeds per episode
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: DQNGymModule(env=CARTPOLE, learning_starts=-1), r"^model\.learning_starts: expected >= 0, got -1$"),
-    (lambda: DQNGymModule(env=CARTPOLE, tau=0.0), r"^model\.tau: expected a value in \(0, 1\], got 0\.0$"),
-    (lambda: DQNGymModule(env=CARTPOLE, gamma=1.5), r"^model\.gamma: expected a value in \[0, 1\], got 1\.5$"),
-    (lambda: DQNGymModule(env=CARTPOLE, buffer_size=0), r"^model\.buffer_size: expected >= 1, got 0$"),
-    (lambda: QLearningGymModule(learning_rate=0.0), r"^model\.learning_rate: expected > 0, got 0\.0$"),
-    (lambda: QLearningGymModule(steps_per_iteration=0), r"^model\.steps_per_iteration: expected >= 1, got 0$"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: DQNGymModule(env=CARTPOLE, learning_starts=-1), r"^model\.learning_starts: expected >= 0, got -1$"),
+        (lambda: DQNGymModule(env=CARTPOLE, tau=0.0), r"^model\.tau: expected a value in \(0, 1\], got 0\.0$"),
+        (lambda: DQNGymModule(env=CARTPOLE, gamma=1.5), r"^model\.gamma: expected a value in \[0, 1\], got 1\.5$"),
+        (lambda: DQNGymModule(env=CARTPOLE, buffer_size=0), r"^model\.buffer_size: expected >= 1, got 0$"),
+        (lambda: QLearningGymModule(learning_rate=0.0), r"^model\.learning_rate: expected > 0, got 0\.0$"),
+        (lambda: QLearningGymModule(steps_per_iteration=0), r"^model\.steps_per_iteration: expected >= 1, got 0$"),
+    ],
+)
 def test_bad_module_settings_fail_on_one_line_naming_the_setting(build, message):
     with pytest.raises(AlignConfigError, match=message):
         build()
@@ -169,17 +211,29 @@ def test_unsupported_spaces_fail_on_one_line_naming_the_environment():
     message = str(err.value)
     assert "\n" not in message
     assert "environment 'Pendulum-v1': DQN needs a Discrete action space, got Box(shape=(1,)" in message
-    with pytest.raises(AlignConfigError, match="environment 'CartPole-v1': tabular Q-learning needs a Discrete "
-                                                r"observation space, got Box\(shape=\(4,\)\)"):
+    with pytest.raises(
+        AlignConfigError,
+        match="environment 'CartPole-v1': tabular Q-learning needs a Discrete "
+        r"observation space, got Box\(shape=\(4,\)\)",
+    ):
         QLearningGymModule(env=EnvSpec(id="CartPole-v1"))
-    with pytest.raises(AlignConfigError, match="environment 'CartPol-v1': not a registered Gymnasium id .* CartPole-v1"):
+    with pytest.raises(
+        AlignConfigError, match="environment 'CartPol-v1': not a registered Gymnasium id .* CartPole-v1"
+    ):
         PPOGymModule(env=EnvSpec(id="CartPol-v1"))
 
 
 def test_dqn_target_network_follows_the_interval_and_tau():
     torch.manual_seed(0)
-    module = DQNGymModule(env=CARTPOLE, total_steps=64, learning_starts=10_000, steps_per_iteration=4,
-                          target_update_interval=16, tau=0.5, optimizer=ADAM)
+    module = DQNGymModule(
+        env=CARTPOLE,
+        total_steps=64,
+        learning_starts=10_000,
+        steps_per_iteration=4,
+        target_update_interval=16,
+        tau=0.5,
+        optimizer=ADAM,
+    )
     with torch.no_grad():
         for p in module.q.parameters():
             p.add_(1.0)
@@ -203,9 +257,14 @@ def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double
     from align.gym.returns import td_targets
 
     torch.manual_seed(0)
-    module = DQNGymModule(env=CARTPOLE, total_steps=10_000, learning_starts=0,
-                          updates=ReplayUpdates(gradient_steps=6, minibatch_size=8), target_update_interval=10_000,
-                          double_dqn=double_dqn)
+    module = DQNGymModule(
+        env=CARTPOLE,
+        total_steps=10_000,
+        learning_starts=0,
+        updates=ReplayUpdates(gradient_steps=6, minibatch_size=8),
+        target_update_interval=10_000,
+        double_dqn=double_dqn,
+    )
     module.collect(module.sample_actions, 16, on_step=module._store)  # 32 transitions
     with torch.no_grad():
         for p in module.q_target.parameters():
@@ -233,8 +292,13 @@ def test_dqn_gradient_steps_drawn_together_equal_the_step_by_step_updates(double
         batch = module.buffer.sample(8)
         with torch.no_grad():
             next_online = reference(batch["next_observations"]) if double_dqn else None
-            targets = td_targets(batch["rewards"], module.q_target(batch["next_observations"]), batch["terminated"],
-                                 module.gamma, next_online)
+            targets = td_targets(
+                batch["rewards"],
+                module.q_target(batch["next_observations"]),
+                batch["terminated"],
+                module.gamma,
+                next_online,
+            )
         q = reference(batch["observations"]).gather(1, batch["actions"].long().view(-1, 1)).squeeze(1)
         reference_optimizer.zero_grad()
         F.smooth_l1_loss(q, targets).backward()
@@ -317,8 +381,15 @@ def test_optimizer_steps_are_counted_and_step_hooks_still_run():
     steps = {}
     for hooked in (False, True):
         torch.manual_seed(0)
-        module = DQNGymModule(env=CARTPOLE, total_steps=96, learning_starts=20, steps_per_iteration=8,
-                              updates=ReplayUpdates(gradient_steps=3, minibatch_size=8), hidden=(16,), optimizer=ADAM)
+        module = DQNGymModule(
+            env=CARTPOLE,
+            total_steps=96,
+            learning_starts=20,
+            steps_per_iteration=8,
+            updates=ReplayUpdates(gradient_steps=3, minibatch_size=8),
+            hidden=(16,),
+            optimizer=ADAM,
+        )
         count = Count()
         trainer = cpu_trainer(max_epochs=1, callbacks=[count] if hooked else [])
         trainer.fit(module)
@@ -363,11 +434,14 @@ def test_a_non_finite_loss_stops_the_run_before_the_update():
     from align.trainer.guards import NonFiniteError
 
     torch.manual_seed(0)
-    module = A2CGymModule(env=EnvSpec(id=f"{__file__}:NaNRewardEnv"), total_steps=100, steps_per_iteration=5,
-                          optimizer=ADAM)
+    module = A2CGymModule(
+        env=EnvSpec(id=f"{__file__}:NaNRewardEnv"), total_steps=100, steps_per_iteration=5, optimizer=ADAM
+    )
     assert module.guards_own_steps  # the check is in optimizer_step; no NonFiniteGuard pass over the gradients
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.raises(NonFiniteError, match=r"non-finite loss at optimizer step 0 \(iteration 0, 5 environment steps\)"):
+    with pytest.raises(
+        NonFiniteError, match=r"non-finite loss at optimizer step 0 \(iteration 0, 5 environment steps\)"
+    ):
         cpu_trainer(max_epochs=1).fit(module)
     for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), k

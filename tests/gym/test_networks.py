@@ -11,8 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from align.errors import AlignConfigError
-from align.gym.networks import (ActorCritic, ObservationEncoder, QNetwork, QTable, gaussian_entropy, gaussian_log_prob,
-                                mlp, observation_size)
+from align.gym.networks import (
+    ActorCritic,
+    ObservationEncoder,
+    QNetwork,
+    QTable,
+    gaussian_entropy,
+    gaussian_log_prob,
+    mlp,
+    observation_size,
+)
 
 BOX4 = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
 FAST = settings(max_examples=50, deadline=None)
@@ -224,11 +232,14 @@ def test_mlp_structure_and_bad_activation():
         mlp([3, 2], "gelu", 1.0)
 
 
-@pytest.mark.parametrize("space, text", [
-    (gym.spaces.MultiBinary(3), r"MultiBinary\(3\)"),
-    (gym.spaces.Box(-1, 1, (2, 2), np.float32), r"Box\(shape=\(2, 2\)\)"),
-    (gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
-])
+@pytest.mark.parametrize(
+    "space, text",
+    [
+        (gym.spaces.MultiBinary(3), r"MultiBinary\(3\)"),
+        (gym.spaces.Box(-1, 1, (2, 2), np.float32), r"Box\(shape=\(2, 2\)\)"),
+        (gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
+    ],
+)
 def test_unsupported_action_space(space, text):
     with pytest.raises(AlignConfigError, match=rf"environment 'Grid-v0': action space {text}.*not supported"):
         ActorCritic(BOX4, space, env_id="Grid-v0")
@@ -254,7 +265,7 @@ def test_qnetwork_initialisation_is_torchs_by_default_or_orthogonal():
     torch.manual_seed(0)
     plain = QNetwork(BOX4, 3, hidden=(64, 32))
     for layer in (m for m in plain.net if isinstance(m, torch.nn.Linear)):
-        bound = 1 / layer.in_features ** 0.5
+        bound = 1 / layer.in_features**0.5
         assert layer.weight.abs().max() <= bound and layer.bias.abs().max() <= bound and layer.bias.abs().sum() > 0
     ortho = QNetwork(BOX4, 3, hidden=(64, 32), init="orthogonal")
     first, second, last = (m for m in ortho.net if isinstance(m, torch.nn.Linear))
@@ -275,8 +286,11 @@ def test_qtable():
 
 
 def test_qtable_rejects_box_observations():
-    with pytest.raises(AlignConfigError, match=r"environment 'CartPole-v1': tabular Q-learning needs a Discrete "
-                                               r"observation space, got Box\(shape=\(4,\)\); use DQN"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"environment 'CartPole-v1': tabular Q-learning needs a Discrete "
+        r"observation space, got Box\(shape=\(4,\)\); use DQN",
+    ):
         QTable(BOX4, 2, env_id="CartPole-v1")
 
 
@@ -292,9 +306,9 @@ def test_reward_scaler_divides_by_the_running_std_of_the_discounted_return():
     n, prior = 3, 1e-4
     mean, var = 7 / 6, 1 / 18
     total = prior + n
-    expected_var = (1.0 * prior + var * n + mean ** 2 * prior * n / total) / total
+    expected_var = (1.0 * prior + var * n + mean**2 * prior * n / total) / total
     assert float(scaler.var) == pytest.approx(expected_var, rel=1e-9)
-    torch.testing.assert_close(out, rewards / expected_var ** 0.5)
+    torch.testing.assert_close(out, rewards / expected_var**0.5)
     assert float(scaler.returns[0]) == 1.0  # the running return carries into the next window
     tight = RewardScaler(num_envs=1, gamma=0.5, clip=0.5)
     assert float(tight(torch.tensor([[1.0]]), torch.tensor([[False]]))) == 0.5  # 1 / std of about 1e2, clipped

@@ -9,7 +9,6 @@ from torch import nn
 
 from align.gym.optim import clip_grad_norm, fused_adam_step, linear_schedule, polyak_update
 
-
 # ---------------------------------------------------------------- linear_schedule
 
 
@@ -82,13 +81,17 @@ def _backward(net: nn.Module, x: torch.Tensor, frozen_bias: bool = False) -> Non
         net[2].bias.grad = None
 
 
-@pytest.mark.parametrize("make", [
-    lambda params: torch.optim.Adam(params, lr=1e-2, eps=1e-5, fused=True),
-    lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, fused=True),
-    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95), fused=True),
-    lambda params: torch.optim.Adam([{"params": params[:2], "lr": 3e-3}, {"params": params[2:]}], lr=1e-2,
-                                    fused=True),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.Adam(params, lr=1e-2, eps=1e-5, fused=True),
+        lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, fused=True),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95), fused=True),
+        lambda params: torch.optim.Adam(
+            [{"params": params[:2], "lr": 3e-3}, {"params": params[2:]}], lr=1e-2, fused=True
+        ),
+    ],
+)
 def test_fused_adam_step_equals_the_optimizers_step_bit_for_bit(make):
     net, twin = _twin_networks()
     ours, theirs = make(list(twin.parameters())), make(list(net.parameters()))
@@ -133,13 +136,18 @@ def test_fused_adam_step_continues_from_a_loaded_state():
     assert all(torch.equal(p, q) for p, q in zip(twin.parameters(), net.parameters()))
 
 
-@pytest.mark.parametrize("case", ["not fused", "amsgrad", "maximize", "tensor lr", "rmsprop", "hook", "scheduler",
-                                  "two dtypes"])
+@pytest.mark.parametrize(
+    "case", ["not fused", "amsgrad", "maximize", "tensor lr", "rmsprop", "hook", "scheduler", "two dtypes"]
+)
 def test_fused_adam_step_leaves_what_it_does_not_cover_to_step(case):
     net, _ = _twin_networks()
     params = list(net.parameters())
-    options = {"not fused": {"fused": False}, "amsgrad": {"amsgrad": True}, "maximize": {"maximize": True},
-               "tensor lr": {"lr": torch.tensor(1e-2)}}.get(case, {})
+    options = {
+        "not fused": {"fused": False},
+        "amsgrad": {"amsgrad": True},
+        "maximize": {"maximize": True},
+        "tensor lr": {"lr": torch.tensor(1e-2)},
+    }.get(case, {})
     if case == "rmsprop":
         optimizer = torch.optim.RMSprop(params, lr=1e-2)
     else:

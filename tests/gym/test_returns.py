@@ -45,8 +45,9 @@ def test_step_gae_no_episode_end_pinned():
 
 def test_step_gae_termination_in_the_middle_pinned():
     # The episode terminates at t=1; next_values[1] = 100 must be ignored (a terminal state has no value).
-    adv, ret = step_gae(col(*R), col(*V), col(2.0, 100.0, 3.0), flags(False, True, False),
-                        flags(False, True, False), gamma=0.9, lam=0.8)
+    adv, ret = step_gae(
+        col(*R), col(*V), col(2.0, 100.0, 3.0), flags(False, True, False), flags(False, True, False), gamma=0.9, lam=0.8
+    )
     # delta_0 = 1.8, delta_1 = 0 + 0.9*0*100 - 2 = -2, delta_2 = 3.7
     # A_2 = 3.7
     # A_1 = -2 (done: A_2 does not flow back across the episode boundary)
@@ -57,8 +58,7 @@ def test_step_gae_termination_in_the_middle_pinned():
 
 def test_step_gae_truncation_bootstraps_but_cuts_pinned():
     # Truncated at t=1 (done, not terminated): the cut-off state's value 5 is bootstrapped.
-    adv, _ = step_gae(col(*R), col(*V), col(2.0, 5.0, 3.0), flags(*NO), flags(False, True, False),
-                      gamma=0.9, lam=0.8)
+    adv, _ = step_gae(col(*R), col(*V), col(2.0, 5.0, 3.0), flags(*NO), flags(False, True, False), gamma=0.9, lam=0.8)
     # delta_1 = 0 + 0.9*5 - 2 = 2.5
     # A_2 = 3.7; A_1 = 2.5 (cut); A_0 = 1.8 + 0.72*2.5 = 3.6
     torch.testing.assert_close(adv, col(3.6, 2.5, 3.7))
@@ -90,11 +90,14 @@ def test_step_gae_envs_are_independent():
     torch.testing.assert_close(ret, adv + values)
 
 
-@pytest.mark.parametrize("shapes", [
-    [(3, 2)] * 4 + [(3, 1)],  # one tensor differs
-    [(3,)] * 5,  # not (T, N)
-    [(3, 2, 1)] * 5,
-])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(3, 2)] * 4 + [(3, 1)],  # one tensor differs
+        [(3,)] * 5,  # not (T, N)
+        [(3, 2, 1)] * 5,
+    ],
+)
 def test_step_gae_shape_errors(shapes):
     tensors = [torch.zeros(s) for s in shapes]
     with pytest.raises(ValueError, match="step_gae"):
@@ -118,8 +121,13 @@ def reference_gae(rewards, values, next_values, terminated, done, gamma, lam):
 
 
 @FAST
-@given(t_len=st.integers(1, 8), n=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
-       gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0))
+@given(
+    t_len=st.integers(1, 8),
+    n=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+)
 def test_step_gae_matches_reference(t_len, n, seed, gamma, lam):
     g = torch.Generator().manual_seed(seed)
     rewards, values, next_values = (torch.randn(t_len, n, generator=g, dtype=torch.float64) for _ in range(3))
@@ -200,12 +208,15 @@ def test_td_targets_integer_flags_and_rewards():
     torch.testing.assert_close(out, torch.tensor([2.0, 0.0]))
 
 
-@pytest.mark.parametrize("args", [
-    (torch.zeros(2), torch.zeros(2), torch.zeros(2)),  # next_q not (B, A)
-    (torch.zeros(3), torch.zeros(2, 4), torch.zeros(3)),  # B differs
-    (torch.zeros(2), torch.zeros(2, 4), torch.zeros(3)),  # terminated differs
-    (torch.zeros(2, 1), torch.zeros(2, 4), torch.zeros(2, 1)),  # rewards not (B,)
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.zeros(2), torch.zeros(2), torch.zeros(2)),  # next_q not (B, A)
+        (torch.zeros(3), torch.zeros(2, 4), torch.zeros(3)),  # B differs
+        (torch.zeros(2), torch.zeros(2, 4), torch.zeros(3)),  # terminated differs
+        (torch.zeros(2, 1), torch.zeros(2, 4), torch.zeros(2, 1)),  # rewards not (B,)
+    ],
+)
 def test_td_targets_shape_errors(args):
     with pytest.raises(ValueError, match="td_targets"):
         td_targets(*args)

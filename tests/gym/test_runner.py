@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from align.gym.make import EnvSpec, require_discrete_actions
-from align.gym.runner import EnvRunner
-from align.gym.runner import episode_seed
 from align.errors import AlignConfigError, AlignEnvError
+from align.gym.make import EnvSpec, require_discrete_actions
+from align.gym.runner import EnvRunner, episode_seed
 
 THIS = str(Path(__file__).resolve())
 
@@ -177,11 +176,15 @@ def test_same_spec_and_seed_same_observations():
 def test_env_indices_episodes_and_streams_get_different_seeds():
     spec = EnvSpec(id="CartPole-v1", num_envs=2, seed=0)
     train, evaluation = EnvRunner(spec), EnvRunner(spec, stream=1)
-    seeds = {(s, i, e): r.episode_seed(i, e) for s, r in enumerate((train, evaluation)) for i in range(4)
-             for e in range(4)}
+    seeds = {
+        (s, i, e): r.episode_seed(i, e) for s, r in enumerate((train, evaluation)) for i in range(4) for e in range(4)
+    }
     assert len(set(seeds.values())) == len(seeds) == 32
     assert train.episode_seed(1, 2) == EnvRunner(spec).episode_seed(1, 2)  # a pure function of its inputs
-    assert (train.episode_seed(1, 2), evaluation.episode_seed(1, 2)) == (episode_seed(0, 0, 1, 2), episode_seed(0, 1, 1, 2))
+    assert (train.episode_seed(1, 2), evaluation.episode_seed(1, 2)) == (
+        episode_seed(0, 0, 1, 2),
+        episode_seed(0, 1, 1, 2),
+    )
     obs_train, obs_eval = train.start(), evaluation.start()
     assert not torch.equal(obs_train[0], obs_train[1])
     assert not torch.equal(obs_train, obs_eval)
@@ -220,8 +223,9 @@ def test_collect_shapes_and_episode_boundaries():
                 # the final observation is the fallen pole, not the reset one
                 assert final[0].abs() > 2.4 or final[2].abs() > 12 * 2 * np.pi / 360
                 assert not torch.equal(final, steps.observations[t + 1, i])
-                np.testing.assert_array_equal(steps.observations[t + 1, i].numpy(),
-                                              reset_observation(runner, i, episode[i]))
+                np.testing.assert_array_equal(
+                    steps.observations[t + 1, i].numpy(), reset_observation(runner, i, episode[i])
+                )
             else:
                 assert torch.equal(steps.next_observations[t, i], steps.observations[t + 1, i])
     assert torch.equal(steps.terminated, steps.done)  # CartPole's time limit (500) is not reached
@@ -244,12 +248,15 @@ def expected_episodes(steps) -> list[tuple[float, int, bool]]:
     return out
 
 
-@pytest.mark.parametrize("env_id, max_steps", [
-    ("CartPole-v1", None),  # Box observations
-    ("FrozenLake-v1", None),  # Discrete observations
-    ("Pendulum-v1", 7),  # continuous actions, time-limit truncations
-    (f"{THIS}:Corridor", 4),  # rewards drawn from np_random
-])
+@pytest.mark.parametrize(
+    "env_id, max_steps",
+    [
+        ("CartPole-v1", None),  # Box observations
+        ("FrozenLake-v1", None),  # Discrete observations
+        ("Pendulum-v1", 7),  # continuous actions, time-limit truncations
+        (f"{THIS}:Corridor", 4),  # rewards drawn from np_random
+    ],
+)
 def test_sync_copies_stepped_directly_equal_gymnasiums_sync_vector_step(env_id, max_steps):
     """The runner steps and resets a sync vector environment's copies itself; Gymnasium's SyncVectorEnv.step and
     reset (with a reset mask) give the same windows and episodes."""
@@ -315,7 +322,7 @@ def test_collect_episodes_one_episode_per_env():
         done = steps.done[:, i].nonzero().flatten().tolist()
         first = done[0]
         firsts.append(first)
-        assert steps.valid[: first + 1, i].all() and not steps.valid[first + 1:, i].any()
+        assert steps.valid[: first + 1, i].all() and not steps.valid[first + 1 :, i].any()
         assert int((steps.done[:, i] & steps.valid[:, i]).sum()) == 1  # exactly one episode counted per env
         # from a fresh reset with the next episode's seed (the interrupted episode 0 is dropped)
         np.testing.assert_array_equal(steps.observations[0, i].numpy(), reset_observation(runner, i, 1))
@@ -328,8 +335,12 @@ def test_collect_episodes_one_episode_per_env():
 
 def test_collect_episodes_that_never_end():
     runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=1))
-    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:Corridor': an episode ran 6 steps "
-                                                      "without ending; set model.env.max_episode_steps")):
+    with pytest.raises(
+        AlignEnvError,
+        match=re.escape(
+            f"environment '{THIS}:Corridor': an episode ran 6 steps without ending; set model.env.max_episode_steps"
+        ),
+    ):
         runner.collect_episodes(constant(0), max_steps=6)
 
 
@@ -355,12 +366,15 @@ def _staggered(runner: EnvRunner, seed: int, limit: int = 300) -> None:
     pytest.fail(f"no staggered state within {limit} steps")
 
 
-@pytest.mark.parametrize("env_id, num_envs, vectorization, max_steps", [
-    ("CartPole-v1", 3, "sync", None),
-    ("CartPole-v1", 2, "async", None),
-    ("FrozenLake-v1", 3, "sync", None),
-    (f"{THIS}:Corridor", 3, "sync", 4),  # time-limit truncations, rewards drawn from np_random
-])
+@pytest.mark.parametrize(
+    "env_id, num_envs, vectorization, max_steps",
+    [
+        ("CartPole-v1", 3, "sync", None),
+        ("CartPole-v1", 2, "async", None),
+        ("FrozenLake-v1", 3, "sync", None),
+        (f"{THIS}:Corridor", 3, "sync", 4),  # time-limit truncations, rewards drawn from np_random
+    ],
+)
 def test_exact_resume(env_id, num_envs, vectorization, max_steps):
     spec = EnvSpec(id=env_id, num_envs=num_envs, vectorization=vectorization, seed=5, max_episode_steps=max_steps)
     killed, resumed = EnvRunner(spec), None
@@ -438,8 +452,11 @@ def test_state_dict_round_trips_through_a_file(tmp_path):
 def test_load_state_dict_with_other_num_envs():
     small = EnvRunner(EnvSpec(id="CartPole-v1", num_envs=2))
     small.collect(constant(0), 2)
-    with pytest.raises(AlignEnvError, match=r"environment 'CartPole-v1': the checkpoint holds 2 environments, this "
-                                            r"run has 3 \(model.env.num_envs\)"):
+    with pytest.raises(
+        AlignEnvError,
+        match=r"environment 'CartPole-v1': the checkpoint holds 2 environments, this "
+        r"run has 3 \(model.env.num_envs\)",
+    ):
         EnvRunner(EnvSpec(id="CartPole-v1", num_envs=3)).load_state_dict(small.state_dict())
 
 
@@ -447,50 +464,65 @@ def test_load_state_dict_with_other_num_envs():
 
 
 def test_unknown_id_suggests_close_ones():
-    with pytest.raises(AlignConfigError, match=r"environment 'CartPol-v1': not a registered Gymnasium id and not an "
-                                               r"import path.*close registered ids: CartPole-v1") as info:
+    with pytest.raises(
+        AlignConfigError,
+        match=r"environment 'CartPol-v1': not a registered Gymnasium id and not an "
+        r"import path.*close registered ids: CartPole-v1",
+    ) as info:
         EnvRunner(EnvSpec(id="CartPol-v1"))
     assert "\n" not in str(info.value)
 
 
 def test_missing_file(tmp_path):
     path = tmp_path / "missing_envs.py"
-    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{path}:Grid': file '{path}' does not "
-                                                         "exist")):
+    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{path}:Grid': file '{path}' does not exist")):
         EnvRunner(EnvSpec(id=f"{path}:Grid"))
 
 
 def test_missing_class_in_file():
-    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{THIS}:Nope': '{THIS}' has no attribute "
-                                                         "'Nope'")):
+    with pytest.raises(
+        AlignConfigError, match=re.escape(f"environment '{THIS}:Nope': '{THIS}' has no attribute 'Nope'")
+    ):
         EnvRunner(EnvSpec(id=f"{THIS}:Nope"))
 
 
 def test_missing_module(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    with pytest.raises(AlignConfigError, match=r"environment 'no_such_envs_module.Grid': cannot import module "
-                                               r"'no_such_envs_module'"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"environment 'no_such_envs_module.Grid': cannot import module "
+        r"'no_such_envs_module'",
+    ):
         EnvRunner(EnvSpec(id="no_such_envs_module.Grid"))
 
 
 def test_constructor_rejects_kwargs():
-    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{THIS}:Fixed': its constructor refused "
-                                                         "model.env.kwargs {'size': 3}")):
+    with pytest.raises(
+        AlignConfigError,
+        match=re.escape(f"environment '{THIS}:Fixed': its constructor refused model.env.kwargs {{'size': 3}}"),
+    ):
         EnvRunner(EnvSpec(id=f"{THIS}:Fixed", kwargs={"size": 3}))
-    with pytest.raises(AlignConfigError, match=r"environment 'CartPole-v1': its constructor refused "
-                                               r"model.env.kwargs \{'size': 3\}"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"environment 'CartPole-v1': its constructor refused "
+        r"model.env.kwargs \{'size': 3\}",
+    ):
         EnvRunner(EnvSpec(id="CartPole-v1", kwargs={"size": 3}))
 
 
 def test_factory_that_returns_no_env():
-    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{THIS}:not_an_env': calling it gave a "
-                                                         "int, not a gymnasium.Env")):
+    with pytest.raises(
+        AlignConfigError,
+        match=re.escape(f"environment '{THIS}:not_an_env': calling it gave a int, not a gymnasium.Env"),
+    ):
         EnvRunner(EnvSpec(id=f"{THIS}:not_an_env"))
 
 
 def test_observation_of_wrong_shape_names_the_env():
-    expected = f"environment '{THIS}:WrongShape': reset returned an observation of shape (3,), outside its observation space"
+    expected = (
+        f"environment '{THIS}:WrongShape': reset returned an observation of shape (3,), outside its observation space"
+    )
     with pytest.raises(AlignEnvError, match=re.escape(expected)) as info:
         EnvRunner(EnvSpec(id=f"{THIS}:WrongShape")).start()
     assert "\n" not in str(info.value)
@@ -509,32 +541,41 @@ def test_observation_outside_discrete_space():
 
 def test_step_that_raises():
     runner = EnvRunner(EnvSpec(id=f"{THIS}:Explodes", num_envs=2))
-    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:Explodes': step raised RuntimeError: "
-                                                      "boom (episodes 0, 0 of its 2 copies)")):
+    with pytest.raises(
+        AlignEnvError,
+        match=re.escape(
+            f"environment '{THIS}:Explodes': step raised RuntimeError: boom (episodes 0, 0 of its 2 copies)"
+        ),
+    ):
         runner.collect(constant(1), 1)
 
 
 def test_reset_that_raises():
-    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:ResetExplodes': reset raised "
-                                                      "KeyError")):
+    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:ResetExplodes': reset raised KeyError")):
         EnvRunner(EnvSpec(id=f"{THIS}:ResetExplodes")).start()
 
 
 def test_require_discrete_actions():
     spec = EnvSpec(id="Pendulum-v1")
     box = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
-    with pytest.raises(AlignConfigError, match=r"environment 'Pendulum-v1': DQN needs a Discrete action space, got "
-                                               r"Box\(shape=\(1,\), float32\)"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"environment 'Pendulum-v1': DQN needs a Discrete action space, got "
+        r"Box\(shape=\(1,\), float32\)",
+    ):
         require_discrete_actions(spec, box, "DQN")
     assert require_discrete_actions(spec, gym.spaces.Discrete(3), "DQN") == 3
 
 
-@pytest.mark.parametrize("fields, name", [
-    ({"num_envs": 0}, "num_envs"),
-    ({"vectorization": "threads"}, "vectorization"),
-    ({"max_episode_steps": 0}, "max_episode_steps"),
-    ({"id": "  "}, "id"),
-])
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        ({"num_envs": 0}, "num_envs"),
+        ({"vectorization": "threads"}, "vectorization"),
+        ({"max_episode_steps": 0}, "max_episode_steps"),
+        ({"id": "  "}, "id"),
+    ],
+)
 def test_spec_validation(fields, name):
     with pytest.raises(AlignConfigError, match=rf"model\.env\.{name}: expected"):
         EnvSpec(**fields)

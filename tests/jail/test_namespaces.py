@@ -263,9 +263,12 @@ def test_required_takes_the_first_jail_that_works_and_refuses_when_none_does(fre
     def broken(backend):
         raise RuntimeError("the jail could not be built: jail: unshare: Operation not permitted")
 
-    with pytest.raises(RuntimeError, match=r"jail=required, and no jail works here \(bwrap: bubblewrap is not "
-                                           r"installed .*; unshare: the jail could not be built: jail: unshare: "
-                                           r"Operation not permitted\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"jail=required, and no jail works here \(bwrap: bubblewrap is not "
+        r"installed .*; unshare: the jail could not be built: jail: unshare: "
+        r"Operation not permitted\)",
+    ):
         jails.find_jail("required", broken)
 
 
@@ -283,19 +286,72 @@ def test_auto_and_off_run_unjailed_and_say_so_once(fresh, monkeypatch, caplog):
 
 def test_bubblewrap_gets_every_step_in_order(monkeypatch):
     monkeypatch.setattr(jails.shutil, "which", lambda name: "/usr/bin/bwrap")
-    steps = [("dev", "/dev/null", "/dev/null"), ("symlink", "usr/lib", "/lib"), ("ro", "/usr/lib/x", "/usr/lib/x"),
-             ("tmpfs", 4096, 0o755, "/py/site-packages"), ("ro", "/py/site-packages/pkg", "/py/site-packages/pkg"),
-             ("remount-ro", "/py/site-packages"), ("proc", "/proc"), ("tmpfs", 2 ** 20, 0o700, "/tmp/w"),
-             ("ro", "/tmp/w/main.py", "/tmp/w/main.py")]
+    steps = [
+        ("dev", "/dev/null", "/dev/null"),
+        ("symlink", "usr/lib", "/lib"),
+        ("ro", "/usr/lib/x", "/usr/lib/x"),
+        ("tmpfs", 4096, 0o755, "/py/site-packages"),
+        ("ro", "/py/site-packages/pkg", "/py/site-packages/pkg"),
+        ("remount-ro", "/py/site-packages"),
+        ("proc", "/proc"),
+        ("tmpfs", 2**20, 0o700, "/tmp/w"),
+        ("ro", "/tmp/w/main.py", "/tmp/w/main.py"),
+    ]
     assert jails.bwrap_command(steps, "/tmp/w", "print(1)", 7) == [
-        "/usr/bin/bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-        "--uid", "65534", "--gid", "65534", "--clearenv", "--info-fd", "7",
-        "--dev-bind", "/dev/null", "/dev/null", "--symlink", "usr/lib", "/lib", "--ro-bind", "/usr/lib/x", "/usr/lib/x",
-        "--perms", "755", "--size", "4096", "--tmpfs", "/py/site-packages",
-        "--ro-bind", "/py/site-packages/pkg", "/py/site-packages/pkg", "--remount-ro", "/py/site-packages",
-        "--proc", "/proc", "--perms", "700", "--size", "1048576", "--tmpfs", "/tmp/w",
-        "--ro-bind", "/tmp/w/main.py", "/tmp/w/main.py", "--remount-ro", "/", "--chdir", "/tmp/w",
-        "--", sys.executable, "-I", "-c", "print(1)"]
+        "/usr/bin/bwrap",
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--clearenv",
+        "--info-fd",
+        "7",
+        "--dev-bind",
+        "/dev/null",
+        "/dev/null",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--ro-bind",
+        "/usr/lib/x",
+        "/usr/lib/x",
+        "--perms",
+        "755",
+        "--size",
+        "4096",
+        "--tmpfs",
+        "/py/site-packages",
+        "--ro-bind",
+        "/py/site-packages/pkg",
+        "/py/site-packages/pkg",
+        "--remount-ro",
+        "/py/site-packages",
+        "--proc",
+        "/proc",
+        "--perms",
+        "700",
+        "--size",
+        "1048576",
+        "--tmpfs",
+        "/tmp/w",
+        "--ro-bind",
+        "/tmp/w/main.py",
+        "/tmp/w/main.py",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp/w",
+        "--",
+        sys.executable,
+        "-I",
+        "-c",
+        "print(1)",
+    ]
 
 
 def test_some_jail_works_on_this_linux_machine():
@@ -311,9 +367,13 @@ def test_host_files_are_not_there(jailed, tmp_path):
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
     out = json.loads(jailed(timeout=60)(snippet("files", stdlib=stdlib, python_files=python_files, secret=str(secret))))
     assert out["seen"] > 100 and out["stray"] == []  # the walk saw the standard library, and nothing else
-    assert out["tried"] == {"/etc/passwd": "FileNotFoundError", "/etc/shadow": "FileNotFoundError",
-                            "/etc/hostname": "FileNotFoundError", str(secret): "FileNotFoundError",
-                            "~/.bashrc": "FileNotFoundError"}  # no HOME, no /etc/passwd: '~' stays '~'
+    assert out["tried"] == {
+        "/etc/passwd": "FileNotFoundError",
+        "/etc/shadow": "FileNotFoundError",
+        "/etc/hostname": "FileNotFoundError",
+        str(secret): "FileNotFoundError",
+        "~/.bashrc": "FileNotFoundError",
+    }  # no HOME, no /etc/passwd: '~' stays '~'
     for top in ("/root", "/home", "/work", "/tmp"):  # only the way to its Python and to its own folder
         python = {p.split("/")[2] for p in (sys.base_prefix, sys.prefix, sys.executable) if p.startswith(top + "/")}
         expected = sorted(python) or "FileNotFoundError"
@@ -325,8 +385,14 @@ def test_host_files_are_not_there(jailed, tmp_path):
 def test_writes_outside_the_working_folder_fail(jailed, tmp_path):
     name = f"align-jail-{uuid.uuid4().hex}"
     stdlib = sysconfig.get_paths()["stdlib"]
-    targets = [f"/tmp/{name}", str(tmp_path / name), f"/{name}", f"{stdlib}/{name}.py", f"/dev/{name}",
-               f"{sys.prefix}/{name}"]
+    targets = [
+        f"/tmp/{name}",
+        str(tmp_path / name),
+        f"/{name}",
+        f"{stdlib}/{name}.py",
+        f"/dev/{name}",
+        f"{sys.prefix}/{name}",
+    ]
     out = json.loads(jailed()(snippet("write", targets=targets)))
     assert out.pop("inside.txt") == "fine"
     assert set(out.values()) <= {"OSError", "FileNotFoundError", "PermissionError"} and set(out) == set(targets)
@@ -395,9 +461,9 @@ def test_ctypes_reaches_no_further(jailed, victim):
 
 
 def test_the_working_folder_is_bounded(jailed):
-    total, failure, code = jailed(disk_mb=2)(snippet("disk", limit=64 * 2 ** 20)).split()
+    total, failure, code = jailed(disk_mb=2)(snippet("disk", limit=64 * 2**20)).split()
     assert (failure, int(code)) == ("OSError", errno.ENOSPC)
-    assert 1.5 * 2 ** 20 <= int(total) <= 2 * 2 ** 20
+    assert 1.5 * 2**20 <= int(total) <= 2 * 2**20
 
 
 def test_there_is_no_network(jailed):

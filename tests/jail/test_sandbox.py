@@ -15,8 +15,10 @@ from align.jail.sandbox import PythonSandbox, network_namespace
 
 def test_python_sandbox_runs_code_in_a_fresh_folder_with_an_empty_environment():
     sandbox = PythonSandbox(timeout=5)
-    out = sandbox("import os, sys\nprint(6 * 7)\nprint(sorted(os.environ) == ['LC_CTYPE'] or dict(os.environ))\n"
-                  "print(os.getcwd().split('/')[-1].startswith('align-python-'))")
+    out = sandbox(
+        "import os, sys\nprint(6 * 7)\nprint(sorted(os.environ) == ['LC_CTYPE'] or dict(os.environ))\n"
+        "print(os.getcwd().split('/')[-1].startswith('align-python-'))"
+    )
     assert out.split() == ["42", "True", "True"]
 
 
@@ -43,8 +45,10 @@ def test_python_sandbox_huge_output_is_cut_off_at_the_file_size_limit():
 
 
 def test_python_sandbox_has_no_network():
-    out = PythonSandbox()("import socket\ntry:\n    socket.create_connection(('10.255.255.1', 80), timeout=1)\n"
-                          "    print('connected')\nexcept OSError as err:\n    print('refused', err)")
+    out = PythonSandbox()(
+        "import socket\ntry:\n    socket.create_connection(('10.255.255.1', 80), timeout=1)\n"
+        "    print('connected')\nexcept OSError as err:\n    print('refused', err)"
+    )
     assert out.startswith("refused"), out
     if network_namespace():  # the namespace has no interface up: nothing is routable
         assert "unreachable" in out.lower() or "errno 101" in out.lower(), out
@@ -56,18 +60,29 @@ def test_a_required_jail_that_does_not_work_stops_the_environment_being_built(fr
 
     monkeypatch.setattr(jails.shutil, "which", lambda name: None)
     monkeypatch.setattr(PythonSandbox, "_probe", staticmethod(lambda backend: "Operation not permitted\n"))
-    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.tools\[0\]\.init_kwargs\.jail: PythonSandbox: "
-                                               r"jail=unshare, and no jail works here"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^init_kwargs\.tools\[0\]\.init_kwargs\.jail: PythonSandbox: "
+        r"jail=unshare, and no jail works here",
+    ):
         ToolEnvironment(tools=[{"path": "align.rollout.envs.tools.PythonSandbox", "init_kwargs": {"jail": "unshare"}}])
-    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.jail: expected one of required, auto, bwrap, unshare, "
-                                               r"off, got 'yes'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^init_kwargs\.jail: expected one of required, auto, bwrap, unshare, "
+        r"off, got 'yes'$",
+    ):
         PythonSandbox(jail="yes")
-    with pytest.raises(AlignConfigError, match=r"^init_kwargs\.packages: expected installed packages to show the code, "
-                                               r"got 'no_such_package', which cannot be shown: "):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^init_kwargs\.packages: expected installed packages to show the code, "
+        r"got 'no_such_package', which cannot be shown: ",
+    ):
         PythonSandbox(packages=["no_such_package"])
-    for settings, message in ((dict(timeout=0), "timeout: expected a number of seconds > 0, got 0"),
-                              (dict(max_processes=1), "max_processes: expected >= 2, got 1"),
-                              (dict(disk_mb=0), "disk_mb: expected >= 1, got 0")):
+    for settings, message in (
+        (dict(timeout=0), "timeout: expected a number of seconds > 0, got 0"),
+        (dict(max_processes=1), "max_processes: expected >= 2, got 1"),
+        (dict(disk_mb=0), "disk_mb: expected >= 1, got 0"),
+    ):
         with pytest.raises(AlignConfigError, match=rf"^init_kwargs\.{message}$"):
             PythonSandbox(**settings)
 
@@ -83,8 +98,9 @@ def test_calls_from_several_threads_at_once_each_get_their_own_jail(jailed):
     sandbox, results = jailed(), {}
 
     def call(k):
-        results[k] = sandbox(f"import os\nopen('mine', 'w').write('{k}')\n"
-                             "print(open('mine').read(), sorted(os.listdir('.')))")
+        results[k] = sandbox(
+            f"import os\nopen('mine', 'w').write('{k}')\nprint(open('mine').read(), sorted(os.listdir('.')))"
+        )
 
     threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
     for thread in threads:

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from _tiny_batches import batch
+
 from align.errors import AlignConfigError
 from align.models import CriticSettings, PolicyModel
 
@@ -19,23 +19,39 @@ def test_values_shapes_and_gradients(kind):
     assert head.proj.weight.grad is not None
 
 
-@pytest.mark.parametrize("settings,message", [
-    (lambda: CriticSettings(kind="both"),
-     r"^model\.policy\.critic\.kind: expected 'shared' or 'separate', got 'both'$"),
-    (lambda: CriticSettings(model="tiny-sort-rm"),
-     r"^model\.policy\.critic\.model: expected null for a shared critic \(a head on the policy's backbone\), got "
-     r"'tiny-sort-rm'; set model\.policy\.critic\.kind: separate to give the critic a backbone of its own$"),
-    (lambda: CriticSettings(kind="separate", model=3),
-     r"^model\.policy\.critic\.model: expected a model path or id, got 3$"),
-    (lambda: CriticSettings(kind="separate", head_from_reward_model="yes"),
-     r"^model\.policy\.critic\.head_from_reward_model: expected true or false, got 'yes'$"),
-    (lambda: PolicyModel(critic="shared"), r"^model\.policy\.critic: expected a block such as \{kind: shared\}"),
-    (lambda: PolicyModel(critic={"kind": "separate", "critic_model": "x"}),
-     r"^model\.policy\.critic\.critic_model: not a setting of the critic; expected kind, model or "
-     r"head_from_reward_model$"),
-    (lambda: PolicyModel(critic=CriticSettings(kind="separate", model="/nonexistent/rm")),
-     r"^model\.policy\.critic\.model: .*does not exist"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (
+            lambda: CriticSettings(kind="both"),
+            r"^model\.policy\.critic\.kind: expected 'shared' or 'separate', got 'both'$",
+        ),
+        (
+            lambda: CriticSettings(model="tiny-sort-rm"),
+            r"^model\.policy\.critic\.model: expected null for a shared critic \(a head on the policy's backbone\), "
+            r"got "
+            r"'tiny-sort-rm'; set model\.policy\.critic\.kind: separate to give the critic a backbone of its own$",
+        ),
+        (
+            lambda: CriticSettings(kind="separate", model=3),
+            r"^model\.policy\.critic\.model: expected a model path or id, got 3$",
+        ),
+        (
+            lambda: CriticSettings(kind="separate", head_from_reward_model="yes"),
+            r"^model\.policy\.critic\.head_from_reward_model: expected true or false, got 'yes'$",
+        ),
+        (lambda: PolicyModel(critic="shared"), r"^model\.policy\.critic: expected a block such as \{kind: shared\}"),
+        (
+            lambda: PolicyModel(critic={"kind": "separate", "critic_model": "x"}),
+            r"^model\.policy\.critic\.critic_model: not a setting of the critic; expected kind, model or "
+            r"head_from_reward_model$",
+        ),
+        (
+            lambda: PolicyModel(critic=CriticSettings(kind="separate", model="/nonexistent/rm")),
+            r"^model\.policy\.critic\.model: .*does not exist",
+        ),
+    ],
+)
 def test_critic_settings_are_checked_on_one_line_naming_the_setting(settings, message):
     with pytest.raises(AlignConfigError, match=message) as err:
         settings()
@@ -68,8 +84,11 @@ def test_a_checkpoint_rebuilds_its_policy(reward, tmp_path):
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    meta = {"policy": trained.spec, "module": "RewardModule" if reward else "PPOModule",
-            **({"reward": {}} if reward else {})}
+    meta = {
+        "policy": trained.spec,
+        "module": "RewardModule" if reward else "PPOModule",
+        **({"reward": {}} if reward else {}),
+    }
     state = {f"policy.{k}": v for k, v in trained.state_dict().items()}
     torch.save({"align": meta, "state_dict": state}, tmp_path / "run.ckpt")
     policy = policy_from_checkpoint(tmp_path / "run.ckpt", reward_head=reward)

@@ -4,13 +4,20 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from align.hub.tiny import build_tiny_model
 import align.models.decoding as decoding
+from align.hub.tiny import build_tiny_model
 from align.models.decoding import FastDecoder, _copy_bytes, decoder_for, fast_decoder_unsupported, prepack_available
 from align.rollout.sampling import sample
 
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _llama(**kw):
@@ -69,8 +76,12 @@ def _decoder_steps(model, ids, mask, new_tokens, prepack=None):
     logits = [out.logits[:, -1]]
     for step in range(new_tokens.shape[1]):
         positions = positions[:, -1:] + 1
-        out = decoder(new_tokens[:, step:step + 1], full_mask[:, : ids.shape[1] + step + 1], positions,
-                      past_key_values=out.past_key_values)
+        out = decoder(
+            new_tokens[:, step : step + 1],
+            full_mask[:, : ids.shape[1] + step + 1],
+            positions,
+            past_key_values=out.past_key_values,
+        )
         logits.append(out.logits[:, -1])
     return logits
 
@@ -79,8 +90,9 @@ PREPACK = [False] + ([True] if prepack_available(torch.ones(1)) else [])
 
 
 @pytest.mark.parametrize("prepack", PREPACK, ids=lambda p: "prepacked" if p else "plain")
-@pytest.mark.parametrize("build", [_llama, _qwen2, _mistral, lambda: _lora(_llama())],
-                         ids=["llama", "qwen2-bias", "mistral", "llama-lora"])
+@pytest.mark.parametrize(
+    "build", [_llama, _qwen2, _mistral, lambda: _lora(_llama())], ids=["llama", "qwen2-bias", "mistral", "llama-lora"]
+)
 def test_prefill_and_every_step_match_the_model_forward(build, prepack, monkeypatch):
     monkeypatch.setattr(decoding, "_MIN_PREPACK_ELEMENTS", 0)  # the test models' weights are all small
     model = build()
@@ -124,7 +136,9 @@ def test_sampling_through_the_decoder_draws_the_same_tokens_and_logprobs():
     ids, mask = _left_padded()
     kwargs = dict(eos_token_id=2, pad_token_id=0, max_new_tokens=12, temperature=0.9, top_k=40)
     ref = sample(model, ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
-    fast = sample(FastDecoder(model, ids.shape[1] + 12), ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
+    fast = sample(
+        FastDecoder(model, ids.shape[1] + 12), ids, mask, generator=torch.Generator().manual_seed(5), **kwargs
+    )
     assert torch.equal(ref.response_ids, fast.response_ids)
     torch.testing.assert_close(fast.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
 
@@ -138,9 +152,11 @@ def test_prepacked_weights_are_used_where_they_run_and_counted_in_the_copy_budge
     monkeypatch.setattr(decoding, "_MIN_PREPACK_ELEMENTS", 0)
     plain, packed = _copy_bytes(model), _copy_bytes(model, prepacked=True)
     lm = model.get_base_model()
-    every_projection = sum(m.weight.numel() * 4 for name, m in lm.model.named_modules()
-                           if name.endswith(("_proj.base_layer", "_proj")) and hasattr(m, "weight")
-                           and not hasattr(m, "base_layer"))
+    every_projection = sum(
+        m.weight.numel() * 4
+        for name, m in lm.model.named_modules()
+        if name.endswith(("_proj.base_layer", "_proj")) and hasattr(m, "weight") and not hasattr(m, "base_layer")
+    )
     assert packed == every_projection + lm.lm_head.weight.numel() * 4 and plain < packed
     if not prepack_available(torch.ones(1)):
         pytest.skip("this torch has no oneDNN prepacked linear")
@@ -204,7 +220,8 @@ def test_a_group_shares_one_prefill_and_samples_as_if_each_copy_were_encoded(fas
     rollouts = []
     for shared in (True, False):
         engine = NativeEngine(fast_decoder=fast, shared_prefill=shared).bound(
-            SamplingConfig(max_new_tokens=10, temperature=1.0))
+            SamplingConfig(max_new_tokens=10, temperature=1.0)
+        )
         rollouts.append(engine.generate(policy, prompts, group_size=3, generator=torch.Generator().manual_seed(7)))
     shared, each = rollouts
     assert torch.equal(shared.response_ids, each.response_ids) and shared.texts == each.texts

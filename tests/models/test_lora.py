@@ -27,8 +27,10 @@ class TwoLayers(nn.Module):
 
 def lora_model(dropout: float = 0.0, bias: bool = True, **config) -> nn.Module:
     torch.manual_seed(0)
-    model = peft.get_peft_model(TwoLayers(bias).double(), peft.LoraConfig(
-        r=4, lora_alpha=6, lora_dropout=dropout, target_modules=["up", "down"], **config))
+    model = peft.get_peft_model(
+        TwoLayers(bias).double(),
+        peft.LoraConfig(r=4, lora_alpha=6, lora_dropout=dropout, target_modules=["up", "down"], **config),
+    )
     for name, p in model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero, which would hide A's gradient
             nn.init.normal_(p, std=0.5)
@@ -67,10 +69,12 @@ def fused_and_plain(model: nn.Module, x: torch.Tensor, expect_fused_calls: int |
 @pytest.mark.parametrize("shape", [(5, 12), (3, 4, 12)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_layer_equals_peft_values_and_gradients(shape, bias):
-    plain, fused = fused_and_plain(lora_model(bias=bias), torch.randn(*shape, dtype=torch.float64),
-                                   expect_fused_calls=2)
-    assert {"x", "base_model.model.up.lora_A.default.weight", "base_model.model.down.lora_B.default.weight"} <= \
-        set(plain[1])
+    plain, fused = fused_and_plain(
+        lora_model(bias=bias), torch.randn(*shape, dtype=torch.float64), expect_fused_calls=2
+    )
+    assert {"x", "base_model.model.up.lora_A.default.weight", "base_model.model.down.lora_B.default.weight"} <= set(
+        plain[1]
+    )
     assert_same(plain, fused)
 
 
@@ -93,8 +97,13 @@ def test_function_second_derivatives():
     b = torch.randn(4, dtype=torch.float64)
     a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
     up = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
-    same = lambda x, a, up: LoraLinearFunction.apply(x, x, w, b, a, up, 0.7)
-    apart = lambda x, d, a, up: LoraLinearFunction.apply(x, d, w, b, a, up, 0.7)
+
+    def same(x, a, up):
+        return LoraLinearFunction.apply(x, x, w, b, a, up, 0.7)
+
+    def apart(x, d, a, up):
+        return LoraLinearFunction.apply(x, d, w, b, a, up, 0.7)
+
     assert torch.autograd.gradcheck(same, (x, a, up))
     assert torch.autograd.gradgradcheck(same, (x, a, up))
     assert torch.autograd.gradcheck(apart, (x, d, a, up))

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from _tiny_batches import batch, naive_logprobs
+
 from align.errors import AlignConfigError
 from align.hub.tiny import build_tiny_model
 from align.models import LoraSettings, PolicyModel
@@ -27,13 +27,20 @@ def test_lora_reference_is_the_adapter_disabled_base():
     assert trainable and all("lora_" in n for n in trainable)
 
 
-@pytest.mark.parametrize("settings", [
-    dict(target_modules=["q_proj", "v_proj"]),
-    dict(modules_to_save=["lm_head"]),
-    dict(modules_to_save=["embed_tokens", "lm_head"], use_rslora=True),
-    dict(use_dora=True),
-    dict(target_modules=["q_proj", "down_proj"], extra={"layers_to_transform": [1], "trainable_token_indices": [3, 5]}),
-], ids=["some-targets", "modules_to_save", "embed+head+rslora", "dora", "layers+trainable-tokens"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(target_modules=["q_proj", "v_proj"]),
+        dict(modules_to_save=["lm_head"]),
+        dict(modules_to_save=["embed_tokens", "lm_head"], use_rslora=True),
+        dict(use_dora=True),
+        dict(
+            target_modules=["q_proj", "down_proj"],
+            extra={"layers_to_transform": [1], "trainable_token_indices": [3, 5]},
+        ),
+    ],
+    ids=["some-targets", "modules_to_save", "embed+head+rslora", "dora", "layers+trainable-tokens"],
+)
 def test_lora_reference_equals_the_base_model_for_every_option(settings):
     # Every trainable tensor moved: LoRA factors, modules trained in full beside them, trainable token rows.
     policy = PolicyModel(lora=LoraSettings(r=4, alpha=8, **settings))
@@ -51,8 +58,9 @@ def test_lora_reference_equals_the_base_model_for_every_option(settings):
     torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3).logprobs, pol)  # switched back on
     # With gradients on, peft's own switch runs (it also toggles requires_grad); both ways leave every flag as it was.
     flags = {n: p.requires_grad for n, p in policy.named_parameters()}
-    torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs.detach(),
-                               ref)
+    torch.testing.assert_close(
+        policy.token_logprobs(ids, mask, response_length=3, reference=True).logprobs.detach(), ref
+    )
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
     assert not any(layer.disable_adapters for layer in policy.adapter_switch.layers)
     torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=3).logprobs.detach(), pol)

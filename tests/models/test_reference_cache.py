@@ -17,8 +17,13 @@ def write_pairs(path, extra: str = "") -> str:
     rows = []
     for i, letters in enumerate(["c a", "d b a", "e c b a", "b a"]):
         words = letters.split()
-        rows.append({"prompt": "sort: " + letters, "chosen": " ".join(sorted(words)) + (extra if i == 0 else ""),
-                     "rejected": " ".join(words)})
+        rows.append(
+            {
+                "prompt": "sort: " + letters,
+                "chosen": " ".join(sorted(words)) + (extra if i == 0 else ""),
+                "rejected": " ".join(words),
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -72,8 +77,11 @@ def test_the_on_disk_format_is_pinned(tmp_path):
     key = "ab" * 32
     path = ReferenceCache.path(tmp_path, key)
     assert path.name == "ref-logps-" + "ab" * 12 + ".safetensors"
-    save_file({"chosen": torch.tensor([-1.5]), "rejected": torch.tensor([-2.5])}, str(path),
-              metadata={"format": "align-dpo-reference-logps", "version": "1", "key": key, "pairs": "1"})
+    save_file(
+        {"chosen": torch.tensor([-1.5]), "rejected": torch.tensor([-2.5])},
+        str(path),
+        metadata={"format": "align-dpo-reference-logps", "version": "1", "key": key, "pairs": "1"},
+    )
     loaded = ReferenceCache.load(path, key, 1)
     assert loaded is not None and float(loaded.chosen[0]) == -1.5 and float(loaded.rejected[0]) == -2.5
     ReferenceCache(torch.tensor([-1.0]), torch.tensor([-2.0])).save(path, key)
@@ -84,8 +92,16 @@ def test_the_on_disk_format_is_pinned(tmp_path):
 def prepare(policy, path, directory, updated=False, reference=None):
     dm = train_set(path, policy, batch_size=3)
     reference = reference or CachedReference()
-    reference.prepare(Scorer(policy), {"train": dm.train_set}, dm.eval_dataloader, directory, needed=("train",),
-                      updated=updated, device=torch.device("cpu"), write=True)
+    reference.prepare(
+        Scorer(policy),
+        {"train": dm.train_set},
+        dm.eval_dataloader,
+        directory,
+        needed=("train",),
+        updated=updated,
+        device=torch.device("cpu"),
+        write=True,
+    )
     return reference
 
 

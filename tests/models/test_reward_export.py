@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
+from align.hub.tiny import load_tiny_tokenizer, tiny_config
 from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.models.reward import init_reward_head, last_scored_index, sequence_scores
 from align.models.reward_export import save_reward_model
 from align.rollout.rewards import RewardModelScorer
-from align.hub.tiny import load_tiny_tokenizer, tiny_config
 
 EOS = 2
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from _tiny_batches import batch, naive_logprobs
+
 from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.models.shared_pass import layout_mask_kind
 
@@ -38,8 +38,9 @@ def test_left_padding_does_not_change_logprobs():
     ids, mask = batch(policy)
     alone = policy.tokenizer(["sort: b a"], return_tensors="pt")["input_ids"]
     padded = policy.token_logprobs(ids[:1], mask[:1], response_length=2).logprobs
-    torch.testing.assert_close(padded, policy.token_logprobs(alone, torch.ones_like(alone), response_length=2).logprobs,
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        padded, policy.token_logprobs(alone, torch.ones_like(alone), response_length=2).logprobs, atol=1e-5, rtol=1e-4
+    )
 
 
 # ---------------------------------------------------------------- the chunked output head
@@ -138,7 +139,8 @@ def test_unsupported_heads_fall_back_to_the_models_forward_and_say_so_once(caplo
         policy.token_logprobs(ids, mask, response_length=3)
     assert [r.getMessage() for r in caplog.records if "full-vocabulary" in r.getMessage()] == [
         "policy: full-vocabulary logits for model type 'gemma2' (the chunked output head covers plain linear heads "
-        "of llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, olmo2, smollm3 models)"]
+        "of llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, olmo2, smollm3 models)"
+    ]
     torch.testing.assert_close(full, naive_logprobs(policy.model, ids, mask, 3))
 
 
@@ -204,8 +206,12 @@ def test_shared_prompts_reference_pass_and_which_layout(attention, monkeypatch):
             return policy.token_logprobs(ids, mask, response_length=5, reference=True).logprobs
 
     with torch.no_grad():
-        alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5,
-                                                 reference=True).logprobs for i in range(ids.shape[0])])
+        alone = torch.cat(
+            [
+                policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5, reference=True).logprobs
+                for i in range(ids.shape[0])
+            ]
+        )
     P = ids.shape[1] - 5
     calls.clear()
     torch.testing.assert_close(grouped(), alone, atol=1e-5, rtol=1e-5)
@@ -273,20 +279,28 @@ def test_a_large_group_is_laid_out_in_pieces(monkeypatch):
     B, T = ids.shape
     calls = _decoder_calls(policy.model.get_decoder())
     with torch.no_grad():
-        alone = torch.cat([policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5).logprobs
-                           for i in range(B)])
+        alone = torch.cat(
+            [policy.token_logprobs(ids[i : i + 1], mask[i : i + 1], response_length=5).logprobs for i in range(B)]
+        )
         monkeypatch.setattr(shared_pass, "best_piece_size", lambda *args: 4)
         calls.clear()
-        torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=5).logprobs, alone,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            policy.token_logprobs(ids, mask, response_length=5).logprobs, alone, atol=1e-5, rtol=1e-5
+        )
         assert calls == [torch.Size([4, T - 5 + 4 * 4])]
         monkeypatch.undo()
         facts = shared_pass.decoder_facts(policy.model.get_decoder())
-        monkeypatch.setattr(shared_pass, "decoder_facts", lambda decoder: shared_pass.DecoderFacts(
-            facts.parameters, facts.cache_kwarg, token_flops=1, pair_flops=10**6))
+        monkeypatch.setattr(
+            shared_pass,
+            "decoder_facts",
+            lambda decoder: shared_pass.DecoderFacts(
+                facts.parameters, facts.cache_kwarg, token_flops=1, pair_flops=10**6
+            ),
+        )
         calls.clear()
-        torch.testing.assert_close(policy.token_logprobs(ids, mask, response_length=5).logprobs, alone,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            policy.token_logprobs(ids, mask, response_length=5).logprobs, alone, atol=1e-5, rtol=1e-5
+        )
         assert calls == [ids.shape]
 
 
@@ -303,8 +317,7 @@ def test_a_sliding_window_model_is_not_laid_out():
 def _scored_everything(policy, ids, mask, R):
     """Log-probs, entropies, values, reference log-probs and every parameter gradient of one scoring pass."""
     policy.zero_grad(set_to_none=True)
-    out = policy.token_logprobs(ids, mask, response_length=R, temperature=0.9, return_entropy=True,
-                                return_values=True)
+    out = policy.token_logprobs(ids, mask, response_length=R, temperature=0.9, return_entropy=True, return_values=True)
     weights = torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)
     ((out.logprobs * weights).sum() + out.entropy.mean() + out.values.sum()).backward()
     with torch.no_grad():
@@ -401,13 +414,21 @@ def test_padding_free_scoring_equals_the_padded_rows(lora, kind, monkeypatch):
 
     def run(free):
         def scores(p):
-            out = p.token_logprobs(ids, mask, response_length=6, temperature=0.9, return_entropy=True,
-                                   return_values=True, padding_free=free)
+            out = p.token_logprobs(
+                ids,
+                mask,
+                response_length=6,
+                temperature=0.9,
+                return_entropy=True,
+                return_values=True,
+                padding_free=free,
+            )
             outputs = [torch.where(real, x, 0.0) for x in out]
             loss = (outputs[0] * weights).sum() + outputs[1].sum() + outputs[2].sum()
             if free:
                 assert all(bool((x[~real] == 0).all()) for x in out)
             return outputs, loss
+
         return scores
 
     results = {}
@@ -426,8 +447,9 @@ def test_padding_free_scoring_equals_the_padded_rows(lora, kind, monkeypatch):
         assert grads.keys() == padded_grads.keys() and grads
         for name in grads:  # float rounding, relative to each gradient's scale
             scale = max(1.0, float(padded_grads[name].abs().max()))
-            torch.testing.assert_close(grads[name], padded_grads[name], atol=1e-5 * scale, rtol=1e-4,
-                                       msg=f"{key} {name}")
+            torch.testing.assert_close(
+                grads[name], padded_grads[name], atol=1e-5 * scale, rtol=1e-4, msg=f"{key} {name}"
+            )
     assert shapes[-1][0] < ids.shape[0] and shapes[-1][1] == ids.shape[1]  # fewer rows, none longer
     values = policy.values(ids, mask, response_length=6, padding_free=True)
     torch.testing.assert_close(values, torch.where(real, results[False, None][0][2], 0.0), atol=1e-5, rtol=1e-5)

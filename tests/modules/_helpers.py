@@ -7,8 +7,15 @@ import lightning as L
 
 def cpu_trainer(**kwargs) -> L.Trainer:
     """A quiet single-process CPU trainer: no logger, checkpoints, progress bar or sanity check."""
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return L.Trainer(**{**defaults, **kwargs})
 
 
@@ -20,8 +27,14 @@ def write_varied_pairs(path) -> str:
     for i in range(8):
         n = 1 + (i * 5) % 7
         prompt = [letters[(i + k) % 10] for k in range(n)]
-        rows.append({"prompt": "sort: " + " ".join(prompt), "chosen": " ".join(sorted(prompt)),
-                     "rejected": " ".join(prompt[::-1] + prompt[: 1 + i % 3]), "margin": 0.25 * i})
+        rows.append(
+            {
+                "prompt": "sort: " + " ".join(prompt),
+                "chosen": " ".join(sorted(prompt)),
+                "rejected": " ".join(prompt[::-1] + prompt[: 1 + i % 3]),
+                "margin": 0.25 * i,
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 

@@ -8,17 +8,16 @@ import math
 
 import pytest
 import torch
+from _helpers import PROMPTS, length_reward, prompt_batch
 
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import Updates
 from align.rollout.async_source import AsyncSource
+from align.rollout.engine import SamplingConfig
 from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 from align.rollout.generator import Generator, GeneratorPlacement, trainable_weights
-from align.rollout.engine import SamplingConfig
-
-from _helpers import PROMPTS, length_reward, prompt_batch
 
 ray = pytest.importorskip("ray")
 
@@ -34,16 +33,22 @@ def _ray():
 
 def module(source=None, **kw):
     torch.manual_seed(0)
-    defaults = dict(policy=PolicyModel("tiny-sort"), rewards=[length_reward], group_size=4, log_entropy=False,
-                    sampling=SamplingConfig(max_new_tokens=6, temperature=1.0), updates=Updates(max_grad_norm=None),
-                    source=source)
+    defaults = dict(
+        policy=PolicyModel("tiny-sort"),
+        rewards=[length_reward],
+        group_size=4,
+        log_entropy=False,
+        sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
+        updates=Updates(max_grad_norm=None),
+        source=source,
+    )
     m = GRPOModule(**{**defaults, **kw})
     m.use_optimizer(torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5))
     return m
 
 
 def batches(m, n):
-    return [prompt_batch(m.policy, PROMPTS[i % 4:] + PROMPTS[:i % 4]) for i in range(n)]
+    return [prompt_batch(m.policy, PROMPTS[i % 4 :] + PROMPTS[: i % 4]) for i in range(n)]
 
 
 def run(m, n, after_step=None):
@@ -180,11 +185,13 @@ def test_bad_settings_fail_on_one_line():
         AsyncSource(max_staleness=-1)
     with pytest.raises(AlignConfigError, match=r"^model\.source\.generator\.device: expected auto, cpu or cuda"):
         GeneratorPlacement(device="tpu")
-    for settings, message in ((dict(num_cpus=-1), r"num_cpus: expected >= 0, got -1$"),
-                              (dict(num_gpus=-0.5), r"num_gpus: expected >= 0 or null, got -0\.5$"),
-                              (dict(threads=0), r"threads: expected >= 1 or null, got 0$"),
-                              (dict(timeout_s=0), r"timeout_s: expected > 0 seconds, got 0$"),
-                              (dict(max_restarts=-1), r"max_restarts: expected >= 0, got -1$")):
+    for settings, message in (
+        (dict(num_cpus=-1), r"num_cpus: expected >= 0, got -1$"),
+        (dict(num_gpus=-0.5), r"num_gpus: expected >= 0 or null, got -0\.5$"),
+        (dict(threads=0), r"threads: expected >= 1 or null, got 0$"),
+        (dict(timeout_s=0), r"timeout_s: expected > 0 seconds, got 0$"),
+        (dict(max_restarts=-1), r"max_restarts: expected >= 0, got -1$"),
+    ):
         with pytest.raises(AlignConfigError, match=r"^model\.source\.generator\." + message):
             GeneratorPlacement(**settings)
     with pytest.raises(AlignConfigError, match=r"^model\.source: AsyncSource generates single-turn completions"):
@@ -198,8 +205,9 @@ def test_the_generators_work_is_traced_as_its_own_process(monkeypatch):
     import align.rollout.async_source as async_source
 
     spans = []
-    monkeypatch.setattr(async_source, "record_span", lambda name, start, end, attrs: spans.append((name, start, end,
-                                                                                                    attrs)))
+    monkeypatch.setattr(
+        async_source, "record_span", lambda name, start, end, attrs: spans.append((name, start, end, attrs))
+    )
     m = module(AsyncSource(max_staleness=1))
     try:
         run(m, 3)
@@ -208,18 +216,26 @@ def test_the_generators_work_is_traced_as_its_own_process(monkeypatch):
         m.source.close()
     names = [s[0] for s in spans]
     assert names == ["weight_sync", "generation", "generation"]  # batch 1 is generated with version 0 too
-    for name, start, end, attrs in spans:
+    for _name, start, end, attrs in spans:
         assert 0 < start <= end and attrs["align.process"] == "generator" and attrs["process.pid"] != os.getpid()
     assert [s[3]["align.policy_version"] for s in spans if s[0] == "generation"] == [0, 0]
-    for key in ("time/trainer_idle_s", "time/generator_idle_s", "time/weight_sync_s", "time/generation_s",
-                "time/scoring_s", "time/correction_s"):
+    for key in (
+        "time/trainer_idle_s",
+        "time/generator_idle_s",
+        "time/weight_sync_s",
+        "time/generation_s",
+        "time/scoring_s",
+        "time/correction_s",
+    ):
         assert timings[key] >= 0, key
 
 
 @pytest.mark.parametrize("partial", ["discard", "continue"])
 def test_interrupted_generations_stay_within_the_bound_and_are_counted(partial):
-    m = module(AsyncSource(max_staleness=1, interrupt=True, partial=partial),
-               sampling=SamplingConfig(max_new_tokens=24, temperature=1.0))
+    m = module(
+        AsyncSource(max_staleness=1, interrupt=True, partial=partial),
+        sampling=SamplingConfig(max_new_tokens=24, temperature=1.0),
+    )
     try:
         metrics = run(m, 5)
     finally:
@@ -227,15 +243,20 @@ def test_interrupted_generations_stay_within_the_bound_and_are_counted(partial):
     assert metrics[0] is None and m.rl_counters["updates"] == 4
     for step in metrics[1:]:
         # Tokens sampled after a cut are newer than their row's start: the lag over tokens is at most the rows'.
-        assert 0 <= step["rollout/policy_version_lag"] <= step["rollout/staleness"] <= step["rollout/staleness_max"] <= 1
+        assert (
+            0 <= step["rollout/policy_version_lag"] <= step["rollout/staleness"] <= step["rollout/staleness_max"] <= 1
+        )
         assert step["rollout/interrupted_rows"] >= 0 and step["rollout/discarded_tokens"] >= 0
         if partial == "continue":
             assert step["rollout/discarded_tokens"] == 0
 
 
 def test_interruption_needs_the_native_engine():
-    with pytest.raises(AlignConfigError, match=r"^model\.source\.interrupt: cutting generations .* needs an engine "
-                                               r"that can stop after any token \(such as native\), got VLLMEngine"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.source\.interrupt: cutting generations .* needs an engine "
+        r"that can stop after any token \(such as native\), got VLLMEngine",
+    ):
         module(AsyncSource(interrupt=True), sampling=SamplingConfig(engine="vllm", max_new_tokens=6))
     with pytest.raises(AlignConfigError, match=r"^model\.source\.partial: expected one of \['discard', 'continue'\]"):
         AsyncSource(partial="keep")
@@ -243,8 +264,11 @@ def test_interruption_needs_the_native_engine():
 
 def test_a_generator_that_cannot_start_in_time_fails_on_one_line():
     m = module(AsyncSource(generator=GeneratorPlacement(timeout_s=0.001)))
-    with pytest.raises(AlignConfigError, match=r"^model\.source\.generator: Ray did not start a generator with 1 CPUs "
-                                               r"and 0 GPUs within timeout_s=0\.001 s; .* raise generator\.timeout_s"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.source\.generator: Ray did not start a generator with 1 CPUs "
+        r"and 0 GPUs within timeout_s=0\.001 s; .* raise generator\.timeout_s",
+    ):
         m.training_step(batches(m, 1)[0], 0)
 
 
@@ -254,8 +278,11 @@ def test_errors_inside_the_generator_reach_the_trainer_on_one_line():
 
     m = module()
     connect(None, 1)
-    with pytest.raises(AlignError, match=r"^generator: could not be started on its Ray node: .*AlignConfigError: "
-                                         r"model: '/nowhere' does not exist"):
+    with pytest.raises(
+        AlignError,
+        match=r"^generator: could not be started on its Ray node: .*AlignConfigError: "
+        r"model: '/nowhere' does not exist",
+    ):
         start_generator(GeneratorPlacement(), {**m.policy.spec, "model": "/nowhere"}, SamplingConfig(), 1, "bad")
     actor, _ = start_generator(GeneratorPlacement(), m.policy.spec, SamplingConfig(), 1, "good")
     try:
@@ -273,8 +300,11 @@ def test_without_ray_the_source_says_what_to_install(monkeypatch):
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
-    with pytest.raises(AlignConfigError, match=r"^model\.source: AsyncSource places its generators with Ray, which is "
-                                               r"not installed: pip install 'align\[async\]'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.source: AsyncSource places its generators with Ray, which is "
+        r"not installed: pip install 'align\[async\]'$",
+    ):
         module(AsyncSource())
 
 
@@ -284,9 +314,14 @@ def test_staleness_counts_updates_so_ppos_several_optimizer_steps_per_rollout_co
     from align.modules.ppo import PPOModule
 
     torch.manual_seed(0)
-    m = PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings(kind="shared")), rewards=[length_reward],
-                  group_size=2, sampling=SamplingConfig(max_new_tokens=6), updates=U(epochs=2, minibatches=2),
-                  source=AsyncSource(max_staleness=1))
+    m = PPOModule(
+        policy=PolicyModel("tiny-sort", critic=CriticSettings(kind="shared")),
+        rewards=[length_reward],
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=6),
+        updates=U(epochs=2, minibatches=2),
+        source=AsyncSource(max_staleness=1),
+    )
     m.setup("fit")  # the reference of PPO's KL penalty
     m.use_optimizer(torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05))
     try:

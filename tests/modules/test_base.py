@@ -28,8 +28,11 @@ class OtherRanks:
 def module_on(world_size=1, accumulate=1, others=0.0, deepspeed=False, manual=False) -> AlignModule:
     module = AlignModule(torch.nn.Linear(1, 1))  # the window needs no policy
     module.automatic_optimization = not manual
-    module._trainer = SimpleNamespace(world_size=world_size, accumulate_grad_batches=accumulate,
-                                      strategy=OtherRanks(others, handles_gradient_accumulation=deepspeed))
+    module._trainer = SimpleNamespace(
+        world_size=world_size,
+        accumulate_grad_batches=accumulate,
+        strategy=OtherRanks(others, handles_gradient_accumulation=deepspeed),
+    )
     return module
 
 
@@ -46,13 +49,16 @@ def test_loss_count_refuses_an_unknown_aggregation_or_a_constant_without_length(
         loss_count(MASK, "seq_sum")
 
 
-@pytest.mark.parametrize("world_size, accumulate, deepspeed, manual, expected", [
-    (1, 1, False, False, 1.0),
-    (1, 4, False, False, 4.0),  # Lightning divides each micro-batch loss by 4
-    (2, 4, False, False, 8.0),  # ... and DDP averages gradients over 2 ranks
-    (2, 4, True, False, 32.0),  # DeepSpeed's engine divides by 4 once more
-    (2, 1, True, True, 2.0),  # manual optimization: only the average over ranks
-])
+@pytest.mark.parametrize(
+    "world_size, accumulate, deepspeed, manual, expected",
+    [
+        (1, 1, False, False, 1.0),
+        (1, 4, False, False, 4.0),  # Lightning divides each micro-batch loss by 4
+        (2, 4, False, False, 8.0),  # ... and DDP averages gradients over 2 ranks
+        (2, 4, True, False, 32.0),  # DeepSpeed's engine divides by 4 once more
+        (2, 1, True, True, 2.0),  # manual optimization: only the average over ranks
+    ],
+)
 def test_gradient_scale_undoes_the_frameworks_scaling(world_size, accumulate, deepspeed, manual, expected):
     module = module_on(world_size, accumulate, deepspeed=deepspeed, manual=manual)
     assert module.gradient_scale() == expected

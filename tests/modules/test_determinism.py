@@ -17,16 +17,51 @@ from align.modules.ppo import PPOModule
 SORT = Path(__file__).resolve().parents[2] / "align" / "data" / "assets" / "sort"
 # Wall-clock metrics differ between any two runs.
 TIMING = ("_per_s", "time/")
-QUIET = ["--trainer.limit_val_batches", "0", "--eval_before_after", "false", "--trainer.enable_progress_bar", "false",
-         "--trainer.log_every_n_steps", "1"]
+QUIET = [
+    "--trainer.limit_val_batches",
+    "0",
+    "--eval_before_after",
+    "false",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.log_every_n_steps",
+    "1",
+]
 # Rows x fed tokens x hidden width of each pass is above torch's CPU grain size (32768 elements), where the
 # gradient of advanced indexing adds in parallel with atomics.
 RUNS = {
-    "grpo": (GRPOModule, PromptDataModule, "prompts", ["--trainer.max_steps", "2", "--data.batch_size", "4",
-                                                       "--model.group_size", "8", "--model.sampling.max_new_tokens", "12"]),
-    "ppo": (PPOModule, PromptDataModule, "prompts", ["--trainer.max_steps", "2", "--data.batch_size", "8",
-                                                     "--model.updates.epochs", "1", "--model.updates.minibatches", "1",
-                                                     "--model.value.warmup_rollouts", "0"]),
+    "grpo": (
+        GRPOModule,
+        PromptDataModule,
+        "prompts",
+        [
+            "--trainer.max_steps",
+            "2",
+            "--data.batch_size",
+            "4",
+            "--model.group_size",
+            "8",
+            "--model.sampling.max_new_tokens",
+            "12",
+        ],
+    ),
+    "ppo": (
+        PPOModule,
+        PromptDataModule,
+        "prompts",
+        [
+            "--trainer.max_steps",
+            "2",
+            "--data.batch_size",
+            "8",
+            "--model.updates.epochs",
+            "1",
+            "--model.updates.minibatches",
+            "1",
+            "--model.value.warmup_rollouts",
+            "0",
+        ],
+    ),
     "dpo": (DPOModule, PreferenceDataModule, "preference", ["--trainer.max_steps", "2", "--data.batch_size", "16"]),
 }
 

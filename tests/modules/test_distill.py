@@ -3,6 +3,7 @@ draw, and the settings that fail early."""
 
 import pytest
 import torch
+from _helpers import length_reward, prompt_batch, standalone
 
 from align.core.distillation import generalized_jsd
 from align.core.masks import masked_mean
@@ -11,16 +12,21 @@ from align.errors import AlignConfigError, AlignDataError
 from align.models.policy import PolicyModel
 from align.modules.distill import DistillModule
 from align.modules.options import KLPenalty, Updates
-from align.rollout.given import given_rollout
 from align.rollout.engine import SamplingConfig
-
-from _helpers import PROMPTS, length_reward, prompt_batch, standalone
+from align.rollout.given import given_rollout
 
 
 def make_module(**kw):
     # The student is the random tiny model, the teacher the SFT-warmed one: they share the tokenizer.
-    defaults = dict(policy=PolicyModel("tiny", seed=2), teacher="tiny-sort", rewards=[length_reward], group_size=2,
-                    sampling=SamplingConfig(max_new_tokens=6), log_entropy=False, updates=Updates(max_grad_norm=None))
+    defaults = dict(
+        policy=PolicyModel("tiny", seed=2),
+        teacher="tiny-sort",
+        rewards=[length_reward],
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=6),
+        log_entropy=False,
+        updates=Updates(max_grad_norm=None),
+    )
     module = DistillModule(**{**defaults, **kw})
     module.setup("fit")
     return module
@@ -33,7 +39,9 @@ def with_answers(module):
 
 def test_the_teacher_is_the_frozen_reference_and_a_reverse_kl_step_charges_each_token_its_estimate():
     module = make_module()
-    assert module.policy.ref_model is not None and not any(p.requires_grad for p in module.policy.ref_model.parameters())
+    assert module.policy.ref_model is not None and not any(
+        p.requires_grad for p in module.policy.ref_model.parameters()
+    )
     optimizer = standalone(module)
     torch.manual_seed(0)
     module.training_step(prompt_batch(module.policy), 0)
@@ -78,8 +86,9 @@ def test_a_gkd_step_minimises_the_generalized_jsd_of_its_rows():
     R = rollout.response_mask.shape[1]
     with torch.no_grad():
         student = module.policy.response_logits(rollout.input_ids, rollout.attention_mask, response_length=R)
-        teacher = module.policy.response_logits(rollout.input_ids, rollout.attention_mask, response_length=R,
-                                                reference=True)
+        teacher = module.policy.response_logits(
+            rollout.input_ids, rollout.attention_mask, response_length=R, reference=True
+        )
     expected = masked_mean(generalized_jsd(student, teacher, 0.3), rollout.response_mask)
     assert module.last_metrics["distill/jsd"] == pytest.approx(float(expected), rel=1e-5)
     assert module.last_metrics["train/loss"] == pytest.approx(float(expected), rel=1e-5)
@@ -91,12 +100,12 @@ def test_response_logits_give_the_log_probs_the_scorer_gives():
     rollout = module.sampler.rollout(prompt_batch(module.policy))
     R = rollout.response_mask.shape[1]
     for reference in (False, True):
-        logits = module.policy.response_logits(rollout.input_ids, rollout.attention_mask, response_length=R,
-                                               reference=reference)
+        logits = module.policy.response_logits(
+            rollout.input_ids, rollout.attention_mask, response_length=R, reference=reference
+        )
         picked = torch.log_softmax(logits.float(), -1).gather(-1, rollout.response_ids[..., None])[..., 0]
-        scored = (module.scorer.reference_logprobs(rollout) if reference else module.scorer.logprobs(rollout).logprobs)
-        torch.testing.assert_close(picked * rollout.response_mask, scored * rollout.response_mask, atol=1e-5,
-                                   rtol=1e-5)
+        scored = module.scorer.reference_logprobs(rollout) if reference else module.scorer.logprobs(rollout).logprobs
+        torch.testing.assert_close(picked * rollout.response_mask, scored * rollout.response_mask, atol=1e-5, rtol=1e-5)
 
 
 def test_gkd_mixes_the_datas_completions_in_by_a_draw_seeded_by_the_step():
@@ -123,8 +132,9 @@ def test_given_rollout_lays_the_answers_out_as_responses():
     tok = module.policy.tokenizer
     first = tok("a b c d", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert rollout.response_ids[0, : len(first)].tolist() == first[:6]
-    assert rollout.response_mask.sum(dim=1).tolist() == [min(len(tok(a, add_special_tokens=False)["input_ids"]) + 1, 6)
-                                                         for a in batch.columns["answer"]]
+    assert rollout.response_mask.sum(dim=1).tolist() == [
+        min(len(tok(a, add_special_tokens=False)["input_ids"]) + 1, 6) for a in batch.columns["answer"]
+    ]
     with pytest.raises(AlignConfigError, match=r"^model\.completion_column: the data rows have no 'gold' column"):
         given_rollout(module.policy, batch, "gold", max_new_tokens=6)
     batch.columns["answer"][1] = ""
@@ -132,14 +142,19 @@ def test_given_rollout_lays_the_answers_out_as_responses():
         given_rollout(module.policy, batch, "answer", max_new_tokens=6)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(objective="forward"), r"^model\.objective: expected reverse_kl or gkd"),
-    (dict(objective="gkd", beta=1.5), r"^model\.beta: expected a value in \[0, 1\]"),
-    (dict(lmbda=0.5), r"^model\.lmbda: the reverse_kl objective trains on the student's samples only"),
-    (dict(kl=KLPenalty(coef=0.1)), r"^model\.kl\.coef: distillation pulls the student toward the teacher"),
-    (dict(policy=PolicyModel("tiny", seed=2, reference_model="tiny")),
-     r"^model\.policy\.reference_model: the teacher is loaded as the reference"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(objective="forward"), r"^model\.objective: expected reverse_kl or gkd"),
+        (dict(objective="gkd", beta=1.5), r"^model\.beta: expected a value in \[0, 1\]"),
+        (dict(lmbda=0.5), r"^model\.lmbda: the reverse_kl objective trains on the student's samples only"),
+        (dict(kl=KLPenalty(coef=0.1)), r"^model\.kl\.coef: distillation pulls the student toward the teacher"),
+        (
+            dict(policy=PolicyModel("tiny", seed=2, reference_model="tiny")),
+            r"^model\.policy\.reference_model: the teacher is loaded as the reference",
+        ),
+    ],
+)
 def test_settings_that_cannot_work_fail_on_one_line(kw, message):
     with pytest.raises(AlignConfigError, match=message):
         DistillModule(**{**dict(policy=PolicyModel("tiny", seed=2), teacher="tiny-sort"), **kw})
@@ -150,8 +165,14 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
 
     from align.hub.tiny import load_tiny_tokenizer
 
-    config = LlamaConfig(vocab_size=600, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=600,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     load_tiny_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(AlignConfigError, match=r"^model\.teacher: .* has a vocabulary of 600 tokens and the student"):

@@ -22,10 +22,12 @@ def data(path, **kwargs):
 
 def one_step_params(path, batch_size, accumulate, **module_kwargs):
     L.seed_everything(0)
-    module = DPOModule(PolicyModel(lora=module_kwargs.pop("lora", None)), optimizer=partial(torch.optim.SGD, lr=1.0),
-                       **module_kwargs)
+    module = DPOModule(
+        PolicyModel(lora=module_kwargs.pop("lora", None)), optimizer=partial(torch.optim.SGD, lr=1.0), **module_kwargs
+    )
     cpu_trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
-        module, data(path, val_files=None, batch_size=batch_size))
+        module, data(path, val_files=None, batch_size=batch_size)
+    )
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad and "ref_model" not in n}
 
 
@@ -37,8 +39,11 @@ def perturbed(module):
                 p.add_(0.05 * torch.randn_like(p))
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(rpo_alpha=0.5, loss_type="ipo", beta=0.5),
-                                      dict(lora=LoraSettings(r=4, alpha=8))], ids=["sigmoid", "ipo+rpo", "lora"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(rpo_alpha=0.5, loss_type="ipo", beta=0.5), dict(lora=LoraSettings(r=4, alpha=8))],
+    ids=["sigmoid", "ipo+rpo", "lora"],
+)
 def test_accumulating_8x1_equals_one_batch_of_8(varied_pairs, settings):
     full = one_step_params(varied_pairs, 8, 1, **dict(settings))
     for batch_size, accumulate in [(1, 8), (2, 4)]:
@@ -58,8 +63,16 @@ def test_a_few_steps_raise_held_out_accuracy():
     assert before["val/dpo_accuracy"] == pytest.approx(0.5) and before["val/dpo_margin"] == pytest.approx(0.0)
     t.fit(module, dm)
     logged = dict(t.callback_metrics)
-    for name in ("train/loss", "dpo/accuracy", "dpo/margin", "dpo/rewards_chosen", "dpo/rewards_rejected",
-                 "dpo/logps_chosen", "dpo/logps_rejected", "train/pairs_per_s"):
+    for name in (
+        "train/loss",
+        "dpo/accuracy",
+        "dpo/margin",
+        "dpo/rewards_chosen",
+        "dpo/rewards_rejected",
+        "dpo/logps_chosen",
+        "dpo/logps_rejected",
+        "train/pairs_per_s",
+    ):
         assert torch.isfinite(logged[name]), name
     after = t.validate(module, dm, verbose=False)[0]
     assert after["val/dpo_accuracy"] > 0.6 and after["val/loss"] < before["val/loss"]  # 0.68 measured
@@ -88,7 +101,9 @@ def test_lora_reference_is_the_adapter_disabled_policy(varied_pairs):
     module.eval()
     base = PolicyModel().eval()
     with torch.no_grad():
-        torch.testing.assert_close(Scorer(module.policy).sequence_logps(batch, reference=True), Scorer(base).sequence_logps(batch))
+        torch.testing.assert_close(
+            Scorer(module.policy).sequence_logps(batch, reference=True), Scorer(base).sequence_logps(batch)
+        )
         assert not torch.allclose(Scorer(module.policy).sequence_logps(batch), Scorer(base).sequence_logps(batch))
 
 
@@ -109,8 +124,9 @@ def test_cached_reference_logps_equal_live_ones(varied_pairs, tmp_path, lora):
     with torch.no_grad():
         for batch in dm.eval_dataloader(dm.train_set):
             c, r = cached._reference_logps(batch, "train")
-            torch.testing.assert_close(torch.cat([c, r]), Scorer(live.policy).sequence_logps(batch, reference=True),
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                torch.cat([c, r]), Scorer(live.policy).sequence_logps(batch, reference=True), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_bad_settings_fail_early():
@@ -121,8 +137,11 @@ def test_bad_settings_fail_early():
         DPOModule(policy, loss_type="nope")
     with pytest.raises(AlignConfigError, match="label_smoothing"):
         DPOModule(policy, loss_type="conservative")
-    with pytest.raises(AlignConfigError, match=r"^model\.label_smoothing: expected 0 with loss_type 'sigmoid' \(it "
-                                               r"applies to 'conservative' only\), got 0\.1$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.label_smoothing: expected 0 with loss_type 'sigmoid' \(it "
+        r"applies to 'conservative' only\), got 0\.1$",
+    ):
         DPOModule(policy, label_smoothing=0.1)
     with pytest.raises(AlignConfigError, match="model.rpo_alpha: expected 0 with loss_type 'orpo'"):
         DPOModule(policy, loss_type="orpo", rpo_alpha=1.0)
@@ -148,14 +167,17 @@ def test_resume_without_the_cache_refuses_to_use_updated_weights_as_reference(va
     assert module.cached_reference.fingerprint is not None
     resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "b"))
     with pytest.raises(AlignConfigError, match="no longer the reference"):
-        cpu_trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
-                                                      ckpt_path=str(ckpt))
+        cpu_trainer(max_steps=2, limit_val_batches=0).fit(
+            resumed, data(varied_pairs, val_files=None, batch_size=4), ckpt_path=str(ckpt)
+        )
     # With the cache directory kept, the resume finds the cache by the fingerprint stored in the checkpoint.
     resumed = DPOModule(PolicyModel(), precompute_reference=True, reference_cache_dir=str(tmp_path / "a"))
-    cpu_trainer(max_steps=2, limit_val_batches=0).fit(resumed, data(varied_pairs, val_files=None, batch_size=4),
-                                                  ckpt_path=str(ckpt))
-    torch.testing.assert_close(resumed.cached_reference.splits["train"].chosen,
-                               module.cached_reference.splits["train"].chosen)
+    cpu_trainer(max_steps=2, limit_val_batches=0).fit(
+        resumed, data(varied_pairs, val_files=None, batch_size=4), ckpt_path=str(ckpt)
+    )
+    torch.testing.assert_close(
+        resumed.cached_reference.splits["train"].chosen, module.cached_reference.splits["train"].chosen
+    )
 
 
 def test_orpo_is_sft_plus_the_odds_ratio_term_without_a_reference(varied_pairs):

@@ -5,18 +5,17 @@ import threading
 
 import pytest
 import torch
+from _helpers import PROMPTS, prompt_batch, standalone
 
 from align.core.shaping import overlong_penalty
 from align.errors import AlignConfigError, NoLearningSignalError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import GroupAdvantages, OverlongPenalty, Updates
-from align.rollout.filter import GroupFilter, concat_rollouts, informative_groups
 from align.rollout.engine import SamplingConfig
+from align.rollout.filter import GroupFilter, concat_rollouts, informative_groups
 from align.rollout.source import FilteredSource
 from align.rollout.types import Rollout, Scored
-
-from _helpers import PROMPTS, prompt_batch, standalone
 
 PAD = 0
 
@@ -26,12 +25,18 @@ def fake_rollout(lengths, prompt_width=2, width=None, group_size=2):
     n, width = len(lengths), width or max(lengths)
     response_mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # (N, R)
     response_ids = torch.where(response_mask, 10 + torch.arange(n)[:, None], PAD)
-    return Rollout(prompt_ids=(100 + torch.arange(n))[:, None].repeat(1, prompt_width),
-                   prompt_mask=torch.ones(n, prompt_width, dtype=torch.long), response_ids=response_ids,
-                   response_mask=response_mask, old_logprobs=-response_mask.float(),
-                   truncated=torch.tensor(lengths) >= width, texts=[f"t{i}" for i in range(n)],
-                   prompt_index=torch.arange(n // group_size).repeat_interleave(group_size), group_size=group_size,
-                   generation_seconds=1.0)
+    return Rollout(
+        prompt_ids=(100 + torch.arange(n))[:, None].repeat(1, prompt_width),
+        prompt_mask=torch.ones(n, prompt_width, dtype=torch.long),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        old_logprobs=-response_mask.float(),
+        truncated=torch.tensor(lengths) >= width,
+        texts=[f"t{i}" for i in range(n)],
+        prompt_index=torch.arange(n // group_size).repeat_interleave(group_size),
+        group_size=group_size,
+        generation_seconds=1.0,
+    )
 
 
 def test_informative_groups_pinned():
@@ -61,9 +66,20 @@ def test_fills_across_batches_then_returns_exactly_the_target_and_clears():
     assert out is not None and not f.filling and f.buffer == []
     # 4 informative groups buffered, 3 trained on: r1's groups 0 and 2, then r2's group 0; r2's group 1 dropped.
     assert out.rewards.tolist() == [0.0, 1.0, 0.0, 2.0, 3.0, 4.0]
-    assert out.rollout.response_lengths.tolist() == [1, 4, 2, 2, 5, 6] and out.rollout.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    assert out.rollout.response_lengths.tolist() == [1, 4, 2, 2, 5, 6] and out.rollout.prompt_index.tolist() == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+    ]
     m = out.rollout.metrics
-    assert (m["rollout/sampling_batches"], m["rollout/kept_groups"], m["rollout/kept_frac"]) == (2.0, 3.0, pytest.approx(4 / 6))
+    assert (m["rollout/sampling_batches"], m["rollout/kept_groups"], m["rollout/kept_frac"]) == (
+        2.0,
+        3.0,
+        pytest.approx(4 / 6),
+    )
     assert m["rollout/completion_tokens"] == 15 + 19 and m["rollout/tokens_per_s"] == 34 / 2.0
     assert m["rollout/response_length"] == pytest.approx(20 / 6) and m["rollout/truncated_frac"] == pytest.approx(1 / 6)
 
@@ -124,7 +140,9 @@ def test_ranks_update_together_on_the_smallest_count():
         f = GroupFilter(group_size=2, max_batches=2)
         for rewards in batches:
             filled = f.add(fake_rollout([1, 2, 3, 4]), torch.tensor(rewards), {}, 2, PAD, all_reduce, r, 2)
-            out[r].append(None if filled is None else (len(filled.rollout), filled.rollout.metrics["rollout/kept_frac"]))
+            out[r].append(
+                None if filled is None else (len(filled.rollout), filled.rollout.metrics["rollout/kept_frac"])
+            )
 
     batches = ([[0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]], [[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]])
     threads = [threading.Thread(target=rank, args=(r, b)) for r, b in enumerate(batches)]
@@ -145,9 +163,15 @@ def prompt_dependent_reward(prompts, completions, **kw):
 
 
 def make_module(**kw):
-    defaults = dict(policy=PolicyModel("tiny", seed=2), rewards=[prompt_dependent_reward], group_size=4,
-                    sampling=SamplingConfig(max_new_tokens=6), log_entropy=False, updates=Updates(max_grad_norm=None),
-                    source=FilteredSource(max_batches=3))
+    defaults = dict(
+        policy=PolicyModel("tiny", seed=2),
+        rewards=[prompt_dependent_reward],
+        group_size=4,
+        sampling=SamplingConfig(max_new_tokens=6),
+        log_entropy=False,
+        updates=Updates(max_grad_norm=None),
+        source=FilteredSource(max_batches=3),
+    )
     return GRPOModule(**{**defaults, **kw})
 
 
@@ -181,8 +205,11 @@ def test_a_run_with_no_informative_group_stops_after_twice_the_cap():
     batch = prompt_batch(module.policy, PROMPTS[:2])
     for step in range(3):
         module.training_step(batch, step)
-    with pytest.raises(NoLearningSignalError, match="dynamic sampling: no update could be filled with groups whose "
-                       "rewards differ in 4 training batches in a row"):
+    with pytest.raises(
+        NoLearningSignalError,
+        match="dynamic sampling: no update could be filled with groups whose "
+        "rewards differ in 4 training batches in a row",
+    ):
         module.training_step(batch, 3)
     assert module.rl_counters["updates"] == 0
 

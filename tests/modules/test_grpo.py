@@ -3,6 +3,7 @@ import csv
 import lightning as L
 import pytest
 import torch
+from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 from lightning.pytorch.loggers import CSVLogger
 
 from align.data.chat import ChatEncoder
@@ -11,19 +12,23 @@ from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.learner import RLBatch, minibatch_indices
-from align.rollout.rewards import RewardSpec
 from align.modules.options import ClipRange, GroupAdvantages, KLPenalty, PolicyLoss, Updates
 from align.rollout.engine import SamplingConfig
+from align.rollout.rewards import RewardSpec
 
-from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
 def constant_reward(prompts, completions, **kw):
     return [1.0] * len(completions)
 
 
 def make_module(updates=None, **kw):
-    defaults = dict(policy=PolicyModel("tiny", seed=2), rewards=[length_reward], group_size=4,
-                    sampling=SamplingConfig(max_new_tokens=6), log_entropy=False)
+    defaults = dict(
+        policy=PolicyModel("tiny", seed=2),
+        rewards=[length_reward],
+        group_size=4,
+        sampling=SamplingConfig(max_new_tokens=6),
+        log_entropy=False,
+    )
     return GRPOModule(updates=Updates(**{"max_grad_norm": None, **(updates or {})}), **{**defaults, **kw})
 
 
@@ -57,19 +62,20 @@ def test_micro_batches_by_token_budget_give_the_gradient_of_the_whole_minibatch(
     data = fixed_batch(module)  # 8 rows: a 12-column prompt and 6 response columns
     for row, length in enumerate([1, 2, 3, 4, 5, 6, 1, 2]):  # responses that ended early, then padding
         data.response_mask[row, length:] = False
-        data.attention_mask[row, 12 + length:] = 0
+        data.attention_mask[row, 12 + length :] = 0
     widths = RLBatch.row_widths(data.attention_mask, data.response_length)
     assert widths == [13, 14, 15, 16, 17, 18, 13, 14]
     # A budget of 53 tokens, widest first: 18 + 17 (2 x 18 = 36), 16 + 15 + 14 (3 x 16 = 48), 14 + 13 + 13; with
     # at most 2 rows: 18 + 17, 16 + 15, 14 + 14, 13 + 13.
     budget = 53
     grads, seen = {}, {}
-    for name, updates in (("whole", Updates(max_grad_norm=None)),
-                          ("budget", Updates(max_tokens_per_microbatch=budget, micro_batch_size=micro_batch_size,
-                                             max_grad_norm=None))):
+    for name, updates in (
+        ("whole", Updates(max_grad_norm=None)),
+        ("budget", Updates(max_tokens_per_microbatch=budget, micro_batch_size=micro_batch_size, max_grad_norm=None)),
+    ):
         module.learner.updates = updates
         seen[name] = []
-        loss_fn = lambda micro, normaliser: (seen[name].append(micro), module._loss(micro, normaliser))[1]  # noqa: E731
+        loss_fn = lambda micro, normaliser: (seen[name].append(micro), module._loss(micro, normaliser))[1]  # noqa: B023, E731
         opt = standalone(module)
         module.update(data, loss_fn)
         assert len(opt.grads) == 1
@@ -112,8 +118,12 @@ def test_zero_variance_groups_give_zero_gradient():
 
 
 def test_kl_in_reward_and_off_policy_iterations_run():
-    module = make_module(kl=KLPenalty(coef=0.1, placement="reward"), updates=dict(epochs=2),
-                         clip=ClipRange(high=0.28), advantages=GroupAdvantages(std_scale="batch"))
+    module = make_module(
+        kl=KLPenalty(coef=0.1, placement="reward"),
+        updates=dict(epochs=2),
+        clip=ClipRange(high=0.28),
+        advantages=GroupAdvantages(std_scale="batch"),
+    )
     module.setup("fit")
     assert module.kl.kind == "k1" and module.policy.ref_model is not None
     opt = standalone(module)
@@ -122,20 +132,48 @@ def test_kl_in_reward_and_off_policy_iterations_run():
     assert len(opt.grads) == 2 and "train/kl" in module.last_metrics
 
 
-METRICS = ["train/loss", "train/policy_loss", "train/kl", "train/clipfrac", "train/approx_kl", "train/entropy",
-           "rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/tokens_per_s",
-           "rollout/truncated_frac", "rollout/reward/sort_format", "rollout/completion_tokens", "train/kl_coef",
-           "time/generation_s", "time/scoring_s", "time/update_s"]
+METRICS = [
+    "train/loss",
+    "train/policy_loss",
+    "train/kl",
+    "train/clipfrac",
+    "train/approx_kl",
+    "train/entropy",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/response_length",
+    "rollout/tokens_per_s",
+    "rollout/truncated_frac",
+    "rollout/reward/sort_format",
+    "rollout/completion_tokens",
+    "train/kl_coef",
+    "time/generation_s",
+    "time/scoring_s",
+    "time/update_s",
+]
 
 
 def test_trains_a_few_steps_with_lightning_and_logs_the_metrics(tmp_path):
-    module = GRPOModule(policy=PolicyModel("tiny", seed=2), rewards=[RewardSpec("align.rewards.sort_format")],
-                        group_size=4, sampling=SamplingConfig(max_new_tokens=6), kl=KLPenalty(coef=0.05),
-                        updates=Updates(minibatches=2, micro_batch_size=2))
+    module = GRPOModule(
+        policy=PolicyModel("tiny", seed=2),
+        rewards=[RewardSpec("align.rewards.sort_format")],
+        group_size=4,
+        sampling=SamplingConfig(max_new_tokens=6),
+        kl=KLPenalty(coef=0.05),
+        updates=Updates(minibatches=2, micro_batch_size=2),
+    )
     data = PromptDataModule(batch_size=2, val_batch_size=4)
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name=""),
-                        log_every_n_steps=1, limit_val_batches=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data)
@@ -220,7 +258,7 @@ def _whitened(values):  # the valid returns in row order, whitened with the unbi
 # REINFORCE++: per-token rewards -0.1 (-0.1 + 1) | (-0.2 + 0) | 2 at the end -> returns 0.8 0.9 | -0.2 | 2 2 | 2 2.
 # Baseline: rewards centred in the group first (0.5 -0.5 | 0 0) -> returns 0.3 0.4 | -0.7 | 0 0 | 0 0.
 EXPECTED = {
-    "grpo": torch.tensor([0.5 ** 0.5, -(0.5 ** 0.5), 0.0, 0.0]),
+    "grpo": torch.tensor([0.5**0.5, -(0.5**0.5), 0.0, 0.0]),
     "rloo": torch.tensor([1.0, -1.0, 0.0, 0.0]),
     "reinforce_pp": _whitened([0.8, 0.9, -0.2, 2.0, 2.0, 2.0, 2.0]),
     "reinforce_pp_baseline": _whitened([0.3, 0.4, -0.7, 0.0, 0.0, 0.0, 0.0]),
@@ -229,8 +267,9 @@ EXPECTED = {
 
 @pytest.mark.parametrize("estimator", list(EXPECTED))
 def test_each_estimator_gives_its_advantages_on_a_hand_built_rollout(estimator):
-    module = make_module(group_size=2, kl=KLPenalty(coef=0.5, placement="reward"),
-                         advantages=GroupAdvantages(estimator=estimator))
+    module = make_module(
+        group_size=2, kl=KLPenalty(coef=0.5, placement="reward"), advantages=GroupAdvantages(estimator=estimator)
+    )
     torch.testing.assert_close(module.estimate_advantages(REWARDS, KL, MASK), EXPECTED[estimator])
 
 
@@ -239,12 +278,25 @@ def test_kl_in_the_loss_leaves_the_rewards_alone():
     torch.testing.assert_close(module.estimate_advantages(REWARDS, KL, MASK), torch.tensor([1.0, -1.0, 0.0, 0.0]))
 
 
-@pytest.mark.parametrize("estimator, loss", [("rloo", "clip"), ("reinforce_pp", "gspo"),
-                                             ("reinforce_pp_baseline", "clip"), ("grpo", "gspo"), ("grpo", "cispo"),
-                                             ("rloo", "sapo"), ("reinforce_pp", "gmpo")])
+@pytest.mark.parametrize(
+    "estimator, loss",
+    [
+        ("rloo", "clip"),
+        ("reinforce_pp", "gspo"),
+        ("reinforce_pp_baseline", "clip"),
+        ("grpo", "gspo"),
+        ("grpo", "cispo"),
+        ("rloo", "sapo"),
+        ("reinforce_pp", "gmpo"),
+    ],
+)
 def test_each_estimator_and_policy_loss_runs_one_update(estimator, loss):
-    module = make_module(kl=KLPenalty(coef=0.1, placement="reward"), updates=dict(minibatches=2),
-                         advantages=GroupAdvantages(estimator=estimator), policy_loss=PolicyLoss(name=loss))
+    module = make_module(
+        kl=KLPenalty(coef=0.1, placement="reward"),
+        updates=dict(minibatches=2),
+        advantages=GroupAdvantages(estimator=estimator),
+        policy_loss=PolicyLoss(name=loss),
+    )
     module.setup("fit")
     opt = standalone(module, lr=1e-2)
     torch.manual_seed(0)
@@ -270,7 +322,7 @@ def test_padding_free_update_equals_the_padded_rows():
     data = fixed_batch(module)
     ends = torch.tensor([6, 1, 3, 6, 2, 6, 1, 4])[:, None] > torch.arange(data.response_length)
     data.response_mask &= ends
-    data.attention_mask[:, -data.response_length:] *= ends
+    data.attention_mask[:, -data.response_length :] *= ends
     data.ref_logprobs = module.scorer.reference_logprobs(data)
     grads, metrics = {}, {}
     for free in (False, True):

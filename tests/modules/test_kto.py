@@ -5,9 +5,9 @@ import pytest
 import torch
 from _helpers import cpu_trainer, first_eval_batch, nudged_trainables, write_varied_pairs
 
+from align.core.preference_losses import kto_loss
 from align.data.preference import PreferenceDataModule, UnpairedDataModule
 from align.errors import AlignConfigError
-from align.core.preference_losses import kto_loss
 from align.models import LoraSettings, PolicyModel
 from align.models.scorer import Scorer
 from align.modules.dpo import DPOModule
@@ -62,15 +62,30 @@ def test_loss_is_kto_with_z0_from_the_mismatched_pairs(varied_pairs):
 def test_cached_reference_equals_the_live_one_and_a_few_steps_log_every_metric(varied_pairs, tmp_path, lora):
     settings = LoraSettings(r=4, alpha=8) if lora else None
     L.seed_everything(0)
-    module = KTOModule(PolicyModel(lora=settings), optimizer=partial(torch.optim.AdamW, lr=1e-3),
-                       precompute_reference=True, reference_cache_dir=str(tmp_path))
+    module = KTOModule(
+        PolicyModel(lora=settings),
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        precompute_reference=True,
+        reference_cache_dir=str(tmp_path),
+    )
     dm = data(varied_pairs, batch_size=4)
     t = cpu_trainer(max_steps=2, limit_val_batches=1, val_check_interval=2)
     t.fit(module, dm)
     assert module.policy.ref_model is None and set(module.cached_reference.splits) == {"train", "val"}
-    for name in ("train/loss", "kto/kl", "kto/accuracy", "kto/rewards_desirable", "kto/rewards_undesirable",
-                 "kto/margin", "kto/logps_desirable", "kto/logps_undesirable", "train/examples_per_s",
-                 "val/loss", "val/kto_accuracy", "val/kto_kl"):
+    for name in (
+        "train/loss",
+        "kto/kl",
+        "kto/accuracy",
+        "kto/rewards_desirable",
+        "kto/rewards_undesirable",
+        "kto/margin",
+        "kto/logps_desirable",
+        "kto/logps_undesirable",
+        "train/examples_per_s",
+        "val/loss",
+        "val/kto_accuracy",
+        "val/kto_kl",
+    ):
         assert torch.isfinite(t.callback_metrics[name]), name
     live = PolicyModel(lora=settings)
     live.setup_reference()  # with LoRA: the adapter-disabled policy; without: a copy of the initial model
@@ -78,8 +93,9 @@ def test_cached_reference_equals_the_live_one_and_a_few_steps_log_every_metric(v
     with torch.no_grad():
         for batch in dm.eval_dataloader(dm.train_set):
             c, kl = module.cached_reference.logps(batch, "train", torch.device("cpu"))
-            torch.testing.assert_close(torch.cat([c, kl]), Scorer(live).sequence_logps(batch, reference=True),
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                torch.cat([c, kl]), Scorer(live).sequence_logps(batch, reference=True), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_bad_settings_and_paired_data_fail_before_any_compute(varied_pairs):
@@ -99,10 +115,14 @@ def test_unbalanced_weights_warn_with_the_paper_range(tmp_path, caplog):
     rows = [{"prompt": f"sort: {c} a", "completion": f"a {c}", "label": i < 6} for i, c in enumerate("bcdefghi")]
     path = tmp_path / "u.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.warns(UserWarning, match=r"6 desirable and 2 undesirable .* = 3.00, outside the paper's \[1, 4/3\]: "
-                                         r"for example model.desirable_weight in \[0.33, 0.44\]"):
-        cpu_trainer(max_steps=1, limit_val_batches=0).fit(KTOModule(PolicyModel()),
-                                                          data(str(path), val_files=None, batch_size=8))
+    with pytest.warns(
+        UserWarning,
+        match=r"6 desirable and 2 undesirable .* = 3.00, outside the paper's \[1, 4/3\]: "
+        r"for example model.desirable_weight in \[0.33, 0.44\]",
+    ):
+        cpu_trainer(max_steps=1, limit_val_batches=0).fit(
+            KTOModule(PolicyModel()), data(str(path), val_files=None, batch_size=8)
+        )
 
 
 def test_padding_free_loss_and_gradients_equal_the_padded_ones(varied_pairs):

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from align.core.losses import loss_count
+from align.core.stats import Ranks
 from align.errors import AlignConfigError
 from align.modules.learner import Learner, Optimization, RLBatch, minibatch_indices
 from align.modules.options import Updates
-from align.core.stats import Ranks
 
 # Eight rows, response widths 3; row i has i % 3 + 1 valid tokens and advantage i on each.
 N, R = 8, 3
@@ -46,8 +46,9 @@ def run(updates: Updates, seed: int = 0):
 
     torch.manual_seed(seed)
     clip = lambda norm: torch.nn.utils.clip_grad_norm_([w], norm)  # noqa: E731
-    metrics = learner.update(batch(), loss_fn, Optimization(optimizer, clip=clip),
-                             on_step=lambda: steps.append(learner.steps))
+    metrics = learner.update(
+        batch(), loss_fn, Optimization(optimizer, clip=clip), on_step=lambda: steps.append(learner.steps)
+    )
     return optimizer.grads, metrics, steps, learner
 
 
@@ -81,7 +82,8 @@ def test_planned_minibatches_are_the_ones_the_update_uses():
     planned = learner.plan(N)
     torch.manual_seed(3)
     assert [[i.tolist() for i in mb] for mb in planned] == [
-        [i.tolist() for i in mb] for mb in minibatch_indices(N, 2, 2)]
+        [i.tolist() for i in mb] for mb in minibatch_indices(N, 2, 2)
+    ]
     seen = []
     w = torch.nn.Parameter(torch.tensor(1.0))
 
@@ -102,6 +104,9 @@ def test_the_normaliser_sums_every_rank():
 
 
 def test_bad_minibatch_counts_fail_naming_the_setting():
-    with pytest.raises(AlignConfigError, match=r"^model\.updates\.minibatches: expected a value in \[1, 8\] \(the rows "
-                                               r"of a rollout on this rank\), got 9$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.updates\.minibatches: expected a value in \[1, 8\] \(the rows "
+        r"of a rollout on this rank\), got 9$",
+    ):
         minibatch_indices(N, 9, None)

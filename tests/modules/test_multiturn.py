@@ -6,13 +6,13 @@ import csv
 
 import pytest
 import torch
+from _helpers import cpu_trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from align.core.advantages import gae
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
-from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 from align.errors import AlignConfigError
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
@@ -21,10 +21,9 @@ from align.modules.online_dpo import OnlineDPOModule
 from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenalty, PolicyLoss, Updates
 from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
-from align.rollout.rewards import RewardSpec
 from align.rollout.engine import SamplingConfig
-
-from _helpers import cpu_trainer
+from align.rollout.envs.chat import EnvironmentSpec, EnvStep
+from align.rollout.rewards import RewardSpec
 
 
 class Rounds:
@@ -55,7 +54,9 @@ def loader(policy, n=2):
 
 def fit(module, tmp_path, steps=2):
     logger = CSVLogger(str(tmp_path), name="", version="")
-    cpu_trainer(max_steps=steps, logger=logger, log_every_n_steps=1).fit(module, train_dataloaders=loader(module.policy))
+    cpu_trainer(max_steps=steps, logger=logger, log_every_n_steps=1).fit(
+        module, train_dataloaders=loader(module.policy)
+    )
     return list(csv.DictReader(open(tmp_path / "metrics.csv")))
 
 
@@ -65,9 +66,14 @@ COMMON = dict(environment=SPEC, sampling=SamplingConfig(max_new_tokens=8), log_e
 @pytest.mark.parametrize("estimator, loss", [("grpo", "clip"), ("rloo", "cispo"), ("reinforce_pp_baseline", "gmpo")])
 def test_group_estimators_train_on_episodes_and_log_the_episode_metrics(tmp_path, estimator, loss):
     torch.manual_seed(0)
-    module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=4, kl=KLPenalty(coef=0.05),
-                        advantages=GroupAdvantages(estimator=estimator), policy_loss=PolicyLoss(name=loss),
-                        **COMMON)
+    module = GRPOModule(
+        policy=PolicyModel("tiny-sort"),
+        group_size=4,
+        kl=KLPenalty(coef=0.05),
+        advantages=GroupAdvantages(estimator=estimator),
+        policy_loss=PolicyLoss(name=loss),
+        **COMMON,
+    )
     before = [p.detach().clone() for p in module.policy.parameters()]
     rows = fit(module, tmp_path)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
@@ -83,9 +89,14 @@ def test_group_estimators_train_on_episodes_and_log_the_episode_metrics(tmp_path
 
 def test_ppo_places_each_turns_reward_on_its_last_token_before_gae(tmp_path):
     torch.manual_seed(1)
-    module = PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings()), group_size=2,
-                       kl=KLPenalty(coef=0.0, placement="reward"), gae=GAE(gamma=1.0, lam=1.0, whiten_advantages=False),
-                       updates=Updates(max_grad_norm=None), **COMMON)
+    module = PPOModule(
+        policy=PolicyModel("tiny-sort", critic=CriticSettings()),
+        group_size=2,
+        kl=KLPenalty(coef=0.0, placement="reward"),
+        gae=GAE(gamma=1.0, lam=1.0, whiten_advantages=False),
+        updates=Updates(max_grad_norm=None),
+        **COMMON,
+    )
     assert module.sampler.reward.names == [] and module.needs_reference is False
     batch = next(iter(loader(module.policy, 1)))
     data = module.make_batch(module.sampler.sample(batch))
@@ -94,8 +105,9 @@ def test_ppo_places_each_turns_reward_on_its_last_token_before_gae(tmp_path):
     # turn; an environment token has none.
     torch.testing.assert_close(gae(data.rewards, data.values, data.response_mask, 1.0, 1.0)[0], data.advantages)
     returns_to_go = data.rewards.flip(1).cumsum(1).flip(1)
-    torch.testing.assert_close(data.advantages + data.values, torch.where(data.response_mask, returns_to_go,
-                                                                          torch.zeros_like(returns_to_go)))
+    torch.testing.assert_close(
+        data.advantages + data.values, torch.where(data.response_mask, returns_to_go, torch.zeros_like(returns_to_go))
+    )
     assert (data.rewards[~data.response_mask] == 0).all()
     assert data.scores.abs().sum() == 0  # no sequence-level reward: the environment's are all per turn
     assert float(data.rewards.sum(dim=1).mean()) == pytest.approx(data.metrics["rollout/reward/env"])
@@ -116,16 +128,21 @@ def test_trpo_and_online_dpo_train_on_episodes(tmp_path):
 
 def test_environment_and_reward_names_and_budget():
     with pytest.raises(AlignConfigError, match="the name 'env' is the env reward part's"):
-        GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2,
-                   rewards=[RewardSpec("align.rewards.sort_format", name="env")], **COMMON)
+        GRPOModule(
+            policy=PolicyModel("tiny-sort"),
+            group_size=2,
+            rewards=[RewardSpec("align.rewards.sort_format", name="env")],
+            **COMMON,
+        )
     module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, **COMMON)
     assert module.accuracy_reward == "env" and module.sampler.max_response_tokens == 40
     assert GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2).sampler.max_response_tokens == 32
     with pytest.raises(AlignConfigError, match="model.overlong: the overlong penalty is per completion"):
         GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, overlong=OverlongPenalty(buffer=4), **COMMON)
     with pytest.raises(AlignConfigError, match="set reward_model, rewards or environment"):
-        PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings()), rewards=[], reward_model=None,
-                  eval_rewards=[])
+        PPOModule(
+            policy=PolicyModel("tiny-sort", critic=CriticSettings()), rewards=[], reward_model=None, eval_rewards=[]
+        )
 
 
 class FirstStepBonus:
@@ -144,9 +161,13 @@ class FirstStepBonus:
 def test_an_info_key_no_episode_of_a_step_reports_is_absent_from_that_steps_row(tmp_path):
     FirstStepBonus.resets = 0
     torch.manual_seed(3)
-    module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, log_entropy=False,
-                        environment=EnvironmentSpec(FirstStepBonus, max_turns=1, max_tokens=16),
-                        sampling=SamplingConfig(max_new_tokens=4))
+    module = GRPOModule(
+        policy=PolicyModel("tiny-sort"),
+        group_size=2,
+        log_entropy=False,
+        environment=EnvironmentSpec(FirstStepBonus, max_turns=1, max_tokens=16),
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
     rows = fit(module, tmp_path)
     train = [r for r in rows if r.get("rollout/reward_mean")]
     assert [(r["step"], r["rollout/bonus"]) for r in train] == [("0", "1.0"), ("1", "")]

@@ -3,17 +3,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
-from align.errors import AlignConfigError, NoLearningSignalError
 from align.core.preference_losses import dpo_loss
+from align.errors import AlignConfigError, NoLearningSignalError
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.learner import minibatch_indices
 from align.modules.online_dpo import OnlineDPOModule, PairBatch
 from align.modules.options import KLPenalty, Updates
-from align.rollout.rewards import RewardSpec
 from align.rollout.engine import SamplingConfig
-
-from _helpers import PROMPTS, length_reward, prompt_batch, standalone
+from align.rollout.rewards import RewardSpec
 
 
 def constant_reward(prompts, completions, **kw):
@@ -21,9 +20,14 @@ def constant_reward(prompts, completions, **kw):
 
 
 def make_module(**kw):
-    defaults = dict(policy=PolicyModel("tiny", seed=2), rewards=[length_reward], group_size=2,
-                    sampling=SamplingConfig(max_new_tokens=6), log_entropy=False,
-                    updates=Updates(max_grad_norm=None))
+    defaults = dict(
+        policy=PolicyModel("tiny", seed=2),
+        rewards=[length_reward],
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=6),
+        log_entropy=False,
+        updates=Updates(max_grad_norm=None),
+    )
     module = OnlineDPOModule(**{**defaults, **kw})
     module.setup("fit")
     return module
@@ -80,8 +84,14 @@ def test_every_rank_keeps_as_many_pairs_as_the_rank_with_the_most_decisive_ones(
 def hand_built(module, logps, refs, decisive=(True, True)):
     """A PairBatch of 2 pairs with 2 response tokens each; the policy's log-probs are replaced by ``logps``."""
     mask = torch.tensor([[True, True]] * 4) & torch.tensor(list(decisive) * 2)[:, None]
-    data = PairBatch(torch.zeros(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long), mask,
-                     torch.zeros(4, 2), torch.zeros(4, 2), torch.tensor(refs))
+    data = PairBatch(
+        torch.zeros(4, 3, dtype=torch.long),
+        torch.ones(4, 3, dtype=torch.long),
+        mask,
+        torch.zeros(4, 2),
+        torch.zeros(4, 2),
+        torch.tensor(refs),
+    )
     token_logps = torch.tensor(logps, requires_grad=True)
     module.scorer.logprobs = lambda micro, **kw: TokenLogprobs(token_logps, None, None)
     return data, token_logps
@@ -91,14 +101,17 @@ def hand_built(module, logps, refs, decisive=(True, True)):
 def test_loss_is_dpo_loss_of_summed_logprobs_against_the_reference(loss_type):
     module = make_module(beta=0.5, loss_type=loss_type)
     # rows: chosen 0, chosen 1, rejected 0, rejected 1; sums -1, -2, -3, -3 (policy) and -2, -2, -1, -4 (reference)
-    data, _ = hand_built(module, [[-0.5, -0.5], [-1.0, -1.0], [-1.0, -2.0], [-2.0, -1.0]],
-                         [[-1.0, -1.0], [-0.5, -1.5], [-0.5, -0.5], [-3.0, -1.0]])
+    data, _ = hand_built(
+        module,
+        [[-0.5, -0.5], [-1.0, -1.0], [-1.0, -2.0], [-2.0, -1.0]],
+        [[-1.0, -1.0], [-0.5, -1.5], [-0.5, -0.5], [-3.0, -1.0]],
+    )
     loss, metrics = module._loss(data, torch.tensor(2.0))
     # h = (logp_c - ref_c) - (logp_r - ref_r): pair 0: 1 - (-2) = 3, pair 1: 0 - 1 = -1
     if loss_type == "sigmoid":
         expected = (-F.logsigmoid(torch.tensor(1.5)) - F.logsigmoid(torch.tensor(-0.5))) / 2
     else:  # per-token means (2 tokens): h = 1.5 and -0.5, target 1 / (2 beta) = 1
-        expected = torch.tensor((0.5 ** 2 + 1.5 ** 2) / 2)
+        expected = torch.tensor((0.5**2 + 1.5**2) / 2)
     torch.testing.assert_close(loss, expected)
     if loss_type == "sigmoid":
         t = torch.tensor
@@ -111,8 +124,12 @@ def test_loss_is_dpo_loss_of_summed_logprobs_against_the_reference(loss_type):
 
 def test_a_weightless_pair_adds_nothing():
     module = make_module()
-    data, logps = hand_built(module, [[-0.5, -0.5], [-1.0, -1.0], [-1.0, -2.0], [-2.0, -1.0]],
-                             [[-1.0, -1.0], [-0.5, -1.5], [-0.5, -0.5], [-3.0, -1.0]], decisive=(True, False))
+    data, logps = hand_built(
+        module,
+        [[-0.5, -0.5], [-1.0, -1.0], [-1.0, -2.0], [-2.0, -1.0]],
+        [[-1.0, -1.0], [-0.5, -1.5], [-0.5, -0.5], [-3.0, -1.0]],
+        decisive=(True, False),
+    )
     loss, metrics = module._loss(data, torch.tensor(1.0))
     torch.testing.assert_close(loss, -F.logsigmoid(torch.tensor(0.3)))  # pair 0 alone: beta 0.1 * h 3
     loss.backward()
@@ -133,8 +150,16 @@ def test_a_step_trains_from_the_reference_and_logs_the_metrics():
     assert m["online_dpo/accuracy"] == 0.5 and m["train/kl"] == pytest.approx(0, abs=1e-6)
     assert m["train/entropy"] > 0
     assert any((a != b).any() for a, b in zip(before, module.policy.parameters()))
-    for name in ["rollout/reward_mean", "rollout/reward_chosen", "rollout/reward_rejected", "rollout/tie_frac",
-                 "rollout/completion_tokens", "time/generation_s", "time/scoring_s", "time/update_s"]:
+    for name in [
+        "rollout/reward_mean",
+        "rollout/reward_chosen",
+        "rollout/reward_rejected",
+        "rollout/tie_frac",
+        "rollout/completion_tokens",
+        "time/generation_s",
+        "time/scoring_s",
+        "time/update_s",
+    ]:
         assert math.isfinite(m[name]), name
     assert m["rollout/reward_chosen"] >= m["rollout/reward_rejected"]
 
@@ -155,20 +180,28 @@ def test_a_run_whose_rewards_always_tie_stops_with_one_actionable_line():
     batch = prompt_batch(module.policy, PROMPTS[:2])
     for step in range(2):
         module.training_step(batch, step)
-    with pytest.raises(NoLearningSignalError, match=r"online DPO: the rewards tied for every prompt .* in 3 training "
-                       r"batches in a row, so no update was taken and trainer.max_steps"):
+    with pytest.raises(
+        NoLearningSignalError,
+        match=r"online DPO: the rewards tied for every prompt .* in 3 training "
+        r"batches in a row, so no update was taken and trainer.max_steps",
+    ):
         module.training_step(batch, 2)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(group_size=1), "model.group_size: expected >= 2"),
-    (dict(rewards=None), "model.rewards: online DPO ranks its completions with rewards, a reward_model and/or an "
-                          "environment"),
-    (dict(rewards=[RewardSpec("align.rewards.sort_format", weight=0.0)]), "every training reward has weight 0"),
-    (dict(kl=KLPenalty(coef=0.1)), "model.kl.coef: online DPO regularises towards the reference with beta"),
-    (dict(loss_type="simpo"), "model.loss_type: expected one of ['sigmoid', 'ipo', 'hinge']"),
-    (dict(beta=0.0), "model.beta: expected > 0"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(group_size=1), "model.group_size: expected >= 2"),
+        (
+            dict(rewards=None),
+            "model.rewards: online DPO ranks its completions with rewards, a reward_model and/or an environment",
+        ),
+        (dict(rewards=[RewardSpec("align.rewards.sort_format", weight=0.0)]), "every training reward has weight 0"),
+        (dict(kl=KLPenalty(coef=0.1)), "model.kl.coef: online DPO regularises towards the reference with beta"),
+        (dict(loss_type="simpo"), "model.loss_type: expected one of ['sigmoid', 'ipo', 'hinge']"),
+        (dict(beta=0.0), "model.beta: expected > 0"),
+    ],
+)
 def test_config_errors_fail_before_any_compute(kw, message):
     with pytest.raises(AlignConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         OnlineDPOModule(**{"policy": PolicyModel("tiny", seed=2), "rewards": [length_reward], **kw})
@@ -197,16 +230,25 @@ def test_a_pairwise_judge_ranks_the_pairs():
     from _loopback import Loopback, user_message
 
     def shorter(request):
-        a, b = (re.search(rf"Response {x}:\n(.*?)(\n\nResponse B|\n\nWhich|$)", user_message(request), re.S).group(1)
-                for x in "AB")
+        a, b = (
+            re.search(rf"Response {x}:\n(.*?)(\n\nResponse B|\n\nWhich|$)", user_message(request), re.S).group(1)
+            for x in "AB"
+        )
         return "[[A]]" if len(a) <= len(b) else "[[B]]"
 
     with Loopback(shorter) as server:
-        judge = RewardSpec("align.rewards.Judge", name="judge",
-                           init_kwargs={"model": "m", "base_url": server.base_url, "parser": "pairwise",
-                                        "template": "Prompt:\n{prompt}\n\nResponse A:\n{completion_a}\n\nResponse B:\n"
-                                                    "{completion_b}\n\nWhich is better? Reply A or B.",
-                                        "backoff": 0.0})
+        judge = RewardSpec(
+            "align.rewards.Judge",
+            name="judge",
+            init_kwargs={
+                "model": "m",
+                "base_url": server.base_url,
+                "parser": "pairwise",
+                "template": "Prompt:\n{prompt}\n\nResponse A:\n{completion_a}\n\nResponse B:\n"
+                "{completion_b}\n\nWhich is better? Reply A or B.",
+                "backoff": 0.0,
+            },
+        )
         module = make_module(rewards=[judge])
         opt = standalone(module)
         torch.manual_seed(0)

@@ -22,44 +22,47 @@ from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
 
 
-@pytest.mark.parametrize("build, key", [
-    (lambda: KLPenalty(coef=-0.1), "kl.coef"),
-    (lambda: KLPenalty(estimator="k4"), "kl.estimator"),
-    (lambda: KLPenalty(placement="logits"), "kl.placement"),
-    (lambda: KLPenalty(coef=0.1, target=0.0), "kl.target"),
-    (lambda: KLPenalty(coef=0.1, horizon=0), "kl.horizon"),
-    (lambda: ClipRange(low=-0.2), "clip.low"),
-    (lambda: ClipRange(high=-1.0), "clip.high"),
-    (lambda: Updates(epochs=0), "updates.epochs"),
-    (lambda: Updates(minibatches=0), "updates.minibatches"),
-    (lambda: Updates(micro_batch_size=0), "updates.micro_batch_size"),
-    (lambda: Updates(max_tokens_per_microbatch=0), "updates.max_tokens_per_microbatch"),
-    (lambda: Updates(max_grad_norm=0.0), "updates.max_grad_norm"),
-    (lambda: Updates(loss_aggregation="sum"), "updates.loss_aggregation"),
-    (lambda: GroupAdvantages(std_scale="rank"), "advantages.std_scale"),
-    (lambda: GroupAdvantages(estimator="ppo"), "advantages.estimator"),
-    (lambda: GroupAdvantages(estimator="rloo", std_scale="group"), "advantages.std_scale"),
-    (lambda: GroupAdvantages(estimator="reinforce_pp", std_scale="batch"), "advantages.std_scale"),
-    (lambda: GroupAdvantages(estimator="gae"), "advantages.estimator"),
-    (lambda: PolicyLoss(name="sentence"), "policy_loss.name"),
-    (lambda: GAE(gamma=1.5), "gae.gamma"),
-    (lambda: GAE(lam=-0.1), "gae.lam"),
-    (lambda: ScoreShaping(clip=0.0), "scores.clip"),
-    (lambda: ValueTraining(coef=-1.0), "value.coef"),
-    (lambda: ValueTraining(clip=0.0), "value.clip"),
-    (lambda: ValueTraining(lr_scale=0.0), "value.lr_scale"),
-    (lambda: ValueTraining(warmup_rollouts=-1), "value.warmup_rollouts"),
-    (lambda: TrustRegion(max_kl=0.0), "trust_region.max_kl"),
-    (lambda: TrustRegion(backtrack_ratio=1.0), "trust_region.backtrack_ratio"),
-    (lambda: TrustRegion(cg_iters=0), "trust_region.cg_iters"),
-    (lambda: TrustRegion(damping=-1.0), "trust_region.damping"),
-    (lambda: TrustRegion(fisher_fraction=1.5), "trust_region.fisher_fraction"),
-    (lambda: OverlongPenalty(buffer=-1), "overlong.buffer"),
-    (lambda: OverlongPenalty(buffer=8, max_length=4), "overlong.buffer"),
-    (lambda: OverlongPenalty(max_length=0), "overlong.max_length"),
-    (lambda: OverlongPenalty(coef=-1.0), "overlong.coef"),
-    (lambda: OverlongPenalty(buffer=20).resolve(16), "overlong.buffer"),
-])
+@pytest.mark.parametrize(
+    "build, key",
+    [
+        (lambda: KLPenalty(coef=-0.1), "kl.coef"),
+        (lambda: KLPenalty(estimator="k4"), "kl.estimator"),
+        (lambda: KLPenalty(placement="logits"), "kl.placement"),
+        (lambda: KLPenalty(coef=0.1, target=0.0), "kl.target"),
+        (lambda: KLPenalty(coef=0.1, horizon=0), "kl.horizon"),
+        (lambda: ClipRange(low=-0.2), "clip.low"),
+        (lambda: ClipRange(high=-1.0), "clip.high"),
+        (lambda: Updates(epochs=0), "updates.epochs"),
+        (lambda: Updates(minibatches=0), "updates.minibatches"),
+        (lambda: Updates(micro_batch_size=0), "updates.micro_batch_size"),
+        (lambda: Updates(max_tokens_per_microbatch=0), "updates.max_tokens_per_microbatch"),
+        (lambda: Updates(max_grad_norm=0.0), "updates.max_grad_norm"),
+        (lambda: Updates(loss_aggregation="sum"), "updates.loss_aggregation"),
+        (lambda: GroupAdvantages(std_scale="rank"), "advantages.std_scale"),
+        (lambda: GroupAdvantages(estimator="ppo"), "advantages.estimator"),
+        (lambda: GroupAdvantages(estimator="rloo", std_scale="group"), "advantages.std_scale"),
+        (lambda: GroupAdvantages(estimator="reinforce_pp", std_scale="batch"), "advantages.std_scale"),
+        (lambda: GroupAdvantages(estimator="gae"), "advantages.estimator"),
+        (lambda: PolicyLoss(name="sentence"), "policy_loss.name"),
+        (lambda: GAE(gamma=1.5), "gae.gamma"),
+        (lambda: GAE(lam=-0.1), "gae.lam"),
+        (lambda: ScoreShaping(clip=0.0), "scores.clip"),
+        (lambda: ValueTraining(coef=-1.0), "value.coef"),
+        (lambda: ValueTraining(clip=0.0), "value.clip"),
+        (lambda: ValueTraining(lr_scale=0.0), "value.lr_scale"),
+        (lambda: ValueTraining(warmup_rollouts=-1), "value.warmup_rollouts"),
+        (lambda: TrustRegion(max_kl=0.0), "trust_region.max_kl"),
+        (lambda: TrustRegion(backtrack_ratio=1.0), "trust_region.backtrack_ratio"),
+        (lambda: TrustRegion(cg_iters=0), "trust_region.cg_iters"),
+        (lambda: TrustRegion(damping=-1.0), "trust_region.damping"),
+        (lambda: TrustRegion(fisher_fraction=1.5), "trust_region.fisher_fraction"),
+        (lambda: OverlongPenalty(buffer=-1), "overlong.buffer"),
+        (lambda: OverlongPenalty(buffer=8, max_length=4), "overlong.buffer"),
+        (lambda: OverlongPenalty(max_length=0), "overlong.max_length"),
+        (lambda: OverlongPenalty(coef=-1.0), "overlong.coef"),
+        (lambda: OverlongPenalty(buffer=20).resolve(16), "overlong.buffer"),
+    ],
+)
 def test_a_bad_value_fails_on_one_line_naming_its_key(build, key):
     with pytest.raises(AlignConfigError) as err:
         build()
@@ -72,10 +75,16 @@ def test_ppo_refuses_a_sequence_level_policy_loss_on_one_line():
         PPOModule(policy_loss=PolicyLoss(name="gspo"))
 
 
-@pytest.mark.parametrize("name, clip, bounds", [
-    ("clip", ClipRange(), (0.2, None)), ("gspo", ClipRange(low=3e-4, high=4e-4), (3e-4, 4e-4)),
-    ("cispo", ClipRange(), (1.0, 4.0)), ("cispo", ClipRange(low=0.2), (0.2, 4.0)), ("gmpo", ClipRange(), (0.4, None)),
-])
+@pytest.mark.parametrize(
+    "name, clip, bounds",
+    [
+        ("clip", ClipRange(), (0.2, None)),
+        ("gspo", ClipRange(low=3e-4, high=4e-4), (3e-4, 4e-4)),
+        ("cispo", ClipRange(), (1.0, 4.0)),
+        ("cispo", ClipRange(low=0.2), (0.2, 4.0)),
+        ("gmpo", ClipRange(), (0.4, None)),
+    ],
+)
 def test_a_null_clip_takes_the_losses_own_range(name, clip, bounds):
     assert PolicyLoss(name=name).clip_bounds(clip) == bounds
 
@@ -127,8 +136,24 @@ def test_a_nested_block_changes_only_the_fields_it_names_on_the_modules_own_defa
 
 
 def test_every_rl_module_takes_the_shared_blocks_and_only_its_own_extras():
-    shared = {"policy", "rewards", "reward_model", "eval_rewards", "group_size", "sampling", "source", "evaluation",
-              "updates", "kl", "overlong", "log_entropy", "optimizer", "scheduler", "disable_dropout", "environment"}
+    shared = {
+        "policy",
+        "rewards",
+        "reward_model",
+        "eval_rewards",
+        "group_size",
+        "sampling",
+        "source",
+        "evaluation",
+        "updates",
+        "kl",
+        "overlong",
+        "log_entropy",
+        "optimizer",
+        "scheduler",
+        "disable_dropout",
+        "environment",
+    }
     keys = {cls: set(vars(parse(cls))) for cls in (GRPOModule, PPOModule, TRPOModule)}
     assert keys[GRPOModule] == shared | {"clip", "policy_loss", "advantages"}
     assert keys[PPOModule] == shared | {"clip", "policy_loss", "gae", "scores", "value", "entropy_coef"}
@@ -142,4 +167,8 @@ def test_advantage_estimators_keep_grpo_as_the_default_and_parse_from_the_comman
     assert GroupAdvantages(std_scale="none").scale == "none"
     grpo = parse(GRPOModule, "--model.advantages.estimator", "rloo", "--model.policy_loss.name", "gspo")
     assert (grpo.advantages.estimator, grpo.advantages.std_scale, grpo.policy_loss.name, grpo.clip.low) == (
-        "rloo", None, "gspo", None)
+        "rloo",
+        None,
+        "gspo",
+        None,
+    )

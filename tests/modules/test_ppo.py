@@ -4,23 +4,23 @@ import math
 import lightning as L
 import pytest
 import torch
+from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 from lightning.pytorch.loggers import CSVLogger
 
 from align.core.advantages import gae
-from align.data.chat import ChatEncoder
-from align.data.prompts import PromptBatch, PromptDataModule
 from align.core.kl import AdaptiveKLController
 from align.core.masks import masked_mean, response_mask, truncated
+from align.data.chat import ChatEncoder
+from align.data.prompts import PromptDataModule
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.actor_critic import GAEBatch
+from align.modules.options import KLPenalty, PolicyLoss, ScoreShaping, Updates, ValueTraining
 from align.modules.ppo import PPOModule
-from align.rollout.rewards import RewardSpec
-from align.modules.options import GAE, KLPenalty, PolicyLoss, ScoreShaping, Updates, ValueTraining
 from align.rollout.engine import SamplingConfig
+from align.rollout.rewards import RewardSpec
 from align.rollout.types import Rollout
 
-from _helpers import PROMPTS, length_reward, prompt_batch, standalone
 
 def row_reward(prompts, completions, **kw):
     """Scores 3, 5, 7, ... by row: each row's terminal reward is recognisable."""
@@ -28,9 +28,14 @@ def row_reward(prompts, completions, **kw):
 
 
 def make_module(policy=None, **kw):
-    defaults = {"policy": policy or PolicyModel("tiny", seed=2, critic=CriticSettings()), "rewards": [length_reward],
-                "sampling": SamplingConfig(max_new_tokens=6), "group_size": 2,
-                "updates": Updates(max_grad_norm=None), "log_entropy": False}
+    defaults = {
+        "policy": policy or PolicyModel("tiny", seed=2, critic=CriticSettings()),
+        "rewards": [length_reward],
+        "sampling": SamplingConfig(max_new_tokens=6),
+        "group_size": 2,
+        "updates": Updates(max_grad_norm=None),
+        "log_entropy": False,
+    }
     return PPOModule(**{**defaults, **kw})
 
 
@@ -45,12 +50,26 @@ def hand_rollout(policy, responses, max_new_tokens):
     response_ids = torch.tensor(responses)
     mask = response_mask(response_ids, tok.eos_token_id)
     is_truncated = truncated(response_ids, tok.eos_token_id) & (response_ids.shape[1] >= max_new_tokens)
-    logprobs = policy.token_logprobs(torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, mask.long()], 1),
-                            response_length=response_ids.shape[1]).logprobs.detach()
+    logprobs = policy.token_logprobs(
+        torch.cat([prompt_ids, response_ids], 1),
+        torch.cat([prompt_mask, mask.long()], 1),
+        response_length=response_ids.shape[1],
+    ).logprobs.detach()
     logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
     texts = tok.batch_decode(torch.where(mask, response_ids, tok.pad_token_id).tolist(), skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, response_ids, mask, logprobs, is_truncated, texts,
-                   torch.arange(len(responses)), 1, 0.0, {})
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        mask,
+        logprobs,
+        is_truncated,
+        texts,
+        torch.arange(len(responses)),
+        1,
+        0.0,
+        {},
+    )
 
 
 def test_terminal_reward_on_eos_when_pad_equals_eos_and_on_last_token_when_truncated():
@@ -59,8 +78,13 @@ def test_terminal_reward_on_eos_when_pad_equals_eos_and_on_last_token_when_trunc
     assert policy.tokenizer.pad_token_id == eos
     # Row 0 stops at its EOS (index 2), then padding that is also EOS; row 1 never stops (truncated at 5).
     responses = [[40, 41, eos, eos, eos], [40, 41, 42, 43, 44]]
-    module = make_module(policy, rewards=[row_reward], kl=KLPenalty(placement="reward"), group_size=1,
-                         sampling=SamplingConfig(max_new_tokens=5))
+    module = make_module(
+        policy,
+        rewards=[row_reward],
+        kl=KLPenalty(placement="reward"),
+        group_size=1,
+        sampling=SamplingConfig(max_new_tokens=5),
+    )
     module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     data = module.make_batch(module.sampler.sample(prompt_batch(policy, PROMPTS[:2])))
     assert data.response_mask.tolist() == [[True, True, True, False, False], [True] * 5]
@@ -97,9 +121,14 @@ def test_make_batch_shapes_returns_and_whitened_advantages():
 
 def test_explained_variance_rises_during_critic_warmup_on_a_fixed_rollout():
     policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate"))
-    module = make_module(policy, rewards=[row_reward], kl=KLPenalty(placement="reward"),
-                         value=ValueTraining(warmup_rollouts=25, clip=None), updates=Updates(epochs=2, max_grad_norm=None),
-                         group_size=1)
+    module = make_module(
+        policy,
+        rewards=[row_reward],
+        kl=KLPenalty(placement="reward"),
+        value=ValueTraining(warmup_rollouts=25, clip=None),
+        updates=Updates(epochs=2, max_grad_norm=None),
+        group_size=1,
+    )
     torch.manual_seed(0)
     fixed = module.sampler.engine.generate(policy, prompt_batch(policy).prompt_ids, 1)
     module.sampler.engine.generate = lambda *a, **k: fixed
@@ -170,7 +199,9 @@ def test_score_options_penalty_whitening_scaling_clipping():
     x = torch.tensor([0.0, 0.0, 2.0, 4.0])
     expected = ((x - x.mean()) / x.std() * 2.0).clamp(-1.5, 1.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(make_module().transform_scores(torch.tensor([7.0, -9.0]), rollout.truncated), torch.tensor([7.0, -9.0]))
+    assert torch.equal(
+        make_module().transform_scores(torch.tensor([7.0, -9.0]), rollout.truncated), torch.tensor([7.0, -9.0])
+    )
 
 
 def test_no_value_model_is_an_error_naming_the_setting():
@@ -185,25 +216,53 @@ def test_an_adaptive_kl_controller_must_start_above_zero():
         make_module(kl=KLPenalty(coef=0.0, target=0.5, placement="reward"))
 
 
-METRICS = ["train/loss", "train/policy_loss", "train/value_loss", "train/entropy", "train/kl", "train/kl_coef",
-           "train/clipfrac", "train/approx_kl", "train/explained_variance", "train/returns_mean",
-           "rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/tokens_per_s",
-           "rollout/reward/sort_format", "rollout/reward/length_reward", "time/generation_s", "time/scoring_s",
-           "time/update_s"]
+METRICS = [
+    "train/loss",
+    "train/policy_loss",
+    "train/value_loss",
+    "train/entropy",
+    "train/kl",
+    "train/kl_coef",
+    "train/clipfrac",
+    "train/approx_kl",
+    "train/explained_variance",
+    "train/returns_mean",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/response_length",
+    "rollout/tokens_per_s",
+    "rollout/reward/sort_format",
+    "rollout/reward/length_reward",
+    "time/generation_s",
+    "time/scoring_s",
+    "time/update_s",
+]
 
 
 def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_controller(tmp_path):
-    module = PPOModule(policy=PolicyModel("tiny", seed=2, critic=CriticSettings()),
-                       rewards=[RewardSpec("align.rewards.sort_format")],
-                       eval_rewards=[length_reward],
-                       group_size=2, sampling=SamplingConfig(max_new_tokens=6),
-                       kl=KLPenalty(coef=0.1, target=0.5, horizon=100, placement="reward"),
-                       updates=Updates(minibatches=2, micro_batch_size=2), value=ValueTraining(warmup_rollouts=1))
+    module = PPOModule(
+        policy=PolicyModel("tiny", seed=2, critic=CriticSettings()),
+        rewards=[RewardSpec("align.rewards.sort_format")],
+        eval_rewards=[length_reward],
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=6),
+        kl=KLPenalty(coef=0.1, target=0.5, horizon=100, placement="reward"),
+        updates=Updates(minibatches=2, micro_batch_size=2),
+        value=ValueTraining(warmup_rollouts=1),
+    )
     assert module.accuracy_reward == "length_reward"
     data = PromptDataModule(batch_size=2, val_batch_size=4)
-    trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name=""),
-                        log_every_n_steps=1, limit_val_batches=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     before = [p.detach().clone() for p in module.policy.model.parameters()]
     trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data)
@@ -212,8 +271,13 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
     assert isinstance(module.kl_controller, AdaptiveKLController) and module.kl_controller.value != 0.1
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
         rows = list(csv.DictReader(f))
-    for name in METRICS + ["val/reward_mean", "val/accuracy", "val/kl", "val/reward/sort_format",
-                           "val/reward/length_reward"]:
+    for name in METRICS + [
+        "val/reward_mean",
+        "val/accuracy",
+        "val/kl",
+        "val/reward/sort_format",
+        "val/reward/length_reward",
+    ]:
         assert any(r.get(name) for r in rows), name
     # rewards logged with weight 0 never enter the training total
     row = next(r for r in rows if r.get("rollout/reward_mean"))
@@ -221,9 +285,11 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
 
     ckpt = tmp_path / "ppo.ckpt"
     trainer.save_checkpoint(ckpt)
-    fresh = PPOModule(policy=PolicyModel("tiny", seed=2, critic=CriticSettings()),
-                      rewards=[RewardSpec("align.rewards.sort_format")],
-                      kl=KLPenalty(coef=0.1, target=0.5, placement="reward"))
+    fresh = PPOModule(
+        policy=PolicyModel("tiny", seed=2, critic=CriticSettings()),
+        rewards=[RewardSpec("align.rewards.sort_format")],
+        kl=KLPenalty(coef=0.1, target=0.5, placement="reward"),
+    )
     fresh.on_load_checkpoint(torch.load(ckpt, weights_only=False))
     assert fresh.kl_controller.value == pytest.approx(module.kl_controller.value)
     assert fresh.rl_counters["rollouts"] == 3
@@ -232,8 +298,11 @@ def test_trains_a_few_steps_with_lightning_logs_metrics_and_checkpoints_the_kl_c
 def test_value_lr_scale_gives_the_value_parameters_their_own_learning_rate():
     from functools import partial
 
-    module = make_module(PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
-                         value=ValueTraining(lr_scale=10.0), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    module = make_module(
+        PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
+        value=ValueTraining(lr_scale=10.0),
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+    )
     optimizer = module.configure_optimizers()
     value_ids = {id(p) for p in module.policy.critic.parameters()}
     seen = set()
@@ -253,8 +322,9 @@ def test_critic_head_starts_from_the_shipped_reward_models_head(from_rm):
 
     from align.hub.tiny import TINY_SORT_RM_DIR
 
-    policy = PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm",
-                                                           head_from_reward_model=from_rm))
+    policy = PolicyModel(
+        "tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm", head_from_reward_model=from_rm)
+    )
     head = PPOModule(policy=policy).policy.critic.head.proj
     score = load_file(str(TINY_SORT_RM_DIR / "model.safetensors"))["score.weight"]
     if from_rm:
@@ -271,8 +341,9 @@ def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
     policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind=kind))
     eos = policy.tokenizer.eos_token_id
     responses = [[40, 41, eos, 0, 0], [40, 41, 42, 43, 44], [40, eos, 0, 0, 0], [40, 41, 42, eos, 0]]
-    module = make_module(policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1,
-                         sampling=SamplingConfig(max_new_tokens=5))
+    module = make_module(
+        policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1, sampling=SamplingConfig(max_new_tokens=5)
+    )
     module.setup("fit")
     module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     with torch.no_grad():
@@ -289,8 +360,9 @@ def test_padding_free_rollout_scoring_and_update_equal_the_padded_rows(kind):
     real = batches[False].response_mask
     assert torch.equal(batches[True].response_mask, real) and not bool(real.all())
     for name in ("ref_logprobs", "values", "rewards", "returns", "advantages"):
-        torch.testing.assert_close(getattr(batches[True], name)[real], getattr(batches[False], name)[real], atol=1e-5,
-                                   rtol=1e-5, msg=name)
+        torch.testing.assert_close(
+            getattr(batches[True], name)[real], getattr(batches[False], name)[real], atol=1e-5, rtol=1e-5, msg=name
+        )
     assert len(grads[True]) == 4
     for step_free, step_padded in zip(grads[True], grads[False]):
         for free, padded in zip(step_free, step_padded):
@@ -305,15 +377,21 @@ def test_the_critics_rollout_pass_serves_the_update_first_micro_batch(micro_batc
     policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate"))
     eos = policy.tokenizer.eos_token_id
     responses = [[40, 41, eos, 0, 0], [40, 41, 42, 43, 44], [40, eos, 0, 0, 0], [40, 41, 42, eos, 0]]
-    module = make_module(policy, kl=KLPenalty(coef=0.1, placement="reward"), group_size=1,
-                         sampling=SamplingConfig(max_new_tokens=5), log_entropy=True)
+    module = make_module(
+        policy,
+        kl=KLPenalty(coef=0.1, placement="reward"),
+        group_size=1,
+        sampling=SamplingConfig(max_new_tokens=5),
+        log_entropy=True,
+    )
     module.setup("fit")
     module.sampler.engine.generate = lambda *a, **k: hand_rollout(policy, responses, 5)
     with torch.no_grad():
         policy.critic.head.proj.weight.normal_(0.0, 0.1)  # values that differ by token
     critic_calls = []
-    policy.critic.backbone.register_forward_pre_hook(lambda m, a, kw: critic_calls.append(torch.is_grad_enabled()),
-                                            with_kwargs=True)
+    policy.critic.backbone.register_forward_pre_hook(
+        lambda m, a, kw: critic_calls.append(torch.is_grad_enabled()), with_kwargs=True
+    )
     batches, grads, calls = {}, {}, {}
     for keep in (True, False):
         module.keeps_critic_pass = keep

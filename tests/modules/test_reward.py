@@ -33,9 +33,18 @@ def trained(tmp_path_factory):
     L.seed_everything(0)
     module = RewardModule(PolicyModel("tiny-sort"), optimizer=partial(torch.optim.AdamW, lr=1e-3))
     dm = PreferenceDataModule(batch_size=32, max_length=64)
-    t = L.Trainer(accelerator="cpu", devices=1, max_steps=60, limit_val_batches=3, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                  default_root_dir=str(root), enable_checkpointing=False)
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=60,
+        limit_val_batches=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+    )
     before = t.validate(module, dm, verbose=False)[0]
     t.fit(module, dm)
     logged = dict(t.callback_metrics)
@@ -47,10 +56,14 @@ def trained(tmp_path_factory):
 
 def one_step_params(path, batch_size, accumulate, lora=False):
     L.seed_everything(0)
-    module = RewardModule(PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None),
-                          optimizer=partial(torch.optim.SGD, lr=1.0), export=False)
+    module = RewardModule(
+        PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None),
+        optimizer=partial(torch.optim.SGD, lr=1.0),
+        export=False,
+    )
     cpu_trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
-        module, data(path, val_files=None, batch_size=batch_size))
+        module, data(path, val_files=None, batch_size=batch_size)
+    )
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
@@ -94,8 +107,7 @@ def test_a_few_steps_raise_held_out_accuracy_and_log_metrics(trained):
     before, after = trained["before"], trained["after"]
     assert 0.2 < before["val/rm_accuracy"] < 0.8  # a random head ranks at about chance
     assert after["val/rm_accuracy"] > 0.6 and after["val/loss"] < before["val/loss"]
-    for name in ("train/loss", "rm/accuracy", "rm/margin", "rm/score_chosen", "rm/score_rejected",
-                 "train/pairs_per_s"):
+    for name in ("train/loss", "rm/accuracy", "rm/margin", "rm/score_chosen", "rm/score_rejected", "train/pairs_per_s"):
         assert torch.isfinite(trained["logged"][name]), name
     for name in ("val/rm_margin", "val/rm_score_chosen", "val/rm_score_rejected"):
         assert name in after, name
@@ -113,7 +125,8 @@ def test_export_loads_as_a_reward_callable(trained):
     assert len(chosen) == len(rows) and all(isinstance(s, float) for s in chosen)
     assert scorer(prompts, [r["chosen"] for r in rows]) == chosen  # deterministic
     assert RewardModelScorer(str(export), batch_size=10)(prompts, [r["chosen"] for r in rows]) == pytest.approx(
-        chosen, abs=1e-4)  # batching does not change scores
+        chosen, abs=1e-4
+    )  # batching does not change scores
     # Same encoding as training: the scorer reproduces the module's scores of the same pairs.
     dm, module = trained["dm"], trained["module"].eval()
     batch = next(iter(dm.eval_dataloader(dm.val_set, batch_size=10)))
@@ -168,8 +181,12 @@ def test_lora_reward_model_round_trips(tmp_path):
     assert not any("lora" in name for name, _ in loaded.named_parameters())  # merged into the base weights
     ids = torch.tensor([[1, 5, 6, 7, 2]])
     with torch.no_grad():
-        torch.testing.assert_close(loaded.eval()(ids, torch.ones_like(ids)),
-                                   sequence_scores(policy.eval(), ids, torch.ones_like(ids)), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            loaded.eval()(ids, torch.ones_like(ids)),
+            sequence_scores(policy.eval(), ids, torch.ones_like(ids)),
+            atol=1e-4,
+            rtol=1e-4,
+        )
 
 
 def test_bad_paths_fail_clearly(tmp_path):
@@ -193,8 +210,12 @@ def test_the_scorer_sees_the_whole_conversation_and_the_sampled_ids(trained):
 
     scorer = RewardModelScorer(str(trained["export"]))
     tok = scorer.tokenizer
-    chat = [{"role": "system", "content": "Sort the letters."}, {"role": "user", "content": "sort: c a b"},
-            {"role": "assistant", "content": "a b c"}, {"role": "user", "content": "sort: d b"}]
+    chat = [
+        {"role": "system", "content": "Sort the letters."},
+        {"role": "user", "content": "sort: c a b"},
+        {"role": "assistant", "content": "a b c"},
+        {"role": "user", "content": "sort: d b"},
+    ]
     prompt_ids, _ = encode_prompt(scorer.encoder, chat)
     # The whole conversation is scored, not its last message re-templated as a single user turn.
     whole = scorer(["sort: d b"], ["b d"], prompt_messages=[chat])[0]
@@ -202,17 +223,20 @@ def test_the_scorer_sees_the_whole_conversation_and_the_sampled_ids(trained):
     assert whole != pytest.approx(scorer(["sort: d b"], ["b d"])[0], abs=1e-4)
     # The sampled ids are scored as they are: a cut-off completion gets no end of turn appended ...
     cut = tok("b", add_special_tokens=False)["input_ids"]
-    as_sampled = scorer(["sort: d b"], ["b"], prompt_messages=[chat], completion_ids=[cut],
-                        completion_truncated=[True])[0]
+    as_sampled = scorer(
+        ["sort: d b"], ["b"], prompt_messages=[chat], completion_ids=[cut], completion_truncated=[True]
+    )[0]
     assert as_sampled == pytest.approx(_direct_score(scorer, prompt_ids, cut), abs=1e-5)
     assert as_sampled != pytest.approx(scorer(["sort: d b"], ["b"], prompt_messages=[chat])[0], abs=1e-4)
     # ... nor when only its text is known,
     assert scorer(["sort: d b"], ["b"], prompt_messages=[chat], completion_truncated=[True])[0] == pytest.approx(
-        as_sampled, abs=1e-5)
+        as_sampled, abs=1e-5
+    )
     # ... and ids that this tokenizer does not decode to the completion (another tokenizer's) are not used.
     foreign = tok("z z z", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert scorer(["sort: d b"], ["b d"], prompt_messages=[chat], completion_ids=[foreign])[0] == pytest.approx(
-        whole, abs=1e-5)
+        whole, abs=1e-5
+    )
     with pytest.raises(ValueError, match="1 completion_ids for 2 completions"):
         scorer(["a", "b"], ["a", "b"], completion_ids=[[1]])
 
@@ -226,7 +250,8 @@ def test_export_callback_on_a_reward_model_run_writes_the_reward_model(trained, 
     assert is_sequence_classifier(tmp_path / "cb")
     prompts, completions = ["sort: c a b"], ["a b c"]
     assert RewardModelScorer(str(tmp_path / "cb"))(prompts, completions) == pytest.approx(
-        RewardModelScorer(str(trained["export"]))(prompts, completions), abs=1e-5)
+        RewardModelScorer(str(trained["export"]))(prompts, completions), abs=1e-5
+    )
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -249,7 +274,10 @@ def test_padding_free_scores_and_gradients_equal_the_padded_rows(varied_pairs, l
 
 
 def test_a_policy_with_a_separate_critic_is_refused_naming_the_setting():
-    with pytest.raises(AlignConfigError, match=r"^model\.policy\.critic\.kind: expected 'shared' or a null critic "
-                                               r"\(a reward model scores with a head on its own backbone\), got "
-                                               r"'separate'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.policy\.critic\.kind: expected 'shared' or a null critic "
+        r"\(a reward model scores with a head on its own backbone\), got "
+        r"'separate'$",
+    ):
         RewardModule(PolicyModel(critic=CriticSettings(kind="separate")))

@@ -27,8 +27,9 @@ def varied_rows(tmp_path_factory):
 
 def one_step_params(path, batch_size, accumulate, lora=False):
     L.seed_everything(0)
-    module = SFTModule(PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None),
-                       optimizer=partial(torch.optim.SGD, lr=1.0))
+    module = SFTModule(
+        PolicyModel(lora=LoraSettings(r=4, alpha=8) if lora else None), optimizer=partial(torch.optim.SGD, lr=1.0)
+    )
     data = SFTDataModule(train_files=path, val_files=None, batch_size=batch_size, max_length=64, shuffle=False)
     cpu_trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(module, data)
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
@@ -86,7 +87,8 @@ def test_gradients_are_released_after_the_step_and_kept_while_accumulating(varie
     module = SFTModule(PolicyModel(), optimizer=partial(torch.optim.SGD, lr=0.1))
     data = SFTDataModule(train_files=varied_rows, val_files=None, batch_size=2, max_length=64, shuffle=False)
     cpu_trainer(max_steps=2, accumulate_grad_batches=accumulate, limit_val_batches=0, callbacks=[Probe()]).fit(
-        module, data)
+        module, data
+    )
     assert held == ([False, False] if accumulate == 1 else [False, True, False, True])
     assert all(p.grad is None for p in module.parameters())
 
@@ -96,7 +98,9 @@ def test_a_checkpoint_loads_outside_a_trainer_with_load_from_checkpoint(varied_r
     arguments (here the defaults) gets the trained weights."""
     module = SFTModule(PolicyModel(), optimizer=partial(torch.optim.SGD, lr=0.1))
     data = SFTDataModule(train_files=varied_rows, val_files=None, batch_size=2, max_length=64, shuffle=False)
-    cpu_trainer(max_steps=1, limit_val_batches=0, enable_checkpointing=True, default_root_dir=tmp_path).fit(module, data)
+    cpu_trainer(max_steps=1, limit_val_batches=0, enable_checkpointing=True, default_root_dir=tmp_path).fit(
+        module, data
+    )
     path = next(tmp_path.rglob("*.ckpt"))
     loaded = SFTModule.load_from_checkpoint(path, policy=PolicyModel())
     trained = module.state_dict()

@@ -40,8 +40,13 @@ def run(pairs, root, *, every_step=False, log_every=2, max_steps=5, **trainer_kw
     module.log_step = counting
     if every_step:
         module.logs_this_step = lambda: True
-    trainer = cpu_trainer(max_steps=max_steps, logger=CSVLogger(root, name="csv"), log_every_n_steps=log_every,
-                          limit_val_batches=0, **trainer_kwargs)
+    trainer = cpu_trainer(
+        max_steps=max_steps,
+        logger=CSVLogger(root, name="csv"),
+        log_every_n_steps=log_every,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
     trainer.fit(module, PreferenceDataModule(train_files=pairs, val_files=None, batch_size=2, max_length=64))
     path = Path(trainer.logger.log_dir) / "metrics.csv"
     with open(path) if path.exists() else open(os.devnull) as f:  # nothing written when no step is a logging step
@@ -61,9 +66,14 @@ def test_written_rows_are_those_of_logging_every_step(pairs, tmp_path):
 
 @pytest.mark.parametrize("reader", ["progress_bar", "monitor"])
 def test_a_progress_bar_or_a_monitor_reads_every_step(pairs, tmp_path, reader):
-    extra = (dict(enable_progress_bar=True) if reader == "progress_bar" else
-             dict(enable_checkpointing=True, callbacks=[ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss",
-                                                                        every_n_train_steps=1)]))
+    extra = (
+        dict(enable_progress_bar=True)
+        if reader == "progress_bar"
+        else dict(
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", every_n_train_steps=1)],
+        )
+    )
     _, steps, _ = run(pairs, tmp_path, max_steps=3, log_every=50, **extra)
     assert steps == [0, 1, 2]
 
@@ -89,11 +99,12 @@ def test_without_a_trainer_nothing_is_logged():
     assert AlignModule(torch.nn.Linear(1, 1)).logs_this_step() is False
 
 
-
 SHORT_RUN_ROWS = {
     "sft": [{"prompt": f"sort: {a} {b}", "completion": f"{min(a, b)} {max(a, b)}"} for a, b in zip("dbca", "acdb")],
-    "dpo": [{"prompt": f"sort: {a} {b}", "chosen": f"{min(a, b)} {max(a, b)}", "rejected": f"{max(a, b)} {min(a, b)}"}
-            for a, b in zip("dbca", "acdb")],
+    "dpo": [
+        {"prompt": f"sort: {a} {b}", "chosen": f"{min(a, b)} {max(a, b)}", "rejected": f"{max(a, b)} {min(a, b)}"}
+        for a, b in zip("dbca", "acdb")
+    ],
     "kto": [{"prompt": f"sort: {a} {b}", "completion": f"{a} {b}", "label": a < b} for a, b in zip("dbca", "acdb")],
 }
 
@@ -109,15 +120,34 @@ def test_a_run_shorter_than_log_every_n_steps_writes_its_last_steps_row(tmp_path
     from align.modules.kto import KTOModule
     from align.modules.sft import SFTModule
 
-    classes = {"sft": (SFTModule, SFTDataModule), "dpo": (DPOModule, PreferenceDataModule),
-               "kto": (KTOModule, UnpairedDataModule)}
+    classes = {
+        "sft": (SFTModule, SFTDataModule),
+        "dpo": (DPOModule, PreferenceDataModule),
+        "kto": (KTOModule, UnpairedDataModule),
+    }
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in SHORT_RUN_ROWS[recipe]))
-    cli = run_recipe(recipe, *classes[recipe], args=[
-        "--trainer.max_steps", "3", "--trainer.default_root_dir", str(tmp_path / "run"), "--data.init_args.train_files",
-        str(data), "--data.init_args.val_files", "null", "--data.init_args.batch_size", "2",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-        *(["--model.init_args.precompute_reference", "false"] if recipe == "dpo" else [])])
+    cli = run_recipe(
+        recipe,
+        *classes[recipe],
+        args=[
+            "--trainer.max_steps",
+            "3",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--data.init_args.train_files",
+            str(data),
+            "--data.init_args.val_files",
+            "null",
+            "--data.init_args.batch_size",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            *(["--model.init_args.precompute_reference", "false"] if recipe == "dpo" else []),
+        ],
+    )
     rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
     assert cli.trainer.global_step == (2 if recipe == "dpo" else 3)  # DPO: one epoch of two batches
     assert [r["step"] for r in rows if r.get("train/loss")] == [str(cli.trainer.global_step - 1)]

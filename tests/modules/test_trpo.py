@@ -3,25 +3,29 @@ import csv
 import lightning as L
 import pytest
 import torch
+from _helpers import length_reward, prompt_batch, standalone
 from lightning.pytorch.loggers import CSVLogger
 
-from align.data.chat import ChatEncoder
-from align.data.prompts import PromptBatch, PromptDataModule
 from align.core.kl import kl_estimate
 from align.core.masks import masked_mean
-from align.models.loading import LoraSettings
-from align.models.critic import CriticSettings
-from align.models.policy import PolicyModel
-from align.modules.trpo import TRPOModule
+from align.data.prompts import PromptDataModule
 from align.errors import AlignConfigError
+from align.models.critic import CriticSettings
+from align.models.loading import LoraSettings
+from align.models.policy import PolicyModel
 from align.modules.options import TrustRegion, Updates, ValueTraining
+from align.modules.trpo import TRPOModule
 from align.rollout.engine import SamplingConfig
 
-from _helpers import length_reward, prompt_batch, standalone
 
 def make_module(policy=None, trust_region=None, **kw):
-    defaults = dict(policy=policy or PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
-                    rewards=[length_reward], sampling=SamplingConfig(max_new_tokens=6), group_size=2, log_entropy=False)
+    defaults = dict(
+        policy=policy or PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
+        rewards=[length_reward],
+        sampling=SamplingConfig(max_new_tokens=6),
+        group_size=2,
+        log_entropy=False,
+    )
     region = TrustRegion(**{"max_kl": 0.01, "cg_iters": 4, **(trust_region or {})})
     return TRPOModule(trust_region=region, **{**defaults, **kw})
 
@@ -38,15 +42,23 @@ def snapshot(params):
 def measured_kl(module, data, old):
     """Mean k3 KL(old || current) over valid tokens, computed independently of the module's step."""
     with torch.no_grad():
-        new = module.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_length,
-                                  temperature=module.scorer.temperature).logprobs
+        new = module.policy.token_logprobs(
+            data.input_ids,
+            data.attention_mask,
+            response_length=data.response_length,
+            temperature=module.scorer.temperature,
+        ).logprobs
     return float(masked_mean(kl_estimate(old, new, "k3"), data.response_mask))
 
 
 def current_logprobs(module, data):
     with torch.no_grad():
-        return module.policy.token_logprobs(data.input_ids, data.attention_mask, response_length=data.response_length,
-                                   temperature=module.scorer.temperature).logprobs
+        return module.policy.token_logprobs(
+            data.input_ids,
+            data.attention_mask,
+            response_length=data.response_length,
+            temperature=module.scorer.temperature,
+        ).logprobs
 
 
 def test_accepted_step_stays_inside_the_trust_region_and_improves_the_surrogate():
@@ -95,8 +107,9 @@ def test_micro_batches_and_the_fisher_subsample_give_the_step_they_should():
 
 @pytest.mark.parametrize("kind", ["separate", "shared"])
 def test_value_optimizer_owns_the_value_model_and_never_moves_the_policy(kind):
-    module = make_module(policy=PolicyModel("tiny", seed=2, critic=CriticSettings(kind=kind)),
-                         updates=Updates(minibatches=2))
+    module = make_module(
+        policy=PolicyModel("tiny", seed=2, critic=CriticSettings(kind=kind)), updates=Updates(minibatches=2)
+    )
     optimizer = standalone(module, module.configure_optimizers())
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized and not optimized & {id(p) for p in module.policy_parameters()}
@@ -130,28 +143,59 @@ def test_lora_trust_region_is_the_adapter():
 
 def test_bad_settings_are_rejected():
     policy = PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate"))
-    for kwargs, match in (({"max_kl": 0.0}, "max_kl"), ({"backtrack_ratio": 1.0}, "backtrack_ratio"),
-                          ({"cg_iters": 0}, "cg_iters"), ({"fisher_fraction": 0.0}, "fisher_fraction")):
+    for kwargs, match in (
+        ({"max_kl": 0.0}, "max_kl"),
+        ({"backtrack_ratio": 1.0}, "backtrack_ratio"),
+        ({"cg_iters": 0}, "cg_iters"),
+        ({"fisher_fraction": 0.0}, "fisher_fraction"),
+    ):
         with pytest.raises(AlignConfigError, match=rf"^model\.trust_region\.{match}: expected"):
             TRPOModule(policy=policy, rewards=[length_reward], trust_region=TrustRegion(**kwargs))
-    with pytest.raises(AlignConfigError, match=r"^model\.value\.coef: TRPO trains the value model with its own optimizer"):
+    with pytest.raises(
+        AlignConfigError, match=r"^model\.value\.coef: TRPO trains the value model with its own optimizer"
+    ):
         TRPOModule(policy=policy, rewards=[length_reward], value=ValueTraining(coef=0.5))
 
 
-METRICS = ["trpo/kl", "trpo/max_kl", "trpo/surrogate_improvement", "trpo/line_search_steps", "trpo/accepted",
-           "trpo/cg_residual", "train/value_loss", "train/explained_variance", "train/policy_loss", "train/entropy",
-           "rollout/reward_mean", "rollout/response_length", "val/reward_mean", "val/accuracy"]
+METRICS = [
+    "trpo/kl",
+    "trpo/max_kl",
+    "trpo/surrogate_improvement",
+    "trpo/line_search_steps",
+    "trpo/accepted",
+    "trpo/cg_residual",
+    "train/value_loss",
+    "train/explained_variance",
+    "train/policy_loss",
+    "train/entropy",
+    "rollout/reward_mean",
+    "rollout/response_length",
+    "val/reward_mean",
+    "val/accuracy",
+]
 
 
 def test_trains_a_few_steps_with_lightning_and_every_accepted_step_respects_the_bound(tmp_path):
-    module = TRPOModule(policy=PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
-                        rewards=[length_reward],
-                        sampling=SamplingConfig(max_new_tokens=6), group_size=2,
-                        trust_region=TrustRegion(max_kl=0.005, cg_iters=4), updates=Updates(epochs=2))
+    module = TRPOModule(
+        policy=PolicyModel("tiny", seed=2, critic=CriticSettings(kind="separate")),
+        rewards=[length_reward],
+        sampling=SamplingConfig(max_new_tokens=6),
+        group_size=2,
+        trust_region=TrustRegion(max_kl=0.005, cg_iters=4),
+        updates=Updates(epochs=2),
+    )
     data = PromptDataModule(batch_size=4, val_batch_size=4)
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name=""),
-                        log_every_n_steps=1, limit_val_batches=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     before = snapshot(module.policy_parameters())
     trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data)

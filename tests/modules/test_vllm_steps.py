@@ -6,6 +6,7 @@ import csv
 
 import pytest
 import torch
+from _helpers import cpu_trainer, length_reward, prompt_batch, standalone
 from lightning.pytorch.loggers import CSVLogger
 
 from align.errors import AlignConfigError
@@ -17,13 +18,16 @@ from align.modules.ppo import PPOModule
 from align.rollout.engine import EngineCorrection, SamplingConfig
 from align.rollout.vllm_engine import VLLMEngine
 
-from _helpers import cpu_trainer, length_reward, prompt_batch, standalone
-
 pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
 
-MISMATCH = ["rollout/engine_logprob_diff", "rollout/engine_kl", "rollout/correction_clipped_frac",
-            "rollout/correction_masked_frac", "time/engine_sync_s"]
+MISMATCH = [
+    "rollout/engine_logprob_diff",
+    "rollout/engine_kl",
+    "rollout/correction_clipped_frac",
+    "rollout/correction_masked_frac",
+    "time/engine_sync_s",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,8 +41,9 @@ def vllm(max_new_tokens=6, **kw) -> SamplingConfig:
 
 
 def grpo(**kw):
-    defaults = dict(policy=PolicyModel("tiny-sort"), rewards=[length_reward], group_size=4, sampling=vllm(),
-                    log_entropy=False)
+    defaults = dict(
+        policy=PolicyModel("tiny-sort"), rewards=[length_reward], group_size=4, sampling=vllm(), log_entropy=False
+    )
     return GRPOModule(**{**defaults, **kw})
 
 
@@ -55,8 +60,11 @@ def test_grpo_off_policy_minibatches_train_on_the_trainers_logprobs_and_log_the_
 
 
 def test_a_bfloat16_engine_drifts_and_the_update_is_weighted():
-    module = grpo(sampling=vllm(max_new_tokens=8, engine=VLLMEngine(dtype="bfloat16"),
-                                correction=EngineCorrection(mode="tis", cap=1.01)))
+    module = grpo(
+        sampling=vllm(
+            max_new_tokens=8, engine=VLLMEngine(dtype="bfloat16"), correction=EngineCorrection(mode="tis", cap=1.01)
+        )
+    )
     torch.manual_seed(0)
     scored = module.sampler.sample(prompt_batch(module.policy))
     rollout, mask = scored.rollout, scored.rollout.response_mask
@@ -83,9 +91,15 @@ def test_a_sequence_level_loss_needs_sequence_level_weights():
 
 
 def test_ppo_with_a_critic_steps_on_the_engines_rollouts():
-    module = PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings()), rewards=[length_reward],
-                       sampling=vllm(), group_size=2, updates=Updates(max_grad_norm=None), log_entropy=False,
-                       kl=KLPenalty(coef=0.05, placement="reward"))
+    module = PPOModule(
+        policy=PolicyModel("tiny-sort", critic=CriticSettings()),
+        rewards=[length_reward],
+        sampling=vllm(),
+        group_size=2,
+        updates=Updates(max_grad_norm=None),
+        log_entropy=False,
+        kl=KLPenalty(coef=0.05, placement="reward"),
+    )
     module.setup("fit")
     opt = standalone(module, lr=1e-3)
     torch.manual_seed(0)
@@ -94,14 +108,19 @@ def test_ppo_with_a_critic_steps_on_the_engines_rollouts():
 
 
 def test_multi_turn_episodes_and_a_lightning_fit_on_the_engine(tmp_path):
-    from align.rollout.envs.chat import EnvironmentSpec
-
     from test_multiturn import Rounds, loader
 
-    module = grpo(environment=EnvironmentSpec(Rounds, max_turns=2, max_tokens=40), rewards=None,
-                  sampling=vllm(max_new_tokens=8), updates=Updates(minibatches=2))
+    from align.rollout.envs.chat import EnvironmentSpec
+
+    module = grpo(
+        environment=EnvironmentSpec(Rounds, max_turns=2, max_tokens=40),
+        rewards=None,
+        sampling=vllm(max_new_tokens=8),
+        updates=Updates(minibatches=2),
+    )
     cpu_trainer(max_steps=4, logger=CSVLogger(str(tmp_path), name="", version=""), log_every_n_steps=1).fit(
-        module, train_dataloaders=loader(module.policy))
+        module, train_dataloaders=loader(module.policy)
+    )
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     logged = [r for r in rows if r.get("rollout/engine_kl")]
     assert len(logged) == 2 and all(float(r["rollout/engine_kl"]) < 1e-6 for r in logged)

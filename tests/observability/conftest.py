@@ -3,9 +3,9 @@ import logging
 import lightning as L
 import pytest
 import torch
+from otlp_receiver import Receiver
 
 from align.observability import Timer
-from otlp_receiver import Receiver
 
 
 @pytest.fixture
@@ -56,9 +56,17 @@ class ToyRLModule(L.LightningModule):
 
 
 def toy_trainer(tmp_path, **kwargs):
-    defaults = dict(accelerator="cpu", devices=1, max_steps=3, enable_progress_bar=False, enable_model_summary=False,
-                    num_sanity_val_steps=0, log_every_n_steps=1, default_root_dir=str(tmp_path),
-                    enable_checkpointing=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        default_root_dir=str(tmp_path),
+        enable_checkpointing=False,
+    )
     return L.Trainer(**{**defaults, **kwargs})
 
 

@@ -66,7 +66,7 @@ class Receiver:
 
     # ---------------------------------------------------------------- servers
 
-    def start(self) -> "Receiver":
+    def start(self) -> Receiver:
         receiver = self
 
         class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
@@ -159,8 +159,9 @@ class Receiver:
                                 value = dp.as_double if dp.WhichOneof("value") == "as_double" else dp.as_int
                                 out.append(Point(m.name, kind, value, attrs(dp.attributes), res))
                             else:
-                                out.append(Point(m.name, kind, None, attrs(dp.attributes), res,
-                                                 count=dp.count, sum=dp.sum))
+                                out.append(
+                                    Point(m.name, kind, None, attrs(dp.attributes), res, count=dp.count, sum=dp.sum)
+                                )
         return out
 
     def spans(self, transport: str | None = None) -> list[SpanRecord]:
@@ -174,11 +175,20 @@ class Receiver:
                 res = attrs(rs.resource.attributes)
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        out.append(SpanRecord(
-                            name=s.name, span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(),
-                            trace_id=s.trace_id.hex(), attributes=attrs(s.attributes), resource=res,
-                            events=[(e.name, attrs(e.attributes)) for e in s.events], status_code=s.status.code,
-                            start=s.start_time_unix_nano, end=s.end_time_unix_nano))
+                        out.append(
+                            SpanRecord(
+                                name=s.name,
+                                span_id=s.span_id.hex(),
+                                parent_span_id=s.parent_span_id.hex(),
+                                trace_id=s.trace_id.hex(),
+                                attributes=attrs(s.attributes),
+                                resource=res,
+                                events=[(e.name, attrs(e.attributes)) for e in s.events],
+                                status_code=s.status.code,
+                                start=s.start_time_unix_nano,
+                                end=s.end_time_unix_nano,
+                            )
+                        )
         return out
 
     def wait_for(self, predicate, timeout: float = 10.0) -> bool:

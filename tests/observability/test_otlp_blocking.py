@@ -10,11 +10,11 @@ import socket
 import time
 
 import pytest
+from conftest import ToyRLModule, toy_trainer
 from lightning.pytorch.callbacks import Callback
 
 from align.observability import OTelTracingCallback, OTLPLogger
 from align.observability.export import FAILING_WAIT
-from conftest import ToyRLModule, toy_trainer
 
 PROTOCOLS = ["grpc", "http/protobuf"]
 # Scheduling delay allowed on top of a documented bound: the flush waits on another thread, which a loaded 2-core
@@ -121,8 +121,7 @@ def test_a_silent_collector_holds_one_flush_up_to_the_timeout_and_the_rest_a_sec
     timeout = 2.0
     server = never_accepting_server()
     try:
-        clock = run_three_stages(tmp_path, endpoint_of(server.getsockname()[1], protocol), protocol,
-                                 timeout=timeout)
+        clock = run_three_stages(tmp_path, endpoint_of(server.getsockname()[1], protocol), protocol, timeout=timeout)
     finally:
         server.close()
     assert not clock.over(timeout + SLACK), clock.over(0.05)

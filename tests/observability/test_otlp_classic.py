@@ -4,11 +4,11 @@ episodes it finished as ``rl.*`` attributes, and the episode metrics arrive as O
 from functools import partial
 
 import torch
-
-from align.gym.make import EnvSpec
-from align.gym import A2CGymModule
-from align.observability import OTelTracingCallback, OTLPLogger
 from conftest import toy_trainer
+
+from align.gym import A2CGymModule
+from align.gym.make import EnvSpec
+from align.observability import OTelTracingCallback, OTLPLogger
 
 
 def test_rollout_spans_carry_the_finished_episodes(receiver, tmp_path):
@@ -16,13 +16,13 @@ def test_rollout_spans_carry_the_finished_episodes(receiver, tmp_path):
     logger = OTLPLogger(endpoint=endpoint, export_interval=60)
     tracing = OTelTracingCallback(endpoint=endpoint, export_interval=60)
     torch.manual_seed(0)
-    module = A2CGymModule(env=EnvSpec(num_envs=4), total_steps=400, steps_per_iteration=5,
-                          optimizer=partial(torch.optim.Adam, lr=1e-3))
+    module = A2CGymModule(
+        env=EnvSpec(num_envs=4), total_steps=400, steps_per_iteration=5, optimizer=partial(torch.optim.Adam, lr=1e-3)
+    )
     finished = []
     original = module.runner.pop_episodes
     module.runner.pop_episodes = lambda: finished.append(original()) or finished[-1]
-    trainer = toy_trainer(tmp_path, logger=logger, callbacks=[tracing], max_steps=-1, max_epochs=1,
-                          log_every_n_steps=1)
+    trainer = toy_trainer(tmp_path, logger=logger, callbacks=[tracing], max_steps=-1, max_epochs=1, log_every_n_steps=1)
     trainer.fit(module)
 
     spans = receiver.spans()
@@ -41,5 +41,12 @@ def test_rollout_spans_carry_the_finished_episodes(receiver, tmp_path):
         assert span.attributes["rl.episode_length"] == sum(e.length for e in batch) / len(batch)
 
     names = {p.metric for p in receiver.points()}
-    assert {"align.rollout.episode_reward", "align.rollout.episode_length", "align.rollout.env_steps",
-            "align.train.policy_loss", "align.train.value_loss", "align.train.entropy", "align.train.lr"} <= names
+    assert {
+        "align.rollout.episode_reward",
+        "align.rollout.episode_length",
+        "align.rollout.env_steps",
+        "align.train.policy_loss",
+        "align.train.value_loss",
+        "align.train.entropy",
+        "align.train.lr",
+    } <= names

@@ -38,14 +38,31 @@ class Run:
 
 
 RUNS = {
-    "sft": Run("align.modules.sft.SFTModule", "align.data.sft.SFTDataModule",
-               ["--data.init_args.batch_size", "8", "--trainer.max_steps", "3"],
-               metrics=["train/loss", "train/tokens_per_s"], step_metric="train/loss"),
-    "grpo": Run("align.modules.grpo.GRPOModule", "align.data.prompts.PromptDataModule",
-                ["--data.init_args.batch_size", "2", "--model.init_args.group_size", "2",
-                 "--model.init_args.sampling.max_new_tokens", "8", "--trainer.max_steps", "2"],
-                metrics=["train/loss", "train/kl", "rollout/reward_mean"], step_metric="rollout/reward_mean", steps=2,
-                sections=("generation", "scoring", "update")),
+    "sft": Run(
+        "align.modules.sft.SFTModule",
+        "align.data.sft.SFTDataModule",
+        ["--data.init_args.batch_size", "8", "--trainer.max_steps", "3"],
+        metrics=["train/loss", "train/tokens_per_s"],
+        step_metric="train/loss",
+    ),
+    "grpo": Run(
+        "align.modules.grpo.GRPOModule",
+        "align.data.prompts.PromptDataModule",
+        [
+            "--data.init_args.batch_size",
+            "2",
+            "--model.init_args.group_size",
+            "2",
+            "--model.init_args.sampling.max_new_tokens",
+            "8",
+            "--trainer.max_steps",
+            "2",
+        ],
+        metrics=["train/loss", "train/kl", "rollout/reward_mean"],
+        step_metric="rollout/reward_mean",
+        steps=2,
+        sections=("generation", "scoring", "update"),
+    ),
 }
 CASES = [("sft", "grpc"), ("sft", "http/protobuf"), ("grpo", "grpc")]
 
@@ -88,10 +105,26 @@ def collector(tmp_path):
         pytest.skip("the rotel collector is not installed (pip install -e '.[dev]' installs it)")
     grpc_port, http_port = free_port(), free_port()
     out = open(tmp_path / "collector.log", "w")
-    cmd = [binary, "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}", "--otlp-http-endpoint",
-           f"127.0.0.1:{http_port}", "--exporter", "blackhole", "--debug-log", "traces", "--debug-log", "metrics",
-           "--debug-log-verbosity", "detailed", "--pid-file", str(tmp_path / "rotel.pid"),
-           "--log-file", str(tmp_path / "rotel-agent.log")]
+    cmd = [
+        binary,
+        "start",
+        "--otlp-grpc-endpoint",
+        f"127.0.0.1:{grpc_port}",
+        "--otlp-http-endpoint",
+        f"127.0.0.1:{http_port}",
+        "--exporter",
+        "blackhole",
+        "--debug-log",
+        "traces",
+        "--debug-log",
+        "metrics",
+        "--debug-log-verbosity",
+        "detailed",
+        "--pid-file",
+        str(tmp_path / "rotel.pid"),
+        "--log-file",
+        str(tmp_path / "rotel-agent.log"),
+    ]
     try:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     except OSError as err:  # wrong architecture or libc: the wheel's binary cannot run here
@@ -184,16 +217,26 @@ def csv_metrics(root: Path) -> list[dict]:
 def run_recipe_with_otlp(algorithm: str, protocol: str, endpoint: str, root: Path, run_id: str) -> None:
     """The documented CLI forms, in a fresh interpreter as a user would run them."""
     spec = RUNS[algorithm]
-    code = ("import sys; from align.cli.recipes import run_recipe; from importlib import import_module\n"
-            "def load(p):\n    m, _, c = p.rpartition('.'); return getattr(import_module(m), c)\n"
-            f"run_recipe({algorithm!r}, load({spec.module!r}), load({spec.datamodule!r}), args=sys.argv[1:])\n")
+    code = (
+        "import sys; from align.cli.recipes import run_recipe; from importlib import import_module\n"
+        "def load(p):\n    m, _, c = p.rpartition('.'); return getattr(import_module(m), c)\n"
+        f"run_recipe({algorithm!r}, load({spec.module!r}), load({spec.datamodule!r}), args=sys.argv[1:])\n"
+    )
     args = [
-        "--trainer.logger+=align.observability.OTLPLogger", f"--trainer.logger.endpoint={endpoint}",
-        f"--trainer.logger.protocol={protocol}", f"--trainer.logger.run_id={run_id}",
+        "--trainer.logger+=align.observability.OTLPLogger",
+        f"--trainer.logger.endpoint={endpoint}",
+        f"--trainer.logger.protocol={protocol}",
+        f"--trainer.logger.run_id={run_id}",
         "--trainer.logger.export_interval=60",
-        "--trainer.callbacks+=align.observability.OTelTracingCallback", f"--trainer.callbacks.endpoint={endpoint}",
+        "--trainer.callbacks+=align.observability.OTelTracingCallback",
+        f"--trainer.callbacks.endpoint={endpoint}",
         f"--trainer.callbacks.protocol={protocol}",
-        "--trainer.default_root_dir", str(root), "--trainer.log_every_n_steps", "1", "--eval_before_after", "false",
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.log_every_n_steps",
+        "1",
+        "--eval_before_after",
+        "false",
         *spec.args,
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -212,8 +255,11 @@ def test_recipe_exports_metrics_and_traces_to_a_real_collector(collector, tmp_pa
     deadline = time.monotonic() + 10
     while True:  # the collector prints asynchronously
         debug = parse_debug(collector.output())
-        if {"fit", "step"} <= {s.get("name") for s in debug.spans} and all(
-                f"align.{m}".replace("/", ".") in debug.gauges for m in spec.metrics) or time.monotonic() > deadline:
+        if (
+            {"fit", "step"} <= {s.get("name") for s in debug.spans}
+            and all(f"align.{m}".replace("/", ".") in debug.gauges for m in spec.metrics)
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.2)
 

@@ -32,8 +32,13 @@ def test_each_rank_is_its_own_service_instance(receiver, tmp_path):
     script.write_text(SCRIPT.format(here=str(Path(__file__).parent)))
     env = {k: v for k, v in os.environ.items() if k != "ALIGN_RUN_ID"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, str(script), receiver.endpoint("grpc"), str(tmp_path)], check=True, env=env,
-                   cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [sys.executable, str(script), receiver.endpoint("grpc"), str(tmp_path)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
     spans = receiver.spans()
     fits = [s for s in spans if s.name == "fit"]

@@ -4,11 +4,11 @@ import socket
 import threading
 
 import pytest
+from conftest import ToyRLModule, toy_trainer
 
 from align.observability import OTelTracingCallback, OTLPLogger, Timer, timing
 from align.observability.attributes import REDACTED
 from align.observability.export import SDK_LOGS, _failures, _names
-from conftest import ToyRLModule, toy_trainer
 
 PROTOCOLS = ["grpc", "http/protobuf"]
 
@@ -23,11 +23,23 @@ def by_name(points):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_logger_exports_names_values_attributes_and_histograms(receiver, protocol, monkeypatch):
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=ci,team=rl")
-    logger = OTLPLogger(endpoint=receiver.endpoint(protocol), protocol=protocol, run_id="run-1", algorithm="grpo",
-                        model_name="tiny", headers={"x-api-key": "s3cret"}, compression="gzip", export_interval=60,
-                        histogram_metrics=["rollout/*_length"])
-    logger.log_hyperparams({"model": {"beta": 0.04, "hf_token": "hf_abcdefghijklmnopqrstuvwxyz"},
-                            "reward": {"api_key": "k", "max_new_tokens": 32}})
+    logger = OTLPLogger(
+        endpoint=receiver.endpoint(protocol),
+        protocol=protocol,
+        run_id="run-1",
+        algorithm="grpo",
+        model_name="tiny",
+        headers={"x-api-key": "s3cret"},
+        compression="gzip",
+        export_interval=60,
+        histogram_metrics=["rollout/*_length"],
+    )
+    logger.log_hyperparams(
+        {
+            "model": {"beta": 0.04, "hf_token": "hf_abcdefghijklmnopqrstuvwxyz"},
+            "reward": {"api_key": "k", "max_new_tokens": 32},
+        }
+    )
     logger.log_metrics({"train/kl": 0.125, "rollout/reward_mean": 0.5, "epoch": 0.0}, step=3)
     logger.log_metrics({"train/kl": 0.25}, step=4)  # a gauge exports the last value
     for length in (3, 5, float("nan"), 8):
@@ -44,8 +56,7 @@ def test_logger_exports_names_values_attributes_and_histograms(receiver, protoco
     assert length.kind == "exponential_histogram" and length.count == 3 and length.sum == 16  # NaN skipped
     assert logger.skipped_non_finite == 1
     kl = points["align.train.kl"][-1]
-    assert kl.attributes == {"align.run_id": "run-1", "align.rank": 0, "align.algorithm": "grpo",
-                             "align.model": "tiny"}
+    assert kl.attributes == {"align.run_id": "run-1", "align.rank": 0, "align.algorithm": "grpo", "align.model": "tiny"}
     assert kl.resource["service.name"] == "align" and kl.resource["service.instance.id"] == "run-1-rank0"
     assert kl.resource["deployment.environment"] == "ci" and kl.resource["team"] == "rl"
     info = points["align.run.info"][-1].attributes
@@ -73,8 +84,12 @@ def test_the_sdk_exporter_reads_the_standard_environment(receiver, monkeypatch):
 
 
 def test_histogram_patterns_and_explicit_buckets(receiver):
-    logger = OTLPLogger(endpoint=receiver.endpoint("grpc"), histogram_metrics=["rollout/*_length"],
-                        histogram_boundaries=[0, 10, 100], export_interval=60)
+    logger = OTLPLogger(
+        endpoint=receiver.endpoint("grpc"),
+        histogram_metrics=["rollout/*_length"],
+        histogram_boundaries=[0, 10, 100],
+        export_interval=60,
+    )
     for v in (4.0, 20.0):
         logger.log_metrics({"rollout/response_length": v, "train/loss": 1.0}, step=1)
     logger.finalize("success")
@@ -152,13 +167,17 @@ def test_a_grpo_step_has_the_documented_section_spans(receiver, tmp_path):
 
     policy = PolicyModel("tiny", seed=2)
     prompt = "sort: b a"
-    batch = PromptBatch([ChatEncoder(policy.tokenizer).prompt_ids([{"role": "user", "content": prompt}])], [prompt],
-                        {})
-    module = GRPOModule(policy=policy, rewards=[lambda prompts, completions, **kw: [1.0] * len(completions)],
-                        group_size=2, sampling=SamplingConfig(max_new_tokens=4))
+    batch = PromptBatch([ChatEncoder(policy.tokenizer).prompt_ids([{"role": "user", "content": prompt}])], [prompt], {})
+    module = GRPOModule(
+        policy=policy,
+        rewards=[lambda prompts, completions, **kw: [1.0] * len(completions)],
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
     callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
     toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=1).fit(
-        module, train_dataloaders=DataLoader([batch], batch_size=None))
+        module, train_dataloaders=DataLoader([batch], batch_size=None)
+    )
     spans = receiver.spans()
     step = next(s for s in spans if s.name == "step")
     children = sorted((s for s in spans if s.parent_span_id == step.span_id), key=lambda s: s.start)
@@ -185,24 +204,34 @@ def test_every_environment_call_of_a_multi_turn_rollout_is_a_span_under_generati
 
     from align.data.chat import ChatEncoder
     from align.data.prompts import PromptBatch
-    from align.rollout.envs.chat import EnvironmentSpec
     from align.models.policy import PolicyModel
     from align.modules.grpo import GRPOModule
     from align.rollout.engine import SamplingConfig
+    from align.rollout.envs.chat import EnvironmentSpec
 
     policy = PolicyModel("tiny", seed=2)
     messages = [[{"role": "user", "content": p}] for p in ("sort: b a", "sort: d c")]
     encode = ChatEncoder(policy.tokenizer).prompt_ids
     batch = PromptBatch([encode(m) for m in messages], ["sort: b a", "sort: d c"], {}, messages)
-    module = GRPOModule(policy=policy, environment=EnvironmentSpec(TwoTurns, max_tokens=40), group_size=2,
-                        sampling=SamplingConfig(max_new_tokens=4))
+    module = GRPOModule(
+        policy=policy,
+        environment=EnvironmentSpec(TwoTurns, max_tokens=40),
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
     callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
     logger = OTLPLogger(endpoint=receiver.endpoint("grpc"), export_interval=60)
     toy_trainer(tmp_path, logger=logger, callbacks=[callback], max_steps=1).fit(
-        module, train_dataloaders=DataLoader([batch], batch_size=None))
+        module, train_dataloaders=DataLoader([batch], batch_size=None)
+    )
     names = {p.metric for p in receiver.points()}
-    assert {"align.rollout.turns", "align.rollout.environment_tokens", "align.rollout.truncated_frac",
-            "align.rollout.reward.env", "align.time.env_s"} <= names
+    assert {
+        "align.rollout.turns",
+        "align.rollout.environment_tokens",
+        "align.rollout.truncated_frac",
+        "align.rollout.reward.env",
+        "align.time.env_s",
+    } <= names
     spans = receiver.spans()
     generation = next(s for s in spans if s.name == "generation")
     calls = [s for s in spans if s.name == "env_step"]
@@ -227,9 +256,15 @@ def test_checkpoint_saves_and_validation_are_spans(receiver, tmp_path):
             return self.train_dataloader()
 
     callback = OTelTracingCallback(endpoint=receiver.endpoint("grpc"), export_interval=60)
-    trainer = toy_trainer(tmp_path, logger=False, max_steps=2, limit_val_batches=1, val_check_interval=2,
-                          enable_checkpointing=True,
-                          callbacks=[callback, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)])
+    trainer = toy_trainer(
+        tmp_path,
+        logger=False,
+        max_steps=2,
+        limit_val_batches=1,
+        val_check_interval=2,
+        enable_checkpointing=True,
+        callbacks=[callback, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)],
+    )
     trainer.fit(WithVal())
     spans = receiver.spans()
     by_id, parent = span_tree(spans)
@@ -315,8 +350,9 @@ def test_collector_down_training_finishes_with_a_single_warning(tmp_path, protoc
 
 
 def test_full_span_queue_drops_are_counted_and_warned_once(tmp_path, warning_counter):
-    callback = OTelTracingCallback(endpoint=f"127.0.0.1:{closed_port()}", export_interval=60, max_queue_size=4,
-                                   max_export_batch_size=4, timeout=1)
+    callback = OTelTracingCallback(
+        endpoint=f"127.0.0.1:{closed_port()}", export_interval=60, max_queue_size=4, max_export_batch_size=4, timeout=1
+    )
     toy_trainer(tmp_path, logger=False, callbacks=[callback], max_steps=6).fit(ToyRLModule())
     assert callback.dropped >= 6 * 4 - 4  # 6 steps x (step + 3 sections) spans, 4 fit in the queue
     assert len(warning_counter.relevant()) == 1
@@ -404,8 +440,17 @@ def test_the_warning_for_a_refusing_collector_says_the_connection_was_refused(pr
 def test_sdk_messages_are_condensed_to_their_cause():
     from align.observability.export import condensed
 
-    assert condensed("Transient error HTTPConnectionPool(host='h', port=1): ... [Errno -2] Name or service not "
-                     "known", "h:1") == "the collector's host name does not resolve"
-    assert condensed("Transient error StatusCode.DEADLINE_EXCEEDED encountered while exporting metrics to h:1, "
-                     "retrying in 1s.", "h:1") == "the collector did not answer in time"
+    assert (
+        condensed(
+            "Transient error HTTPConnectionPool(host='h', port=1): ... [Errno -2] Name or service not known", "h:1"
+        )
+        == "the collector's host name does not resolve"
+    )
+    assert (
+        condensed(
+            "Transient error StatusCode.DEADLINE_EXCEEDED encountered while exporting metrics to h:1, retrying in 1s.",
+            "h:1",
+        )
+        == "the collector did not answer in time"
+    )
     assert condensed("something else\nsecond line", "h:1") == "something else"

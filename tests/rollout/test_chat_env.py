@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from align.rollout.envs.chat import Environment, EnvironmentPool, EnvironmentSpec, EnvStep, check_messages
 from align.errors import AlignConfigError, AlignEnvError
+from align.rollout.envs.chat import Environment, EnvironmentPool, EnvironmentSpec, EnvStep, check_messages
 
 THIS = str(Path(__file__).resolve())
 
@@ -28,8 +28,12 @@ class Counter(Environment):
 
     def step(self, message):
         self.n += 1
-        return EnvStep([] if self.n >= self.turns else [{"role": "user", "content": f"turn {self.n}"}],
-                       reward=float(self.n), done=self.n >= self.turns, info={"seen": len(message["content"])})
+        return EnvStep(
+            [] if self.n >= self.turns else [{"role": "user", "content": f"turn {self.n}"}],
+            reward=float(self.n),
+            done=self.n >= self.turns,
+            info={"seen": len(message["content"])},
+        )
 
 
 class Raises(Counter):
@@ -98,8 +102,9 @@ def test_a_step_that_raises_stops_with_one_line_naming_environment_episode_turn_
         envs.step([0, 1], [{"role": "assistant", "content": "x"}] * 2, labels(2), turn=3)
     text = str(err.value)
     assert "\n" not in text
-    assert text.startswith(f"environment 'Raises' ({THIS}:Raises): episode 0, turn 3: step raised ValueError: "
-                           "the board is on fire")
+    assert text.startswith(
+        f"environment 'Raises' ({THIS}:Raises): episode 0, turn 3: step raised ValueError: the board is on fire"
+    )
     assert re.search(r"test_chat_env\.py, line \d+ in step\(\)", text)
 
 
@@ -112,16 +117,19 @@ def test_a_step_that_never_returns_is_stopped_at_the_timeout():
     assert time.monotonic() - started < 2.5  # not held for the full sleep
 
 
-@pytest.mark.parametrize("reply, why", [
-    ("done", "step must return EnvStep"),
-    ({"text": "x"}, "got a dict with keys"),
-    (([{"role": "user"}], 0.0, False), r"step's messages\[0\] must be a \{'role': str, 'content': str\} dict"),
-    (([], float("nan"), True), "step's reward must be finite"),
-    (([], "1", True), "step's reward must be a number"),
-    (([], 1.0, "yes"), "step's done must be True or False"),
-    (([], 1.0, False), "messages are empty but done is False"),
-    (([], 1.0, True, ["x"]), "step's info must be a dict"),
-])
+@pytest.mark.parametrize(
+    "reply, why",
+    [
+        ("done", "step must return EnvStep"),
+        ({"text": "x"}, "got a dict with keys"),
+        (([{"role": "user"}], 0.0, False), r"step's messages\[0\] must be a \{'role': str, 'content': str\} dict"),
+        (([], float("nan"), True), "step's reward must be finite"),
+        (([], "1", True), "step's reward must be a number"),
+        (([], 1.0, "yes"), "step's done must be True or False"),
+        (([], 1.0, False), "messages are empty but done is False"),
+        (([], 1.0, True, ["x"]), "step's info must be a dict"),
+    ],
+)
 def test_a_malformed_reply_is_one_line_naming_what_is_wrong(reply, why):
     class Bad(Counter):
         def step(self, message):
@@ -155,5 +163,7 @@ def test_config_errors_name_the_setting():
         EnvironmentPool("no_such_module.Env")
     with pytest.raises(AlignConfigError, match=r"cannot build it from init_kwargs \{'bad': 1\}: TypeError"):
         pool("Counter", init_kwargs={"bad": 1}).instance(0)
-    with pytest.raises(AlignConfigError, match="needs reset.row. and step.message. methods; it has no reset and no step"):
+    with pytest.raises(
+        AlignConfigError, match="needs reset.row. and step.message. methods; it has no reset and no step"
+    ):
         EnvironmentPool(EnvironmentSpec("builtins.dict")).instance(0)

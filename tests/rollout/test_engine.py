@@ -14,8 +14,15 @@ import yaml
 
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
-from align.rollout.engine import (GenerationEngine, HeldOutCorrection, HeldOutSampling, NativeEngine, SamplingConfig,
-                                  engine_class, make_engine)
+from align.rollout.engine import (
+    GenerationEngine,
+    HeldOutCorrection,
+    HeldOutSampling,
+    NativeEngine,
+    SamplingConfig,
+    engine_class,
+    make_engine,
+)
 from align.rollout.sampling import SampleOutput
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
@@ -43,8 +50,16 @@ class EchoEngine(GenerationEngine):
     def decoding(self, policy, capacity):
         tokens = policy.tokenizer.encode(self.text, add_special_tokens=False) + [policy.tokenizer.eos_token_id]
 
-        def decode(input_ids, attention_mask, *, max_new_tokens, min_new_tokens=0, generator=None, sync_stop=None,
-                   shared_prefix=1):
+        def decode(
+            input_ids,
+            attention_mask,
+            *,
+            max_new_tokens,
+            min_new_tokens=0,
+            generator=None,
+            sync_stop=None,
+            shared_prefix=1,
+        ):
             row = torch.tensor(tokens[:max_new_tokens], device=input_ids.device)
             ids = row.expand(input_ids.shape[0], -1).clone()
             return SampleOutput(ids, torch.full(ids.shape, self.logprob, device=ids.device), ids.shape[1])
@@ -57,21 +72,33 @@ def test_short_names_and_class_paths_name_engines():
     assert engine_class("vllm").__name__ == "VLLMEngine"
     engine = make_engine(SamplingConfig(engine=ENGINE, temperature=0.5))
     assert isinstance(engine, EchoEngine) and engine.sampling.temperature == 0.5 and engine.text == "a b"
-    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: expected native, vllm or the import path of "
-                                               r"a GenerationEngine subclass, got 'sglang'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.sampling\.engine: expected native, vllm or the import path of "
+        r"a GenerationEngine subclass, got 'sglang'$",
+    ):
         SamplingConfig(engine="sglang")
-    with pytest.raises(AlignConfigError, match=r"^model\.evaluation\.sampling\.engine: 'torch\.nn\.Linear' is not a "
-                                               r"subclass of align\.rollout\.engine\.GenerationEngine$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.evaluation\.sampling\.engine: 'torch\.nn\.Linear' is not a "
+        r"subclass of align\.rollout\.engine\.GenerationEngine$",
+    ):
         HeldOutSampling(engine="torch.nn.Linear")
 
 
 def test_the_same_checks_name_the_training_or_the_held_out_settings():
     for sampling, where in ((SamplingConfig, "model.sampling"), (HeldOutSampling, "model.evaluation.sampling")):
-        with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.temperature: expected >= 0 \(0: greedy\), "
-                                                   r"got -1\.0$"):
+        with pytest.raises(
+            AlignConfigError,
+            match=rf"^{re.escape(where)}\.temperature: expected >= 0 \(0: greedy\), "
+            r"got -1\.0$",
+        ):
             sampling(temperature=-1.0)
-        with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.top_p: expected a value in \(0, 1\], "
-                                                   r"got 0$"):
+        with pytest.raises(
+            AlignConfigError,
+            match=rf"^{re.escape(where)}\.top_p: expected a value in \(0, 1\], "
+            r"got 0$",
+        ):
             sampling(top_p=0)
         correction = sampling.__dataclass_fields__["correction"].default_factory
         with pytest.raises(AlignConfigError, match=rf"^{re.escape(where)}\.correction\.cap: expected >= 1, got 0\.5$"):
@@ -102,17 +129,36 @@ def run_dir(tmp_path, config: dict, *args: str):
 
     path = tmp_path / "engine.yaml"
     path.write_text(yaml.safe_dump(config))
-    return run_recipe("grpo", GRPOModule, PromptDataModule, args=[
-        "--config", str(path), "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.enable_progress_bar",
-        "false",
-        *args])
+    return run_recipe(
+        "grpo",
+        GRPOModule,
+        PromptDataModule,
+        args=[
+            "--config",
+            str(path),
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--trainer.enable_progress_bar",
+            "false",
+            *args,
+        ],
+    )
 
 
 def test_an_engine_from_outside_the_package_trains_and_answers_the_held_out_passes(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [sys.argv[0]])
-    config = {"model": {"init_args": {"group_size": 2, "sampling": {
-        "max_new_tokens": 6, "engine": {"class_path": ENGINE, "init_args": {"text": "b a", "logprob": -0.5}}}}},
-        "trainer": {"max_steps": 2, "log_every_n_steps": 1}}
+    config = {
+        "model": {
+            "init_args": {
+                "group_size": 2,
+                "sampling": {
+                    "max_new_tokens": 6,
+                    "engine": {"class_path": ENGINE, "init_args": {"text": "b a", "logprob": -0.5}},
+                },
+            }
+        },
+        "trainer": {"max_steps": 2, "log_every_n_steps": 1},
+    }
     cli = run_dir(tmp_path, config)
     sampler = cli.model.sampler
     assert isinstance(sampler.engine, EchoEngine) and (sampler.engine.text, sampler.engine.logprob) == ("b a", -0.5)
@@ -142,10 +188,15 @@ def test_an_engine_from_outside_the_package_generates_for_the_asynchronous_sourc
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         torch.manual_seed(0)
-        module = GRPOModule(policy=PolicyModel("tiny-sort"), rewards=[length_reward], group_size=2,
-                            log_entropy=False, updates=Updates(max_grad_norm=None),
-                            sampling=SamplingConfig(max_new_tokens=6, engine=EchoEngine(text="a b")),
-                            source=AsyncSource(max_staleness=1))
+        module = GRPOModule(
+            policy=PolicyModel("tiny-sort"),
+            rewards=[length_reward],
+            group_size=2,
+            log_entropy=False,
+            updates=Updates(max_grad_norm=None),
+            sampling=SamplingConfig(max_new_tokens=6, engine=EchoEngine(text="a b")),
+            source=AsyncSource(max_staleness=1),
+        )
         module.use_optimizer(torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1))
         steps = []
         for i in range(3):

@@ -1,10 +1,9 @@
-"""Multi-turn rollouts (align.rollout.episodes) on the tiny model: environment tokens are in the context but carry no loss
-and no KL, the trained log-probs are the sampled ones on every assistant token of every turn, a sampled turn is
+"""Multi-turn rollouts (align.rollout.episodes) on the tiny model: environment tokens are in the context but carry no
+loss and no KL, the trained log-probs are the sampled ones on every assistant token of every turn, a sampled turn is
 never re-tokenized, episodes batched together equal each played alone, and every way an episode ends.
 
 The environments are loaded through the import path of this file, as a user names their own class."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,12 @@ import torch
 import align.rollout.engine as engine_module
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
-from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 from align.errors import AlignEnvError
 from align.models.policy import PolicyModel, TokenLogprobs
 from align.modules.grpo import GRPOModule
 from align.modules.options import KLPenalty, Updates
 from align.rollout.engine import SamplingConfig
+from align.rollout.envs.chat import EnvironmentSpec, EnvStep
 
 THIS = str(Path(__file__).resolve())
 PROMPTS = ["sort: d a c", "sort: b a", "sort: c c a b", "sort: j e"]
@@ -37,7 +36,9 @@ class Rounds:
         reward = float(len(message["content"].split()) > 1) + (10.0 if self.turn == self.turns else 0.0)
         if self.turn == self.turns:
             return EnvStep([], reward, True, {"rounds": 1})
-        return EnvStep([{"role": "user", "content": f"sort: {'abcdefghij'[self.turn]} a"}], reward, False, {"rounds": 1})
+        return EnvStep(
+            [{"role": "user", "content": f"sort: {'abcdefghij'[self.turn]} a"}], reward, False, {"rounds": 1}
+        )
 
 
 class DoneAtOnce(Rounds):
@@ -59,8 +60,14 @@ def policy():
 
 def module(policy, env="Rounds", group_size=2, temperature=1.0, max_new_tokens=12, max_turns=3, max_tokens=96, **kw):
     spec = EnvironmentSpec(f"{THIS}:{env}", max_turns=max_turns, max_tokens=max_tokens)
-    return GRPOModule(policy=policy, environment=spec, group_size=group_size, log_entropy=False,
-                      sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature), **kw)
+    return GRPOModule(
+        policy=policy,
+        environment=spec,
+        group_size=group_size,
+        log_entropy=False,
+        sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature),
+        **kw,
+    )
 
 
 def batch(policy, prompts=PROMPTS, turns=None) -> PromptBatch:
@@ -177,8 +184,14 @@ def test_rewards_sit_on_each_turns_last_token_and_sum_to_the_env_part(policy):
     assert rollout.metrics["rollout/rounds"] == rollout.metrics["rollout/turns"]
 
 
-@pytest.mark.parametrize("limits, end", [(dict(max_turns=2), "max_turns"), (dict(max_new_tokens=1), "turn_length"),
-                                         (dict(max_tokens=8, max_new_tokens=12), "max_tokens")])
+@pytest.mark.parametrize(
+    "limits, end",
+    [
+        (dict(max_turns=2), "max_turns"),
+        (dict(max_new_tokens=1), "turn_length"),
+        (dict(max_tokens=8, max_new_tokens=12), "max_tokens"),
+    ],
+)
 def test_every_limit_ends_episodes_as_truncated(policy, limits, end):
     torch.manual_seed(3)
     m = module(policy, temperature=0.0, **limits)
@@ -206,8 +219,11 @@ def test_a_cut_turn_ends_its_episode_as_truncated_even_when_the_environment_says
 
 def test_a_reply_the_template_cannot_render_is_one_line_naming_the_roles(policy):
     m = module(policy, env="ToolRole")
-    with pytest.raises(AlignEnvError, match=r"environment 'ToolRole' .*: episode 0 \(prompt 0 of the batch, sample 0\), "
-                                            r"turn 1: the chat template cannot render the reply \(roles \['tool'\]\)"):
+    with pytest.raises(
+        AlignEnvError,
+        match=r"environment 'ToolRole' .*: episode 0 \(prompt 0 of the batch, sample 0\), "
+        r"turn 1: the chat template cannot render the reply \(roles \['tool'\]\)",
+    ):
         m.sampler.rollout(batch(policy))
 
 
@@ -240,15 +256,20 @@ def test_a_response_template_parses_the_turn_into_the_message_the_environment_se
             return EnvStep([], 0.0, True)
 
     monkeypatch.setattr(policy.tokenizer, "response_template", {"stand-in": True}, raising=False)
-    monkeypatch.setattr(policy.tokenizer, "parse_response", lambda ids, prefix=None: {
-        "content": "parsed", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}, raising=False)
+    monkeypatch.setattr(
+        policy.tokenizer,
+        "parse_response",
+        lambda ids, prefix=None: {"content": "parsed", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+        raising=False,
+    )
     from align.rollout.envs.chat import EnvironmentPool
 
     m = module(policy)
     m.sampler.environment = EnvironmentPool(EnvironmentSpec(Seen))
     m.sampler.rollout(batch(policy, PROMPTS[:1]), 1)
-    assert received == [{"role": "assistant", "content": "parsed", "tool_calls": [{"function": {"name": "f",
-                                                                                                 "arguments": {}}}]}]
+    assert received == [
+        {"role": "assistant", "content": "parsed", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    ]
 
 
 def test_dynamic_sampling_buffers_and_joins_multi_turn_groups(policy):
@@ -256,7 +277,10 @@ def test_dynamic_sampling_buffers_and_joins_multi_turn_groups(policy):
 
     torch.manual_seed(5)
     m = module(policy)
-    first, second = m.sampler.rollout(batch(policy, PROMPTS[:2], turns=[1, 3])), m.sampler.rollout(batch(policy, PROMPTS[2:], turns=[3, 1]))
+    first, second = (
+        m.sampler.rollout(batch(policy, PROMPTS[:2], turns=[1, 3])),
+        m.sampler.rollout(batch(policy, PROMPTS[2:], turns=[3, 1])),
+    )
     joined = concat_rollouts([first, second], policy.tokenizer.pad_token_id)
     assert len(joined) == 8 and len(joined.episodes) == 8
     width = joined.response_ids.shape[1]

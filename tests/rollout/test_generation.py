@@ -15,8 +15,8 @@ from align.data.prompts import PromptDataModule
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.options import Updates
-from align.rollout.rewards import RewardSpec
 from align.rollout.engine import SamplingConfig
+from align.rollout.rewards import RewardSpec
 
 VALIDATION = "align:sort/prompts/validation.jsonl"
 ROWS = [
@@ -60,16 +60,27 @@ def fails(capsys, *args) -> str:
 def validate(module) -> dict[str, float]:
     """The module's held-out metrics on the bundled sort validation prompts, as a run logs them (one batch)."""
     data = PromptDataModule(val_batch_size=100)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return {k: float(v) for k, v in trainer.validate(module, datamodule=data, verbose=False)[0].items()}
 
 
 def grpo_module() -> GRPOModule:
-    return GRPOModule(policy=PolicyModel("tiny-sort"), rewards=[RewardSpec("align.rewards.sort_exact_match")],
-                      group_size=4, sampling=SamplingConfig(max_new_tokens=16, temperature=0.5), log_entropy=False,
-                      optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3),
-                      updates=Updates(max_grad_norm=None))
+    return GRPOModule(
+        policy=PolicyModel("tiny-sort"),
+        rewards=[RewardSpec("align.rewards.sort_exact_match")],
+        group_size=4,
+        sampling=SamplingConfig(max_new_tokens=16, temperature=0.5),
+        log_entropy=False,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3),
+        updates=Updates(max_grad_norm=None),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +92,15 @@ def trained(tmp_path_factory):
     module = grpo_module()
     before = validate(module)
     data = PromptDataModule(batch_size=4, val_files=None)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=data)
     after = validate(module)
     ckpt = root / "last.ckpt"
@@ -92,9 +110,23 @@ def trained(tmp_path_factory):
 
 def evaluate_report(capsys, tmp_path, model, *extra, prompts=VALIDATION) -> tuple[dict, str]:
     report = tmp_path / "report.json"
-    out, _ = run(capsys, "evaluate", "--model", model, "--prompts", prompts, "--rewards",
-                 "align.rewards.sort_exact_match", "--max_new_tokens", "16", "--batch_size", "100",
-                 "--output", str(report), *extra)
+    out, _ = run(
+        capsys,
+        "evaluate",
+        "--model",
+        model,
+        "--prompts",
+        prompts,
+        "--rewards",
+        "align.rewards.sort_exact_match",
+        "--max_new_tokens",
+        "16",
+        "--batch_size",
+        "100",
+        "--output",
+        str(report),
+        *extra,
+    )
     return json.loads(report.read_text()), out
 
 
@@ -109,8 +141,10 @@ def test_evaluate_equals_the_validation_of_training_before_and_after(trained, ca
     report, out = evaluate_report(capsys, tmp_path, "tiny-sort")
     before = as_validation(report)
     assert before == pytest.approx({k: trained["before"][k] for k in before}, abs=1e-6)
-    assert any(line.split() == ["accuracy", f"{report['accuracy']:.4f}", "(sort_exact_match", ">=", "1)"]
-               for line in out.splitlines())
+    assert any(
+        line.split() == ["accuracy", f"{report['accuracy']:.4f}", "(sort_exact_match", ">=", "1)"]
+        for line in out.splitlines()
+    )
     report, _ = evaluate_report(capsys, tmp_path, trained["ckpt"])
     after = as_validation(report)
     assert after == pytest.approx({k: trained["after"][k] for k in after}, abs=1e-6)
@@ -119,9 +153,21 @@ def test_evaluate_equals_the_validation_of_training_before_and_after(trained, ca
 
 def test_evaluate_prints_a_table_and_writes_the_report(capsys, tmp_path, prompts):
     report_path = tmp_path / "r" / "report.json"
-    out, _ = run(capsys, "evaluate", "--ckpt_path", "tiny-sort", "--prompts", prompts, "--rewards",
-                 "align.rewards.sort_exact_match", "align.rewards.sort_format=0.5", "--max_new_tokens", "8",
-                 "--output", str(report_path))
+    out, _ = run(
+        capsys,
+        "evaluate",
+        "--ckpt_path",
+        "tiny-sort",
+        "--prompts",
+        prompts,
+        "--rewards",
+        "align.rewards.sort_exact_match",
+        "align.rewards.sort_format=0.5",
+        "--max_new_tokens",
+        "8",
+        "--output",
+        str(report_path),
+    )
     report = json.loads(report_path.read_text())
     parts = report["rewards"]
     assert set(parts) == {"sort_exact_match", "sort_format"}
@@ -131,13 +177,14 @@ def test_evaluate_prints_a_table_and_writes_the_report(capsys, tmp_path, prompts
     lines = out.splitlines()
     assert lines[0].split() == ["model", "tiny-sort"]
     assert lines[1].startswith("prompts") and "(4 prompts x 1 sample, greedy, at most 8 new tokens)" in lines[1]
-    assert any(l.split()[:2] == ["reward/sort_format", f"{parts['sort_format']:.4f}"] for l in lines)
+    assert any(line.split()[:2] == ["reward/sort_format", f"{parts['sort_format']:.4f}"] for line in lines)
     assert lines[-1] == f"report: {report_path}"
 
 
 def test_sampled_evaluation_reports_unbiased_pass_at_k(capsys, tmp_path, prompts):
-    report, out = evaluate_report(capsys, tmp_path, "tiny-sort", "--n", "6", "--k", "1", "3", "6",
-                                  "--temperature", "0.5", prompts=prompts)
+    report, out = evaluate_report(
+        capsys, tmp_path, "tiny-sort", "--n", "6", "--k", "1", "3", "6", "--temperature", "0.5", prompts=prompts
+    )
     assert report["samples_per_prompt"] == 6 and report["sampling"]["temperature"] == 0.5
     pass_k = report["pass_at_k"]
     assert set(pass_k) == {"1", "3", "6"}
@@ -160,14 +207,16 @@ def test_baseline_win_rate_and_kl(trained, capsys, tmp_path):
     assert b["wins"] + b["ties"] + b["losses"] == pytest.approx(1.0)
     assert b["win_rate"] == pytest.approx(b["wins"] + 0.5 * b["ties"])
     assert b["kl"] != 0.0 and "log-ratio to baseline" in out and "vs reference" in out
-    sampled, out = evaluate_report(capsys, tmp_path, trained["ckpt"], "--baseline", "reference", "--n", "2",
-                                   "--batch_size", "50")
+    sampled, out = evaluate_report(
+        capsys, tmp_path, trained["ckpt"], "--baseline", "reference", "--n", "2", "--batch_size", "50"
+    )
     assert sampled["baseline"]["kl_estimator"] == "k1, sequence-level" and "kl to baseline" in out
 
 
 def test_win_rate_judged_by_a_reward_model(capsys, tmp_path, prompts):
-    report, _ = evaluate_report(capsys, tmp_path, "tiny-sort", "--baseline", "tiny", "--reward_model", "tiny-sort-rm",
-                                prompts=prompts)
+    report, _ = evaluate_report(
+        capsys, tmp_path, "tiny-sort", "--baseline", "tiny", "--reward_model", "tiny-sort-rm", prompts=prompts
+    )
     b = report["baseline"]
     assert b["judge"] == "reward_model" and 0 <= b["win_rate"] <= 1
     assert b["rm_score"] != b["baseline_rm_score"]
@@ -176,8 +225,18 @@ def test_win_rate_judged_by_a_reward_model(capsys, tmp_path, prompts):
 # ---------------------------------------------------------------------------- generate
 def test_generate_writes_one_row_per_prompt_with_its_columns_and_prints_a_summary(capsys, tmp_path, prompts):
     output = tmp_path / "out" / "gen.jsonl"
-    out, _ = run(capsys, "generate", "--model", "tiny-sort", "--prompts", prompts, "--output", str(output),
-                 "--max_new_tokens", "12")
+    out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        "tiny-sort",
+        "--prompts",
+        prompts,
+        "--output",
+        str(output),
+        "--max_new_tokens",
+        "12",
+    )
     rows = read_jsonl(output)
     assert [{k: v for k, v in r.items() if k != "completion"} for r in rows] == ROWS
     assert all(isinstance(r["completion"], str) for r in rows) and rows[0]["completion"] == "a b c d"
@@ -191,8 +250,20 @@ def test_greedy_generation_is_deterministic_and_independent_of_the_batch_size(ca
     outputs = []
     for i, batch_size in enumerate(["8", "8", "1"]):
         path = tmp_path / f"g{i}.jsonl"
-        run(capsys, "generate", "--model", "tiny-sort", "--prompts", prompts, "--output", str(path),
-            "--batch_size", batch_size, "--max_new_tokens", "12")
+        run(
+            capsys,
+            "generate",
+            "--model",
+            "tiny-sort",
+            "--prompts",
+            prompts,
+            "--output",
+            str(path),
+            "--batch_size",
+            batch_size,
+            "--max_new_tokens",
+            "12",
+        )
         outputs.append(read_jsonl(path))
     assert outputs[0] == outputs[1] == outputs[2]
 
@@ -200,8 +271,22 @@ def test_greedy_generation_is_deterministic_and_independent_of_the_batch_size(ca
 def test_generate_several_samples_per_prompt_seeded(capsys, tmp_path, prompts):
     def sample(seed, name):
         path = tmp_path / name
-        out, _ = run(capsys, "generate", "--model", "tiny-sort", "--prompts", prompts, "--output", str(path),
-                     "--n", "3", "--seed", seed, "--max_new_tokens", "8")
+        out, _ = run(
+            capsys,
+            "generate",
+            "--model",
+            "tiny-sort",
+            "--prompts",
+            prompts,
+            "--output",
+            str(path),
+            "--n",
+            "3",
+            "--seed",
+            seed,
+            "--max_new_tokens",
+            "8",
+        )
         return read_jsonl(path), out
 
     rows, out = sample("1", "a.jsonl")
@@ -216,15 +301,28 @@ def test_messages_rows_get_the_chat_template_of_training(capsys, tmp_path):
     from align.data.chat import ChatEncoder
     from align.rollout.generation import read_prompts
 
-    path = write_rows(tmp_path / "m.jsonl", [{"messages": [{"role": "system", "content": "Be brief."},
-                                                           {"role": "user", "content": "sort: b a"}], "k": 1}])
+    path = write_rows(
+        tmp_path / "m.jsonl",
+        [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort: b a"}], "k": 1}],
+    )
     tokenizer = PolicyModel("tiny").tokenizer
     read = read_prompts(path, tokenizer)
     assert read.prompt_field == "messages" and read.examples[0].columns == {"k": 1}
     assert read.examples[0].prompt_ids == ChatEncoder(tokenizer).prompt_ids(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort: b a"}])
-    out, _ = run(capsys, "generate", "--model", "tiny-sort", "--prompts", path, "--output", str(tmp_path / "o.jsonl"),
-                 "--max_new_tokens", "4")
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort: b a"}]
+    )
+    out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        "tiny-sort",
+        "--prompts",
+        path,
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        "--max_new_tokens",
+        "4",
+    )
     assert read_jsonl(tmp_path / "o.jsonl")[0]["messages"][0]["content"] == "Be brief."
 
 
@@ -275,37 +373,74 @@ def test_chat_ends_at_end_of_input_and_keeps_a_system_prompt(monkeypatch, capsys
 # ---------------------------------------------------------------------------- errors
 def test_one_line_errors(capsys, tmp_path, prompts):
     out = str(tmp_path / "o.jsonl")
-    assert fails(capsys, "generate", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--prompts", prompts,
-                 "--output", out) == f"error: --model: checkpoint '{tmp_path / 'missing.ckpt'}' does not exist"
+    assert (
+        fails(capsys, "generate", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--prompts", prompts, "--output", out)
+        == f"error: --model: checkpoint '{tmp_path / 'missing.ckpt'}' does not exist"
+    )
     bad = write_rows(tmp_path / "bad.jsonl", [{"prompt": "sort: b a"}, {"question": "sort: c a"}])
     assert fails(capsys, "generate", "--model", "tiny-sort", "--prompts", bad, "--output", out) == (
         f"error: {bad}: row 2: field 'prompt': expected a row with a 'prompt' field (a string or a list of "
-        "messages), got \"fields ['question']\"")
-    assert fails(capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards",
-                 "align.rewards.no_such") == "error: reward 'align.rewards.no_such': module 'align.rewards' has no " \
-                                            "attribute 'no_such'"
+        "messages), got \"fields ['question']\""
+    )
+    assert (
+        fails(capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards", "align.rewards.no_such")
+        == "error: reward 'align.rewards.no_such': module 'align.rewards' has no "
+        "attribute 'no_such'"
+    )
     assert "pass@4 needs at least 4 samples per prompt, but --n is 2" in fails(
-        capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards", "align.rewards.sort_format",
-        "--n", "2", "--k", "4")
-    assert "--temperature: expected >= 0 (0: greedy), got -1.0" in fails(capsys, "generate", "--model", "tiny-sort", "--prompts", prompts,
-                                                 "--output", out, "--temperature", "-1")
+        capsys,
+        "evaluate",
+        "--model",
+        "tiny-sort",
+        "--prompts",
+        prompts,
+        "--rewards",
+        "align.rewards.sort_format",
+        "--n",
+        "2",
+        "--k",
+        "4",
+    )
+    assert "--temperature: expected >= 0 (0: greedy), got -1.0" in fails(
+        capsys, "generate", "--model", "tiny-sort", "--prompts", prompts, "--output", out, "--temperature", "-1"
+    )
     assert "only an align checkpoint records the model its run started from" in fails(
-        capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards", "align.rewards.sort_format",
-        "--baseline", "reference")
-    assert fails(capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards",
-                 "align.rewards.sort_format", "--reward_model", "tiny-sort-rm") == (
-        "error: --reward_model judges the win rate against a --baseline; give --baseline too")
+        capsys,
+        "evaluate",
+        "--model",
+        "tiny-sort",
+        "--prompts",
+        prompts,
+        "--rewards",
+        "align.rewards.sort_format",
+        "--baseline",
+        "reference",
+    )
+    assert fails(
+        capsys,
+        "evaluate",
+        "--model",
+        "tiny-sort",
+        "--prompts",
+        prompts,
+        "--rewards",
+        "align.rewards.sort_format",
+        "--reward_model",
+        "tiny-sort-rm",
+    ) == ("error: --reward_model judges the win rate against a --baseline; give --baseline too")
     done = write_rows(tmp_path / "done.jsonl", [{"prompt": "sort: b a", "completion": "a b"}])
     assert "field 'completion': expected no column with the name of the output's completion field" in fails(
-        capsys, "generate", "--model", "tiny-sort", "--prompts", done, "--output", out)
+        capsys, "generate", "--model", "tiny-sort", "--prompts", done, "--output", out
+    )
     assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_a_reward_model_checkpoint_is_refused_as_the_policy(capsys, tmp_path, prompts):
     fake = tmp_path / "rm.ckpt"
     torch.save({"align": {"policy": {"model": "tiny"}, "reward": {}}, "state_dict": {}}, fake)
-    assert "is a reward-model checkpoint" in fails(capsys, "generate", "--model", str(fake), "--prompts", prompts,
-                                                   "--output", str(tmp_path / "o.jsonl"))
+    assert "is a reward-model checkpoint" in fails(
+        capsys, "generate", "--model", str(fake), "--prompts", prompts, "--output", str(tmp_path / "o.jsonl")
+    )
 
 
 @pytest.mark.parametrize("name", ["test", "predict"])
@@ -316,14 +451,28 @@ def test_test_and_predict_are_not_subcommands(capsys, name):
 
 def test_the_report_says_when_no_completion_could_reach_the_accuracy_threshold():
     from align.cli.generation import _report_table
-    from align.rollout.evaluation import EvalReport
     from align.rollout.engine import SamplingConfig
+    from align.rollout.evaluation import EvalReport
 
-    report = EvalReport(model="m", prompts="p.jsonl", num_prompts=2, samples_per_prompt=1, sampling={},
-                        reward_mean=0.4, rewards={"half": 0.4}, accuracy=0.0, accuracy_reward="half",
-                        accuracy_threshold=1.0, response_length=3.0, truncated_frac=0.0, accuracy_reward_highest=0.5)
+    report = EvalReport(
+        model="m",
+        prompts="p.jsonl",
+        num_prompts=2,
+        samples_per_prompt=1,
+        sampling={},
+        reward_mean=0.4,
+        rewards={"half": 0.4},
+        accuracy=0.0,
+        accuracy_reward="half",
+        accuracy_threshold=1.0,
+        response_length=3.0,
+        truncated_frac=0.0,
+        accuracy_reward_highest=0.5,
+    )
     table = _report_table(report, None, SamplingConfig())
-    assert ("accuracy         0.0000 (no completion reached half >= 1, highest 0.5000: read reward/half, its mean; "
-            "--accuracy_threshold sets the bar)") in table
+    assert (
+        "accuracy         0.0000 (no completion reached half >= 1, highest 0.5000: read reward/half, its mean; "
+        "--accuracy_threshold sets the bar)"
+    ) in table
     report.accuracy_reward_highest = 1.0
     assert "accuracy         0.0000 (half >= 1)" in _report_table(report, None, SamplingConfig())

@@ -17,13 +17,23 @@ FAST = dict(backoff=0.0, timeout=5.0)
 
 
 def judge_spec(server, name="judge", **kwargs) -> RewardSpec:
-    return RewardSpec("align.rewards.Judge", name=name,
-                      init_kwargs={"model": "judge-model", "base_url": server.base_url, **FAST, **kwargs})
+    return RewardSpec(
+        "align.rewards.Judge",
+        name=name,
+        init_kwargs={"model": "judge-model", "base_url": server.base_url, **FAST, **kwargs},
+    )
 
 
-@pytest.mark.parametrize("reply, normalize, value", [
-    ("7", True, 0.7), ("Score: 7/10", True, 0.7), ("7.5", False, 7.5), ("0", True, 0.0), ("10.", True, 1.0),
-])
+@pytest.mark.parametrize(
+    "reply, normalize, value",
+    [
+        ("7", True, 0.7),
+        ("Score: 7/10", True, 0.7),
+        ("7.5", False, 7.5),
+        ("0", True, 0.0),
+        ("10.", True, 1.0),
+    ],
+)
 def test_parse_number(reply, normalize, value):
     assert parse_number(reply, 0, 10, normalize) == pytest.approx(value)
 
@@ -49,9 +59,16 @@ def test_a_number_judge_fills_the_template_and_sends_the_settings(monkeypatch):
         return str(len(re.search(r"Response: (.*)\nReference", user_message(request)).group(1)))
 
     with Loopback(score_length) as server:
-        reward = RewardFunction(judge_spec(server, template="Question: {prompt}\nResponse: {completion}\n"
-                                                            "Reference: {answer}", system_prompt="Be strict.",
-                                           api_key_env="JUDGE_TEST_KEY", max_tokens=4, extra_body={"top_k": 1}))
+        reward = RewardFunction(
+            judge_spec(
+                server,
+                template="Question: {prompt}\nResponse: {completion}\nReference: {answer}",
+                system_prompt="Be strict.",
+                api_key_env="JUDGE_TEST_KEY",
+                max_tokens=4,
+                extra_body={"top_k": 1},
+            )
+        )
         assert reward.is_async and reward.counts_errors
         values = reward(["q1", "q2"], ["abc", "abcdefgh"], answer=["x", "y"])
     assert values == pytest.approx([0.3, 0.8])
@@ -98,8 +115,12 @@ def test_a_refused_connection_is_retried_and_then_scores_the_default():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    judge = RewardFunction(RewardSpec("align.rewards.Judge", init_kwargs={
-        "model": "m", "base_url": f"http://127.0.0.1:{port}/v1", "retries": 1, **FAST}))
+    judge = RewardFunction(
+        RewardSpec(
+            "align.rewards.Judge",
+            init_kwargs={"model": "m", "base_url": f"http://127.0.0.1:{port}/v1", "retries": 1, **FAST},
+        )
+    )
     assert judge(["q"], ["a"]) == [0.0] and judge.take_errors() == 1
 
 
@@ -109,16 +130,17 @@ def test_a_garbage_reply_scores_the_default_and_is_counted_in_the_metrics():
         total, parts = combined(["sort: b a"] * 3, ["a b", "bad", "b a"])
     assert parts["judge"] == pytest.approx([0.8, 0.0, 0.8])
     assert combined.last_counts.errors == {"judge": 1}  # sort_format counts no errors
-    assert combined.last_counts.metrics() == pytest.approx({"rollout/reward_na/judge": 0.0,
-                                                            "rollout/reward_na/sort_format": 0.0,
-                                                            "rollout/reward_errors/judge": 1 / 3})
+    assert combined.last_counts.metrics() == pytest.approx(
+        {"rollout/reward_na/judge": 0.0, "rollout/reward_na/sort_format": 0.0, "rollout/reward_errors/judge": 1 / 3}
+    )
     assert len(server.requests) == 3  # a reply that does not parse is not asked again
 
 
 def test_a_default_of_none_makes_a_failed_call_not_applicable():
     with Loopback(lambda r: "I cannot tell") as server:
-        combined = CombinedReward([judge_spec(server, parser="yes_no", default=None),
-                                   RewardSpec("align.rewards.sort_format", weight=0.5)])
+        combined = CombinedReward(
+            [judge_spec(server, parser="yes_no", default=None), RewardSpec("align.rewards.sort_format", weight=0.5)]
+        )
         total, parts = combined(["sort: b a"], ["a b"])
     assert total == [0.5] and parts["judge"] == [0.0]
     assert combined.last_counts.not_applicable == {"judge": 1, "sort_format": 0}
@@ -144,61 +166,96 @@ def test_pairwise_prefers_one_completion_of_each_pair():
 def test_a_template_field_that_nothing_provides_fails_before_any_call():
     with Loopback(lambda r: "5") as server:
         combined = CombinedReward([judge_spec(server, template="{prompt} {completion} {solution}")])
-        with pytest.raises(AlignConfigError, match=r"^reward 'judge' \(align\.rewards\.Judge, Judge\.__call__\): "
-                                                   r"init_kwargs\.template: expected fields that are data columns or "
-                                                   r"inputs \(known: answer, .*\), got \{solution\}$"):
+        with pytest.raises(
+            AlignConfigError,
+            match=r"^reward 'judge' \(align\.rewards\.Judge, Judge\.__call__\): "
+            r"init_kwargs\.template: expected fields that are data columns or "
+            r"inputs \(known: answer, .*\), got \{solution\}$",
+        ):
             combined.check_inputs(["answer"])
-        placed = RewardFunction(judge_spec(server, template="{prompt} {completion} {solution}"),
-                                setting="model.rewards[0]")
-        with pytest.raises(AlignConfigError, match=r"^model\.rewards\[0\]\.init_kwargs\.template: expected fields "
-                                                   r"that are data columns or inputs \(known: .*\), got \{solution\}$"):
+        placed = RewardFunction(
+            judge_spec(server, template="{prompt} {completion} {solution}"), setting="model.rewards[0]"
+        )
+        with pytest.raises(
+            AlignConfigError,
+            match=r"^model\.rewards\[0\]\.init_kwargs\.template: expected fields "
+            r"that are data columns or inputs \(known: .*\), got \{solution\}$",
+        ):
             placed.check_inputs(["answer"])
         assert not server.requests
-        with pytest.raises(AlignConfigError, match=r"^model\.rewards\[0\]\.init_kwargs\.template: expected the "
-                                                   r"field\(s\) \{completion\} of the number parser, got a template "
-                                                   r"without them$"):
+        with pytest.raises(
+            AlignConfigError,
+            match=r"^model\.rewards\[0\]\.init_kwargs\.template: expected the "
+            r"field\(s\) \{completion\} of the number parser, got a template "
+            r"without them$",
+        ):
             RewardFunction(judge_spec(server, template="{prompt}"), setting="model.rewards[0]")
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"parser": "score"}, "parser: expected one of ['number', 'yes_no', 'pairwise'], got 'score'"),
-    ({"low": float("nan")}, "low: expected a finite number, got nan"),
-    ({"low": 5, "high": 5}, "high: expected a finite number above low=5, got 5"),
-    ({"max_tokens": 0}, "max_tokens: expected an integer >= 1 or null, got 0"),
-    ({"template": "{prompt"}, "template: expected a format string (write a literal brace as {{ or }}), got one that "
-                              "is not (expected '}' before end of string)"),
-    ({"timeout": 0}, "timeout: expected a number > 0, got 0"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"parser": "score"}, "parser: expected one of ['number', 'yes_no', 'pairwise'], got 'score'"),
+        ({"low": float("nan")}, "low: expected a finite number, got nan"),
+        ({"low": 5, "high": 5}, "high: expected a finite number above low=5, got 5"),
+        ({"max_tokens": 0}, "max_tokens: expected an integer >= 1 or null, got 0"),
+        (
+            {"template": "{prompt"},
+            "template: expected a format string (write a literal brace as {{ or }}), got one that "
+            "is not (expected '}' before end of string)",
+        ),
+        ({"timeout": 0}, "timeout: expected a number > 0, got 0"),
+    ],
+)
 def test_bad_judge_settings_fail_naming_their_place_in_the_config(settings, message):
-    spec = RewardSpec("align.rewards.Judge", init_kwargs={"model": "m", "base_url": "http://127.0.0.1:1/v1",
-                                                          **settings})
+    spec = RewardSpec(
+        "align.rewards.Judge", init_kwargs={"model": "m", "base_url": "http://127.0.0.1:1/v1", **settings}
+    )
     with pytest.raises(AlignConfigError, match=f"^{re.escape('model.eval_rewards[1].init_kwargs.' + message)}$"):
         RewardFunction(spec, setting="model.eval_rewards[1]")
     with pytest.raises(AlignConfigError, match=f"^{re.escape('init_kwargs.' + message)}$"):
         Judge(**spec.init_kwargs)
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"api_key": "sk-abcdefghijklmnopqrstuvwx"}, "init_kwargs.api_key: expected no key in a config"),
-    ({"api_key_env": "sk-abcdefghijklmnopqrstuvwx"}, "init_kwargs.api_key_env: expected the name of an environment "
-                                                     "variable"),
-    ({"api_key_env": "abcdef0123456789abcdef0123456789"}, "init_kwargs.api_key_env: expected the name of an "
-                                                          "environment variable"),
-    ({"api_key_env": "ALIGN_TEST_UNSET_KEY_VARIABLE"}, "init_kwargs.api_key_env: expected a set environment variable, "
-                                                       "got ALIGN_TEST_UNSET_KEY_VARIABLE, which is not set"),
-    ({"base_url": "http://user:pw0rdpw0rd@127.0.0.1:1/v1"}, "init_kwargs.base_url: expected a URL without "
-                                                            "credentials, got one that carries them"),
-    ({"base_url": "http://127.0.0.1:1/v1?api_key=abc123"}, "init_kwargs.base_url: expected a URL without credentials"),
-    ({"extra_body": {"auth": "Bearer abcdefghijklmnopqrstuvwx"}}, "init_kwargs.extra_body.auth: expected no key in a "
-                                                                  "config, got a value that looks like one"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"api_key": "sk-abcdefghijklmnopqrstuvwx"}, "init_kwargs.api_key: expected no key in a config"),
+        (
+            {"api_key_env": "sk-abcdefghijklmnopqrstuvwx"},
+            "init_kwargs.api_key_env: expected the name of an environment variable",
+        ),
+        (
+            {"api_key_env": "abcdef0123456789abcdef0123456789"},
+            "init_kwargs.api_key_env: expected the name of an environment variable",
+        ),
+        (
+            {"api_key_env": "ALIGN_TEST_UNSET_KEY_VARIABLE"},
+            "init_kwargs.api_key_env: expected a set environment variable, "
+            "got ALIGN_TEST_UNSET_KEY_VARIABLE, which is not set",
+        ),
+        (
+            {"base_url": "http://user:pw0rdpw0rd@127.0.0.1:1/v1"},
+            "init_kwargs.base_url: expected a URL without credentials, got one that carries them",
+        ),
+        (
+            {"base_url": "http://127.0.0.1:1/v1?api_key=abc123"},
+            "init_kwargs.base_url: expected a URL without credentials",
+        ),
+        (
+            {"extra_body": {"auth": "Bearer abcdefghijklmnopqrstuvwx"}},
+            "init_kwargs.extra_body.auth: expected no key in a config, got a value that looks like one",
+        ),
+    ],
+)
 def test_a_config_that_seems_to_hold_a_key_is_refused_without_repeating_it(settings, message):
-    spec = RewardSpec("align.rewards.Judge", init_kwargs={"model": "m", "base_url": "http://127.0.0.1:1/v1",
-                                                          **settings})
+    spec = RewardSpec(
+        "align.rewards.Judge", init_kwargs={"model": "m", "base_url": "http://127.0.0.1:1/v1", **settings}
+    )
     with pytest.raises(AlignConfigError, match="^" + re.escape("model.rewards[0]." + message)) as info:
         RewardFunction(spec, setting="model.rewards[0]")
     for value in settings.values():
-        for secret in (value.values() if isinstance(value, dict) else [value]):
+        for secret in value.values() if isinstance(value, dict) else [value]:
             if "ALIGN_TEST" not in secret:
                 assert secret not in str(info.value)
 

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from align.models.policy import PolicyModel
-from align.rollout.engine import NativeEngine, make_engine
+from align.rollout.engine import NativeEngine, SamplingConfig, make_engine
 from align.rollout.partial import decode_with_cuts
-from align.rollout.engine import SamplingConfig
 
 PROMPTS = ["sort: d a c b", "sort: b a", "sort: c c a", "sort: j e f g"]
 
@@ -53,8 +52,9 @@ def logprobs_under(policy, ids, mask, response):
 def test_without_a_cut_it_is_the_engines_generation(policy):
     engine = make_engine(SamplingConfig(max_new_tokens=8, temperature=1.0))
     ids, mask, _ = contexts(policy, engine)
-    out, versions, stats = decode_with_cuts(engine, policy, ids, mask, 2, torch.Generator().manual_seed(3),
-                                            lambda: False, None, 5, "continue")
+    out, versions, stats = decode_with_cuts(
+        engine, policy, ids, mask, 2, torch.Generator().manual_seed(3), lambda: False, None, 5, "continue"
+    )
     with engine.decoding(policy, ids.shape[1] + 8) as decode:
         plain = decode(ids, mask, max_new_tokens=8, generator=torch.Generator().manual_seed(3), shared_prefix=2)
     assert torch.equal(out.response_ids, plain.response_ids) and torch.equal(out.logprobs, plain.logprobs)
@@ -69,8 +69,18 @@ def test_cut_rows_are_continued_or_regenerated_under_the_new_weights(policy, par
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     updates = Updates(policy, at=3)
     try:
-        out, versions, stats = decode_with_cuts(engine, policy, ids, mask, 2, torch.Generator().manual_seed(1),
-                                                updates.newer, updates.take_newer, 0, partial)
+        out, versions, stats = decode_with_cuts(
+            engine,
+            policy,
+            ids,
+            mask,
+            2,
+            torch.Generator().manual_seed(1),
+            updates.newer,
+            updates.take_newer,
+            0,
+            partial,
+        )
         new = logprobs_under(policy, ids, mask, out.response_ids)
         policy.load_state_dict(original)
         old = logprobs_under(policy, ids, mask, out.response_ids)

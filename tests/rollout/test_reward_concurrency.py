@@ -38,6 +38,7 @@ def test_plain_rewards_run_on_threads_at_the_same_time():
             threads[name] = threading.current_thread() is threading.main_thread()
             barrier.wait()
             return [1.0] * len(completions)
+
         reward.__name__ = name
         return reward
 
@@ -92,8 +93,11 @@ def test_a_reward_past_its_timeout_stops_the_run_and_an_async_one_is_cancelled()
         return [0.0] * len(completions)
 
     try:
-        with pytest.raises(RewardError, match=r"reward 'stuck' .* did not return within its timeout of 0.2 s on a "
-                                              r"batch of 2 completions; raise the reward's timeout"):
+        with pytest.raises(
+            RewardError,
+            match=r"reward 'stuck' .* did not return within its timeout of 0.2 s on a "
+            r"batch of 2 completions; raise the reward's timeout",
+        ):
             CombinedReward([RewardSpec(stuck, timeout=0.2)])(["p"] * 2, ["a", "b"])
     finally:
         release.set()
@@ -113,8 +117,11 @@ def test_a_failure_in_a_part_names_the_sample_of_the_whole_batch():
             raise ValueError("cannot score 'bad'")
         return [1.0] * len(completions)
 
-    with pytest.raises(RewardError, match=r"raised ValueError: cannot score 'bad'.* first failing sample 3 of 4: "
-                                          r"prompt 'p', completion 'bad'"):
+    with pytest.raises(
+        RewardError,
+        match=r"raised ValueError: cannot score 'bad'.* first failing sample 3 of 4: "
+        r"prompt 'p', completion 'bad'",
+    ):
         CombinedReward([RewardSpec(picky, concurrency=2)])(["p"] * 4, ["a", "b", "c", "bad"])
 
 
@@ -134,20 +141,23 @@ def test_none_means_not_applicable_excluded_from_the_total_without_renormalising
     counts = RewardCounts(0, {"only_even": 0, "only_first": 0}, {})
     counts.add(combined.last_counts)
     counts.add(combined.last_counts)
-    assert counts.metrics() == pytest.approx({"rollout/reward_na/only_even": 2 / 6,
-                                              "rollout/reward_na/only_first": 4 / 6})
+    assert counts.metrics() == pytest.approx(
+        {"rollout/reward_na/only_even": 2 / 6, "rollout/reward_na/only_first": 4 / 6}
+    )
 
 
 def test_spec_settings_are_checked():
-    for settings, message in (({"concurrency": 0}, r"concurrency: expected an integer >= 1, got 0$"),
-                              ({"concurrency": 1.5}, r"concurrency: expected an integer >= 1, got 1\.5$"),
-                              ({"timeout": 0}, r"timeout: expected a number of seconds > 0 or null, got 0$"),
-                              ({"timeout": float("inf")},
-                               r"timeout: expected a number of seconds > 0 or null, got inf$")):
+    for settings, message in (
+        ({"concurrency": 0}, r"concurrency: expected an integer >= 1, got 0$"),
+        ({"concurrency": 1.5}, r"concurrency: expected an integer >= 1, got 1\.5$"),
+        ({"timeout": 0}, r"timeout: expected a number of seconds > 0 or null, got 0$"),
+        ({"timeout": float("inf")}, r"timeout: expected a number of seconds > 0 or null, got inf$"),
+    ):
         with pytest.raises(AlignConfigError, match=r"^model\.rewards\[2\]\." + message):
             RewardFunction(RewardSpec("align.rewards.sort_format", **settings), setting="model.rewards[2]")
-        with pytest.raises(AlignConfigError,
-                           match=r"^reward 'sort_format' \(align\.rewards\.sort_format\): " + message):
+        with pytest.raises(
+            AlignConfigError, match=r"^reward 'sort_format' \(align\.rewards\.sort_format\): " + message
+        ):
             RewardFunction(RewardSpec("align.rewards.sort_format", **settings))
 
 
@@ -199,8 +209,16 @@ def test_a_reward_failing_on_one_rank_stops_every_rank_with_the_same_line():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", RANKS_CHILD, str(rank), str(port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANKS_CHILD, str(rank), str(port)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     lines = [out.strip().splitlines() for out, _ in outs]

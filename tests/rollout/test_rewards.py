@@ -97,25 +97,35 @@ def test_math_verify_keeps_an_alarm_set_before_it():
 
 
 def test_math_verify_can_compare_uncomputed_arithmetic_by_value():
-    assert math_verify(["q"] * 2, ["4 * 7 + 8", "$10^{3}$"], answer=["36", "1000"], require_computed=False) == [1.0, 1.0]
+    assert math_verify(["q"] * 2, ["4 * 7 + 8", "$10^{3}$"], answer=["36", "1000"], require_computed=False) == [
+        1.0,
+        1.0,
+    ]
     assert math_verify(["q"] * 2, ["4 * 7 + 8", "$10^{3}$"], answer=["36", "1000"]) == [0.0, 0.0]
 
 
 def test_math_verify_reads_another_column_and_refuses_a_gold_it_cannot_parse():
     assert math_verify(["q"] * 2, ["2", "3"], gold_column="solution", solution=["#### 2", "$\\sqrt{9}$"]) == [1.0, 1.0]
-    with pytest.raises(ValueError, match=r"column 'answer', which the prompt data does not have \(its columns: "
-                                         r"\['solution'\]\); set kwargs.gold_column"):
+    with pytest.raises(
+        ValueError,
+        match=r"column 'answer', which the prompt data does not have \(its columns: "
+        r"\['solution'\]\); set kwargs.gold_column",
+    ):
         math_verify(["q"], ["2"], solution=["2"])
-    with pytest.raises(RewardError, match=r"the gold answer 'no answer here' holds no number .* first failing "
-                                          r"sample 1 of 2"):
+    with pytest.raises(
+        RewardError,
+        match=r"the gold answer 'no answer here' holds no number .* first failing "
+        r"sample 1 of 2",
+    ):
         RewardFunction(RewardSpec("align.rewards.math_verify"))(["q"] * 2, ["1", "2"], answer=["1", "no answer here"])
 
 
 def test_resolve_by_dotted_path_and_file(tmp_path, monkeypatch):
     assert resolve_reward("align.rewards.sort_format") is sort_format
     assert resolve_reward("align.rollout.rewards:sort_format") is sort_format
-    (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, **kw):\n"
-                                            "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def brevity(prompts, completions, **kw):\n    return [1.0 / (1 + len(c)) for c in completions]\n"
+    )
     monkeypatch.chdir(tmp_path)
     fn = resolve_reward("my_rewards.py:brevity")
     assert fn(["p"], ["abc"]) == [0.25]
@@ -179,8 +189,11 @@ def test_bad_reward_values_name_the_function_and_sample(returned, message):
     assert "bad_reward" in str(info.value)
 
 
-INPUTS = {"prompt_messages": [[{"role": "user", "content": "p0"}], [{"role": "user", "content": "p1"}]],
-          "completion_ids": [[5, 2], [6]], "completion_truncated": [False, True]}
+INPUTS = {
+    "prompt_messages": [[{"role": "user", "content": "p0"}], [{"role": "user", "content": "p1"}]],
+    "completion_ids": [[5, 2], [6]],
+    "completion_truncated": [False, True],
+}
 
 
 def test_each_signature_style_receives_what_it_names_by_keyword():
@@ -211,8 +224,13 @@ def test_each_signature_style_receives_what_it_names_by_keyword():
 
     combined = CombinedReward([align_style, trl_style, strict, Scorer(3.0), functools.partial(scaled, scale=0.5)])
     total, parts = combined(prompts=["p0", "p1"], completions=["ab", "c"], answer=["ab", "x"], level=[2, 4], **INPUTS)
-    assert parts == {"align_style": [1.0, 2.0], "trl_style": [2.0, 1.0], "strict": [1.0, 0.0], "Scorer": [3.0, 0.0],
-                     "scaled": [1.0, 2.0]}
+    assert parts == {
+        "align_style": [1.0, 2.0],
+        "trl_style": [2.0, 1.0],
+        "strict": [1.0, 0.0],
+        "Scorer": [3.0, 0.0],
+        "scaled": [1.0, 2.0],
+    }
     assert total == [8.0, 5.0]
     everything = {"prompts": ["p0", "p1"], "completions": ["ab", "c"], "answer": ["ab", "x"], "level": [2, 4], **INPUTS}
     assert seen["align_style"] == everything and seen["trl_style"] == everything
@@ -236,7 +254,10 @@ def test_a_required_argument_that_nothing_provides_fails_before_any_rollout():
     message = str(info.value)
     assert "\n" not in message
     assert "reward 'exact' (" in message and ".needs_solution) requires 'solution', which no data column" in message
-    assert "available: prompts, completions, prompt_messages, completion_ids, completion_truncated, conversation, answer, level" in message
+    assert (
+        "available: prompts, completions, prompt_messages, completion_ids, completion_truncated, conversation, "
+        "answer, level" in message
+    )
     assert "data columns: answer, level" in message
     combined.check_inputs(["solution"])  # provided by a column: fine
     RewardFunction(RewardSpec(needs_solution, kwargs={"solution": "42"})).check_inputs([])  # or by kwargs
@@ -246,52 +267,88 @@ def test_kwargs_must_be_parameters_and_columns_must_not_shadow_inputs():
     def strict(completions, answer):
         return [1.0] * len(completions)
 
-    with pytest.raises(AlignConfigError, match=r"^reward 'strict' \(.*strict\): kwargs: expected parameters of the "
-                                               r"function, which takes \['answer', 'completions'\] \(add \*\*kwargs to "
-                                               r"take any\), got \['tolerance'\]$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^reward 'strict' \(.*strict\): kwargs: expected parameters of the "
+        r"function, which takes \['answer', 'completions'\] \(add \*\*kwargs to "
+        r"take any\), got \['tolerance'\]$",
+    ):
         RewardFunction(RewardSpec(strict, kwargs={"tolerance": 0.1}))
-    with pytest.raises(AlignConfigError, match=r"^model\.rewards\[1\]\.kwargs: expected parameters of reward "
-                                               r"'strict' \(.*strict\), which takes \['answer', 'completions'\] \(add "
-                                               r"\*\*kwargs to take any\), got \['tolerance'\]$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.rewards\[1\]\.kwargs: expected parameters of reward "
+        r"'strict' \(.*strict\), which takes \['answer', 'completions'\] \(add "
+        r"\*\*kwargs to take any\), got \['tolerance'\]$",
+    ):
         RewardFunction(RewardSpec(strict, kwargs={"tolerance": 0.1}), setting="model.rewards[1]")
-    with pytest.raises(AlignConfigError, match=r"^model\.rewards\[0\]\.kwargs: expected names other than the inputs "
-                                               r"every reward receives, got \['completions'\]; rename them$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.rewards\[0\]\.kwargs: expected names other than the inputs "
+        r"every reward receives, got \['completions'\]; rename them$",
+    ):
         RewardFunction(RewardSpec(sort_format, kwargs={"completions": []}), setting="model.rewards[0]")
     with pytest.raises(AlignConfigError, match=r"data column\(s\) \['prompts'\] have the name of a reward input"):
         RewardFunction(sort_format).check_inputs(["prompts"])
 
 
-@pytest.mark.parametrize("spec, message", [
-    (RewardSpec("align.rewards.sort_format", weight=float("inf")),
-     r"^model\.rewards\[0\]\.weight: expected a finite number, got inf$"),
-    (RewardSpec("align.rewards.sort_format", init_kwargs={"a": 1}),
-     r"^model\.rewards\[0\]\.init_kwargs: expected null for a function \(init_kwargs build a class; pass per-call "
-     r"arguments in kwargs\), got \{'a': 1\}$"),
-    (RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "bacth_size": 2}),
-     r"^model\.rewards\[0\]\.init_kwargs: expected arguments align\.rewards\.RewardModelScorer takes, got "
-     r"\{'path': 'tiny-sort-rm', 'bacth_size': 2\} \(TypeError: .*unexpected keyword argument 'bacth_size'\)$"),
-    (RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "batch_size": 0}),
-     r"^model\.rewards\[0\]\.init_kwargs\.batch_size: expected an integer >= 1, got 0$"),
-    (RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "dtype": "fp64"}),
-     r"^model\.rewards\[0\]\.init_kwargs\.dtype: expected auto, float32, bfloat16 or float16, got 'fp64'$"),
-    (RewardSpec("align.rewards.math_verify", kwargs={"timeout": 0}),
-     r"^model\.rewards\[0\]\.kwargs\.timeout: expected a number of seconds > 0, got 0$"),
-    (RewardSpec("align.rewards.math_verify", kwargs={"gold_column": ""}),
-     r"^model\.rewards\[0\]\.kwargs\.gold_column: expected the name of a data column, got ''$"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            RewardSpec("align.rewards.sort_format", weight=float("inf")),
+            r"^model\.rewards\[0\]\.weight: expected a finite number, got inf$",
+        ),
+        (
+            RewardSpec("align.rewards.sort_format", init_kwargs={"a": 1}),
+            r"^model\.rewards\[0\]\.init_kwargs: expected null for a function \(init_kwargs build a class; pass "
+            r"per-call "
+            r"arguments in kwargs\), got \{'a': 1\}$",
+        ),
+        (
+            RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "bacth_size": 2}),
+            r"^model\.rewards\[0\]\.init_kwargs: expected arguments align\.rewards\.RewardModelScorer takes, got "
+            r"\{'path': 'tiny-sort-rm', 'bacth_size': 2\} \(TypeError: .*unexpected keyword argument 'bacth_size'\)$",
+        ),
+        (
+            RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "batch_size": 0}),
+            r"^model\.rewards\[0\]\.init_kwargs\.batch_size: expected an integer >= 1, got 0$",
+        ),
+        (
+            RewardSpec("align.rewards.RewardModelScorer", init_kwargs={"path": "tiny-sort-rm", "dtype": "fp64"}),
+            r"^model\.rewards\[0\]\.init_kwargs\.dtype: expected auto, float32, bfloat16 or float16, got 'fp64'$",
+        ),
+        (
+            RewardSpec("align.rewards.math_verify", kwargs={"timeout": 0}),
+            r"^model\.rewards\[0\]\.kwargs\.timeout: expected a number of seconds > 0, got 0$",
+        ),
+        (
+            RewardSpec("align.rewards.math_verify", kwargs={"gold_column": ""}),
+            r"^model\.rewards\[0\]\.kwargs\.gold_column: expected the name of a data column, got ''$",
+        ),
+    ],
+)
 def test_a_bad_reward_setting_fails_naming_its_place_in_the_config(spec, message):
     with pytest.raises(AlignConfigError, match=message):
         RewardFunction(spec, setting="model.rewards[0]")
 
 
 def test_the_rewards_of_a_run_are_named_by_their_list_and_index():
-    with pytest.raises(AlignConfigError, match=r"^model\.eval_rewards\[1\]\.concurrency: expected an integer >= 1, "
-                                               r"got 0$"):
-        training_rewards(["align.rewards.sort_format"], None,
-                         ["align.rewards.sort_position_match", RewardSpec("align.rewards.sort_format", concurrency=0)])
-    with pytest.raises(AlignConfigError, match=r"^model\.rewards: expected unique metric names across reward_model "
-                                               r"\('rm'\), rewards and eval_rewards, got \['sort_format', "
-                                               r"'sort_format'\]; set 'name' on the duplicates$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.eval_rewards\[1\]\.concurrency: expected an integer >= 1, "
+        r"got 0$",
+    ):
+        training_rewards(
+            ["align.rewards.sort_format"],
+            None,
+            ["align.rewards.sort_position_match", RewardSpec("align.rewards.sort_format", concurrency=0)],
+        )
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.rewards: expected unique metric names across reward_model "
+        r"\('rm'\), rewards and eval_rewards, got \['sort_format', "
+        r"'sort_format'\]; set 'name' on the duplicates$",
+    ):
         training_rewards(["align.rewards.sort_format"], None, ["align.rewards.sort_format"])
     with pytest.raises(AlignConfigError, match=r"^model\.reward_model\.weight: expected a finite number, got nan$"):
         RewardModelSpec("tiny-sort-rm", weight=float("nan"))
@@ -302,8 +359,9 @@ def test_the_rewards_of_a_run_are_named_by_their_list_and_index():
 
 
 def test_dotted_path_imports_from_the_working_directory(tmp_path, monkeypatch):
-    (tmp_path / "cwd_rewards_a1.py").write_text("def brevity(completions, **kw):\n"
-                                                "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    (tmp_path / "cwd_rewards_a1.py").write_text(
+        "def brevity(completions, **kw):\n    return [1.0 / (1 + len(c)) for c in completions]\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     fn = RewardFunction(RewardSpec("cwd_rewards_a1.brevity"))
@@ -318,9 +376,11 @@ def test_a_file_path_imports_the_modules_beside_it_and_in_the_working_directory(
     (tmp_path / "my_envs_c3.py").write_text("from sibling_helpers_c3 import BONUS\nclass Game:\n    bonus = BONUS\n")
     (tmp_path / "envs").mkdir()
     (tmp_path / "envs" / "nested_helpers_c3.py").write_text("VALUE = 3\n")
-    (tmp_path / "envs" / "game_c3.py").write_text("from nested_helpers_c3 import VALUE\n"
-                                                  "from sibling_helpers_c3 import BONUS\n"
-                                                  "class Game:\n    value = VALUE * BONUS\n")
+    (tmp_path / "envs" / "game_c3.py").write_text(
+        "from nested_helpers_c3 import VALUE\n"
+        "from sibling_helpers_c3 import BONUS\n"
+        "class Game:\n    value = VALUE * BONUS\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     for name in ("sibling_helpers_c3", "nested_helpers_c3"):
@@ -333,8 +393,11 @@ def test_a_file_path_imports_the_modules_beside_it_and_in_the_working_directory(
 def test_a_module_that_fails_to_import_names_the_error_and_line(tmp_path, monkeypatch):
     (tmp_path / "cwd_rewards_b2.py").write_text("import math\n\nVALUE = 1 / 0\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(AlignConfigError, match=r"importing module 'cwd_rewards_b2' failed: ZeroDivisionError: "
-                                               r"division by zero at cwd_rewards_b2.py, line 3"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"importing module 'cwd_rewards_b2' failed: ZeroDivisionError: "
+        r"division by zero at cwd_rewards_b2.py, line 3",
+    ):
         resolve_reward("cwd_rewards_b2.fn")
 
 
@@ -349,13 +412,16 @@ def test_a_raising_reward_names_itself_the_users_line_and_the_first_failing_samp
         return [_score(c, a) for c, a in zip(completions, answer)]
 
     with pytest.raises(RewardError) as info:
-        RewardFunction(RewardSpec(exact, name="exact"))(["p0", "p1", "p2"], ["a", "", ""], answer=["a", "b", "c"],
-                                                        **{k: v + v[:1] for k, v in INPUTS.items()})
+        RewardFunction(RewardSpec(exact, name="exact"))(
+            ["p0", "p1", "p2"], ["a", "", ""], answer=["a", "b", "c"], **{k: v + v[:1] for k, v in INPUTS.items()}
+        )
     message = str(info.value)
     line = _score.__code__.co_firstlineno + 2
-    assert message == (f"reward 'exact' (test_a_raising_reward_names_itself_the_users_line_and_the_first_failing_sample"
-                       f".<locals>.exact) raised ZeroDivisionError: empty completion at tests/rollout/test_rewards.py, "
-                       f"line {line} in _score(); first failing sample 1 of 3: prompt 'p1', completion '', answer='b'")
+    assert message == (
+        f"reward 'exact' (test_a_raising_reward_names_itself_the_users_line_and_the_first_failing_sample"
+        f".<locals>.exact) raised ZeroDivisionError: empty completion at tests/rollout/test_rewards.py, "
+        f"line {line} in _score(); first failing sample 1 of 3: prompt 'p1', completion '', answer='b'"
+    )
 
 
 def test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so():
@@ -368,16 +434,21 @@ def test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so():
     with pytest.raises(RewardError) as info:
         RewardFunction(RewardSpec(AtMostTwo(), name="four"))(["p"] * 3, ["a", "b", "c"])
     message = str(info.value)
-    assert message.startswith("reward 'four' (test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so"
-                              ".<locals>.AtMostTwo.__call__) raised ValueError: at most 2 completions, got 3 at "
-                              "tests/rollout/test_rewards.py, line ")
+    assert message.startswith(
+        "reward 'four' (test_a_class_reward_is_named_by_its_call_and_a_batch_only_failure_says_so"
+        ".<locals>.AtMostTwo.__call__) raised ValueError: at most 2 completions, got 3 at "
+        "tests/rollout/test_rewards.py, line "
+    )
     assert message.endswith("in __call__(); every sample passes on its own, the batch of 3 fails as a whole")
 
 
 def test_a_built_in_reward_that_raises_points_at_its_own_file():
-    with pytest.raises(RewardError, match=r"reward 'math_answer' \(align.rewards.math_answer\) raised ValueError: "
-                                          r"math_answer needs an 'answer' column .* at .*align/rollout/rewards/builtin.py, "
-                                          r"line \d+ in math_answer\(\); first failing sample 0 of 1: prompt 'q'"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'math_answer' \(align.rewards.math_answer\) raised ValueError: "
+        r"math_answer needs an 'answer' column .* at .*align/rollout/rewards/builtin.py, "
+        r"line \d+ in math_answer\(\); first failing sample 0 of 1: prompt 'q'",
+    ):
         RewardFunction(RewardSpec("align.rewards.math_answer"))(["q"], ["1"])
 
 

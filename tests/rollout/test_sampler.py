@@ -64,8 +64,16 @@ class ScriptedEngine(GenerationEngine):
 
     @contextmanager
     def decoding(self, policy, capacity):
-        def decode(input_ids, attention_mask, *, max_new_tokens, min_new_tokens=0, generator=None, sync_stop=None,
-                   shared_prefix=1):
+        def decode(
+            input_ids,
+            attention_mask,
+            *,
+            max_new_tokens,
+            min_new_tokens=0,
+            generator=None,
+            sync_stop=None,
+            shared_prefix=1,
+        ):
             row = torch.tensor(self.tokens[:max_new_tokens])
             ids = row.expand(input_ids.shape[0], -1).clone()
             return SampleOutput(ids, torch.full(ids.shape, -1.0), ids.shape[1])
@@ -78,8 +86,13 @@ def test_a_new_engine_is_a_class_named_by_its_path(policy):
     ScriptedEngine.tokens = policy.tokenizer.encode("a b", add_special_tokens=False) + [eos]
     path = f"{ScriptedEngine.__module__}.ScriptedEngine"
     assert isinstance(make_engine(SamplingConfig(engine=path)), ScriptedEngine)
-    module = GRPOModule(policy=policy, rewards=[length_reward], group_size=2, log_entropy=False,
-                        sampling=SamplingConfig(max_new_tokens=6, engine=ScriptedEngine()))
+    module = GRPOModule(
+        policy=policy,
+        rewards=[length_reward],
+        group_size=2,
+        log_entropy=False,
+        sampling=SamplingConfig(max_new_tokens=6, engine=ScriptedEngine()),
+    )
     assert isinstance(module.sampler.engine, ScriptedEngine)
     assert isinstance(module.sampler.eval_engine, ScriptedEngine)  # held out: the training engine, greedy
     assert module.sampler.eval_engine.sampling.temperature == 0
@@ -92,10 +105,15 @@ def test_a_new_engine_is_a_class_named_by_its_path(policy):
 
 
 def test_an_unknown_engine_fails_naming_the_setting():
-    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: expected native, vllm or the import path of "
-                                               r"a GenerationEngine subclass, got 'sglang'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.sampling\.engine: expected native, vllm or the import path of "
+        r"a GenerationEngine subclass, got 'sglang'$",
+    ):
         SamplingConfig(engine="sglang")
-    with pytest.raises(AlignConfigError, match=r"^model\.evaluation\.sampling\.engine: 'torch\.nn\.Linear' is not a subclass"):
+    with pytest.raises(
+        AlignConfigError, match=r"^model\.evaluation\.sampling\.engine: 'torch\.nn\.Linear' is not a subclass"
+    ):
         HeldOutSampling(engine="torch.nn.Linear")
 
 
@@ -119,13 +137,28 @@ def half_reward(prompts, completions, **kw):
     return [float(i % 2) if p == PROMPTS[0] else 1.0 for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("make", [
-    lambda policy, source: OnlineDPOModule(policy=policy, rewards=[half_reward], group_size=2, source=source,
-                                           log_entropy=False, sampling=SamplingConfig(max_new_tokens=6)),
-    lambda policy, source: PPOModule(policy=PolicyModel("tiny-sort", critic=CriticSettings(kind="shared")), rewards=[half_reward],
-                                     group_size=2, source=source, log_entropy=False,
-                                     sampling=SamplingConfig(max_new_tokens=6)),
-], ids=["online_dpo", "ppo"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda policy, source: OnlineDPOModule(
+            policy=policy,
+            rewards=[half_reward],
+            group_size=2,
+            source=source,
+            log_entropy=False,
+            sampling=SamplingConfig(max_new_tokens=6),
+        ),
+        lambda policy, source: PPOModule(
+            policy=PolicyModel("tiny-sort", critic=CriticSettings(kind="shared")),
+            rewards=[half_reward],
+            group_size=2,
+            source=source,
+            log_entropy=False,
+            sampling=SamplingConfig(max_new_tokens=6),
+        ),
+    ],
+    ids=["online_dpo", "ppo"],
+)
 def test_dynamic_sampling_serves_every_rl_module(policy, make):
     # Two prompts per batch, one informative group each: the first step buffers one group, the second fills the
     # update of two groups.

@@ -84,7 +84,9 @@ def test_stops_on_eos_pads_after_and_stops_early(pad):
 
 
 def test_min_new_tokens_forbids_eos_before_the_minimum():
-    always_eos = lambda s, b: torch.zeros(b, V).index_fill(1, torch.tensor([EOS]), 10.0)
+    def always_eos(s, b):
+        return torch.zeros(b, V).index_fill(1, torch.tensor([EOS]), 10.0)
+
     out = run(MockLM(always_eos), temperature=0.0, min_new_tokens=3, max_new_tokens=10)
     assert out.steps == 4
     assert out.response_ids[:, 3].tolist() == [EOS] * 3
@@ -136,11 +138,17 @@ def test_rollout_logprobs_match_policy_score(policy, temperature):
     assert n == 6 and rollout.prompt_index.tolist() == [0, 0, 0, 1, 1, 1] and rollout.group_size == 3
     assert rollout.prompt_ids.shape[0] == 6 and len(rollout.texts) == 6
     assert rollout.truncated.tolist() == (~(rollout.response_ids == policy.tokenizer.eos_token_id).any(1)).tolist()
-    assert set(rollout.metrics) == {"rollout/tokens_per_s", "rollout/response_length", "rollout/truncated_frac",
-                                    "rollout/completion_tokens"}
+    assert set(rollout.metrics) == {
+        "rollout/tokens_per_s",
+        "rollout/response_length",
+        "rollout/truncated_frac",
+        "rollout/completion_tokens",
+    }
     assert rollout.metrics["rollout/completion_tokens"] == int(rollout.response_mask.sum())
     with torch.no_grad():
-        scores = policy.token_logprobs(rollout.input_ids, rollout.attention_mask, response_length=r, temperature=temperature)
+        scores = policy.token_logprobs(
+            rollout.input_ids, rollout.attention_mask, response_length=r, temperature=temperature
+        )
     m = rollout.response_mask
     torch.testing.assert_close(rollout.old_logprobs[m], scores.logprobs[m], atol=1e-4, rtol=1e-4)
     assert policy.training  # restored after sampling in eval mode

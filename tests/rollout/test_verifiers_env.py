@@ -6,8 +6,11 @@ import logging
 
 import pytest
 
-pytest.importorskip("verifiers", reason="verifiers is not in align[dev] (it cannot install beside TRL 1.x and vLLM "
-                                         "0.32, see pyproject.toml); pip install 'align[verifiers]' to run these")
+pytest.importorskip(
+    "verifiers",
+    reason="verifiers is not in align[dev] (it cannot install beside TRL 1.x and vLLM "
+    "0.32, see pyproject.toml); pip install 'align[verifiers]' to run these",
+)
 
 from align.errors import AlignConfigError  # noqa: E402
 from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec  # noqa: E402
@@ -42,8 +45,9 @@ def found(completion, answer) -> float:
 
 
 def load_guess(max_turns: int = 4):
-    return GuessEnv(dataset=_examples, rubric=vf.Rubric(funcs=[found]), max_turns=max_turns,
-                    system_prompt="Reply with one number.")
+    return GuessEnv(
+        dataset=_examples, rubric=vf.Rubric(funcs=[found]), max_turns=max_turns, system_prompt="Reply with one number."
+    )
 
 
 def add(a: int, b: int) -> int:
@@ -73,8 +77,10 @@ def say(text):
 
 def test_a_multi_turn_rollout_is_played_turn_by_turn_and_its_rubric_scores_the_end():
     env = VerifiersEnvironment(path=f"{__name__}.load_guess")
-    assert env.reset(row(3)) == [{"role": "system", "content": "Reply with one number."},
-                                 {"role": "user", "content": "Guess a number from 0 to 9."}]
+    assert env.reset(row(3)) == [
+        {"role": "system", "content": "Reply with one number."},
+        {"role": "user", "content": "Guess a number from 0 to 9."},
+    ]
     assert env.step(say("5")) == ([{"role": "user", "content": "lower"}], 0.0, False, {})
     assert env.step(say("1")) == ([{"role": "user", "content": "higher"}], 0.0, False, {})
     last = env.step(say("3"))
@@ -83,7 +89,9 @@ def test_a_multi_turn_rollout_is_played_turn_by_turn_and_its_rubric_scores_the_e
     # the row's own system message wins over the environment's; the next episode starts afresh
     system = {"role": "system", "content": "Be quick."}
     assert env.reset({**row(7), "messages": [system, {"role": "user", "content": "Go."}]}) == [
-        system, {"role": "user", "content": "Go."}]
+        system,
+        {"role": "user", "content": "Go."},
+    ]
     assert env.step(say("7"))[1:3] == (1.0, True)
     # the environment's max_turns ends an episode: four wrong guesses score 0
     env.reset(row(9))
@@ -106,22 +114,33 @@ def test_a_tool_env_runs_the_calls_written_in_align_format_and_scores_the_answer
     assert reply.messages[0]["role"] == "user" and not reply.done
     last = env.step(say("5"))
     assert (last.reward, last.done) == (1.0, True)
-    assert pairs(last.info) == [("vf_add_calls", 2.0), ("vf_correct", 1.0), ("vf_errors", 0.0), ("vf_num_turns", 3.0),
-                                ("vf_total_tool_calls", 2.0)]
+    assert pairs(last.info) == [
+        ("vf_add_calls", 2.0),
+        ("vf_correct", 1.0),
+        ("vf_errors", 0.0),
+        ("vf_num_turns", 3.0),
+        ("vf_total_tool_calls", 2.0),
+    ]
 
 
 def test_info_columns_the_pool_and_a_cut_episode(caplog):
-    spec = EnvironmentSpec(VerifiersEnvironment, init_kwargs={"path": "align.rollout.envs.verifiers_tasks."
-                                                              "load_environment", "info_columns": ["rounds"]},
-                           workers=2)
+    spec = EnvironmentSpec(
+        VerifiersEnvironment,
+        init_kwargs={"path": "align.rollout.envs.verifiers_tasks.load_environment", "info_columns": ["rounds"]},
+        workers=2,
+    )
     pool = EnvironmentPool(spec)
     rows = [row("", "sort: d a c", rounds=["sort: b a"]), row("", "sort: c b", rounds=["sort: e d"])]
     labels = ["episode 0", "episode 1"]
-    assert pool.reset(rows, labels) == [[{"role": "user", "content": "sort: d a c"}],
-                                        [{"role": "user", "content": "sort: c b"}]]
+    assert pool.reset(rows, labels) == [
+        [{"role": "user", "content": "sort: d a c"}],
+        [{"role": "user", "content": "sort: c b"}],
+    ]
     steps, _ = pool.step([0, 1], [say("a c d"), say("c b")], labels, 1)
-    assert [s.messages for s in steps] == [[{"role": "user", "content": "sort: b a"}],
-                                           [{"role": "user", "content": "sort: e d"}]]
+    assert [s.messages for s in steps] == [
+        [{"role": "user", "content": "sort: b a"}],
+        [{"role": "user", "content": "sort: e d"}],
+    ]
     steps, _ = pool.step([0, 1], [say("a b"), say("d e")], labels, 2)
     assert [(s.reward, s.done) for s in steps] == [(1.0, True), (0.5, True)]
     assert pool.instances[0].env is pool.instances[1].env  # one verifiers environment, one rollout per episode
@@ -147,13 +166,20 @@ def load_not_an_env():
 
 
 def test_settings_that_cannot_work_fail_on_one_line():
-    cases = [(dict(), r"^init_kwargs: expected exactly one of path \(an import path of the environment's loader\) "
-                      r"and env_id \(an installed environment\), got path=None, env_id=None$"),
-             (dict(path="x.y", env_id="z"), "^init_kwargs: expected exactly one of path"),
-             (dict(path=f"{__name__}.load_grouped"), "its rubric has group reward functions"),
-             (dict(path=f"{__name__}.load_not_an_env"), "expected a verifiers MultiTurnEnv .* got object"),
-             (dict(path=f"{__name__}.load_guess", env_args={"turns": 2}),
-              r"cannot build it from env_args \{'turns': 2\}: TypeError")]
+    cases = [
+        (
+            dict(),
+            r"^init_kwargs: expected exactly one of path \(an import path of the environment's loader\) "
+            r"and env_id \(an installed environment\), got path=None, env_id=None$",
+        ),
+        (dict(path="x.y", env_id="z"), "^init_kwargs: expected exactly one of path"),
+        (dict(path=f"{__name__}.load_grouped"), "its rubric has group reward functions"),
+        (dict(path=f"{__name__}.load_not_an_env"), "expected a verifiers MultiTurnEnv .* got object"),
+        (
+            dict(path=f"{__name__}.load_guess", env_args={"turns": 2}),
+            r"cannot build it from env_args \{'turns': 2\}: TypeError",
+        ),
+    ]
     for kwargs, message in cases:
         with pytest.raises(AlignConfigError, match=message):
             VerifiersEnvironment(**kwargs)

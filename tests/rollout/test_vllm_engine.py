@@ -12,12 +12,12 @@ import torch
 
 from align.errors import AlignConfigError
 from align.models import LoraSettings, PolicyModel
-from align.rollout.engine import make_engine
-from align.rollout.engine import SamplingConfig
+from align.rollout.engine import SamplingConfig, make_engine
 from align.rollout.vllm_engine import VLLMEngine
 
 pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
+from align.rollout import vllm_colocated  # noqa: E402
 
 PROMPTS = ["c a b", "d b a c", "b a", "e d c b a"]
 PRELOAD_AT_IMPORT = os.environ.get("LD_PRELOAD")  # before any engine of this file (vLLM's platform sets it)
@@ -41,7 +41,9 @@ def greedy(engine="vllm", max_new_tokens=10, **kw):
 
 
 def trainer_logprobs(policy, rollout):
-    out = policy.token_logprobs(rollout.input_ids, rollout.attention_mask, response_length=rollout.response_ids.shape[1])
+    out = policy.token_logprobs(
+        rollout.input_ids, rollout.attention_mask, response_length=rollout.response_ids.shape[1]
+    )
     return torch.where(rollout.response_mask, out.logprobs, torch.zeros_like(out.logprobs))
 
 
@@ -135,35 +137,47 @@ def test_stop_tokens_are_kept_and_long_responses_are_truncated_without_one():
 
 def test_a_quantized_base_or_dora_adapter_is_refused_on_one_line():
     policy = PolicyModel("tiny-sort", lora=LoraSettings(r=8, use_dora=True))
-    with pytest.raises(AlignConfigError, match=r"^model\.policy\.lora: expected a plain LoRA adapter with the vllm "
-                                               r"engine \(no use_dora, modules_to_save or bias\)"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.policy\.lora: expected a plain LoRA adapter with the vllm "
+        r"engine \(no use_dora, modules_to_save or bias\)",
+    ):
         greedy().generate(policy, prompt_ids(policy)[:1], 1)
 
 
 def test_a_context_longer_than_the_engine_allows_fails_naming_the_setting():
     policy = PolicyModel("tiny-sort")
     engine = make_engine(SamplingConfig(engine=VLLMEngine(max_model_len=16), max_new_tokens=8))
-    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine\.max_model_len: expected at least the \d+ "
-                                               r"tokens of a rollout's contexts, got 16; "):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.sampling\.engine\.max_model_len: expected at least the \d+ "
+        r"tokens of a rollout's contexts, got 16; ",
+    ):
         engine.generate(policy, prompt_ids(policy)[:1], 1)
 
 
 def test_a_missing_or_broken_vllm_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: vllm is not installed; pip install"):
-        vllm_engine.import_vllm()
+        vllm_colocated.import_vllm()
 
 
 def test_a_lora_rank_vllm_cannot_serve_fails_naming_the_setting():
-    assert vllm_engine._lora_rank(20) == 32
-    with pytest.raises(AlignConfigError, match=r"^model\.policy\.lora\.r: expected <= 512 with the vllm engine \(the "
-                                               r"largest rank vLLM serves\), got 600$"):
-        vllm_engine._lora_rank(600)
+    assert vllm_colocated._lora_rank(20) == 32
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.policy\.lora\.r: expected <= 512 with the vllm engine \(the "
+        r"largest rank vLLM serves\), got 600$",
+    ):
+        vllm_colocated._lora_rank(600)
 
 
 def test_settings_are_checked_when_read():
-    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine\.dtype: expected auto, float32, bfloat16 or "
-                                               r"float16, got 'fp8'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.sampling\.engine\.dtype: expected auto, float32, bfloat16 or "
+        r"float16, got 'fp8'$",
+    ):
         VLLMEngine(dtype="fp8")
     from align.rollout.engine import EngineCorrection
 
@@ -178,8 +192,9 @@ def test_settings_are_checked_when_read():
 def test_a_model_the_engines_kernels_refuse_fails_on_one_line_at_start(tmp_path):
     from align.hub.tiny import build_tiny_model
 
-    model = build_tiny_model(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=128)  # head_dim 16: no CPU attention kernel for it
+    model = build_tiny_model(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+    )  # head_dim 16: no CPU attention kernel for it
     model.save_pretrained(tmp_path / "m")
     PolicyModel("tiny-sort").tokenizer.save_pretrained(tmp_path / "m")
     policy = PolicyModel(str(tmp_path / "m"))

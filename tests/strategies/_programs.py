@@ -13,21 +13,21 @@ import lightning as L
 import torch
 
 from align.core import stats
+from align.core.kl import AdaptiveKLController
 from align.data import SFTDataModule
 from align.data.preference import PreferenceDataModule
 from align.data.prompts import PromptDataModule
-from align.core.kl import AdaptiveKLController
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules import SFTModule
 from align.modules.dpo import DPOModule
 from align.modules.grpo import GRPOModule
-from align.modules.online_dpo import OnlineDPOModule
-from align.modules.ppo import PPOModule
-from align.modules.options import GroupAdvantages, KLPenalty, Updates, ValueTraining
 from align.modules.learner import RLBatch
-from align.rollout.rewards import RewardSpec
+from align.modules.online_dpo import OnlineDPOModule
+from align.modules.options import GroupAdvantages, KLPenalty, Updates, ValueTraining
+from align.modules.ppo import PPOModule
 from align.rollout.engine import SamplingConfig
+from align.rollout.rewards import RewardSpec
 
 SFT_DATA = "align:sort/sft/train.jsonl"
 PREF_DATA = "align:sort/preference/train.jsonl"
@@ -50,19 +50,31 @@ def dpo_setup():
 
 
 def grpo_setup():
-    module = GRPOModule(PolicyModel("tiny-sort"), rewards=[RewardSpec("align.rewards.sort_exact_match")], group_size=4,
-                        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), kl=KLPenalty(coef=0.02), log_entropy=False,
-                        optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    module = GRPOModule(
+        PolicyModel("tiny-sort"),
+        rewards=[RewardSpec("align.rewards.sort_exact_match")],
+        group_size=4,
+        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
+        kl=KLPenalty(coef=0.02),
+        log_entropy=False,
+        optimizer=partial(torch.optim.AdamW, lr=1e-4),
+    )
     return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
 
 
 def ppo_setup():
     # A separate critic (the shipped reward model's backbone) and a live reference, all sharded under ZeRO-3. The
     # first rollout trains the critic alone: a backward in which no policy parameter takes part.
-    module = PPOModule(PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm")),
-                       rewards=[RewardSpec("align.rewards.sort_exact_match")], group_size=2,
-                       sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), value=ValueTraining(warmup_rollouts=1),
-                       updates=Updates(epochs=1), log_entropy=False, optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    module = PPOModule(
+        PolicyModel("tiny-sort", critic=CriticSettings(kind="separate", model="tiny-sort-rm")),
+        rewards=[RewardSpec("align.rewards.sort_exact_match")],
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
+        value=ValueTraining(warmup_rollouts=1),
+        updates=Updates(epochs=1),
+        log_entropy=False,
+        optimizer=partial(torch.optim.AdamW, lr=1e-4),
+    )
     return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=2, val_batch_size=4)
 
 
@@ -71,12 +83,22 @@ def episodes_setup():
     # episode), so under ZeRO-3 a rank whose episodes have all ended keeps decoding a placeholder row.
     from align.rollout.envs.chat import EnvironmentSpec
 
-    module = GRPOModule(PolicyModel("tiny-sort"), rewards=[], group_size=4, log_entropy=False,
-                        environment=EnvironmentSpec("align.rollout.envs.tasks.SortRounds", max_turns=2, max_tokens=40),
-                        sampling=SamplingConfig(max_new_tokens=6, temperature=1.0), kl=KLPenalty(coef=0.02),
-                        optimizer=partial(torch.optim.AdamW, lr=1e-4))
-    return module, PromptDataModule(train_files="align:sort/rounds/train.jsonl",
-                                    val_files="align:sort/rounds/validation.jsonl", batch_size=2, val_batch_size=4)
+    module = GRPOModule(
+        PolicyModel("tiny-sort"),
+        rewards=[],
+        group_size=4,
+        log_entropy=False,
+        environment=EnvironmentSpec("align.rollout.envs.tasks.SortRounds", max_turns=2, max_tokens=40),
+        sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
+        kl=KLPenalty(coef=0.02),
+        optimizer=partial(torch.optim.AdamW, lr=1e-4),
+    )
+    return module, PromptDataModule(
+        train_files="align:sort/rounds/train.jsonl",
+        val_files="align:sort/rounds/validation.jsonl",
+        batch_size=2,
+        val_batch_size=4,
+    )
 
 
 def _uneven_preferences(prompts, completions, **columns):
@@ -89,23 +111,37 @@ def _uneven_preferences(prompts, completions, **columns):
 def online_dpo_setup():
     # The ranks keep different numbers of decisive pairs (1 and 4) and update in micro-batches of one pair: every
     # rank must still run the same passes.
-    module = OnlineDPOModule(PolicyModel("tiny-sort"), rewards=[RewardSpec(_uneven_preferences)], group_size=2,
-                             sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
-                             updates=Updates(micro_batch_size=1), log_entropy=False,
-                             optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    module = OnlineDPOModule(
+        PolicyModel("tiny-sort"),
+        rewards=[RewardSpec(_uneven_preferences)],
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
+        updates=Updates(micro_batch_size=1),
+        log_entropy=False,
+        optimizer=partial(torch.optim.AdamW, lr=1e-4),
+    )
     return module, PromptDataModule(train_files=PROMPT_DATA, val_files=PROMPT_VAL, batch_size=4, val_batch_size=4)
 
 
-SETUPS = {"sft": sft_setup, "dpo": dpo_setup, "grpo": grpo_setup, "ppo": ppo_setup, "episodes": episodes_setup,
-          "online_dpo": online_dpo_setup}
+SETUPS = {
+    "sft": sft_setup,
+    "dpo": dpo_setup,
+    "grpo": grpo_setup,
+    "ppo": ppo_setup,
+    "episodes": episodes_setup,
+    "online_dpo": online_dpo_setup,
+}
 RL = ("grpo", "ppo", "episodes", "online_dpo")
 
 
 def algorithms(strategy: str) -> tuple[str, ...]:
     """What a strategy's job trains: every strategy SFT, DPO and GRPO; ZeRO-3 also PPO; DDP and ZeRO-3 also
     multi-turn GRPO (ZeRO-3: ranks kept in step across turns) and online DPO (ranks with uneven pairs)."""
-    return (("sft", "dpo", "grpo") + (("ppo",) if strategy == "zero3" else ())
-            + (("episodes", "online_dpo") if strategy in ("ddp", "zero3") else ()))
+    return (
+        ("sft", "dpo", "grpo")
+        + (("ppo",) if strategy == "zero3" else ())
+        + (("episodes", "online_dpo") if strategy in ("ddp", "zero3") else ())
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- SFT equivalence
@@ -148,7 +184,7 @@ def fixed_rollout_rows(vocab: int) -> RLBatch:
     attention = torch.zeros(ROWS, PROMPT_LEN + RESPONSE_LEN, dtype=torch.long)
     response_mask = torch.zeros(ROWS, RESPONSE_LEN, dtype=torch.bool)
     for i in range(ROWS):
-        attention[i, PROMPT_LEN - prompt_lengths[i]: PROMPT_LEN + response_lengths[i]] = 1
+        attention[i, PROMPT_LEN - prompt_lengths[i] : PROMPT_LEN + response_lengths[i]] = 1
         response_mask[i, : response_lengths[i]] = True
     ids = ids.masked_fill(attention == 0, 0)
     advantages = torch.linspace(-1.0, 1.2, ROWS)[:, None].expand(ROWS, RESPONSE_LEN).clone()
@@ -161,27 +197,46 @@ class FixedRowsGRPO(GRPOModule):
     feeds the same all-reduced KL to its adaptive controller."""
 
     def __init__(self, loss_aggregation: str = "token_mean", micro_batch_size: int | None = None):
-        super().__init__(PolicyModel("tiny", seed=1), rewards=[RewardSpec(_zero_reward)], group_size=2,
-                         updates=Updates(loss_aggregation=loss_aggregation, micro_batch_size=micro_batch_size,
-                                         max_grad_norm=None),
-                         log_entropy=False, optimizer=partial(torch.optim.SGD, lr=0.5))
+        super().__init__(
+            PolicyModel("tiny", seed=1),
+            rewards=[RewardSpec(_zero_reward)],
+            group_size=2,
+            updates=Updates(loss_aggregation=loss_aggregation, micro_batch_size=micro_batch_size, max_grad_norm=None),
+            log_entropy=False,
+            optimizer=partial(torch.optim.SGD, lr=0.5),
+        )
         self.kl_controller = AdaptiveKLController(init_kl_coef=0.1, target=0.05, horizon=100)
         self.kl_seen: list[float] = []
         # The RL modules' own controller update, fed the same per-token KL (its input is the per-sequence KL over
         # all ranks).
-        self.ppo = [PPOModule(PolicyModel("tiny", critic=CriticSettings(), seed=1), rewards=[RewardSpec(_zero_reward)],
-                              kl=KLPenalty(coef=0.1, target=0.5, horizon=100.0, placement="reward"))]  # not a submodule
+        self.ppo = [
+            PPOModule(
+                PolicyModel("tiny", critic=CriticSettings(), seed=1),
+                rewards=[RewardSpec(_zero_reward)],
+                kl=KLPenalty(coef=0.1, target=0.5, horizon=100.0, placement="reward"),
+            )
+        ]  # not a submodule
 
     def training_step(self, batch, batch_idx: int) -> None:
         rows = fixed_rollout_rows(self.policy.config.vocab_size)
         rank, world = self.global_rank, self.trainer.world_size
         mine = torch.arange(rank, ROWS, world)
         data = rows.select(mine)
-        data = RLBatch(*(None if t is None else t.to(self.device) for t in (
-            data.input_ids, data.attention_mask, data.response_mask, data.old_logprobs, data.advantages,
-            data.ref_logprobs)))
+        data = RLBatch(
+            *(
+                None if t is None else t.to(self.device)
+                for t in (
+                    data.input_ids,
+                    data.attention_mask,
+                    data.response_mask,
+                    data.old_logprobs,
+                    data.advantages,
+                    data.ref_logprobs,
+                )
+            )
+        )
         # A per-token "KL" that differs between ranks: the controller must see the mean over all ranks' tokens.
-        kl = (data.input_ids[:, -data.response_length:] % 5).float() / 10.0  # (n, R)
+        kl = (data.input_ids[:, -data.response_length :] % 5).float() / 10.0  # (n, R)
         global_kl = float(stats.mean_var(kl, data.response_mask, all_reduce=self.all_reduce_sum)[0])
         self.kl_controller.update(global_kl, n_steps=ROWS)
         ppo = self.ppo[0]
@@ -206,18 +261,19 @@ def _zero_reward(prompts, completions, **columns):
 
 
 def pooled_whitened() -> torch.Tensor:
-    """What ``align.core.stats.whiten`` over 2 ranks must give on all rows together: ``masked_whiten`` on one process. (N, R)"""
+    """What ``align.core.stats.whiten`` over 2 ranks must give on all rows together: ``masked_whiten`` on one process.
+    (N, R)"""
     from align.core.masks import masked_whiten
 
     rows = fixed_rollout_rows(PolicyModel("tiny", seed=1).config.vocab_size)
-    kl = (rows.input_ids[:, -rows.response_length:] % 5).float() / 10.0
+    kl = (rows.input_ids[:, -rows.response_length :] % 5).float() / 10.0
     return masked_whiten(kl * 3.0 - 0.2, rows.response_mask)
 
 
 def pooled_kl() -> float:
     """The KL the controller must receive: the token mean over all rows (what one process sees)."""
     rows = fixed_rollout_rows(PolicyModel("tiny", seed=1).config.vocab_size)
-    kl = (rows.input_ids[:, -rows.response_length:] % 5).float() / 10.0
+    kl = (rows.input_ids[:, -rows.response_length :] % 5).float() / 10.0
     return float((kl * rows.response_mask).sum() / rows.response_mask.sum())
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import _programs as P  # noqa: E402
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-import _programs as P  # noqa: E402
 from align.trainer.strategies import DeepSpeedZeROStrategy, FSDP2Strategy  # noqa: E402
 
 
@@ -49,10 +49,19 @@ class Record(L.Callback):
 
 
 def trainer(name: str, out: Path, **kwargs) -> L.Trainer:
-    defaults = dict(accelerator="cpu", devices=2, strategy=make_strategy(name), logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    num_sanity_val_steps=0, limit_val_batches=1, default_root_dir=str(out),
-                    log_every_n_steps=1)  # Record reads every step's loss (AlignModule.logs_this_step)
+    defaults = dict(
+        accelerator="cpu",
+        devices=2,
+        strategy=make_strategy(name),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        default_root_dir=str(out),
+        log_every_n_steps=1,
+    )  # Record reads every step's loss (AlignModule.logs_this_step)
     return L.Trainer(**{**defaults, **kwargs})
 
 

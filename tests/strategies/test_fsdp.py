@@ -20,7 +20,9 @@ from align.trainer.strategies.fsdp import FORWARD_METHODS
 
 def test_decoder_layers_are_the_repeated_blocks(private_api):
     model = build_tiny_model(seed=0)
-    private_api.require(model, "_no_split_modules", used_by="align.trainer.strategies.fsdp.decoder_layers (transformers)")
+    private_api.require(
+        model, "_no_split_modules", used_by="align.trainer.strategies.fsdp.decoder_layers (transformers)"
+    )
     layers = decoder_layers(model)
     assert layers and layers == list(model.model.layers)
 
@@ -100,6 +102,9 @@ def test_fsdp2_strategy_sizes_its_mesh_from_the_processes(private_api, monkeypat
 
 @pytest.mark.parametrize("name", ["param_dtype", "reduce_dtype"])
 def test_a_bad_dtype_fails_on_one_line_naming_the_setting(name):
-    with pytest.raises(AlignConfigError, match=rf"^trainer\.strategy\.{name}: expected float32, bfloat16, float16 or "
-                                               r"null, got 'fp8'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=rf"^trainer\.strategy\.{name}: expected float32, bfloat16, float16 or "
+        r"null, got 'fp8'$",
+    ):
         FSDP2Strategy(**{name: "fp8"})

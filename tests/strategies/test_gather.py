@@ -9,7 +9,13 @@ import lightning as L
 import torch
 
 from align.rollout.sampling import sample
-from align.trainer.strategies import DeepSpeedZeROStrategy, FSDP2Strategy, generation_context, global_all, parameters_sharded
+from align.trainer.strategies import (
+    DeepSpeedZeROStrategy,
+    FSDP2Strategy,
+    generation_context,
+    global_all,
+    parameters_sharded,
+)
 
 
 def test_parameters_sharded():
@@ -25,11 +31,19 @@ def test_one_process_needs_no_generation_hook():
 
 def test_generation_context_finds_the_trainer_of_a_module(private_api):
     # Read through the private attribute: the public ``trainer`` property raises on a detached module.
-    used_by = "align.trainer.strategies (generation_context, accumulation_boundary) and align.modules (the trainer, if any)"
+    used_by = (
+        "align.trainer.strategies (generation_context, accumulation_boundary) and align.modules (the trainer, if any)"
+    )
     module = L.LightningModule()
     assert private_api.require(module, "_trainer", used_by=used_by) is None
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     module.trainer = trainer
     assert module._trainer is trainer, f"LightningModule._trainer: {used_by}"
     with generation_context(module) as sync_stop:
@@ -57,7 +71,14 @@ def test_sync_stop_keeps_a_finished_rank_decoding_until_every_rank_is_done():
     # Another rank still has rows running for 3 more steps: this rank runs as many passes, emitting padding.
     others_done_after = iter([False, False, False, True])
     synced = CountingLM()
-    out = sample(synced, ids, mask, eos_token_id=2, pad_token_id=0, max_new_tokens=5,
-                 sync_stop=lambda done: done and next(others_done_after))
+    out = sample(
+        synced,
+        ids,
+        mask,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_new_tokens=5,
+        sync_stop=lambda done: done and next(others_done_after),
+    )
     assert synced.calls == 4 and out.response_ids.tolist() == [[2, 0, 0, 0], [2, 0, 0, 0]]
     assert out.logprobs[:, 1:].abs().sum() == 0

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 
+import _programs as P
 import lightning as L
 import pytest
 import torch
 from _launch import launch
-
-import _programs as P
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +29,21 @@ def job(strategy: str, tmp_path_factory):
 
 
 def one_process_trainer(**kwargs) -> L.Trainer:
-    return L.Trainer(**{**dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                               max_steps=1), **kwargs})
+    return L.Trainer(
+        **{
+            **dict(
+                accelerator="cpu",
+                devices=1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                max_steps=1,
+            ),
+            **kwargs,
+        }
+    )
 
 
 def assert_same_params(actual: dict, expected: dict, atol: float) -> None:

@@ -7,10 +7,15 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from align.trainer.checkpointing import AtomicCheckpointIO, atomic_write, rng_state, set_rng_state
-from align.data.sampling import (EpochRandomSampler, EpochSequentialSampler, ResumableBatchSampler,
-                                 ResumableDataLoader, WindowBatchSampler)
+from align.data.sampling import (
+    EpochRandomSampler,
+    EpochSequentialSampler,
+    ResumableBatchSampler,
+    ResumableDataLoader,
+    WindowBatchSampler,
+)
 from align.errors import AlignConfigError
+from align.trainer.checkpointing import AtomicCheckpointIO, atomic_write, rng_state, set_rng_state
 
 
 def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
@@ -67,12 +72,17 @@ def epoch_batches(sampler, epoch):
     return list(sampler)
 
 
-@pytest.mark.parametrize("make", [
-    lambda ds: ResumableBatchSampler(EpochRandomSampler(ds, seed=3), 3, drop_last=False),
-    lambda ds: ResumableBatchSampler(EpochSequentialSampler(ds), 3, drop_last=True),
-    lambda ds: WindowBatchSampler(EpochRandomSampler(ds, seed=3), 2, drop_last=False, weights=list(range(10)),
-                                  accumulate=3),
-], ids=["shuffled", "sequential", "windows"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ds: ResumableBatchSampler(EpochRandomSampler(ds, seed=3), 3, drop_last=False),
+        lambda ds: ResumableBatchSampler(EpochSequentialSampler(ds), 3, drop_last=True),
+        lambda ds: WindowBatchSampler(
+            EpochRandomSampler(ds, seed=3), 2, drop_last=False, weights=list(range(10)), accumulate=3
+        ),
+    ],
+    ids=["shuffled", "sequential", "windows"],
+)
 def test_batch_sampler_resumes_mid_epoch_and_at_the_epoch_end(make):
     ds = list(range(10))
     reference = make(ds)
@@ -107,8 +117,9 @@ def test_window_tags_survive_a_resume_inside_a_window():
 
 def test_loader_counts_what_its_consumer_took_even_with_workers_fetching_ahead():
     ds = TensorDataset(torch.arange(12))
-    loader = ResumableDataLoader(ds, batch_sampler=ResumableBatchSampler(EpochRandomSampler(ds, seed=0), 2, False),
-                                 num_workers=2)
+    loader = ResumableDataLoader(
+        ds, batch_sampler=ResumableBatchSampler(EpochRandomSampler(ds, seed=0), 2, False), num_workers=2
+    )
     it = iter(loader)
     taken = [next(it)[0].tolist() for _ in range(2)]
     assert loader.state_dict()["consumed"] == 2

@@ -11,7 +11,6 @@ from torch.utils.data import DataLoader
 from align.errors import AlignConfigError
 from align.modules.base import TrainingModule
 from align.trainer.clipping import clip_gradients
-
 from tests.modules._helpers import cpu_trainer
 
 X = torch.tensor([3.0, 4.0])  # loss = w . x, so the gradient is x: norm 5
@@ -67,8 +66,9 @@ def fit(precision: str, fused: bool, manual: bool) -> RecordingAdamW:
 
 
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
-@pytest.mark.parametrize("precision, fused", [("bf16-mixed", True), ("bf16-mixed", False), ("bf16-true", True),
-                                              ("32-true", True)])
+@pytest.mark.parametrize(
+    "precision, fused", [("bf16-mixed", True), ("bf16-mixed", False), ("bf16-true", True), ("32-true", True)]
+)
 def test_the_step_sees_the_gradient_clipped_to_norm_one(precision, fused, manual):
     opt = fit(precision, fused, manual)
     tol = 1e-2 if precision == "bf16-true" else 1e-5  # bf16 weights hold 0.6 as 0.6016

@@ -36,8 +36,10 @@ class Toy(L.LightningModule):
         return loss
 
     def training_step(self, batch, batch_idx):
-        self.snapshots[self.global_step] = {"params": copy.deepcopy(self.state_dict()),
-                                            "opt": copy.deepcopy(self.optimizers().optimizer.state_dict())}
+        self.snapshots[self.global_step] = {
+            "params": copy.deepcopy(self.state_dict()),
+            "opt": copy.deepcopy(self.optimizers().optimizer.state_dict()),
+        }
         if self.automatic_optimization:
             return self._loss(batch)
         opt = self.optimizers()
@@ -51,8 +53,15 @@ class Toy(L.LightningModule):
 
 def fit(module: Toy, guard: NonFiniteGuard, steps: int = 4) -> L.Trainer:
     data = TensorDataset(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1))
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[guard],
+    )
     trainer.fit(module, DataLoader(data, batch_size=4))
     return trainer
 
@@ -93,8 +102,8 @@ def test_skip_policy_drops_the_update_and_counts_it(manual):
 
 
 def test_every_align_module_is_guarded_unless_the_trainer_has_its_own_guard():
-    from align.trainer.checkpointing import ExactResume
     from align.modules.sft import SFTModule
+    from align.trainer.checkpointing import ExactResume
 
     module = SFTModule()
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
@@ -106,6 +115,9 @@ def test_every_align_module_is_guarded_unless_the_trainer_has_its_own_guard():
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(AlignConfigError, match=r"^trainer\.callbacks\.policy: expected 'error' or 'skip' "
-                                               r"\(NonFiniteGuard's policy\), got 'ignore'$"):
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^trainer\.callbacks\.policy: expected 'error' or 'skip' "
+        r"\(NonFiniteGuard's policy\), got 'ignore'$",
+    ):
         NonFiniteGuard("ignore")

@@ -16,22 +16,31 @@ from align.trainer.host_memory import _reason_to_leave
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
-@pytest.mark.parametrize("environ, reason", [
-    ({"ALIGN_KEEP_FREED_MEMORY": "0"}, "ALIGN_KEEP_FREED_MEMORY=0"),
-    ({"ALIGN_KEEP_FREED_MEMORY": "off"}, "ALIGN_KEEP_FREED_MEMORY=off"),
-    ({"MALLOC_TRIM_THRESHOLD_": "1000000"}, "the environment sets MALLOC_TRIM_THRESHOLD_"),
-    ({"MALLOC_MMAP_MAX_": "0", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
-     "the environment sets MALLOC_MMAP_MAX_, GLIBC_TUNABLES"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}, "the environment sets GLIBC_TUNABLES"),
-    ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, "LD_PRELOAD=/usr/lib/libjemalloc.so.2"),
-])
+@pytest.mark.parametrize(
+    "environ, reason",
+    [
+        ({"ALIGN_KEEP_FREED_MEMORY": "0"}, "ALIGN_KEEP_FREED_MEMORY=0"),
+        ({"ALIGN_KEEP_FREED_MEMORY": "off"}, "ALIGN_KEEP_FREED_MEMORY=off"),
+        ({"MALLOC_TRIM_THRESHOLD_": "1000000"}, "the environment sets MALLOC_TRIM_THRESHOLD_"),
+        (
+            {"MALLOC_MMAP_MAX_": "0", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+            "the environment sets MALLOC_MMAP_MAX_, GLIBC_TUNABLES",
+        ),
+        ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}, "the environment sets GLIBC_TUNABLES"),
+        ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, "LD_PRELOAD=/usr/lib/libjemalloc.so.2"),
+    ],
+)
 def test_the_allocator_is_left_alone_where_the_user_chose(environ, reason):
     assert _reason_to_leave(environ) == reason
 
 
 def test_other_settings_do_not_stop_it():
-    environ = {"ALIGN_KEEP_FREED_MEMORY": "1", "GLIBC_TUNABLES": "glibc.pthread.rseq=0", "LD_PRELOAD": " ",
-               "OMP_NUM_THREADS": "2"}
+    environ = {
+        "ALIGN_KEEP_FREED_MEMORY": "1",
+        "GLIBC_TUNABLES": "glibc.pthread.rseq=0",
+        "LD_PRELOAD": " ",
+        "OMP_NUM_THREADS": "2",
+    }
     reason = _reason_to_leave(environ)
     assert reason is None if GLIBC else reason.startswith("not glibc")
 
@@ -71,8 +80,9 @@ def _child(mode: str, **env: str) -> dict:
     import os
 
     environ = {k: v for k, v in os.environ.items() if k != "ALIGN_KEEP_FREED_MEMORY"}
-    out = subprocess.run([sys.executable, "-c", CHILD, mode], env={**environ, **env}, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, mode], env={**environ, **env}, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

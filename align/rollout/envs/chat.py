@@ -32,8 +32,9 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from align.errors import INIT_KWARGS, AlignConfigError, AlignEnvError, placed
 from align.rollout.rewards import error_location, one_line, resolve_import
@@ -87,8 +88,9 @@ class EnvironmentSpec:
     def __post_init__(self) -> None:
         for key, low in (("max_turns", 1), ("max_tokens", 2), ("workers", 1)):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < low:
-                raise AlignConfigError(f"model.environment.{key}: expected an integer >= {low}, "
-                                       f"got {getattr(self, key)!r}")
+                raise AlignConfigError(
+                    f"model.environment.{key}: expected an integer >= {low}, got {getattr(self, key)!r}"
+                )
         if not (self.step_timeout > 0 and math.isfinite(self.step_timeout)):
             raise AlignConfigError(f"model.environment.step_timeout: expected > 0 seconds, got {self.step_timeout!r}")
         if not math.isfinite(self.weight):
@@ -131,13 +133,16 @@ def _as_step(value: Any) -> EnvStep:
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(EnvStep._fields))
         if unknown or "messages" not in value:
-            raise ValueError(f"step must return EnvStep(messages, reward, done, info), got a dict with keys "
-                             f"{sorted(value)}")
+            raise ValueError(
+                f"step must return EnvStep(messages, reward, done, info), got a dict with keys {sorted(value)}"
+            )
         value = EnvStep(**value)
     elif isinstance(value, (tuple, list)) and not isinstance(value, EnvStep):
         if len(value) not in (3, 4):
-            raise ValueError(f"step must return EnvStep(messages, reward, done[, info]), got a sequence of "
-                             f"{len(value)} items: {_preview(value)}")
+            raise ValueError(
+                f"step must return EnvStep(messages, reward, done[, info]), got a sequence of "
+                f"{len(value)} items: {_preview(value)}"
+            )
         value = EnvStep(*value)
     elif not isinstance(value, EnvStep):
         raise ValueError(f"step must return EnvStep(messages, reward, done[, info]), got {_preview(value)}")
@@ -170,8 +175,9 @@ class EnvironmentPool:
         self.spec, self.setting = spec, setting
         self.factory = resolve_import(spec.path, what="environment")
         if not callable(self.factory):
-            raise AlignConfigError(f"environment '{spec.path}': resolves to a {type(self.factory).__name__}, not a "
-                                   "class or factory")
+            raise AlignConfigError(
+                f"environment '{spec.path}': resolves to a {type(self.factory).__name__}, not a class or factory"
+            )
         self.name = getattr(self.factory, "__name__", type(self.factory).__name__)
         self.path = spec.path if isinstance(spec.path, str) else getattr(self.factory, "__qualname__", self.name)
         self.instances: list[Any] = []
@@ -188,12 +194,16 @@ class EnvironmentPool:
             except Exception as err:  # noqa: BLE001 - user code; re-raised on one line
                 if isinstance(err, AlignConfigError) and str(err).startswith(INIT_KWARGS):
                     raise placed(err, self.setting) from None  # one of the environment's own settings, named
-                raise AlignConfigError(f"{self.where}: cannot build it from init_kwargs {self.spec.init_kwargs}: "
-                                       f"{type(err).__name__}: {one_line(err)}{error_location(err, None)}") from err
+                raise AlignConfigError(
+                    f"{self.where}: cannot build it from init_kwargs {self.spec.init_kwargs}: "
+                    f"{type(err).__name__}: {one_line(err)}{error_location(err, None)}"
+                ) from err
             missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
             if missing:
-                raise AlignConfigError(f"{self.where}: an environment needs reset(row) and step(message) methods; "
-                                       f"it has no {' and no '.join(missing)} (see align.rollout.envs.chat.Environment)")
+                raise AlignConfigError(
+                    f"{self.where}: an environment needs reset(row) and step(message) methods; "
+                    f"it has no {' and no '.join(missing)} (see align.rollout.envs.chat.Environment)"
+                )
             self.instances.append(env)
         return self.instances[slot]
 
@@ -212,8 +222,9 @@ class EnvironmentPool:
             out.append([dict(m) for m in messages])
         return out
 
-    def step(self, slots: Sequence[int], messages: Sequence[dict], labels: Sequence[str],
-             turn: int) -> tuple[list[EnvStep], list[CallRecord]]:
+    def step(
+        self, slots: Sequence[int], messages: Sequence[dict], labels: Sequence[str], turn: int
+    ) -> tuple[list[EnvStep], list[CallRecord]]:
         """``step(message)`` of each episode ``slots[i]``: the checked replies and a record of every call."""
         calls = [(lambda env=self.instance(s), m=m: env.step(dict(m))) for s, m in zip(slots, messages)]
         results = self._run(calls, labels, "step", turn)
@@ -227,8 +238,9 @@ class EnvironmentPool:
             records.append(CallRecord(slot, turn, start, end, out.reward, out.done, out.info))
         return steps, records
 
-    def _run(self, calls: list[Callable[[], Any]], labels: Sequence[str], method: str,
-             turn: int | None = None) -> list[tuple[Any, int, int]]:
+    def _run(
+        self, calls: list[Callable[[], Any]], labels: Sequence[str], method: str, turn: int | None = None
+    ) -> list[tuple[Any, int, int]]:
         """Run ``calls`` on up to ``spec.workers`` daemon threads: ``[(result, start_ns, end_ns)]`` in order.
 
         Daemon threads, so that a call that never returns does not keep the process alive after the run has
@@ -270,14 +282,18 @@ class EnvironmentPool:
                 late = [i for i in range(n) if not finished[i] and started[i] is not None and now - started[i] > limit]
                 if late:
                     at = f", turn {turn}" if turn is not None else ""
-                    raise AlignEnvError(f"{self.where}: {labels[late[0]]}{at}: {method} did not return within "
-                                        f"step_timeout={limit:g} s (an environment that never answers; raise "
-                                        "model.environment.step_timeout if it is only slow)")
+                    raise AlignEnvError(
+                        f"{self.where}: {labels[late[0]]}{at}: {method} did not return within "
+                        f"step_timeout={limit:g} s (an environment that never answers; raise "
+                        "model.environment.step_timeout if it is only slow)"
+                    )
                 lock.wait(timeout=min(0.05, limit))
         if errors:
             i = min(errors)
             err = errors[i]
             at = f", turn {turn}" if turn is not None else ""
-            raise AlignEnvError(f"{self.where}: {labels[i]}{at}: {method} raised {type(err).__name__}: "
-                                f"{one_line(err)}{error_location(err, self.factory)}") from err
+            raise AlignEnvError(
+                f"{self.where}: {labels[i]}{at}: {method} raised {type(err).__name__}: "
+                f"{one_line(err)}{error_location(err, self.factory)}"
+            ) from err
         return results

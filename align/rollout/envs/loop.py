@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 __all__ = ["submit", "run", "call_soon"]
 

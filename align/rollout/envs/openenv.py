@@ -29,8 +29,9 @@ import math
 import os
 import typing
 import urllib.request
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from align.errors import INIT_KWARGS, AlignConfigError
 from align.rollout.envs import loop
@@ -38,8 +39,15 @@ from align.rollout.envs.chat import Environment, EnvStep
 from align.rollout.envs.tools import message_tool_calls
 from align.rollout.rewards import resolve_import
 
-__all__ = ["OpenEnvEnvironment", "text_fields", "read_action", "observation_text", "check_fields", "InvalidAction",
-           "declared_classes"]
+__all__ = [
+    "OpenEnvEnvironment",
+    "text_fields",
+    "read_action",
+    "observation_text",
+    "check_fields",
+    "InvalidAction",
+    "declared_classes",
+]
 
 _BASE_FIELDS = {"metadata", "reward", "done"}  # what every OpenEnv Action/Observation has besides its own fields
 _PROMPTS = ("observation", "row", "both")
@@ -53,8 +61,9 @@ def _openenv():
     try:
         from openenv.core import env_server
     except ImportError as err:
-        raise AlignConfigError("OpenEnvEnvironment needs the openenv package: pip install 'align[openenv]' "
-                               f"({err})") from None
+        raise AlignConfigError(
+            f"OpenEnvEnvironment needs the openenv package: pip install 'align[openenv]' ({err})"
+        ) from None
     return env_server
 
 
@@ -94,7 +103,7 @@ def read_action(message: dict, field: str | None, parser: str | Callable | None)
     if parser == "tool_call":
         calls = message_tool_calls(message)
         if not calls:
-            raise InvalidAction("expected a tool call <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>")
+            raise InvalidAction('expected a tool call <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
         if "error" in calls[0]:
             raise InvalidAction(calls[0]["error"])
         return dict(calls[0]["arguments"])
@@ -144,8 +153,12 @@ def declared_classes(env_cls: type) -> tuple[type, type] | None:
     for klass in env_cls.__mro__:
         for orig in klass.__dict__.get("__orig_bases__", ()):
             origin, args = typing.get_origin(orig), typing.get_args(orig)
-            if isinstance(origin, type) and issubclass(origin, base) and len(args) >= 2 and \
-                    all(isinstance(a, type) for a in args[:2]):
+            if (
+                isinstance(origin, type)
+                and issubclass(origin, base)
+                and len(args) >= 2
+                and all(isinstance(a, type) for a in args[:2])
+            ):
                 return args[0], args[1]
     return None
 
@@ -245,19 +258,30 @@ def _schema(url: str, timeout: float, headers: dict | None) -> dict:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except (OSError, ValueError) as err:
-        raise AlignConfigError(f"{INIT_KWARGS}.url: expected a running OpenEnv server, got {url!r}, whose schema at "
-                               f"{url}/schema cannot be read ({type(err).__name__}: {err}); is the server running?"
-                               ) from None
+        raise AlignConfigError(
+            f"{INIT_KWARGS}.url: expected a running OpenEnv server, got {url!r}, whose schema at "
+            f"{url}/schema cannot be read ({type(err).__name__}: {err}); is the server running?"
+        ) from None
 
 
 class OpenEnvEnvironment(Environment):
     """An OpenEnv environment, in-process or served, as an align environment (module docstring)."""
 
-    def __init__(self, env_class: str | type | None = None, init_kwargs: dict | None = None, url: str | None = None,
-                 action_field: str | None = None, action_parser: str | Callable | None = None,
-                 observation_field: str | None = None, observation_role: str = "user", prompt: str = "observation",
-                 reset_columns: Sequence[str] | None = None, invalid_action_reward: float = 0.0,
-                 timeout: float = 60.0, token_env: str | None = None):
+    def __init__(
+        self,
+        env_class: str | type | None = None,
+        init_kwargs: dict | None = None,
+        url: str | None = None,
+        action_field: str | None = None,
+        action_parser: str | Callable | None = None,
+        observation_field: str | None = None,
+        observation_role: str = "user",
+        prompt: str = "observation",
+        reset_columns: Sequence[str] | None = None,
+        invalid_action_reward: float = 0.0,
+        timeout: float = 60.0,
+        token_env: str | None = None,
+    ):
         """
         Args:
             env_class: Import path of an OpenEnv ``Environment`` subclass (``my_envs.py:Game``) played in this
@@ -282,25 +306,32 @@ class OpenEnvEnvironment(Environment):
                 environment); the token itself never goes in a config.
         """
         if (env_class is None) == (url is None):
-            raise AlignConfigError(f"{INIT_KWARGS}: expected exactly one of env_class (an environment played in this "
-                                   f"process) and url (a running OpenEnv server), got env_class={env_class!r}, "
-                                   f"url={url!r}")
+            raise AlignConfigError(
+                f"{INIT_KWARGS}: expected exactly one of env_class (an environment played in this "
+                f"process) and url (a running OpenEnv server), got env_class={env_class!r}, "
+                f"url={url!r}"
+            )
         if prompt not in _PROMPTS:
             raise AlignConfigError(f"{INIT_KWARGS}.prompt: expected one of {', '.join(_PROMPTS)}, got {prompt!r}")
         if action_field is not None and action_parser is not None:
-            raise AlignConfigError(f"{INIT_KWARGS}.action_parser: expected null with action_field set (set one of "
-                                   f"them, not both), got {action_parser!r}")
+            raise AlignConfigError(
+                f"{INIT_KWARGS}.action_parser: expected null with action_field set (set one of "
+                f"them, not both), got {action_parser!r}"
+            )
         env_server = _openenv()
         headers = None
         if token_env is not None:
             if not os.environ.get(token_env):
-                raise AlignConfigError(f"{INIT_KWARGS}.token_env: expected a set environment variable, got "
-                                       f"{token_env!r}, which is not set")
+                raise AlignConfigError(
+                    f"{INIT_KWARGS}.token_env: expected a set environment variable, got {token_env!r}, which is not set"
+                )
             headers = {"Authorization": f"Bearer {os.environ[token_env]}"}
         self.where = f"OpenEnvEnvironment({url or getattr(env_class, '__name__', env_class)})"
         if init_kwargs and url is not None:
-            raise AlignConfigError(f"{INIT_KWARGS}.init_kwargs: expected null with url (a server builds its own "
-                                   f"environments; init_kwargs are for env_class), got {init_kwargs}")
+            raise AlignConfigError(
+                f"{INIT_KWARGS}.init_kwargs: expected null with url (a server builds its own "
+                f"environments; init_kwargs are for env_class), got {init_kwargs}"
+            )
         if url is not None:
             schemas = _schema(url, timeout, headers)
             action_schema, observation_schema = schemas.get("action", {}), schemas.get("observation", {})
@@ -308,33 +339,48 @@ class OpenEnvEnvironment(Environment):
         else:
             cls = resolve_import(env_class, what="OpenEnv environment")
             if not (isinstance(cls, type) and issubclass(cls, env_server.Environment)):
-                raise AlignConfigError(f"{INIT_KWARGS}.env_class: expected a subclass of openenv's Environment, got "
-                                       f"{cls!r}")
+                raise AlignConfigError(
+                    f"{INIT_KWARGS}.env_class: expected a subclass of openenv's Environment, got {cls!r}"
+                )
             declared = declared_classes(cls)
             if declared is None:
-                raise AlignConfigError(f"{INIT_KWARGS}.env_class: expected an Environment that declares its Action and "
-                                       f"Observation classes (Environment[MyAction, MyObservation, MyState]), got "
-                                       f"{cls!r}, which does not")
+                raise AlignConfigError(
+                    f"{INIT_KWARGS}.env_class: expected an Environment that declares its Action and "
+                    f"Observation classes (Environment[MyAction, MyObservation, MyState]), got "
+                    f"{cls!r}, which does not"
+                )
             self.backend = _Local(cls, dict(init_kwargs or {}), declared[0])
             action_schema, observation_schema = (c.model_json_schema() for c in declared)
-        self.parser = action_parser if action_parser in (None, "json", "tool_call") else resolve_import(
-            action_parser, what="action parser")
+        self.parser = (
+            action_parser
+            if action_parser in (None, "json", "tool_call")
+            else resolve_import(action_parser, what="action parser")
+        )
         if action_parser is None:
             texts = text_fields(action_schema)
             if action_field is None and len(texts) != 1:
-                raise AlignConfigError(f"{INIT_KWARGS}.action_field: expected the action's text field to fill, got "
-                                       f"null, and the action has {len(texts)} text fields ({texts}); set "
-                                       "action_field or action_parser")
+                raise AlignConfigError(
+                    f"{INIT_KWARGS}.action_field: expected the action's text field to fill, got "
+                    f"null, and the action has {len(texts)} text fields ({texts}); set "
+                    "action_field or action_parser"
+                )
             action_field = action_field or texts[0]
             if action_field not in _own_fields(action_schema):
-                raise AlignConfigError(f"{INIT_KWARGS}.action_field: expected a field of the action (fields: "
-                                       f"{_own_fields(action_schema)}), got {action_field!r}")
+                raise AlignConfigError(
+                    f"{INIT_KWARGS}.action_field: expected a field of the action (fields: "
+                    f"{_own_fields(action_schema)}), got {action_field!r}"
+                )
         own = _own_fields(observation_schema)
         if observation_field is not None and own and observation_field not in own:
-            raise AlignConfigError(f"{INIT_KWARGS}.observation_field: expected a field of the observation (fields: "
-                                   f"{own}), got {observation_field!r}")
-        self.action_field, self.observation_field, self.observation_role = action_field, observation_field, \
-            observation_role
+            raise AlignConfigError(
+                f"{INIT_KWARGS}.observation_field: expected a field of the observation (fields: "
+                f"{own}), got {observation_field!r}"
+            )
+        self.action_field, self.observation_field, self.observation_role = (
+            action_field,
+            observation_field,
+            observation_role,
+        )
         self.prompt, self.reset_columns = prompt, None if reset_columns is None else list(reset_columns)
         self.invalid_action_reward = float(invalid_action_reward)
 
@@ -361,8 +407,10 @@ class OpenEnvEnvironment(Environment):
         try:
             return observation_text(observation, self.observation_field)
         except KeyError:
-            raise ValueError(f"observation_field {self.observation_field!r} is not in the observation (fields: "
-                             f"{sorted(observation)})") from None
+            raise ValueError(
+                f"observation_field {self.observation_field!r} is not in the observation (fields: "
+                f"{sorted(observation)})"
+            ) from None
 
     def step(self, message: dict) -> EnvStep:
         try:

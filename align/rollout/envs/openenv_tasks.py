@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import random
 import uuid
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
@@ -47,26 +48,37 @@ class LetterSortEnv(Environment[SortAction, SortObservation, State]):
         self._state = State(episode_id=None, step_count=0)
         self.prompts: list[str] = []
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, prompt: Optional[str] = None,
-              rounds: Optional[list] = None, **kwargs: Any) -> SortObservation:
+    def reset(
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        prompt: str | None = None,
+        rounds: list | None = None,
+        **kwargs: Any,
+    ) -> SortObservation:
         if prompt is None:
             rng = random.Random(seed)
-            self.prompts = [sort_task.sample_problem(rng, self.min_len, self.max_len)["prompt"]
-                            for _ in range(self.rounds)]
+            self.prompts = [
+                sort_task.sample_problem(rng, self.min_len, self.max_len)["prompt"] for _ in range(self.rounds)
+            ]
         else:
             self.prompts = [prompt, *(rounds or [])]
         self._state = State(episode_id=episode_id or uuid.uuid4().hex, step_count=0)
         return SortObservation(prompt=self.prompts[0])
 
-    def step(self, action: SortAction, timeout_s: Optional[float] = None, **kwargs: Any) -> SortObservation:
+    def step(self, action: SortAction, timeout_s: float | None = None, **kwargs: Any) -> SortObservation:
         turn = self._state.step_count
         if turn >= len(self.prompts):
             raise RuntimeError("step after the episode ended; call reset first")
         solved = sort_task.is_correct(action.answer, sort_task.solve(self.prompts[turn]))
         self._state.step_count = turn + 1
         done = self._state.step_count == len(self.prompts)
-        return SortObservation(prompt="" if done else self.prompts[turn + 1], done=done,
-                               reward=float(solved) / len(self.prompts), metadata={"solved": solved})
+        return SortObservation(
+            prompt="" if done else self.prompts[turn + 1],
+            done=done,
+            reward=float(solved) / len(self.prompts),
+            metadata={"solved": solved},
+        )
 
     @property
     def state(self) -> State:
@@ -75,8 +87,9 @@ class LetterSortEnv(Environment[SortAction, SortObservation, State]):
 
 def make_app(max_concurrent_envs: int = 256, **env_kwargs: Any):
     """The FastAPI app of an OpenEnv server for :class:`LetterSortEnv` (one environment per session)."""
-    return create_fastapi_app(lambda: LetterSortEnv(**env_kwargs), SortAction, SortObservation,
-                              max_concurrent_envs=max_concurrent_envs)
+    return create_fastapi_app(
+        lambda: LetterSortEnv(**env_kwargs), SortAction, SortObservation, max_concurrent_envs=max_concurrent_envs
+    )
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Callable[[], None]]:

@@ -6,8 +6,8 @@
   exactly earns ``1 / number of rounds``. Later rounds are answered with the earlier rounds in the context, which the
   SFT-warmed model never saw: it has to learn to sort the latest letters, not to echo the conversation.
 * Arithmetic with a calculator, for the real-model tier: :class:`align.rollout.envs.tools.ToolEnvironment` with
-  :func:`align.rollout.envs.tools.calculator` on the bundled arithmetic questions, scored by :func:`align.rewards.math_answer`
-  (``configs/grpo/smollm2-calculator.yaml``).
+  :func:`align.rollout.envs.tools.calculator` on the bundled arithmetic questions, scored by
+  :func:`align.rewards.math_answer` (``configs/grpo/smollm2-calculator.yaml``).
 """
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ class SortRounds(Environment):
         self.round += 1
         if self.round == len(self.prompts):
             return EnvStep([], reward, True, {"solved_rounds": float(solved)})
-        return EnvStep([{"role": "user", "content": self.prompts[self.round]}], reward, False,
-                       {"solved_rounds": float(solved)})
+        return EnvStep(
+            [{"role": "user", "content": self.prompts[self.round]}], reward, False, {"solved_rounds": float(solved)}
+        )
 
 
 def sort_rounds_row(rng: random.Random, rounds: int = 2, min_len: int = 2, max_len: int = 4) -> dict:
     """One row of the multi-turn sort task: ``{"prompt", "rounds", "answer"}`` (``answer``: every round's sorted
     letters, ``|``-separated, for reading). All randomness comes from ``rng``."""
     problems = [sort_task.sample_problem(rng, min_len, max_len) for _ in range(rounds)]
-    return {"prompt": problems[0]["prompt"], "rounds": [p["prompt"] for p in problems[1:]],
-            "answer": " | ".join(p["answer"] for p in problems)}
+    return {
+        "prompt": problems[0]["prompt"],
+        "rounds": [p["prompt"] for p in problems[1:]],
+        "answer": " | ".join(p["answer"] for p in problems),
+    }

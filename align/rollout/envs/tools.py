@@ -30,15 +30,24 @@ import math
 import operator
 import re
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from align.errors import INIT_KWARGS, AlignConfigError, placed
 from align.jail.sandbox import PythonSandbox, network_namespace, python
 from align.rollout.envs.chat import Environment, EnvStep, check_messages
 from align.rollout.rewards import resolve_import
 
-__all__ = ["ToolEnvironment", "calculator", "PythonSandbox", "python", "parse_tool_calls", "message_tool_calls",
-           "ToolCall", "network_namespace"]
+__all__ = [
+    "ToolEnvironment",
+    "calculator",
+    "PythonSandbox",
+    "python",
+    "parse_tool_calls",
+    "message_tool_calls",
+    "ToolCall",
+    "network_namespace",
+]
 
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _SHORT = re.compile(r"^([A-Za-z_][\w.-]*)\s*\((.*)\)$", re.DOTALL)
@@ -62,8 +71,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             if short:
                 calls.append(ToolCall(name=short.group(1), arguments={"": short.group(2).strip()}))
             else:
-                calls.append(ToolCall(error=f"could not read the tool call {body[:80]!r}: expected "
-                                            '{"name": ..., "arguments": {...}} or name(argument)'))
+                calls.append(
+                    ToolCall(
+                        error=f"could not read the tool call {body[:80]!r}: expected "
+                        '{"name": ..., "arguments": {...}} or name(argument)'
+                    )
+                )
             continue
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             calls.append(ToolCall(error=f"a tool call needs a string 'name', got {body[:80]!r}"))
@@ -75,7 +88,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             except ValueError:
                 pass
         if not isinstance(arguments, dict):
-            calls.append(ToolCall(error=f"the arguments of '{value['name']}' must be an object, got {arguments!r}"[:200]))
+            calls.append(
+                ToolCall(error=f"the arguments of '{value['name']}' must be an object, got {arguments!r}"[:200])
+            )
             continue
         calls.append(ToolCall(name=value["name"], arguments=arguments))
     return calls
@@ -114,10 +129,17 @@ def message_tool_calls(message: dict) -> list[ToolCall]:
 
 # ----------------------------------------------------------------------------------------------- the calculator
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_MAX_MAGNITUDE = 10 ** 30
+_MAX_MAGNITUDE = 10**30
 
 
 def _evaluate(node: ast.AST) -> int | float:
@@ -129,7 +151,7 @@ def _evaluate(node: ast.AST) -> int | float:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10 ** 6):
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10**6):
             raise ValueError("exponent too large")
         value = _BINARY[type(node.op)](left, right)
         if isinstance(value, complex) or abs(value) > _MAX_MAGNITUDE:
@@ -167,6 +189,7 @@ def calculator(expression: str) -> str:
 
 # ----------------------------------------------------------------------------------------------- the environment
 
+
 def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -178,13 +201,21 @@ def _number(value: Any) -> bool:
 def _describe(name: str, fn: Callable) -> str:
     """``name(param: type, ...): first docstring line`` for the system prompt."""
     try:
-        params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        params = [
+            p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         params = []
-    doc = inspect.getdoc(fn.__call__ if not inspect.isroutine(fn) and hasattr(fn, "__call__") else fn) or ""
-    shown = ", ".join(p.name + (f": {p.annotation.__name__}" if isinstance(p.annotation, type) else
-                                (f": {p.annotation}" if p.annotation is not inspect.Parameter.empty else ""))
-                      for p in params)
+    doc = inspect.getdoc(fn.__call__ if not inspect.isroutine(fn) and callable(fn) else fn) or ""
+    shown = ", ".join(
+        p.name
+        + (
+            f": {p.annotation.__name__}"
+            if isinstance(p.annotation, type)
+            else (f": {p.annotation}" if p.annotation is not inspect.Parameter.empty else "")
+        )
+        for p in params
+    )
     return f"- {name}({shown}): {doc.splitlines()[0] if doc else 'no description'}"
 
 
@@ -192,14 +223,23 @@ class ToolEnvironment(Environment):
     """Runs the tools a policy calls (module docstring); a turn without a call ends the episode.
 
     ``reset`` adds a system message that lists the tools and the call format (``system_prompt`` replaces it; a
-    row's own system message comes first), then the demonstration ``examples``. ``step`` answers every call of the turn with one ``result_role`` message.
-    The environment gives no reward of its own, except ``error_reward`` per failed call (0 by default): the run's
-    reward functions score the final answer. ``info``: ``tool_calls`` and ``tool_errors``.
+    row's own system message comes first), then the demonstration ``examples``. ``step`` answers every call of the turn
+    with one ``result_role`` message. The environment gives no reward of its own, except ``error_reward`` per failed
+    call (0 by default): the run's reward functions score the final answer. ``info``: ``tool_calls`` and
+    ``tool_errors``.
     """
 
-    def __init__(self, tools: Sequence[str | dict] = ("align.rollout.envs.tools.calculator",), system_prompt: str | None = None,
-                 examples: Sequence[dict] | None = None, result_role: str = "tool", max_calls: int = 4,
-                 timeout: float = 10.0, max_output_chars: int = 1000, error_reward: float = 0.0):
+    def __init__(
+        self,
+        tools: Sequence[str | dict] = ("align.rollout.envs.tools.calculator",),
+        system_prompt: str | None = None,
+        examples: Sequence[dict] | None = None,
+        result_role: str = "tool",
+        max_calls: int = 4,
+        timeout: float = 10.0,
+        max_output_chars: int = 1000,
+        error_reward: float = 0.0,
+    ):
         """
         Args:
             tools: Import paths of the tools (functions or callable objects; a class is built with no arguments),
@@ -215,10 +255,15 @@ class ToolEnvironment(Environment):
             error_reward: Reward of each failed call (an unknown tool, a malformed call, an exception, a timeout).
         """
         for key, value, ok, expected in (
-                ("max_calls", max_calls, _integer(max_calls) and max_calls >= 1, "an integer >= 1"),
-                ("timeout", timeout, _number(timeout) and timeout > 0, "a number of seconds > 0"),
-                ("max_output_chars", max_output_chars, _integer(max_output_chars) and max_output_chars >= 1,
-                 "an integer >= 1")):
+            ("max_calls", max_calls, _integer(max_calls) and max_calls >= 1, "an integer >= 1"),
+            ("timeout", timeout, _number(timeout) and timeout > 0, "a number of seconds > 0"),
+            (
+                "max_output_chars",
+                max_output_chars,
+                _integer(max_output_chars) and max_output_chars >= 1,
+                "an integer >= 1",
+            ),
+        ):
             if not ok:
                 raise AlignConfigError(f"{INIT_KWARGS}.{key}: expected {expected}, got {value!r}")
         self.tools: dict[str, Callable] = {}
@@ -232,22 +277,30 @@ class ToolEnvironment(Environment):
                 except AlignConfigError as err:
                     raise placed(err, where) from None
             elif spec.get("init_kwargs"):
-                raise AlignConfigError(f"{where}.init_kwargs: expected null for a {type(target).__name__} (init_kwargs "
-                                       f"build a class), got {spec['init_kwargs']}")
+                raise AlignConfigError(
+                    f"{where}.init_kwargs: expected null for a {type(target).__name__} (init_kwargs "
+                    f"build a class), got {spec['init_kwargs']}"
+                )
             if not callable(target):
-                raise AlignConfigError(f"{where}.path: expected a callable, got '{spec.get('path')}', which resolves "
-                                       f"to a {type(target).__name__}")
+                raise AlignConfigError(
+                    f"{where}.path: expected a callable, got '{spec.get('path')}', which resolves "
+                    f"to a {type(target).__name__}"
+                )
             name = spec.get("name") or getattr(target, "__name__", type(target).__name__)
             if name in self.tools:
-                raise AlignConfigError(f"{where}.name: expected a name no other tool has, got '{name}'; set 'name' on "
-                                       "one of them")
+                raise AlignConfigError(
+                    f"{where}.name: expected a name no other tool has, got '{name}'; set 'name' on one of them"
+                )
             self.tools[name] = target
             if isinstance(target, PythonSandbox):
                 try:
                     target.prepare()  # its jail is found now, not inside the first call's time limit
                 except AlignConfigError as err:  # its jail setting (init_kwargs.jail) when built here, else its own
-                    raise (placed(err, where) if isinstance(entry, dict) and "init_kwargs" in entry else
-                           AlignConfigError(f"{where}: {str(err).removeprefix(f'{INIT_KWARGS}.jail: ')}")) from None
+                    raise (
+                        placed(err, where)
+                        if isinstance(entry, dict) and "init_kwargs" in entry
+                        else AlignConfigError(f"{where}: {str(err).removeprefix(f'{INIT_KWARGS}.jail: ')}")
+                    ) from None
         self.system_prompt = system_prompt if system_prompt is not None else self.default_system_prompt()
         try:
             self.examples = [dict(m) for m in check_messages(list(examples or []), "examples", allow_empty=True)]
@@ -259,11 +312,13 @@ class ToolEnvironment(Environment):
     def default_system_prompt(self) -> str:
         lines = "\n".join(_describe(name, fn) for name, fn in self.tools.items())
         first = next(iter(self.tools), "tool")
-        return ("You can call tools. To call one, write\n"
-                f'<tool_call>{{"name": "{first}", "arguments": {{...}}}}</tool_call>\n'
-                "and its result comes back in the next message. Tools:\n"
-                f"{lines}\n"
-                "When you know the answer, reply with it and no tool call.")
+        return (
+            "You can call tools. To call one, write\n"
+            f'<tool_call>{{"name": "{first}", "arguments": {{...}}}}</tool_call>\n'
+            "and its result comes back in the next message. Tools:\n"
+            f"{lines}\n"
+            "When you know the answer, reply with it and no tool call."
+        )
 
     def reset(self, row: dict) -> list[dict]:
         messages = [dict(m) for m in row["messages"]]
@@ -321,9 +376,11 @@ class ToolEnvironment(Environment):
         if "error" in box:
             err = box["error"]
             text = " ".join(str(err).split())
-            return self._cap(f"error: {type(err).__name__}: {text}" if not isinstance(err, (ValueError, RuntimeError,
-                                                                                            TimeoutError))
-                             else f"error: {text}"), False
+            return self._cap(
+                f"error: {type(err).__name__}: {text}"
+                if not isinstance(err, (ValueError, RuntimeError, TimeoutError))
+                else f"error: {text}"
+            ), False
         return self._cap(str(box.get("value"))), True
 
     def _cap(self, text: str) -> str:

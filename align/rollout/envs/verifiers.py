@@ -55,8 +55,9 @@ def classic_verifiers():
         name = "verifiers.legacy" if importlib.util.find_spec("verifiers.legacy") is not None else "verifiers"
         return importlib.import_module(name)
     except ImportError as err:
-        raise AlignConfigError("VerifiersEnvironment needs the verifiers package: pip install 'align[verifiers]' "
-                               f"({err})") from None
+        raise AlignConfigError(
+            f"VerifiersEnvironment needs the verifiers package: pip install 'align[verifiers]' ({err})"
+        ) from None
 
 
 def tools_prompt(tools: list) -> str:
@@ -68,10 +69,13 @@ def tools_prompt(tools: list) -> str:
         params = ", ".join(f"{n}: {p.get('type', 'any')}" for n, p in props.items())
         lines.append(f"- {tool.name}({params}): {(tool.description or 'no description').splitlines()[0]}")
     first = tools[0].name
-    return ("You can call tools. To call one, write\n"
-            f'<tool_call>{{"name": "{first}", "arguments": {{...}}}}</tool_call>\n'
-            "and its result comes back in the next message. Tools:\n" + "\n".join(lines) +
-            "\nWhen you know the answer, reply with it and no tool call.")
+    return (
+        "You can call tools. To call one, write\n"
+        f'<tool_call>{{"name": "{first}", "arguments": {{...}}}}</tool_call>\n'
+        "and its result comes back in the next message. Tools:\n"
+        + "\n".join(lines)
+        + "\nWhen you know the answer, reply with it and no tool call."
+    )
 
 
 def _text(content: Any) -> str:
@@ -90,6 +94,7 @@ def _client(vf) -> Any:
     """A new stand-in client: the model a verifiers rollout talks to. Each model call hands the prompt to align's
     thread (``turns``) and waits for the turn the policy sampled (``pending``, completed from that thread)."""
     if vf.__name__ not in _CLIENT_CLASSES:
+
         class AlignPolicyClient(vf.Client):
             def __init__(self):
                 super().__init__(None)
@@ -142,14 +147,20 @@ def _load(env_id: str | None, path: str | None, env_args: dict, vf) -> Any:
             except AlignConfigError:
                 raise
             except Exception as err:  # noqa: BLE001 - user code; re-raised on one line
-                raise AlignConfigError(f"{what}: cannot build it from env_args {env_args}: {type(err).__name__}: "
-                                       f"{' '.join(str(err).split())[:300]}") from err
+                raise AlignConfigError(
+                    f"{what}: cannot build it from env_args {env_args}: {type(err).__name__}: "
+                    f"{' '.join(str(err).split())[:300]}"
+                ) from err
             if not isinstance(env, vf.MultiTurnEnv):
-                raise AlignConfigError(f"{what}: expected a verifiers MultiTurnEnv (SingleTurnEnv, ToolEnv, ...) of "
-                                       f"the classic API, got {type(env).__name__}")
+                raise AlignConfigError(
+                    f"{what}: expected a verifiers MultiTurnEnv (SingleTurnEnv, ToolEnv, ...) of "
+                    f"the classic API, got {type(env).__name__}"
+                )
             if env.rubric.has_group_rewards:
-                raise AlignConfigError(f"{what}: its rubric has group reward functions; align scores each episode "
-                                       "alone (GRPO compares the group itself)")
+                raise AlignConfigError(
+                    f"{what}: its rubric has group reward functions; align scores each episode "
+                    "alone (GRPO compares the group itself)"
+                )
             _ENVS[key] = env
         return _ENVS[key]
 
@@ -158,9 +169,16 @@ class VerifiersEnvironment(Environment):
     """A verifiers environment (classic API) as an align environment (module docstring). Every instance with the
     same settings shares one verifiers environment object; each holds its own rollout."""
 
-    def __init__(self, path: str | None = None, env_id: str | None = None, env_args: dict | None = None,
-                 info_columns: list[str] | None = None, roles: dict | None = None, tool_prompt: bool = True,
-                 timeout: float = 300.0):
+    def __init__(
+        self,
+        path: str | None = None,
+        env_id: str | None = None,
+        env_args: dict | None = None,
+        info_columns: list[str] | None = None,
+        roles: dict | None = None,
+        tool_prompt: bool = True,
+        timeout: float = 300.0,
+    ):
         """
         Args:
             path: Import path of a function or class that returns the verifiers environment
@@ -176,9 +194,11 @@ class VerifiersEnvironment(Environment):
             timeout: Seconds to wait for the environment's answer to a turn.
         """
         if (path is None) == (env_id is None):
-            raise AlignConfigError(f"{INIT_KWARGS}: expected exactly one of path (an import path of the environment's "
-                                   f"loader) and env_id (an installed environment), got path={path!r}, "
-                                   f"env_id={env_id!r}")
+            raise AlignConfigError(
+                f"{INIT_KWARGS}: expected exactly one of path (an import path of the environment's "
+                f"loader) and env_id (an installed environment), got path={path!r}, "
+                f"env_id={env_id!r}"
+            )
         self.vf = classic_verifiers()
         self.types = importlib.import_module(self.vf.__name__ + ".types")
         self.env = _load(env_id, path, dict(env_args or {}), self.vf)
@@ -250,9 +270,12 @@ class VerifiersEnvironment(Environment):
             self.running.cancel()
             if self.name not in _WARNED:
                 _WARNED.add(self.name)
-                log.warning("verifiers environment '%s': align ended an episode (max_turns or max_tokens) before "
-                            "the environment did, so its rubric did not score it (reward 0); keep the environment's "
-                            "own max_turns within model.environment.max_turns", self.name)
+                log.warning(
+                    "verifiers environment '%s': align ended an episode (max_turns or max_tokens) before "
+                    "the environment did, so its rubric did not score it (reward 0); keep the environment's "
+                    "own max_turns within model.environment.max_turns",
+                    self.name,
+                )
         self.running = None
 
     def _why(self, state: Any) -> str:
@@ -268,10 +291,16 @@ class VerifiersEnvironment(Environment):
         t = self.types
         self.client.count += 1
         calls = [c for c in message_tool_calls(message) if "error" not in c] if self.env.tool_defs else []
-        tool_calls = [t.ToolCall(id=f"call_{self.client.count}_{k}", name=c["name"], arguments=json.dumps(c["arguments"]))
-                      for k, c in enumerate(calls)] or None
-        reply = t.ResponseMessage(content=message["content"], tool_calls=tool_calls, is_truncated=False,
-                                  finish_reason="tool_calls" if tool_calls else "stop")
+        tool_calls = [
+            t.ToolCall(id=f"call_{self.client.count}_{k}", name=c["name"], arguments=json.dumps(c["arguments"]))
+            for k, c in enumerate(calls)
+        ] or None
+        reply = t.ResponseMessage(
+            content=message["content"],
+            tool_calls=tool_calls,
+            is_truncated=False,
+            finish_reason="tool_calls" if tool_calls else "stop",
+        )
         return t.Response(id=f"align-{uuid.uuid4().hex}", created=int(time.time()), model="align", message=reply)
 
     def step(self, message: dict) -> EnvStep:
@@ -284,7 +313,10 @@ class VerifiersEnvironment(Environment):
             new, self.context = value[seen:], value
             return EnvStep([self._message(m) for m in new], 0.0, False, {})
         self.running = None
-        info = {f"vf_{k}": float(v) for k, v in (value.get("metrics") or {}).items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        info = {
+            f"vf_{k}": float(v)
+            for k, v in (value.get("metrics") or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         info["vf_errors"] = float(value.get("error") is not None)
         return EnvStep([], float(value.get("reward") or 0.0), True, info)

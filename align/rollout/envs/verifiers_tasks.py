@@ -49,8 +49,9 @@ class SortRoundsEnv(vf.MultiTurnEnv):
 def _examples():
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": "sort: b a"}], "answer": "a b",
-                               "info": {"rounds": []}}])
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": "sort: b a"}], "answer": "a b", "info": {"rounds": []}}]
+    )
 
 
 def load_environment(rounds: int = 2) -> vf.MultiTurnEnv:

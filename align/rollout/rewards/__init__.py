@@ -43,8 +43,13 @@ trained reward model a reward; :mod:`~align.rollout.rewards.builtin` holds the b
 
 # Besides ``__all__``, ``resolve_import`` (environments and tools use it), ``BASE_INPUTS`` and ``RewardFn`` are
 # importable from here.
-from align.rollout.rewards.builtin import (extract_final_number, math_answer, sort_exact_match, sort_format,
-                                           sort_position_match)
+from align.rollout.rewards.builtin import (
+    extract_final_number,
+    math_answer,
+    sort_exact_match,
+    sort_format,
+    sort_position_match,
+)
 from align.rollout.rewards.combine import CombinedReward, training_rewards
 from align.rollout.rewards.concurrent import RewardCounts
 from align.rollout.rewards.function import RewardError, RewardFunction, RewardSpec
@@ -52,9 +57,8 @@ from align.rollout.rewards.inputs import BASE_INPUTS, reward_inputs  # noqa: F40
 from align.rollout.rewards.judge import Judge
 from align.rollout.rewards.mathverify import math_verify
 from align.rollout.rewards.remote import Remote
+from align.rollout.rewards.resolve import RewardFn, error_location, one_line, resolve_import, resolve_reward  # noqa: F401
 from align.rollout.rewards.reward_model import LazyRewardModel, RewardModelScorer, RewardModelSpec
-from align.rollout.rewards.resolve import (RewardFn, error_location, one_line, resolve_import,  # noqa: F401
-                                           resolve_reward)
 
 __all__ = [
     "RewardError",

@@ -6,14 +6,16 @@ for the bundled sort task (:mod:`align.data.sort_task`), and :func:`math_answer`
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any
 
 from align.data import sort_task
 
 
-def sort_exact_match(prompts: list[str], completions: list[str], answer: Sequence[str] | None = None,
-                     **_: Any) -> list[float]:
+def sort_exact_match(
+    prompts: list[str], completions: list[str], answer: Sequence[str] | None = None, **_: Any
+) -> list[float]:
     """1.0 when the completion is exactly the sorted letters, else 0.0 (the bundled sort task).
 
     Uses the ``answer`` column when the data has one, else solves the prompt.
@@ -27,8 +29,9 @@ def sort_format(prompts: list[str], completions: list[str], **_: Any) -> list[fl
     return [1.0 if sort_task.is_well_formed(c, p) else 0.0 for p, c in zip(prompts, completions)]
 
 
-def sort_position_match(prompts: list[str], completions: list[str], answer: Sequence[str] | None = None,
-                        **_: Any) -> list[float]:
+def sort_position_match(
+    prompts: list[str], completions: list[str], answer: Sequence[str] | None = None, **_: Any
+) -> list[float]:
     """Share of the sorted answer's positions that the completion gets right, over the longer of the two; 0.0 when
     the completion is not single letters separated by spaces. Graded, so two wrong completions can still be ranked
     (online DPO, where the binary exact match leaves most pairs tied). 1.0 exactly when ``sort_exact_match`` is 1.
@@ -72,8 +75,9 @@ def extract_final_number(text: str) -> Fraction | None:
         return None
 
 
-def math_answer(prompts: list[str], completions: list[str], answer: Sequence[str] | None = None,
-                **_: Any) -> list[float]:
+def math_answer(
+    prompts: list[str], completions: list[str], answer: Sequence[str] | None = None, **_: Any
+) -> list[float]:
     """1.0 when the completion's final number equals the reference answer's, numerically, else 0.0.
 
     The ``answer`` column may be a bare number or a full GSM8K solution ending in ``#### <number>``.

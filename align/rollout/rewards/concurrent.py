@@ -22,10 +22,11 @@ import inspect
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_thread: threading.Thread | None = None
@@ -111,8 +112,10 @@ def start(job: Job) -> Future:
     """Start ``job``: on the reward loop when it is async, else on a daemon thread."""
     if job.is_async:
         if on_reward_loop():
-            raise RuntimeError("an async reward was started from the reward loop's own thread, where waiting for it "
-                               "would never end; await the reward instead")
+            raise RuntimeError(
+                "an async reward was started from the reward loop's own thread, where waiting for it "
+                "would never end; await the reward instead"
+            )
         return asyncio.run_coroutine_threadsafe(_awaited(job.call), reward_loop())
     return _in_thread(job.call)
 
@@ -129,8 +132,9 @@ def _result(future: Future, deadline: float | None, timeout: float | None) -> An
         value = future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except (FutureTimeout, CancelledError):
         future.cancel()
-        raise JobTimeout("was cancelled" if timeout is None else
-                         f"did not return within its timeout of {timeout:g} s") from None
+        raise JobTimeout(
+            "was cancelled" if timeout is None else f"did not return within its timeout of {timeout:g} s"
+        ) from None
     if inspect.isawaitable(value):  # a plain callable that returned a coroutine: await it on the loop
         return _result(asyncio.run_coroutine_threadsafe(_awaited(lambda: value), reward_loop()), deadline, timeout)
     return value
@@ -161,7 +165,7 @@ def run_jobs(jobs: Sequence[Job], inline: int | None = None) -> list[Any]:
             except Exception as err:  # noqa: BLE001 - returned to the caller, which names the reward
                 results[i] = err
         if isinstance(results[i], BaseException):
-            for rest in futures[i + 1:]:
+            for rest in futures[i + 1 :]:
                 if rest is not None:
                     rest.cancel()
             break
@@ -175,8 +179,10 @@ def split_rows(inputs: dict[str, Any], n: int, parts: int) -> list[tuple[int, di
     if parts == 1:
         return [(0, inputs)]
     bounds = [round(k * n / parts) for k in range(parts + 1)]
-    return [(lo, {k: (v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in inputs.items()})
-            for lo, hi in zip(bounds, bounds[1:])]
+    return [
+        (lo, {k: (v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in inputs.items()})
+        for lo, hi in zip(bounds, bounds[1:])
+    ]
 
 
 @dataclass
@@ -189,7 +195,7 @@ class RewardCounts:
     not_applicable: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
 
-    def add(self, other: "RewardCounts") -> None:
+    def add(self, other: RewardCounts) -> None:
         self.rows += other.rows
         for mine, theirs in ((self.not_applicable, other.not_applicable), (self.errors, other.errors)):
             for name, count in theirs.items():
@@ -198,8 +204,10 @@ class RewardCounts:
     def metrics(self, prefix: str = "rollout") -> dict[str, float]:
         """``<prefix>/reward_na/<name>`` and ``<prefix>/reward_errors/<name>``: shares of the rows counted."""
         rows = max(self.rows, 1)
-        return {**{f"{prefix}/reward_na/{k}": v / rows for k, v in self.not_applicable.items()},
-                **{f"{prefix}/reward_errors/{k}": v / rows for k, v in self.errors.items()}}
+        return {
+            **{f"{prefix}/reward_na/{k}": v / rows for k, v in self.not_applicable.items()},
+            **{f"{prefix}/reward_errors/{k}": v / rows for k, v in self.errors.items()},
+        }
 
 
 def evaluate(rewards: Sequence[Any], inputs: dict[str, Any]) -> dict[str, list[float | None]]:
@@ -214,8 +222,9 @@ def evaluate(rewards: Sequence[Any], inputs: dict[str, Any]) -> dict[str, list[f
         for offset, part in split_rows(inputs, n, reward.concurrency):
             jobs.append(Job(reward.bound(part), reward.is_async, reward.timeout))
             owners.append((reward, offset, part))
-    inline = next((i for i, (r, _, _) in enumerate(owners)
-                   if not r.is_async and r.timeout is None and r.concurrency == 1), None)
+    inline = next(
+        (i for i, (r, _, _) in enumerate(owners) if not r.is_async and r.timeout is None and r.concurrency == 1), None
+    )
     results = run_jobs(jobs, inline)
     out: dict[str, list[float | None]] = {r.name: [] for r in rewards}
     for (reward, offset, part), result in zip(owners, results):
@@ -225,5 +234,16 @@ def evaluate(rewards: Sequence[Any], inputs: dict[str, Any]) -> dict[str, list[f
     return out
 
 
-__all__ = ["Job", "JobTimeout", "RewardCounts", "close_at_exit", "evaluate", "on_reward_loop", "reward_loop", "run_jobs",
-           "run_now", "split_rows", "start"]
+__all__ = [
+    "Job",
+    "JobTimeout",
+    "RewardCounts",
+    "close_at_exit",
+    "evaluate",
+    "on_reward_loop",
+    "reward_loop",
+    "run_jobs",
+    "run_now",
+    "split_rows",
+    "start",
+]

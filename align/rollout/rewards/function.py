@@ -7,8 +7,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from align.data.prompts import REWARD_INPUTS
 from align.errors import INIT_KWARGS, AlignConfigError, AlignError, placed
@@ -77,17 +78,22 @@ class RewardFunction:
                 except AlignConfigError as err:
                     raise self._placed(err) from None
                 except TypeError as err:
-                    raise AlignConfigError(f"{self._key('init_kwargs')}: expected arguments {self.path} takes, got "
-                                           f"{spec.init_kwargs or {}} (TypeError: {err})") from err
+                    raise AlignConfigError(
+                        f"{self._key('init_kwargs')}: expected arguments {self.path} takes, got "
+                        f"{spec.init_kwargs or {}} (TypeError: {err})"
+                    ) from err
             elif spec.init_kwargs:
-                raise AlignConfigError(f"{self._key('init_kwargs')}: expected null for a function (init_kwargs build "
-                                       f"a class; pass per-call arguments in kwargs), got {spec.init_kwargs}")
+                raise AlignConfigError(
+                    f"{self._key('init_kwargs')}: expected null for a function (init_kwargs build "
+                    f"a class; pass per-call arguments in kwargs), got {spec.init_kwargs}"
+                )
         elif callable(spec):
             self.fn, self.path = spec, _qualname(spec)
             spec = RewardSpec(fn=self.path)
         else:
-            raise AlignConfigError(f"{setting or 'reward'}: expected an import path, a RewardSpec or a callable, got "
-                                   f"{spec!r}")
+            raise AlignConfigError(
+                f"{setting or 'reward'}: expected an import path, a RewardSpec or a callable, got {spec!r}"
+            )
         try:
             self.weight = float(spec.weight)
         except (TypeError, ValueError):
@@ -95,15 +101,19 @@ class RewardFunction:
         if not math.isfinite(self.weight):
             raise AlignConfigError(f"{self._key('weight')}: expected a finite number, got {spec.weight!r}")
         target = _target(self.fn)
-        self.name = spec.name or (getattr(target, "__name__", None) if inspect.isroutine(self.fn)
-                                  or isinstance(self.fn, functools.partial) else type(self.fn).__name__)
+        self.name = spec.name or (
+            getattr(target, "__name__", None)
+            if inspect.isroutine(self.fn) or isinstance(self.fn, functools.partial)
+            else type(self.fn).__name__
+        )
         self.kwargs = dict(spec.kwargs)
         self.concurrency, self.timeout = spec.concurrency, spec.timeout
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise AlignConfigError(f"{self._key('concurrency')}: expected an integer >= 1, got {self.concurrency!r}")
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
-            raise AlignConfigError(f"{self._key('timeout')}: expected a number of seconds > 0 or null, got "
-                                   f"{self.timeout!r}")
+            raise AlignConfigError(
+                f"{self._key('timeout')}: expected a number of seconds > 0 or null, got {self.timeout!r}"
+            )
         self.is_async = inspect.iscoroutinefunction(target)
         """An ``async`` function (or ``async def __call__``): awaited on the reward loop, together with the others."""
         self._read_signature()
@@ -154,12 +164,16 @@ class RewardFunction:
             unknown = sorted(set(self.kwargs) - self.accepts)
             if unknown:
                 owner = self.where if self.setting else "the function"
-                raise AlignConfigError(f"{self._key('kwargs')}: expected parameters of {owner}, which takes "
-                                       f"{sorted(self.accepts)} (add **kwargs to take any), got {unknown}")
+                raise AlignConfigError(
+                    f"{self._key('kwargs')}: expected parameters of {owner}, which takes "
+                    f"{sorted(self.accepts)} (add **kwargs to take any), got {unknown}"
+                )
         clash = sorted(set(self.kwargs) & (set(BASE_INPUTS) | set(REWARD_INPUTS)))
         if clash:
-            raise AlignConfigError(f"{self._key('kwargs')}: expected names other than the inputs every reward "
-                                   f"receives, got {clash}; rename them")
+            raise AlignConfigError(
+                f"{self._key('kwargs')}: expected names other than the inputs every reward "
+                f"receives, got {clash}; rename them"
+            )
 
     def check_inputs(self, columns: Sequence[str]) -> None:
         """Fail with one line when the function requires an argument that neither the rollout, the data columns
@@ -171,21 +185,27 @@ class RewardFunction:
         available = [*BASE_INPUTS, *REWARD_INPUTS, *columns, *self.kwargs]
         clash = sorted(set(columns) & (set(BASE_INPUTS) | set(REWARD_INPUTS) | set(self.kwargs)))
         if clash:
-            raise AlignConfigError(f"{self.where}: data column(s) {clash} have the name of a reward input or of this "
-                                   "reward's kwargs; rename the column")
+            raise AlignConfigError(
+                f"{self.where}: data column(s) {clash} have the name of a reward input or of this "
+                "reward's kwargs; rename the column"
+            )
         missing = sorted(self.required - set(available))
         if missing:
             raise AlignConfigError(
                 f"{self.where} requires {', '.join(repr(m) for m in missing)}, which no data "
                 f"column or input provides (available: {', '.join(available)}; data columns: "
-                f"{', '.join(columns) or 'none'})")
+                f"{', '.join(columns) or 'none'})"
+            )
         check = getattr(self.fn, "check_columns", None)  # a reward object's own check (a judge's template fields)
         if callable(check):
             try:
                 check(available)
             except AlignConfigError as err:
-                raise (placed(err, self.setting) if self.setting and str(err).startswith(INIT_KWARGS)
-                       else AlignConfigError(f"{self.where}: {err}")) from None
+                raise (
+                    placed(err, self.setting)
+                    if self.setting and str(err).startswith(INIT_KWARGS)
+                    else AlignConfigError(f"{self.where}: {err}")
+                ) from None
         self._checked = key
 
     @property
@@ -224,8 +244,9 @@ class RewardFunction:
         n = rows if n is None else n
         if isinstance(err, JobTimeout):
             part = f" (rows {offset}-{offset + rows - 1}, one of {self.concurrency} parts)" if rows < n else ""
-            error = RewardError(f"{self.where} {err} on a batch of {n} completions{part}; raise the reward's "
-                                "timeout if it is only slow")
+            error = RewardError(
+                f"{self.where} {err} on a batch of {n} completions{part}; raise the reward's timeout if it is only slow"
+            )
         else:
             error = RewardError(self._describe_failure(err, inputs, offset, n))
         error.__cause__ = err
@@ -238,23 +259,30 @@ class RewardFunction:
         try:
             values = [None if v is None else float(v) for v in values]
         except (TypeError, ValueError) as err:
-            bad = next((i for i, v in enumerate(values) if v is not None and not _is_number(v)),
-                       None) if _is_iterable(values) else None
+            bad = (
+                next((i for i, v in enumerate(values) if v is not None and not _is_number(v)), None)
+                if _is_iterable(values)
+                else None
+            )
             shown = bad is not None and bad < len(values)
             sample = f" (sample {offset + bad}: {_preview(values[bad])})" if shown else ""
-            raise RewardError(f"{self.where} must return a list of numbers, got "
-                              f"{_preview(values)}{sample}") from err
+            raise RewardError(f"{self.where} must return a list of numbers, got {_preview(values)}{sample}") from err
         if len(values) != len(completions):
-            raise RewardError(f"{self.where} returned {len(values)} values for {len(completions)} completions; "
-                              "return one float per completion")
+            raise RewardError(
+                f"{self.where} returned {len(values)} values for {len(completions)} completions; "
+                "return one float per completion"
+            )
         for i, v in enumerate(values):
             if v is not None and not math.isfinite(v):
-                raise RewardError(f"{self.where} returned {v} for sample {offset + i} (prompt {_preview(prompts[i])}, "
-                                  f"completion {_preview(completions[i])}); rewards must be finite")
+                raise RewardError(
+                    f"{self.where} returned {v} for sample {offset + i} (prompt {_preview(prompts[i])}, "
+                    f"completion {_preview(completions[i])}); rewards must be finite"
+                )
         return values
 
-    def _describe_failure(self, err: BaseException, inputs: dict[str, Any], offset: int = 0,
-                          total: int | None = None) -> str:
+    def _describe_failure(
+        self, err: BaseException, inputs: dict[str, Any], offset: int = 0, total: int | None = None
+    ) -> str:
         """One line: the reward, the exception and where the user's code raised it, and the first failing sample.
 
         The first failing sample is found by calling the function again on single samples, in order (at most
@@ -269,17 +297,24 @@ class RewardFunction:
             except Exception:  # noqa: BLE001 - looking for the first sample that raises on its own
                 first = i
                 break
-        message = (f"{self.where} raised {type(err).__name__}: {one_line(err)}"
-                   f"{error_location(err, self.fn)}; ")
+        message = f"{self.where} raised {type(err).__name__}: {one_line(err)}{error_location(err, self.fn)}; "
         if first is None:
-            tried = "every sample" if n <= self.MAX_SINGLE_RETRIES else f"each of the first {self.MAX_SINGLE_RETRIES} samples"
+            tried = (
+                "every sample"
+                if n <= self.MAX_SINGLE_RETRIES
+                else f"each of the first {self.MAX_SINGLE_RETRIES} samples"
+            )
             return message + f"{tried} passes on its own, the batch of {n} fails as a whole"
-        columns = [f"{k}={_preview(v[first], 40)}" for k, v in inputs.items()
-                   if k not in BASE_INPUTS and k not in REWARD_INPUTS and isinstance(v, (list, tuple)) and len(v) == n]
-        return message + (f"first failing sample {offset + first} of {total}: "
-                          f"prompt {_preview(inputs['prompts'][first])}, "
-                          f"completion {_preview(inputs['completions'][first])}"
-                          + (f", {', '.join(columns)}" if columns else ""))
+        columns = [
+            f"{k}={_preview(v[first], 40)}"
+            for k, v in inputs.items()
+            if k not in BASE_INPUTS and k not in REWARD_INPUTS and isinstance(v, (list, tuple)) and len(v) == n
+        ]
+        return message + (
+            f"first failing sample {offset + first} of {total}: "
+            f"prompt {_preview(inputs['prompts'][first])}, "
+            f"completion {_preview(inputs['completions'][first])}" + (f", {', '.join(columns)}" if columns else "")
+        )
 
 
 def _is_iterable(values: Any) -> bool:

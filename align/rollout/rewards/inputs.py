@@ -27,12 +27,23 @@ def reward_inputs(batch, rollout) -> dict[str, Any]:
     if rollout.episodes is not None:
         conversations = [e["messages"] for e in rollout.episodes]
         first = [e["messages"][: e["first_messages"]] for e in rollout.episodes]
-        return {"prompts": prompts, "completions": rollout.texts, **columns, "prompt_messages": first,
-                "completion_ids": [list(e["completion_ids"]) for e in rollout.episodes],
-                "completion_truncated": truncated, "conversation": conversations}
+        return {
+            "prompts": prompts,
+            "completions": rollout.texts,
+            **columns,
+            "prompt_messages": first,
+            "completion_ids": [list(e["completion_ids"]) for e in rollout.episodes],
+            "completion_truncated": truncated,
+            "conversation": conversations,
+        }
     lengths = rollout.response_lengths.tolist()
     prompt_messages = batch.repeat_messages(rollout.group_size)
-    return {"prompts": prompts, "completions": rollout.texts, **columns, "prompt_messages": prompt_messages,
-            "completion_ids": [ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)],
-            "completion_truncated": truncated,
-            "conversation": [m + [{"role": "assistant", "content": t}] for m, t in zip(prompt_messages, rollout.texts)]}
+    return {
+        "prompts": prompts,
+        "completions": rollout.texts,
+        **columns,
+        "prompt_messages": prompt_messages,
+        "completion_ids": [ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)],
+        "completion_truncated": truncated,
+        "conversation": [m + [{"role": "assistant", "content": t}] for m, t in zip(prompt_messages, rollout.texts)],
+    }

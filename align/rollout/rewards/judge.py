@@ -31,13 +31,19 @@ from align.rollout.rewards.service import REWARDS_EXTRA, ServiceReward
 JudgeParser = Literal["number", "yes_no", "pairwise"]
 
 TEMPLATES: dict[str, str] = {
-    "number": ("Rate how well the response answers the prompt, for correctness and helpfulness, on a scale from "
-               "{low:g} to {high:g}.\n\nPrompt:\n{{prompt}}\n\nResponse:\n{{completion}}\n\nReply with the score "
-               "only."),
-    "yes_no": ("Does the response answer the prompt correctly?\n\nPrompt:\n{{prompt}}\n\nResponse:\n{{completion}}"
-               "\n\nReply with yes or no only."),
-    "pairwise": ("Which response answers the prompt better?\n\nPrompt:\n{{prompt}}\n\nResponse A:\n{{completion_a}}"
-                 "\n\nResponse B:\n{{completion_b}}\n\nReply with A or B only."),
+    "number": (
+        "Rate how well the response answers the prompt, for correctness and helpfulness, on a scale from "
+        "{low:g} to {high:g}.\n\nPrompt:\n{{prompt}}\n\nResponse:\n{{completion}}\n\nReply with the score "
+        "only."
+    ),
+    "yes_no": (
+        "Does the response answer the prompt correctly?\n\nPrompt:\n{{prompt}}\n\nResponse:\n{{completion}}"
+        "\n\nReply with yes or no only."
+    ),
+    "pairwise": (
+        "Which response answers the prompt better?\n\nPrompt:\n{{prompt}}\n\nResponse A:\n{{completion_a}}"
+        "\n\nResponse B:\n{{completion_b}}\n\nReply with A or B only."
+    ),
 }
 """The default rubric of each parser (``{low}``/``{high}`` filled in at construction)."""
 
@@ -82,12 +88,28 @@ class Judge(ServiceReward):
 
     what = "align.rewards.Judge"
 
-    def __init__(self, model: str, base_url: str, template: str | None = None, parser: JudgeParser = "number",
-                 low: float = 0.0, high: float = 10.0, normalize: bool = True, both_orders: bool = False,
-                 system_prompt: str | None = None, api_key_env: str | None = None, temperature: float = 0.0,
-                 max_tokens: int | None = 32, extra_body: dict | None = None, default: float | None = 0.0,
-                 max_concurrency: int = 16, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
-                 api_key: Any = None):
+    def __init__(
+        self,
+        model: str,
+        base_url: str,
+        template: str | None = None,
+        parser: JudgeParser = "number",
+        low: float = 0.0,
+        high: float = 10.0,
+        normalize: bool = True,
+        both_orders: bool = False,
+        system_prompt: str | None = None,
+        api_key_env: str | None = None,
+        temperature: float = 0.0,
+        max_tokens: int | None = 32,
+        extra_body: dict | None = None,
+        default: float | None = 0.0,
+        max_concurrency: int = 16,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 1.0,
+        api_key: Any = None,
+    ):
         """
         Args:
             model: The judge model's name at the endpoint.
@@ -111,8 +133,20 @@ class Judge(ServiceReward):
             backoff: Seconds before the first retry, doubled for each next one.
             api_key: Refused: keys come from ``api_key_env``.
         """
-        super().__init__(api_key_env, base_url, default, max_concurrency, timeout, retries, backoff, api_key,
-                         url_name="base_url", model=model, system_prompt=system_prompt, extra_body=extra_body or {})
+        super().__init__(
+            api_key_env,
+            base_url,
+            default,
+            max_concurrency,
+            timeout,
+            retries,
+            backoff,
+            api_key,
+            url_name="base_url",
+            model=model,
+            system_prompt=system_prompt,
+            extra_body=extra_body or {},
+        )
         try:
             import openai  # noqa: F401
         except ImportError:
@@ -123,8 +157,9 @@ class Judge(ServiceReward):
             raise AlignConfigError(f"{self.where}.low: expected a finite number, got {low!r}")
         if parser == "number" and not (math.isfinite(high) and low < high):
             raise AlignConfigError(f"{self.where}.high: expected a finite number above low={low!r}, got {high!r}")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 1):
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
             raise AlignConfigError(f"{self.where}.max_tokens: expected an integer >= 1 or null, got {max_tokens!r}")
         self.model, self.base_url, self.parser = model, base_url, parser
         self.low, self.high, self.normalize, self.both_orders = float(low), float(high), normalize, both_orders
@@ -135,9 +170,11 @@ class Judge(ServiceReward):
         own = {"completion_a", "completion_b"} if parser == "pairwise" else {"completion"}
         missing = sorted(own - self.fields)
         if missing:
-            raise AlignConfigError(f"{self.where}.template: expected the field(s) "
-                                   f"{', '.join('{' + m + '}' for m in missing)} of the {parser} parser, got a "
-                                   "template without them")
+            raise AlignConfigError(
+                f"{self.where}.template: expected the field(s) "
+                f"{', '.join('{' + m + '}' for m in missing)} of the {parser} parser, got a "
+                "template without them"
+            )
         self.own_fields = own | {"prompt"}
 
     def __repr__(self) -> str:
@@ -152,9 +189,11 @@ class Judge(ServiceReward):
         known = self.own_fields | (set(available) - {"prompts", "completions"})
         unknown = sorted(self.fields - known)
         if unknown:
-            raise AlignConfigError(f"{self.where}.template: expected fields that are data columns or inputs "
-                                   f"(known: {', '.join(sorted(known))}; write a literal brace as {{{{ or }}}}), got "
-                                   f"{', '.join('{' + u + '}' for u in unknown)}")
+            raise AlignConfigError(
+                f"{self.where}.template: expected fields that are data columns or inputs "
+                f"(known: {', '.join(sorted(known))}; write a literal brace as {{{{ or }}}}), got "
+                f"{', '.join('{' + u + '}' for u in unknown)}"
+            )
 
     def retryable(self, err: BaseException) -> bool:
         import openai
@@ -169,8 +208,9 @@ class Judge(ServiceReward):
         import openai
 
         # No key: a placeholder, never the SDK's own OPENAI_API_KEY, which must not reach another server.
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key() or "none", timeout=self.timeout,
-                                  max_retries=0)
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key() or "none", timeout=self.timeout, max_retries=0
+        )
 
     async def ask(self, content: str) -> str:
         """The judge's reply to one filled-in rubric (retried as the settings say)."""
@@ -182,8 +222,9 @@ class Judge(ServiceReward):
             options["max_tokens"] = self.max_tokens
         if self.extra_body:
             options["extra_body"] = self.extra_body
-        response = await self.attempt(lambda: client.chat.completions.create(model=self.model, messages=messages,
-                                                                             **options))
+        response = await self.attempt(
+            lambda: client.chat.completions.create(model=self.model, messages=messages, **options)
+        )
         choices = getattr(response, "choices", None) or []
         text = choices[0].message.content if choices and choices[0].message is not None else None
         if not isinstance(text, str) or not text.strip():
@@ -194,21 +235,34 @@ class Judge(ServiceReward):
         try:
             return self.template.format_map(fields)
         except (KeyError, IndexError, ValueError) as err:
-            raise AlignConfigError(f"{self.what}: cannot fill the template: {type(err).__name__}: {err} (fields: "
-                                   f"{', '.join(sorted(fields))}; write a literal brace as {{{{ or }}}})") from None
+            raise AlignConfigError(
+                f"{self.what}: cannot fill the template: {type(err).__name__}: {err} (fields: "
+                f"{', '.join(sorted(fields))}; write a literal brace as {{{{ or }}}})"
+            ) from None
 
     async def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]:
         n = len(completions)
-        rows = [{"prompt": prompts[i], **{k: (v[i] if isinstance(v, (list, tuple)) and len(v) == n else v)
-                                          for k, v in columns.items()}} for i in range(n)]
+        rows = [
+            {
+                "prompt": prompts[i],
+                **{k: (v[i] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in columns.items()},
+            }
+            for i in range(n)
+        ]
         failures: list[str] = []
         if self.parser == "pairwise":
             if n % 2 or any(prompts[i] != prompts[i + 1] for i in range(0, n, 2)):
-                raise ValueError("a pairwise judge compares completions two by two, and completions 2k and 2k+1 must "
-                                 "share their prompt: sample an even number per prompt (online DPO: group_size 2)")
-            asks = [[self.render({**rows[i], "completion_a": completions[a], "completion_b": completions[b]})
-                     for a, b in ([(i, i + 1), (i + 1, i)] if self.both_orders else [(i, i + 1)])]
-                    for i in range(0, n, 2)]
+                raise ValueError(
+                    "a pairwise judge compares completions two by two, and completions 2k and 2k+1 must "
+                    "share their prompt: sample an even number per prompt (online DPO: group_size 2)"
+                )
+            asks = [
+                [
+                    self.render({**rows[i], "completion_a": completions[a], "completion_b": completions[b]})
+                    for a, b in ([(i, i + 1), (i + 1, i)] if self.both_orders else [(i, i + 1)])
+                ]
+                for i in range(0, n, 2)
+            ]
             pairs = await asyncio.gather(*(self._pair(texts, failures) for texts in asks))
             scores = [s for pair in pairs for s in pair]
             calls = len(asks)
@@ -246,9 +300,10 @@ def _fields(template: str, key: str) -> set[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as err:
-        raise AlignConfigError(f"{key}: expected a format string (write a literal brace as {{{{ or }}}}), got one "
-                               f"that is not ({err})") from None
-    return {re.split(r"[.\[]", name, 1)[0] for _, name, _, _ in parsed if name is not None and name != ""}
+        raise AlignConfigError(
+            f"{key}: expected a format string (write a literal brace as {{{{ or }}}}), got one that is not ({err})"
+        ) from None
+    return {re.split(r"[.\[]", name, maxsplit=1)[0] for _, name, _, _ in parsed if name is not None and name != ""}
 
 
 __all__ = ["Judge", "JudgeParser", "TEMPLATES", "parse_choice", "parse_number", "parse_yes_no"]

@@ -26,8 +26,9 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Any, Sequence
+from typing import Any
 
 from align.data.prompts import REWARD_INPUTS
 from align.errors import AlignConfigError
@@ -42,8 +43,9 @@ def _library():
     try:
         from math_verify import parse, verify
     except ImportError:
-        raise AlignConfigError("align.rewards.math_verify needs the math-verify package; install it with: "
-                               f"{REWARDS_EXTRA}") from None
+        raise AlignConfigError(
+            f"align.rewards.math_verify needs the math-verify package; install it with: {REWARDS_EXTRA}"
+        ) from None
     return parse, verify
 
 
@@ -62,9 +64,11 @@ def check_timeout(seconds: float) -> int | None:
         return max(1, math.ceil(seconds))
     if not _warned_off_main:
         _warned_off_main = True
-        log.warning("align.rewards.math_verify runs off the main thread (a reward with concurrency or a timeout, or "
-                    "a second plain reward), where math-verify's per-check timeouts cannot work: its checks run "
-                    "unbounded; set the reward's timeout to bound a batch")
+        log.warning(
+            "align.rewards.math_verify runs off the main thread (a reward with concurrency or a timeout, or "
+            "a second plain reward), where math-verify's per-check timeouts cannot work: its checks run "
+            "unbounded; set the reward's timeout to bound a batch"
+        )
     return None
 
 
@@ -102,8 +106,14 @@ def is_computed(answer: Any) -> bool:
     return len(inverse) == 1 and len(inverse) + len(whole) == len(factors) and sum(w != -1 for w in whole) <= 1
 
 
-def math_verify(prompts: list[str], completions: list[str], gold_column: str = "answer", timeout: float = 5.0,
-                require_computed: bool = True, **columns: Any) -> list[float]:
+def math_verify(
+    prompts: list[str],
+    completions: list[str],
+    gold_column: str = "answer",
+    timeout: float = 5.0,
+    require_computed: bool = True,
+    **columns: Any,
+) -> list[float]:
     """1.0 when math-verify finds the completion's answer equal to the gold answer of column ``gold_column``, else
     0.0 (also for a reply with nothing to parse).
 
@@ -114,8 +124,10 @@ def math_verify(prompts: list[str], completions: list[str], gold_column: str = "
     """
     if gold_column not in columns:
         data = sorted(k for k in columns if k not in REWARD_INPUTS)
-        raise ValueError(f"math_verify reads the gold answer from the column {gold_column!r}, which the prompt data "
-                         f"does not have (its columns: {data or 'none'}); set kwargs.gold_column")
+        raise ValueError(
+            f"math_verify reads the gold answer from the column {gold_column!r}, which the prompt data "
+            f"does not have (its columns: {data or 'none'}); set kwargs.gold_column"
+        )
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"math_verify: timeout must be > 0 seconds, got {timeout!r}")
     parse, verify = _library()
@@ -128,8 +140,11 @@ def math_verify(prompts: list[str], completions: list[str], gold_column: str = "
             if key not in golds:
                 golds[key] = parse_gold(key, seconds)
             reply = parse(answer_text(completion), parsing_timeout=seconds)
-            right = (bool(reply) and (not require_computed or is_computed(reply[0]))
-                     and verify(golds[key], reply, timeout_seconds=seconds))
+            right = (
+                bool(reply)
+                and (not require_computed or is_computed(reply[0]))
+                and verify(golds[key], reply, timeout_seconds=seconds)
+            )
             out.append(1.0 if right else 0.0)
     return out
 

@@ -39,7 +39,7 @@ def read_scores(reply: Any, n: int) -> list[float | None]:
     for anything else."""
     scores = reply.get("scores") if isinstance(reply, dict) else reply
     if not isinstance(scores, list):
-        raise ValueError(f"expected a list of scores or {{\"scores\": [...]}}, got {str(reply)[:80]}")
+        raise ValueError(f'expected a list of scores or {{"scores": [...]}}, got {str(reply)[:80]}')
     if len(scores) != n:
         raise ValueError(f"expected {n} scores, got {len(scores)}")
     out: list[float | None] = []
@@ -58,9 +58,19 @@ class Remote(ServiceReward):
 
     what = "align.rewards.Remote"
 
-    def __init__(self, url: str, batch_size: int = 64, inputs: list[str] | None = None,
-                 api_key_env: str | None = None, default: float | None = 0.0, max_concurrency: int = 4,
-                 timeout: float = 60.0, retries: int = 3, backoff: float = 1.0, api_key: Any = None):
+    def __init__(
+        self,
+        url: str,
+        batch_size: int = 64,
+        inputs: list[str] | None = None,
+        api_key_env: str | None = None,
+        default: float | None = 0.0,
+        max_concurrency: int = 4,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 1.0,
+        api_key: Any = None,
+    ):
         """
         Args:
             url: Where to POST, e.g. ``http://localhost:9000/score``.
@@ -84,8 +94,10 @@ class Remote(ServiceReward):
             raise AlignConfigError(f"{self.where}.batch_size: expected an integer >= 1, got {batch_size!r}")
         unknown = sorted(set(inputs or []) - set(REWARD_INPUTS))
         if unknown:
-            raise AlignConfigError(f"{self.where}.inputs: expected rollout inputs, some of {list(REWARD_INPUTS)} (the "
-                                   f"data's columns are always sent), got {unknown}")
+            raise AlignConfigError(
+                f"{self.where}.inputs: expected rollout inputs, some of {list(REWARD_INPUTS)} (the "
+                f"data's columns are always sent), got {unknown}"
+            )
         self.url, self.batch_size, self.inputs = url, batch_size, list(inputs or [])
 
     def __repr__(self) -> str:
@@ -106,8 +118,10 @@ class Remote(ServiceReward):
         import aiohttp
 
         key = self.api_key()
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                     headers={"Authorization": f"Bearer {key}"} if key else None)
+        return aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            headers={"Authorization": f"Bearer {key}"} if key else None,
+        )
 
     async def post(self, body: dict[str, Any]) -> Any:
         """The service's JSON reply to ``body`` (retried as the settings say)."""
@@ -125,14 +139,20 @@ class Remote(ServiceReward):
 
     async def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]:
         n = len(completions)
-        sent = {k: list(v) for k, v in columns.items()
-                if (k not in REWARD_INPUTS or k in self.inputs) and isinstance(v, (list, tuple)) and len(v) == n}
+        sent = {
+            k: list(v)
+            for k, v in columns.items()
+            if (k not in REWARD_INPUTS or k in self.inputs) and isinstance(v, (list, tuple)) and len(v) == n
+        }
         failures: list[str] = []
 
         async def piece(lo: int) -> list[float | None]:
             hi = min(lo + self.batch_size, n)
-            body = {"prompts": list(prompts[lo:hi]), "completions": list(completions[lo:hi]),
-                    "columns": {k: v[lo:hi] for k, v in sent.items()}}
+            body = {
+                "prompts": list(prompts[lo:hi]),
+                "completions": list(completions[lo:hi]),
+                "columns": {k: v[lo:hi] for k, v in sent.items()},
+            }
             try:
                 return read_scores(await self.post(body), hi - lo)
             except Exception as err:  # noqa: BLE001 - a failed request scores the default and is counted

@@ -15,8 +15,9 @@ import os
 import sys
 import sysconfig
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from align.errors import AlignConfigError
 
@@ -28,8 +29,10 @@ _ALIGN_DIR = Path(__file__).resolve().parents[2]
 def _load_file(path_text: str, attr: str, spec_text: str, what: str = "reward") -> Any:
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise AlignConfigError(f"{what} '{spec_text}': file '{path}' does not exist (paths are relative to the "
-                               f"working directory {Path.cwd()})")
+        raise AlignConfigError(
+            f"{what} '{spec_text}': file '{path}' does not exist (paths are relative to the "
+            f"working directory {Path.cwd()})"
+        )
     module_name = f"_align_{what.replace(' ', '_')}_{abs(hash(str(path.resolve())))}"
     module = sys.modules.get(module_name)
     if module is None:
@@ -42,7 +45,9 @@ def _load_file(path_text: str, attr: str, spec_text: str, what: str = "reward") 
         try:
             spec.loader.exec_module(module)
         except Exception as err:  # noqa: BLE001 - user code may raise anything on import
-            raise AlignConfigError(f"{what} '{spec_text}': importing '{path}' failed: {type(err).__name__}: {err}") from err
+            raise AlignConfigError(
+                f"{what} '{spec_text}': importing '{path}' failed: {type(err).__name__}: {err}"
+            ) from err
         sys.modules[module_name] = module
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
@@ -67,17 +72,23 @@ def _importable(folder: str) -> None:
 def _load_dotted(path: str, what: str = "reward") -> Any:
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise AlignConfigError(f"{what} '{path}': expected an import path such as 'align.rewards.sort_exact_match' "
-                               "or 'my_rewards.py:my_fn'")
+        raise AlignConfigError(
+            f"{what} '{path}': expected an import path such as 'align.rewards.sort_exact_match' "
+            "or 'my_rewards.py:my_fn'"
+        )
     _cwd_importable()
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise AlignConfigError(f"{what} '{path}': cannot import module '{module_name}' ({err}; searched the "
-                               f"installed packages and the working directory {os.getcwd()})") from err
+        raise AlignConfigError(
+            f"{what} '{path}': cannot import module '{module_name}' ({err}; searched the "
+            f"installed packages and the working directory {os.getcwd()})"
+        ) from err
     except Exception as err:  # noqa: BLE001 - user code may raise anything on import
-        raise AlignConfigError(f"{what} '{path}': importing module '{module_name}' failed: "
-                               f"{type(err).__name__}: {err}{error_location(err, None)}") from err
+        raise AlignConfigError(
+            f"{what} '{path}': importing module '{module_name}' failed: "
+            f"{type(err).__name__}: {err}{error_location(err, None)}"
+        ) from err
     if not hasattr(module, attr):
         raise AlignConfigError(f"{what} '{path}': module '{module_name}' has no attribute '{attr}'")
     return getattr(module, attr)
@@ -123,7 +134,7 @@ def _target(fn: Any) -> Any:
         fn = fn.func
     if inspect.isroutine(fn):
         return inspect.unwrap(getattr(fn, "__func__", fn))
-    call = getattr(type(fn), "__call__", None)
+    call = getattr(type(fn), "__call__", None)  # noqa: B004  (the method itself, to unwrap its decorators)
     return inspect.unwrap(call) if call is not None else fn
 
 
@@ -148,9 +159,13 @@ def _shown_path(filename: str) -> str:
     return path if rel.startswith(os.pardir) else rel
 
 
-_LIBRARY_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "")
-                       for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-                      | {os.path.join(os.path.realpath(_ALIGN_DIR), "")})
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "")
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+    }
+    | {os.path.join(os.path.realpath(_ALIGN_DIR), "")}
+)
 """Folders whose frames are not the user's code: the standard library, installed packages and align itself."""
 
 
@@ -165,8 +180,9 @@ def error_location(err: BaseException, fn: Any) -> str:
         path = os.path.realpath(frame.filename)
         return not frame.filename.startswith("<") and not path.startswith(_LIBRARY_DIRS)
 
-    chosen = (next((f for f in reversed(frames) if is_user(f)), None)
-              or next((f for f in reversed(frames) if own and os.path.realpath(f.filename) == own), None))
+    chosen = next((f for f in reversed(frames) if is_user(f)), None) or next(
+        (f for f in reversed(frames) if own and os.path.realpath(f.filename) == own), None
+    )
     if chosen is None:
         return ""
     # A comprehension has its own frame (``<listcomp>``): name the function it runs in.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -46,8 +47,15 @@ class RewardModelScorer:
             name: rm
     """
 
-    def __init__(self, path: str, batch_size: int = 16, device: str | None = None, dtype: DType = "float32",
-                 max_length: int | None = None, system_prompt: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        batch_size: int = 16,
+        device: str | None = None,
+        dtype: DType = "float32",
+        max_length: int | None = None,
+        system_prompt: str | None = None,
+    ):
         """
         Args:
             path: A reward-model export directory (``<run dir>/export``), any Hugging Face sequence-classification
@@ -66,8 +74,9 @@ class RewardModelScorer:
         try:
             torch_dtype(dtype)
         except AlignConfigError:
-            raise AlignConfigError(f"{INIT_KWARGS}.dtype: expected auto, float32, bfloat16 or float16, got "
-                                   f"{dtype!r}") from None
+            raise AlignConfigError(
+                f"{INIT_KWARGS}.dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}"
+            ) from None
         self.path = str(path)
         self.batch_size = batch_size
         model, self.encoding = load_reward_model(path, dtype)
@@ -83,8 +92,13 @@ class RewardModelScorer:
         self.encoder = ChatEncoder(self.tokenizer, self.encoding["use_chat_template"])
         self.__name__ = f"RewardModelScorer({self.path})"
 
-    def encode(self, prompt: str | list[dict], completion: str, completion_ids: list[int] | None = None,
-               truncated: bool = False) -> tuple[list[int], list[int]]:
+    def encode(
+        self,
+        prompt: str | list[dict],
+        completion: str,
+        completion_ids: list[int] | None = None,
+        truncated: bool = False,
+    ) -> tuple[list[int], list[int]]:
         """``(prompt_ids, completion_ids)`` as the training data layer builds them, after truncation.
 
         ``prompt``: the prompt text (one user message) or the whole conversation. ``completion_ids``: the ids the
@@ -100,17 +114,21 @@ class RewardModelScorer:
         if completion_ids is not None and self._shares_tokenizer(completion_ids, completion):
             response = list(completion_ids)
         else:
-            response = encode_response(self.encoder, prompt_ids, messages, completion, "<reward input>", None,
-                                       "completion", prompt_text)
+            response = encode_response(
+                self.encoder, prompt_ids, messages, completion, "<reward input>", None, "completion", prompt_text
+            )
             if truncated and response and response[-1] == self.tokenizer.eos_token_id:
                 response = response[:-1]  # the policy never ended its turn: neither does the scored text
         max_length = self.encoding["max_length"]
         if len(response) >= max_length:
-            log.warning("RewardModelScorer: a completion of %d tokens is cut to max_length - 1 = %d", len(response),
-                        max_length - 1)
+            log.warning(
+                "RewardModelScorer: a completion of %d tokens is cut to max_length - 1 = %d",
+                len(response),
+                max_length - 1,
+            )
             response = response[: max_length - 1]
         keep = fit_prompt(prompt_ids, len(response), max_length, self.encoding.get("max_prompt_length"))
-        return prompt_ids[len(prompt_ids) - keep:], response
+        return prompt_ids[len(prompt_ids) - keep :], response
 
     def _shares_tokenizer(self, ids: list[int], text: str) -> bool:
         tokenizer = self.tokenizer
@@ -119,24 +137,38 @@ class RewardModelScorer:
         return tokenizer.decode(ids, skip_special_tokens=True) == text
 
     @torch.inference_mode()
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], prompt_messages: Sequence[list] | None = None,
-                 completion_ids: Sequence[list[int]] | None = None, completion_truncated: Sequence[bool] | None = None,
-                 **columns: Any) -> list[float]:
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        prompt_messages: Sequence[list] | None = None,
+        completion_ids: Sequence[list[int]] | None = None,
+        completion_truncated: Sequence[bool] | None = None,
+        **columns: Any,
+    ) -> list[float]:
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"RewardModelScorer: {len(prompts)} prompts but {n} completions")
-        for name, given in (("prompt_messages", prompt_messages), ("completion_ids", completion_ids),
-                            ("completion_truncated", completion_truncated)):
+        for name, given in (
+            ("prompt_messages", prompt_messages),
+            ("completion_ids", completion_ids),
+            ("completion_truncated", completion_truncated),
+        ):
             if given is not None and len(given) != n:
                 raise ValueError(f"RewardModelScorer: {len(given)} {name} for {n} completions")
         pad = self.tokenizer.pad_token_id
         scores: list[float] = []
         for start in range(0, n, self.batch_size):
             rows = range(start, min(start + self.batch_size, n))
-            pairs = [self.encode(prompt_messages[i] if prompt_messages is not None else prompts[i], completions[i],
-                                 completion_ids[i] if completion_ids is not None else None,
-                                 bool(completion_truncated[i]) if completion_truncated is not None else False)
-                     for i in rows]
+            pairs = [
+                self.encode(
+                    prompt_messages[i] if prompt_messages is not None else prompts[i],
+                    completions[i],
+                    completion_ids[i] if completion_ids is not None else None,
+                    bool(completion_truncated[i]) if completion_truncated is not None else False,
+                )
+                for i in rows
+            ]
             T = max(len(p) + len(c) for p, c in pairs)
             input_ids = torch.full((len(pairs), T), pad, dtype=torch.long)
             attention_mask = torch.zeros((len(pairs), T), dtype=torch.long)

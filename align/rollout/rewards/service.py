@@ -13,7 +13,8 @@ import math
 import os
 import re
 import weakref
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from align.errors import INIT_KWARGS, AlignConfigError
@@ -36,28 +37,36 @@ def _looks_like_a_key(text: str) -> bool:
     return len(text) >= 24 and bool(re.search(r"\d", text)) and bool(re.search(r"[a-z]", text)) and "_" not in text
 
 
-def check_no_secrets(what: str, api_key_env: str | None, url: str | None, url_name: str = "url",
-                     **settings: Any) -> None:
+def check_no_secrets(
+    what: str, api_key_env: str | None, url: str | None, url_name: str = "url", **settings: Any
+) -> None:
     """Refuse a config that seems to hold a key: ``api_key_env`` must be the NAME of an environment variable, the
     URL (the setting ``url_name``) must carry no credentials, and no other string setting may look like a key. The
     messages name the setting under ``what`` (``init_kwargs``) and never repeat the value."""
-    hint = ("a key is never written in a config (it would be saved with the run); put it in an environment variable "
-            "and name that variable in api_key_env")
-    if api_key_env is not None and (not isinstance(api_key_env, str) or not _ENV_NAME.match(api_key_env)
-                                    or _looks_like_a_key(api_key_env)):
-        raise AlignConfigError(f"{what}.api_key_env: expected the name of an environment variable (such as "
-                               f"OPENAI_API_KEY), got a value that is not one; {hint}")
+    hint = (
+        "a key is never written in a config (it would be saved with the run); put it in an environment variable "
+        "and name that variable in api_key_env"
+    )
+    if api_key_env is not None and (
+        not isinstance(api_key_env, str) or not _ENV_NAME.match(api_key_env) or _looks_like_a_key(api_key_env)
+    ):
+        raise AlignConfigError(
+            f"{what}.api_key_env: expected the name of an environment variable (such as "
+            f"OPENAI_API_KEY), got a value that is not one; {hint}"
+        )
     if url is not None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise AlignConfigError(f"{what}.{url_name}: expected an http:// or https:// URL, got {url!r}")
         if parts.username or parts.password or _QUERY_SECRET.search(parts.query or ""):
-            raise AlignConfigError(f"{what}.{url_name}: expected a URL without credentials, got one that carries "
-                                   f"them; {hint}")
+            raise AlignConfigError(
+                f"{what}.{url_name}: expected a URL without credentials, got one that carries them; {hint}"
+            )
     for name, value in _strings(settings):
         if looks_secret(value):
-            raise AlignConfigError(f"{what}.{name}: expected no key in a config, got a value that looks like one; "
-                                   f"{hint}")
+            raise AlignConfigError(
+                f"{what}.{name}: expected no key in a config, got a value that looks like one; {hint}"
+            )
 
 
 def _strings(settings: dict[str, Any], prefix: str = ""):
@@ -86,13 +95,25 @@ class ServiceReward:
     where = INIT_KWARGS
     """Where its settings are, as its errors name them."""
 
-    def __init__(self, api_key_env: str | None, url: str | None, default: float | None, max_concurrency: int,
-                 timeout: float, retries: int, backoff: float, api_key: Any = None, url_name: str = "url",
-                 **settings: Any):
+    def __init__(
+        self,
+        api_key_env: str | None,
+        url: str | None,
+        default: float | None,
+        max_concurrency: int,
+        timeout: float,
+        retries: int,
+        backoff: float,
+        api_key: Any = None,
+        url_name: str = "url",
+        **settings: Any,
+    ):
         if api_key is not None:
-            raise AlignConfigError(f"{self.where}.api_key: expected no key in a config (it would be saved with the "
-                                   "run), got one; put it in an environment variable and name that variable in "
-                                   "api_key_env")
+            raise AlignConfigError(
+                f"{self.where}.api_key: expected no key in a config (it would be saved with the "
+                "run), got one; put it in an environment variable and name that variable in "
+                "api_key_env"
+            )
         check_no_secrets(self.where, api_key_env, url, url_name, **settings)
         _positive(self.where, "max_concurrency", max_concurrency, integer=True)
         _positive(self.where, "timeout", timeout)
@@ -101,12 +122,14 @@ class ServiceReward:
         if default is not None and not (isinstance(default, (int, float)) and math.isfinite(default)):
             raise AlignConfigError(f"{self.where}.default: expected a finite number or null, got {default!r}")
         if api_key_env is not None and not os.environ.get(api_key_env):
-            raise AlignConfigError(f"{self.where}.api_key_env: expected a set environment variable, got {api_key_env}, "
-                                   "which is not set or is empty; export it with the key before the run")
+            raise AlignConfigError(
+                f"{self.where}.api_key_env: expected a set environment variable, got {api_key_env}, "
+                "which is not set or is empty; export it with the key before the run"
+            )
         self.api_key_env, self.default = api_key_env, default
         self.max_concurrency, self.timeout, self.retries, self.backoff = max_concurrency, timeout, retries, backoff
         self._errors = 0
-        self._per_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict]" = weakref.WeakKeyDictionary()
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict] = weakref.WeakKeyDictionary()
 
     def api_key(self) -> str | None:
         """The key, read from ``api_key_env`` when a client is made (kept in no setting); None without one."""
@@ -143,7 +166,7 @@ class ServiceReward:
             except Exception as err:  # noqa: BLE001 - retried or raised below
                 if tried == self.retries or not self.retryable(err):
                     raise
-            await asyncio.sleep(self.backoff * 2 ** tried)
+            await asyncio.sleep(self.backoff * 2**tried)
         raise AssertionError("unreachable")
 
     def failed(self, rows: int, err: BaseException, failures: list[str]) -> list[float | None]:
@@ -160,8 +183,14 @@ class ServiceReward:
     def report(self, failures: list[str], calls: int) -> None:
         """Warn once per batch when calls failed, with the first failure."""
         if failures:
-            log.warning("%s: %d of %d calls failed and were scored %s (first: %s)", self.label, len(failures), calls,
-                        "as not applicable" if self.default is None else self.default, failures[0])
+            log.warning(
+                "%s: %d of %d calls failed and were scored %s (first: %s)",
+                self.label,
+                len(failures),
+                calls,
+                "as not applicable" if self.default is None else self.default,
+                failures[0],
+            )
 
 
 def describe(err: BaseException) -> str:

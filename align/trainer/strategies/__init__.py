@@ -33,30 +33,48 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from align.trainer.strategies.collectives import (before_process_group_release, global_all,
-                                                  release_process_group_at_exit)
+from align.trainer.strategies.collectives import before_process_group_release, global_all, release_process_group_at_exit
 from align.trainer.strategies.deepspeed import DeepSpeedZeROStrategy, accumulation_boundary
 from align.trainer.strategies.fsdp import FSDP2Strategy, apply_fsdp2, decoder_layers
 from align.trainer.strategies.gather import fsdp2_full_parameters, generation_context, parameters_sharded, unshard_root
 
-__all__ = ["DeepSpeedZeROStrategy", "FSDP2Strategy", "accumulation_boundary", "apply_fsdp2",
-           "before_process_group_release", "decoder_layers",
-           "fsdp2_full_parameters", "generation_context", "global_all", "parameters_sharded",
-           "release_process_group_at_exit", "unshard_root"]
+__all__ = [
+    "DeepSpeedZeROStrategy",
+    "FSDP2Strategy",
+    "accumulation_boundary",
+    "apply_fsdp2",
+    "before_process_group_release",
+    "decoder_layers",
+    "fsdp2_full_parameters",
+    "generation_context",
+    "global_all",
+    "parameters_sharded",
+    "release_process_group_at_exit",
+    "unshard_root",
+]
 
 
 def _register_names() -> None:
     names = {
         "fsdp2": (FSDP2Strategy, "FSDP2: per-decoder-layer fully_shard, pure data parallel", {}),
-        "fsdp2_offload": (FSDP2Strategy, "FSDP2 with parameters and optimizer state in CPU memory",
-                          {"cpu_offload": True}),
+        "fsdp2_offload": (
+            FSDP2Strategy,
+            "FSDP2 with parameters and optimizer state in CPU memory",
+            {"cpu_offload": True},
+        ),
         "zero1": (DeepSpeedZeROStrategy, "DeepSpeed ZeRO stage 1 (CPU-capable)", {"stage": 1}),
         "zero2": (DeepSpeedZeROStrategy, "DeepSpeed ZeRO stage 2 (CPU-capable)", {"stage": 2}),
-        "zero2_offload": (DeepSpeedZeROStrategy, "DeepSpeed ZeRO stage 2, optimizer state in CPU memory",
-                          {"stage": 2, "offload_optimizer": True}),
+        "zero2_offload": (
+            DeepSpeedZeROStrategy,
+            "DeepSpeed ZeRO stage 2, optimizer state in CPU memory",
+            {"stage": 2, "offload_optimizer": True},
+        ),
         "zero3": (DeepSpeedZeROStrategy, "DeepSpeed ZeRO stage 3 (CPU-capable)", {"stage": 3}),
-        "zero3_offload": (DeepSpeedZeROStrategy, "DeepSpeed ZeRO stage 3, parameters and optimizer state in CPU memory",
-                          {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+        "zero3_offload": (
+            DeepSpeedZeROStrategy,
+            "DeepSpeed ZeRO stage 3, parameters and optimizer state in CPU memory",
+            {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+        ),
     }
     for name, (cls, description, params) in names.items():
         if name not in StrategyRegistry:

@@ -20,8 +20,14 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
     device rank.
     """
 
-    def __init__(self, stage: Literal[1, 2, 3] = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
-                 param_persistence_threshold: int | None = None, **kwargs):
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        param_persistence_threshold: int | None = None,
+        **kwargs,
+    ):
         """
         Args:
             stage: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
@@ -33,18 +39,24 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
         if stage not in (1, 2, 3):
             raise AlignConfigError(f"trainer.strategy.stage: expected 1, 2 or 3, got {stage!r}")
         if param_persistence_threshold is not None and not (
-                isinstance(param_persistence_threshold, int) and not isinstance(param_persistence_threshold, bool)
-                and param_persistence_threshold >= 0):
-            raise AlignConfigError(f"trainer.strategy.param_persistence_threshold: expected an integer >= 0 or null, "
-                                   f"got {param_persistence_threshold!r}")
+            isinstance(param_persistence_threshold, int)
+            and not isinstance(param_persistence_threshold, bool)
+            and param_persistence_threshold >= 0
+        ):
+            raise AlignConfigError(
+                f"trainer.strategy.param_persistence_threshold: expected an integer >= 0 or null, "
+                f"got {param_persistence_threshold!r}"
+            )
         # DeepSpeed only uses the micro-batch size for its throughput log; the automatic choice would build the
         # training dataloader, which does not exist yet when ``trainer.validate`` runs before ``fit``.
         kwargs.setdefault("logging_batch_size_per_gpu", 1)
-        super().__init__(stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
-                         **kwargs)
+        super().__init__(
+            stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, **kwargs
+        )
         if param_persistence_threshold is not None:
-            self.config.setdefault("zero_optimization", {})["stage3_param_persistence_threshold"] = \
-                int(param_persistence_threshold)
+            self.config.setdefault("zero_optimization", {})["stage3_param_persistence_threshold"] = int(
+                param_persistence_threshold
+            )
         if offload_optimizer or offload_parameters:
             # Let a torch optimizer (the modules' AdamW) run on offloaded state; DeepSpeedCPUAdam is faster.
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
@@ -56,7 +68,12 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
         # ``updates.max_grad_norm``: hand it to the engine.
         module = self.lightning_module
         clip = getattr(getattr(module, "updates", None), "max_grad_norm", None)
-        if module is not None and not module.automatic_optimization and clip and not self.config.get("gradient_clipping"):
+        if (
+            module is not None
+            and not module.automatic_optimization
+            and clip
+            and not self.config.get("gradient_clipping")
+        ):
             self.config["gradient_clipping"] = float(clip)
 
     def _on_cpu(self) -> bool:
@@ -100,8 +117,14 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
             config.update({k: self.config[k] for k in ("zero_allow_untested_optimizer", "zero_optimization")})
         remove_module_hooks(model)
         self.model, _, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank), config=config, model=model, optimizer=None,
-            lr_scheduler=None, model_parameters=[], dist_init_required=False)
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         if not self._on_cpu():

@@ -37,8 +37,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         """
         for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if value is not None and value not in _DTYPES:
-                raise AlignConfigError(f"trainer.strategy.{name}: expected float32, bfloat16, float16 or null, got "
-                                       f"{value!r}")
+                raise AlignConfigError(
+                    f"trainer.strategy.{name}: expected float32, bfloat16, float16 or null, got {value!r}"
+                )
         kwargs.setdefault("data_parallel_size", "auto")
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)

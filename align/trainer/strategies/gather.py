@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from torch import nn
@@ -57,11 +57,12 @@ def fsdp2_full_parameters(root: nn.Module, within: nn.Module, reshard_after_forw
 def parameters_sharded(strategy) -> bool:
     """Whether ``strategy`` keeps only a shard of each parameter on a rank (FSDP2, ZeRO-3)."""
     return isinstance(strategy, ModelParallelStrategy) or (
-        isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3)
+        isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3
+    )
 
 
 @contextmanager
-def generation_context(module) -> Iterator[Optional[Callable[[bool], bool]]]:
+def generation_context(module) -> Iterator[Callable[[bool], bool] | None]:
     """Around sampling from ``module.policy``: yields the ``sync_stop`` hook the sampler needs, or ``None``.
 
     - DDP, ZeRO-1/2, one process: parameters are whole on every rank; nothing to do (``None``).
