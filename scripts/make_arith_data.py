@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_bundled_data import draw_splits, run_main  # noqa: E402
+from make_bundled_data import draw_splits, run_main, write_splits  # noqa: E402, F401  (write_splits: the tests call it here)
 
 from align.data.arith_task import preference_pair, sample_problem  # noqa: E402
 

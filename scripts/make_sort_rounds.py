@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_bundled_data import DEFAULT_OUT, draw_splits, run_main  # noqa: E402
+from make_bundled_data import DEFAULT_OUT, draw_splits, run_main, write_splits  # noqa: E402, F401  (write_splits: the tests call it here)
 
 from align.rollout.envs.tasks import sort_rounds_row  # noqa: E402
 
