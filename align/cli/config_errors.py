@@ -16,7 +16,7 @@ import inspect
 import re
 import sys
 from collections.abc import Iterable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
@@ -65,6 +65,7 @@ def _class_settings(path: str) -> list[str]:
     except (ImportError, AttributeError, ValueError):
         return []
     names: list[str] = []
+    klass: Any  # a class of the MRO, or the callable itself
     for klass in inspect.getmro(cls) if inspect.isclass(cls) else [cls]:
         init = klass.__init__ if inspect.isclass(cls) else klass
         try:
@@ -331,7 +332,7 @@ def guarded(fn):
 _OWN_LINE = re.compile(r"^[ \t]*-[ \t]+((?:model|data|trainer)\.[\w.\[\]]+: .+)$", re.MULTILINE)
 
 
-def _own_line(err: BaseException) -> str | None:
+def _own_line(err: BaseException | None) -> str | None:
     """The one-line message of an align setting's error (``model.x.y: expected ...``) that jsonargparse kept as text
     in a union's list of failures, anywhere in ``err``'s chain; None when there is none."""
     while err is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -171,7 +172,7 @@ class AlignCLI(LightningCLI):
             kwargs["ckpt_path"] = self._ckpt_path
         return kwargs
 
-    def _headline(self, results: list[dict]) -> dict[str, float]:
+    def _headline(self, results: Sequence[Mapping[str, float]]) -> dict[str, float]:
         merged = {k: float(v) for r in results for k, v in r.items()}
         names = getattr(self.model, "headline_metrics", ()) or tuple(sorted(merged))
         reward = getattr(self.model, "accuracy_reward", None)  # kept for the accuracy's stand-in, see after_fit
@@ -222,7 +223,8 @@ class AlignCLI(LightningCLI):
             say(f"run directory: {log_dir}")
         from lightning.pytorch.callbacks import ModelSummary
 
-        if not any(isinstance(cb, ModelSummary) for cb in self.trainer.callbacks):
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # Lightning sets it outside the class
+        if not any(isinstance(cb, ModelSummary) for cb in callbacks):
             say(parameter_count(self.model))
         # A continued run takes its "before" from the checkpoint (RunRecord): its starting weights are trained.
         if self._wants_eval() and self._ckpt_path is None:

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from align.errors import AlignError
 
@@ -205,6 +206,8 @@ def _version_dirs(root: Path) -> list[Path]:
 
 
 def _number(cell: str | None) -> float | None:
+    if cell is None:
+        return None
     try:
         value = float(cell)
     except (TypeError, ValueError):
@@ -307,21 +310,17 @@ def _draw_panel(ax, runs: Sequence[RunSeries], panel: Panel) -> tuple[str, ...]:
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    drawn = tuple(dict.fromkeys(c for c in panel.columns if c in drawn))
+    shown = tuple(dict.fromkeys(c for c in panel.columns if c in drawn))
     if several:
+        held_out_style: dict[str, Any] = dict(ls="--", marker="o", ms=4)  # Line2D's keyword arguments
         handles = [
-            Line2D(
-                [],
-                [],
-                color="0.3",
-                **(dict(ls="--", marker="o", ms=4) if c.startswith(HELD_OUT) else dict(lw=1.8, ls=style[c])),
-            )
-            for c in drawn
+            Line2D([], [], color="0.3", **(held_out_style if c.startswith(HELD_OUT) else dict(lw=1.8, ls=style[c])))
+            for c in shown
         ]
-        ax.legend(handles, drawn, fontsize="small")
-    elif drawn != (panel.title,):  # a panel of one column is titled by it already
+        ax.legend(handles, shown, fontsize="small")
+    elif shown != (panel.title,):  # a panel of one column is titled by it already
         ax.legend(fontsize="small")
-    return drawn
+    return shown
 
 
 TRAINING_STYLES = ("-", ":", "-.")

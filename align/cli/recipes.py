@@ -29,10 +29,11 @@ def run_recipe(
     args: list[str] | None = None,
     default_config: str = "tiny.yaml",
     layered: bool = True,
-) -> AlignCLI:
+) -> AlignCLI | None:
     """Entry point of ``recipes/<algorithm>.py``: the shipped ``align:<algorithm>/<default_config>`` is the default
     config. ``layered``: a ``--config`` is applied on top of it; otherwise a ``--config`` replaces it (a recipe whose
-    configs name different modules: settings of one module's default must not leak into another's)."""
+    configs name different modules: settings of one module's default must not leak into another's). Returns the
+    CLI, or None after printing the recipe's help (``-h``, ``--help``)."""
     raw = list(sys.argv[1:] if args is None else args)
     if raw[:1] and raw[0] in REMOVED_SUBCOMMANDS:
         not_a_subcommand(raw[0])
@@ -47,7 +48,8 @@ def run_recipe(
                 model_class, datamodule_class, args=None, parser_kwargs=parser_kwargs, trainer_defaults=trainer_defaults
             )
 
-        return print(recipe_help(algorithm, model_class, datamodule_class, make, default_config, layered))
+        print(recipe_help(algorithm, model_class, datamodule_class, make, default_config, layered))
+        return None
     args = guarded(lambda: resolve_config_args(_with_subcommand(raw)))
     # The arguments travel in ``sys.argv``, not ``args``: with ``--trainer.devices N`` Lightning starts the other
     # ranks by re-running this script with ``sys.argv``, and they must see the same subcommand and overrides.

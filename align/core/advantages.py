@@ -210,6 +210,8 @@ def _global_unbiased_std(x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor
     # process: x's first element).
     world, first = all_reduce(torch.stack([torch.ones((), dtype=x.dtype, device=x.device), x.reshape(-1)[0]]))
     x = x - first / world
+    total: torch.Tensor
+    n: torch.Tensor
     total, n = all_reduce(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)]))
     squares = all_reduce((x - total / n).square().sum())
     return (squares / (n - 1).clamp(min=1)).sqrt()

@@ -119,7 +119,7 @@ def kl_estimate(
     return estimate
 
 
-def _as_finite_float(name: str, value) -> float:
+def _as_finite_float(name: str, value: float) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")

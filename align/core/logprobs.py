@@ -6,6 +6,8 @@ statistics are in :mod:`align.core.masks`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -47,7 +49,8 @@ class _LowPrecisionSelectiveLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, index, temperature):  # logits (N, V) low precision, index (N,) long
+    def forward(ctx: Any, logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+        # logits (N, V) low precision, index (N,) long
         n, vocab = logits.shape
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # (N,)
         step = _rows_per_chunk(vocab)
@@ -59,7 +62,7 @@ class _LowPrecisionSelectiveLogSoftmax(torch.autograd.Function):
         return picked - lse
 
     @staticmethod
-    def backward(ctx, grad_out):  # grad_out (N,)
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # grad_out (N,)
         logits, index, lse = ctx.saved_tensors
         t = ctx.temperature
         n, vocab = logits.shape
@@ -121,7 +124,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature
         picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # (...)
         return picked - torch.logsumexp(logits, dim=-1)
     vocab = logits.shape[-1]
-    flat = _LowPrecisionSelectiveLogSoftmax.apply(logits.reshape(-1, vocab), index.reshape(-1), temperature)
+    flat: torch.Tensor = _LowPrecisionSelectiveLogSoftmax.apply(
+        logits.reshape(-1, vocab), index.reshape(-1), temperature
+    )
     return flat.view(index.shape)
 
 
@@ -134,7 +139,7 @@ class _ChunkedEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, chunk_size, temperature):  # logits (N, V)
+    def forward(ctx: Any, logits: torch.Tensor, chunk_size: int, temperature: float) -> torch.Tensor:  # logits (N, V)
         dtype = _compute_dtype(logits.dtype)
         n = logits.shape[0]
         out = torch.empty(n, dtype=dtype, device=logits.device)  # (N,)
@@ -148,7 +153,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # grad_out (N,)
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # grad_out (N,)
         logits, entropy = ctx.saved_tensors
         dtype, t = entropy.dtype, ctx.temperature
         grad_logits = torch.empty_like(logits)
@@ -187,17 +192,29 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, temperatur
         logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
         return -(logp.exp() * logp).sum(-1)
     vocab = logits.shape[-1]
-    flat = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size), temperature)
+    flat: torch.Tensor = _ChunkedEntropy.apply(logits.reshape(-1, vocab), int(chunk_size), temperature)
     return flat.view(logits.shape[:-1])
 
 
-def _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs, grad_entropy, temperature, chunk_rows, needs):
+def _linear_log_softmax_grads(
+    hidden: torch.Tensor,  # (N, H)
+    weight: torch.Tensor,  # (V, H)
+    bias: torch.Tensor | None,  # (V,)
+    index: torch.Tensor,  # (N,)
+    grad_logprobs: torch.Tensor,  # (N,)
+    grad_entropy: torch.Tensor | None,  # (N,)
+    temperature: float,
+    chunk_rows: int,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The backward of :class:`_LinearLogSoftmax` out of place, with the log-normaliser recomputed from the
     logits, so that autograd can differentiate it again (double backpropagation, as TRPO's Fisher-vector products
     do): every quantity is a differentiable function of ``hidden``, ``weight`` and ``bias``."""
     need_hidden, need_weight, need_bias = needs
     dtype = _compute_dtype(weight.dtype)
-    hidden_chunks, grad_weight, grad_bias = [], None, None
+    hidden_chunks: list[torch.Tensor] = []
+    grad_weight: torch.Tensor | None = None
+    grad_bias: torch.Tensor | None = None
     for start in range(0, hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         h = hidden[rows]
@@ -223,7 +240,9 @@ def _linear_log_softmax_grads(hidden, weight, bias, index, grad_logprobs, grad_e
     return grad_hidden, grad_weight, grad_bias
 
 
-def _scaled_logits(hidden, weight, bias, dtype, temperature):
+def _scaled_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, temperature: float
+) -> torch.Tensor:  # (n_chunk, V)
     """A chunk's logits in the compute dtype, divided by the temperature (in place: the buffer is new)."""
     x = F.linear(hidden, weight, bias)
     x = x.to(dtype) if x.dtype != dtype else x
@@ -246,7 +265,17 @@ class _LinearLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, temperature, chunk_rows, want_entropy, backward_follows):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,  # (N, H)
+        weight: torch.Tensor,  # (V, H)
+        bias: torch.Tensor | None,  # (V,)
+        index: torch.Tensor,  # (N,)
+        temperature: float,
+        chunk_rows: int,
+        want_entropy: bool,
+        backward_follows: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         dtype = _compute_dtype(weight.dtype)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
@@ -266,7 +295,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
             p = shifted.exp_()
             total = p.sum(-1)
             lse[rows] = total.log() + top.squeeze(-1)
-            if want_entropy:  # H = lse - sum(p * x) with p = exp(x - lse)
+            if entropy is not None:  # H = lse - sum(p * x) with p = exp(x - lse)
                 entropy[rows] = lse[rows] - p.mul_(x).sum(-1) / total
             if keep:
                 del p, shifted
@@ -278,16 +307,20 @@ class _LinearLogSoftmax(torch.autograd.Function):
             bias if bias is not None else hidden.new_empty(0),
             index,
             lse,
-            entropy if want_entropy else lse.new_empty(0),
+            entropy if entropy is not None else lse.new_empty(0),
             kept,
         )
         logprobs = picked - lse
-        if want_entropy:
+        if entropy is not None:
             return logprobs, entropy
         return logprobs, lse.new_zeros(0)
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):  # (N,), (N,) or empty
+    def backward(
+        ctx: Any,
+        grad_logprobs: torch.Tensor,
+        grad_entropy: torch.Tensor,  # (N,), (N,) or empty
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         hidden, weight, bias, index, lse, entropy, kept = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         t, step = ctx.temperature, ctx.chunk_rows
@@ -333,11 +366,11 @@ class _LinearLogSoftmax(torch.autograd.Function):
             if t != 1.0:
                 grad_x.div_(t)
             grad_logits = grad_x.to(weight.dtype)
-            if need_hidden:
+            if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
-            if need_weight:
+            if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
-            if need_bias:
+            if grad_bias is not None:
                 grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -397,7 +430,9 @@ def linear_log_softmax(
     backward_follows = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (flat_hidden, weight, bias)
     )
-    logprobs, entropy = _LinearLogSoftmax.apply(
+    flat_logprobs: torch.Tensor
+    entropy: torch.Tensor
+    flat_logprobs, entropy = _LinearLogSoftmax.apply(
         flat_hidden,
         weight,
         bias,
@@ -407,5 +442,5 @@ def linear_log_softmax(
         bool(return_entropy),
         backward_follows,
     )
-    logprobs = logprobs.view(index.shape)
+    logprobs = flat_logprobs.view(index.shape)
     return logprobs, (entropy.view(index.shape) if return_entropy else None)

@@ -215,7 +215,7 @@ def share_prompts(
     real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()  # (B, T)
     positions = torch.arange(T, device=device).expand(B, T) if position_ids is None else position_ids
 
-    def lay_out(values: torch.Tensor, fill) -> torch.Tensor:
+    def lay_out(values: torch.Tensor, fill: int | bool) -> torch.Tensor:  # (U, L)
         out = torch.full((num_groups, L), fill, dtype=values.dtype, device=device)
         out[:, :P] = values[first, :P]
         out[group[:, None], columns] = values[:, P : T - 1]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import lightning as L
+from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, Dataset
 
 from align.data.chat import ChatEncoder
@@ -138,10 +140,16 @@ class TokenizerDataModule(L.LightningDataModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tokenizer = None
+        self.tokenizer: Any = None  # a Hugging Face tokenizer, from set_tokenizer, the settings or the policy
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self._val_chosen = False
+
+    @property
+    def hparams(self) -> AttributeDict:
+        """The settings ``save_hyperparameters`` stored: Lightning types them as any ``MutableMapping``, but it
+        stores a subclass's keyword arguments (a dict) as an ``AttributeDict``."""
+        return cast(AttributeDict, super().hparams)
 
     def load_examples(self, files: list[str], split: str | None, name: str, split_key: str) -> list:
         """Validated, tokenized examples of ``files`` for ``split`` (``name`` is ``train`` or ``val``; ``split_key``
@@ -173,25 +181,27 @@ class TokenizerDataModule(L.LightningDataModule):
             if val_files:
                 val = self.load_examples(val_files, hp.val_split, "val", "data.val_split")
                 line = f"validation: {', '.join(val_files)} ({reason})"
-            elif hold and isinstance(hp.val_size, float) and len(train) < 2:
-                line = (
-                    f"validation: none ({', '.join(train_files)} has {len(train)} row, too few to hold out "
-                    f"data.val_size {hp.val_size})"
-                )
             elif hold:
-                count = held_out_count(hp.val_size, len(train))
-                if count >= len(train):
-                    raise AlignDataError(
-                        ", ".join(train_files),
-                        None,
-                        None,
-                        f"more than the {count} rows "
-                        f"data.val_size={hp.val_size} holds out for validation (or set "
-                        "data.val_size 0, or give data.val_files)",
-                        f"{len(train)} rows",
+                assert train is not None  # loaded above whenever rows are held out
+                if isinstance(hp.val_size, float) and len(train) < 2:
+                    line = (
+                        f"validation: none ({', '.join(train_files)} has {len(train)} row, too few to hold out "
+                        f"data.val_size {hp.val_size})"
                     )
-                line = held_out_line(count, len(train), ", ".join(train_files), hp.val_size, hp.seed)
-                train, val = hold_out(train, count, hp.seed)
+                else:
+                    count = held_out_count(hp.val_size, len(train))
+                    if count >= len(train):
+                        raise AlignDataError(
+                            ", ".join(train_files),
+                            None,
+                            None,
+                            f"more than the {count} rows "
+                            f"data.val_size={hp.val_size} holds out for validation (or set "
+                            "data.val_size 0, or give data.val_files)",
+                            f"{len(train)} rows",
+                        )
+                    line = held_out_line(count, len(train), ", ".join(train_files), hp.val_size, hp.seed)
+                    train, val = hold_out(train, count, hp.seed)
             else:
                 line = (
                     "validation: none ("
@@ -204,7 +214,7 @@ class TokenizerDataModule(L.LightningDataModule):
             self.train_set = self.make_dataset(train, "train")
 
     @staticmethod
-    def no_validation() -> list:
+    def no_validation() -> list[DataLoader]:
         """What ``val_dataloader`` returns without validation data: no loaders, which Lightning skips. Its warning
         that the validation data is empty is silenced: the choice was announced at setup."""
         warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
@@ -213,7 +223,7 @@ class TokenizerDataModule(L.LightningDataModule):
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def _resolve_tokenizer(self):
+    def _resolve_tokenizer(self) -> Any:
         if self.tokenizer is None:
             if self.hparams.get("tokenizer") is not None:
                 from align.hub import load_tokenizer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -110,7 +111,7 @@ class PreferenceCollator:
                 attention_mask[row, P - p : P + n] = 1
                 response_mask[row, :n] = 1
         windows = {w for _, _, w in items}
-        window = windows.pop() if len(windows) == 1 and None not in windows else B
+        window = cast(int, windows.pop()) if len(windows) == 1 and None not in windows else B  # None is not in windows
         return PreferenceBatch(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -257,10 +258,11 @@ class PreferenceDataModule(TokenizerDataModule):
         return PreferenceCollator(self._resolve_tokenizer().pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
+        assert isinstance(self.train_set, PreferenceDataset)  # setup("fit") made it with make_dataset
         # Every pair weighs 1: the loss of an optimizer step is a mean over the pairs of its whole window.
         return self.window_dataloader(self.train_set, [1] * len(self.train_set), self.collator())
 
-    def eval_dataloader(self, dataset: PreferenceDataset, batch_size: int | None = None) -> DataLoader:
+    def eval_dataloader(self, dataset: Dataset, batch_size: int | None = None) -> DataLoader:
         """In-order batches over ``dataset`` (validation, and reference precomputation)."""
         return DataLoader(
             dataset,
@@ -270,7 +272,7 @@ class PreferenceDataModule(TokenizerDataModule):
             num_workers=self.hparams.num_workers,
         )
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
         if self.val_set is None:
             return self.no_validation()
         return self.eval_dataloader(self.val_set)

@@ -319,11 +319,11 @@ def tokenize_preference_rows(
                 out.dropped_identical += 1
                 continue
         prompt_ids, prompt_text = encode_prompt(encoder, record.prompt)
-        responses = (
-            [("completion", record.chosen, record.label)]
-            if record.label is not None
-            else [("chosen", record.chosen, True), ("rejected", record.rejected, False)]
-        )
+        if record.label is not None:
+            responses = [("completion", record.chosen, record.label)]
+        else:
+            assert record.rejected is not None  # preference_record gives every pair (a row without a label) both
+            responses = [("chosen", record.chosen, True), ("rejected", record.rejected, False)]
         ids = [
             encode_response(encoder, prompt_ids, record.prompt, text, source, index, name, prompt_text)
             for name, text, _ in responses

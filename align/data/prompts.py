@@ -203,11 +203,12 @@ class PromptDataModule(TokenizerDataModule):
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
+        assert isinstance(self.train_set, PromptDataset)  # setup("fit") made it with make_dataset
         # Full batches only (every rollout has the same shape), unless the data is smaller than one batch.
         drop_last = len(self.train_set) >= hp.batch_size
         return self.resumable_dataloader(self.train_set, collate_prompts, drop_last=drop_last)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
         if self.val_set is None:
             return self.no_validation()
         return DataLoader(

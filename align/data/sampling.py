@@ -169,6 +169,8 @@ class ResumableDataLoader(DataLoader):
     sampling RNG of RL rollouts must not depend on when a dataloader iterator was made).
     """
 
+    batch_sampler: ResumableBatchSampler  # __init__ refuses any other, and a DataLoader's cannot be replaced
+
     def __init__(self, *args: Any, **kwargs: Any):
         if kwargs.get("generator") is None:
             kwargs["generator"] = torch.Generator().manual_seed(torch.initial_seed() % (2**63))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -69,6 +69,7 @@ def tokenize_rows(
         if record.text is not None:
             ids, labels = encoder.encode_text(record.text)
         else:
+            assert record.messages is not None  # sft_record gives a row either its text or its messages
             ids, labels = encoder.encode(record.messages, source, index)
             if not completion_only:
                 labels = list(ids)
@@ -153,7 +154,11 @@ class SFTCollator:
             position_ids[b, :n] = torch.tensor(ex.position_ids)
             position_ids[b, n:] = torch.arange(T - n)
         windows = {w for _, w in items}
-        window = windows.pop() if len(windows) == 1 and None not in windows else sum(ex.loss_tokens for ex in examples)
+        window = (
+            cast(int, windows.pop())  # not None: None is not in windows
+            if len(windows) == 1 and None not in windows
+            else sum(ex.loss_tokens for ex in examples)
+        )
         return SFTBatch(
             input_ids=input_ids,
             labels=labels,
@@ -254,11 +259,12 @@ class SFTDataModule(TokenizerDataModule):
         return SFTCollator(self._resolve_tokenizer().pad_token_id, packed=self.hparams.packing)
 
     def train_dataloader(self) -> DataLoader:
+        assert isinstance(self.train_set, ExampleDataset)  # setup("fit") made it with make_dataset
         return self.window_dataloader(
             self.train_set, [ex.loss_tokens for ex in self.train_set.examples], self._collator()
         )
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
         if self.val_set is None:
             return self.no_validation()
         return DataLoader(

@@ -29,7 +29,7 @@ import os
 import pickle
 import random
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning as L
 import numpy as np
@@ -232,7 +232,8 @@ def _hard_link(source: str, target: str) -> bool:
 # ---------------------------------------------------------------------------------------------- RNG states
 def rng_state() -> dict[str, Any]:
     """The RNG states of this process, as tensors and primitives only (loadable with ``weights_only``)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # The legacy tuple of the global MT19937 state (numpy's stubs give the call without arguments the dict form).
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state = {
         "python": random.getstate(),
         "numpy": {

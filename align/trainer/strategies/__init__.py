@@ -31,7 +31,9 @@ One module per concern: :mod:`~align.trainer.strategies.fsdp` (the FSDP2 strateg
 
 from __future__ import annotations
 
-from lightning.pytorch.strategies import StrategyRegistry
+from typing import Any
+
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from align.trainer.strategies.collectives import before_process_group_release, global_all, release_process_group_at_exit
 from align.trainer.strategies.deepspeed import DeepSpeedZeROStrategy, accumulation_boundary
@@ -55,7 +57,7 @@ __all__ = [
 
 
 def _register_names() -> None:
-    names = {
+    names: dict[str, tuple[type[Strategy], str, dict[str, Any]]] = {
         "fsdp2": (FSDP2Strategy, "FSDP2: per-decoder-layer fully_shard, pure data parallel", {}),
         "fsdp2_offload": (
             FSDP2Strategy,

@@ -53,6 +53,7 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
         super().__init__(
             stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, **kwargs
         )
+        assert self.config is not None  # Lightning's __init__ loads or creates one
         if param_persistence_threshold is not None:
             self.config.setdefault("zero_optimization", {})["stage3_param_persistence_threshold"] = int(
                 param_persistence_threshold
@@ -66,6 +67,7 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
         # Lightning's clip_gradients is a no-op under DeepSpeed (the engine clips), and the engine reads the clip
         # value from ``trainer.gradient_clip_val`` only. Manual-optimization modules (GRPO, PPO) set theirs as
         # ``updates.max_grad_norm``: hand it to the engine.
+        assert self.config is not None  # made in __init__
         module = self.lightning_module
         clip = getattr(getattr(module, "updates", None), "max_grad_norm", None)
         if (
@@ -111,6 +113,7 @@ class DeepSpeedZeROStrategy(DeepSpeedStrategy):
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
+        assert self.config is not None  # made in __init__
         config = {"train_micro_batch_size_per_gpu": 1}
         config.update({k: self.config[k] for k in ("fp16", "bf16") if k in self.config})
         if self.zero_stage_3:

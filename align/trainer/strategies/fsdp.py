@@ -11,7 +11,12 @@ from torch import nn
 
 from align.errors import AlignConfigError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Keyed by a dtype setting; ``.get(None)`` is None, which keeps the stored dtype.
+_DTYPES: dict[str | None, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 FORWARD_METHODS = ("token_logprobs", "next_token_logprobs", "response_logits", "values", "generate")
 """``PolicyModel`` methods other than ``forward`` that run the model (tests/strategies pins that they exist)."""
 
@@ -70,7 +75,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a transformers model, found by the classes it declares unsplittable."""
-    names = set()
+    names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
     return [m for m in model.modules() if type(m).__name__ in names]
@@ -86,7 +91,7 @@ def apply_fsdp2(module: nn.Module, strategy: FSDP2Strategy | ModelParallelStrate
         kwargs = {"mesh": strategy.device_mesh["data_parallel"]}
     for layer in decoder_layers(module):
         fully_shard(layer, **kwargs)
-    fully_shard(module, **kwargs)
+    root = fully_shard(module, **kwargs)  # ``module`` itself, now an FSDPModule
     # Methods other than ``forward`` that run the model: FSDP gathers the root's own parameters (embeddings,
     # output head, value heads) around them as it does around ``forward``.
     from torch.distributed.fsdp import register_fsdp_forward_method
@@ -96,4 +101,4 @@ def apply_fsdp2(module: nn.Module, strategy: FSDP2Strategy | ModelParallelStrate
             register_fsdp_forward_method(module, name)
     # Fix ``module`` as the root now: FSDP otherwise makes the first unit to run forward the root, and a first
     # forward that enters through an inner layer (a rollout, a reward-model pass) would break later root calls.
-    module._get_fsdp_state()._lazy_init()
+    root._get_fsdp_state()._lazy_init()

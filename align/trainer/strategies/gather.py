@@ -42,9 +42,9 @@ def fsdp2_full_parameters(root: nn.Module, within: nn.Module, reshard_after_forw
     try:
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
-        for unit in [root, *units]:
-            if isinstance(unit, FSDPModule):
-                unit.unshard()
+        for part in [root, *units]:
+            if isinstance(part, FSDPModule):
+                part.unshard()
         yield
     finally:
         for unit in units:
@@ -75,7 +75,7 @@ def generation_context(module) -> Iterator[Callable[[bool], bool] | None]:
     """
     trainer = getattr(module, "_trainer", None)
     strategy = trainer.strategy if trainer is not None else None
-    if strategy is None or trainer.world_size == 1 or not parameters_sharded(strategy):
+    if strategy is None or trainer is None or trainer.world_size == 1 or not parameters_sharded(strategy):
         yield None
     elif isinstance(strategy, ModelParallelStrategy):
         policy = module.policy
