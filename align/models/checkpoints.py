@@ -5,6 +5,7 @@ them (``checkpoint["align"]["policy"]``, :attr:`PolicyModel.spec`) with its weig
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,20 +15,21 @@ from align.models.loading import DType, LoraSettings
 from align.models.policy import PolicyModel
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint's tensors and plain metadata only (``weights_only``: no code runs on load)."""
     path = Path(path)
     if not path.exists():
         raise AlignConfigError(f"ckpt_path: '{path}' does not exist")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    return checkpoint
 
 
-def is_reward_checkpoint(checkpoint: dict) -> bool:
+def is_reward_checkpoint(checkpoint: dict[str, Any]) -> bool:
     """Whether a loaded checkpoint was written by the reward-model module (its metadata has a ``reward`` entry)."""
     return "reward" in (checkpoint.get("align") or {})
 
 
-def policy_settings(spec: dict) -> dict:
+def policy_settings(spec: dict[str, Any]) -> dict[str, Any]:
     """:class:`PolicyModel` arguments from a saved :attr:`PolicyModel.spec`."""
     settings = dict(spec)
     if settings.get("lora"):
@@ -37,7 +39,7 @@ def policy_settings(spec: dict) -> dict:
 
 
 def policy_from_checkpoint(
-    path: str | Path, checkpoint: dict | None = None, reward_head: bool = False, dtype: DType | None = None
+    path: str | Path, checkpoint: dict[str, Any] | None = None, reward_head: bool = False, dtype: DType | None = None
 ) -> PolicyModel:
     """Rebuild the run's ``PolicyModel`` from the spec stored in the checkpoint and load its weights.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from align.core.packing import PackedRows
 from align.errors import AlignConfigError
 from align.hub import check_model_source
-from align.models.loading import load_decoder, reward_head_state
+from align.models.loading import LoadKwargs, load_decoder, reward_head_state
 from align.models.scoring import pack_responses, position_ids_from_mask, spread
 from align.models.shared_pass import scoring_hidden
 
@@ -44,7 +44,7 @@ class CriticSettings:
     :func:`~align.models.reward_export.load_reward_model` loads), start the critic's head from its reward head instead
     of at 0."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in ("shared", "separate"):
             raise AlignConfigError(f"model.policy.critic.kind: expected 'shared' or 'separate', got {self.kind!r}")
         if self.model is not None and not isinstance(self.model, str):
@@ -62,7 +62,7 @@ class CriticSettings:
             )
 
 
-def critic_settings(value: CriticSettings | dict | None) -> CriticSettings | None:
+def critic_settings(value: CriticSettings | dict[str, Any] | None) -> CriticSettings | None:
     """``value`` as :class:`CriticSettings`: a settings object, the dict of a saved spec, or None."""
     if value is None or isinstance(value, CriticSettings):
         return value
@@ -90,7 +90,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.proj(hidden.to(self.proj.weight.dtype)).squeeze(-1).float()
+        scores: torch.Tensor = self.proj(hidden.to(self.proj.weight.dtype))  # (..., 1)
+        return scores.squeeze(-1).float()
 
 
 class Critic(nn.Module):
@@ -98,7 +99,7 @@ class Critic(nn.Module):
     (separate). Its parameters are the value parameters an optimizer trains (the policy backbone is not among
     them)."""
 
-    def __init__(self, settings: CriticSettings, policy_model: str, hidden_size: int, load_kwargs: dict):
+    def __init__(self, settings: CriticSettings, policy_model: str, hidden_size: int, load_kwargs: LoadKwargs):
         """``policy_model``: the policy's model (a separate critic's default backbone); ``hidden_size``: the
         policy's; ``load_kwargs``: how the policy was loaded (dtype, revision, ...)."""
         super().__init__()
@@ -107,8 +108,9 @@ class Critic(nn.Module):
         self.backbone: nn.Module | None = None
         if settings.kind == "separate":
             check_model_source(self.source, what="model.policy.critic.model")
-            self.backbone = load_decoder(self.source, **load_kwargs)
-            hidden_size = self.backbone.config.hidden_size
+            backbone = load_decoder(self.source, **load_kwargs)
+            hidden_size = backbone.config.hidden_size
+            self.backbone = backbone
         self.head = ValueHead(hidden_size)
         if self.separate and settings.head_from_reward_model:
             self.init_head_from_reward_model()
@@ -129,17 +131,27 @@ class Critic(nn.Module):
         self.head.load_state_dict({k: v.to(self.head.proj.weight.dtype) for k, v in state.items()})
         return True
 
-    def padded_values(self, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
+    def padded_values(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None,  # (B, T)
+        position_ids: torch.Tensor | None,  # (B, T)
+        R: int,
+    ) -> torch.Tensor:
         """``(B, R)`` values of the last ``R`` tokens of padded rows by the separate critic's own pass
         (:func:`~align.models.shared_pass.scoring_hidden`)."""
-        return self.head(scoring_hidden(self.backbone, input_ids, attention_mask, position_ids, R))
+        assert self.backbone is not None, "padded_values: only a separate critic has a backbone of its own"
+        values: torch.Tensor = self.head(scoring_hidden(self.backbone, input_ids, attention_mask, position_ids, R))
+        return values
 
     def packed_values(self, packed: PackedRows, index: torch.Tensor) -> torch.Tensor:
         """``(N,)`` values of the separate critic at the flattened positions ``index`` of ``packed``'s rows."""
+        assert self.backbone is not None, "packed_values: only a separate critic has a backbone of its own"
         hidden = self.backbone(
             input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
         ).last_hidden_state
-        return self.head(hidden.flatten(0, 1)[index])
+        values: torch.Tensor = self.head(hidden.flatten(0, 1)[index])  # (N,)
+        return values
 
     def values(
         self,
@@ -180,4 +192,5 @@ class Critic(nn.Module):
             return self.padded_values(input_ids, attention_mask, position_ids, response_length)
         with torch.no_grad() if detach_backbone else nullcontext():
             hidden = scoring_hidden(decoder, input_ids, attention_mask, position_ids, response_length)
-        return self.head(hidden)
+        shared: torch.Tensor = self.head(hidden)  # (B, R)
+        return shared

@@ -30,25 +30,75 @@ instead.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
+    from transformers import PretrainedConfig
 
 __all__ = ["FastDecoder", "fast_decoder_unsupported", "DecodeCache", "decoder_for"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
-def _lora_layer_type():
+# The module layout of the supported models (transformers' Llama, Qwen2 and Mistral), as the decoder reads it;
+# :func:`fast_decoder_unsupported` checks it before a model is read as a :class:`_CausalLM`.
+class _Norm(Protocol):
+    weight: torch.Tensor  # (H,)
+    variance_epsilon: float
+
+
+class _Attention(Protocol):
+    head_dim: int
+    scaling: float
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+
+
+class _MLP(Protocol):
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+
+
+class _DecoderLayer(Protocol):
+    self_attn: _Attention
+    mlp: _MLP
+    input_layernorm: _Norm
+    post_attention_layernorm: _Norm
+
+
+class _Decoder(Protocol):
+    embed_tokens: nn.Embedding
+    layers: Sequence[_DecoderLayer]
+    norm: _Norm
+    rotary_emb: nn.Module  # (x, position_ids) -> (cos, sin), each (B, t, d)
+
+
+class _CausalLM(Protocol):
+    config: PretrainedConfig
+    model: _Decoder
+    lm_head: nn.Module
+
+
+def _lora_layer_type() -> type[LoraLinear] | None:
     """peft's LoRA linear layer class, if peft's LoRA layers have been imported (a model can only contain
     them then; importing peft here would pull in bitsandbytes for nothing)."""
     layer_module = sys.modules.get("peft.tuners.lora.layer")
-    return getattr(layer_module, "Linear", None)
+    layer: type[LoraLinear] | None = getattr(layer_module, "Linear", None)
+    return layer
 
 
-def _active_lora(module: nn.Module) -> list[str]:
+def _active_lora(module: LoraLayer) -> list[str]:
     """Adapters whose delta must be added to ``module``'s base weight (empty: plain weight)."""
     if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
         return []
@@ -70,15 +120,17 @@ def _linear_unsupported(module: nn.Module) -> str | None:
 
 
 def _weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight, bias)`` that ``module`` applies, with active LoRA adapters merged into a new tensor."""
+    """``(weight, bias)`` that ``module`` applies, with active LoRA adapters merged into a new tensor. ``module``: an
+    ``nn.Linear``, or a LoRA layer over one (:func:`_linear_unsupported`)."""
     lora = _lora_layer_type()
     if lora is not None and isinstance(module, lora):
-        base = module.get_base_layer()
+        base = cast(nn.Linear, module.get_base_layer())
         weight = base.weight
         for name in _active_lora(module):
             weight = weight + module.get_delta_weight(name).to(weight.dtype)
         return weight.detach(), None if base.bias is None else base.bias.detach()
-    return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    linear = cast(nn.Linear, module)
+    return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
 
 
 def _fused(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,7 +166,8 @@ def prepack_available(weight: torch.Tensor) -> bool:
 
 def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` with a weight from ``torch.ops.mkldnn._reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out
 
 
 def _worth_prepacking(weight: torch.Tensor) -> bool:
@@ -151,8 +204,9 @@ def fast_decoder_unsupported(model: nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
+    activation = getattr(config, "hidden_act", "silu")
+    if activation != "silu":
+        return f"activation {activation!r}"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
@@ -177,7 +231,7 @@ def fast_decoder_unsupported(model: nn.Module) -> str | None:
             reason = _linear_unsupported(module)
             if reason:
                 return reason
-    return _linear_unsupported(lm.lm_head)
+    return _linear_unsupported(cast(_CausalLM, lm).lm_head)
 
 
 @dataclass
@@ -197,7 +251,16 @@ class _Layer:
 class DecodeCache:
     """Preallocated keys and values of every layer: ``(B, H_kv, capacity, head_dim)``; ``length`` are filled."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (batch, kv_heads, capacity, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -224,11 +287,11 @@ class FastDecoder:
     docstring); ``None``: where :func:`prepack_available` says it runs. ``prepacked`` says whether any weight was.
     """
 
-    def __init__(self, model: nn.Module, capacity: int, prepack: bool | None = None):
+    def __init__(self, model: nn.Module, capacity: int, prepack: bool | None = None) -> None:
         reason = fast_decoder_unsupported(model)
         if reason:
             raise ValueError(f"FastDecoder does not support this model: {reason}")
-        lm = _causal_lm(model)
+        lm = cast(_CausalLM, _causal_lm(model))  # the layout fast_decoder_unsupported checked
         inner, config = lm.model, lm.config
         first = inner.layers[0].self_attn
         self.head_dim = first.head_dim
@@ -245,10 +308,10 @@ class FastDecoder:
             if prepack and not available:
                 raise ValueError("FastDecoder(prepack=True) needs float32 CPU weights and a torch built with oneDNN")
             use_prepack = available if prepack is None else prepack
-            pack = _prepack if use_prepack else (lambda w: w)
+            pack: Callable[[torch.Tensor], torch.Tensor] = _prepack if use_prepack else (lambda w: w)
             head, self.head_bias = _weight(lm.lm_head)
             self.head = pack(head)
-            self.layers = []
+            self.layers: list[_Layer] = []
             for layer in inner.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv, qkv_bias = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -273,7 +336,9 @@ class FastDecoder:
                 w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
             ]
             self.prepacked = any(w.is_mkldnn for w in weights)  # whether any weight is in oneDNN's layout
-            self._linear = _linear if self.prepacked else F.linear
+            self._linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = (
+                _linear if self.prepacked else F.linear
+            )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As the Hugging Face RMSNorm: normalise in float32, cast back, then scale.
@@ -345,10 +410,11 @@ class FastDecoder:
 def _copy_bytes(model: nn.Module, prepacked: bool = False) -> int:
     """Bytes of the weight copy a :class:`FastDecoder` of ``model`` makes (projection and output weights):
     the fused and the adapter-merged weights, and with ``prepacked`` every weight large enough to be prepacked."""
-    lm = _causal_lm(model)
+    lm = cast(_CausalLM, _causal_lm(model))
 
     def weight(module: nn.Module) -> torch.Tensor:
-        return (module.get_base_layer() if hasattr(module, "get_base_layer") else module).weight
+        base = cast("LoraLayer", module).get_base_layer() if hasattr(module, "get_base_layer") else module
+        return cast(nn.Linear, base).weight
 
     def nbytes(module: nn.Module) -> int:
         return weight(module).numel() * weight(module).element_size()
@@ -362,18 +428,19 @@ def _copy_bytes(model: nn.Module, prepacked: bool = False) -> int:
         for module in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
             total += nbytes(module)
         for module in (attn.o_proj, mlp.down_proj):
-            if packed(module) or (hasattr(module, "get_base_layer") and _active_lora(module)):
+            if packed(module) or (hasattr(module, "get_base_layer") and _active_lora(cast("LoraLayer", module))):
                 total += nbytes(module)
     return total
 
 
-def decoder_for(model: nn.Module, capacity: int, max_copy_bytes: int = 2**30):
+def decoder_for(model: nn.Module, capacity: int, max_copy_bytes: int = 2**30) -> FastDecoder | nn.Module:
     """A :class:`FastDecoder` for ``model`` when it supports it and its weight copy fits in
     ``max_copy_bytes`` (prepacked where that runs and fits, see :class:`FastDecoder`); otherwise ``model``
     itself (sampled through its own ``forward``)."""
     if fast_decoder_unsupported(model) is not None:
         return model
-    if prepack_available(_causal_lm(model).model.embed_tokens.weight) and _copy_bytes(model, True) <= max_copy_bytes:
+    embed = cast(_CausalLM, _causal_lm(model)).model.embed_tokens  # the layout checked above
+    if prepack_available(embed.weight) and _copy_bytes(model, True) <= max_copy_bytes:
         return FastDecoder(model, capacity, prepack=True)
     if _copy_bytes(model) > max_copy_bytes:
         return model

@@ -8,10 +8,12 @@ written by :class:`~align.modules.reward.RewardModule`) as a sequence-classifica
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import lightning as L
 
 from align.models.checkpoints import is_reward_checkpoint, load_checkpoint, policy_from_checkpoint
+from align.models.policy import PolicyModel
 from align.models.reward_export import save_reward_model
 
 __all__ = ["ExportCallback", "export_checkpoint", "is_reward_checkpoint", "load_checkpoint", "policy_from_checkpoint"]
@@ -37,8 +39,10 @@ class ExportCallback(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        critic = pl_module.policy.critic
-        if hasattr(pl_module, "encoding_spec") and critic is not None and not critic.separate:
-            save_reward_model(pl_module.policy, self.output_dir, pl_module.encoding_spec(), dtype=self.dtype)
+        policy = cast(PolicyModel, pl_module.policy)  # every align module keeps its PolicyModel as ``policy``
+        critic = policy.critic
+        encoding_spec = getattr(pl_module, "encoding_spec", None)  # the reward-model module's
+        if encoding_spec is not None and critic is not None and not critic.separate:
+            save_reward_model(policy, self.output_dir, encoding_spec(), dtype=self.dtype)
         else:
-            pl_module.policy.save_pretrained(self.output_dir, dtype=self.dtype)
+            policy.save_pretrained(self.output_dir, dtype=self.dtype)

@@ -11,16 +11,33 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypedDict
 
 import torch
+from torch import nn
 
 from align.errors import AlignConfigError
 from align.hub import check_model_source
 from align.hub.tiny import build_tiny_model, is_tiny
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["4bit", "8bit"]
+
+
+class LoadKwargs(TypedDict):
+    """How a policy loads its models (:attr:`~align.models.policy.PolicyModel.load_kwargs`), the options its critic
+    and reference share: the keyword arguments of :func:`load_causal_lm` and :func:`load_decoder`."""
+
+    dtype: DType
+    trust_remote_code: bool
+    revision: str | None
+    attn_implementation: str | None
+    seed: int
 
 
 @dataclass
@@ -47,7 +64,7 @@ class LoraSettings:
     fused: bool = True
     """Compute each adapted linear layer as one autograd function (:mod:`align.models.lora`), where that is peft's
     arithmetic; false: peft's own forward everywhere."""
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     """Any other ``peft.LoraConfig`` argument."""
 
     def __post_init__(self) -> None:
@@ -60,7 +77,7 @@ class LoraSettings:
         check(_number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a value in [0, 1)")
         check(
             self.target_modules == "all-linear"
-            or (isinstance(self.target_modules, str) and self.target_modules)
+            or (isinstance(self.target_modules, str) and bool(self.target_modules))
             or (
                 isinstance(self.target_modules, (list, tuple))
                 and len(self.target_modules) > 0
@@ -81,7 +98,7 @@ class LoraSettings:
         )
         check(isinstance(self.extra, dict), "extra", "a mapping of further peft.LoraConfig arguments")
 
-    def to_peft(self):
+    def to_peft(self) -> LoraConfig:
         from peft import LoraConfig
 
         return LoraConfig(
@@ -98,11 +115,11 @@ class LoraSettings:
         )
 
 
-def _integer(value) -> bool:
+def _integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(value) -> bool:
+def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -139,7 +156,7 @@ def load_causal_lm(
     revision: str | None = None,
     attn_implementation: str | None = None,
     seed: int = 0,
-):
+) -> PreTrainedModel:
     """Load a causal LM. ``tiny`` builds the embedded default with weights fixed by ``seed``."""
     source = check_model_source(name)
     if is_tiny(source):
@@ -151,7 +168,7 @@ def load_causal_lm(
         model = build_tiny_model(seed=seed)
         td = torch_dtype(dtype)
         if isinstance(td, torch.dtype):
-            model = model.to(td)
+            model = model.to(td)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types it unbound
         if attn_implementation:
             model.config._attn_implementation = attn_implementation
         return model
@@ -176,7 +193,7 @@ def load_causal_lm(
 
 
 def _from_pretrained(
-    auto_class,
+    auto_class: type[_BaseAutoModelClass],
     name: str,
     source: str,
     *,
@@ -184,21 +201,27 @@ def _from_pretrained(
     trust_remote_code: bool,
     revision: str | None,
     attn_implementation: str | None,
-    **extra,
-):
+    **extra: Any,
+) -> PreTrainedModel:
     """``auto_class.from_pretrained`` with the wrapper's loading options; a missing or unreadable model is one line."""
-    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision, "dtype": torch_dtype(dtype), **extra}
+    kwargs: dict[str, Any] = {
+        "trust_remote_code": trust_remote_code,
+        "revision": revision,
+        "dtype": torch_dtype(dtype),
+        **extra,
+    }
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        return auto_class.from_pretrained(source, **kwargs)
+        model: PreTrainedModel = auto_class.from_pretrained(source, **kwargs)
     except OSError as err:
         raise AlignConfigError(f"model: could not load '{name}': {err}") from err
+    return model
 
 
 def trainable(
-    base: torch.nn.Module, quantization: Quantization | None, lora: LoraSettings | None, gradient_checkpointing: bool
-) -> torch.nn.Module:
+    base: PreTrainedModel, quantization: Quantization | None, lora: LoraSettings | None, gradient_checkpointing: bool
+) -> nn.Module:
     """``base`` ready to train: a quantized base prepared for k-bit training (QLoRA), activations recomputed in the
     backward with ``gradient_checkpointing``, and the ``lora`` adapter added (its layers fused where they can be,
     :mod:`align.models.lora`)."""
@@ -217,9 +240,10 @@ def trainable(
 
         from align.models.lora import fuse_lora_layers
 
-        base = get_peft_model(base, lora.to_peft())
+        adapted = get_peft_model(base, lora.to_peft())
         if lora.fused:
-            fuse_lora_layers(base)
+            fuse_lora_layers(adapted)
+        return adapted
     return base
 
 
@@ -241,7 +265,7 @@ def load_decoder(
     revision: str | None = None,
     attn_implementation: str | None = None,
     seed: int = 0,
-):
+) -> PreTrainedModel:
     """The decoder stack (no output head) of a causal LM or of a sequence classifier such as a reward-model
     export: the backbone of a separate critic."""
     source = check_model_source(name)
@@ -257,8 +281,9 @@ def load_decoder(
             revision=revision,
             attn_implementation=attn_implementation,
         )
-        return getattr(model, model.base_model_prefix)
-    return load_causal_lm(
+        backbone: PreTrainedModel = getattr(model, model.base_model_prefix)  # the ``*Model`` inside
+        return backbone
+    decoder: PreTrainedModel = load_causal_lm(
         name,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
@@ -266,9 +291,10 @@ def load_decoder(
         attn_implementation=attn_implementation,
         seed=seed,
     ).get_decoder()
+    return decoder
 
 
-def quantization_config(quantization: Quantization, dtype: DType = "bfloat16"):
+def quantization_config(quantization: Quantization, dtype: DType = "bfloat16") -> BitsAndBytesConfig:
     """bitsandbytes settings for QLoRA (Dettmers et al. 2023, arXiv 2305.14314): nf4 with double quantization."""
     from transformers import BitsAndBytesConfig
 

@@ -19,9 +19,13 @@ else, and with ``fused: false``, the layer is peft's (its ``forward`` is called 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
+
+# What the fused function takes from a layer: ``(W, b, A, B, scaling, dropout or None)``.
+_FusedOperands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float, nn.Dropout | None]
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -29,7 +33,16 @@ class LoraLinearFunction(torch.autograd.Function):
     dropout. ``W`` and ``b`` are frozen. Shapes: ``x, d (..., in)``, ``W (out, in)``, ``A (r, in)``, ``B (out, r)``."""
 
     @staticmethod
-    def forward(ctx, x, d, weight, bias, lora_a, lora_b, scaling: float):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,  # (..., in)
+        d: torch.Tensor,  # (..., in)
+        weight: torch.Tensor,  # (out, in)
+        bias: torch.Tensor | None,  # (out,)
+        lora_a: torch.Tensor,  # (r, in)
+        lora_b: torch.Tensor,  # (out, r)
+        scaling: float,
+    ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         d2 = x2 if d is x else d.reshape(-1, d.shape[-1])
         y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())  # (N, out)
@@ -40,7 +53,7 @@ class LoraLinearFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Plain differentiable operations on the saved inputs, so a second derivative (create_graph) is exact.
         d, weight, lora_a, lora_b = ctx.saved_tensors
         s = ctx.scaling
@@ -51,13 +64,16 @@ class LoraLinearFunction(torch.autograd.Function):
         grad_x = grad_d = grad_a = grad_b = None
         if ctx.same_input:
             if need_x:
+                assert gb is not None  # computed when need_x
                 grad_x = torch.addmm(torch.mm(g, weight), gb, lora_a, alpha=s).view(d.shape)
         else:
             if need_x:
                 grad_x = torch.mm(g, weight).view(grad.shape[:-1] + (weight.shape[1],))
             if need_d:
+                assert gb is not None  # computed when need_d
                 grad_d = torch.mm(gb, lora_a).mul(s).view(d.shape)
         if need_a:
+            assert gb is not None  # computed when need_a
             grad_a = torch.mm(gb.t(), d2).mul(s)  # (r, in)
         if need_b:
             grad_b = torch.mm(g.t(), torch.mm(d2, lora_a.t())).mul(s)  # (out, r)
@@ -79,18 +95,22 @@ def _make_fused_class(base: type) -> type:
     class FusedLoraLinear(base):
         """peft's ``lora.Linear`` whose forward is :class:`LoraLinearFunction` where that is peft's arithmetic."""
 
-        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            y: torch.Tensor
             if not (args or kwargs) and not self.merged_adapters:
                 if self._disable_adapters:  # peft's own path without its argument checks: the base layer alone
-                    return self.base_layer(x)
+                    y = self.base_layer(x)
+                    return y
                 fused = self._fused_operands(x)
                 if fused is not None:
                     weight, bias, lora_a, lora_b, scaling, dropout = fused
                     d = dropout(x) if dropout is not None else x
-                    return LoraLinearFunction.apply(x, d, weight, bias, lora_a, lora_b, scaling)
-            return super().forward(x, *args, **kwargs)
+                    y = LoraLinearFunction.apply(x, d, weight, bias, lora_a, lora_b, scaling)
+                    return y
+            y = super().forward(x, *args, **kwargs)
+            return y
 
-        def _fused_operands(self, x: torch.Tensor):
+        def _fused_operands(self, x: torch.Tensor) -> _FusedOperands | None:
             """``(W, b, A, B, scaling, dropout or None)`` when the fused function computes peft's forward, else None."""
             active = self._active_adapter
             name = active if isinstance(active, str) else (active[0] if len(active) == 1 else None)

@@ -13,6 +13,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -21,9 +22,22 @@ from align.errors import AlignConfigError
 from align.hub import check_model_source, load_tokenizer
 from align.models import scoring
 from align.models.critic import Critic, CriticSettings, critic_settings
-from align.models.loading import DType, LoraSettings, Quantization, load_causal_lm, torch_dtype, trainable
+from align.models.loading import (
+    DType,
+    LoadKwargs,
+    LoraSettings,
+    Quantization,
+    load_causal_lm,
+    torch_dtype,
+    trainable,
+)
 from align.models.reference import AdapterSwitch, build_reference
 from align.models.scoring import TokenLogprobs, contiguous_head_input, decoder_of, position_ids_from_mask
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
 __all__ = ["PolicyModel", "TokenLogprobs", "position_ids_from_mask"]
 
@@ -79,7 +93,7 @@ class PolicyModel(nn.Module):
                 "model.policy.lora"
             )
         critic = critic_settings(critic)
-        self.spec = {
+        self.spec: dict[str, Any] = {
             "model": model,
             "tokenizer": tokenizer,
             "dtype": dtype,
@@ -94,7 +108,7 @@ class PolicyModel(nn.Module):
             "seed": seed,
         }
         """The settings, saved in checkpoints (``checkpoint["align"]["policy"]``) to rebuild the policy from."""
-        self.load_kwargs = dict(
+        self.load_kwargs = LoadKwargs(
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             revision=revision,
@@ -106,9 +120,10 @@ class PolicyModel(nn.Module):
             tokenizer or model, trust_remote_code=trust_remote_code, revision=revision, pad_equals_eos=pad_equals_eos
         )
         base = load_causal_lm(model, quantization=quantization, **self.load_kwargs)
-        if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
+        embeddings = cast(nn.Embedding, base.get_input_embeddings())  # transformers types it as any nn.Module
+        if len(self.tokenizer) > embeddings.num_embeddings:
             raise AlignConfigError(
-                f"model.policy.tokenizer: expected at most the {base.get_input_embeddings().num_embeddings} tokens of "
+                f"model.policy.tokenizer: expected at most the {embeddings.num_embeddings} tokens of "
                 f"the model's embedding, got a tokenizer of {len(self.tokenizer)}; use the model's own tokenizer"
             )
         base.config.pad_token_id = self.tokenizer.pad_token_id
@@ -149,7 +164,7 @@ class PolicyModel(nn.Module):
             if isinstance(module, nn.modules.dropout._DropoutNd):
                 module.p = 0.0
             if isinstance(getattr(module, "attention_dropout", None), float):
-                module.attention_dropout = 0.0
+                module.attention_dropout = 0.0  # type: ignore[assignment]  # nn.Module types attributes Tensor | Module
             config = getattr(module, "config", None)
             for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
                 if isinstance(getattr(config, name, None), float):
@@ -157,8 +172,8 @@ class PolicyModel(nn.Module):
 
     # ------------------------------------------------------------------ properties
     @property
-    def config(self):
-        return self.model.config
+    def config(self) -> PretrainedConfig:
+        return cast("PretrainedConfig", self.model.config)  # the transformers model's (a peft model forwards it)
 
     @property
     def has_adapter(self) -> bool:
@@ -167,7 +182,7 @@ class PolicyModel(nn.Module):
     @property
     def base_model(self) -> nn.Module:
         """The underlying transformers model (unwrapped from peft)."""
-        return self.model.get_base_model() if self.has_adapter else self.model
+        return cast("PeftModel", self.model).get_base_model() if self.has_adapter else self.model
 
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.parameters() if p.requires_grad)
@@ -189,12 +204,21 @@ class PolicyModel(nn.Module):
         if self.ref_model is None:
             self.ref_model = build_reference(self)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, T)
+        position_ids: torch.Tensor | None = None,  # (B, T)
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
         # Without a cache: transformers only honours packed position ids when no cache is passed.
         kwargs.setdefault("use_cache", False)
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        out: CausalLMOutputWithPast = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+        return out
 
     def token_logprobs(
         self,
@@ -279,17 +303,21 @@ class PolicyModel(nn.Module):
         )
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """Sample continuations with the transformers generation loop (KV cache). Returns prompt + response ids."""
         kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
         kwargs.setdefault("eos_token_id", self.tokenizer.eos_token_id)
-        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        lm: Any = self.model  # transformers' or peft's generate, which nn.Module does not declare
+        ids: torch.Tensor = lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return ids
 
     # ------------------------------------------------------------------ export
-    def merged_model(self, dtype: DType | None = None) -> nn.Module:
+    def merged_model(self, dtype: DType | str | None = None) -> PreTrainedModel:
         """A plain transformers model with any LoRA adapter merged in; the training model is left untouched."""
-        if not self.has_adapter:
-            merged = copy.deepcopy(self.model)
+        if self.lora is None:  # no adapter: the model is the transformers one
+            merged = cast("PreTrainedModel", copy.deepcopy(self.model))
         else:
             from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -297,13 +325,13 @@ class PolicyModel(nn.Module):
             base = load_causal_lm(self.spec["model"], **self.load_kwargs)
             fresh = get_peft_model(base, self.lora.to_peft())
             set_peft_model_state_dict(fresh, get_peft_model_state_dict(self.model))
-            merged = fresh.merge_and_unload()
+            merged = cast("PreTrainedModel", fresh.merge_and_unload())  # the base model, the adapter merged in
         td = torch_dtype(dtype) if dtype else None
         if isinstance(td, torch.dtype):
-            merged = merged.to(td)
+            merged = merged.to(td)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types it unbound
         return merged
 
-    def save_pretrained(self, output_dir: str | Path, dtype: DType | None = None) -> Path:
+    def save_pretrained(self, output_dir: str | Path, dtype: DType | str | None = None) -> Path:
         """Write a merged Hugging Face model and tokenizer that ``AutoModelForCausalLM.from_pretrained`` loads."""
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)

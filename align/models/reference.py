@@ -11,23 +11,58 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from align.errors import AlignConfigError
-from align.models.loading import load_causal_lm
+from align.models.loading import LoadKwargs, LoraSettings, load_causal_lm
+
+if TYPE_CHECKING:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
 
-def adapter_switch_types() -> tuple[type, ...]:
+class ReferencePolicy(Protocol):
+    """What the reference reads of a :class:`~align.models.policy.PolicyModel` (which imports this module)."""
+
+    @property
+    def spec(self) -> dict[str, Any]: ...
+
+    @property
+    def lora(self) -> LoraSettings | None: ...
+
+    @property
+    def load_kwargs(self) -> LoadKwargs: ...
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def ref_model(self) -> nn.Module | None: ...
+
+    @property
+    def has_adapter(self) -> bool: ...
+
+    @property
+    def adapter_switch(self) -> AdapterSwitch: ...
+
+
+def adapter_switch_types() -> tuple[type[BaseTunerLayer], type[AuxiliaryTrainingWrapper]]:
     """peft module types that ``enable_adapters(False)`` returns to the base model's computation."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    wrapper: type[AuxiliaryTrainingWrapper]
     try:  # peft >= 0.15: the base class of ModulesToSaveWrapper and TrainableTokensWrapper
-        from peft.utils.other import AuxiliaryTrainingWrapper as Wrapper
+        from peft.utils.other import AuxiliaryTrainingWrapper
+
+        wrapper = AuxiliaryTrainingWrapper
     except ImportError:  # pragma: no cover - older peft
-        from peft.utils.other import ModulesToSaveWrapper as Wrapper
-    return BaseTunerLayer, Wrapper
+        from peft.utils.other import ModulesToSaveWrapper
+
+        wrapper = ModulesToSaveWrapper
+    return BaseTunerLayer, wrapper
 
 
 class AdapterSwitch:
@@ -43,9 +78,11 @@ class AdapterSwitch:
     walk that cost a few milliseconds per pass on the tiny model and changes nothing a no-grad pass computes.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         kinds = adapter_switch_types()
-        self.layers = [m for m in model.modules() if isinstance(m, kinds)]
+        self.layers: list[BaseTunerLayer | AuxiliaryTrainingWrapper] = [
+            m for m in model.modules() if isinstance(m, kinds)
+        ]
         self.flags_only = all(hasattr(layer, "_disable_adapters") for layer in self.layers)
 
     @contextmanager
@@ -68,7 +105,7 @@ class AdapterSwitch:
                     layer.enable_adapters(True)
 
 
-def build_reference(policy: nn.Module) -> nn.Module | None:
+def build_reference(policy: ReferencePolicy) -> nn.Module | None:
     """The reference model to keep beside ``policy``, or None when the adapter-disabled policy is the reference.
 
     With LoRA nothing is copied: every LoRA layer and every module trained in full beside it
@@ -78,6 +115,7 @@ def build_reference(policy: nn.Module) -> nn.Module | None:
     """
     reference_model = policy.spec["reference_model"]
     if policy.has_adapter and not reference_model:
+        assert policy.lora is not None  # has_adapter
         if policy.lora.bias != "none":
             raise AlignConfigError(
                 f"model.policy.lora.bias: expected 'none' without model.policy.reference_model, got "
@@ -86,6 +124,7 @@ def build_reference(policy: nn.Module) -> nn.Module | None:
                 "model.policy.reference_model to the base model"
             )
         return None
+    ref: nn.Module
     if reference_model:
         ref = load_causal_lm(reference_model, **policy.load_kwargs)
     else:
@@ -94,7 +133,7 @@ def build_reference(policy: nn.Module) -> nn.Module | None:
 
 
 @contextmanager
-def reference_context(policy: nn.Module) -> Iterator[nn.Module]:
+def reference_context(policy: ReferencePolicy) -> Iterator[nn.Module]:
     """The model a reference pass runs: the kept reference, or the policy's model with its adapter off."""
     if policy.ref_model is not None:
         yield policy.ref_model

@@ -166,7 +166,7 @@ _NO_LONGER_THE_REFERENCE = (
 class CachedReference:
     """A run's reference log-probs, one :class:`ReferenceCache` per data split (``"train"``, ``"val"``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.splits: dict[str, ReferenceCache] = {}
         # The policy-is-reference fingerprint, taken before the first update; None while not taken (or with a
         # live reference, whose weights can be fingerprinted at any time).

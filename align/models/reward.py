@@ -23,6 +23,8 @@ offset, so :class:`~align.modules.reward.RewardModule` keeps the bias frozen at 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
@@ -31,7 +33,10 @@ from align.core.packing import pack_scored_rows
 from align.errors import AlignConfigError
 from align.models.critic import ValueHead
 from align.models.policy import PolicyModel
-from align.models.scoring import position_ids_from_mask
+from align.models.scoring import decoder_of, position_ids_from_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def last_scored_index(
@@ -73,14 +78,16 @@ def pooled_scores(
             position_ids=packed.position_ids,  # (K, C, H)
             use_cache=False,
         ).last_hidden_state
-        return head(hidden.reshape(-1, hidden.shape[-1])[packed.locate(last)])  # (N,)
+        scores: torch.Tensor = head(hidden.reshape(-1, hidden.shape[-1])[packed.locate(last)])  # (N,)
+        return scores
     hidden = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,  # (N, T, H)
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
-    return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
+    scores = head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (N,)
+    return scores
 
 
 def score_head(policy: PolicyModel, what: str = "reward model") -> ValueHead:
@@ -98,7 +105,7 @@ def sequence_scores(
     Only the decoder and the head run; ``padding_free`` as in :func:`pooled_scores`.
     """
     return pooled_scores(
-        policy.model.get_decoder(), score_head(policy), input_ids, attention_mask, padding_free=padding_free
+        decoder_of(policy.model), score_head(policy), input_ids, attention_mask, padding_free=padding_free
     )
 
 
@@ -110,7 +117,8 @@ class ScalarHead(nn.Module):
         self.score = score
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1).float()
+        scores: torch.Tensor = self.score(hidden.to(self.score.weight.dtype))  # (..., 1)
+        return scores.squeeze(-1).float()
 
 
 class RewardModel(nn.Module):
@@ -120,7 +128,9 @@ class RewardModel(nn.Module):
     None for a model trained by align from a checkpoint, which reads the mask's last token.
     """
 
-    def __init__(self, decoder: nn.Module, head: nn.Module, tokenizer, skip_token_id: int | None = None):
+    def __init__(
+        self, decoder: nn.Module, head: nn.Module, tokenizer: PreTrainedTokenizerBase, skip_token_id: int | None = None
+    ) -> None:
         super().__init__()
         self.decoder, self.head = decoder, head
         self.tokenizer = tokenizer
@@ -128,13 +138,13 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: PolicyModel) -> RewardModel:
-        return cls(policy.model.get_decoder(), score_head(policy), policy.tokenizer)
+        return cls(decoder_of(policy.model), score_head(policy), policy.tokenizer)
 
     @classmethod
-    def from_sequence_classifier(cls, model: nn.Module, tokenizer) -> RewardModel:
+    def from_sequence_classifier(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> RewardModel:
         return cls(
             getattr(model, model.base_model_prefix),
-            ScalarHead(model.score),
+            ScalarHead(cast(nn.Linear, model.score)),  # a sequence classifier's linear score layer
             tokenizer,
             model.config.get_text_config().pad_token_id,
         )

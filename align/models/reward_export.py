@@ -27,7 +27,7 @@ import copy
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from align.models.loading import DType, is_sequence_classifier, torch_dtype
 from align.models.policy import PolicyModel
 from align.models.reward import RewardModel, score_head
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
 
 FORMAT = "align-reward-model"
@@ -49,12 +52,12 @@ META_FILE = "reward_model.json"
 DEFAULT_ENCODING = {"use_chat_template": None, "system_prompt": None, "max_length": 512, "max_prompt_length": None}
 
 
-def scoring_pad_token(tokenizer) -> str | None:
+def scoring_pad_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """A pad token for the export that is not the EOS, so transformers pools on the EOS as align does; None when
     the tokenizer has no other special token."""
     eos = tokenizer.eos_token_id
     specials = [t for t in tokenizer.all_special_tokens if t not in (tokenizer.eos_token, tokenizer.bos_token)]
-    candidates = [
+    candidates: list[str | None] = [
         tokenizer.pad_token,
         tokenizer.unk_token,
         *(t for t in specials if "pad" in t.lower()),
@@ -67,7 +70,9 @@ def scoring_pad_token(tokenizer) -> str | None:
     return None
 
 
-def sequence_classifier(policy: PolicyModel, dtype: DType | None = None) -> tuple[nn.Module, Any]:
+def sequence_classifier(
+    policy: PolicyModel, dtype: DType | str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)``: the reward model as a transformers ``*ForSequenceClassification`` with ``num_labels=1``,
     LoRA merged, the trained head as ``score``, and a tokenizer whose pad token is not the EOS."""
     from transformers import AutoModelForSequenceClassification
@@ -101,7 +106,10 @@ def sequence_classifier(policy: PolicyModel, dtype: DType | None = None) -> tupl
 
 
 def save_reward_model(
-    policy: PolicyModel, output_dir: str | Path, encoding: dict | None = None, dtype: DType | None = None
+    policy: PolicyModel,
+    output_dir: str | Path,
+    encoding: dict[str, Any] | None = None,
+    dtype: DType | str | None = None,
 ) -> Path:
     """Write the export format above; ``encoding`` is :meth:`PreferenceDataModule.encoding_spec`."""
     output_dir = Path(output_dir)
@@ -121,7 +129,7 @@ def save_reward_model(
     return output_dir
 
 
-def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[RewardModel, dict]:
+def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[RewardModel, dict[str, Any]]:
     """``(reward model, encoding spec)`` from a sequence-classification checkpoint (align's export or a peer's) or
     an align ``.ckpt``."""
     if is_tiny_sort_rm(path):
@@ -143,7 +151,7 @@ def load_reward_model(path: str | Path, dtype: DType = "float32") -> tuple[Rewar
     )
 
 
-def _encoding(path: Path) -> dict:
+def _encoding(path: Path) -> dict[str, Any]:
     meta_path = path / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if meta and (meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION):
@@ -154,7 +162,7 @@ def _encoding(path: Path) -> dict:
     return dict(DEFAULT_ENCODING, **meta.get("encoding", {}))
 
 
-def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
+def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, dict[str, Any]]:
     from transformers import AutoModelForSequenceClassification
 
     from align.hub import load_tokenizer
@@ -172,7 +180,7 @@ def _load_sequence_classifier(path: Path, dtype: DType) -> tuple[RewardModel, di
     return RewardModel.from_sequence_classifier(model, load_tokenizer(str(path))), encoding
 
 
-def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict]:
+def _load_checkpoint(path: Path, dtype: DType) -> tuple[RewardModel, dict[str, Any]]:
     checkpoint = load_checkpoint(path)
     if "reward" not in (checkpoint.get("align") or {}):
         raise AlignConfigError(

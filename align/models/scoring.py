@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from contextlib import nullcontext
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 import transformers.modeling_utils
@@ -28,8 +28,13 @@ from torch import nn
 
 from align.core.logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
 from align.core.packing import PackedRows, pack_scored_rows
-from align.models.reference import reference_context
+from align.models.reference import ReferencePolicy, reference_context
 from align.models.shared_pass import scoring_hidden
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from torch.utils.hooks import RemovableHandle
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,33 @@ class TokenLogprobs(NamedTuple):
     logprobs: torch.Tensor  # (B, R) float32
     entropy: torch.Tensor | None  # (B, R) float32
     values: torch.Tensor | None  # (B, R) float32, V(state before token j)
+
+
+class ValueModel(Protocol):
+    """What scoring reads of a policy's critic (:class:`~align.models.critic.Critic`, which imports this module)."""
+
+    @property
+    def separate(self) -> bool: ...
+
+    @property
+    def head(self) -> nn.Module: ...
+
+    def packed_values(self, packed: PackedRows, index: torch.Tensor) -> torch.Tensor: ...
+
+    def padded_values(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        R: int,
+    ) -> torch.Tensor: ...
+
+
+class ScoringPolicy(ReferencePolicy, Protocol):
+    """What scoring reads of a :class:`~align.models.policy.PolicyModel` (which imports this module)."""
+
+    @property
+    def critic(self) -> ValueModel | None: ...
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -93,7 +125,7 @@ def chunked_head_unsupported(model: nn.Module) -> str | None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in CHUNKED_HEAD_MODEL_TYPES:
         return f"model type {model_type!r}"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast("PreTrainedModel", model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return f"an output head of type {type(head).__name__} (an adapter or a replaced layer on the head)"
     if hasattr(head.weight, "ds_id"):
@@ -110,12 +142,12 @@ def contiguous_head_input(model: nn.Module) -> None:
     on SmolLM2-135M (V = 49,152) that was about a quarter of a LoRA scoring pass. A copy of the kept rows
     costs a fraction of a percent of that.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast("PreTrainedModel", model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Module):
         head.register_forward_pre_hook(_contiguous_if_frozen)
 
 
-def _contiguous_if_frozen(module: nn.Module, args: tuple):
+def _contiguous_if_frozen(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
     # A trained head already takes torch's reshape-and-matmul path: leave its numbers exactly as they were.
     weight = getattr(module, "weight", None)
     if not args or weight is None or weight.requires_grad:
@@ -125,24 +157,26 @@ def _contiguous_if_frozen(module: nn.Module, args: tuple):
 
 def unwrapped(lm: nn.Module) -> nn.Module:
     """The transformers model inside ``lm``: unwrapped from peft when it is a peft model."""
-    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    return cast("PeftModel", lm).get_base_model() if hasattr(lm, "get_base_model") else lm
 
 
 def decoder_of(lm: nn.Module) -> nn.Module:
     """The transformers decoder (embeddings, layers, final norm) inside ``lm``, a peft wrapper included."""
-    return unwrapped(lm).get_decoder()
+    decoder: nn.Module = cast("PreTrainedModel", unwrapped(lm)).get_decoder()
+    return decoder
 
 
-_FALLBACK_REPORTED: weakref.WeakSet = weakref.WeakSet()  # the policies whose first fallback was reported
+_FALLBACK_REPORTED: weakref.WeakSet[object] = weakref.WeakSet()  # the policies whose first fallback was reported
 
 
-def own_head(lm: nn.Module, owner: nn.Module) -> nn.Linear | None:
+def own_head(lm: nn.Module, owner: object) -> nn.Linear | None:
     """``lm``'s output head when align applies it itself, chunked (see :func:`chunked_head_unsupported`);
     ``None``: the model's own forward computes the logits. The first fallback of each ``owner`` is reported."""
     base = unwrapped(lm)
     reason = chunked_head_unsupported(base)
     if reason is None:
-        return base.get_output_embeddings()
+        head: nn.Linear = cast("PreTrainedModel", base).get_output_embeddings()  # a plain nn.Linear: checked above
+        return head
     if owner not in _FALLBACK_REPORTED:
         _FALLBACK_REPORTED.add(owner)
         log.info(
@@ -153,7 +187,7 @@ def own_head(lm: nn.Module, owner: nn.Module) -> nn.Linear | None:
     return None
 
 
-def _keep_hidden(lm: nn.Module, kept: list[torch.Tensor]):
+def _keep_hidden(lm: nn.Module, kept: list[torch.Tensor]) -> RemovableHandle:
     """A forward hook on ``lm``'s decoder that appends its final hidden states to ``kept``."""
     return decoder_of(lm).register_forward_hook(
         lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
@@ -161,11 +195,11 @@ def _keep_hidden(lm: nn.Module, kept: list[torch.Tensor]):
 
 
 def scores_at(
-    policy: nn.Module,
+    policy: object,
     lm: nn.Module,
-    input_ids,
-    attention_mask,
-    position_ids,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor | None,  # (B, T)
+    position_ids: torch.Tensor | None,  # (B, T)
     index: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
@@ -218,7 +252,7 @@ def scores_at(
     return logprobs, entropy, kept[0].flatten(0, 1)[index] if kept else None
 
 
-def _critic(policy: nn.Module):
+def _critic(policy: ScoringPolicy) -> ValueModel:
     if policy.critic is None:
         raise RuntimeError("values requested but the policy has no critic; set policy.critic")
     return policy.critic
@@ -226,7 +260,7 @@ def _critic(policy: nn.Module):
 
 # ------------------------------------------------------------------ the scoring passes
 def token_logprobs(
-    policy: nn.Module,
+    policy: ScoringPolicy,
     input_ids: torch.Tensor,  # (B, T)
     attention_mask: torch.Tensor | None = None,  # (B, T)
     *,
@@ -275,7 +309,11 @@ def token_logprobs(
         values = None
         if critic is not None:
             values = critic.head(hidden) if shared_head else critic.packed_values(packed, index)
-        return TokenLogprobs(*(None if x is None else spread(scored, x) for x in (logprobs, entropy, values)))
+        return TokenLogprobs(
+            spread(scored, logprobs),
+            None if entropy is None else spread(scored, entropy),
+            None if values is None else spread(scored, values),
+        )
     if position_ids is None and attention_mask is not None:
         position_ids = position_ids_from_mask(attention_mask)
     targets = input_ids[:, T - R :]
@@ -325,7 +363,7 @@ def token_logprobs(
 
 
 def next_token_logprobs(
-    policy: nn.Module,
+    policy: ScoringPolicy,
     input_ids: torch.Tensor,  # (B, T)
     targets: torch.Tensor,  # (B, T) long: the token each position predicts, ``ignore_index`` where none
     attention_mask: torch.Tensor | None = None,
@@ -360,7 +398,7 @@ def next_token_logprobs(
 
 
 def response_logits(
-    policy: nn.Module,
+    policy: ScoringPolicy,
     input_ids: torch.Tensor,  # (B, T)
     attention_mask: torch.Tensor | None = None,
     *,
@@ -384,4 +422,5 @@ def response_logits(
             logits_to_keep=response_length + 1,
             use_cache=False,
         )
-    return out.logits[:, :-1]
+    logits: torch.Tensor = out.logits[:, :-1]  # (B, R, V)
+    return logits

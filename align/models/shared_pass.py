@@ -27,11 +27,15 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from align.core.packing import common_prefix, group_representatives, share_prompts, split_groups
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Shared tokens x decoder parameters below which a scoring pass does not split into a pass over the shared tokens
 # and a continuation pass: about 1 GFLOP of forward work, more than the second call's fixed cost (a few ms on a
@@ -60,13 +64,18 @@ def decoder_facts(decoder: nn.Module) -> DecoderFacts:
         config = getattr(decoder, "config", None)  # without one (not a transformers model) no layout applies
         kwarg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
         parameters = sum(p.numel() for p in decoder.parameters())
-        embeddings = decoder.get_input_embeddings().weight.numel()
+        embeddings = _input_embeddings(decoder).weight.numel()
         heads = getattr(config, "num_attention_heads", 1) or 1
         width = heads * (getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads)
         _FACTS[decoder] = DecoderFacts(
             parameters, kwarg, 2 * (parameters - embeddings), 4 * width * (getattr(config, "num_hidden_layers", 0) or 0)
         )
     return _FACTS[decoder]
+
+
+def _input_embeddings(decoder: nn.Module) -> nn.Embedding:
+    """The input embedding of a transformers decoder (transformers types it as any ``nn.Module``)."""
+    return cast(nn.Embedding, cast("PreTrainedModel", decoder).get_input_embeddings())
 
 
 def layout_mask_kind(decoder: nn.Module) -> str | None:
@@ -77,7 +86,8 @@ def layout_mask_kind(decoder: nn.Module) -> str | None:
         getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
     ):
         return None
-    return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
+    kinds: dict[str | None, str] = {"sdpa": "bool", "eager": "additive"}
+    return kinds.get(getattr(config, "_attn_implementation", None))
 
 
 def pass_cost(rows: int, columns: int, token_flops: int, pair_flops: int) -> int:
@@ -124,7 +134,11 @@ def scoring_hidden(
         if shared == 0:
             return plain_hidden(decoder, input_ids, attention_mask, position_ids, R)
         if order is not None:
-            rows = tuple(None if x is None else x.gather(1, order) for x in rows)
+            rows = (
+                input_ids.gather(1, order),
+                None if attention_mask is None else attention_mask.gather(1, order),
+                None if position_ids is None else position_ids.gather(1, order),
+            )
         group, groups = torch.zeros_like(group), 1
     else:
         shared = P
@@ -142,19 +156,26 @@ def scoring_hidden(
     return _cached_prefix_hidden(decoder, facts.cache_kwarg, *rows, shared, group, groups)[:, -R:]
 
 
-def plain_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, R: int) -> torch.Tensor:
+def plain_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor | None,  # (B, T)
+    position_ids: torch.Tensor | None,  # (B, T)
+    R: int,
+) -> torch.Tensor:
     T = input_ids.shape[1]
-    return decoder(
+    hidden: torch.Tensor = decoder(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state[:, T - R - 1 : T - 1]
+    ).last_hidden_state[:, T - R - 1 : T - 1]  # (B, R, H)
+    return hidden
 
 
 def _laid_out_hidden(
     decoder: nn.Module,
     mask_kind: str,
-    input_ids,
-    attention_mask,
-    position_ids,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor | None,  # (B, T)
+    position_ids: torch.Tensor | None,  # (B, T)
     fed: int,
     piece: torch.Tensor,
     pieces: int,
@@ -164,7 +185,7 @@ def _laid_out_hidden(
     rows = share_prompts(input_ids, attention_mask, position_ids, fed, piece, pieces)
     mask = rows.attention_mask
     if mask_kind == "additive":
-        dtype = decoder.get_input_embeddings().weight.dtype
+        dtype = _input_embeddings(decoder).weight.dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     hidden = decoder(
         input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False
@@ -186,20 +207,21 @@ def rows_of(hidden: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
     flat = hidden.reshape(-1, H)
     if hidden.device.type != "cpu":
         return flat[flat_index]
-    return _RowsOf.apply(flat, flat_index.reshape(-1)).reshape(*flat_index.shape, H)
+    rows: torch.Tensor = _RowsOf.apply(flat, flat_index.reshape(-1))  # (K, H)
+    return rows.reshape(*flat_index.shape, H)
 
 
 class _RowsOf(torch.autograd.Function):
     """``flat[index]`` for ``flat`` ``(M, H)`` and ``index`` ``(K,)``, with a gradient summed in index order."""
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(index)
         ctx.shape = flat.shape
         return flat.index_select(0, index)  # (K, H)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (index,) = ctx.saved_tensors
         out = grad.new_zeros(ctx.shape)
         with deterministic_algorithms():
@@ -224,9 +246,9 @@ def deterministic_algorithms() -> Iterator[None]:
 def _cached_prefix_hidden(
     decoder: nn.Module,
     cache_kwarg: str,
-    input_ids,
-    attention_mask,
-    position_ids,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor | None,  # (B, T)
+    position_ids: torch.Tensor | None,  # (B, T)
     C: int,
     group: torch.Tensor,
     groups: int,
@@ -236,7 +258,7 @@ def _cached_prefix_hidden(
     T = input_ids.shape[1]
     first = group_representatives(group, groups)
 
-    def sub(x):
+    def sub(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x[first, :C]
 
     prefix = decoder(
