@@ -250,7 +250,7 @@ class Colocated:
         """Shut the engine down now, while the process groups it set up are still valid (its own finalizer, run at
         interpreter exit, would find them gone). vLLM's shutdown also ends this process's default process group."""
         try:
-            self.llm.llm_engine.shutdown()
+            self.llm.llm_engine.engine_core.shutdown()  # LLMEngine has no shutdown of its own (vLLM 0.32)
         except Exception as err:  # noqa: BLE001  (a failed shutdown at exit must not hide the run's result)
             log.debug("vLLM engine shutdown: %s", err)
         finally:
