@@ -140,4 +140,4 @@ def build_tiny_model(seed: int = 0, **config_overrides: Any) -> LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(torch.float32).eval()
+    return model.to(torch.float32).eval()  # type: ignore[arg-type]  # transformers' @wraps'd `to` hides its signature

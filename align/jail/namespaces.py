@@ -99,6 +99,7 @@ def package_paths(name: str) -> list[str]:
     if spec.submodule_search_locations:
         paths = [str(p) for p in spec.submodule_search_locations]
     else:
+        assert spec.origin is not None  # checked above: no search locations means an origin
         paths = [spec.origin]
     parent = os.path.dirname(paths[0].rstrip("/"))
     vendored = os.path.join(parent, f"{name}.libs")

@@ -118,7 +118,8 @@ class AsyncSource(RolloutSource):
         self.max_staleness, self.placement = max_staleness, generator
         self.interrupt, self.partial = interrupt, partial
         self._seq = 0  # calls sent to the current generator (it runs them in this order)
-        self.actor, self._actor_device = None, "cpu"
+        self.actor: Any = None  # the generator's Ray actor handle, once started (see start_generator)
+        self._actor_device = "cpu"
         self.pipeline: deque[_Batch] = deque()
         self.sent = 0  # batches sent to the generator in this run (a batch's number seeds its stream)
         self.versions: list[int] = []  # the latest policy versions trained on (optimizer steps), oldest first
@@ -128,7 +129,7 @@ class AsyncSource(RolloutSource):
         self._load: Any = None  # the last weight load sent, until the batch sent after it takes it
 
     @property
-    def no_update_reason(self) -> str:
+    def no_update_reason(self) -> str:  # type: ignore[override]  # the base's is a class attribute
         return f"the asynchronous source's first {self.max_staleness} batches fill its pipeline"
 
     @property

@@ -163,7 +163,7 @@ class HeldOutSampling(SamplingConfig):
 
     where: ClassVar[str] = "model.evaluation.sampling"
 
-    engine: str | GenerationEngine | None = None
+    engine: str | GenerationEngine | None = None  # type: ignore[assignment]  # widened: null is the training engine
     """The generation engine; null: the training engine (``sampling.engine``, with its settings)."""
     correction: HeldOutCorrection = field(default_factory=HeldOutCorrection)
     """Checked as the training correction is; held-out completions are never trained on."""

@@ -119,8 +119,8 @@ def play_episodes(
     for k, messages in enumerate(envs.reset([rows[k // group_size] for k in range(n)], labels)):
         i = k // group_size
         own = batch.messages is not None and messages == batch.messages[i]
-        ids = list(batch.prompt_ids[i]) if own else _render(encoder, envs, labels[k], messages)
-        episodes.append(_Episode(k, labels[k], ids, messages, first_messages=len(messages)))
+        prompt = list(batch.prompt_ids[i]) if own else _render(encoder, envs, labels[k], messages)
+        episodes.append(_Episode(k, labels[k], prompt, messages, first_messages=len(messages)))
     device = next(policy.parameters()).device
     stop, pad = set(engine.stop_ids(tok)), tok.pad_token_id
     width = max(len(e.prompt_ids) for e in episodes)
@@ -175,6 +175,7 @@ def play_episodes(
                 e.messages.append(message)
                 e.rewards.append((len(e.ids) - 1, step.reward))
                 e.calls.append((turn, record.start_ns, record.end_ns, step.reward, step.done))
+                assert step.info is not None  # the pool's steps always carry a dict (EnvironmentPool.step)
                 for key, value in step.info.items():
                     if isinstance(value, numbers.Real) and not isinstance(value, bool):
                         e.info[key] = e.info.get(key, 0.0) + float(value)

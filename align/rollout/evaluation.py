@@ -248,6 +248,7 @@ def evaluate(
             base_evaluator.add(base_rollout, base_total, base_parts)
             _compare_with_baseline(sums, judge, batch, rollout, base_rollout, total.tolist(), base_total.tolist())
             if kl_ok:
+                assert baseline is not None  # kl_ok is only set with a baseline
                 sums.add("kl", _sequence_log_ratio(policy, baseline, rollout))
         sums.count += len(rollout)
         if on_batch is not None:
@@ -314,6 +315,8 @@ def _compare_with_baseline(
     total: Sequence[float],
     base_total: Sequence[float],
 ) -> None:
+    ours: Sequence[float]
+    theirs: Sequence[float]
     if judge is not None:
         ours = judge(**reward_inputs(batch, rollout))[0]
         theirs = judge(**reward_inputs(batch, base_rollout))[0]

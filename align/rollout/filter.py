@@ -45,7 +45,7 @@ def select_groups(rollout: Rollout, groups: torch.Tensor) -> Rollout:
     g = rollout.group_size
     device = rollout.prompt_index.device
     rows = (groups.to(device)[:, None] * g + torch.arange(g, device=device)).flatten()
-    out = {}
+    out: dict[str, Any] = {}
     for f in fields(Rollout):
         value = getattr(rollout, f.name)
         if isinstance(value, torch.Tensor):
@@ -85,7 +85,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return rollouts[0]
     p = max(r.prompt_ids.shape[1] for r in rollouts)
     w = max(r.response_ids.shape[1] for r in rollouts)
-    out = {}
+    out: dict[str, Any] = {}
     for f in fields(Rollout):
         values = [getattr(r, f.name) for r in rollouts]
         if values[0] is None:
@@ -211,11 +211,11 @@ class GroupFilter:
             {k: torch.cat([f.parts[k] for f in buffer]) for k in buffer[0].parts},
         )
         if len(out.rollout) > take * self.group_size:  # the excess groups are dropped, as in the paper
-            rows = slice(0, take * self.group_size)
+            kept = slice(0, take * self.group_size)
             out = Filled(
                 select_groups(out.rollout, torch.arange(take)),
-                out.rewards[rows],
-                {k: v[rows] for k, v in out.parts.items()},
+                out.rewards[kept],
+                {k: v[kept] for k, v in out.parts.items()},
             )
         lengths = out.rollout.response_lengths.float()
         metrics["rollout/response_length"] = float(lengths.mean())

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from align.data.chat import ChatEncoder
 from align.data.io import Rows, read_rows
 from align.data.prompts import PromptBatch, PromptExample, collate_prompts, encode_prompt_rows
 from align.errors import AlignConfigError, AlignDataError
+from align.models.loading import DType
 from align.models.policy import PolicyModel
 from align.rollout.engine import GenerationEngine, SamplingConfig, make_engine
 from align.rollout.types import Rollout
@@ -79,7 +81,9 @@ def _ready(policy: PolicyModel, device: str | None) -> PolicyModel:
     return policy.to(device) if device else policy
 
 
-def load_policy(source: str, device: str | None = None, dtype: str | None = None, what: str = "--model") -> PolicyModel:
+def load_policy(
+    source: str, device: str | None = None, dtype: DType | None = None, what: str = "--model"
+) -> PolicyModel:
     """The policy in ``source``, in eval mode without gradients, on ``device`` (default: CPU).
 
     ``source`` is an align checkpoint (a ``.ckpt`` file written by any align run: the policy is rebuilt from the
@@ -91,10 +95,11 @@ def load_policy(source: str, device: str | None = None, dtype: str | None = None
     if _is_checkpoint(source):
         checkpoint = _checkpoint(source, what)
         return _ready(policy_from_checkpoint(source, checkpoint=checkpoint, dtype=dtype), device)
-    return _ready(PolicyModel(model=source, **({"dtype": dtype} if dtype else {})), device)
+    options: dict[str, Any] = {"dtype": dtype} if dtype else {}
+    return _ready(PolicyModel(model=source, **options), device)
 
 
-def reference_policy(source: str, device: str | None = None, dtype: str | None = None) -> PolicyModel:
+def reference_policy(source: str, device: str | None = None, dtype: DType | None = None) -> PolicyModel:
     """The model the run of checkpoint ``source`` started from: its ``reference_model`` when it had one, else
     its base ``model`` (for a LoRA run, the model without the adapter), with the run's tokenizer."""
     if not _is_checkpoint(source):

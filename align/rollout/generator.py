@@ -205,6 +205,8 @@ class Generator:
     @torch.no_grad()
     def _take_newer(self) -> int:
         with self._turn:
+            # Called once _newer() saw an offer, and an offer is only ever replaced by a newer one.
+            assert self._offered is not None
             version, weights = self._offered
         if not isinstance(weights, dict):
             import ray
@@ -283,11 +285,13 @@ def connect(address: str | None, num_cpus: float) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    options = dict(namespace="align", include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    options: dict[str, Any] = dict(
+        namespace="align", include_dashboard=False, log_to_driver=False, logging_level="WARNING"
+    )
     address = address or os.environ.get("RAY_ADDRESS")
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if address is None:
-        shared = [None, None]
+        shared: list[str | None] = [None, None]  # the address of the Ray rank 0 started, and its token
         if not distributed or dist.get_rank() == 0:
             ray.init(num_cpus=max(int(num_cpus + 0.999), os.cpu_count() or 1), **options)
             shared = [ray.get_runtime_context().gcs_address, _auth_token()]
@@ -323,7 +327,7 @@ def _use_token(token: str) -> None:
     """Authenticate this process's Ray client with ``token`` (Ray reads its mode once; it is read again here)."""
     os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", token
     try:
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # compiled module; its .pyi lacks Config
 
         Config.initialize("")
     except (ImportError, AttributeError):  # a Ray without token authentication
@@ -332,7 +336,7 @@ def _use_token(token: str) -> None:
 
 def start_generator(
     placement: GeneratorPlacement, spec: dict[str, Any], sampling, threads: int, name: str, partial: str | None = None
-):
+) -> tuple[Any, str]:
     """A :class:`Generator` actor placed with ``placement``, and the type of its device; raises a one-line error
     when Ray cannot place or start it within ``placement.timeout_s``."""
     import ray
@@ -346,7 +350,8 @@ def start_generator(
     options: dict[str, Any] = dict(num_cpus=placement.num_cpus, num_gpus=num_gpus, max_restarts=0)
     if partial is not None:  # offers of newer weights run beside the batch being generated
         options.update(concurrency_groups={"offers": 1}, max_concurrency=8)
-    actor = (
+    # Ray types an actor handle's methods only when they are decorated with @ray.method: the handle goes untyped.
+    actor: Any = (
         ray.remote(**options)(Generator)
         .options(name=name)
         .remote(spec, sampling, device, placement.threads or threads, partial)

@@ -182,6 +182,8 @@ class Sampler:
     def trace_environment(self, rollout: Rollout) -> None:
         """An ``env_step`` span per environment call of a multi-turn rollout, under the span open here (the step's
         ``generation``), while tracing is on."""
+        # Called for the rollouts of play_episodes: with an environment, and episodes on the rollout.
+        assert self.environment is not None and rollout.episodes is not None
         name = self.environment.name
         for index, episode in enumerate(rollout.episodes):
             for turn, start, end, reward, done in episode["calls"]:
@@ -213,13 +215,14 @@ class Sampler:
         device = rollout.response_ids.device
         failure = None
         try:
-            total, parts = self.reward(**reward_inputs(batch, rollout))
+            totals, by_name = self.reward(**reward_inputs(batch, rollout))
         except Exception as err:  # noqa: BLE001 - every rank learns of it and stops (stop_together)
             failure = err
         stop_together(failure, self.ranks(), device)
         to_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
-        total, parts = to_tensor(total), {name: to_tensor(v) for name, v in parts.items()}
+        total, parts = to_tensor(totals), {name: to_tensor(v) for name, v in by_name.items()}
         if rollout.episodes is not None:
+            assert self.environment is not None  # episodes are played in an environment
             parts["env"] = to_tensor([e["env_reward"] for e in rollout.episodes])
             total = total + self.environment.spec.weight * parts["env"]
         if self.overlong is not None:

@@ -135,6 +135,7 @@ class FilteredSource(RolloutSource):
         for key, seconds in scored.timings.items():
             self._timings[key] = self._timings.get(key, 0.0) + seconds
         ranks = self.sampler.ranks()
+        assert self.filter is not None  # made by bind(), which the module calls before any step
         filled = self.filter.add(
             scored.rollout,
             scored.rewards,
@@ -154,4 +155,5 @@ class FilteredSource(RolloutSource):
 
     def load_state_dict(self, state: dict[str, Any], device=None) -> None:
         if state:
+            assert self.filter is not None  # made by bind(), which the module calls before loading a checkpoint
             self.filter.load_state_dict(state, device)

@@ -4,6 +4,7 @@ rollout (with its rewards)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -91,7 +92,7 @@ def rollout_from_state(state: dict, device: torch.device | str | None = None) ->
 
 def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
     """``rollout`` with every tensor on ``device`` (the same object when they are there already)."""
-    changes = {
+    changes: dict[str, Any] = {
         f.name: value.to(device)
         for f in fields(rollout)
         if isinstance(value := getattr(rollout, f.name), torch.Tensor) and value.device != torch.device(device)

@@ -21,12 +21,15 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import astuple, replace
-from typing import Protocol
+from dataclasses import Field, astuple, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from align.errors import AlignConfigError
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 __all__ = ["Colocated", "close_engines", "engine_for", "import_vllm"]
 
@@ -37,6 +40,7 @@ class Settings(Protocol):
     """The engine settings a colocated engine is started with: a :class:`~align.rollout.vllm_engine.VLLMEngine`'s
     (a dataclass, so that :func:`engine_for` can key engines by them)."""
 
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
     dtype: str
     kv_cache_gb: int
     gpu_memory_utilization: float
@@ -106,7 +110,7 @@ class Colocated:
         self._write_model(policy, model_dir)
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gb)
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             model=model_dir,
             dtype=self.dtype,
             seed=settings.seed,
@@ -152,9 +156,9 @@ class Colocated:
             ) from None
         finally:
             torch.set_num_threads = set_threads
-        self.base_fingerprint = self._base_fingerprint(policy)
-        self.adapter_fingerprint = None
-        self.adapter = None  # the current LoRARequest
+        self.base_fingerprint: tuple[Any, ...] | None = self._base_fingerprint(policy)
+        self.adapter_fingerprint: tuple[Any, ...] | None = None
+        self.adapter: LoRARequest | None = None  # the current LoRARequest
         self.adapter_count = 0
         self.asleep = False
 
@@ -163,7 +167,9 @@ class Colocated:
         from vllm.inputs import TokensPrompt
 
         self.llm.generate(
-            [TokensPrompt(prompt_token_ids=[0, 0])], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False
+            [TokensPrompt(prompt_token_ids=[0, 0])],  # type: ignore[typeddict-item]  # vLLM's NotRequired is 3.11's
+            SamplingParams(max_tokens=1, detokenize=False),
+            use_tqdm=False,
         )
 
     # ------------------------------------------------------------------ the model the engine starts from
@@ -250,7 +256,7 @@ class Colocated:
         """Shut the engine down now, while the process groups it set up are still valid (its own finalizer, run at
         interpreter exit, would find them gone). vLLM's shutdown also ends this process's default process group."""
         try:
-            self.llm.llm_engine.shutdown()
+            self.llm.llm_engine.engine_core.shutdown()  # LLMEngine has no shutdown of its own (vLLM 0.32)
         except Exception as err:  # noqa: BLE001  (a failed shutdown at exit must not hide the run's result)
             log.debug("vLLM engine shutdown: %s", err)
         finally:

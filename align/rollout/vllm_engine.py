@@ -141,7 +141,10 @@ class VLLMEngine(GenerationEngine):
                 for seed in seeds
             ]
             outputs = handle.llm.generate(
-                [TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False, lora_request=handle.adapter
+                [TokensPrompt(prompt_token_ids=r) for r in rows],  # type: ignore[typeddict-item]  # NotRequired: 3.11+
+                params,
+                use_tqdm=False,
+                lora_request=handle.adapter,
             )
             return _as_sample_output(outputs, pad, input_ids.device)
 

@@ -235,11 +235,16 @@ class EnvironmentPool:
             except ValueError as err:
                 raise AlignEnvError(f"{self.where}: {label}, turn {turn}: {err}") from None
             steps.append(out)
+            assert out.info is not None  # _as_step makes a missing info {}
             records.append(CallRecord(slot, turn, start, end, out.reward, out.done, out.info))
         return steps, records
 
     def _run(
-        self, calls: list[Callable[[], Any]], labels: Sequence[str], method: str, turn: int | None = None
+        self,
+        calls: Sequence[Callable[..., Any]],  # each called with no arguments (lambdas binding theirs as defaults)
+        labels: Sequence[str],
+        method: str,
+        turn: int | None = None,
     ) -> list[tuple[Any, int, int]]:
         """Run ``calls`` on up to ``spec.workers`` daemon threads: ``[(result, start_ns, end_ns)]`` in order.
 
@@ -279,7 +284,7 @@ class EnvironmentPool:
                 if errors and min(errors) <= min((i for i in range(n) if not finished[i]), default=n):
                     break  # an error that comes first in call order: report it without waiting for the rest
                 now = time.monotonic()
-                late = [i for i in range(n) if not finished[i] and started[i] is not None and now - started[i] > limit]
+                late = [i for i in range(n) if not finished[i] and (t := started[i]) is not None and now - t > limit]
                 if late:
                     at = f", turn {turn}" if turn is not None else ""
                     raise AlignEnvError(

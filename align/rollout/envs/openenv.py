@@ -31,13 +31,16 @@ import typing
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from align.errors import INIT_KWARGS, AlignConfigError
 from align.rollout.envs import loop
 from align.rollout.envs.chat import Environment, EnvStep
 from align.rollout.envs.tools import message_tool_calls
 from align.rollout.rewards import resolve_import
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 __all__ = [
     "OpenEnvEnvironment",
@@ -107,6 +110,7 @@ def read_action(message: dict, field: str | None, parser: str | Callable | None)
         if "error" in calls[0]:
             raise InvalidAction(calls[0]["error"])
         return dict(calls[0]["arguments"])
+    assert callable(parser)  # any other name was resolved to its callable (OpenEnvEnvironment)
     try:
         value = parser(text)
     except ValueError as err:  # the parser's way to say the reply holds no action
@@ -350,7 +354,8 @@ class OpenEnvEnvironment(Environment):
                     f"{cls!r}, which does not"
                 )
             self.backend = _Local(cls, dict(init_kwargs or {}), declared[0])
-            action_schema, observation_schema = (c.model_json_schema() for c in declared)
+            # Environment's type parameters are bound to openenv's Action and Observation: pydantic models.
+            action_schema, observation_schema = (cast("type[BaseModel]", c).model_json_schema() for c in declared)
         self.parser = (
             action_parser
             if action_parser in (None, "json", "tool_call")

@@ -31,7 +31,7 @@ import operator
 import re
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from align.errors import INIT_KWARGS, AlignConfigError, placed
 from align.jail.sandbox import PythonSandbox, network_namespace, python
@@ -129,7 +129,7 @@ def message_tool_calls(message: dict) -> list[ToolCall]:
 
 # ----------------------------------------------------------------------------------------------- the calculator
 
-_BINARY = {
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -138,7 +138,7 @@ _BINARY = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_MAGNITUDE = 10**30
 
 
@@ -146,7 +146,7 @@ def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return cast("int | float", node.value)  # its type() is checked above
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -206,7 +206,8 @@ def _describe(name: str, fn: Callable) -> str:
         ]
     except (TypeError, ValueError):
         params = []
-    doc = inspect.getdoc(fn.__call__ if not inspect.isroutine(fn) and callable(fn) else fn) or ""
+    # cast: mypy takes a Callable's __call__ for a non-callable attribute
+    doc = inspect.getdoc(cast(Any, fn).__call__ if not inspect.isroutine(fn) and callable(fn) else fn) or ""
     shown = ", ".join(
         p.name
         + (
@@ -268,7 +269,7 @@ class ToolEnvironment(Environment):
                 raise AlignConfigError(f"{INIT_KWARGS}.{key}: expected {expected}, got {value!r}")
         self.tools: dict[str, Callable] = {}
         for i, entry in enumerate(tools):
-            spec = dict(entry) if isinstance(entry, dict) else {"path": entry}
+            spec: dict[str, Any] = dict(entry) if isinstance(entry, dict) else {"path": entry}
             where = f"{INIT_KWARGS}.tools[{i}]"
             target = resolve_import(spec.get("path"), what="tool")
             if isinstance(target, type):
@@ -286,7 +287,7 @@ class ToolEnvironment(Environment):
                     f"{where}.path: expected a callable, got '{spec.get('path')}', which resolves "
                     f"to a {type(target).__name__}"
                 )
-            name = spec.get("name") or getattr(target, "__name__", type(target).__name__)
+            name = spec.get("name", "") or getattr(target, "__name__", type(target).__name__)
             if name in self.tools:
                 raise AlignConfigError(
                     f"{where}.name: expected a name no other tool has, got '{name}'; set 'name' on one of them"

@@ -25,6 +25,7 @@ An episode align cuts first (``max_turns``, ``max_tokens``) is never scored: kee
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import importlib.util
 import json
@@ -33,6 +34,7 @@ import queue
 import threading
 import time
 import uuid
+from types import ModuleType
 from typing import Any
 
 from align.errors import INIT_KWARGS, AlignConfigError
@@ -49,7 +51,7 @@ _ENVS_LOCK = threading.Lock()
 _WARNED: set[str] = set()
 
 
-def classic_verifiers():
+def classic_verifiers() -> ModuleType:
     """The module of verifiers' classic API: ``verifiers.legacy`` (0.3) or ``verifiers`` itself (0.2)."""
     try:
         name = "verifiers.legacy" if importlib.util.find_spec("verifiers.legacy") is not None else "verifiers"
@@ -202,11 +204,13 @@ class VerifiersEnvironment(Environment):
         self.vf = classic_verifiers()
         self.types = importlib.import_module(self.vf.__name__ + ".types")
         self.env = _load(env_id, path, dict(env_args or {}), self.vf)
-        self.name = env_id or path
+        name = env_id or path
+        assert name is not None  # exactly one of them is given (checked above)
+        self.name = name
         self.info_columns, self.roles = list(info_columns or []), dict(roles or {})
         self.tool_prompt, self.timeout = tool_prompt, timeout
-        self.client = None
-        self.running = None
+        self.client: Any = None  # the episode's AlignPolicyClient (a class made per verifiers module)
+        self.running: concurrent.futures.Future[None] | None = None  # the episode's rollout on the shared loop
         self.context: list = []
 
     def _prompt(self, row: dict) -> list[dict]:

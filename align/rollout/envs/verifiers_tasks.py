@@ -11,12 +11,14 @@ sorted letters. :func:`load_environment` is the loader a verifiers hub package e
 
 from __future__ import annotations
 
+from typing import Any
+
 from align.data import sort_task
 from align.rollout.envs.verifiers import classic_verifiers
 
 __all__ = ["load_environment", "sorted_rounds"]
 
-vf = classic_verifiers()
+vf: Any = classic_verifiers()  # verifiers.legacy or verifiers, found at import: its classes are bases here
 
 
 def _text(message) -> str:
@@ -54,7 +56,7 @@ def _examples():
     )
 
 
-def load_environment(rounds: int = 2) -> vf.MultiTurnEnv:
+def load_environment(rounds: int = 2) -> SortRoundsEnv:
     """The letter-sorting environment over ``rounds`` rounds (align's data gives the rows; the environment's own
     dataset is one example, built only when asked for)."""
     rubric = vf.Rubric(funcs=[sorted_rounds], weights=[1.0])

@@ -25,7 +25,10 @@ class CombinedReward:
     counts such rows, and the rows a judge or remote reward scored by default."""
 
     def __init__(
-        self, rewards: Sequence[RewardSpec | str | RewardFn], allow_empty: bool = False, where: str = "rewards"
+        self,
+        rewards: Sequence[RewardFunction | RewardSpec | str | RewardFn],
+        allow_empty: bool = False,
+        where: str = "rewards",
     ):
         """``allow_empty``: no reward functions at all is allowed (an environment rewards the episodes); the
         total is then 0 and there are no parts. ``where``: how errors name the list (``model.rewards``)."""
@@ -60,7 +63,7 @@ class CombinedReward:
             {r.name: r.take_errors() for r in self.rewards if r.counts_errors},
         )
         total = [
-            float(sum(r.weight * values[r.name][i] for r in self.rewards if values[r.name][i] is not None))
+            float(sum(r.weight * v for r in self.rewards if (v := values[r.name][i]) is not None))
             for i in range(len(completions))
         ]
         return total, {name: [0.0 if v is None else v for v in vals] for name, vals in values.items()}

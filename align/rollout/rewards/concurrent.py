@@ -39,7 +39,7 @@ def reward_loop() -> asyncio.AbstractEventLoop:
     so that a client an async reward holds (an HTTP connection pool) is reused from batch to batch."""
     global _loop, _loop_thread
     with _loop_lock:
-        if _loop is None or _loop.is_closed() or not _loop_thread.is_alive():
+        if _loop is None or _loop_thread is None or _loop.is_closed() or not _loop_thread.is_alive():
             _loop = asyncio.new_event_loop()
             _loop_thread = threading.Thread(target=_loop.run_forever, name="align-rewards-loop", daemon=True)
             _loop_thread.start()

@@ -9,7 +9,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from align.data.prompts import REWARD_INPUTS
 from align.errors import INIT_KWARGS, AlignConfigError, AlignError, placed
@@ -101,11 +101,13 @@ class RewardFunction:
         if not math.isfinite(self.weight):
             raise AlignConfigError(f"{self._key('weight')}: expected a finite number, got {spec.weight!r}")
         target = _target(self.fn)
-        self.name = spec.name or (
+        name = spec.name or (
             getattr(target, "__name__", None)
             if inspect.isroutine(self.fn) or isinstance(self.fn, functools.partial)
             else type(self.fn).__name__
         )
+        assert name is not None  # _target of a routine or partial is a function (or __call__), which has a name
+        self.name: str = name
         self.kwargs = dict(spec.kwargs)
         self.concurrency, self.timeout = spec.concurrency, spec.timeout
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
@@ -216,7 +218,8 @@ class RewardFunction:
 
     def take_errors(self) -> int:
         """Completions scored by default after a failed call since the last time asked (0 when not counted)."""
-        return int(self.fn.take_errors()) if self.counts_errors else 0
+        # A reward object with its own take_errors() (counts_errors), which RewardFn's type does not show.
+        return int(cast(Any, self.fn).take_errors()) if self.counts_errors else 0
 
     def _call(self, inputs: dict[str, Any]) -> Any:
         inputs = {**inputs, **self.kwargs}
@@ -264,8 +267,9 @@ class RewardFunction:
                 if _is_iterable(values)
                 else None
             )
-            shown = bad is not None and bad < len(values)
-            sample = f" (sample {offset + bad}: {_preview(values[bad])})" if shown else ""
+            sample = (
+                f" (sample {offset + bad}: {_preview(values[bad])})" if bad is not None and bad < len(values) else ""
+            )
             raise RewardError(f"{self.where} must return a list of numbers, got {_preview(values)}{sample}") from err
         if len(values) != len(completions):
             raise RewardError(

@@ -23,7 +23,7 @@ import asyncio
 import math
 import re
 import string
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from align.errors import AlignConfigError
 from align.rollout.rewards.service import REWARDS_EXTRA, ServiceReward
@@ -288,7 +288,7 @@ class Judge(ServiceReward):
             error = next((r for r in replies if isinstance(r, BaseException)), None)
             if error is not None:
                 raise error
-            choices = [parse_choice(reply) for reply in replies]
+            choices = [parse_choice(cast(str, reply)) for reply in replies]  # no exception among them: raised above
         except Exception as err:  # noqa: BLE001 - a failed pair scores the default and is counted
             return self.failed(2, err, failures)
         if len(choices) == 2 and choices[0] == choices[1]:  # swapped order, same position: the judge disagrees

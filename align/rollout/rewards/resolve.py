@@ -41,6 +41,8 @@ def _load_file(path_text: str, attr: str, spec_text: str, what: str = "reward") 
         _importable(str(path.resolve().parent))
         _cwd_importable()
         spec = importlib.util.spec_from_file_location(module_name, path)
+        # Only ``.py`` paths come here (resolve_import), and those always get a spec with a source loader.
+        assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
@@ -191,6 +193,6 @@ def error_location(err: BaseException, fn: Any) -> str:
     return f" at {_shown_path(chosen.filename)}, line {chosen.lineno}" + (f" in {name}()" if name else "")
 
 
-def one_line(err: Exception) -> str:
+def one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 200 else text[:197] + "..."

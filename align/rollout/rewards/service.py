@@ -146,8 +146,9 @@ class ServiceReward:
         mine = self._per_loop.setdefault(asyncio.get_running_loop(), {})
         if name not in mine:
             mine[name] = made = make()
-            if inspect.iscoroutinefunction(getattr(made, "close", None)):
-                close_at_exit(made.close)
+            close = getattr(made, "close", None)
+            if inspect.iscoroutinefunction(close):
+                close_at_exit(close)
         return mine[name]
 
     def retryable(self, err: BaseException) -> bool:
