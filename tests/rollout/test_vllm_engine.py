@@ -200,7 +200,7 @@ def test_a_model_the_engines_kernels_refuse_fails_on_one_line_at_start(tmp_path)
     policy = PolicyModel(str(tmp_path / "m"))
     if torch.cuda.is_available():
         pytest.skip("the CPU kernels' limit")
-    with pytest.raises(AlignConfigError, match=r"^sampling\.engine vllm: vLLM cannot run this model here \(.*\); use"):
+    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: vllm cannot run this model here \(.*\); "):
         greedy().generate(policy, prompt_ids(policy)[:1], 1)
 
 
