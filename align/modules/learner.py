@@ -174,7 +174,7 @@ class Optimization(NamedTuple):
     optimizer: Any
     scheduler: Any = None  # stepped after every optimizer step
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
-    clip: Callable[[float], Any] | None = None  # clips the gradient norm to the given value
+    clip: Callable[[float], Any] | None = None  # clips the gradient norm to the given value (None: torch's, in update)
     boundary: Callable[[bool], None] = _no_boundary  # told whether a micro-batch ends the step (DeepSpeed)
     gradient_scale: float = 1.0  # undoes the framework's own scaling of a returned loss
     ranks: Ranks = Ranks()
@@ -272,7 +272,11 @@ class Learner:
                     for name, value in stats.items():
                         sums[name] = sums.get(name, 0.0) + float(value) * weight
                 if u.max_grad_norm is not None:
-                    opt.clip(u.max_grad_norm)
+                    if opt.clip is not None:
+                        opt.clip(u.max_grad_norm)
+                    else:  # plain torch without a clip hook: the optimizer's own parameters
+                        params = [p for group in opt.optimizer.param_groups for p in group["params"]]
+                        torch.nn.utils.clip_grad_norm_(params, u.max_grad_norm)
                 opt.optimizer.step()  # a non-finite loss or gradient stops or skips here (align.trainer.guards)
                 opt.optimizer.zero_grad(set_to_none=True)
                 self.steps += 1
