@@ -127,7 +127,8 @@ class TrainingModule(L.LightningModule):
         if trainer is None:
             return False
         bar = trainer.progress_bar_callback
-        if (bar is not None and bar.is_enabled) or trainer.fast_dev_run:
+        # A progress bar that does not say whether it is enabled (Lightning's base class does not) is taken to be.
+        if (bar is not None and getattr(bar, "is_enabled", True)) or trainer.fast_dev_run:
             return True
         if any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
             return True
