@@ -33,6 +33,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
@@ -161,18 +162,24 @@ class ClassicRLModule(TrainingModule):
     def configure_optimizers(self):
         return self.optimizer([p for p in self.parameters() if p.requires_grad])
 
+    def _optimizer(self) -> LightningOptimizer:
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
+        return optimizer
+
     def current_lr(self) -> float:
-        return float(self.optimizers().param_groups[0]["lr"])
+        return float(self._optimizer().param_groups[0]["lr"])
 
     def _anneal_lr(self) -> None:
         """``lr_schedule: linear``: every group's learning rate falls linearly to 0 at ``total_steps``."""
-        optimizer = self.optimizers()
+        optimizer = self._optimizer()
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
             if self.lr_schedule == "linear":
                 group["lr"] = group["initial_lr"] * (1.0 - self.progress())
 
-    def optimizer_step(self, loss: torch.Tensor) -> float:
+    # Not Lightning's hook of the same name, which manual optimization never calls: the modules' own step.
+    def optimizer_step(self, loss: torch.Tensor) -> float:  # type: ignore[override]  # not Lightning's hook
         """Backward, clip to ``updates.max_grad_norm`` and step; returns the gradient norm before clipping.
 
         The non-finite guard is done here, on the norm the clipping computes anyway (``guards_own_steps``): a NaN
@@ -192,7 +199,7 @@ class ClassicRLModule(TrainingModule):
         norm = float(clip_grad_norm(self._trainable, self.max_grad_norm))
         if not math.isfinite(norm):
             self._non_finite("gradients")
-        optimizer = self.optimizers()
+        optimizer = self._optimizer()
         if self._unhooked_steps is None:
             self._unhooked_steps = self._nothing_hooks_the_step(optimizer)
         if self._unhooked_steps:
@@ -218,7 +225,8 @@ class ClassicRLModule(TrainingModule):
             return False
         if type(self).on_before_optimizer_step is not L.LightningModule.on_before_optimizer_step:
             return False
-        return all(type(cb).on_before_optimizer_step is Callback.on_before_optimizer_step for cb in trainer.callbacks)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        return all(type(cb).on_before_optimizer_step is Callback.on_before_optimizer_step for cb in callbacks)
 
     def _non_finite(self, what: str) -> None:
         raise NonFiniteError(
@@ -282,7 +290,7 @@ class ClassicRLModule(TrainingModule):
 
     # ------------------------------------------------------------------ evaluation
     def val_dataloader(self) -> DataLoader:
-        return DataLoader([0], batch_size=None)
+        return DataLoader([0], batch_size=None)  # type: ignore[arg-type]  # torch's stub wants a Dataset; a list is one
 
     @torch.no_grad()
     def evaluate(self, episodes: int | None = None, deterministic: bool | None = None) -> list[Episode]:
@@ -305,6 +313,7 @@ class ClassicRLModule(TrainingModule):
         finally:
             self.train(was_training)
         runner.pop_episodes()
+        assert steps.valid is not None  # collect_episodes marks each environment's first episode
         valid = steps.valid.float()  # (T, N)
         rewards, lengths = (steps.rewards * valid).sum(0), valid.sum(0)
         return [Episode(float(r), int(n_), i + 1, False) for i, (r, n_) in enumerate(zip(rewards, lengths))]

@@ -36,6 +36,8 @@ class _EpsilonGreedy(ClassicRLModule):
     """Acting epsilon-greedily on ``self.q`` (a module mapping observations to ``(N, A)`` values)."""
 
     exploration: Exploration
+    q: QNetwork | QTable
+    num_actions: int
 
     def epsilon(self) -> float:
         return self.epsilon_at(self.env_steps)
@@ -175,7 +177,7 @@ class DQNGymModule(_EpsilonGreedy):
     def iteration(self) -> Metrics:
         epsilon = self.epsilon()
         self.collect(self.explorer(self.steps_per_iteration), self.steps_per_iteration, on_step=self._store)
-        out = {"rollout/epsilon": epsilon, "rollout/buffer_size": float(len(self.buffer))}
+        out: Metrics = {"rollout/epsilon": epsilon, "rollout/buffer_size": float(len(self.buffer))}
         gradient_steps = self.updates.gradient_steps
         if self.env_steps < self.learning_starts or gradient_steps == 0:
             return out

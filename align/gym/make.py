@@ -160,7 +160,7 @@ def make_env(spec: EnvSpec) -> gym.Env:
         raise AlignConfigError(f"environment '{env_id}': building it failed: {type(err).__name__}: {err}") from err
 
 
-def make_vector_env(spec: EnvSpec, num_envs: int | None = None) -> gym.vector.VectorEnv:
+def make_vector_env(spec: EnvSpec, num_envs: int | None = None) -> SyncVectorEnv | AsyncVectorEnv:
     """``num_envs`` (default ``spec.num_envs``) copies of the environment as one vector environment, autoreset
     disabled. The first copy is built here, so a bad id or constructor fails in this process with one line."""
     n = spec.num_envs if num_envs is None else num_envs

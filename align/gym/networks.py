@@ -15,8 +15,8 @@ CleanRL's) DQN, whose tuned hyperparameters assume it (``init: orthogonal`` give
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Callable, Collection, Sequence
+from typing import Literal, NamedTuple, cast
 
 import gymnasium as gym
 import torch
@@ -65,7 +65,7 @@ def observation_size(space: gym.Space, env_id: str = "environment") -> int:
 
 
 @torch.no_grad()
-def _fold_moments(stats: nn.Module, x: torch.Tensor) -> None:
+def _fold_moments(stats: ObservationEncoder | RewardScaler, x: torch.Tensor) -> None:
     """Fold a batch ``x`` (reduced over its first dim) into ``stats``' running ``mean``, ``var`` and ``count``
     buffers, in place (Chan et al.'s parallel update)."""
     batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
@@ -78,6 +78,11 @@ def _fold_moments(stats: nn.Module, x: torch.Tensor) -> None:
 class ObservationEncoder(nn.Module):
     """``(N, *obs)`` environment observations to ``(N, D)`` float features, normalised by running statistics when
     ``normalize`` (Stable-Baselines3's ``VecNormalize``: clipped to +-``clip`` standard deviations)."""
+
+    # Buffers, registered only when ``normalize``: the running statistics of the features.
+    mean: torch.Tensor  # (D,) float64
+    var: torch.Tensor  # (D,) float64
+    count: torch.Tensor  # () float64
 
     def __init__(self, space: gym.Space, normalize: bool = False, clip: float = 10.0, env_id: str = "environment"):
         super().__init__()
@@ -110,6 +115,11 @@ class RewardScaler(nn.Module):
     (Stable-Baselines3's ``VecNormalize(norm_reward=True)``; Engstrom et al. 2020, arXiv 2005.12729, "reward
     scaling"). The mean is not subtracted, so the sign of every reward is kept. Each environment's running return is
     a buffer, so a checkpoint resumes it."""
+
+    returns: torch.Tensor  # (N,) float64, each environment's running discounted return
+    mean: torch.Tensor  # () float64
+    var: torch.Tensor  # () float64
+    count: torch.Tensor  # () float64
 
     def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8):
         super().__init__()
@@ -177,8 +187,10 @@ class StackedMLP(nn.Module):
             self.biases.append(nn.Parameter(torch.zeros(k, 1, b)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The lists' parameter dicts, read directly: indexing a ParameterList costs more than a small layer.
-        weights, biases = self.weights._parameters.values(), self.biases._parameters.values()
+        # The lists' parameter dicts, read directly: indexing a ParameterList costs more than a small layer. They
+        # hold no None entries.
+        weights = cast("Collection[nn.Parameter]", self.weights._parameters.values())
+        biases = cast("Collection[nn.Parameter]", self.biases._parameters.values())
         last = len(weights) - 1
         h = x
         for i, (weight, bias) in enumerate(zip(weights, biases)):
@@ -199,6 +211,9 @@ class ActorCritic(nn.Module):
     (A2C's original form); otherwise two separate networks (Stable-Baselines3's default for PPO and A2C).
     Discrete actions: a categorical over logits. Box actions: a diagonal Gaussian with a learned, state-independent
     ``log_std``; sampled actions are clipped to the bounds only when sent to the environment."""
+
+    low: torch.Tensor  # (A,) Box actions only: the action space's bounds (buffers)
+    high: torch.Tensor  # (A,)
 
     def __init__(
         self,
@@ -286,6 +301,11 @@ class ActorCritic(nn.Module):
         return torch.maximum(torch.minimum(actions, self.high), self.low) if self.continuous else actions
 
 
+_LayerOp = tuple[Callable[[torch.Tensor], torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None]
+"""One step of :meth:`QNetwork.greedy`: ``(op, None, None)`` for an activation, ``(None, weight, bias)`` for a linear
+layer."""
+
+
 class QNetwork(nn.Module):
     """``Q(s, .)``: one value per discrete action, ``(N, *obs) -> (N, A)``."""
 
@@ -323,7 +343,7 @@ class QNetwork(nn.Module):
         first = self.net[0].weight
         cached = getattr(self, "_ops", None)
         if cached is None or cached[0] is not first:  # rebuilt after anything replaced the parameters
-            ops = []
+            ops: list[_LayerOp] = []
             for layer in self.net:
                 if isinstance(layer, nn.Linear):
                     ops.append((None, layer.weight, layer.bias))

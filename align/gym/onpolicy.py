@@ -134,6 +134,7 @@ class OnPolicyModule(ClassicRLModule):
         out = self.network.act(obs, logprobs=self.records_logprobs)
         extras = {"values": out.values}
         if self.records_logprobs:
+            assert out.logprobs is not None  # asked for above
             extras["logprobs"] = out.logprobs
         if self.network.continuous:
             extras["env_actions"] = self.network.env_actions(out.actions)
@@ -208,7 +209,11 @@ class OnPolicyModule(ClassicRLModule):
     @staticmethod
     def means(history: list[dict[str, torch.Tensor]]) -> Metrics:
         """Each metric's mean over the iteration's minibatches, computed when logged."""
-        return {k: (lambda k=k: float(torch.stack([h[k] for h in history]).mean())) for k in history[0]}
+
+        def mean(k: str) -> Callable[[], float]:
+            return lambda: float(torch.stack([h[k] for h in history]).mean())
+
+        return {k: mean(k) for k in history[0]}
 
 
 class PPOGymModule(OnPolicyModule):

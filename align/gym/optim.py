@@ -25,7 +25,7 @@ def polyak_update(target: torch.nn.Module, online: torch.nn.Module, tau: float) 
     2015, arXiv 1509.02971); ``tau = 1`` is the hard copy of DQN's target network (arXiv 1312.5602)."""
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"polyak_update: tau must be in (0, 1], got {tau}")
-    pairs = list(zip(target.parameters(), online.parameters()))
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(target.parameters(), online.parameters()))
     pairs += [(t, o) for t, o in zip(target.buffers(), online.buffers()) if t.is_floating_point()]
     targets, sources = [t for t, _ in pairs], [o for _, o in pairs]
     if tau == 1.0:

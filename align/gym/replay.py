@@ -51,6 +51,7 @@ class ReplayBuffer:
         if not self.storage:
             self._allocate(transition)
         n = transition.rewards.shape[0]
+        where: slice | torch.Tensor
         if self.position + n <= self.capacity:  # the usual case: a plain slice, several times cheaper than indices
             where = slice(self.position, self.position + n)
         else:

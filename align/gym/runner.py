@@ -63,7 +63,7 @@ class Steps:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.rewards.shape)
+        return self.rewards.shape[0], self.rewards.shape[1]  # (T, N)
 
     @property
     def count(self) -> int:
@@ -117,9 +117,13 @@ class EnvRunner:
         # so Gymnasium's per-step info merging, action iteration and buffer concatenation are skipped. For
         # CartPole that halves what a vector step costs beyond the environments' own step functions.
         space = self.observation_space
-        direct = isinstance(self.env, SyncVectorEnv) and isinstance(space, (gym.spaces.Box, gym.spaces.Discrete))
-        self._copies: list[gym.Env] | None = list(self.env.envs) if direct else None
-        self._latest = np.zeros((self.num_envs, *(space.shape or ())), dtype=space.dtype) if direct else None
+        direct = isinstance(space, (gym.spaces.Box, gym.spaces.Discrete))
+        self._copies: list[gym.Env] | None = (
+            list(self.env.envs) if isinstance(self.env, SyncVectorEnv) and direct else None
+        )
+        self._latest = (
+            np.zeros((self.num_envs, *(space.shape or ())), dtype=space.dtype) if self._copies is not None else None
+        )
 
     # ------------------------------------------------------------------ seeds, resets, conversions
     def episode_seed(self, env_index: int, episode: int) -> int:
@@ -147,6 +151,7 @@ class EnvRunner:
                 obs, _ = self.env.reset(seed=seeds, options=None if mask is None else {"reset_mask": mask})
             else:
                 obs = self._latest
+                assert obs is not None  # built with the copies
                 for i in range(self.num_envs) if mask is None else np.flatnonzero(mask):
                     obs[i], _ = self._copies[i].reset(seed=seeds[i])
         except ObservationError as err:
@@ -180,6 +185,7 @@ class EnvRunner:
         n = self.num_envs
         rewards, terminated, truncated = np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
         obs = self._latest
+        assert self._copies is not None and obs is not None  # called only with the copies
         for i, (env, action) in enumerate(zip(self._copies, actions)):
             obs[i], rewards[i], terminated[i], truncated[i], _ = env.step(action)
         return obs, rewards, terminated, truncated
@@ -188,6 +194,7 @@ class EnvRunner:
         """The current observations ``(N, *obs)``, resetting every environment on first use."""
         if self._obs is None:
             self._reset(None, self._seeds(None))
+        assert self._obs is not None  # set by _reset
         return self._obs
 
     @staticmethod
@@ -256,7 +263,8 @@ class EnvRunner:
         self._return[:], self._length[:] = 0.0, 0
         self._actions = [[] for _ in range(self.num_envs)]
         self._reset(None, self._seeds(None))
-        records, valid = [], []
+        records: list[tuple[Transition, dict[str, torch.Tensor]]] = []
+        valid: list[torch.Tensor] = []
         running = torch.ones(self.num_envs, dtype=torch.bool)
         while bool(running.any()):
             if len(records) >= max_steps:
@@ -316,6 +324,7 @@ class EnvRunner:
             self._obs = None
             return
         self._replay(actions)
+        assert self._obs is not None  # set by the replay's reset
         if not torch.allclose(self._obs.double(), state["observations"].double(), atol=1e-6):
             log.warning(
                 "environment '%s' did not reproduce its episodes from their seeds and actions; the resumed "
@@ -331,7 +340,7 @@ class EnvRunner:
         starts = [longest - n for n in lengths]
         filler = 2**31 - 1  # the seed of the throw-away episodes before an environment's replay starts
         self.action_space.seed(int(self.spec.seed))
-        seeds = [
+        seeds: list[int | None] = [
             self.episode_seed(i, int(self._episode[i])) if starts[i] == 0 else filler for i in range(self.num_envs)
         ]
         self._reset(None, seeds)

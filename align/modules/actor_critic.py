@@ -107,6 +107,7 @@ class ActorCriticModule(RLModule):
 
     def value_parameters(self) -> list[torch.nn.Parameter]:
         """The value model's parameters: the separate critic and its head, or the shared head."""
+        assert self.policy.critic is not None  # checked by __init__
         return list(self.policy.critic.parameters())
 
     @property
@@ -140,6 +141,7 @@ class ActorCriticModule(RLModule):
         with Timer(scored.timings, "time/scoring_s"):
             turn_rewards = None
             if rollout.token_rewards is not None:  # multi-turn: each turn's environment reward on its last token
+                assert self.sampler.environment is not None  # only an environment's episodes have turn rewards
                 weight = self.sampler.environment.spec.weight
                 turn_rewards = weight * rollout.token_rewards  # (N, R)
                 scores = self.transform_scores(total - weight * parts["env"], rollout.truncated)
@@ -175,6 +177,8 @@ class ActorCriticModule(RLModule):
                     all_reduce=self.all_reduce_sum,
                 )
             )
+        returns, raw = out.returns, out.raw  # (N, R) each
+        assert returns is not None and raw is not None  # the gae estimator computes both
         metrics = self.sampler.rollout_metrics(scored)
         sums = self.all_reduce_sum(
             torch.stack(
@@ -190,11 +194,11 @@ class ActorCriticModule(RLModule):
         metrics["train/kl_per_token"] = float(sums[1] / sums[2].clamp(min=1))
         metrics["train/kl_coef"] = float(self.kl_controller.value)
         metrics["train/explained_variance"] = float(
-            stats.explained_variance(values, out.returns, mask, all_reduce=self.all_reduce_sum)
+            stats.explained_variance(values, returns, mask, all_reduce=self.all_reduce_sum)
         )
-        metrics["train/returns_mean"] = float(masked_mean(out.returns, mask))
+        metrics["train/returns_mean"] = float(masked_mean(returns, mask))
         metrics["train/values_mean"] = float(masked_mean(values, mask))
-        metrics["train/advantages_mean"] = float(masked_mean(out.raw, mask))
+        metrics["train/advantages_mean"] = float(masked_mean(raw, mask))
         metrics["train/score_mean"] = float(scores.mean())
         metrics["rollout/truncated_frac"] = float(rollout.truncated.float().mean())
         return GAEBatch(
@@ -205,7 +209,7 @@ class ActorCriticModule(RLModule):
             corrected(out.advantages, rollout),
             ref_logprobs,
             values=values,
-            returns=out.returns,
+            returns=returns,
             rewards=out.token_rewards,
             kl=kl,
             scores=scores,
@@ -220,6 +224,7 @@ class ActorCriticModule(RLModule):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Squared error to the returns, clipped around the rollout values: ``(loss share, metrics)``."""
         mask = micro.response_mask
+        assert micro.values is not None and micro.returns is not None  # set by make_batch
         loss, clipfrac = value_loss(
             values,
             micro.values,
@@ -260,6 +265,7 @@ class ActorCriticModule(RLModule):
         warmup = self.warming_up
         with Timer(self.timings, "time/update_s"):
             updates = self.update_value(data) if warmup else self.update_policy(data)
+        assert data.kl is not None  # set by make_batch
         self.update_kl_controller(data.kl, data.response_mask)
         self.log_metrics({**data.metrics, **updates, **self.timings, "train/critic_warmup": float(warmup)})
 

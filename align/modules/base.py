@@ -4,7 +4,9 @@ accumulation window (each micro-batch's exact share of an optimizer step's loss 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from functools import partial
+from typing import cast
 
 import lightning as L
 import torch
@@ -21,14 +23,15 @@ from align.trainer.strategies import release_process_group_at_exit
 
 def param_groups(module: torch.nn.Module) -> list[dict]:
     """Weight decay on matrices only: biases, norms and other vectors are not decayed."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in module.parameters():
         if p.requires_grad:
             # A parameter already partitioned by DeepSpeed ZeRO-3 (an earlier validation engine) holds an empty
             # local tensor; its real shape is ``ds_shape``.
             ndim = len(getattr(p, "ds_shape", p.shape))
             (decay if ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay}]
+    groups: list[dict] = [{"params": decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
@@ -75,6 +78,15 @@ def _last_step(trainer: L.Trainer) -> bool:
     )
 
 
+# Trainer attributes that Lightning's connectors set on it, which its class does not declare.
+def _callbacks(trainer: L.Trainer) -> list[L.Callback]:
+    return trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+
+
+def _fast_dev_run(trainer: L.Trainer) -> int | bool:
+    return trainer.fast_dev_run  # type: ignore[attr-defined]  # set by Lightning's trainer setup
+
+
 class TrainingModule(L.LightningModule):
     """Base of every module the command line trains, language-model algorithms and classic RL alike: per-step
     logging only on the steps that something reads, the optimizer's scheduler, and the callbacks every run needs
@@ -83,6 +95,7 @@ class TrainingModule(L.LightningModule):
 
     headline_metrics: tuple[str, ...] = ()
     progress_metrics: tuple[str, ...] = ()
+    scheduler: LRSchedulerCallable | None  # set by the modules that call with_scheduler
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum across data-parallel ranks (identity on one process)."""
@@ -127,14 +140,15 @@ class TrainingModule(L.LightningModule):
         if trainer is None:
             return False
         bar = trainer.progress_bar_callback
-        if (bar is not None and bar.is_enabled) or trainer.fast_dev_run:
+        # A progress bar that does not say whether it is enabled (Lightning's base class does not) is taken to be.
+        if (bar is not None and getattr(bar, "is_enabled", True)) or _fast_dev_run(trainer):
             return True
-        if any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
+        if any(getattr(cb, "monitor", None) for cb in _callbacks(trainer)):
             return True
         connector = getattr(trainer, "_logger_connector", None)
         return connector is None or bool(connector.should_update_logs) or _last_step(trainer)
 
-    def log_step(self, metrics: dict[str, float | torch.Tensor], prog_bar: tuple[str, ...] | None = None) -> None:
+    def log_step(self, metrics: Mapping[str, float | torch.Tensor], prog_bar: tuple[str, ...] | None = None) -> None:
         """Log one optimizer step's metrics; callers compute them only when :meth:`logs_this_step`. The
         ``prog_bar`` ones (by default :attr:`progress_metrics`) are shown on the progress bar."""
         prog_bar = self.progress_metrics if prog_bar is None else prog_bar
@@ -158,8 +172,8 @@ class TrainingModule(L.LightningModule):
         if (
             last
             and connector is not None
-            and trainer.log_every_n_steps > 0
-            and not (connector.should_update_logs or trainer.fast_dev_run)
+            and trainer.log_every_n_steps > 0  # type: ignore[attr-defined]  # set by Lightning's logger connector
+            and not (connector.should_update_logs or _fast_dev_run(trainer))
         ):
             connector.log_metrics(connector.metrics["log"])
 
@@ -207,7 +221,7 @@ class TrainingModule(L.LightningModule):
         from align.trainer.checkpointing import ExactResume
         from align.trainer.guards import NonFiniteGuard
 
-        present = tuple(type(cb) for cb in (self.trainer.callbacks if self._trainer is not None else []))
+        present = tuple(type(cb) for cb in (_callbacks(self.trainer) if self._trainer is not None else []))
         wanted = (ExactResume,) if self.guards_own_steps else (ExactResume, NonFiniteGuard)
         return [cb() for cb in wanted if not any(issubclass(t, cb) for t in present)]
 
@@ -348,12 +362,14 @@ class AlignModule(TrainingModule):
             )
         from align.trainer.strategies import accumulation_boundary
 
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        trainer_optimizer = self.optimizers()
+        assert not isinstance(trainer_optimizer, list)  # configure_optimizers returns one optimizer
         return Optimization(
-            optimizer,
-            scheduler,
+            trainer_optimizer,
+            self.lr_schedulers(),
             self.manual_backward,
-            partial(clip_gradients, self, optimizer),
+            # A LightningOptimizer is made an instance of its optimizer's class at runtime.
+            partial(clip_gradients, self, cast(torch.optim.Optimizer, trainer_optimizer)),
             lambda last: accumulation_boundary(self, last),
             self.gradient_scale(),
             self.ranks,

@@ -35,7 +35,7 @@ the sampled tokens; ``reverse_kl`` objective), ``distill/jsd`` (the mean diverge
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import nn
@@ -53,6 +53,9 @@ from align.observability.timing import Timer
 from align.rollout.evaluation import Evaluator
 from align.rollout.given import given_rollout
 from align.rollout.rewards import RewardSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 Objective = Literal["reverse_kl", "gkd"]
 
@@ -146,7 +149,10 @@ class DistillModule(RLModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        student, teacher = self.policy.config.vocab_size, self.policy.ref_model.config.vocab_size
+        teacher_model = self.policy.ref_model
+        assert teacher_model is not None  # loaded by RLModule.setup: the policy's reference_model is the teacher
+        # A transformers model, whose config PolicyModel's nn.Module annotation does not show.
+        student, teacher = self.policy.config.vocab_size, cast("PretrainedConfig", teacher_model.config).vocab_size
         if student != teacher:
             raise AlignConfigError(
                 f"model.teacher: {self.teacher!r} has a vocabulary of {teacher} tokens and the "
@@ -182,6 +188,7 @@ class DistillModule(RLModule):
     def _reverse_kl_loss(self, micro: RLBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.scorer.logprobs(micro, entropy=self.log_entropy)
         loss, metrics = policy_loss_terms(micro, normaliser, out, self.policy_loss, self.clip, self.updates)
+        assert micro.ref_logprobs is not None  # the teacher's, put there by training_step
         metrics["distill/reverse_kl"] = masked_mean(out.logprobs.detach() - micro.ref_logprobs, micro.response_mask)
         metrics["train/loss"] = as_token_mean(loss, normaliser, micro.response_mask)
         return loss, metrics
@@ -225,6 +232,7 @@ class DistillModule(RLModule):
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)
         if self.teacher_scores is None and self._teacher_is_whole():
+            assert self.policy.ref_model is not None  # the teacher, loaded by setup
             view = _Teacher(self.policy.ref_model, self.policy.tokenizer)
             rollout = self.sampler.rollout(batch, 1, self.sampler.eval_engine, policy=view)
             self.teacher_held_out.add(rollout, *self.sampler.score(batch, rollout))

@@ -61,22 +61,28 @@ class PairLogps(NamedTuple):
     ref_chosen: torch.Tensor | None  # (B,) no grad; None for reference-free losses
     ref_rejected: torch.Tensor | None  # (B,)
 
+    def refs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ref_chosen, ref_rejected)``, which every loss outside ``REFERENCE_FREE`` is given."""
+        assert self.ref_chosen is not None and self.ref_rejected is not None  # the module loaded a reference
+        return self.ref_chosen, self.ref_rejected
+
 
 def _sigmoid(x: PairLogps, m: DPOModule):
-    return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, m.beta, "sigmoid")
+    return dpo_loss(x.chosen, x.rejected, *x.refs(), m.beta, "sigmoid")
 
 
 def _conservative(x: PairLogps, m: DPOModule):
-    return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, m.beta, "sigmoid", m.label_smoothing)
+    return dpo_loss(x.chosen, x.rejected, *x.refs(), m.beta, "sigmoid", m.label_smoothing)
 
 
 def _ipo(x: PairLogps, m: DPOModule):
     nc, nr = x.chosen_tokens.clamp(min=1), x.rejected_tokens.clamp(min=1)
-    return dpo_loss(x.chosen / nc, x.rejected / nr, x.ref_chosen / nc, x.ref_rejected / nr, m.beta, "ipo")
+    ref_chosen, ref_rejected = x.refs()
+    return dpo_loss(x.chosen / nc, x.rejected / nr, ref_chosen / nc, ref_rejected / nr, m.beta, "ipo")
 
 
 def _hinge(x: PairLogps, m: DPOModule):
-    return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, m.beta, "hinge")
+    return dpo_loss(x.chosen, x.rejected, *x.refs(), m.beta, "hinge")
 
 
 def _simpo(x: PairLogps, m: DPOModule):
@@ -90,7 +96,11 @@ def _orpo(x: PairLogps, m: DPOModule):
     return losses, chosen, rejected, {"nll_chosen": nll, "log_odds_ratio": log_odds}
 
 
-PREFERENCE_LOSSES: dict[str, Callable[[PairLogps, DPOModule], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+PreferenceLossOutput = (
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+)
+PREFERENCE_LOSSES: dict[str, Callable[[PairLogps, DPOModule], PreferenceLossOutput]] = {
     "sigmoid": _sigmoid,
     "conservative": _conservative,
     "ipo": _ipo,

@@ -114,6 +114,7 @@ class GRPOModule(RLModule):
         loss, metrics = policy_loss_terms(micro, normaliser, out, self.policy_loss, self.clip, self.updates)
         mask = micro.response_mask
         if self.kl.enabled:
+            assert micro.ref_logprobs is not None  # the KL term scores the reference (needs_reference)
             kl = kl_estimate(out.logprobs, micro.ref_logprobs, self.kl.kind)  # (n, r)
             if self.kl.placement == "loss":
                 loss = loss + self.kl_controller.value * aggregate(kl, mask, self.updates.loss_aggregation, normaliser)
@@ -150,7 +151,7 @@ class GRPOModule(RLModule):
             stats = self.update(RLBatch.from_rollout(rollout, advantages, ref_logprobs), self._loss)
         metrics = self.sampler.rollout_metrics(scored)
         metrics["rollout/zero_std_frac"] = float((~has_signal(rewards, self.group_size)).float().mean())
-        if ref_logprobs is not None:
+        if kl is not None:  # a reference was scored
             metrics["train/kl_coef"] = float(self.kl_controller.value)
             self.update_kl_controller(kl, rollout.response_mask)
         self.log_metrics({**metrics, **stats, **self.timings})

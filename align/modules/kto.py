@@ -92,7 +92,8 @@ class KTOModule(PreferenceModule):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        examples = self.trainer.datamodule.train_set.examples
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+        examples = datamodule.train_set.examples
         desirable = sum(bool(ex.label) for ex in examples)
         undesirable = len(examples) - desirable
         ratio = self.desirable_weight * desirable / max(self.undesirable_weight * undesirable, 1e-12)
@@ -112,6 +113,7 @@ class KTOModule(PreferenceModule):
         logps, kl_logps = self.scorer.sequence_logps(batch).split(B)  # (B,) each, with grad
         kl_logps = kl_logps.detach()
         ref_logps, ref_kl_logps = self._reference_logps(batch, split)
+        assert batch.label is not None  # unpaired examples carry their labels
         kl_sum = (kl_logps - ref_kl_logps).sum().float()
         packed = self.all_reduce_sum(torch.stack([kl_sum, torch.tensor(float(B), device=kl_sum.device)]))
         z0 = (packed[0] / packed[1]).clamp(min=0)  # every rank's mismatched pairs

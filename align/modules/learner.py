@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ from align.modules.options import ClipRange, PolicyLoss, Updates
 from align.rollout.types import Rollout
 
 __all__ = [
+    "BatchT",
     "LossFn",
     "Learner",
     "Optimization",
@@ -45,6 +46,10 @@ __all__ = [
     "minibatch_indices",
     "policy_loss_terms",
 ]
+
+
+BatchT = TypeVar("BatchT", bound="RLBatch")
+"""An :class:`RLBatch` or a subclass: what :meth:`RLBatch.select` returns and a :data:`LossFn` is given."""
 
 
 @dataclass
@@ -86,7 +91,7 @@ class RLBatch:
         used = attention_mask[index, attention_mask.shape[1] - response_length :].any(dim=0).nonzero()
         return int(used[-1]) + 1 if len(used) else 1
 
-    def select(self, index: torch.Tensor) -> RLBatch:
+    def select(self: BatchT, index: torch.Tensor) -> BatchT:
         """The rows ``index``, with the padding columns that no selected row uses trimmed off; its ``rows`` say which
         rows of this batch's own source they are."""
         width = self.selected_width(self.attention_mask, self.response_length, index)
@@ -157,6 +162,7 @@ def minibatch_indices(
     out = []
     for mb in torch.tensor_split(order, num_minibatches):
         if max_tokens is not None:
+            assert widths is not None, "minibatch_indices: max_tokens needs the rows' widths"
             chunks = token_budget_chunks([widths[i] for i in mb.tolist()], max_tokens, micro_batch_size)
             out.append([mb[torch.tensor(chunk, dtype=torch.long)] for chunk in chunks])
         else:
@@ -174,13 +180,13 @@ class Optimization(NamedTuple):
     optimizer: Any
     scheduler: Any = None  # stepped after every optimizer step
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
-    clip: Callable[[float], Any] | None = None  # clips the gradient norm to the given value
+    clip: Callable[[float], Any] | None = None  # clips the gradient norm to the given value (None: torch's, in update)
     boundary: Callable[[bool], None] = _no_boundary  # told whether a micro-batch ends the step (DeepSpeed)
     gradient_scale: float = 1.0  # undoes the framework's own scaling of a returned loss
     ranks: Ranks = Ranks()
 
 
-LossFn = Callable[[RLBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+LossFn = Callable[[BatchT, torch.Tensor], tuple[torch.Tensor, dict]]
 """``loss_fn(micro, normaliser) -> (loss, {metric: value})``: the micro-batch's share of the step loss and metrics
 that are means over the micro-batch's valid tokens."""
 
@@ -237,8 +243,8 @@ class Learner:
 
     def update(
         self,
-        data: RLBatch,
-        loss_fn: LossFn,
+        data: BatchT,
+        loss_fn: LossFn[BatchT],
         opt: Optimization,
         on_step: Callable[[], None] = lambda: None,
         plan: Plan | None = None,
@@ -272,7 +278,11 @@ class Learner:
                     for name, value in stats.items():
                         sums[name] = sums.get(name, 0.0) + float(value) * weight
                 if u.max_grad_norm is not None:
-                    opt.clip(u.max_grad_norm)
+                    if opt.clip is not None:
+                        opt.clip(u.max_grad_norm)
+                    else:  # plain torch without a clip hook: the optimizer's own parameters
+                        params = [p for group in opt.optimizer.param_groups for p in group["params"]]
+                        torch.nn.utils.clip_grad_norm_(params, u.max_grad_norm)
                 opt.optimizer.step()  # a non-finite loss or gradient stops or skips here (align.trainer.guards)
                 opt.optimizer.zero_grad(set_to_none=True)
                 self.steps += 1

@@ -39,7 +39,7 @@ module. Validation: see :class:`~align.modules.rl.RLModule`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -117,9 +117,9 @@ class OnlineDPOModule(RLModule):
                 "model.rewards: online DPO ranks its completions with rewards, a reward_model "
                 "and/or an environment; expected at least one, got none"
             )
-        if loss_type not in OnlineLossType.__args__:
+        if loss_type not in get_args(OnlineLossType):
             raise AlignConfigError(
-                f"model.loss_type: expected one of {list(OnlineLossType.__args__)}, got {loss_type!r}"
+                f"model.loss_type: expected one of {list(get_args(OnlineLossType))}, got {loss_type!r}"
             )
         if beta <= 0:
             raise AlignConfigError(f"model.beta: expected > 0, got {beta}")
@@ -151,10 +151,13 @@ class OnlineDPOModule(RLModule):
     def _loss(self, micro: PairBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict]:
         out = self.scorer.logprobs(micro, entropy=self.log_entropy)
         mask = micro.response_mask  # (2p, r)
+        assert micro.ref_logprobs is not None  # pair_batch scores the reference
         logps, ref = masked_sum(out.logprobs, mask, dim=1), masked_sum(micro.ref_logprobs, mask, dim=1)  # (2p,)
         tokens = mask.sum(dim=1).to(logps.dtype)
         x = PairLogps(*logps.chunk(2), *tokens.chunk(2), *ref.chunk(2))
-        losses, rewards_chosen, rewards_rejected = PREFERENCE_LOSSES[self.loss_type](x, self)  # (p,) each
+        # The online loss types (sigmoid, ipo, hinge) read only the module's beta, and add no statistics; (p,) each.
+        loss_fn = PREFERENCE_LOSSES[self.loss_type]
+        losses, rewards_chosen, rewards_rejected, *_ = loss_fn(x, self)  # type: ignore[arg-type]  # reads only beta
         valid = mask[: len(micro)].any(dim=1).to(losses.dtype)  # (p,) 0 for a weightless tie
         loss = (losses * valid).sum() / normaliser
         n = valid.sum().clamp(min=1)

@@ -350,7 +350,7 @@ class OverlongPenalty:
         _check(self.buffer is None or self.buffer >= 0, "overlong.buffer", ">= 0 or null", self.buffer)
         _check(self.max_length is None or self.max_length >= 1, "overlong.max_length", ">= 1 or null", self.max_length)
         _check(self.coef >= 0, "overlong.coef", ">= 0", self.coef)
-        if self.enabled and self.max_length is not None:
+        if self.buffer and self.max_length is not None:  # enabled, with its own L_max
             _check(
                 self.buffer <= self.max_length,
                 "overlong.buffer",
@@ -366,7 +366,7 @@ class OverlongPenalty:
         """``L_max`` for a run that samples at most ``max_new_tokens``; checks the buffer against it."""
         max_length = self.max_length or max_new_tokens
         _check(
-            not self.enabled or self.buffer <= max_length,
+            not self.buffer or self.buffer <= max_length,  # off, or within L_max
             "overlong.buffer",
             f"<= sampling.max_new_tokens ({max_length}) when overlong.max_length is null",
             self.buffer,

@@ -163,7 +163,9 @@ class PPOModule(ActorCriticModule):
         values = kept.take(micro.rows) if kept is not None else None  # the rollout pass's, for the first micro-batch
         out = self.scorer.logprobs(micro, entropy=self.log_entropy, values=values is None)
         p_loss, p_metrics = self.policy_loss_of(micro, normaliser, out)
-        v_loss, v_metrics = self.value_loss(micro, normaliser, out.values if values is None else values)
+        values = out.values if values is None else values
+        assert values is not None  # none kept: the policy pass computed them
+        v_loss, v_metrics = self.value_loss(micro, normaliser, values)
         loss = p_loss + self.value.coef * v_loss
         return loss, {**p_metrics, **v_metrics, "train/loss": as_token_mean(loss, normaliser, micro.response_mask)}
 

@@ -61,7 +61,7 @@ class PreferenceModule(AlignModule):
         self._val = PairMetrics()
 
     def setup(self, stage: str) -> None:
-        dm = self.trainer.datamodule
+        dm = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
         if dm is not None and getattr(dm, "unpaired", False) != self.unpaired:
             want = "UnpairedDataModule (unpaired examples)" if self.unpaired else "PreferenceDataModule (pairs)"
             raise AlignConfigError(
@@ -72,7 +72,7 @@ class PreferenceModule(AlignModule):
 
     # ------------------------------------------------------------------ reference log-probs
     def _datasets(self) -> dict[str, PreferenceDataset]:
-        dm = self.trainer.datamodule
+        dm = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
         return {
             name: ds
             for name, ds in (("train", getattr(dm, "train_set", None)), ("val", getattr(dm, "val_set", None)))
@@ -82,10 +82,11 @@ class PreferenceModule(AlignModule):
     def prepare_reference(self, needed: tuple[str, ...] = ("train", "val")) -> None:
         """Load or compute the cached reference log-probs (:class:`CachedReference`) once a ``needed`` split lacks
         them."""
+        assert self.cached_reference is not None  # called only with precompute_reference, which builds it
         self.cached_reference.prepare(
             self.scorer,
             self._datasets(),
-            self.trainer.datamodule.eval_dataloader,
+            self.trainer.datamodule.eval_dataloader,  # type: ignore[attr-defined]  # set by Lightning's data connector
             self.reference_cache_dir or Path(self.trainer.default_root_dir) / "ref_cache",
             needed=needed,
             updated=self.global_step > 0,
@@ -118,7 +119,8 @@ class PreferenceModule(AlignModule):
         if self.cached_reference is not None:
             return self.cached_reference.logps(batch, split, self.device)
         with torch.no_grad():
-            return self.scorer.sequence_logps(batch, reference=True).chunk(2)
+            first, second = self.scorer.sequence_logps(batch, reference=True).chunk(2)
+        return first, second
 
     # ------------------------------------------------------------------ loss and metrics
     def _loss_and_stats(self, batch: PreferenceBatch, split: str) -> tuple[torch.Tensor, dict]:

@@ -31,6 +31,7 @@ Logged: ``train/loss``, ``rm/accuracy``, ``rm/margin`` (mean chosen - rejected s
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -44,6 +45,9 @@ from align.models.reward import init_reward_head
 from align.models.reward_export import save_reward_model
 from align.models.scorer import Scorer
 from align.modules.base import AlignModule, PairMetrics
+
+if TYPE_CHECKING:
+    from align.models.loading import DType
 
 
 class RewardModule(AlignModule):
@@ -77,6 +81,7 @@ class RewardModule(AlignModule):
         policy = policy if policy is not None else PolicyModel(critic=CriticSettings(kind="shared"))
         if policy.critic is None:
             policy.add_critic(CriticSettings(kind="shared"))
+        assert policy.critic is not None  # added above when missing
         if policy.critic.separate:
             raise AlignConfigError(
                 "model.policy.critic.kind: expected 'shared' or a null critic (a reward model "
@@ -98,7 +103,8 @@ class RewardModule(AlignModule):
     def pair_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chosen, rejected)`` scores, each ``(B,)``, from one forward pass over all ``2B`` rows."""
         scores = self.scorer.sequence_scores(batch.input_ids, batch.attention_mask)  # (2B,)
-        return scores.chunk(2)
+        chosen, rejected = scores.chunk(2)
+        return chosen, rejected
 
     def _loss_and_stats(self, batch: PreferenceBatch) -> tuple[torch.Tensor, dict]:
         chosen, rejected = self.pair_scores(batch)
@@ -155,7 +161,8 @@ class RewardModule(AlignModule):
 
     # ------------------------------------------------------------------ export
     def encoding_spec(self) -> dict:
-        dm = self.trainer.datamodule if self._trainer is not None else None
+        trainer = self._trainer
+        dm: Any = trainer.datamodule if trainer is not None else None  # type: ignore[attr-defined]  # Lightning sets it
         return dm.encoding_spec() if hasattr(dm, "encoding_spec") else {}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -167,4 +174,6 @@ class RewardModule(AlignModule):
 
     def on_fit_end(self) -> None:
         if self.export and self.trainer.is_global_zero and not self.trainer.interrupted:
-            save_reward_model(self.policy, self.export_dir(), self.encoding_spec(), dtype=self.export_dtype)
+            # torch_dtype also takes the short names (fp32, bf16, fp16) that DType leaves out.
+            dtype = cast("DType | None", self.export_dtype)
+            save_reward_model(self.policy, self.export_dir(), self.encoding_spec(), dtype=dtype)

@@ -29,7 +29,7 @@ from align.errors import AlignConfigError, NoLearningSignalError
 from align.models.policy import PolicyModel
 from align.models.scorer import Scorer
 from align.modules.base import AlignModule
-from align.modules.learner import Learner, LossFn, Plan, RLBatch
+from align.modules.learner import BatchT, Learner, LossFn, Plan
 from align.modules.options import Evaluation, KLPenalty, OverlongPenalty, Updates
 from align.rollout.engine import SamplingConfig
 from align.rollout.envs.chat import EnvironmentPool, EnvironmentSpec
@@ -71,7 +71,7 @@ def build_sampler(
         )
     shaping = (
         OverlongShaping(overlong.coef, overlong.buffer, overlong.resolve(sampling.max_new_tokens))
-        if overlong.enabled
+        if overlong.buffer  # overlong.enabled
         else None
     )
     for part, taken in (("overlong", overlong.enabled), ("env", environment is not None)):
@@ -105,8 +105,8 @@ class RLModule(AlignModule):
     :meth:`log_metrics` keeps the step's numbers in ``last_metrics``.
     """
 
-    headline_metrics = ("val/reward_mean", "val/accuracy")
-    progress_metrics = ("rollout/reward_mean", "train/kl", "train/loss", "rollout/tokens_per_s")
+    headline_metrics: tuple[str, ...] = ("val/reward_mean", "val/accuracy")
+    progress_metrics: tuple[str, ...] = ("rollout/reward_mean", "train/kl", "train/loss", "rollout/tokens_per_s")
 
     def __init__(
         self,
@@ -255,7 +255,7 @@ class RLModule(AlignModule):
         self.kl_controller.update(float(seq_kl / n.clamp(min=1)), int(n))
 
     # ------------------------------------------------------------------ updates
-    def update(self, data: RLBatch, loss_fn: LossFn, plan: Plan | None = None) -> dict[str, float]:
+    def update(self, data: BatchT, loss_fn: LossFn[BatchT], plan: Plan | None = None) -> dict[str, float]:
         """The learner's update of ``data`` with ``loss_fn`` (:meth:`align.modules.learner.Learner.update`; ``plan``:
         its first epoch's minibatches, drawn earlier by the learner)."""
         return self.learner.update(data, loss_fn, self.optimization(), self._updated, plan)

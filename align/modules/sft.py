@@ -44,7 +44,7 @@ class SFTModule(AlignModule):
         super().__init__(policy if policy is not None else PolicyModel(), optimizer, scheduler)
         self.scorer = Scorer(self.policy)
         self._reset_step_stats()
-        self._val_nll = self._val_tokens = 0.0
+        self._val_nll, self._val_tokens = torch.zeros(()), torch.zeros(())  # () sums of a validation epoch
 
     def _reset_step_stats(self) -> None:
         self._step_loss = torch.zeros(())

@@ -183,7 +183,7 @@ class TRPOModule(ActorCriticModule):
 
     def _fvp(self, micros: list[GAEBatch], params: list[nn.Parameter]) -> Callable[[torch.Tensor], torch.Tensor]:
         """``v -> (F + damping I) v`` for the mean KL over the valid tokens of ``micros`` on every rank."""
-        count = self.all_reduce_sum(sum(m.response_mask.sum() for m in micros).float()).clamp(min=1.0)
+        count = self.all_reduce_sum(torch.stack([m.response_mask.sum() for m in micros]).sum().float()).clamp(min=1.0)
 
         def local_kl(micro: GAEBatch) -> torch.Tensor:
             with sdpa_kernel([SDPBackend.MATH]):
@@ -246,6 +246,7 @@ class TRPOModule(ActorCriticModule):
                 grad = g if grad is None else grad + g
                 if out.entropy is not None:
                     entropy_sum += masked_sum(out.entropy.detach(), micro.response_mask)
+            assert grad is not None  # a batch has at least one micro-batch
             grad = self.all_reduce_sum(grad)
             data = replace(data, old_logprobs=old)
             micros = self._micro_batches(data)

@@ -214,7 +214,9 @@ class CountingExporter(MetricExporter, SpanExporter):
         self.in_flight = 0
         self.abandoned = False
 
-    def export(self, data, **kwargs):
+    # One wrapper for both SDK interfaces, whose ``export`` signatures (argument names and types) differ: ``data`` is
+    # MetricsData or a span batch, and the result that of the inner exporter.
+    def export(self, data: Any, **kwargs: Any) -> Any:  # type: ignore[override]  # both interfaces' export
         n = _count(data)
         self.seen += n
         failure = self.failure
@@ -240,10 +242,10 @@ class CountingExporter(MetricExporter, SpanExporter):
         self.inner.shutdown()
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return self.inner.force_flush(timeout_millis)
+        return self.inner.force_flush(timeout_millis)  # type: ignore[arg-type]  # SpanExporter's stub says int ms
 
-    def shutdown(self, **kwargs) -> None:
-        self.inner.shutdown(**kwargs)
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.shutdown(*args, **kwargs)
 
 
 class CountingSpanProcessor(SpanProcessor):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import threading
 from argparse import Namespace
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.loggers.logger import Logger
 from opentelemetry.sdk.metrics import Histogram, MeterProvider
@@ -38,6 +38,9 @@ from align.observability.attributes import (
 from align.observability.export import SCOPE, ExportPipeline
 from align.observability.identity import build_resource, current_rank, default_run_id, publish_run_id
 from align.observability.settings import ExportSettings, ObservabilityConfigError
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter
 
 
 class OTLPLogger(Logger):
@@ -131,12 +134,12 @@ class OTLPLogger(Logger):
         self._lock = threading.Lock()
         self._pipeline = ExportPipeline(self._settings)
         self._provider: MeterProvider | None = None
-        self._meter = None
+        self._meter: Meter | None = None
         self._attrs: dict[str, Any] = {}
         self._last: dict[str, float | None] = {}  # Lightning name (and "step") -> last logged value
         self._histograms: dict[str, Any] = {}
         self._hparams: dict[str, Any] = {}
-        self._metrics_sink = None
+        self._metrics_sink: Callable[[Mapping[str, float]], None] | None = None  # set by OTelTracingCallback
         self.skipped_non_finite = 0
 
     # ------------------------------------------------------------------ Lightning Logger API
@@ -180,8 +183,8 @@ class OTLPLogger(Logger):
             return
         self._ensure_started()
         last = self._last
-        for key, value in metrics.items():
-            value = _as_float(value)
+        for key, logged in metrics.items():
+            value = _as_float(logged)
             if value is None:
                 continue
             if not math.isfinite(value):
@@ -285,11 +288,13 @@ class OTLPLogger(Logger):
             return [] if value is None else [Observation(value, self._attrs)]
 
         self._last.setdefault(key, None)
+        assert self._meter is not None  # log_metrics started the provider
         self._meter.create_observable_gauge(metric_name(key, self._prefix), callbacks=[callback])
 
     def _histogram(self, key: str):
         histogram = self._histograms.get(key)
         if histogram is None:
+            assert self._meter is not None  # log_metrics started the provider
             histogram = self._histograms[key] = self._meter.create_histogram(metric_name(key, self._prefix))
         return histogram
 

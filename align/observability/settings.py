@@ -12,7 +12,7 @@ import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 from urllib.parse import urlparse
 
 from opentelemetry.sdk.metrics.export import MetricExporter
@@ -22,6 +22,7 @@ from align.errors import AlignConfigError
 
 Protocol_ = Literal["grpc", "http/protobuf"]
 Signal = Literal["metrics", "traces"]
+Compression = Literal["none", "gzip", "deflate"]
 DEFAULT_PORTS = {"grpc": 4317, "http/protobuf": 4318}
 DEFAULT_TIMEOUT = 10.0
 _COMPRESSION = {"none": "NoCompression", "gzip": "Gzip", "deflate": "Deflate"}  # member names of both SDK enums
@@ -55,7 +56,7 @@ class ExportSettings:
     endpoint: str | None = None  # grpc: "host:port"; http: the full URL of the signal's path
     insecure: bool | None = None
     headers: dict[str, str] | None = None
-    compression: Literal["none", "gzip", "deflate"] | None = None
+    compression: Compression | None = None
     certificate_file: str | None = None
 
     @staticmethod
@@ -80,7 +81,11 @@ class ExportSettings:
         proto = (protocol or (env_proto[1] if env_proto else "grpc")).strip().lower()
         proto = {"http": "http/protobuf", "http/proto": "http/protobuf"}.get(proto, proto)
         if proto not in DEFAULT_PORTS:
-            source = f"{where}.protocol" if protocol else env_proto[0]
+            if protocol:
+                source = f"{where}.protocol"
+            else:  # read from the variable: without one, proto is the default, grpc
+                assert env_proto is not None
+                source = env_proto[0]
             raise ObservabilityConfigError(f"{source}: expected 'grpc' or 'http/protobuf', got {proto!r}")
         if compression is not None and compression.strip().lower() not in _COMPRESSION:
             raise ObservabilityConfigError(f"{where}.compression: expected none, gzip or deflate, got {compression!r}")
@@ -90,6 +95,7 @@ class ExportSettings:
             try:
                 timeout = float(env_timeout[1]) / 1000.0 if env_timeout else DEFAULT_TIMEOUT
             except ValueError:
+                assert env_timeout is not None  # only the variable's value can fail to parse
                 raise ObservabilityConfigError(
                     f"{env_timeout[0]}: expected milliseconds, got {env_timeout[1]!r}"
                 ) from None
@@ -101,14 +107,15 @@ class ExportSettings:
             raise ObservabilityConfigError(f"{source}: expected a positive number of seconds, got {timeout!r}")
         if endpoint is not None:
             endpoint, insecure = _normalise_endpoint(endpoint, proto, signal, insecure, where)
+        # the protocol and the compression are checked above (against DEFAULT_PORTS and _COMPRESSION)
         return ExportSettings(
             signal=signal,
-            protocol=proto,
+            protocol=cast(Protocol_, proto),
             timeout=float(timeout),
             endpoint=endpoint,
             insecure=insecure,
             headers={str(k).strip().lower(): str(v) for k, v in headers.items()} if headers is not None else None,
-            compression=compression.strip().lower() if compression is not None else None,
+            compression=cast(Compression, compression.strip().lower()) if compression is not None else None,
             certificate_file=certificate_file,
         )
 

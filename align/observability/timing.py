@@ -10,7 +10,7 @@ opentelemetry.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 
 class _Tracing(Protocol):
@@ -49,7 +49,7 @@ class Timer:
         if self.span is not None and _active is not None:
             _active.annotate(attributes)
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         self.store[self.name] = self.store.get(self.name, 0.0) + time.perf_counter() - self.start
         if self.span is not None:
             self.span.__exit__(*exc)  # records an exception on the span, with an error status

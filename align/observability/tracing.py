@@ -18,7 +18,8 @@ Spans are exported by a ``BatchSpanProcessor`` (bounded queue, background thread
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.callbacks import Callback
 from opentelemetry import trace
@@ -38,6 +39,10 @@ from align.observability.attributes import (
 from align.observability.export import SCOPE, CountingSpanProcessor, ExportPipeline
 from align.observability.identity import build_resource, current_rank, default_run_id
 from align.observability.settings import ExportSettings, ObservabilityConfigError
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+    from opentelemetry.trace import Tracer
 
 # Logged metrics copied onto each step span when present (names in docs/observability.md, "Metrics").
 DEFAULT_STEP_METRICS = (
@@ -137,7 +142,7 @@ class OTelTracingCallback(Callback):
 
         self._pipeline = ExportPipeline(self._settings)
         self._provider: TracerProvider | None = None
-        self._tracer = None
+        self._tracer: Tracer | None = None
         self._root = None  # fit / validate / test / predict span
         self._epoch = None
         self._step = None
@@ -145,9 +150,9 @@ class OTelTracingCallback(Callback):
         self._step_open = False
         self._val = None
         self._ckpt = None
-        self._trainer = None
-        self._saved_save_checkpoint = None
-        self._logged: dict[str, float] | None = None
+        self._trainer: Trainer | None = None
+        self._saved_save_checkpoint: tuple[Any, Callable[..., Any]] | None = None  # (strategy, its wrapped write)
+        self._logged: Mapping[str, float] | None = None
         self._has_otlp_logger = False
 
     @property
@@ -193,17 +198,19 @@ class OTelTracingCallback(Callback):
             lg._metrics_sink = self.receive_logged_metrics
 
     def _start(self, pl_module) -> None:
+        run_id = self.run_id
+        assert run_id is not None  # setup resolves it first
         rank = current_rank()
         self._algorithm, self._model_name = algorithm_of(pl_module), model_name_of(pl_module)
         resource = build_resource(
-            run_id=self.run_id,
+            run_id=run_id,
             rank=rank,
             service_name=self._service_name,
             resource_attributes=self._resource_attributes,
             algorithm=self._algorithm,
             model_name=self._model_name,
         )
-        exporter = self._pipeline.start(self.run_id)
+        exporter = self._pipeline.start(run_id)
         batch = BatchSpanProcessor(
             exporter,
             max_queue_size=self._max_queue_size,
@@ -224,6 +231,7 @@ class OTelTracingCallback(Callback):
 
     def _start_span(self, name: str, parent, attributes: dict[str, Any] | None = None, start_time: int | None = None):
         ctx = trace.set_span_in_context(parent) if parent is not None else None
+        assert self._tracer is not None  # spans are started only while tracing
         return self._tracer.start_span(name, context=ctx, attributes=attributes, start_time=start_time)
 
     def _parent(self):
@@ -257,10 +265,11 @@ class OTelTracingCallback(Callback):
         step.end(end_time=self._step_end_ns)
 
     def _is_logging_step(self) -> bool:
+        assert self._trainer is not None  # asked only between setup and teardown
         every = max(int(getattr(self._trainer, "log_every_n_steps", 1) or 1), 1)
         return self._trainer.global_step % every == 0
 
-    def receive_logged_metrics(self, metrics: dict[str, float]) -> None:
+    def receive_logged_metrics(self, metrics: Mapping[str, float]) -> None:
         """Called by an ``OTLPLogger`` of the same trainer with the floats Lightning just logged (no extra work)."""
         if self._step is not None and not self._step_open:  # between the step's end and the next hook
             self._logged = metrics
