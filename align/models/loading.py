@@ -247,6 +247,21 @@ def trainable(
     return base
 
 
+def zero_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout inside ``model`` to 0: ``nn.Dropout`` modules (LoRA's ``lora_dropout`` included), the float
+    ``attention_dropout`` that transformers' attention layers pass to their kernels in train mode, and the dropout
+    settings of every config (so modules built later from it start without)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # type: ignore[assignment]  # nn.Module types attributes Tensor | Module
+        config = getattr(module, "config", None)
+        for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
+            if isinstance(getattr(config, name, None), float):
+                setattr(config, name, 0.0)
+
+
 def is_sequence_classifier(source: str | Path) -> bool:
     """Whether a local model directory holds a ``*ForSequenceClassification`` checkpoint (a reward model), by the
     architectures its ``config.json`` names."""

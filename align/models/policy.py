@@ -30,6 +30,7 @@ from align.models.loading import (
     load_causal_lm,
     torch_dtype,
     trainable,
+    zero_dropout,
 )
 from align.models.reference import AdapterSwitch, build_reference
 from align.models.scoring import TokenLogprobs, contiguous_head_input, decoder_of, position_ids_from_mask
@@ -153,22 +154,10 @@ class PolicyModel(nn.Module):
         return self
 
     def disable_dropout(self) -> None:
-        """Set every dropout of the model, adapter, critic and reference to 0.
-
-        Covers ``nn.Dropout`` modules (LoRA's ``lora_dropout`` included) and the float ``attention_dropout``
-        that transformers' attention layers pass to their kernels in train mode. With dropout off, the
-        training forward pass computes the same log-probs as the sampler and the reference (eval mode), so an
-        importance ratio is exactly 1 before the first update.
-        """
-        for module in self.modules():
-            if isinstance(module, nn.modules.dropout._DropoutNd):
-                module.p = 0.0
-            if isinstance(getattr(module, "attention_dropout", None), float):
-                module.attention_dropout = 0.0  # type: ignore[assignment]  # nn.Module types attributes Tensor | Module
-            config = getattr(module, "config", None)
-            for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
-                if isinstance(getattr(config, name, None), float):
-                    setattr(config, name, 0.0)
+        """Set every dropout of the model, adapter, critic and reference to 0
+        (:func:`~align.models.loading.zero_dropout`): the training forward pass then computes the sampler's and the
+        reference's log-probs, so an importance ratio is exactly 1 before the first update."""
+        zero_dropout(self)
 
     # ------------------------------------------------------------------ properties
     @property
