@@ -18,7 +18,7 @@ Spans are exported by a ``BatchSpanProcessor`` (bounded queue, background thread
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.callbacks import Callback
@@ -36,6 +36,7 @@ from align.observability.attributes import (
     metric_name,
     model_name_of,
 )
+from align.observability.checkpoints import WrittenCheckpoints
 from align.observability.export import SCOPE, CountingSpanProcessor, ExportPipeline
 from align.observability.identity import build_resource, current_rank, default_run_id
 from align.observability.settings import ExportSettings, ObservabilityConfigError
@@ -151,7 +152,7 @@ class OTelTracingCallback(Callback):
         self._val = None
         self._ckpt = None
         self._trainer: Trainer | None = None
-        self._saved_save_checkpoint: tuple[Any, Callable[..., Any]] | None = None  # (strategy, its wrapped write)
+        self._checkpoint_write = WrittenCheckpoints(self._close_checkpoint)  # ends checkpoint_save once written
         self._logged: Mapping[str, float] | None = None
         self._has_otlp_logger = False
 
@@ -168,14 +169,14 @@ class OTelTracingCallback(Callback):
         if self._provider is None:
             self._start(pl_module)
         timing._install(self)
-        self._wrap_checkpoint_write(trainer)
+        self._checkpoint_write.install(trainer.strategy)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._close_all()
         for lg in trainer.loggers:
             if getattr(lg, "_metrics_sink", None) == self.receive_logged_metrics:
                 lg._metrics_sink = None
-        self._unwrap_checkpoint_write(trainer)
+        self._checkpoint_write.remove()
         if timing._active is self:
             timing._install(None)
         self._shutdown()
@@ -424,29 +425,3 @@ class OTelTracingCallback(Callback):
         self._close_all(error=exception)
         # Lightning skips the ``teardown`` hook after an exception: export what the run recorded now.
         self.teardown(trainer, pl_module, "fit")
-
-    # ------------------------------------------------------------------ checkpoint write timing
-
-    def _wrap_checkpoint_write(self, trainer) -> None:
-        """End ``checkpoint_save`` when the strategy has written the file, not at the next hook."""
-        strategy = trainer.strategy
-        if self._saved_save_checkpoint is not None or "save_checkpoint" in vars(strategy):
-            return
-        original = strategy.save_checkpoint
-        callback = self
-
-        def save_checkpoint(checkpoint, filepath, *args, **kwargs):
-            try:
-                return original(checkpoint, filepath, *args, **kwargs)
-            finally:
-                callback._close_checkpoint(filepath)
-
-        strategy.save_checkpoint = save_checkpoint
-        self._saved_save_checkpoint = (strategy, save_checkpoint)
-
-    def _unwrap_checkpoint_write(self, trainer) -> None:
-        saved, self._saved_save_checkpoint = self._saved_save_checkpoint, None
-        if saved is not None:
-            strategy, wrapper = saved
-            if vars(strategy).get("save_checkpoint") is wrapper:
-                del strategy.save_checkpoint
