@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from test_stats import on_two_ranks
 
 from align.core.advantages import gae, shape_rewards
 from align.core.estimators import ADVANTAGE_ESTIMATORS, VALUE_ESTIMATORS, AdvantageInputs
@@ -18,6 +17,8 @@ from align.core.policy_losses import (
     ppo_policy_loss,
 )
 from align.core.stats import whiten
+
+from .test_stats import on_two_ranks
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]]).bool()
 

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from _tiny_batches import batch
 
 from align.errors import AlignConfigError
 from align.models import CriticSettings, PolicyModel
+
+from ._tiny_batches import batch
 
 
 @pytest.mark.parametrize("kind", ["shared", "separate"])

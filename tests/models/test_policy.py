@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from _tiny_batches import batch, naive_logprobs
 
 from align.errors import AlignConfigError
 from align.hub.tiny import build_tiny_model
 from align.models import LoraSettings, PolicyModel
+
+from ._tiny_batches import batch, naive_logprobs
 
 
 def test_local_directory_and_bad_paths(tiny_model_dir, tmp_path):

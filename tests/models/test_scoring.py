@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from _tiny_batches import batch, naive_logprobs
 
 from align.models import CriticSettings, LoraSettings, PolicyModel
 from align.models.shared_pass import layout_mask_kind
+
+from ._tiny_batches import batch, naive_logprobs
 
 
 def test_logprobs_equal_naive_log_softmax_gather():
