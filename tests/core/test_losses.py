@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from align.core.losses import aggregate, sft_loss, value_loss
+from align.core.losses import aggregate, loss_count, sft_loss, value_loss
 
 LOG2 = math.log(2.0)
 
@@ -149,3 +149,22 @@ def test_sft_loss_without_valid_tokens_is_zero_with_grad(dtype):
 def test_sft_loss_rejects_bad_shapes():
     with pytest.raises(ValueError, match="labels"):
         sft_loss(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- loss count
+
+# (3, 4): rows with 2, 1 and 3 valid tokens
+ROWS = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("aggregation, expected", [("token_mean", 6.0), ("seq_mean", 3.0), ("constant", 15.0)])
+def test_loss_count_of_a_hand_made_mask(aggregation, expected):
+    count = loss_count(ROWS, aggregation, max_length=5)  # constant: 3 rows x 5, not the padded width 4
+    assert count.dtype == torch.float32 and count.shape == () and float(count) == expected
+
+
+def test_loss_count_refuses_an_unknown_aggregation_or_a_constant_without_length():
+    with pytest.raises(ValueError, match="max_length"):
+        loss_count(ROWS, "constant")
+    with pytest.raises(ValueError, match="seq_sum"):
+        loss_count(ROWS, "seq_sum")
