@@ -1,5 +1,5 @@
-"""What the command line prints: one-line config errors with the nearest accepted keys, the recipes' --help,
-the progress bar's names and numbers, and known library noise filtered at its source."""
+"""What the command line prints: one-line config errors with the nearest accepted keys, the recipes' --help, and
+known library noise filtered at its source (the progress bar's names and numbers: tests/trainer/test_progress.py)."""
 
 import logging
 import subprocess
@@ -14,7 +14,6 @@ from align.cli.quiet import quiet_known_noise
 from align.cli.recipes import run_recipe
 from align.data import SFTDataModule
 from align.modules import SFTModule
-from align.trainer.progress import AlignProgressBar, format_value, interactive, short_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,40 +89,6 @@ def test_gym_recipe_help_shows_its_default_module_and_no_data(capsys):
     for setting in ("--model.updates.epochs", "--model.env.id", "--model.env.num_envs", "--model.total_steps"):
         assert setting in out, setting
     assert "--data." not in out and "it replaces the default" in out
-
-
-def test_progress_names_and_numbers():
-    assert [
-        short_name(m)
-        for m in (
-            "rollout/reward_mean",
-            "train/kl",
-            "rollout/tokens_per_s",
-            "dpo/accuracy",
-            "val/dpo_accuracy",
-            "val/reward_mean",
-        )
-    ] == ["reward", "kl", "tok/s", "acc", "val_acc", "val_reward"]
-    assert [format_value(v) for v in (0.123456, 1234.5, 0.0001234, 0.0, 12.3456, float("nan"))] == [
-        "0.1235",
-        "1234",
-        "0.000123",
-        "0",
-        "12.35",
-        "nan",
-    ]
-
-
-def test_the_bar_is_drawn_only_in_a_terminal_outside_ci(monkeypatch):
-    class Tty:
-        def isatty(self):
-            return True
-
-    monkeypatch.delenv("CI", raising=False)
-    assert interactive(Tty()) and not interactive(object())
-    monkeypatch.setenv("CI", "true")
-    assert not interactive(Tty())
-    assert AlignProgressBar().is_disabled and AlignProgressBar(force=True).is_enabled
 
 
 def test_known_noise_is_filtered_and_other_messages_pass(caplog):

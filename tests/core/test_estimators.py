@@ -1,23 +1,16 @@
-"""The two tables of the RL math: ``ADVANTAGE_ESTIMATORS`` (align.core.estimators) and ``POLICY_LOSSES``
-(align.core.policy_losses). Each row is checked against values worked out by hand, or against the pinned function it
-composes."""
-
-import math
+"""The rows of ``ADVANTAGE_ESTIMATORS`` (align.core.estimators), each checked against values worked out by hand or
+against the pinned function it composes, and the documented rows of the two tables of the RL math (those of
+``POLICY_LOSSES`` are pinned in test_policy_losses.py)."""
 
 import pytest
 import torch
-from test_stats import on_two_ranks
 
 from align.core.advantages import gae, shape_rewards
 from align.core.estimators import ADVANTAGE_ESTIMATORS, VALUE_ESTIMATORS, AdvantageInputs
-from align.core.policy_losses import (
-    POLICY_LOSSES,
-    SEQUENCE_LEVEL_LOSSES,
-    PolicyLossInputs,
-    PolicyLossSettings,
-    ppo_policy_loss,
-)
+from align.core.policy_losses import POLICY_LOSSES, SEQUENCE_LEVEL_LOSSES
 from align.core.stats import whiten
+
+from .test_stats import on_two_ranks
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]]).bool()
 
@@ -100,38 +93,3 @@ def test_the_gae_row_by_hand():
     torch.testing.assert_close(out.advantages, torch.tensor([[2.0, 2.0]]))
     with pytest.raises(ValueError, match="gae: needs the critic's values"):
         ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(torch.tensor([2.0]), torch.ones(1, 2, dtype=torch.bool)))
-
-
-def test_the_clip_row_by_hand():
-    # Ratio e on a token with advantage 1: clipped to 1.2, loss -1.2; ratio 1 on the other token: loss -1.
-    # Token mean -1.1; the first token's gradient is clipped away (clipfrac 0.5).
-    logprobs = torch.tensor([[1.0, 0.0]], requires_grad=True)
-    x = PolicyLossInputs(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool))
-    loss, stats = POLICY_LOSSES["clip"](x, PolicyLossSettings(clip_low=0.2))
-    torch.testing.assert_close(loss, torch.tensor(-1.1))
-    assert float(stats.clipfrac) == 0.5
-    loss.backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.5]]))
-
-
-def test_the_gspo_row_clips_the_sequence_ratio():
-    # Log-ratios 0.2 and 0: the sequence ratio is exp(0.1) = 1.105, inside [0.8, 1.2]: nothing clipped, loss -1.105
-    # on both tokens; with clip_high 0.05 the whole sequence is clipped at 1.05.
-    x = PolicyLossInputs(torch.tensor([[0.2, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2).bool())
-    loss, stats = POLICY_LOSSES["gspo"](x, PolicyLossSettings(clip_low=0.2))
-    torch.testing.assert_close(loss, torch.tensor(-math.exp(0.1)))
-    loss, stats = POLICY_LOSSES["gspo"](x, PolicyLossSettings(clip_low=0.2, clip_high=0.05))
-    torch.testing.assert_close(loss, torch.tensor(-1.05))
-    assert float(stats.clipfrac) == 1.0
-
-
-@pytest.mark.parametrize("name, level", [("clip", "token"), ("gspo", "sequence")])
-def test_each_row_is_the_pinned_surrogate_at_its_level(name, level):
-    torch.manual_seed(0)
-    logprobs, old, adv = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
-    mask = torch.rand(3, 4) > 0.3
-    row, _ = POLICY_LOSSES[name](
-        PolicyLossInputs(logprobs, old, adv, mask), PolicyLossSettings(0.2, 0.28, "seq_mean", 5)
-    )
-    pinned, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, 0.28, agg="seq_mean", normaliser=5, level=level)
-    assert torch.equal(row, pinned)

@@ -1,11 +1,11 @@
-"""Row shapes users bring from Hugging Face: each is pinned to the messages it becomes."""
+"""SFT row shapes users bring from Hugging Face (``align.data.formats``): each is pinned to the messages it becomes
+(the preference shapes are in test_preference_rows.py)."""
 
 import logging
 
 import pytest
 
 from align.data.formats import UnusedColumns, sft_record
-from align.data.preference_rows import preference_record
 from align.errors import AlignDataError
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
@@ -85,117 +85,6 @@ def test_sharegpt_errors_name_the_message_and_key(row, field, expected):
     with pytest.raises(AlignDataError) as info:
         sft_record(row, "d.jsonl", 4)
     assert str(info.value).startswith(f"d.jsonl: row 4: field '{field}': expected") and expected in str(info.value)
-
-
-HH_CHOSEN = "\n\nHuman: sort: b a\n\nAssistant: b a?\n\nHuman: sorted, please\n\nAssistant: a b"
-HH_REJECTED = "\n\nHuman: sort: b a\n\nAssistant: b a?\n\nHuman: sorted, please\n\nAssistant: b a"
-
-
-@pytest.mark.parametrize(
-    "row, prompt, chosen, rejected",
-    [
-        ({"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}, [U("sort: b a")], "a b", "b a"),
-        ({"prompt": [U("sort: b a")], "chosen": [A("a b")], "rejected": [A("b a")]}, [U("sort: b a")], "a b", "b a"),
-        # implicit prompt: two whole conversations sharing everything but the final assistant message
-        (
-            {
-                "chosen": [S("be brief"), U("sort: b a"), A("a b")],
-                "rejected": [S("be brief"), U("sort: b a"), A("b a")],
-            },
-            [S("be brief"), U("sort: b a")],
-            "a b",
-            "b a",
-        ),
-        # UltraFeedback: the prompt as text, and whole conversations starting with it
-        (
-            {
-                "prompt": "sort: b a",
-                "chosen": [U("sort: b a"), A("a b")],
-                "rejected": [U("sort: b a"), A("b a")],
-                "messages": [U("sort: b a"), A("a b")],
-                "score_chosen": 8.0,
-                "score_rejected": 2.0,
-            },
-            [U("sort: b a")],
-            "a b",
-            "b a",
-        ),
-        # Anthropic HH raw text
-        (
-            {"chosen": HH_CHOSEN, "rejected": HH_REJECTED},
-            [U("sort: b a"), A("b a?"), U("sorted, please")],
-            "a b",
-            "b a",
-        ),
-    ],
-)
-def test_preference_shapes_become_prompt_and_two_responses(row, prompt, chosen, rejected):
-    record = preference_record(row, "p.jsonl", 1)
-    assert (record.prompt, record.chosen, record.rejected) == (prompt, chosen, rejected)
-
-
-def test_system_prompt_goes_before_an_implicit_prompt_without_one():
-    row = {"chosen": [U("hi"), A("yo")], "rejected": [U("hi"), A("no")]}
-    assert preference_record(row, "p.jsonl", 1, system_prompt="be kind").prompt == [S("be kind"), U("hi")]
-
-
-@pytest.mark.parametrize(
-    "row, field, expected",
-    [
-        (
-            {"chosen": [U("sort: b a"), A("a b")], "rejected": [U("sort: c a"), A("a c")]},
-            "rejected",
-            "the same messages as 'chosen' before the final assistant message",
-        ),
-        (
-            {"chosen": [U("sort: b a"), A("a b"), U("more")], "rejected": [U("sort: b a"), A("b a")]},
-            "chosen",
-            "ends with one assistant message",
-        ),
-        ({"chosen": [A("a b")], "rejected": [A("b a")]}, "chosen", "at least one prompt message"),
-        ({"chosen": "\n\nHuman: hi\n\nAssistant: ", "rejected": HH_REJECTED}, "chosen", "turn 2 is empty"),
-        ({"chosen": "a b", "rejected": "b a"}, "prompt", "a 'prompt' field"),
-        (
-            {"prompt": "sort: b a", "chosen": [U("sort: c a"), A("a c")], "rejected": "b a"},
-            "chosen",
-            "the prompt's messages followed by one assistant message",
-        ),
-        ({"prompt": "sort: b a", "completion": "a b", "label": True}, "label", "rows are KTO's data"),
-    ],
-)
-def test_preference_shape_errors_name_file_row_and_field(row, field, expected):
-    with pytest.raises(AlignDataError) as info:
-        preference_record(row, "p.jsonl", 7)
-    assert str(info.value).startswith(f"p.jsonl: row 7: field '{field}': expected") and expected in str(info.value)
-
-
-@pytest.mark.parametrize(
-    "row, field, expected",
-    [
-        (
-            {"prompt": "sort: b a", "completion": "a b", "label": "yes"},
-            "label",
-            "true (a desirable completion) or false",
-        ),
-        ({"prompt": "sort: b a", "completion": "a b", "label": 1}, "label", "true (a desirable completion) or false"),
-        ({"prompt": "sort: b a", "completion": "", "label": True}, "completion", "a non-empty string"),
-        ({"prompt": "sort: b a", "label": True}, None, "{completion, label, prompt}"),
-    ],
-)
-def test_unpaired_shape_errors_name_file_row_and_field(row, field, expected):
-    with pytest.raises(AlignDataError) as info:
-        preference_record(row, "u.jsonl", 3, unpaired=True)
-    where = "u.jsonl: row 3: " + (f"field '{field}': " if field else "")
-    assert str(info.value).startswith(where + "expected") and expected in str(info.value)
-
-
-def test_unpaired_rows_take_text_or_messages():
-    plain = preference_record({"prompt": "hi", "completion": "yo", "label": False}, "u.jsonl", 1, unpaired=True)
-    chat = preference_record(
-        {"prompt": [U("hi")], "completion": [A("yo")], "label": False}, "u.jsonl", 1, unpaired=True
-    )
-    for record in (plain, chat):
-        assert (record.prompt, record.chosen, record.rejected, record.label) == ([U("hi")], "yo", None, False)
 
 
 def test_unused_columns_one_notice_per_file_or_an_error_when_strict(caplog):

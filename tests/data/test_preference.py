@@ -6,7 +6,7 @@ import torch
 
 from align.data.chat import ChatEncoder
 from align.data.preference import PreferenceCollator, PreferenceDataModule, UnpairedDataModule
-from align.data.preference_rows import fingerprint_examples, tokenize_preference_rows
+from align.data.preference_rows import tokenize_preference_rows
 from align.errors import AlignConfigError, AlignDataError
 from align.hub.tiny import load_tiny_tokenizer
 
@@ -32,67 +32,6 @@ def tokenize(encoder, rows, **kwargs):
     return tokenize_preference_rows(rows, "pairs.jsonl", encoder, **kwargs)
 
 
-def test_template_applied_once_prompt_plus_each_response(encoder, tokenizer):
-    row = {"prompt": "sort: c a b", "chosen": "a b c", "rejected": "c a b"}
-    ex = tokenize(encoder, [row]).examples[0]
-    messages = [{"role": "user", "content": row["prompt"]}]
-    for response, ids in ((row["chosen"], ex.chosen_ids), (row["rejected"], ex.rejected_ids)):
-        full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
-        assert tokenizer.decode(ex.prompt_ids + ids) == full
-        assert full.count(tokenizer.bos_token) == 1
-        assert ids[-1] == tokenizer.eos_token_id
-    assert ex.prompt_ids == encoder.prompt_ids(messages)
-
-
-def test_messages_fields_equal_string_fields(encoder):
-    plain = {"prompt": "sort: c a b", "chosen": "a b c", "rejected": "c a b"}
-    chat = {
-        "prompt": [{"role": "user", "content": "sort: c a b"}],
-        "chosen": [{"role": "assistant", "content": "a b c"}],
-        "rejected": [{"role": "assistant", "content": "c a b"}],
-    }
-    a, b = tokenize(encoder, [plain]).examples[0], tokenize(encoder, [chat]).examples[0]
-    assert (a.prompt_ids, a.chosen_ids, a.rejected_ids) == (b.prompt_ids, b.chosen_ids, b.rejected_ids)
-
-
-@pytest.mark.parametrize(
-    "row, field, expected",
-    [
-        ({"prompt": "p", "chosen": "a"}, "rejected", "a 'rejected' field"),
-        ({"chosen": "a", "rejected": "b"}, "prompt", "a 'prompt' field"),
-        ({"prompt": "p", "chosen": "", "rejected": "b"}, "chosen", "a non-empty string"),
-        ({"prompt": "p", "chosen": 3, "rejected": "b"}, "chosen", "a string"),
-        (
-            {"prompt": "p", "chosen": "a", "rejected": [{"role": "user", "content": "x"}]},
-            "rejected",
-            "at least one assistant message",
-        ),
-        ({"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}, "prompt[0]", "exactly the keys"),
-        ({"prompt": "p", "chosen": "a", "rejected": "b", "score": 1}, "score", "only the fields"),
-        ({"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}, "margin", "a number"),
-    ],
-)
-def test_bad_rows_name_file_row_and_field(encoder, row, field, expected):
-    good = {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}
-    with pytest.raises(AlignDataError) as info:
-        tokenize(encoder, [good, good, row], strict=True)
-    message = str(info.value)
-    assert "pairs.jsonl: row 3" in message and f"field '{field}'" in message and expected in message
-
-
-def test_identical_pairs_are_counted_and_dropped_kept_or_rejected(encoder):
-    rows = [
-        {"prompt": "sort: b a", "chosen": "a b", "rejected": "a b"},
-        {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"},
-    ]
-    dropped = tokenize(encoder, rows)
-    assert (dropped.identical, dropped.dropped_identical, len(dropped.examples)) == (1, 1, 1)
-    kept = tokenize(encoder, rows, identical_pairs="keep")
-    assert (kept.identical, kept.dropped_identical, len(kept.examples)) == (1, 0, 2)
-    with pytest.raises(AlignDataError, match="row 1: field 'rejected'"):
-        tokenize(encoder, rows, identical_pairs="error")
-
-
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -104,29 +43,6 @@ def test_unknown_policies_fail_naming_the_setting(settings, message):
     for module in (PreferenceDataModule, UnpairedDataModule):
         with pytest.raises(AlignConfigError, match=message):
             module(**settings)
-
-
-def test_long_prompts_truncate_left_drop_or_error(encoder):
-    long_prompt = "sort: " + " ".join("abcdefghij" * 4)
-    rows = [
-        {"prompt": long_prompt, "chosen": "a b", "rejected": "b a"},
-        {"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"},
-    ]
-    full = tokenize(encoder, rows, max_length=512).examples[0]
-    cut = tokenize(encoder, rows, max_length=32)
-    ex = cut.examples[0]
-    assert cut.truncated == 1 and ex.truncated and len(cut.examples) == 2
-    assert ex.chosen_ids == full.chosen_ids and ex.rejected_ids == full.rejected_ids  # responses kept whole
-    assert ex.prompt_ids == full.prompt_ids[-len(ex.prompt_ids) :]  # the prompt's end is kept
-    assert len(ex.prompt_ids) + max(len(ex.chosen_ids), len(ex.rejected_ids)) == 32
-    capped = tokenize(encoder, rows, max_length=512, max_prompt_length=10).examples[0]
-    assert capped.prompt_ids == full.prompt_ids[-10:]
-    dropped = tokenize(encoder, rows, max_length=32, truncation="drop")
-    assert dropped.dropped_long == 1 and len(dropped.examples) == 1 and dropped.examples[0].row == 2
-    with pytest.raises(AlignDataError, match="row 1: expected a prompt that fits"):
-        tokenize(encoder, rows, max_length=32, truncation="error")
-    with pytest.raises(AlignDataError, match="row 1: expected responses of at most"):
-        tokenize(encoder, rows[1:], max_length=3)
 
 
 def test_collator_layout_and_shapes(encoder, tokenizer):
@@ -149,15 +65,6 @@ def test_collator_layout_and_shapes(encoder, tokenizer):
             assert batch.input_ids[row, P:][batch.response_mask[row].bool()].tolist() == response
             assert batch.attention_mask[row, :P].tolist() == [0] * (P - len(ex.prompt_ids)) + [1] * len(ex.prompt_ids)
     assert batch.num_tokens == int(batch.attention_mask.sum())
-
-
-def test_fingerprint_changes_with_tokens_and_margin(encoder):
-    rows = [{"prompt": "sort: b a", "chosen": "a b", "rejected": "b a"}]
-    base = tokenize(encoder, rows).examples
-    assert fingerprint_examples(base) == fingerprint_examples(tokenize(encoder, rows).examples)
-    other = tokenize(encoder, [dict(rows[0], rejected="b a a")]).examples
-    margin = tokenize(encoder, [dict(rows[0], margin=1.5)]).examples
-    assert len({fingerprint_examples(base), fingerprint_examples(other), fingerprint_examples(margin)}) == 3
 
 
 def test_datamodule_windows_count_pairs_and_warns(tmp_path, tokenizer, caplog):
@@ -192,61 +99,7 @@ def test_bundled_preference_data_loads_cleanly(tokenizer):
         )
 
 
-def test_every_preference_shape_of_one_pair_tokenizes_to_the_same_ids(encoder, tmp_path):
-    """Explicit, implicit, UltraFeedback and HH text are one multi-turn pair: identical prompt and response ids."""
-    turns = [
-        {"role": "user", "content": "sort: b a"},
-        {"role": "assistant", "content": "b a?"},
-        {"role": "user", "content": "sorted, please"},
-    ]
-    reply = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
-    hh = "\n\nHuman: sort: b a\n\nAssistant: b a?\n\nHuman: sorted, please\n\nAssistant: "
-    rows = [
-        {"prompt": turns, "chosen": "a b", "rejected": "b a"},
-        {"chosen": turns + reply("a b"), "rejected": turns + reply("b a")},
-        {"prompt": turns, "chosen": turns + reply("a b"), "rejected": turns + reply("b a")},
-        {"chosen": hh + "a b", "rejected": hh + "b a"},
-    ]
-    examples = tokenize(encoder, rows).examples
-    assert len(examples) == 4
-    first = examples[0]
-    assert encoder.tokenizer.decode(first.prompt_ids).count("sorted, please") == 1
-    for ex in examples[1:]:
-        assert (ex.prompt_ids, ex.chosen_ids, ex.rejected_ids) == (
-            first.prompt_ids,
-            first.chosen_ids,
-            first.rejected_ids,
-        )
-
-    import datasets
-
-    datasets.Dataset.from_list(rows[1:2] * 3).save_to_disk(str(tmp_path / "pairs"))
-    dm = PreferenceDataModule(train_files=str(tmp_path / "pairs"), val_files=None, max_length=64)
-    dm.set_tokenizer(encoder.tokenizer)
-    dm.setup("fit")
-    assert [(e.prompt_ids, e.chosen_ids) for e in dm.train_set.examples] == [(first.prompt_ids, first.chosen_ids)] * 3
-
-
 # ---------------------------------------------------------------- unpaired (KTO)
-
-
-def test_pairs_become_a_desirable_and_an_undesirable_example_sharing_the_prompt(encoder):
-    pair = {"prompt": "sort: c a b", "chosen": "a b c", "rejected": "c a b"}
-    unpaired = [
-        {"prompt": "sort: c a b", "completion": "a b c", "label": True},
-        {"prompt": "sort: c a b", "completion": "c a b", "label": False},
-    ]
-    (ex,) = tokenize(encoder, [pair]).examples
-    desirable, undesirable = tokenize(encoder, [pair], unpaired=True).examples
-    assert (desirable.label, undesirable.label) == (True, False)
-    assert desirable.prompt_ids == undesirable.prompt_ids == ex.prompt_ids
-    assert (desirable.chosen_ids, undesirable.chosen_ids) == (ex.chosen_ids, ex.rejected_ids)
-    from_rows = tokenize(encoder, unpaired, unpaired=True).examples
-    assert [(e.prompt_ids, e.chosen_ids, e.label) for e in from_rows] == [
-        (e.prompt_ids, e.chosen_ids, e.label) for e in (desirable, undesirable)
-    ]
-    with pytest.raises(AlignDataError, match="KTO's data"):
-        tokenize(encoder, unpaired)
 
 
 def test_unpaired_module_pairs_each_example_with_another_completion(tmp_path, tokenizer):

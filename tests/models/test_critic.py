@@ -1,11 +1,23 @@
-"""The critic: its settings, its values, and the policy rebuilt from a checkpoint with or without its head."""
+"""The critic: its settings, its values, and its head started from a reward model's."""
 
 import pytest
 import torch
-from _tiny_batches import batch
 
 from align.errors import AlignConfigError
 from align.models import CriticSettings, PolicyModel
+from align.models.reward import init_reward_head
+from align.models.reward_export import save_reward_model
+from align.rollout.rewards import RewardModelScorer
+
+from ._tiny_batches import batch
+
+EOS = 2
+
+
+def reward_policy(seed=0, **kwargs):
+    policy = PolicyModel(critic=CriticSettings(), seed=seed, **kwargs).eval()
+    init_reward_head(policy, torch.Generator().manual_seed(seed))
+    return policy
 
 
 @pytest.mark.parametrize("kind", ["shared", "separate"])
@@ -74,27 +86,18 @@ def test_a_separate_critic_has_its_own_backbone_and_its_parameters_are_the_value
         PolicyModel().values(ids, mask, response_length=2)
 
 
-@pytest.mark.parametrize("reward", [False, True])
-def test_a_checkpoint_rebuilds_its_policy(reward, tmp_path):
-    # What `align export`, `align generate` and a RewardModelScorer read: the spec and the weights of a checkpoint;
-    # a reward model's score head (critic.head.*) is loaded too.
-    from align.models.checkpoints import policy_from_checkpoint
-
-    trained = PolicyModel(critic=CriticSettings(kind="shared" if reward else "separate"), seed=1)
+def test_a_separate_critic_starts_from_the_reward_model(tmp_path):
+    """Critic backbone and head from an export: its value of a sequence's end state is the reward model's score."""
+    export = save_reward_model(reward_policy(seed=4), tmp_path / "rm")
+    # The head is loaded at build.
+    policy = PolicyModel(critic=CriticSettings(kind="separate", model=str(export))).eval()
+    assert policy.critic.head.proj.weight.any() and policy.critic.init_head_from_reward_model()
+    scorer = RewardModelScorer(str(export))
+    prompt_ids, response_ids = scorer.encode("sort: b a", "a b")
+    ids = torch.tensor([prompt_ids + response_ids + [EOS]])  # the value at the last token sees everything before it
     with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    meta = {
-        "policy": trained.spec,
-        "module": "RewardModule" if reward else "PPOModule",
-        **({"reward": {}} if reward else {}),
-    }
-    state = {f"policy.{k}": v for k, v in trained.state_dict().items()}
-    torch.save({"align": meta, "state_dict": state}, tmp_path / "run.ckpt")
-    policy = policy_from_checkpoint(tmp_path / "run.ckpt", reward_head=reward)
-    for name, p in policy.model.state_dict().items():
-        torch.testing.assert_close(p, trained.model.state_dict()[name], rtol=0, atol=0, msg=name)
-    if reward:
-        torch.testing.assert_close(policy.critic.head.proj.weight, trained.critic.head.proj.weight, rtol=0, atol=0)
-    else:
-        assert policy.critic is None  # a separate critic is not exported
+        value = policy.values(ids, torch.ones_like(ids), response_length=1)  # (1, 1)
+    assert value.item() == pytest.approx(scorer(["sort: b a"], ["a b"])[0], abs=1e-5)
+    # A plain causal LM as the critic backbone has no reward head: the critic head stays at zero.
+    plain = PolicyModel(critic=CriticSettings(kind="separate"))
+    assert not plain.critic.init_head_from_reward_model() and not plain.critic.head.proj.weight.any()

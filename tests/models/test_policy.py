@@ -1,12 +1,14 @@
-"""PolicyModel: loading (local folders, QLoRA), export, and checkpoints of every format."""
+"""PolicyModel: loading (local folders, QLoRA), export, and the private torch name its dropout switch relies on."""
 
 import pytest
 import torch
-from _tiny_batches import batch, naive_logprobs
+from torch import nn
 
 from align.errors import AlignConfigError
 from align.hub.tiny import build_tiny_model
 from align.models import LoraSettings, PolicyModel
+
+from ._tiny_batches import batch, naive_logprobs
 
 
 def test_local_directory_and_bad_paths(tiny_model_dir, tmp_path):
@@ -86,3 +88,13 @@ def test_export_loads_with_plain_transformers_and_generates(tmp_path, use_lora):
     gen = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] > prompt["input_ids"].shape[1]
     assert policy.has_adapter == use_lora  # exporting did not merge the training model in place
+
+
+def test_every_dropout_class_shares_the_private_base(private_api):
+    used_by = "align.models.policy.PolicyModel.disable_dropout"
+    base = private_api.require(nn.modules.dropout, "_DropoutNd", used_by=used_by)
+    assert all(isinstance(m, base) for m in (nn.Dropout(), nn.Dropout1d(), nn.Dropout2d(), nn.AlphaDropout()))
+    policy = PolicyModel("tiny", seed=0)
+    policy.add_module("extra_dropout", nn.Dropout(0.5))
+    policy.disable_dropout()
+    assert policy.extra_dropout.p == 0.0

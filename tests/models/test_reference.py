@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from _tiny_batches import batch, naive_logprobs
 
 from align.errors import AlignConfigError
 from align.hub.tiny import build_tiny_model
 from align.models import LoraSettings, PolicyModel
+
+from ._tiny_batches import batch, naive_logprobs
 
 
 def test_lora_reference_is_the_adapter_disabled_base():

@@ -9,7 +9,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Llam
 
 from align.hub.tiny import load_tiny_tokenizer, tiny_config
 from align.models import CriticSettings, LoraSettings, PolicyModel
-from align.models.reward import init_reward_head, last_scored_index, sequence_scores
+from align.models.reward import init_reward_head, sequence_scores
 from align.models.reward_export import save_reward_model
 from align.rollout.rewards import RewardModelScorer
 
@@ -104,27 +104,3 @@ def test_a_peers_sequence_classifier_scores_as_in_transformers(tmp_path, pad_equ
     assert all(row[-1] == EOS for row in rows)  # each scored text ends its turn
     reference = hf_scores(model, *padded(rows, tokenizer.pad_token_id))
     torch.testing.assert_close(torch.tensor(ours), reference, atol=1e-5, rtol=1e-5)
-
-
-def test_scored_token_is_the_last_real_one_that_is_not_the_models_pad():
-    ids = torch.tensor([[1, 5, 2, 2, 2], [0, 1, 5, 6, 2], [2, 2, 2, 2, 2]])
-    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
-    assert last_scored_index(ids, mask).tolist() == [2, 4, 1]  # align's rule: the mask's last token
-    assert last_scored_index(ids, mask, skip_token_id=2).tolist() == [1, 3, 1]  # transformers' with pad id 2
-
-
-def test_a_separate_critic_starts_from_the_reward_model(tmp_path):
-    """Critic backbone and head from an export: its value of a sequence's end state is the reward model's score."""
-    export = save_reward_model(reward_policy(seed=4), tmp_path / "rm")
-    # The head is loaded at build.
-    policy = PolicyModel(critic=CriticSettings(kind="separate", model=str(export))).eval()
-    assert policy.critic.head.proj.weight.any() and policy.critic.init_head_from_reward_model()
-    scorer = RewardModelScorer(str(export))
-    prompt_ids, response_ids = scorer.encode("sort: b a", "a b")
-    ids = torch.tensor([prompt_ids + response_ids + [EOS]])  # the value at the last token sees everything before it
-    with torch.no_grad():
-        value = policy.values(ids, torch.ones_like(ids), response_length=1)  # (1, 1)
-    assert value.item() == pytest.approx(scorer(["sort: b a"], ["a b"])[0], abs=1e-5)
-    # A plain causal LM as the critic backbone has no reward head: the critic head stays at zero.
-    plain = PolicyModel(critic=CriticSettings(kind="separate"))
-    assert not plain.critic.init_head_from_reward_model() and not plain.critic.head.proj.weight.any()

@@ -1,4 +1,4 @@
-"""Helpers shared by the module tests (importable because pytest puts this folder on sys.path)."""
+"""Helpers shared by the module tests (importable as ``_helpers``: this folder's conftest.py puts it on sys.path)."""
 
 import json
 

@@ -1,13 +1,28 @@
-"""The accumulation window on the module base, pinned by hand without training: the loss normaliser (count of a
-step on all ranks) and the factor that undoes the framework's own loss scaling."""
+"""The module base (``align.modules.base``): the accumulation window pinned by hand without training (the loss
+normaliser over every rank and the factor that undoes the framework's own loss scaling); per-step metrics computed
+and logged only on the steps something reads them (``AlignModule.logs_this_step``), the rows the loggers write being
+those of logging every step; and the private Lightning name the base relies on."""
 
+import csv
+import os
+from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
+from _helpers import cpu_trainer, write_varied_pairs
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loops.fit_loop import _FitLoop
 
 from align.core.losses import loss_count
+from align.data.preference import PreferenceDataModule
+from align.models import PolicyModel
 from align.modules.base import AlignModule, PairMetrics
+from align.modules.dpo import DPOModule
 
 # (3, 4): rows with 2, 1 and 3 valid tokens
 MASK = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
@@ -34,19 +49,6 @@ def module_on(world_size=1, accumulate=1, others=0.0, deepspeed=False, manual=Fa
         strategy=OtherRanks(others, handles_gradient_accumulation=deepspeed),
     )
     return module
-
-
-@pytest.mark.parametrize("aggregation, expected", [("token_mean", 6.0), ("seq_mean", 3.0), ("constant", 15.0)])
-def test_loss_count_of_a_hand_made_mask(aggregation, expected):
-    count = loss_count(MASK, aggregation, max_length=5)  # constant: 3 rows x 5, not the padded width 4
-    assert count.dtype == torch.float32 and count.shape == () and float(count) == expected
-
-
-def test_loss_count_refuses_an_unknown_aggregation_or_a_constant_without_length():
-    with pytest.raises(ValueError, match="max_length"):
-        loss_count(MASK, "constant")
-    with pytest.raises(ValueError, match="seq_sum"):
-        loss_count(MASK, "seq_sum")
 
 
 @pytest.mark.parametrize(
@@ -94,3 +96,134 @@ def test_pair_metrics_are_means_over_every_ranks_pairs():
     assert PairMetrics().means(module_on()) == {}
     means = window.means(module_on(world_size=2, others=4.0))  # the other rank adds 4 to the loss sum and to pairs
     assert means["loss"] == (3.0 + 1.0 + 4.0) / (3 + 4) and means["pairs_per_s"] > 0
+
+
+TIMING = {"train/pairs_per_s"}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return write_varied_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl")
+
+
+def run(pairs, root, *, every_step=False, log_every=2, max_steps=5, **trainer_kwargs):
+    """Fit DPO for ``max_steps`` with a CSV logger; returns (train rows without timing columns, steps logged)."""
+    L.seed_everything(0)
+    module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    logged_steps = []
+    original = module.log_step
+
+    def counting(metrics, prog_bar=()):
+        logged_steps.append(module.trainer.global_step)
+        original(metrics, prog_bar)
+
+    module.log_step = counting
+    if every_step:
+        module.logs_this_step = lambda: True
+    trainer = cpu_trainer(
+        max_steps=max_steps,
+        logger=CSVLogger(root, name="csv"),
+        log_every_n_steps=log_every,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, PreferenceDataModule(train_files=pairs, val_files=None, batch_size=2, max_length=64))
+    path = Path(trainer.logger.log_dir) / "metrics.csv"
+    with open(path) if path.exists() else open(os.devnull) as f:  # nothing written when no step is a logging step
+        rows = [{k: v for k, v in r.items() if v != "" and k not in TIMING} for r in csv.DictReader(f)]
+    return [r for r in rows if "train/loss" in r], logged_steps, trainer
+
+
+def test_written_rows_are_those_of_logging_every_step(pairs, tmp_path):
+    every, every_steps, _ = run(pairs, tmp_path / "a", every_step=True)
+    gated, gated_steps, trainer = run(pairs, tmp_path / "b")
+    assert every_steps == [0, 1, 2, 3, 4]
+    assert gated_steps == [1, 3, 4]  # the loggers' steps (every 2nd), and the run's last step
+    assert [r["step"] for r in gated] == ["1", "3", "4"] and gated == every  # the last step's row is written too
+    # The final values reach callback_metrics although step 4 is not a logging step.
+    assert {"train/loss", "dpo/accuracy", "train/pairs_per_s"} <= set(trainer.callback_metrics)
+
+
+@pytest.mark.parametrize("reader", ["progress_bar", "monitor"])
+def test_a_progress_bar_or_a_monitor_reads_every_step(pairs, tmp_path, reader):
+    extra = (
+        dict(enable_progress_bar=True)
+        if reader == "progress_bar"
+        else dict(
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", every_n_train_steps=1)],
+        )
+    )
+    _, steps, _ = run(pairs, tmp_path, max_steps=3, log_every=50, **extra)
+    assert steps == [0, 1, 2]
+
+
+def test_without_a_trainer_nothing_is_logged():
+    assert AlignModule(torch.nn.Linear(1, 1)).logs_this_step() is False
+
+
+SHORT_RUN_ROWS = {
+    "sft": [{"prompt": f"sort: {a} {b}", "completion": f"{min(a, b)} {max(a, b)}"} for a, b in zip("dbca", "acdb")],
+    "dpo": [
+        {"prompt": f"sort: {a} {b}", "chosen": f"{min(a, b)} {max(a, b)}", "rejected": f"{max(a, b)} {min(a, b)}"}
+        for a, b in zip("dbca", "acdb")
+    ],
+    "kto": [{"prompt": f"sort: {a} {b}", "completion": f"{a} {b}", "label": a < b} for a, b in zip("dbca", "acdb")],
+}
+
+
+@pytest.mark.parametrize("recipe", ["sft", "dpo", "kto"])
+def test_a_run_shorter_than_log_every_n_steps_writes_its_last_steps_row(tmp_path, recipe):
+    """A 3-step run at the default log_every_n_steps (10) still writes a training row: its last step's."""
+    import json
+
+    from align.cli.recipes import run_recipe
+    from align.data.preference import UnpairedDataModule
+    from align.data.sft import SFTDataModule
+    from align.modules.kto import KTOModule
+    from align.modules.sft import SFTModule
+
+    classes = {
+        "sft": (SFTModule, SFTDataModule),
+        "dpo": (DPOModule, PreferenceDataModule),
+        "kto": (KTOModule, UnpairedDataModule),
+    }
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in SHORT_RUN_ROWS[recipe]))
+    cli = run_recipe(
+        recipe,
+        *classes[recipe],
+        args=[
+            "--trainer.max_steps",
+            "3",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--data.init_args.train_files",
+            str(data),
+            "--data.init_args.val_files",
+            "null",
+            "--data.init_args.batch_size",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            *(["--model.init_args.precompute_reference", "false"] if recipe == "dpo" else []),
+        ],
+    )
+    rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
+    assert cli.trainer.global_step == (2 if recipe == "dpo" else 3)  # DPO: one epoch of two batches
+    assert [r["step"] for r in rows if r.get("train/loss")] == [str(cli.trainer.global_step - 1)]
+
+
+def test_fit_loop_tells_whether_a_micro_batch_ends_its_window(private_api):
+    used_by = "align.modules.base.AlignModule.accumulating (per-step bookkeeping under DeepSpeed)"
+    private_api.require(_FitLoop, "_should_accumulate", ("self",), used_by=used_by)
+    seen = []
+
+    class Model(BoringModel):
+        def on_before_backward(self, loss):
+            seen.append(self.trainer.fit_loop._should_accumulate())
+
+    cpu_trainer(max_steps=2, accumulate_grad_batches=2, limit_train_batches=4, limit_val_batches=0).fit(Model())
+    assert seen == [True, False, True, False]

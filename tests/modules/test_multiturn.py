@@ -13,17 +13,15 @@ from torch.utils.data import DataLoader
 from align.core.advantages import gae
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptBatch
-from align.errors import AlignConfigError
 from align.models.critic import CriticSettings
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
 from align.modules.online_dpo import OnlineDPOModule
-from align.modules.options import GAE, GroupAdvantages, KLPenalty, OverlongPenalty, PolicyLoss, Updates
+from align.modules.options import GAE, GroupAdvantages, KLPenalty, PolicyLoss, Updates
 from align.modules.ppo import PPOModule
 from align.modules.trpo import TRPOModule
 from align.rollout.engine import SamplingConfig
 from align.rollout.envs.chat import EnvironmentSpec, EnvStep
-from align.rollout.rewards import RewardSpec
 
 
 class Rounds:
@@ -124,25 +122,6 @@ def test_trpo_and_online_dpo_train_on_episodes(tmp_path):
     assert online.sampler.reward.names == []
     rows = fit(online, tmp_path / "online_dpo", steps=1)
     assert any(r.get("rollout/turns") for r in rows)
-
-
-def test_environment_and_reward_names_and_budget():
-    with pytest.raises(AlignConfigError, match="the name 'env' is the env reward part's"):
-        GRPOModule(
-            policy=PolicyModel("tiny-sort"),
-            group_size=2,
-            rewards=[RewardSpec("align.rewards.sort_format", name="env")],
-            **COMMON,
-        )
-    module = GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, **COMMON)
-    assert module.accuracy_reward == "env" and module.sampler.max_response_tokens == 40
-    assert GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2).sampler.max_response_tokens == 32
-    with pytest.raises(AlignConfigError, match="model.overlong: the overlong penalty is per completion"):
-        GRPOModule(policy=PolicyModel("tiny-sort"), group_size=2, overlong=OverlongPenalty(buffer=4), **COMMON)
-    with pytest.raises(AlignConfigError, match="set reward_model, rewards or environment"):
-        PPOModule(
-            policy=PolicyModel("tiny-sort", critic=CriticSettings()), rewards=[], reward_model=None, eval_rewards=[]
-        )
 
 
 class FirstStepBonus:

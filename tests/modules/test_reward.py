@@ -75,20 +75,6 @@ def test_accumulating_8x1_equals_one_batch_of_8(varied_pairs, lora):
         torch.testing.assert_close(accumulated[name], value, atol=2e-6, rtol=1e-5, msg=name)
 
 
-def test_head_reads_the_last_real_token_whatever_the_padding():
-    policy = PolicyModel(critic=CriticSettings()).eval()
-    torch.nn.init.normal_(policy.critic.head.proj.weight)
-    ids = torch.tensor([[1, 5, 6, 7, 2]])
-    with torch.no_grad():
-        alone = sequence_scores(policy, ids, torch.ones_like(ids))
-        right = sequence_scores(policy, torch.tensor([[1, 5, 6, 7, 2, 0, 0]]), torch.tensor([[1] * 5 + [0] * 2]))
-        left = sequence_scores(policy, torch.tensor([[0, 0, 1, 5, 6, 7, 2]]), torch.tensor([[0] * 2 + [1] * 5]))
-        shorter = sequence_scores(policy, ids[:, :4], torch.ones_like(ids[:, :4]))
-    torch.testing.assert_close(right, alone, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(left, alone, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(shorter, alone)
-
-
 def test_margin_enters_the_loss(varied_pairs):
     L.seed_everything(0)
     module = RewardModule(PolicyModel()).eval()

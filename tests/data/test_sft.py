@@ -5,7 +5,6 @@ import torch
 
 from align.data.chat import IGNORE_INDEX, ChatEncoder
 from align.data.io import read_rows
-from align.data.sampling import WindowBatchSampler
 from align.data.sft import SFTCollator, SFTDataModule, pack, tokenize_rows
 from align.errors import AlignConfigError, AlignDataError
 from align.hub.tiny import build_tiny_model, load_tiny_tokenizer
@@ -105,14 +104,6 @@ def test_packing_resets_positions_and_blocks_cross_attention(tok):
             torch.testing.assert_close(logits[s:e], alone, atol=1e-5, rtol=1e-4)
 
 
-def test_window_sampler_tags_each_micro_batch_with_its_window_total():
-    weights = [1, 2, 3, 4, 5, 6, 7]
-    sampler = WindowBatchSampler(range(7), batch_size=2, drop_last=False, weights=weights, accumulate=2)
-    batches = list(sampler)
-    assert [[i for i, _ in b] for b in batches] == [[0, 1], [2, 3], [4, 5], [6]]
-    assert [b[0][1] for b in batches] == [10, 10, 18, 18]  # 1+2+3+4, then 5+6+7 for the short last window
-
-
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
@@ -144,19 +135,6 @@ def test_bad_rows_name_file_row_and_field(tmp_path, tok, bad_row, expect):
         assert part in message
 
 
-def test_non_utf8_and_empty_files(tmp_path):
-    path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"prompt": "caf\xe9", "completion": "x"}\n')
-    with pytest.raises(AlignDataError, match=r"row 1: expected UTF-8 text"):
-        read_rows(str(path))
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(AlignDataError, match="the dataset is empty"):
-        read_rows(str(empty))
-    with pytest.raises(AlignDataError, match="no such file"):
-        read_rows(str(tmp_path / "missing.jsonl"))
-
-
 def test_truncation_policies(tmp_path, tok):
     long = {"prompt": "sort: b a", "completion": "a " * 100}
     rows = [GOOD, long]
@@ -170,21 +148,6 @@ def test_truncation_policies(tmp_path, tok):
 def test_an_unknown_truncation_policy_fails_naming_the_setting():
     with pytest.raises(AlignConfigError, match=r"^data\.truncation: expected 'error', 'right' or 'drop', got 'left'$"):
         SFTDataModule(truncation="left")
-
-
-@pytest.mark.parametrize("suffix", ["parquet", "csv", "json"])
-def test_other_file_formats_load(tmp_path, tok, suffix):
-    import pandas as pd
-
-    rows = [GOOD, {"prompt": "sort: c b", "completion": "b c"}]
-    path = tmp_path / f"data.{suffix}"
-    frame = pd.DataFrame(rows)
-    {
-        "parquet": frame.to_parquet,
-        "csv": lambda p: frame.to_csv(p, index=False),
-        "json": lambda p: frame.to_json(p, orient="records"),
-    }[suffix](path)
-    assert read_rows(str(path)) == rows
 
 
 def test_datamodule_on_bundled_data(tok):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 
-import _programs as P
 import lightning as L
 import pytest
 import torch
-from _launch import launch
+
+from . import _programs as P
+from ._launch import launch
 
 pytestmark = pytest.mark.slow
 
