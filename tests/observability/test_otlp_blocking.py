@@ -10,11 +10,12 @@ import socket
 import time
 
 import pytest
-from conftest import ToyRLModule, toy_trainer
 from lightning.pytorch.callbacks import Callback
 
 from align.observability import OTelTracingCallback, OTLPLogger
 from align.observability.export import FAILING_WAIT
+
+from ._toy import ToyRLModule, toy_trainer
 
 PROTOCOLS = ["grpc", "http/protobuf"]
 # Scheduling delay allowed on top of a documented bound: the flush waits on another thread, which a loaded 2-core

@@ -4,11 +4,12 @@ episodes it finished as ``rl.*`` attributes, and the episode metrics arrive as O
 from functools import partial
 
 import torch
-from conftest import toy_trainer
 
 from align.gym import A2CGymModule
 from align.gym.make import EnvSpec
 from align.observability import OTelTracingCallback, OTLPLogger
+
+from ._toy import toy_trainer
 
 
 def test_rollout_spans_carry_the_finished_episodes(receiver, tmp_path):

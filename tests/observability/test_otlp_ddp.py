@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent("""
     import sys
     import lightning as L
     sys.path.insert(0, {here!r})
-    from conftest import ToyRLModule
+    from _toy import ToyRLModule
     from align.observability import OTelTracingCallback, OTLPLogger
 
     endpoint = sys.argv[1]

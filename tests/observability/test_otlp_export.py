@@ -4,11 +4,12 @@ import socket
 import threading
 
 import pytest
-from conftest import ToyRLModule, toy_trainer
 
 from align.observability import OTelTracingCallback, OTLPLogger, Timer, timing
 from align.observability.attributes import REDACTED
 from align.observability.export import SDK_LOGS, _failures, _names
+
+from ._toy import ToyRLModule, toy_trainer
 
 PROTOCOLS = ["grpc", "http/protobuf"]
 
