@@ -3,6 +3,9 @@
 A scripted engine stands in for a second engine (it answers every prompt with the same tokens) to show that the
 sampler, the episodes and an RL module's training step use whatever ``sampling.engine`` names."""
 
+import os
+import socket
+import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +28,8 @@ from align.rollout.source import FilteredSource, InlineSource
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
 from _helpers import PROMPTS, length_reward, prompt_batch, standalone  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +179,63 @@ def test_dynamic_sampling_serves_every_rl_module(policy, make):
     m = module.last_metrics
     assert m["rollout/sampling_batches"] == 2 and m["rollout/kept_groups"] == 2 and m["rollout/kept_frac"] == 0.5
     assert module.rl_counters["rollouts"] == 2
+
+
+RANKS_CHILD = """
+import os, sys
+import torch.distributed as dist
+from align.rollout.rewards import CombinedReward, RewardError
+from align.rollout.sampler import stop_together
+from align.core.stats import Ranks
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{sys.argv[2]}")
+ranks = Ranks(rank, 2, lambda t: (dist.all_reduce(t), t)[1])
+
+
+def fussy(completions, **kw):
+    if rank == 1 and "b" in completions:
+        raise ValueError("rank 1 cannot score this")
+    return [1.0] * len(completions)
+
+
+reward = CombinedReward([fussy])
+for batch in (["a"], ["b"]):
+    error = None
+    try:
+        reward(["p"], batch)
+    except Exception as err:
+        error = err
+    try:
+        stop_together(error, ranks)
+        print("scored", batch, flush=True)
+    except RewardError as err:
+        print("stopped:", err, flush=True)
+        break
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_failing_on_one_rank_stops_every_rank_with_the_same_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANKS_CHILD, str(rank), str(port)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    lines = [out.strip().splitlines() for out, _ in outs]
+    assert lines[0][0] == lines[1][0] == "scored ['a']"
+    assert lines[0][1] == lines[1][1]
+    assert lines[0][1].startswith("stopped: reward 'fussy'") and "rank 1 cannot score this" in lines[0][1]
+    assert lines[0][1].endswith("[scoring failed on rank 1 of 2; every rank stops]")
