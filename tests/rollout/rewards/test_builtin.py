@@ -5,13 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from align.rollout.rewards import (
-    extract_final_number,
-    math_answer,
-    sort_exact_match,
-    sort_format,
-    sort_position_match,
-)
+from align.rollout.rewards import extract_final_number, math_answer, sort_exact_match, sort_format, sort_position_match
 
 
 def test_sort_rewards():

@@ -5,13 +5,7 @@ reward lists named by their place in the config."""
 import pytest
 
 from align.errors import AlignConfigError
-from align.rollout.rewards import (
-    CombinedReward,
-    RewardCounts,
-    RewardModelSpec,
-    RewardSpec,
-    sort_format,
-)
+from align.rollout.rewards import CombinedReward, RewardCounts, RewardModelSpec, RewardSpec, sort_format
 from align.rollout.rewards.combine import training_rewards
 
 

@@ -7,13 +7,7 @@ import functools
 import pytest
 
 from align.errors import AlignConfigError
-from align.rollout.rewards import (
-    CombinedReward,
-    RewardError,
-    RewardFunction,
-    RewardSpec,
-    sort_format,
-)
+from align.rollout.rewards import CombinedReward, RewardError, RewardFunction, RewardSpec, sort_format
 
 
 def test_spec_kwargs_are_passed():

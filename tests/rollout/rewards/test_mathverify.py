@@ -4,13 +4,7 @@ its own alarms that neither clear an outer timer nor fail off the main thread.""
 
 import pytest
 
-from align.rollout.rewards import (
-    CombinedReward,
-    RewardError,
-    RewardFunction,
-    RewardSpec,
-    math_verify,
-)
+from align.rollout.rewards import CombinedReward, RewardError, RewardFunction, RewardSpec, math_verify
 
 
 @pytest.mark.parametrize(

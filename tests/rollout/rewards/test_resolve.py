@@ -7,14 +7,7 @@ import sys
 import pytest
 
 from align.errors import AlignConfigError
-from align.rollout.rewards import (
-    RewardError,
-    RewardFunction,
-    RewardSpec,
-    resolve_import,
-    resolve_reward,
-    sort_format,
-)
+from align.rollout.rewards import RewardError, RewardFunction, RewardSpec, resolve_import, resolve_reward, sort_format
 
 
 def test_resolve_by_dotted_path_and_file(tmp_path, monkeypatch):
