@@ -3,7 +3,7 @@ the setting and what it accepts or the nearest importable path (align.cli.config
 
 import pytest
 
-from align.cli.config_errors import one_line, setting_key
+from align.cli.config_errors import nearest, one_line, setting_key
 from align.cli.recipes import run_recipe
 from align.data.prompts import PromptDataModule
 from align.data.sft import SFTDataModule
@@ -208,3 +208,53 @@ def test_a_bad_value_of_a_nested_setting_or_an_engines_own_is_one_line(capsys, t
     jsonargparse keeps the error only as text) reaches the user as its one line, not a traceback."""
     args = [yaml_file(tmp_path, a) if a.startswith("model:") else a for a in args]
     assert recipe_error(capsys, tmp_path, "grpo", *args) == [f"error: {expected}"]
+
+
+def test_unknown_yaml_key_is_rejected(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        run_recipe("sft", SFTModule, SFTDataModule, args=["--model.init_args.no_such_option", "1"])
+    assert info.value.code != 0
+    assert "no_such_option" in capsys.readouterr().err
+
+
+def sft_error(capsys, *args) -> list[str]:
+    with pytest.raises(SystemExit) as info:
+        run_recipe("sft", SFTModule, SFTDataModule, args=[*args, "--trainer.max_steps", "0"])
+    assert info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--trainer.max_steps", "ten"], "error: --trainer.max_steps: expected int, got 'ten'"),
+        (["--trainer.max_stepz", "4"], "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps"),
+        (["--model.optimizer.lrr", "1"], "error: --model.optimizer.lrr: AdamW has no setting 'lrr'; did you mean lr?"),
+        (["--model.optimizer.lr", "abc"], "error: --model.optimizer.lr: expected float or Tensor, got 'abc'"),
+        (
+            ["--model.max_lenght", "5"],
+            "error: --model.max_lenght: SFTModule has no setting 'max_lenght'; accepted: policy, optimizer, scheduler",
+        ),
+        (["--data.batch_size", "x"], "error: --data.batch_size: expected int, got 'x'"),
+    ],
+)
+def test_a_bad_setting_is_one_line(capsys, args, expected):
+    lines = sft_error(capsys, *args)
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
+def test_an_unknown_key_in_a_yaml_file_is_one_line_with_the_nearest_keys(capsys, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "trainer:\n  max_stepz: 3\nmodel:\n  init_args:\n    optimizer:\n      init_args:\n        lr: 1\n"
+    )
+    assert sft_error(capsys, "--config", str(config)) == [
+        "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps or trainer.max_time or "
+        "trainer.min_steps?"
+    ]
+
+
+def test_one_line_of_messages_it_does_not_know_keeps_their_words():
+    assert one_line("something\n   went   wrong") == "something went wrong"
+    assert nearest("trainer.max_stepz", ["trainer.max_steps", "model.lr", "trainer.devices"]) == ["trainer.max_steps"]
+    assert nearest("zzz", ["trainer.max_steps"]) == []

@@ -3,9 +3,10 @@ before any weights are written, and the message names the file, row or field and
 
 Rows of the table already covered elsewhere are listed in the docs with their test: SFT rows that are
 malformed JSON, miss a field, hold an empty string or a wrong type or are too long, and an unknown YAML key
-(tests/cli/test_cli.py); reader-level non-UTF-8 bytes and empty files (tests/data/test_sft_data.py);
-rewards returning NaN, the wrong length or raising, in a real GRPO run (tests/e2e/test_recipes_grpo.py), and
-the printed output of a raising reward through the recipe script (the last test here).
+(tests/cli/test_main.py, tests/cli/test_config_errors.py); reader-level non-UTF-8 bytes and empty files
+(tests/data/test_sft_data.py); rewards returning NaN, the wrong length or raising, in a real GRPO run
+(tests/e2e/test_recipes_grpo.py), and the printed output of a raising reward through the recipe script (the
+last test here).
 This file covers the rest through the same command line, one table row per case.
 """
 

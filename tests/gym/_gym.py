@@ -1,4 +1,4 @@
-"""Helpers shared by the classic-RL tests (importable because pytest puts this folder on sys.path)."""
+"""Helpers shared by the classic-RL tests (importable because tests/gym/conftest.py puts this folder on sys.path)."""
 
 import lightning as L
 

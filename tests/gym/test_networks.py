@@ -313,3 +313,26 @@ def test_reward_scaler_divides_by_the_running_std_of_the_discounted_return():
     tight = RewardScaler(num_envs=1, gamma=0.5, clip=0.5)
     assert float(tight(torch.tensor([[1.0]]), torch.tensor([[False]]))) == 0.5  # 1 / std of about 1e2, clipped
     assert float(scaler(torch.tensor([[-1.0]]), torch.tensor([[True]]))) < 0  # the sign is kept
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_q_network_greedy_is_the_argmax_of_its_forward_after_updates_and_loads(activation):
+    import gymnasium as gym
+
+    from align.gym.networks import QNetwork
+
+    torch.manual_seed(0)
+    space = gym.spaces.Box(-1, 1, (3,))
+    q = QNetwork(space, 5, (16, 16), activation)
+    obs = torch.randn(64, 3)
+    assert torch.equal(q.greedy(obs), q(obs).argmax(dim=1))
+    optimizer = torch.optim.SGD(q.parameters(), lr=1.0)
+    q(obs).square().sum().backward()
+    optimizer.step()  # in place: the cached layers see it
+    assert torch.equal(q.greedy(obs), q(obs).argmax(dim=1))
+    other = QNetwork(space, 5, (16, 16), activation)
+    q.load_state_dict(other.state_dict())
+    assert torch.equal(q.greedy(obs), other(obs).argmax(dim=1))
+    q.net[0].weight = torch.nn.Parameter(torch.randn(16, 3))  # replaced, not updated: the cache is rebuilt
+    assert torch.equal(q.greedy(obs), q(obs).argmax(dim=1))
+    assert not torch.is_grad_enabled() or q.greedy(obs).grad_fn is None

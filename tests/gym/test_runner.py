@@ -1,13 +1,12 @@
-"""The environment runner: per-episode seeds, windows of steps, complete episodes, exact resume mid-episode, and
-one-line errors for environments that cannot be built or break their contract.
+"""The environment runner (align.gym.runner): per-episode seeds, windows of steps, complete episodes, exact resume
+mid-episode, and one-line errors for an environment whose reset or step raises.
 
-The small environments below are loaded by the runner through the import path of this very file
-(``/abs/path/tests/gym/test_runner.py:Corridor``), the way a user names their own environment class."""
+The small environments are loaded by the runner through the import path of _envs.py
+(``/abs/path/tests/gym/_envs.py:Corridor``), the way a user names their own environment class."""
 
 import io
 import logging
 import re
-import sys
 from pathlib import Path
 
 import gymnasium as gym
@@ -15,118 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from align.errors import AlignConfigError, AlignEnvError
-from align.gym.make import EnvSpec, require_discrete_actions
+from align.errors import AlignEnvError
+from align.gym.make import EnvSpec
 from align.gym.runner import EnvRunner, episode_seed
 
-THIS = str(Path(__file__).resolve())
-
-
-class Corridor(gym.Env):
-    """Positions ``0 .. length``; action 1 steps right, 0 stays. The start (0 or 1) and a small part of each reward
-    come from ``np_random``, so observations and rewards depend on the reset seed. Terminates at ``length``."""
-
-    action_space = gym.spaces.Discrete(2)
-
-    def __init__(self, length: int = 4):
-        self.length = length
-        self.observation_space = gym.spaces.Discrete(length + 1)
-        self.position = 0
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.position = int(self.np_random.integers(0, 2))
-        return self.position, {}
-
-    def step(self, action):
-        self.position = min(self.position + int(action), self.length)
-        reward = self.position + int(action) + float(self.np_random.random()) / 10
-        return self.position, reward, self.position == self.length, False, {}
-
-
-class Fixed(Corridor):
-    """A constructor that takes no keyword arguments."""
-
-    def __init__(self):
-        super().__init__(length=3)
-
-
-class WrongShape(Corridor):
-    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
-
-    def __init__(self):
-        super().__init__()
-        self.observation_space = WrongShape.observation_space
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        return np.zeros(3, np.float32), {}
-
-    def step(self, action):
-        return np.zeros(3, np.float32), 0.0, False, False, {}
-
-
-class OutOfRange(Corridor):
-    """Declares ``Discrete(4)`` and steps to observation 9."""
-
-    def __init__(self):
-        super().__init__(length=3)
-
-    def step(self, action):
-        return 9, 0.0, False, False, {}
-
-
-class Explodes(Corridor):
-    def step(self, action):
-        raise RuntimeError("boom")
-
-
-class ResetExplodes(Corridor):
-    def reset(self, *, seed=None, options=None):
-        raise KeyError("no start state")
-
-
-class Unseeded(gym.Env):
-    """Draws its start from NumPy's global generator instead of ``np_random``: a replay cannot reproduce it."""
-
-    observation_space = gym.spaces.Box(0.0, 1.0, (1,), np.float32)
-    action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.state = np.array([np.random.random()], np.float32)
-        return self.state, {}
-
-    def step(self, action):
-        return self.state, 1.0, False, False, {}
-
-
-def not_an_env():
-    return 3
-
-
-WALK_SOURCE = '''
-import gymnasium as gym
-
-
-class Walk(gym.Env):
-    """Counts steps; never terminates by itself."""
-
-    observation_space = gym.spaces.Discrete(100)
-    action_space = gym.spaces.Discrete(2)
-
-    def __init__(self, reward=1.0):
-        self.reward, self.t = reward, 0
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return 0, {}
-
-    def step(self, action):
-        self.t += 1
-        return self.t, self.reward, False, False, {}
-'''
+ENVS = str(Path(__file__).with_name("_envs.py").resolve())
 
 
 def constant(action: int):
@@ -254,7 +146,7 @@ def expected_episodes(steps) -> list[tuple[float, int, bool]]:
         ("CartPole-v1", None),  # Box observations
         ("FrozenLake-v1", None),  # Discrete observations
         ("Pendulum-v1", 7),  # continuous actions, time-limit truncations
-        (f"{THIS}:Corridor", 4),  # rewards drawn from np_random
+        (f"{ENVS}:Corridor", 4),  # rewards drawn from np_random
     ],
 )
 def test_sync_copies_stepped_directly_equal_gymnasiums_sync_vector_step(env_id, max_steps):
@@ -280,7 +172,7 @@ def test_sync_copies_stepped_directly_equal_gymnasiums_sync_vector_step(env_id, 
 
 def test_pop_episodes_returns_lengths_and_truncation():
     # max_episode_steps on a custom class: episodes that dawdle are truncated after 5 steps.
-    runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=3, seed=2, max_episode_steps=5))
+    runner = EnvRunner(EnvSpec(id=f"{ENVS}:Corridor", num_envs=3, seed=2, max_episode_steps=5))
     steps = runner.collect(random_policy(0), 40)
     expected = expected_episodes(steps)
     episodes = runner.pop_episodes()
@@ -296,7 +188,7 @@ def test_pop_episodes_returns_lengths_and_truncation():
 
 
 def test_env_actions_go_to_the_environment():
-    runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=2, kwargs={"length": 50}))
+    runner = EnvRunner(EnvSpec(id=f"{ENVS}:Corridor", num_envs=2, kwargs={"length": 50}))
     start = runner.start().clone()
 
     def policy(obs):
@@ -334,11 +226,11 @@ def test_collect_episodes_one_episode_per_env():
 
 
 def test_collect_episodes_that_never_end():
-    runner = EnvRunner(EnvSpec(id=f"{THIS}:Corridor", num_envs=1))
+    runner = EnvRunner(EnvSpec(id=f"{ENVS}:Corridor", num_envs=1))
     with pytest.raises(
         AlignEnvError,
         match=re.escape(
-            f"environment '{THIS}:Corridor': an episode ran 6 steps without ending; set model.env.max_episode_steps"
+            f"environment '{ENVS}:Corridor': an episode ran 6 steps without ending; set model.env.max_episode_steps"
         ),
     ):
         runner.collect_episodes(constant(0), max_steps=6)
@@ -372,7 +264,7 @@ def _staggered(runner: EnvRunner, seed: int, limit: int = 300) -> None:
         ("CartPole-v1", 3, "sync", None),
         ("CartPole-v1", 2, "async", None),
         ("FrozenLake-v1", 3, "sync", None),
-        (f"{THIS}:Corridor", 3, "sync", 4),  # time-limit truncations, rewards drawn from np_random
+        (f"{ENVS}:Corridor", 3, "sync", 4),  # time-limit truncations, rewards drawn from np_random
     ],
 )
 def test_exact_resume(env_id, num_envs, vectorization, max_steps):
@@ -425,13 +317,13 @@ def test_resume_before_any_step_and_before_start():
 
 
 def test_resume_of_an_unreproducible_env_warns(caplog):
-    runner = EnvRunner(EnvSpec(id=f"{THIS}:Unseeded"))
+    runner = EnvRunner(EnvSpec(id=f"{ENVS}:Unseeded"))
     runner.collect(constant(0), 2)
     state = runner.state_dict()
-    resumed = EnvRunner(EnvSpec(id=f"{THIS}:Unseeded"))
+    resumed = EnvRunner(EnvSpec(id=f"{ENVS}:Unseeded"))
     with caplog.at_level(logging.WARNING, logger="align.gym.runner"):
         resumed.load_state_dict(state)
-    assert f"environment '{THIS}:Unseeded' did not reproduce its episodes" in caplog.text
+    assert f"environment '{ENVS}:Unseeded' did not reproduce its episodes" in caplog.text
     assert resumed.state_dict()["length"].tolist() == [2]  # it carries on from the replayed state
     assert resumed.collect(constant(0), 1).shape == (1, 1)
 
@@ -463,152 +355,20 @@ def test_load_state_dict_with_other_num_envs():
 # ---------------------------------------------------------------- errors, one line each
 
 
-def test_unknown_id_suggests_close_ones():
-    with pytest.raises(
-        AlignConfigError,
-        match=r"environment 'CartPol-v1': not a registered Gymnasium id and not an "
-        r"import path.*close registered ids: CartPole-v1",
-    ) as info:
-        EnvRunner(EnvSpec(id="CartPol-v1"))
-    assert "\n" not in str(info.value)
-
-
-def test_missing_file(tmp_path):
-    path = tmp_path / "missing_envs.py"
-    with pytest.raises(AlignConfigError, match=re.escape(f"environment '{path}:Grid': file '{path}' does not exist")):
-        EnvRunner(EnvSpec(id=f"{path}:Grid"))
-
-
-def test_missing_class_in_file():
-    with pytest.raises(
-        AlignConfigError, match=re.escape(f"environment '{THIS}:Nope': '{THIS}' has no attribute 'Nope'")
-    ):
-        EnvRunner(EnvSpec(id=f"{THIS}:Nope"))
-
-
-def test_missing_module(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    with pytest.raises(
-        AlignConfigError,
-        match=r"environment 'no_such_envs_module.Grid': cannot import module "
-        r"'no_such_envs_module'",
-    ):
-        EnvRunner(EnvSpec(id="no_such_envs_module.Grid"))
-
-
-def test_constructor_rejects_kwargs():
-    with pytest.raises(
-        AlignConfigError,
-        match=re.escape(f"environment '{THIS}:Fixed': its constructor refused model.env.kwargs {{'size': 3}}"),
-    ):
-        EnvRunner(EnvSpec(id=f"{THIS}:Fixed", kwargs={"size": 3}))
-    with pytest.raises(
-        AlignConfigError,
-        match=r"environment 'CartPole-v1': its constructor refused "
-        r"model.env.kwargs \{'size': 3\}",
-    ):
-        EnvRunner(EnvSpec(id="CartPole-v1", kwargs={"size": 3}))
-
-
-def test_factory_that_returns_no_env():
-    with pytest.raises(
-        AlignConfigError,
-        match=re.escape(f"environment '{THIS}:not_an_env': calling it gave a int, not a gymnasium.Env"),
-    ):
-        EnvRunner(EnvSpec(id=f"{THIS}:not_an_env"))
-
-
-def test_observation_of_wrong_shape_names_the_env():
-    expected = (
-        f"environment '{THIS}:WrongShape': reset returned an observation of shape (3,), outside its observation space"
-    )
-    with pytest.raises(AlignEnvError, match=re.escape(expected)) as info:
-        EnvRunner(EnvSpec(id=f"{THIS}:WrongShape")).start()
-    assert "\n" not in str(info.value)
-
-
-def test_observation_of_wrong_shape_names_the_space():
-    with pytest.raises(AlignEnvError, match=r"Box\(shape=\(4,\), float32\)"):
-        EnvRunner(EnvSpec(id=f"{THIS}:WrongShape")).start()
-
-
-def test_observation_outside_discrete_space():
-    runner = EnvRunner(EnvSpec(id=f"{THIS}:OutOfRange"))
-    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:OutOfRange'") + r".*Discrete\(4\)"):
-        runner.collect(constant(1), 1)
-
-
 def test_step_that_raises():
-    runner = EnvRunner(EnvSpec(id=f"{THIS}:Explodes", num_envs=2))
+    runner = EnvRunner(EnvSpec(id=f"{ENVS}:Explodes", num_envs=2))
     with pytest.raises(
         AlignEnvError,
         match=re.escape(
-            f"environment '{THIS}:Explodes': step raised RuntimeError: boom (episodes 0, 0 of its 2 copies)"
+            f"environment '{ENVS}:Explodes': step raised RuntimeError: boom (episodes 0, 0 of its 2 copies)"
         ),
     ):
         runner.collect(constant(1), 1)
 
 
 def test_reset_that_raises():
-    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{THIS}:ResetExplodes': reset raised KeyError")):
-        EnvRunner(EnvSpec(id=f"{THIS}:ResetExplodes")).start()
-
-
-def test_require_discrete_actions():
-    spec = EnvSpec(id="Pendulum-v1")
-    box = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
-    with pytest.raises(
-        AlignConfigError,
-        match=r"environment 'Pendulum-v1': DQN needs a Discrete action space, got "
-        r"Box\(shape=\(1,\), float32\)",
-    ):
-        require_discrete_actions(spec, box, "DQN")
-    assert require_discrete_actions(spec, gym.spaces.Discrete(3), "DQN") == 3
-
-
-@pytest.mark.parametrize(
-    "fields, name",
-    [
-        ({"num_envs": 0}, "num_envs"),
-        ({"vectorization": "threads"}, "vectorization"),
-        ({"max_episode_steps": 0}, "max_episode_steps"),
-        ({"id": "  "}, "id"),
-    ],
-)
-def test_spec_validation(fields, name):
-    with pytest.raises(AlignConfigError, match=rf"model\.env\.{name}: expected"):
-        EnvSpec(**fields)
+    with pytest.raises(AlignEnvError, match=re.escape(f"environment '{ENVS}:ResetExplodes': reset raised KeyError")):
+        EnvRunner(EnvSpec(id=f"{ENVS}:ResetExplodes")).start()
 
 
 # ---------------------------------------------------------------- custom environments by import path
-
-
-def test_custom_env_from_file_with_time_limit(monkeypatch, tmp_path):
-    (tmp_path / "walk_envs.py").write_text(WALK_SOURCE)
-    monkeypatch.chdir(tmp_path)  # the path is relative to the working directory
-    runner = EnvRunner(EnvSpec(id="walk_envs.py:Walk", kwargs={"reward": 0.5}, max_episode_steps=3, num_envs=2))
-    steps = runner.collect(constant(0), 7)
-    assert steps.done[:, 0].tolist() == [False, False, True, False, False, True, False]
-    assert not steps.terminated.any()  # truncated by the time limit, not terminated
-    assert steps.next_observations[2, 0].item() == 3 and steps.observations[3, 0].item() == 0
-    episodes = runner.pop_episodes()
-    assert [(e.reward, e.length, e.truncated) for e in episodes] == [(1.5, 3, True)] * 4
-
-
-def test_custom_env_by_dotted_path(monkeypatch, tmp_path):
-    module = "align_test_walk_envs_dotted"
-    (tmp_path / f"{module}.py").write_text(WALK_SOURCE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader appends the working directory
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    try:
-        runner = EnvRunner(EnvSpec(id=f"{module}.Walk", max_episode_steps=2))
-        steps = runner.collect(constant(1), 4)
-        assert steps.done[:, 0].tolist() == [False, True, False, True]
-        assert isinstance(runner.observation_space, gym.spaces.Discrete)
-        # without a time limit the class has none: it never ends
-        steps = EnvRunner(EnvSpec(id=f"{module}.Walk")).collect(constant(1), 4)
-        assert not steps.done.any()
-    finally:
-        sys.modules.pop(module, None)

@@ -8,12 +8,11 @@ from _helpers import length_reward, prompt_batch, standalone
 from align.core.distillation import generalized_jsd
 from align.core.masks import masked_mean
 from align.data.prompts import PromptBatch
-from align.errors import AlignConfigError, AlignDataError
+from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
 from align.modules.distill import DistillModule
 from align.modules.options import KLPenalty, Updates
 from align.rollout.engine import SamplingConfig
-from align.rollout.given import given_rollout
 
 
 def make_module(**kw):
@@ -123,23 +122,6 @@ def test_gkd_mixes_the_datas_completions_in_by_a_draw_seeded_by_the_step():
     standalone(module)
     module.training_step(with_answers(module), 0)
     assert module.last_metrics["distill/on_policy"] == 0.0 and "rollout/reward_mean" not in module.last_metrics
-
-
-def test_given_rollout_lays_the_answers_out_as_responses():
-    module = make_module()
-    batch = with_answers(module)
-    rollout = given_rollout(module.policy, batch, "answer", max_new_tokens=6)
-    tok = module.policy.tokenizer
-    first = tok("a b c d", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert rollout.response_ids[0, : len(first)].tolist() == first[:6]
-    assert rollout.response_mask.sum(dim=1).tolist() == [
-        min(len(tok(a, add_special_tokens=False)["input_ids"]) + 1, 6) for a in batch.columns["answer"]
-    ]
-    with pytest.raises(AlignConfigError, match=r"^model\.completion_column: the data rows have no 'gold' column"):
-        given_rollout(module.policy, batch, "gold", max_new_tokens=6)
-    batch.columns["answer"][1] = ""
-    with pytest.raises(AlignDataError, match=r"field 'answer': expected a non-empty reference completion"):
-        given_rollout(module.policy, batch, "answer", max_new_tokens=6)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""Generation engines as classes: a third engine from outside the package, named in YAML by its class path with its own
-settings, trains, answers the held-out passes and generates for the asynchronous source; the short names still work;
-the training and held-out engines are one object with two sampling settings."""
+"""Generation engines as classes (align.rollout.engine): a third engine from outside the package, named in YAML by its
+class path with its own settings, trains, answers the held-out passes and generates for the asynchronous source; a
+scripted engine named by its path serves an RL module's sampler; the short names still work and an unknown one fails
+naming the setting; the training and held-out engines are one object with two sampling settings."""
 
 import csv
 import re
@@ -14,6 +15,7 @@ import yaml
 
 from align.errors import AlignConfigError
 from align.models.policy import PolicyModel
+from align.modules.grpo import GRPOModule
 from align.rollout.engine import (
     GenerationEngine,
     HeldOutCorrection,
@@ -23,12 +25,19 @@ from align.rollout.engine import (
     engine_class,
     make_engine,
 )
+from align.rollout.rewards import training_rewards
+from align.rollout.sampler import Sampler
 from align.rollout.sampling import SampleOutput
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
-from _helpers import PROMPTS, length_reward, prompt_batch  # noqa: E402
+from _helpers import PROMPTS, length_reward, prompt_batch, standalone  # noqa: E402
 
 ENGINE = f"{__name__}.EchoEngine"
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return PolicyModel("tiny-sort")
 
 
 class EchoEngine(GenerationEngine):
@@ -107,8 +116,6 @@ def test_the_same_checks_name_the_training_or_the_held_out_settings():
 
 
 def test_the_held_out_engine_is_the_training_engine_with_its_own_sampling():
-    from align.rollout.rewards import training_rewards
-    from align.rollout.sampler import Sampler
 
     policy = PolicyModel("tiny-sort")
     reward, _ = training_rewards(["align.rewards.sort_exact_match"], None, None)
@@ -211,3 +218,63 @@ def test_an_engine_from_outside_the_package_generates_for_the_asynchronous_sourc
     assert steps[0] == {}  # the pipeline fills: no update on the first step
     assert [s["rollout/response_length"] for s in steps[1:]] == [tokens, tokens]
     assert [s["rollout/staleness"] for s in steps[1:]] == [0, 1]  # the first update's batch: none before it
+
+
+class ScriptedEngine(GenerationEngine):
+    """Answers every context with the same tokens (the pad id after the first stop token), log-prob -1 each."""
+
+    tokens: list[int] = []
+
+    @contextmanager
+    def decoding(self, policy, capacity):
+        def decode(
+            input_ids,
+            attention_mask,
+            *,
+            max_new_tokens,
+            min_new_tokens=0,
+            generator=None,
+            sync_stop=None,
+            shared_prefix=1,
+        ):
+            row = torch.tensor(self.tokens[:max_new_tokens])
+            ids = row.expand(input_ids.shape[0], -1).clone()
+            return SampleOutput(ids, torch.full(ids.shape, -1.0), ids.shape[1])
+
+        yield decode
+
+
+def test_a_new_engine_is_a_class_named_by_its_path(policy):
+    eos = policy.tokenizer.eos_token_id
+    ScriptedEngine.tokens = policy.tokenizer.encode("a b", add_special_tokens=False) + [eos]
+    path = f"{ScriptedEngine.__module__}.ScriptedEngine"
+    assert isinstance(make_engine(SamplingConfig(engine=path)), ScriptedEngine)
+    module = GRPOModule(
+        policy=policy,
+        rewards=[length_reward],
+        group_size=2,
+        log_entropy=False,
+        sampling=SamplingConfig(max_new_tokens=6, engine=ScriptedEngine()),
+    )
+    assert isinstance(module.sampler.engine, ScriptedEngine)
+    assert isinstance(module.sampler.eval_engine, ScriptedEngine)  # held out: the training engine, greedy
+    assert module.sampler.eval_engine.sampling.temperature == 0
+    standalone(module)
+    module.training_step(prompt_batch(policy, PROMPTS[:2]), 0)
+    # Every completion is the scripted one, so every reward ties and the group advantages are 0.
+    assert module.last_metrics["rollout/zero_std_frac"] == 1.0 and module.rl_counters == {"rollouts": 1, "updates": 1}
+    rollout = module.sampler.rollout(prompt_batch(policy, PROMPTS[:1]))
+    assert rollout.texts == ["a b", "a b"] and rollout.response_mask.sum() == 2 * len(ScriptedEngine.tokens)
+
+
+def test_an_unknown_engine_fails_naming_the_setting():
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^model\.sampling\.engine: expected native, vllm or the import path of "
+        r"a GenerationEngine subclass, got 'sglang'$",
+    ):
+        SamplingConfig(engine="sglang")
+    with pytest.raises(
+        AlignConfigError, match=r"^model\.evaluation\.sampling\.engine: 'torch\.nn\.Linear' is not a subclass"
+    ):
+        HeldOutSampling(engine="torch.nn.Linear")

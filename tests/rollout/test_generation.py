@@ -1,24 +1,32 @@
-"""``align generate``, ``align evaluate`` and ``align chat`` (align/generation.py and their entry points in
-align/cli.py): what each prints and writes, its one-line errors, and evaluation numbers equal to the ones
-training's validation logs for the same data."""
+"""Generating with a trained policy (align.rollout.generation): the policy loaded from a model or checkpoint (and the
+checkpoints refused), prompts read as training reads them, the commands' sampling settings, batches generated in
+order and repeated by a seed, and output rows that keep every input column. What the commands print and write:
+tests/cli/test_generation.py."""
 
-import io
 import json
+from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 
-from align.cli.lightning_cli import AlignCLI
 from align.cli.main import main
-from align.data.prompts import PromptDataModule
+from align.data.chat import ChatEncoder
+from align.data.prompts import PromptExample
+from align.errors import AlignConfigError, AlignDataError
+from align.hub.tiny import load_tiny_tokenizer
 from align.models.policy import PolicyModel
-from align.modules.grpo import GRPOModule
-from align.modules.options import Updates
-from align.rollout.engine import SamplingConfig
-from align.rollout.rewards import RewardSpec
+from align.rollout.engine import make_engine
+from align.rollout.generation import (
+    chat_reply,
+    check_completion_field,
+    completion_rows,
+    generate_batches,
+    load_policy,
+    read_prompts,
+    reference_policy,
+    sampling_config,
+)
 
-VALIDATION = "align:sort/prompts/validation.jsonl"
 ROWS = [
     {"prompt": "sort: d a c b", "answer": "a b c d"},
     {"prompt": "sort: b a", "answer": "a b", "id": 7},
@@ -55,194 +63,6 @@ def fails(capsys, *args) -> str:
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, lines
     return lines[0]
-
-
-def validate(module) -> dict[str, float]:
-    """The module's held-out metrics on the bundled sort validation prompts, as a run logs them (one batch)."""
-    data = PromptDataModule(val_batch_size=100)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return {k: float(v) for k, v in trainer.validate(module, datamodule=data, verbose=False)[0].items()}
-
-
-def grpo_module() -> GRPOModule:
-    return GRPOModule(
-        policy=PolicyModel("tiny-sort"),
-        rewards=[RewardSpec("align.rewards.sort_exact_match")],
-        group_size=4,
-        sampling=SamplingConfig(max_new_tokens=16, temperature=0.5),
-        log_entropy=False,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3),
-        updates=Updates(max_grad_norm=None),
-    )
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A checkpoint written by a two-step GRPO run of tiny-sort, with the held-out metrics its validation logged
-    before and after training."""
-    root = tmp_path_factory.mktemp("grpo")
-    L.seed_everything(0)
-    module = grpo_module()
-    before = validate(module)
-    data = PromptDataModule(batch_size=4, val_files=None)
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=data)
-    after = validate(module)
-    ckpt = root / "last.ckpt"
-    trainer.save_checkpoint(ckpt)
-    return {"ckpt": str(ckpt), "before": before, "after": after}
-
-
-def evaluate_report(capsys, tmp_path, model, *extra, prompts=VALIDATION) -> tuple[dict, str]:
-    report = tmp_path / "report.json"
-    out, _ = run(
-        capsys,
-        "evaluate",
-        "--model",
-        model,
-        "--prompts",
-        prompts,
-        "--rewards",
-        "align.rewards.sort_exact_match",
-        "--max_new_tokens",
-        "16",
-        "--batch_size",
-        "100",
-        "--output",
-        str(report),
-        *extra,
-    )
-    return json.loads(report.read_text()), out
-
-
-# ---------------------------------------------------------------------------- evaluate = training's validation
-def as_validation(report: dict) -> dict[str, float]:
-    """An ``align evaluate`` report under the names training's held-out pass logs (one evaluator makes both)."""
-    shared = {f"val/{k}": report[k] for k in ("reward_mean", "accuracy", "response_length", "truncated_frac")}
-    return {**shared, **{f"val/reward/{name}": value for name, value in report["rewards"].items()}}
-
-
-def test_evaluate_equals_the_validation_of_training_before_and_after(trained, capsys, tmp_path):
-    report, out = evaluate_report(capsys, tmp_path, "tiny-sort")
-    before = as_validation(report)
-    assert before == pytest.approx({k: trained["before"][k] for k in before}, abs=1e-6)
-    assert any(
-        line.split() == ["accuracy", f"{report['accuracy']:.4f}", "(sort_exact_match", ">=", "1)"]
-        for line in out.splitlines()
-    )
-    report, _ = evaluate_report(capsys, tmp_path, trained["ckpt"])
-    after = as_validation(report)
-    assert after == pytest.approx({k: trained["after"][k] for k in after}, abs=1e-6)
-
-
-def test_evaluate_prints_a_table_and_writes_the_report(capsys, tmp_path, prompts):
-    report_path = tmp_path / "r" / "report.json"
-    out, _ = run(
-        capsys,
-        "evaluate",
-        "--ckpt_path",
-        "tiny-sort",
-        "--prompts",
-        prompts,
-        "--rewards",
-        "align.rewards.sort_exact_match",
-        "align.rewards.sort_format=0.5",
-        "--max_new_tokens",
-        "8",
-        "--output",
-        str(report_path),
-    )
-    report = json.loads(report_path.read_text())
-    parts = report["rewards"]
-    assert set(parts) == {"sort_exact_match", "sort_format"}
-    assert report["reward_mean"] == pytest.approx(parts["sort_exact_match"] + 0.5 * parts["sort_format"])
-    assert report["num_prompts"] == 4 and report["samples_per_prompt"] == 1 and report["pass_at_k"] == {}
-    assert report["sampling"]["temperature"] == 0.0 and report["baseline"] is None
-    lines = out.splitlines()
-    assert lines[0].split() == ["model", "tiny-sort"]
-    assert lines[1].startswith("prompts") and "(4 prompts x 1 sample, greedy, at most 8 new tokens)" in lines[1]
-    assert any(line.split()[:2] == ["reward/sort_format", f"{parts['sort_format']:.4f}"] for line in lines)
-    assert lines[-1] == f"report: {report_path}"
-
-
-def test_sampled_evaluation_reports_unbiased_pass_at_k(capsys, tmp_path, prompts):
-    report, out = evaluate_report(
-        capsys, tmp_path, "tiny-sort", "--n", "6", "--k", "1", "3", "6", "--temperature", "0.5", prompts=prompts
-    )
-    assert report["samples_per_prompt"] == 6 and report["sampling"]["temperature"] == 0.5
-    pass_k = report["pass_at_k"]
-    assert set(pass_k) == {"1", "3", "6"}
-    assert pass_k["1"] == pytest.approx(report["accuracy"])  # equally many samples per prompt
-    assert pass_k["1"] <= pass_k["3"] <= pass_k["6"] <= 1
-    assert "pass@3" in out
-    default, _ = evaluate_report(capsys, tmp_path, "tiny-sort", "--n", "2", prompts=prompts)
-    assert set(default["pass_at_k"]) == {"1", "2"} and default["sampling"]["temperature"] == 1.0
-
-
-def test_baseline_win_rate_and_kl(trained, capsys, tmp_path):
-    same, out = evaluate_report(capsys, tmp_path, trained["ckpt"], "--baseline", trained["ckpt"])
-    # Against itself: identical completions, every comparison a tie, a log-ratio of exactly 0.
-    assert same["baseline"]["win_rate"] == 0.5 and same["baseline"]["ties"] == 1.0
-    assert same["baseline"]["kl"] == 0.0 and same["baseline"]["reward_mean"] == same["reward_mean"]
-    report, out = evaluate_report(capsys, tmp_path, trained["ckpt"], "--baseline", "reference")
-    b = report["baseline"]
-    assert b["judge"] == "rewards" and b["kl_estimator"].startswith("log-ratio only")  # greedy completions
-    assert b["reward_mean"] == pytest.approx(trained["before"]["val/reward_mean"], abs=1e-6)  # tiny-sort, greedy
-    assert b["wins"] + b["ties"] + b["losses"] == pytest.approx(1.0)
-    assert b["win_rate"] == pytest.approx(b["wins"] + 0.5 * b["ties"])
-    assert b["kl"] != 0.0 and "log-ratio to baseline" in out and "vs reference" in out
-    sampled, out = evaluate_report(
-        capsys, tmp_path, trained["ckpt"], "--baseline", "reference", "--n", "2", "--batch_size", "50"
-    )
-    assert sampled["baseline"]["kl_estimator"] == "k1, sequence-level" and "kl to baseline" in out
-
-
-def test_win_rate_judged_by_a_reward_model(capsys, tmp_path, prompts):
-    report, _ = evaluate_report(
-        capsys, tmp_path, "tiny-sort", "--baseline", "tiny", "--reward_model", "tiny-sort-rm", prompts=prompts
-    )
-    b = report["baseline"]
-    assert b["judge"] == "reward_model" and 0 <= b["win_rate"] <= 1
-    assert b["rm_score"] != b["baseline_rm_score"]
-
-
-# ---------------------------------------------------------------------------- generate
-def test_generate_writes_one_row_per_prompt_with_its_columns_and_prints_a_summary(capsys, tmp_path, prompts):
-    output = tmp_path / "out" / "gen.jsonl"
-    out, _ = run(
-        capsys,
-        "generate",
-        "--model",
-        "tiny-sort",
-        "--prompts",
-        prompts,
-        "--output",
-        str(output),
-        "--max_new_tokens",
-        "12",
-    )
-    rows = read_jsonl(output)
-    assert [{k: v for k, v in r.items() if k != "completion"} for r in rows] == ROWS
-    assert all(isinstance(r["completion"], str) for r in rows) and rows[0]["completion"] == "a b c d"
-    line = out.strip()
-    assert line.startswith("generated 4 completions of 4 prompts: ") and "tokens/s" in line
-    assert line.endswith(f"(greedy, at most 12 new tokens) -> {output}")
-    assert not list(output.parent.glob(".*partial"))
 
 
 def test_greedy_generation_is_deterministic_and_independent_of_the_batch_size(capsys, tmp_path, prompts):
@@ -297,9 +117,6 @@ def test_generate_several_samples_per_prompt_seeded(capsys, tmp_path, prompts):
 
 
 def test_messages_rows_get_the_chat_template_of_training(capsys, tmp_path):
-    from align.data.chat import ChatEncoder
-    from align.rollout.generation import read_prompts
-
     path = write_rows(
         tmp_path / "m.jsonl",
         [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort: b a"}], "k": 1}],
@@ -325,115 +142,6 @@ def test_messages_rows_get_the_chat_template_of_training(capsys, tmp_path):
     assert read_jsonl(tmp_path / "o.jsonl")[0]["messages"][0]["content"] == "Be brief."
 
 
-def test_generate_from_a_checkpoint_and_from_its_export_gives_the_same_completions(trained, capsys, tmp_path, prompts):
-    export = tmp_path / "export"
-    run(capsys, "export", "--ckpt_path", trained["ckpt"], "--output_dir", str(export))
-    results = []
-    for flag, model in (("--ckpt_path", trained["ckpt"]), ("--model", str(export))):
-        path = tmp_path / f"{len(results)}.jsonl"
-        run(capsys, "generate", flag, model, "--prompts", prompts, "--output", str(path), "--max_new_tokens", "12")
-        results.append(read_jsonl(path))
-    assert results[0] == results[1]
-
-
-# ---------------------------------------------------------------------------- chat
-def chat(monkeypatch, capsys, text: str, *args) -> tuple[list[str], list[list[dict]]]:
-    """Run ``align chat`` on piped ``text``; returns its stdout lines and the history each reply was made from."""
-    import align.rollout.generation as generation
-
-    seen = []
-    original = generation.chat_reply
-
-    def spy(policy, encoder, history, *rest):
-        seen.append([dict(m) for m in history])
-        return original(policy, encoder, history, *rest)
-
-    monkeypatch.setattr(generation, "chat_reply", spy)
-    from align.cli.generation import chat_main
-
-    chat_main(["--model", "tiny-sort", "--max_new_tokens", "8", *args], stdin=io.StringIO(text))
-    return capsys.readouterr().out.splitlines(), seen
-
-
-def test_chat_keeps_history_resets_and_exits(monkeypatch, capsys):
-    out, seen = chat(monkeypatch, capsys, "sort: d a c b\nsort: b a\n/reset\n\nsort: c b a\n/exit\nsort: x y\n")
-    assert len(seen) == 3 and len(out) == 4 and out[2] == "(history cleared)"
-    assert out[0] == "a b c d"
-    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"] and seen[1][1]["content"] == out[0]
-    assert seen[2] == [{"role": "user", "content": "sort: c b a"}]  # after /reset; nothing read after /exit
-
-
-def test_chat_ends_at_end_of_input_and_keeps_a_system_prompt(monkeypatch, capsys):
-    out, seen = chat(monkeypatch, capsys, "sort: b a\n/reset\nsort: c a", "--system_prompt", "Sort letters.")
-    assert len(seen) == 2 and len(out) == 3
-    assert seen[1] == [{"role": "system", "content": "Sort letters."}, {"role": "user", "content": "sort: c a"}]
-
-
-# ---------------------------------------------------------------------------- errors
-def test_one_line_errors(capsys, tmp_path, prompts):
-    out = str(tmp_path / "o.jsonl")
-    assert (
-        fails(capsys, "generate", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--prompts", prompts, "--output", out)
-        == f"error: --model: checkpoint '{tmp_path / 'missing.ckpt'}' does not exist"
-    )
-    bad = write_rows(tmp_path / "bad.jsonl", [{"prompt": "sort: b a"}, {"question": "sort: c a"}])
-    assert fails(capsys, "generate", "--model", "tiny-sort", "--prompts", bad, "--output", out) == (
-        f"error: {bad}: row 2: field 'prompt': expected a row with a 'prompt' field (a string or a list of "
-        "messages), got \"fields ['question']\""
-    )
-    assert (
-        fails(capsys, "evaluate", "--model", "tiny-sort", "--prompts", prompts, "--rewards", "align.rewards.no_such")
-        == "error: reward 'align.rewards.no_such': module 'align.rewards' has no "
-        "attribute 'no_such'"
-    )
-    assert "pass@4 needs at least 4 samples per prompt, but --n is 2" in fails(
-        capsys,
-        "evaluate",
-        "--model",
-        "tiny-sort",
-        "--prompts",
-        prompts,
-        "--rewards",
-        "align.rewards.sort_format",
-        "--n",
-        "2",
-        "--k",
-        "4",
-    )
-    assert "--temperature: expected >= 0 (0: greedy), got -1.0" in fails(
-        capsys, "generate", "--model", "tiny-sort", "--prompts", prompts, "--output", out, "--temperature", "-1"
-    )
-    assert "only an align checkpoint records the model its run started from" in fails(
-        capsys,
-        "evaluate",
-        "--model",
-        "tiny-sort",
-        "--prompts",
-        prompts,
-        "--rewards",
-        "align.rewards.sort_format",
-        "--baseline",
-        "reference",
-    )
-    assert fails(
-        capsys,
-        "evaluate",
-        "--model",
-        "tiny-sort",
-        "--prompts",
-        prompts,
-        "--rewards",
-        "align.rewards.sort_format",
-        "--reward_model",
-        "tiny-sort-rm",
-    ) == ("error: --reward_model judges the win rate against a --baseline; give --baseline too")
-    done = write_rows(tmp_path / "done.jsonl", [{"prompt": "sort: b a", "completion": "a b"}])
-    assert "field 'completion': expected no column with the name of the output's completion field" in fails(
-        capsys, "generate", "--model", "tiny-sort", "--prompts", done, "--output", out
-    )
-    assert not (tmp_path / "o.jsonl").exists()
-
-
 def test_a_reward_model_checkpoint_is_refused_as_the_policy(capsys, tmp_path, prompts):
     fake = tmp_path / "rm.ckpt"
     torch.save({"align": {"policy": {"model": "tiny"}, "reward": {}}, "state_dict": {}}, fake)
@@ -442,36 +150,87 @@ def test_a_reward_model_checkpoint_is_refused_as_the_policy(capsys, tmp_path, pr
     )
 
 
-@pytest.mark.parametrize("name", ["test", "predict"])
-def test_test_and_predict_are_not_subcommands(capsys, name):
-    assert set(AlignCLI.subcommands()) == {"fit", "validate"}
-    assert "use 'align evaluate'" in fails(capsys, name, "--config", "align:grpo/tiny.yaml")
+def test_the_commands_sampling_is_greedy_for_one_sample_and_names_their_flags():
+    assert sampling_config(max_new_tokens=12).temperature == 0.0  # one sample per prompt: greedy
+    assert sampling_config(n=3).temperature == 1.0  # several: n greedy samples would be n copies of one
+    several = sampling_config(max_new_tokens=5, temperature=0.3, top_p=0.9, top_k=4, n=3)
+    assert (several.max_new_tokens, several.temperature, several.top_p, several.top_k) == (5, 0.3, 0.9, 4)
+    with pytest.raises(AlignConfigError, match=r"^--n: expected >= 1 samples per prompt, got 0$"):
+        sampling_config(n=0)
+    with pytest.raises(AlignConfigError, match=r"^--temperature: expected >= 0 \(0: greedy\), got -1\.0"):
+        sampling_config(temperature=-1.0)
+    with pytest.raises(AlignConfigError, match=r"^--top_p: "):
+        sampling_config(top_p=0.0)
 
 
-def test_the_report_says_when_no_completion_could_reach_the_accuracy_threshold():
-    from align.cli.generation import _report_table
-    from align.rollout.engine import SamplingConfig
-    from align.rollout.evaluation import EvalReport
-
-    report = EvalReport(
-        model="m",
-        prompts="p.jsonl",
-        num_prompts=2,
-        samples_per_prompt=1,
-        sampling={},
-        reward_mean=0.4,
-        rewards={"half": 0.4},
-        accuracy=0.0,
-        accuracy_reward="half",
-        accuracy_threshold=1.0,
-        response_length=3.0,
-        truncated_frac=0.0,
-        accuracy_reward_highest=0.5,
+def test_prompts_are_read_from_the_field_named_or_found_with_every_column_kept(tmp_path):
+    tokenizer = load_tiny_tokenizer()
+    path = write_rows(tmp_path / "q.jsonl", [{"question": "sort: b a", "id": 1}, {"question": "sort: c", "id": 2}])
+    read = read_prompts(path, tokenizer, prompt_field="question", system_prompt="Sort.")
+    assert read.prompt_field == "question" and read.source == path
+    assert [e.prompt for e in read.examples] == ["sort: b a", "sort: c"]
+    assert [e.columns for e in read.examples] == [{"id": 1}, {"id": 2}]
+    system = {"role": "system", "content": "Sort."}
+    assert read.examples[0].prompt_ids == ChatEncoder(tokenizer).prompt_ids(
+        [system, {"role": "user", "content": "sort: b a"}]
     )
-    table = _report_table(report, None, SamplingConfig())
-    assert (
-        "accuracy         0.0000 (no completion reached half >= 1, highest 0.5000: read reward/half, its mean; "
-        "--accuracy_threshold sets the bar)"
-    ) in table
-    report.accuracy_reward_highest = 1.0
-    assert "accuracy         0.0000 (half >= 1)" in _report_table(report, None, SamplingConfig())
+    assert read_prompts(write_rows(tmp_path / "p.jsonl", ROWS), tokenizer).prompt_field == "prompt"
+
+
+def test_output_rows_are_the_input_rows_with_the_completion_and_the_sample(tmp_path):
+    read = read_prompts(write_rows(tmp_path / "p.jsonl", ROWS), load_tiny_tokenizer())
+    rollout = SimpleNamespace(texts=["x", "y", "z", "w"], prompt_index=torch.tensor([0, 0, 1, 1]), group_size=2)
+    rows = completion_rows(read, 2, rollout, completion_field="out")  # prompts 2 and 3 of the file
+    assert rows == [
+        {**ROWS[2], "out": "x", "sample": 0},
+        {**ROWS[2], "out": "y", "sample": 1},
+        {**ROWS[3], "out": "z", "sample": 0},
+        {**ROWS[3], "out": "w", "sample": 1},
+    ]
+    one = SimpleNamespace(texts=["x"], prompt_index=torch.tensor([0]), group_size=1)
+    assert completion_rows(read, 1, one) == [{**ROWS[1], "completion": "x"}]  # one sample: no index
+    check_completion_field(read, "completion")  # no row has the column: fine
+    with pytest.raises(
+        AlignDataError,
+        match=r"p\.jsonl: row 2: field 'id': expected no column with the name of the output's completion field, "
+        r"which would overwrite it \(set --completion_field to another name\)$",
+    ):
+        check_completion_field(read, "id")
+
+
+def test_a_model_that_is_not_a_generating_checkpoint_is_refused_on_one_line(tmp_path):
+    missing = tmp_path / "missing.ckpt"
+    with pytest.raises(AlignConfigError, match=rf"^--ckpt_path: checkpoint '{missing}' does not exist$"):
+        load_policy(str(missing), what="--ckpt_path")
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_text("not a checkpoint")
+    with pytest.raises(AlignConfigError, match=rf"^--model: '{garbage}' is not a readable checkpoint \(\w+: "):
+        load_policy(str(garbage))
+    with pytest.raises(
+        AlignConfigError,
+        match=r"^--baseline reference: only an align checkpoint records the model its run started from, and "
+        r"'tiny-sort' is not one; give the baseline's path or model id instead$",
+    ):
+        reference_policy("tiny-sort")
+
+
+def test_batches_of_prompts_keep_their_order_and_a_seed_repeats_the_samples():
+    policy = load_policy("tiny-sort")
+    assert not policy.training and not any(p.requires_grad for p in policy.parameters())
+    tokenizer, sampling = policy.tokenizer, sampling_config(max_new_tokens=6, n=2)
+    encoder = ChatEncoder(tokenizer)
+    examples = [
+        PromptExample(encoder.prompt_ids([{"role": "user", "content": p}]), p, {}, [])
+        for p in ("sort: b a", "sort: d c", "sort: f e")
+    ]
+    first = list(generate_batches(policy, examples, sampling, n=2, batch_size=2, seed=3))
+    assert [b.prompts for b, _ in first] == [["sort: b a", "sort: d c"], ["sort: f e"]]
+    assert [len(r) for _, r in first] == [4, 2]
+    again = list(generate_batches(policy, examples, sampling, n=2, batch_size=2, seed=3))
+    assert [r.texts for _, r in again] == [r.texts for _, r in first]
+    with pytest.raises(AlignConfigError, match=r"^--batch_size: expected >= 1 prompts per batch, got 0$"):
+        next(generate_batches(policy, examples, sampling, batch_size=0))
+    history = [{"role": "user", "content": "sort: b a"}]
+    engine = make_engine(sampling_config(max_new_tokens=6))
+    text, rollout = chat_reply(policy, encoder, history, engine)
+    assert text == rollout.texts[0] == engine.generate(policy, [encoder.prompt_ids(history)], 1).texts[0]

@@ -4,9 +4,6 @@ own decoder and the trainer, before and after full-weight and LoRA updates, seed
 The tests of this file share the process's engines (one per model shape and settings) and close them at the end, so
 that the one-process group vLLM sets up does not outlive them."""
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -17,10 +14,8 @@ from align.rollout.vllm_engine import VLLMEngine
 
 pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
-from align.rollout import vllm_colocated  # noqa: E402
 
 PROMPTS = ["c a b", "d b a c", "b a", "e d c b a"]
-PRELOAD_AT_IMPORT = os.environ.get("LD_PRELOAD")  # before any engine of this file (vLLM's platform sets it)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -135,16 +130,6 @@ def test_stop_tokens_are_kept_and_long_responses_are_truncated_without_one():
     assert ended.any() and (full.response_ids[ended, last[ended]] == eos).all()
 
 
-def test_a_quantized_base_or_dora_adapter_is_refused_on_one_line():
-    policy = PolicyModel("tiny-sort", lora=LoraSettings(r=8, use_dora=True))
-    with pytest.raises(
-        AlignConfigError,
-        match=r"^model\.policy\.lora: expected a plain LoRA adapter with the vllm "
-        r"engine \(no use_dora, modules_to_save or bias\)",
-    ):
-        greedy().generate(policy, prompt_ids(policy)[:1], 1)
-
-
 def test_a_context_longer_than_the_engine_allows_fails_naming_the_setting():
     policy = PolicyModel("tiny-sort")
     engine = make_engine(SamplingConfig(engine=VLLMEngine(max_model_len=16), max_new_tokens=8))
@@ -154,22 +139,6 @@ def test_a_context_longer_than_the_engine_allows_fails_naming_the_setting():
         r"tokens of a rollout's contexts, got 16; ",
     ):
         engine.generate(policy, prompt_ids(policy)[:1], 1)
-
-
-def test_a_missing_or_broken_vllm_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: vllm is not installed; pip install"):
-        vllm_colocated.import_vllm()
-
-
-def test_a_lora_rank_vllm_cannot_serve_fails_naming_the_setting():
-    assert vllm_colocated._lora_rank(20) == 32
-    with pytest.raises(
-        AlignConfigError,
-        match=r"^model\.policy\.lora\.r: expected <= 512 with the vllm engine \(the "
-        r"largest rank vLLM serves\), got 600$",
-    ):
-        vllm_colocated._lora_rank(600)
 
 
 def test_settings_are_checked_when_read():
@@ -187,26 +156,3 @@ def test_settings_are_checked_when_read():
         EngineCorrection(low=1.5)
     assert EngineCorrection().resolve(exact_logprobs=False) == "tis"
     assert EngineCorrection().resolve(exact_logprobs=True) == "none"
-
-
-def test_a_model_the_engines_kernels_refuse_fails_on_one_line_at_start(tmp_path):
-    from align.hub.tiny import build_tiny_model
-
-    model = build_tiny_model(
-        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
-    )  # head_dim 16: no CPU attention kernel for it
-    model.save_pretrained(tmp_path / "m")
-    PolicyModel("tiny-sort").tokenizer.save_pretrained(tmp_path / "m")
-    policy = PolicyModel(str(tmp_path / "m"))
-    if torch.cuda.is_available():
-        pytest.skip("the CPU kernels' limit")
-    with pytest.raises(AlignConfigError, match=r"^model\.sampling\.engine: vllm cannot run this model here \(.*\); "):
-        greedy().generate(policy, prompt_ids(policy)[:1], 1)
-
-
-def test_starting_an_engine_leaves_the_process_environment_as_it_was():
-    before = PRELOAD_AT_IMPORT
-    vllm_engine.close_engines()
-    policy = PolicyModel("tiny-sort")
-    greedy().generate(policy, prompt_ids(policy)[:1], 1)
-    assert os.environ.get("LD_PRELOAD") == before

@@ -105,7 +105,7 @@ def test_a_step_that_raises_stops_with_one_line_naming_environment_episode_turn_
     assert text.startswith(
         f"environment 'Raises' ({THIS}:Raises): episode 0, turn 3: step raised ValueError: the board is on fire"
     )
-    assert re.search(r"test_chat_env\.py, line \d+ in step\(\)", text)
+    assert re.search(r"test_chat\.py, line \d+ in step\(\)", text)
 
 
 def test_a_step_that_never_returns_is_stopped_at_the_timeout():

@@ -1,6 +1,8 @@
-"""align's PPO and A2C updates against Stable-Baselines3's, from the same weights on the same rollout.
+"""The on-policy classic-RL modules (align.gym.onpolicy): A2C's and REINFORCE's loss is the plain policy gradient,
+PPO on continuous actions clips what the environment gets, and PPO's and A2C's updates equal Stable-Baselines3's.
 
-Both libraries are given one network (align's weights copied into SB3's policy) and one window of CartPole steps
+Against Stable-Baselines3 (the dev extra; those tests skip without it), from the same weights on the same rollout:
+both libraries are given one network (align's weights copied into SB3's policy) and one window of CartPole steps
 (collected by align). SB3's rollout buffer receives it the way its ``collect_rollouts`` fills it (a time-limit
 truncation adds ``gamma * V(final observation)`` to the reward), and each side then takes its own update: PPO's 20
 epochs of one 256-transition minibatch, A2C's single RMSprop step. The values, log-probs, advantages, returns and
@@ -12,18 +14,59 @@ numbers each library draws, not in the algorithm.
 
 from __future__ import annotations
 
+from functools import partial
+
 import lightning as L
 import numpy as np
 import pytest
 import torch
+from _gym import cpu_trainer
 
 from align.gym import A2CGymModule, GymClipRange, GymGAE, GymUpdates, GymValueTraining, Network, PPOGymModule
 from align.gym.make import EnvSpec
 from align.gym.returns import step_gae
 
-sb3 = pytest.importorskip("stable_baselines3")
-from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
-from stable_baselines3.common.logger import configure  # noqa: E402
+CARTPOLE = EnvSpec(id="CartPole-v1", num_envs=2)
+ADAM = partial(torch.optim.Adam, lr=1e-3)
+
+
+def test_policy_gradient_loss_is_minus_advantage_times_log_prob():
+    """A2C and REINFORCE take the plain policy gradient: the loss is -mean(A * log pi), with its gradient, and no
+    clipping statistics (there is no ratio)."""
+    torch.manual_seed(0)
+    module = A2CGymModule(env=CARTPOLE, entropy_coef=0.0, value=GymValueTraining(coef=0.0))
+    obs, actions = torch.randn(6, 4), torch.tensor([0, 1, 1, 0, 1, 0])
+    advantages = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
+    zeros = torch.zeros(6)
+    loss, metrics = module.loss(obs, actions, None, advantages, zeros, zeros)
+    logprobs, _, _ = module.network.evaluate(obs, actions)
+    assert float(metrics["train/policy_loss"]) == pytest.approx(-float((advantages * logprobs.detach()).mean()))
+    assert "train/clipfrac" not in metrics and "train/approx_kl" not in metrics
+    params = list(module.network.parameters())
+    grads = torch.autograd.grad(loss, params)
+    reference = torch.autograd.grad(-(advantages * logprobs).mean(), params, allow_unused=True)
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, torch.zeros_like(got) if want is None else want)
+
+
+def test_ppo_on_continuous_actions_clips_what_the_environment_gets():
+    torch.manual_seed(0)
+    module = PPOGymModule(
+        env=EnvSpec(id="Pendulum-v1", num_envs=2),
+        total_steps=64,
+        steps_per_iteration=16,
+        updates=GymUpdates(epochs=1, minibatch_size=32),
+        network={"log_std_init": 1.0},
+        optimizer=ADAM,
+    )
+    obs = module.runner.start()
+    actions, extras = module.sample_actions(obs)
+    assert actions.shape == (2, 1) and extras["logprobs"].shape == (2,)
+    assert float(extras["env_actions"].abs().max()) <= 2.0  # Pendulum's torque bound
+    cpu_trainer(max_epochs=1).fit(module)
+    assert module.env_steps >= 64 and "train/entropy" in module.last_metrics
+    assert len(module.evaluate(episodes=2)) == 2
+
 
 NUM_ENVS = 8
 
@@ -70,7 +113,16 @@ def _align(algo: str):
     return module
 
 
+def _stable_baselines3():
+    """Stable-Baselines3, or a skip where it is not installed."""
+    return pytest.importorskip("stable_baselines3")
+
+
 def _sb3(algo: str):
+    sb3 = _stable_baselines3()
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.logger import configure
+
     common = dict(
         ent_coef=0.0,
         vf_coef=0.5,
@@ -233,6 +285,7 @@ def test_a2c_takes_stable_baselines3s_actions_from_the_same_random_state():
     # state and the same episode seeds, the two A2C runs draw the same numbers and so take the same actions,
     # window after window, for as long as their networks agree. 150 windows: 6,000 environment steps, a few
     # hundred episodes ended by failure or by the time limit.
+    _stable_baselines3()
     import gymnasium as gym
     from stable_baselines3.common.monitor import Monitor
     from stable_baselines3.common.vec_env import DummyVecEnv

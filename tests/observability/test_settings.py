@@ -1,107 +1,18 @@
-"""Naming, redaction and settings resolution: pure functions, no exporter involved."""
-
-import subprocess
-import sys
+"""Export settings (align.observability.settings): resolved from arguments, left to the SDK's exporter where unset
+(which then reads the standard environment), and one-line errors for bad settings."""
 
 import pytest
 
 from align.errors import AlignConfigError
 from align.observability import OTelTracingCallback, OTLPLogger
-from align.observability.attributes import (
-    REDACTED,
-    algorithm_of,
-    flatten,
-    hparam_attributes,
-    is_secret_key,
-    metric_name,
-)
 from align.observability.settings import ExportSettings, ObservabilityConfigError
 
 
-@pytest.mark.parametrize(
-    "name, expected",
-    [
-        ("train/kl", "align.train.kl"),
-        ("rollout/reward_mean", "align.rollout.reward_mean"),
-        ("val/reward_mean", "align.val.reward_mean"),
-        ("epoch", "align.epoch"),
-        ("train/loss step", "align.train.loss_step"),
-        ("dpo/rewards_chosen", "align.dpo.rewards_chosen"),
-    ],
-)
-def test_metric_names_follow_the_documented_scheme(name, expected):
-    assert metric_name(name) == expected
-
-
-def test_metric_name_without_prefix_still_starts_with_a_letter():
-    assert metric_name("train/kl", prefix="") == "train.kl"
-    assert metric_name("0/x", prefix="") == "m_0.x"
-
-
-@pytest.mark.parametrize(
-    "key",
-    [
-        "hf_token",
-        "api_key",
-        "wandb.api_key",
-        "OPENAI_API_KEY",
-        "password",
-        "db.passwd",
-        "Authorization",
-        "client_secret",
-        "apiKey",
-        "headers.authorization",
-        "token",
-    ],
-)
-def test_secret_keys_are_recognised(key):
-    assert is_secret_key(key)
-
-
-@pytest.mark.parametrize(
-    "key", ["max_new_tokens", "tokenizer", "num_tokens", "model", "lr", "monkey", "kl_coef", "keys_total", "capital"]
-)
-def test_ordinary_keys_are_not_secrets(key):
-    assert not is_secret_key(key)
-
-
-def test_hparams_are_flattened_and_redacted():
-    params = {
-        "model": {
-            "class_path": "align.modules.GRPOModule",
-            "init_args": {"beta": 0.04, "max_new_tokens": 32, "hf_token": "hf_abc", "api": {"key": "k"}},
-        },
-        "reward": {"auth_header": "Bearer abc.def"},
-        "note": "Bearer xyz",
-        "lr": 1e-3,
-        "_private": 1,
-        "tags": ["a", "b"],
-        "obj": object(),
-    }
-    attrs = hparam_attributes(params)
-    assert attrs["hparam.model.class_path"] == "align.modules.GRPOModule"
-    assert attrs["hparam.model.init_args.beta"] == 0.04
-    assert attrs["hparam.model.init_args.max_new_tokens"] == 32
-    assert attrs["hparam.model.init_args.hf_token"] == REDACTED
-    assert attrs["hparam.model.init_args.api.key"] == REDACTED
-    assert attrs["hparam.reward.auth_header"] == REDACTED
-    assert attrs["hparam.note"] == REDACTED  # a bearer credential under an innocent key
-    assert attrs["hparam.tags"] == ["a", "b"]
-    assert isinstance(attrs["hparam.obj"], str)
-    assert not any("_private" in k for k in attrs)
-
-
-def test_flatten_handles_empty_and_scalar_values():
-    assert flatten({}) == {}
-    assert flatten({"a": {}, "b": 1}) == {"a": {}, "b": 1}
-
-
-def test_algorithm_names():
-    class SFTModule: ...
-
-    class GRPOModule: ...
-
-    assert algorithm_of(SFTModule()) == "sft" and algorithm_of(GRPOModule()) == "grpo" and algorithm_of(None) is None
+def by_name(points):
+    out = {}
+    for p in points:
+        out.setdefault(p.metric, []).append(p)
+    return out
 
 
 def test_settings_from_arguments():
@@ -200,12 +111,17 @@ def test_bad_settings_fail_with_a_clear_message(monkeypatch):
         ExportSettings.resolve("metrics").exporter()
 
 
-def test_the_timer_does_not_import_opentelemetry():
-    code = (
-        "import sys, align.observability as o\n"
-        "timings = {}\n"
-        "with o.Timer(timings, 'time/generation_s'): pass\n"
-        "assert timings['time/generation_s'] >= 0\n"
-        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'opentelemetry imported'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_the_sdk_exporter_reads_the_standard_environment(receiver, monkeypatch):
+    """Nothing set on the logger: endpoint, headers and compression come from OTEL_* through the SDK exporter."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint("http/protobuf"))  # a base URL
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "api-key=s%20ecret,x-team=rl")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "align-grpo")
+    logger = OTLPLogger(export_interval=60)
+    logger.log_metrics({"train/kl": 0.5}, step=1)
+    logger.finalize("success")
+    kl = by_name(receiver.points("http"))["align.train.kl"][-1]
+    assert kl.value == 0.5 and kl.resource["service.name"] == "align-grpo"
+    assert receiver.headers[-1]["api-key"] == "s ecret" and receiver.headers[-1]["content-encoding"] == "gzip"
+    assert logger.dropped == 0

@@ -1,5 +1,6 @@
-"""What the command line prints: one-line config errors with the nearest accepted keys, the recipes' --help, and
-known library noise filtered at its source (the progress bar's names and numbers: tests/trainer/test_progress.py)."""
+"""Known library noise filtered at its source (align.cli.quiet): known messages dropped and others kept, a warning on
+one line naming its module, ALIGN_LOG_LEVEL=INFO keeping the libraries' own output, and a run printing what matters
+without device lines, the model table or install paths."""
 
 import logging
 import subprocess
@@ -7,88 +8,9 @@ import sys
 import warnings
 from pathlib import Path
 
-import pytest
-
-from align.cli.config_errors import nearest, one_line
-from align.cli.quiet import quiet_known_noise
-from align.cli.recipes import run_recipe
-from align.data import SFTDataModule
-from align.modules import SFTModule
+from align.cli.quiet import one_line_warning, parameter_count, quiet_known_noise, verbose, where_raised
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def recipe_error(capsys, *args) -> list[str]:
-    with pytest.raises(SystemExit) as info:
-        run_recipe("sft", SFTModule, SFTDataModule, args=[*args, "--trainer.max_steps", "0"])
-    assert info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()
-
-
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (["--trainer.max_steps", "ten"], "error: --trainer.max_steps: expected int, got 'ten'"),
-        (["--trainer.max_stepz", "4"], "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps"),
-        (["--model.optimizer.lrr", "1"], "error: --model.optimizer.lrr: AdamW has no setting 'lrr'; did you mean lr?"),
-        (["--model.optimizer.lr", "abc"], "error: --model.optimizer.lr: expected float or Tensor, got 'abc'"),
-        (
-            ["--model.max_lenght", "5"],
-            "error: --model.max_lenght: SFTModule has no setting 'max_lenght'; accepted: policy, optimizer, scheduler",
-        ),
-        (["--data.batch_size", "x"], "error: --data.batch_size: expected int, got 'x'"),
-    ],
-)
-def test_a_bad_setting_is_one_line(capsys, args, expected):
-    lines = recipe_error(capsys, *args)
-    assert len(lines) == 1 and lines[0].startswith(expected), lines
-
-
-def test_an_unknown_key_in_a_yaml_file_is_one_line_with_the_nearest_keys(capsys, tmp_path):
-    config = tmp_path / "bad.yaml"
-    config.write_text(
-        "trainer:\n  max_stepz: 3\nmodel:\n  init_args:\n    optimizer:\n      init_args:\n        lr: 1\n"
-    )
-    assert recipe_error(capsys, "--config", str(config)) == [
-        "error: --trainer.max_stepz: no such setting; did you mean trainer.max_steps or trainer.max_time or "
-        "trainer.min_steps?"
-    ]
-
-
-def test_one_line_of_messages_it_does_not_know_keeps_their_words():
-    assert one_line("something\n   went   wrong") == "something went wrong"
-    assert nearest("trainer.max_stepz", ["trainer.max_steps", "model.lr", "trainer.devices"]) == ["trainer.max_steps"]
-    assert nearest("zzz", ["trainer.max_steps"]) == []
-
-
-def test_recipe_help_lists_the_model_and_data_settings_with_defaults(capsys):
-    run_recipe("sft", SFTModule, SFTDataModule, args=["--help"])
-    out = capsys.readouterr().out
-    assert out.startswith("usage: ")
-    for setting in (
-        "--model.policy",
-        "--model.optimizer",
-        "--data.train_files",
-        "--data.max_length",
-        "--data.batch_size",
-    ):
-        assert setting in out, setting
-    assert "default:" in out and "--model.optimizer.lr 1e-4" in out and "fit --help" in out
-
-
-def test_gym_recipe_help_shows_its_default_module_and_no_data(capsys):
-    from align.gym import ClassicRLModule
-
-    run_recipe("gym", ClassicRLModule, None, args=["--help"], default_config="ppo-cartpole.yaml", layered=False)
-    out = capsys.readouterr().out
-    assert (
-        "Runs PPOGymModule (fit)" in out
-        and "align:gym/ppo-cartpole.yaml" in out
-        and "align:gym/dqn-cartpole.yaml" in out
-    )
-    for setting in ("--model.updates.epochs", "--model.env.id", "--model.env.num_envs", "--model.total_steps"):
-        assert setting in out, setting
-    assert "--data." not in out and "it replaces the default" in out
 
 
 def test_known_noise_is_filtered_and_other_messages_pass(caplog):
@@ -166,3 +88,23 @@ def test_a_run_prints_what_matters_and_no_device_lines_model_table_or_install_pa
     assert f"run directory: {tmp_path / 'runs' / 'version_0'}" in lines
     assert any(line.startswith("held-out val/loss: ") and " -> " in line for line in lines), out
     assert lines.count("Seed set to 0") == 1  # Lightning's own lines print once
+
+
+def test_a_warning_names_the_module_it_came_from_not_its_path(monkeypatch):
+    import align.cli.quiet as quiet_module
+
+    assert where_raised(quiet_module.__file__, 12) == "align.cli.quiet:12"
+    assert where_raised("/nowhere/script.py", 3) == "/nowhere/script.py:3"  # not an imported module
+    line = one_line_warning("old API", DeprecationWarning, quiet_module.__file__, 7)
+    assert line == "DeprecationWarning: old API (align.cli.quiet:7)\n"
+    for level, loud in (("INFO", True), ("debug", True), ("WARNING", False)):
+        monkeypatch.setenv("ALIGN_LOG_LEVEL", level)
+        assert verbose() is loud
+
+
+def test_the_parameter_line_counts_trainable_and_frozen_weights():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 100), torch.nn.Linear(100, 10))  # 1,100 + 1,010 weights
+    model[1].requires_grad_(False)
+    assert parameter_count(model) == "parameters: 1.1 K trainable, 2.1 K in all"

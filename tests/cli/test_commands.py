@@ -1,4 +1,5 @@
-"""The ``align`` command line's entry point: what it answers before the heavy packages load."""
+"""The ``align`` command line's table of commands (align.cli.commands): what it answers before the heavy packages load
+(--help, --version, a misspelt command or option), and ``align --help`` listing every command."""
 
 import re
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 
 import align
 from align.cli.commands import COMMANDS
+from align.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "lightning", "transformers", "jsonargparse")
@@ -62,3 +64,11 @@ def test_help_version_and_argument_errors_import_no_heavy_package(args):
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_align_help_lists_every_command(capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    commands = [line.split()[0] for line in out.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()]
+    assert commands == list(COMMANDS) and {"fit", "validate", "export", "plot"} <= set(commands)
+    assert "align plot RUN_DIR [RUN_DIR ...]" in out and "align export --ckpt_path CKPT --output_dir DIR" in out
