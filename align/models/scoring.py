@@ -4,7 +4,7 @@ Three paths compute the same numbers (to float rounding):
 
 * **padded rows, align's own head**: the decoder's final hidden states at the scored positions
   (:func:`~align.models.shared_pass.scoring_hidden`, which runs tokens that several rows share once), then the output
-  head and the log-softmax chunk by chunk (:func:`~align.core.logprobs.linear_log_softmax`): the ``(B, R, V)``
+  head and the log-softmax chunk by chunk (:func:`~align.core.linear_head.linear_log_softmax`): the ``(B, R, V)``
   logits never exist at once. Used for the model families in :data:`CHUNKED_HEAD_MODEL_TYPES`;
 * **padded rows, the model's own forward** with ``logits_to_keep``, so a model's softcapping or logit scale still
   applies (every other model, see :func:`chunked_head_unsupported`);
@@ -26,7 +26,8 @@ import torch
 import transformers.modeling_utils
 from torch import nn
 
-from align.core.logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
+from align.core.linear_head import linear_log_softmax
+from align.core.logprobs import entropy_from_logits, selective_log_softmax
 from align.core.packing import PackedRows, pack_scored_rows
 from align.models.reference import ReferencePolicy, reference_context
 from align.models.shared_pass import scoring_hidden

@@ -84,13 +84,13 @@ def test_chunked_head_keeps_no_vocabulary_sized_tensor(head, monkeypatch):
     # What autograd saves for the backward of a scoring pass: with the chunked head over several chunks, no
     # activation has a vocabulary dimension; when the scored positions fit in one chunk, that chunk's (B * R, V)
     # log-probabilities are kept instead of recomputed; through the model's own forward, (B, R, V) logits and more.
-    import align.core.logprobs as logprobs_module
+    import align.core.linear_head as linear_head
     import align.models.scoring as scoring
 
     if head == "model forward":
         monkeypatch.setattr(scoring, "chunked_head_unsupported", lambda model: "forced for the test")
     if head == "chunks":
-        monkeypatch.setattr(logprobs_module, "_rows_per_chunk", lambda vocab: 2)
+        monkeypatch.setattr(linear_head, "rows_per_chunk", lambda vocab: 2)
     policy = PolicyModel()
     ids, mask = batch(policy)
     vocab = policy.config.vocab_size
