@@ -277,8 +277,8 @@ def test_rewards_given_as_bare_import_paths(tmp_path):
         ],
         run=False,
     )
-    assert cli.model.reward.names == ["sort_format", "sort_exact_match"]
-    total, parts = cli.model.reward(prompts=["sort: b a"], completions=["a b"], answer=["a b"])
+    assert cli.model.sampler.reward.names == ["sort_format", "sort_exact_match"]
+    total, parts = cli.model.sampler.reward(prompts=["sort: b a"], completions=["a b"], answer=["a b"])
     assert parts == {"sort_format": [1.0], "sort_exact_match": [1.0]} and total == [1.5]
 
 
