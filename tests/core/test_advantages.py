@@ -371,7 +371,7 @@ def test_reinforce_pp_baseline_recentres_over_tokens_so_a_constant_group_moves_w
 
 
 def test_reinforce_pp_on_two_ranks_equals_the_whole_batch_on_one_process():
-    from test_stats import on_two_ranks
+    from .test_stats import on_two_ranks
 
     rewards, mask = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
     kl = torch.rand(4, 3)
@@ -395,7 +395,7 @@ def test_batch_std_is_over_every_rank():
     # Rank 0 holds groups [0, 1] and [0, 1], rank 1 [0, 4] and [0, 4]. The batch of 8 rewards has mean 1.25 and
     # unbiased std sqrt(((-1.25)^2 * 4 + (-0.25)^2 * 2 + 2.75^2 * 2) / 7) = sqrt(21.5 / 7); each rank's own std
     # (0.5774 and 2.3094) would scale its rank's advantages differently.
-    from test_stats import on_two_ranks
+    from .test_stats import on_two_ranks
 
     shard0, shard1 = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([0.0, 4.0, 0.0, 4.0])
     out0, out1 = on_two_ranks(
