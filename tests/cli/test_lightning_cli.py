@@ -6,7 +6,6 @@ names it relies on."""
 from __future__ import annotations
 
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,22 +75,23 @@ def test_test_and_predict_are_not_subcommands(capsys, name):
     assert "use 'align evaluate'" in fails(capsys, name, "--config", "align:grpo/tiny.yaml")
 
 
-def test_print_config_round_trips(tmp_path):
-    def printed(*args):
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "recipes" / "sft.py"), *args, "--print_config"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=tmp_path,
-        )
-        return out.stdout
+def printed_config(capsys, recipe: str, module, datamodule, *args: str, **kwargs) -> str:
+    """What ``python recipes/<recipe>.py <args> --print_config`` prints, run in this process."""
+    with pytest.raises(SystemExit) as exit:
+        run_recipe(recipe, module, datamodule, args=[*args, "--print_config"], **kwargs)
+    assert not exit.value.code
+    return capsys.readouterr().out
 
-    first = printed("--model.init_args.policy.init_args.dtype", "bfloat16")
+
+def test_print_config_round_trips(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = printed_config(
+        capsys, "sft", SFTModule, SFTDataModule, "--model.init_args.policy.init_args.dtype", "bfloat16"
+    )
     assert "dtype: bfloat16" in first and "class_path: align.modules.SFTModule" in first
     saved = tmp_path / "printed.yaml"
     saved.write_text(first)
-    assert printed("--config", str(saved)) == first
+    assert printed_config(capsys, "sft", SFTModule, SFTDataModule, "--config", str(saved)) == first
 
 
 def test_align_fit_writes_csv_curves_tensorboard_checkpoint_and_export_loads(tmp_path, capsys):

@@ -103,22 +103,20 @@ def test_recipe_subcommand_is_the_first_argument_only():
     assert _with_subcommand(["--help"]) == ["--help"]
 
 
-def test_gym_recipe_config_replaces_its_default(tmp_path):
+def test_gym_recipe_config_replaces_its_default(tmp_path, capsys, monkeypatch):
     """recipes/gym.py's configs name different modules: a --config replaces the default PPO config instead of
     being layered on it, so no PPO setting (its linear learning-rate decay) leaks into DQN."""
+    from align.gym import ClassicRLModule
 
-    def printed(*args):
-        return subprocess.run(
-            [sys.executable, str(ROOT / "recipes" / "gym.py"), *args, "--print_config"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=tmp_path,
-        ).stdout
+    from .test_lightning_cli import printed_config
 
-    default = printed()
+    monkeypatch.chdir(tmp_path)
+    gym = dict(default_config="ppo-cartpole.yaml", layered=False)  # as recipes/gym.py calls it
+    default = printed_config(capsys, "gym", ClassicRLModule, None, **gym)
     assert "class_path: align.gym.PPOGymModule" in default and "lr_schedule: linear" in default
-    dqn = printed("--config", str(ROOT / "configs" / "gym" / "dqn-cartpole.yaml"))
+    dqn = printed_config(
+        capsys, "gym", ClassicRLModule, None, "--config", str(ROOT / "configs" / "gym" / "dqn-cartpole.yaml"), **gym
+    )
     assert "class_path: align.gym.DQNGymModule" in dqn and "lr_schedule: constant" in dqn
 
 
