@@ -8,6 +8,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 from align.cli.quiet import one_line_warning, parameter_count, quiet_known_noise, verbose, where_raised
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +55,7 @@ def test_align_log_level_info_keeps_the_libraries_own_output(monkeypatch):
     assert warnings.formatwarning is library_format and warnings.filters == before
 
 
+@pytest.mark.slow  # the console of `python -m align fit` itself: a fresh interpreter
 def test_a_run_prints_what_matters_and_no_device_lines_model_table_or_install_paths(tmp_path):
     sort = ROOT / "align" / "data" / "assets" / "sort" / "sft"
     for name, rows in (("train", 64), ("validation", 16)):
