@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocstrings_handlers.python", reason="the docs tools come with the dev extra")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")

@@ -169,6 +169,7 @@ def test_validate_stage_reads_only_the_validation_file(tokenizer, caplog):
     assert len(dm.train_set) > 1000 and dm.val_set is val  # chosen once
 
 
+@pytest.mark.slow
 def test_sft_recipe_on_a_users_file_holds_out_its_rows_and_never_reads_the_sort_tasks_validation(tmp_path):
     """The recipe's default config with only ``--data.train_files`` changed (issue #17, item 1)."""
     path = write(tmp_path / "my.jsonl", SFT_ROWS)

@@ -108,6 +108,7 @@ def test_split_ranges_are_those_of_datasets_read_instructions(spec, sizes):
         assert split_ranges(spec, sizes) == expected
 
 
+@pytest.mark.slow
 def test_reading_a_json_lines_file_does_not_import_datasets(tmp_path):
     # datasets brings pandas and pyarrow: about 80 MB of resident memory and seconds of start-up per run.
     path = numbers(tmp_path)

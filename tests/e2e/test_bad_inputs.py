@@ -548,6 +548,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, recipe, files, args, expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(
     tmp_path, monkeypatch, capsys, case, recipe, files, args, expected
@@ -578,6 +579,7 @@ def test_bad_input_exits_nonzero_naming_where_and_what_before_any_weights(
     assert not list(root.glob("version_*"))  # no run folder holding only the config of a run that never stepped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, line",
     [
@@ -625,6 +627,7 @@ def test_a_bad_nested_setting_stops_the_cli_on_one_line_naming_its_full_path(tmp
     assert not list((tmp_path / "run").glob("version_*"))
 
 
+@pytest.mark.slow
 def test_a_raising_reward_prints_one_error_line_through_the_recipe_script(tmp_path):
     """End to end: ``python recipes/grpo.py`` from a folder holding the user's reward module (named by dotted
     path, no PYTHONPATH entry for it) exits 2 and prints the reward's error as one line, the last on stderr,

@@ -117,6 +117,7 @@ def test_a_step_past_its_box_is_stopped_and_one_past_the_deadline_never_starts(c
     assert seen[1] == ("late", None, "not started: out of time")
 
 
+@pytest.mark.slow
 def test_the_cpu_quick_run_of_the_sft_recipe(check, tmp_path, capsys):
     out = tmp_path / "check.json"
     rc = check.main(

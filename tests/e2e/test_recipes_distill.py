@@ -16,6 +16,7 @@ from align.modules.grpo import GRPOModule
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cispo", "sapo", "gmpo"])
 def test_each_2025_loss_config_trains_off_policy_through_the_grpo_recipe(name, tmp_path):
     run_recipe(

@@ -80,6 +80,7 @@ def test_user_reward_file_named_in_yaml_trains(tmp_path, monkeypatch, capsys):
     assert any(r.get("rollout/reward/sort_format") for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "body, expected",
     [
@@ -199,6 +200,7 @@ def test_grpo_recipe_end_to_end_improves_held_out_reward(tmp_path):
     assert list(tmp_path.rglob("*.ckpt"))
 
 
+@pytest.mark.slow
 def test_tiny_sort_loads_by_id_and_the_script_reproduces_it(tmp_path):
     from align.hub.tiny import TINY_SORT_DIR
     from align.models.policy import PolicyModel

@@ -72,6 +72,7 @@ def logged(root) -> list[dict[str, str]]:
     return [{k: v for k, v in row.items() if v != "" and not any(t in k for t in TIMING)} for row in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", list(RUNS))
 def test_two_runs_at_one_seed_log_the_same_values_at_two_threads(algorithm, tmp_path, monkeypatch, two_threads):
     module, data, task, args = RUNS[algorithm]

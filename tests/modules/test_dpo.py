@@ -52,6 +52,7 @@ def test_accumulating_8x1_equals_one_batch_of_8(varied_pairs, settings):
             torch.testing.assert_close(accumulated[name], value, atol=2e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_a_few_steps_raise_held_out_accuracy():
     L.seed_everything(0)
     # From the SFT-warmed model with the recipe's beta; the bundled negatives (mostly well-ordered answers with

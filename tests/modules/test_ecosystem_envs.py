@@ -60,6 +60,7 @@ def held_out(module, loader) -> float:
     return cpu_trainer().validate(module, loader, verbose=False)[0]["val/reward_mean"]
 
 
+@pytest.mark.slow
 def test_grpo_on_an_in_process_openenv_environment_raises_held_out_reward(tmp_path):
     spec = EnvironmentSpec(
         OPENENV,

@@ -18,6 +18,8 @@ from align.modules.ppo import PPOModule
 from align.rollout.engine import EngineCorrection, SamplingConfig
 from align.rollout.vllm_engine import VLLMEngine
 
+pytestmark = pytest.mark.slow  # vLLM: its import and an engine start take seconds per test
+
 pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
 

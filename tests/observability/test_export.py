@@ -245,6 +245,7 @@ def never_accepting_server() -> socket.socket:
     return server
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_silent_collector_holds_one_flush_up_to_the_timeout_and_the_rest_a_second(tmp_path, protocol):
     """Nothing tells a silent collector from a slow one before ``timeout``: the first flush of the run may wait that

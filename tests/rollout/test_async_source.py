@@ -23,6 +23,8 @@ from align.rollout.generator import GeneratorPlacement
 sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
 from _helpers import PROMPTS, length_reward, prompt_batch  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each test starts Ray and a generator actor
+
 ray = pytest.importorskip("ray")
 
 ASYNC_ONLY = ("rollout/staleness", "rollout/policy_version_lag", "time/")

@@ -70,6 +70,7 @@ def test_the_generator_tracks_the_trainers_weights():
     assert torch.equal(here.response_ids, there["rollout"].response_ids) and torch.equal(there["rng"], after)
 
 
+@pytest.mark.slow
 def test_a_generator_that_cannot_start_in_time_fails_on_one_line():
     m = module(AsyncSource(generator=GeneratorPlacement(timeout_s=0.001)))
     with pytest.raises(
@@ -80,6 +81,7 @@ def test_a_generator_that_cannot_start_in_time_fails_on_one_line():
         m.training_step(batches(m, 1)[0], 0)
 
 
+@pytest.mark.slow
 def test_errors_inside_the_generator_reach_the_trainer_on_one_line():
     from align.errors import AlignError
     from align.rollout.generator import connect, generator_error, start_generator

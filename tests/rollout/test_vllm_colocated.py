@@ -18,6 +18,8 @@ pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
 from align.rollout import vllm_colocated  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM: its import and an engine start take seconds per test
+
 PROMPTS = ["c a b", "d b a c", "b a", "e d c b a"]
 PRELOAD_AT_IMPORT = os.environ.get("LD_PRELOAD")  # before any engine of this file (vLLM's platform sets it)
 

@@ -12,6 +12,8 @@ from align.models import LoraSettings, PolicyModel
 from align.rollout.engine import SamplingConfig, make_engine
 from align.rollout.vllm_engine import VLLMEngine
 
+pytestmark = pytest.mark.slow  # vLLM: its import and an engine start take seconds per test
+
 pytest.importorskip("vllm", exc_type=ImportError)
 vllm_engine = pytest.importorskip("align.rollout.vllm_engine")
 

@@ -87,6 +87,7 @@ def _child(mode: str, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_a_fit_keeps_large_freed_blocks_for_reuse():
     res = _child("fit")
@@ -97,6 +98,7 @@ def test_a_fit_keeps_large_freed_blocks_for_reuse():
     assert mapped_c == mapped_a - 1 and mapped_d == mapped_b - 1  # after the fit: from the heap, freed into it
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_the_switch_turns_it_off_for_a_fit():
     res = _child("fit", ALIGN_KEEP_FREED_MEMORY="0")

@@ -1,6 +1,8 @@
 """``align.trainer.strategies.collectives``: the default process group released at exit, whatever its backend, after
 the callbacks that need it."""
 
+import pytest
+
 RELEASE_CHILD = """
 import atexit, os, sys
 import torch.distributed as dist
@@ -16,6 +18,7 @@ assert release_process_group_at_exit() is True  # registered once
 """
 
 
+@pytest.mark.slow
 def test_a_gloo_process_group_is_destroyed_when_the_process_exits():
     # Lightning destroys the default group at exit for NCCL only; a gloo group left to the interpreter's teardown
     # sometimes aborted a finished 2-process CPU job (SIGABRT, "terminate called without an active exception").
@@ -48,6 +51,7 @@ assert release_process_group_at_exit() is True
 """
 
 
+@pytest.mark.slow
 def test_callbacks_run_once_at_exit_while_the_group_still_exists():
     # What holds groups of its own over the default one (an in-process vLLM engine) shuts down first, once.
     import socket
