@@ -15,6 +15,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+MAX_WORKERS = 4  # each worker holds torch, transformers, Lightning and at times a vLLM engine: a few GB
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject.toml's addopts): one worker per core this process may run on, at most ``MAX_WORKERS``;
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets the number."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run on CUDA, or on the device ``ALIGN_TEST_DEVICE`` names (``cpu`` checks them on any
     machine); without either they are skipped."""

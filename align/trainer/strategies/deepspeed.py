@@ -150,7 +150,7 @@ def accumulation_boundary(module, is_boundary: bool) -> None:
     """Under DeepSpeed with manual optimization (GRPO, PPO), mark whether the next backward ends an optimizer
     step. Lightning sets DeepSpeed's accumulation to ``accumulate_grad_batches`` (1 under manual optimization),
     so without this the engine treats every micro-batch's backward as the last of a step, and a step of several
-    micro-batches does not get their summed gradient (tests/strategies checks it against one process).
+    micro-batches does not get their summed gradient (tests/trainer/strategies checks it against one process).
     No-op otherwise."""
     trainer = getattr(module, "_trainer", None)
     strategy = trainer.strategy if trainer is not None else None

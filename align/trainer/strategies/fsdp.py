@@ -18,7 +18,7 @@ _DTYPES: dict[str | None, torch.dtype] = {
     "float16": torch.float16,
 }
 FORWARD_METHODS = ("token_logprobs", "next_token_logprobs", "response_logits", "values", "generate")
-"""``PolicyModel`` methods other than ``forward`` that run the model (tests/strategies pins that they exist)."""
+"""``PolicyModel`` methods other than ``forward`` that run the model (tests/trainer/strategies pins that they exist)."""
 
 
 class FSDP2Strategy(ModelParallelStrategy):
