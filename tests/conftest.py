@@ -5,6 +5,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Several test workers (pytest-xdist) on these cores: one thread each, for them and the runs they start, unless set.
+# torch's default (a thread per core) in every worker oversubscribes the cores, and its spinning threads then take
+# several times longer than the same tests one after another.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import importlib.util
 import sys
