@@ -20,6 +20,31 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def installed_align() -> str | None:
+    """Where a fresh interpreter started outside the checkout imports ``align`` from (as a recipe script or
+    ``python -m align`` started by a test does), or None when it cannot import it."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as empty:
+        done = subprocess.run(
+            [sys.executable, "-c", "import align; print(align.__file__)"], cwd=empty, capture_output=True, text=True
+        )
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    """Stop before any test when the ``align`` that subprocesses import is not this checkout's: the recipe and
+    command-line tests would run another copy's code (or fail to import it) while the in-process tests run this one."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller checks, once
+    found = installed_align()
+    expected = REPO / "align" / "__init__.py"
+    if found is None or Path(found).resolve() != expected.resolve():
+        where = f"from {Path(found).parent}" if found else "nowhere (not installed)"
+        pytest.exit(f'align is imported {where}, not from this checkout {REPO}: run pip install -e ".[dev]" here', 2)
+
+
 MAX_WORKERS = 4  # each worker holds torch, transformers, Lightning and at times a vLLM engine: a few GB
 
 
