@@ -10,31 +10,12 @@ import pytest
 from align.cli.arguments import CONFIG_DIR, check_yaml_file, resolve_config_args
 from align.cli.main import main
 from align.cli.recipes import run_recipe
-from align.data import SFTDataModule
 from align.data.prompts import PromptDataModule
 from align.errors import AlignConfigError
-from align.modules import SFTModule
-from align.trainer.checkpointing import AtomicCheckpointIO
+
+from ._commands import QUIET, global_step, sft
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-QUIET = [
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-    "--trainer.log_every_n_steps",
-    "1",
-]
-
-
-def sft(root: Path, *args: str) -> None:
-    run_recipe("sft", SFTModule, SFTDataModule, args=[*QUIET, "--trainer.default_root_dir", str(root), *args])
-
-
-def global_step(path: Path) -> int:
-    return AtomicCheckpointIO().load_checkpoint(path)["global_step"]
 
 
 def test_shipped_configs_are_named_by_align_prefix():
@@ -124,7 +105,6 @@ def test_a_nested_setting_set_to_null_on_the_command_line_becomes_a_one_field_bl
 
 
 def test_null_reaches_a_nested_field_and_leaves_its_neighbours(capsys):
-    from align.cli.recipes import run_recipe
     from align.modules.ppo import PPOModule
 
     with pytest.raises(SystemExit):

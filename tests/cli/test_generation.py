@@ -9,7 +9,6 @@ import lightning as L
 import pytest
 import torch
 
-from align.cli.main import main
 from align.data.prompts import PromptDataModule
 from align.models.policy import PolicyModel
 from align.modules.grpo import GRPOModule
@@ -17,43 +16,14 @@ from align.modules.options import Updates
 from align.rollout.engine import SamplingConfig
 from align.rollout.rewards import RewardSpec
 
+from ._commands import ROWS, fails, read_jsonl, run, write_rows
+
 VALIDATION = "align:sort/prompts/validation.jsonl"
-ROWS = [
-    {"prompt": "sort: d a c b", "answer": "a b c d"},
-    {"prompt": "sort: b a", "answer": "a b", "id": 7},
-    {"prompt": [{"role": "user", "content": "sort: e c a"}], "answer": "a c e"},
-    {"prompt": "sort: j e f g", "answer": "e f g j"},
-]
-
-
-def write_rows(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 @pytest.fixture
 def prompts(tmp_path) -> str:
     return write_rows(tmp_path / "prompts.jsonl", ROWS)
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in open(path)]
-
-
-def run(capsys, *args) -> tuple[str, str]:
-    main(list(args))
-    captured = capsys.readouterr()
-    return captured.out, captured.err
-
-
-def fails(capsys, *args) -> str:
-    """The one stderr line of a command that must exit 2."""
-    with pytest.raises(SystemExit) as info:
-        main(list(args))
-    assert info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def validate(module) -> dict[str, float]:

@@ -5,7 +5,6 @@ names it relies on."""
 
 from __future__ import annotations
 
-import csv
 import sys
 from pathlib import Path
 
@@ -23,64 +22,15 @@ from align.data.prompts import PromptDataModule
 from align.modules import SFTModule
 from align.modules.grpo import GRPOModule
 
+from ._commands import QUIET, before_after, fails, printed_config, read_metrics, sft, val_rows
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-QUIET = [
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-    "--trainer.log_every_n_steps",
-    "1",
-]
-
-
-def sft(root: Path, *args: str) -> None:
-    run_recipe("sft", SFTModule, SFTDataModule, args=[*QUIET, "--trainer.default_root_dir", str(root), *args])
-
-
-def held_out(out: str, name: str = "val/loss") -> str:
-    return next(line for line in out.splitlines() if line.startswith(f"held-out {name}:"))
-
-
-def before_after(out: str, name: str = "val/loss") -> tuple[float, float]:
-    before, after = held_out(out, name).split(":", 1)[1].split("->")
-    return float(before), float(after)
-
-
-def val_rows(run_dir: Path) -> list[dict]:
-    return [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r.get("val/loss")]
-
-
-def read_metrics(root: Path) -> list[dict]:
-    files = list(root.rglob("metrics.csv"))
-    assert len(files) == 1, files
-    return list(csv.DictReader(open(files[0])))
-
-
-def fails(capsys, *args) -> str:
-    """The one stderr line of a command that must exit 2."""
-    with pytest.raises(SystemExit) as info:
-        main(list(args))
-    assert info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 @pytest.mark.parametrize("name", ["test", "predict"])
 def test_test_and_predict_are_not_subcommands(capsys, name):
     assert set(AlignCLI.subcommands()) == {"fit", "validate"}
     assert "use 'align evaluate'" in fails(capsys, name, "--config", "align:grpo/tiny.yaml")
-
-
-def printed_config(capsys, recipe: str, module, datamodule, *args: str, **kwargs) -> str:
-    """What ``python recipes/<recipe>.py <args> --print_config`` prints, run in this process."""
-    with pytest.raises(SystemExit) as exit:
-        run_recipe(recipe, module, datamodule, args=[*args, "--print_config"], **kwargs)
-    assert not exit.value.code
-    return capsys.readouterr().out
 
 
 def test_print_config_round_trips(tmp_path, capsys, monkeypatch):

@@ -1,7 +1,6 @@
 """The recipes (align.cli.recipes): every shipped config parses and instantiates, the SFT recipe end to end, the
 subcommand as the first argument only, the gym recipe's config replacing its default, and the recipes' --help."""
 
-import csv
 import os
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from align.cli.recipes import run_recipe
 from align.data import SFTDataModule
 from align.hub.gguf import is_packaged
 from align.modules import SFTModule
+
+from ._commands import printed_config, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -38,12 +39,6 @@ def localise(node, tiny_model_dir):
         for item in node:
             localise(item, tiny_model_dir)
     return node
-
-
-def read_metrics(root: Path) -> list[dict]:
-    files = list(root.rglob("metrics.csv"))
-    assert len(files) == 1, files
-    return list(csv.DictReader(open(files[0])))
 
 
 @pytest.mark.parametrize(
@@ -107,8 +102,6 @@ def test_gym_recipe_config_replaces_its_default(tmp_path, capsys, monkeypatch):
     """recipes/gym.py's configs name different modules: a --config replaces the default PPO config instead of
     being layered on it, so no PPO setting (its linear learning-rate decay) leaks into DQN."""
     from align.gym import ClassicRLModule
-
-    from .test_lightning_cli import printed_config
 
     monkeypatch.chdir(tmp_path)
     gym = dict(default_config="ppo-cartpole.yaml", layered=False)  # as recipes/gym.py calls it

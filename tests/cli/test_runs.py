@@ -13,42 +13,11 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from align.cli.recipes import run_recipe
 from align.cli.runs import RunLogger, latest_run, run_of_checkpoint
-from align.data import SFTDataModule
-from align.modules import SFTModule
-from align.trainer.checkpointing import AtomicCheckpointIO
+
+from ._commands import QUIET, before_after, global_step, held_out, sft, val_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-QUIET = [
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-    "--trainer.log_every_n_steps",
-    "1",
-]
-
-
-def sft(root: Path, *args: str) -> None:
-    run_recipe("sft", SFTModule, SFTDataModule, args=[*QUIET, "--trainer.default_root_dir", str(root), *args])
-
-
-def global_step(path: Path) -> int:
-    return AtomicCheckpointIO().load_checkpoint(path)["global_step"]
-
-
-def held_out(out: str, name: str = "val/loss") -> str:
-    return next(line for line in out.splitlines() if line.startswith(f"held-out {name}:"))
-
-
-def before_after(out: str, name: str = "val/loss") -> tuple[float, float]:
-    before, after = held_out(out, name).split(":", 1)[1].split("->")
-    return float(before), float(after)
-
-
-def val_rows(run_dir: Path) -> list[dict]:
-    return [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r.get("val/loss")]
 
 
 # ------------------------------------------------------------------------------------------------ run folders

@@ -3,13 +3,12 @@ checkpoints refused), prompts read as training reads them, the commands' samplin
 order and repeated by a seed, and output rows that keep every input column. What the commands print and write:
 tests/cli/test_generation.py."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+from cli._commands import ROWS, fails, read_jsonl, run, write_rows
 
-from align.cli.main import main
 from align.data.chat import ChatEncoder
 from align.data.prompts import PromptExample
 from align.errors import AlignConfigError, AlignDataError
@@ -27,42 +26,10 @@ from align.rollout.generation import (
     sampling_config,
 )
 
-ROWS = [
-    {"prompt": "sort: d a c b", "answer": "a b c d"},
-    {"prompt": "sort: b a", "answer": "a b", "id": 7},
-    {"prompt": [{"role": "user", "content": "sort: e c a"}], "answer": "a c e"},
-    {"prompt": "sort: j e f g", "answer": "e f g j"},
-]
-
-
-def write_rows(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
 
 @pytest.fixture
 def prompts(tmp_path) -> str:
     return write_rows(tmp_path / "prompts.jsonl", ROWS)
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in open(path)]
-
-
-def run(capsys, *args) -> tuple[str, str]:
-    main(list(args))
-    captured = capsys.readouterr()
-    return captured.out, captured.err
-
-
-def fails(capsys, *args) -> str:
-    """The one stderr line of a command that must exit 2."""
-    with pytest.raises(SystemExit) as info:
-        main(list(args))
-    assert info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def test_greedy_generation_is_deterministic_and_independent_of_the_batch_size(capsys, tmp_path, prompts):
