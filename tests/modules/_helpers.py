@@ -1,8 +1,18 @@
 """Helpers shared by the module tests (importable as ``_helpers``: this folder's conftest.py puts it on sys.path)."""
 
+import csv
 import json
+import os
+from functools import partial
+from pathlib import Path
 
 import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from align.data.preference import PreferenceDataModule
+from align.models import PolicyModel
+from align.modules.dpo import DPOModule
 
 
 def cpu_trainer(**kwargs) -> L.Trainer:
@@ -102,3 +112,32 @@ def first_eval_batch(datamodule, tokenizer):
     datamodule.set_tokenizer(tokenizer)
     datamodule.setup("fit")
     return next(iter(datamodule.eval_dataloader(datamodule.train_set)))
+
+
+def fit_dpo(pairs, root, *, every_step=False, log_every=2, max_steps=5, **trainer_kwargs):
+    """Fit DPO on ``pairs`` for ``max_steps`` with a CSV logger under ``root``; returns the train rows (without the
+    timing column), the steps ``log_step`` was called at, and the trainer."""
+    L.seed_everything(0)
+    module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    logged_steps = []
+    original = module.log_step
+
+    def counting(metrics, prog_bar=()):
+        logged_steps.append(module.trainer.global_step)
+        original(metrics, prog_bar)
+
+    module.log_step = counting
+    if every_step:
+        module.logs_this_step = lambda: True
+    trainer = cpu_trainer(
+        max_steps=max_steps,
+        logger=CSVLogger(root, name="csv"),
+        log_every_n_steps=log_every,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, PreferenceDataModule(train_files=pairs, val_files=None, batch_size=2, max_length=64))
+    path = Path(trainer.logger.log_dir) / "metrics.csv"
+    with open(path) if path.exists() else open(os.devnull) as f:  # nothing written when no step is a logging step
+        rows = [{k: v for k, v in r.items() if v != "" and k != "train/pairs_per_s"} for r in csv.DictReader(f)]
+    return [r for r in rows if "train/loss" in r], logged_steps, trainer

@@ -4,23 +4,17 @@ and logged only on the steps something reads them (``AlignModule.logs_this_step`
 those of logging every step; and the private Lightning name the base relies on."""
 
 import csv
-import os
-from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
-from _helpers import cpu_trainer, write_varied_pairs
+from _helpers import cpu_trainer, fit_dpo, write_varied_pairs
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loops.fit_loop import _FitLoop
 
 from align.core.losses import loss_count
 from align.data.preference import PreferenceDataModule
-from align.models import PolicyModel
 from align.modules.base import AlignModule, PairMetrics
 from align.modules.dpo import DPOModule
 
@@ -98,45 +92,14 @@ def test_pair_metrics_are_means_over_every_ranks_pairs():
     assert means["loss"] == (3.0 + 1.0 + 4.0) / (3 + 4) and means["pairs_per_s"] > 0
 
 
-TIMING = {"train/pairs_per_s"}
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     return write_varied_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl")
 
 
-def run(pairs, root, *, every_step=False, log_every=2, max_steps=5, **trainer_kwargs):
-    """Fit DPO for ``max_steps`` with a CSV logger; returns (train rows without timing columns, steps logged)."""
-    L.seed_everything(0)
-    module = DPOModule(PolicyModel(), optimizer=partial(torch.optim.AdamW, lr=1e-3))
-    logged_steps = []
-    original = module.log_step
-
-    def counting(metrics, prog_bar=()):
-        logged_steps.append(module.trainer.global_step)
-        original(metrics, prog_bar)
-
-    module.log_step = counting
-    if every_step:
-        module.logs_this_step = lambda: True
-    trainer = cpu_trainer(
-        max_steps=max_steps,
-        logger=CSVLogger(root, name="csv"),
-        log_every_n_steps=log_every,
-        limit_val_batches=0,
-        **trainer_kwargs,
-    )
-    trainer.fit(module, PreferenceDataModule(train_files=pairs, val_files=None, batch_size=2, max_length=64))
-    path = Path(trainer.logger.log_dir) / "metrics.csv"
-    with open(path) if path.exists() else open(os.devnull) as f:  # nothing written when no step is a logging step
-        rows = [{k: v for k, v in r.items() if v != "" and k not in TIMING} for r in csv.DictReader(f)]
-    return [r for r in rows if "train/loss" in r], logged_steps, trainer
-
-
 def test_written_rows_are_those_of_logging_every_step(pairs, tmp_path):
-    every, every_steps, _ = run(pairs, tmp_path / "a", every_step=True)
-    gated, gated_steps, trainer = run(pairs, tmp_path / "b")
+    every, every_steps, _ = fit_dpo(pairs, tmp_path / "a", every_step=True)
+    gated, gated_steps, trainer = fit_dpo(pairs, tmp_path / "b")
     assert every_steps == [0, 1, 2, 3, 4]
     assert gated_steps == [1, 3, 4]  # the loggers' steps (every 2nd), and the run's last step
     assert [r["step"] for r in gated] == ["1", "3", "4"] and gated == every  # the last step's row is written too
@@ -154,7 +117,7 @@ def test_a_progress_bar_or_a_monitor_reads_every_step(pairs, tmp_path, reader):
             callbacks=[ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", every_n_train_steps=1)],
         )
     )
-    _, steps, _ = run(pairs, tmp_path, max_steps=3, log_every=50, **extra)
+    _, steps, _ = fit_dpo(pairs, tmp_path, max_steps=3, log_every=50, **extra)
     assert steps == [0, 1, 2]
 
 
