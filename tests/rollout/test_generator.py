@@ -9,43 +9,22 @@ import pytest
 import torch
 
 from align.errors import AlignConfigError
-from align.models.policy import PolicyModel
-from align.modules.grpo import GRPOModule
-from align.modules.options import Updates
 from align.rollout.async_source import AsyncSource
 from align.rollout.engine import SamplingConfig
 from align.rollout.generator import Generator, GeneratorPlacement, trainable_weights
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "modules"))
-from _helpers import PROMPTS, length_reward, prompt_batch  # noqa: E402
+from _helpers import prompt_batch  # noqa: E402
 
 ray = pytest.importorskip("ray")
+
+from .test_async_source import batches, module  # noqa: E402  (after the skip without Ray)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray():
     yield
     ray.shutdown()
-
-
-def module(source=None, **kw):
-    torch.manual_seed(0)
-    defaults = dict(
-        policy=PolicyModel("tiny-sort"),
-        rewards=[length_reward],
-        group_size=4,
-        log_entropy=False,
-        sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
-        updates=Updates(max_grad_norm=None),
-        source=source,
-    )
-    m = GRPOModule(**{**defaults, **kw})
-    m.use_optimizer(torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5))
-    return m
-
-
-def batches(m, n):
-    return [prompt_batch(m.policy, PROMPTS[i % 4 :] + PROMPTS[: i % 4]) for i in range(n)]
 
 
 def test_the_generator_tracks_the_trainers_weights():
